@@ -1,0 +1,125 @@
+"""In-process ports of the AgentGym environments, behind one small interface.
+
+    env = envs.make("babyai")
+    first_observation = env.reset(task_id)          # task ids map to tasks as in AgentGym
+    result = env.step(model_text)                   # raw model text in, StepResult out
+    env.close()
+
+An environment never raises on bad model output: a malformed action is an observation that
+says what was wrong, as upstream does. It may raise for infrastructure failures (a dead JVM or
+browser); the rollout then ends that one trajectory and records the error.
+
+Every environment module `envs/<name>.py` (or package `envs/<name>/`) defines
+
+    make(**options) -> Env                   one instance; many may live in one process
+    category(task_id) -> str                 the eval category of a task id
+    oracle(env) -> Callable[[str], str]      a scripted expert for the env's current task:
+                                             observation in, full response text out
+
+and ships default splits as `envs/data/<name>_{train,test}.json` in AgentGym-RL-Data-ID's
+format: `[{"item_id": "<name>_<int>"}, ...]`. Modules are imported lazily, so one env's
+optional dependencies never break another.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ENVS = ("babyai", "textcraft", "sciworld", "searchqa", "webarena")
+DATA_DIR = Path(__file__).parent / "data"
+
+
+@dataclass
+class StepResult:
+    observation: str
+    reward: float
+    done: bool
+    info: dict = field(default_factory=dict)
+
+
+class Env:
+    """What rollout.py relies on. `instruction` is the fixed first user turn and `ack` the canned
+    assistant reply, both verbatim from AgentGym; `reward` in a StepResult is the value to optimise
+    (upstream's client-side reward), and the trajectory's outcome is the last step's reward."""
+
+    name: str
+    instruction: str
+    ack: str
+
+    def reset(self, task_id: int) -> str:
+        raise NotImplementedError
+
+    def step(self, text: str) -> StepResult:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def _module(name: str):
+    if name not in ENVS:
+        raise ValueError(f"unknown env {name!r}; choose one of: {', '.join(ENVS)}")
+    return importlib.import_module(f"envs.{name}")
+
+
+def make(name: str, **options) -> Env:
+    return _module(name).make(**options)
+
+
+def category(name: str, task_id: int) -> str:
+    return _module(name).category(task_id)
+
+
+def oracle(env: Env) -> Callable[[str], str]:
+    return _module(env.name).oracle(env)
+
+
+def load_task_ids(path: str | Path, name: str) -> list[int]:
+    """Task ids from an AgentGym-RL-Data-ID file (`[{"item_id": "babyai_12"}, ...]`).
+    As upstream, the id is the integer after the last underscore."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"task id file {path} does not exist")
+    rows = json.loads(path.read_text())
+    ids = []
+    for row in rows:
+        item = row["item_id"] if isinstance(row, dict) else row
+        prefix, _, number = str(item).rpartition("_")
+        if prefix and prefix != name:
+            raise ValueError(f"{path}: item {item!r} is not a {name} task")
+        ids.append(int(number))
+    return ids
+
+
+def save_task_ids(path: str | Path, name: str, ids: list[int]) -> None:
+    rows = ",\n".join(json.dumps({"item_id": f"{name}_{i}"}) for i in ids)
+    Path(path).write_text(f"[\n{rows}\n]\n")
+
+
+def splits(name: str, train: str | Path | None = None, test: str | Path | None = None) -> dict[str, list[int]]:
+    """Train/test task ids: the files given, else the defaults shipped in envs/data/."""
+    _module(name)
+    return {
+        "train": load_task_ids(train or DATA_DIR / f"{name}_train.json", name),
+        "test": load_task_ids(test or DATA_DIR / f"{name}_test.json", name),
+    }
+
+
+REACT_ONLY_ONE = "Error: Only one 'Action' is allowed per response. Please adjust your response."
+
+
+def react_action(text: str) -> str | None:
+    """AgentGym's client-side parsing for TextCraft and BabyAI: the single `Action:` line, cleaned
+    to letters, digits, commas and single spaces. None when there is more than one `Action:`
+    (the caller answers REACT_ONLY_ONE without touching the game); "" when there is none."""
+    matches = re.findall(r"Action:\s*(.*?)(?=\n|$)", text, re.DOTALL)
+    if len(matches) > 1:
+        return None
+    action = matches[-1] if matches else ""
+    action = re.sub(r"[^A-Za-z0-9, ]+", "", action)
+    return " ".join(action.split())
