@@ -179,6 +179,7 @@ def test_flashrag_folder_with_agentgym_ids(tmp_path):
     assert env.step("<answer>NQ 3609</answer>").reward == 1.0
     assert env.reset(29190 + 7).endswith("Question: hotpot dev 7?")  # HotpotQA's test ids are its dev split
     assert env.step("<answer>x</answer>").done
+    assert play(env, 29190 + 8) == (1.0, 1)  # without recorded hops the expert searches the question
     with pytest.raises(ValueError, match="124 rows"):
         env.reset(51600)
     with pytest.raises(FileNotFoundError, match="triviaqa"):
