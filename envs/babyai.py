@@ -347,12 +347,17 @@ def _text_action(env: BabyAI, primitive: int) -> str:
 
 
 def oracle(env: BabyAI) -> Callable[[str], str]:
-    """BabyAIBot's plan as text, one primitive action per turn. The bot cannot solve KeyInBox and
-    PutNext*Carrying (its own docstring says so); there it raises."""
+    """BabyAIBot's plan as text, one primitive action per turn. Raises RuntimeError where the bot
+    cannot play (KeyInBox and PutNext*Carrying, as its docstring says) or where its plan needs an
+    action that upstream's text interface lacks (closing an open door to reopen it)."""
     bot = BabyAIBot(env.game)
 
     def act(observation: str) -> str:
-        action = _text_action(env, int(bot.replan()))
+        try:
+            primitive = int(bot.replan())
+        except Exception as error:  # the bot's own asserts on levels it cannot play
+            raise RuntimeError(f"BabyAIBot cannot play {env.level} seed {env.seed}: {error!r}") from error
+        action = _text_action(env, primitive)
         return f"Thought:\nI need to {env.goal}.\n\nAction:\n{action}"
 
     return act
