@@ -522,3 +522,27 @@ def test_no_browser_process_survives_the_run():
         while any(Path(f"/proc/{p}").exists() for p in pids) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not [p for p in pids if Path(f"/proc/{p}").exists()]
+
+
+# ----------------------------------------------------------------------------------------------
+# The training loop
+
+
+@needs_chromium
+def test_training_loop_runs_on_the_local_sites(tmp_path):
+    import train
+
+    args = train.parse_args(["--env", "webarena", "--steps", "1", "--tasks-per-step", "2", "--n", "2",
+                             "--max-turns", "2", "--max-new-tokens", "16", "--out-dir", str(tmp_path), "--run-name", "w"])
+    run_dir = train.main(args)
+    records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    train_ids = set(envs.splits("webarena")["train"])
+    assert len(records) == 4
+    for record in records:
+        assert int(record["item_id"].removeprefix("webarena_")) in train_ids
+        first, ack, observation = (m["content"] for m in record["messages"][:3])
+        assert first == envs.webarena.INSTRUCTION and ack == "Ok."
+        assert observation.startswith("OBSERVATION:\nTab 0 (current): ") and "\nPREVIOUS ACTION: None" in observation
+        assert 0.0 <= record["reward"] <= 1.0 and 1 <= record["turns"] <= 2
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["charts/step"] for m in metrics] == [1]

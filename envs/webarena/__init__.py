@@ -64,6 +64,7 @@ Where this port deliberately differs from upstream:
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import re
 import time
@@ -393,6 +394,8 @@ def _product(values) -> float:
 def make(sites: str = "auto", chromium: str | None = None, max_obs_chars: int = 8192, settle_s: float | None = None,
          nav_timeout_s: float = 30.0, timeout_s: float = 120.0, judge_base_url: str | None = None,
          judge_api_key: str | None = None, judge_model: str = "gpt-4-1106-preview") -> WebArena:
+    if importlib.util.find_spec("playwright") is None:
+        raise ImportError("the webarena env drives Chromium with Playwright: pip install playwright==1.65.2")
     task_set = tasks.mode(str(sites))
     site_urls = tasks.Sites.from_environment() if task_set == "webarena" else tasks.Sites(dict(local_sites().urls))
     tasks.configs(task_set)  # fail now, with the install hint, if the task data is missing

@@ -165,3 +165,5 @@ async def log_in(page, site: str, base: str) -> None:
         raise ValueError(f"no login for site {site}")
     async with page.expect_navigation():
         await button.click()
+    if "login" in page.url or "sign_in" in page.url:
+        raise RuntimeError(f"could not log in to {site} at {base} as {account['username']}")
