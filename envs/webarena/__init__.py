@@ -23,7 +23,10 @@ Tasks (tasks.py): with WebArena's site variables (SHOPPING=http://host:7770, ...
 sites="webarena", task id i is test.raw.json's task i (812 tasks, from the package
 webarena-verified). Otherwise, or with sites="local", task id i is
 envs/data/webarena/local_tasks.json's task i, on a small shop, forum and homepage that this
-process serves on 127.0.0.1 (sites.py); those tasks come with an oracle action list.
+process serves on 127.0.0.1 (sites.py); those tasks come with an oracle action list. Default
+splits: envs/data/webarena_{train,test}.json for the local tasks (11 / 4; the two fuzzy_match tasks
+need a judge and are in neither), envs/data/webarena/webarena_{train,test}.json for the 812 (762 /
+50, the paper's 15 Shopping + 15 CMS + 10 Maps + 10 G&R); default_split_files() picks the pair.
 
 One Chromium per process (browser.py), one isolated browser context per env, all Playwright calls
 on one browser thread: safe to step many envs from a thread pool. Navigation is limited to the
