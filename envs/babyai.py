@@ -346,13 +346,32 @@ def _text_action(env: BabyAI, primitive: int) -> str:
     raise RuntimeError(f"BabyAIBot chose primitive {primitive}, which no text action performs here ({env.level})")
 
 
+class _BoundedStack(list):
+    """BabyAIBot's plan stack, counting reads: the bot's replanning loop never ends on some tasks
+    (UnlockToUnlock seed 84 spins forever on the raw game too), so a replan that reads its stack
+    more than `limit` times is stopped with an error."""
+
+    def __init__(self, items, limit=10_000):
+        super().__init__(items)
+        self.reads, self.limit = 0, limit
+
+    def __getitem__(self, index):
+        self.reads += 1
+        if self.reads > self.limit:
+            raise RuntimeError("BabyAIBot's replanning does not terminate here")
+        return super().__getitem__(index)
+
+
 def oracle(env: BabyAI) -> Callable[[str], str]:
     """BabyAIBot's plan as text, one primitive action per turn. Raises RuntimeError where the bot
-    cannot play (KeyInBox and PutNext*Carrying, as its docstring says) or where its plan needs an
-    action that upstream's text interface lacks (closing an open door to reopen it)."""
+    cannot play (KeyInBox and PutNext*Carrying, as its docstring says; a few tasks where its
+    replanning never ends) or where its plan needs an action that upstream's text interface lacks
+    (closing an open door to reopen it)."""
     bot = BabyAIBot(env.game)
+    bot.stack = _BoundedStack(bot.stack)
 
     def act(observation: str) -> str:
+        bot.stack.reads = 0
         try:
             primitive = int(bot.replan())
         except Exception as error:  # the bot's own asserts on levels it cannot play

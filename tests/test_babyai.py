@@ -140,3 +140,12 @@ def test_oracle_solves_through_text_with_the_bots_reward(task_id):
         if result.done:
             break
     assert result.done and result.reward == pytest.approx(expected)
+
+
+def test_oracle_stops_where_the_bot_never_finishes_planning():
+    env = envs.make("babyai")
+    observation = env.reset(28 + 40 * 84)  # UnlockToUnlock seed 84: the raw bot spins forever here
+    act = envs.oracle(env)
+    with pytest.raises(RuntimeError, match="does not terminate"):
+        for _ in range(64):
+            observation = env.step(act(observation)).observation
