@@ -1,0 +1,368 @@
+"""SciWorld: AgentGym's ScienceWorld environment, in process, on the real `scienceworld` package.
+
+Task id -> game exactly as AgentGym's server: the flat list of (task, variation) over the
+simulator's 30 tasks in their order, minus the 7 AgentGym leaves out (grow-plant, grow-fruit,
+the three inclined-plane and the two mendelian-genetics tasks): 4,639 ids with scienceworld 1.2.3
+(TASKS below; a test checks it against the simulator). Reset loads the variation and answers the
+task description plus "look around"; a step sends everything after the model's last "Action:" to
+the simulator and answers its raw output. The reward is upstream's: the task's progress score
+0-100, or -100 once the task is failed (focusing on the wrong thing); the episode ends on
+completion, failure or more than `step_limit` moves. `make(reward="normalized")` gives
+score / 100 with failure as 0 instead.
+
+The simulator is Scala on a JVM reached through py4j. Upstream starts one JVM per env (2 s and
+0.3-2.6 GiB each) and steps through the Python wrapper, whose `step()` also rebuilds the ~2,900
+valid actions, the room, the inventory and the task description for its `info` (about 200 ms).
+Here a pool runs many per-env simulator objects (`PythonInterface`) inside one JVM with a bounded
+heap, `pool_size` envs per JVM, and a step is the simulator's own step/getScore/getCompleted/
+getNumMoves calls (a few ms); valid actions are computed only when `valid_actions()` asks.
+
+The simulator keeps shared static state: two envs stepping at the same time in one JVM get each
+other's rooms (measured). So every call into one JVM holds that JVM's lock; envs on different
+JVMs run in parallel. A JVM that dies, runs out of heap or answers nothing for `timeout` seconds
+is killed; the calls of every env on it raise SimulatorError (the rollout ends those trajectories
+with the error) and the next reset of such an env starts on a fresh JVM. JVMs are killed at
+interpreter exit, and die on their own when this process does (py4j's die-on-broken-pipe).
+
+Where this port deliberately differs from upstream:
+- Upstream's client strips a trailing "</s>" with a slice that also eats the character before
+  it; here exactly "</s>" is stripped.
+- A step after the episode ended answers "The task is already finished." with the final reward,
+  where upstream's server returns an error that its client turns into an exception.
+- The oracle needs the simulator's gold path, which a load must ask for; it reloads the task with
+  it. A few tasks differ between two loads of the same variation in small details (the order of
+  objects in chemistry-mix, a thermometer reading), as they do between upstream's resets.
+"""
+
+from __future__ import annotations
+
+import atexit
+import bisect
+import itertools
+import re
+import subprocess
+import threading
+from collections import deque
+from typing import Callable
+
+from py4j.java_gateway import GatewayParameters, JavaGateway, launch_gateway
+from py4j.protocol import Py4JError, Py4JJavaError
+from scienceworld.constants import BASEPATH, JAR_PATH
+
+from envs import Env, StepResult
+
+# (task name, number of variations) in the simulator's task order, without AgentGym's exclusions
+# {5-1, 5-2, 9-1, 9-2, 9-3, 10-1, 10-2}; scienceworld 1.2.3.
+TASKS = [
+    ("boil", 30), ("melt", 30), ("freeze", 30), ("change-the-state-of-matter-of", 30),
+    ("use-thermometer", 540), ("measure-melting-point-known-substance", 436),
+    ("measure-melting-point-unknown-substance", 300), ("power-component", 20),
+    ("power-component-renewable-vs-nonrenewable-energy", 20), ("test-conductivity", 900),
+    ("test-conductivity-of-unknown-substances", 600), ("find-living-thing", 300),
+    ("find-non-living-thing", 300), ("find-plant", 300), ("find-animal", 300),
+    ("chemistry-mix", 32), ("chemistry-mix-paint-secondary-color", 36),
+    ("chemistry-mix-paint-tertiary-color", 36), ("lifespan-longest-lived", 125),
+    ("lifespan-shortest-lived", 125), ("lifespan-longest-lived-then-shortest-lived", 125),
+    ("identify-life-stages-1", 14), ("identify-life-stages-2", 10),
+]
+FIRST_IDS = list(itertools.accumulate([n for _, n in TASKS], initial=0))  # first id of each task
+NUM_TASK_IDS = FIRST_IDS[-1]
+
+INSTRUCTION = (
+    'You are an agent for science world. Every round I will give you an observation, you have to '
+    'respond an action based on the observation to finish the given task. Here are the actions you '
+    'may take: [{"action": "open/close OBJ", "description": "open/close a container"}, {"action": '
+    '"de/activate OBJ", "description": "activate/deactivate a device"}, {"action": "connect OBJ to '
+    'OBJ", "description": "connect electrical components"}, {"action": "disconnect OBJ", '
+    '"description": "disconnect electrical components"}, {"action": "use OBJ [on OBJ]", '
+    '"description": "use a device/item"}, {"action": "look around", "description": "describe the '
+    'current room"}, {"action": "look at OBJ", "description": "describe an object in detail"}, '
+    '{"action": "look in OBJ", "description": "describe a container\'s contents"}, {"action": '
+    '"read OBJ", "description": "read a note or book"}, {"action": "move OBJ to OBJ", '
+    '"description": "move an object to a container"}, {"action": "pick up OBJ", "description": '
+    '"move an object to the inventory"}, {"action": "put down OBJ", "description": "drop an '
+    'inventory item"}, {"action": "pour OBJ into OBJ", "description": "pour a liquid into a '
+    'container"}, {"action": "dunk OBJ into OBJ", "description": "dunk a container into a '
+    'liquid"}, {"action": "mix OBJ", "description": "chemically mix a container"}, {"action": '
+    '"go to LOC", "description": "move to a new location"}, {"action": "eat OBJ", "description": '
+    '"eat a food"}, {"action": "flush OBJ", "description": "flush a toilet"}, {"action": "focus on '
+    'OBJ", "description": "signal intent on a task object"}, {"action": "wait", "description": '
+    '"take no action for 10 iterations"}, {"action": "wait1", "description": "take no action for 1 '
+    'iteration"}, {"action":"examine OBJ","description":"provides a description of the objects '
+    'present on or in a receptacle."}, {"action": "task", "description": "describe current '
+    'task"}, {"action": "inventory", "description": "list your inventory"}]\nYour response should '
+    'use the following format:\nThought:\nyour thoughts.\n\nAction:\nyour next action'
+)
+ACK = "OK. I'll follow your instructions and try my best to solve the task."
+REWARDS = ("score", "normalized")
+
+
+def task_and_variation(task_id: int) -> tuple[str, int]:
+    if not 0 <= task_id < NUM_TASK_IDS:
+        raise ValueError(f"sciworld task ids run from 0 to {NUM_TASK_IDS - 1}, got {task_id}")
+    index = bisect.bisect_right(FIRST_IDS, task_id) - 1
+    return TASKS[index][0], task_id - FIRST_IDS[index]
+
+
+def category(task_id: int) -> str:
+    return task_and_variation(task_id)[0]
+
+
+def parse_action(text: str) -> str:
+    """Upstream's ReAct parsing: everything after the last "Action:", stripped ("" without one)."""
+    if text.endswith("</s>"):
+        text = text[: -len("</s>")]
+    _, found, action = text.rpartition("Action:")
+    return action.strip() if found else ""
+
+
+# ----------------------------------------------------------------------------------------------
+# JVMs and the pool that shares them
+
+
+class SimulatorError(RuntimeError):
+    """The simulator could not answer (its JVM died, hung or raised): an infrastructure failure."""
+
+
+class JVM:
+    """One simulator JVM. Every call into it goes through `call`, one at a time."""
+
+    def __init__(self, heap: str, timeout: float):
+        self.output: deque[str] = deque(maxlen=20)  # py4j appends the JVM's output lines on the left
+        options = [f"-Xmx{heap}", "-XX:+UseSerialGC", "-XX:+ExitOnOutOfMemoryError"]
+        try:
+            port, self.process = launch_gateway(
+                classpath=JAR_PATH, javaopts=options, die_on_exit=True, cwd=BASEPATH,
+                redirect_stdout=self.output, redirect_stderr=self.output, return_proc=True,
+            )
+        except FileNotFoundError:
+            raise RuntimeError("SciWorld needs a Java runtime on PATH; install one, e.g. "
+                               "`apt-get install openjdk-17-jre-headless`") from None
+        except ValueError:  # py4j read no port number: java exited at once
+            raise RuntimeError(f"the ScienceWorld JVM did not start (java options {options})") from None
+        self.gateway = JavaGateway(
+            gateway_parameters=GatewayParameters(port=port, read_timeout=timeout),
+            java_process=self.process,
+        )
+        self.timeout = timeout
+        self.lock = threading.Lock()
+        self.envs = 0  # envs holding a simulator object in this JVM (the pool's count)
+        self.killed = False
+
+    @property
+    def alive(self) -> bool:
+        return not self.killed and self.process.poll() is None
+
+    def call(self, fn: Callable):
+        with self.lock:
+            if not self.alive:
+                raise SimulatorError(f"the ScienceWorld JVM (pid {self.process.pid}) is dead{self._last_words()}; "
+                                     "the next reset starts a new one")
+            try:
+                return fn()
+            except Py4JJavaError as error:  # the simulator raised; its JVM is fine
+                raise SimulatorError(f"ScienceWorld raised {error.java_exception}") from None
+            except Py4JError as error:  # no answer: the JVM died or hung past the timeout
+                try:  # a JVM that died closes its sockets a moment before it can be reaped
+                    self.process.wait(timeout=1)
+                    hung = False
+                except subprocess.TimeoutExpired:
+                    hung = True
+                self.kill()
+                why = f"gave no answer within {self.timeout:g} s and was killed" if hung else "died"
+                raise SimulatorError(f"the ScienceWorld JVM (pid {self.process.pid}) {why}{self._last_words()}; "
+                                     f"the next reset starts a new one ({type(error).__name__})") from None
+
+    def new_simulator(self):
+        return self.call(lambda: self.gateway.jvm.scienceworld.runtime.pythonapi.PythonInterface())
+
+    def _last_words(self) -> str:
+        lines = [line.strip() for line in self.output if line.strip()]
+        return f" (its last output: {lines[0]!r})" if lines else ""
+
+    def kill(self) -> None:
+        self.killed = True
+        # Without this, py4j's finalizers of this JVM's objects would try to reconnect to it, and log
+        # the failure from inside the garbage collector.
+        self.gateway._gateway_client.is_connected = False
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.process.stdin.close()
+        self.gateway.close(keep_callback_server=True)  # (there is none; False only warns)
+
+
+class Pool:
+    """JVMs holding at most `pool_size` envs each; a new JVM starts when all are full, and dead
+    ones are dropped. Idle JVMs stay up (warm) for the next env that needs one."""
+
+    def __init__(self, pool_size: int, heap: str, timeout: float):
+        self.pool_size, self.heap, self.timeout = pool_size, heap, timeout
+        self.jvms: list[JVM] = []
+        self.lock = threading.Lock()
+
+    def acquire(self) -> tuple[JVM, object]:
+        with self.lock:
+            for jvm in [j for j in self.jvms if not j.alive]:
+                jvm.kill()
+                self.jvms.remove(jvm)
+            free = [j for j in self.jvms if j.envs < self.pool_size]
+            jvm = min(free, key=lambda j: j.envs) if free else None
+            if jvm is None:
+                jvm = JVM(self.heap, self.timeout)
+                self.jvms.append(jvm)
+            jvm.envs += 1
+        try:
+            return jvm, jvm.new_simulator()
+        except BaseException:
+            self.release(jvm, None)
+            raise
+
+    def release(self, jvm: JVM, simulator) -> None:
+        with self.lock:
+            jvm.envs -= 1
+        if simulator is not None and jvm.alive:
+            try:  # let the JVM collect this env's world
+                jvm.call(lambda: jvm.gateway.detach(simulator))
+            except SimulatorError:
+                pass
+
+    def close(self) -> None:
+        with self.lock:
+            for jvm in self.jvms:
+                jvm.kill()
+            self.jvms.clear()
+
+
+_POOLS: dict[tuple, Pool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def pool(pool_size: int, heap: str, timeout: float) -> Pool:
+    """The process-wide pool for these JVM settings (envs made with the same settings share it)."""
+    with _POOLS_LOCK:
+        key = (pool_size, heap, timeout)
+        if key not in _POOLS:
+            _POOLS[key] = Pool(*key)
+        return _POOLS[key]
+
+
+@atexit.register
+def shutdown() -> None:
+    """Kill every simulator JVM of this process (also runs at interpreter exit)."""
+    with _POOLS_LOCK:
+        for p in _POOLS.values():
+            p.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# The environment
+
+
+class SciWorld(Env):
+    name = "sciworld"
+    instruction = INSTRUCTION
+    ack = ACK
+
+    def __init__(self, pool: Pool, reward: str, step_limit: int):
+        self.pool, self.reward_mode, self.step_limit = pool, reward, step_limit
+        self.jvm: JVM | None = None
+        self.simulator = None  # this env's PythonInterface inside self.jvm
+        self.task_id = None  # None until a reset succeeds
+
+    def call(self, fn: Callable):
+        """fn(this env's simulator), run under its JVM's lock (for what the methods below do not offer)."""
+        return self.jvm.call(lambda: fn(self.simulator))
+
+    def reset(self, task_id: int) -> str:
+        task, variation = task_and_variation(int(task_id))
+        self.task_id = None
+        if self.jvm is not None and not self.jvm.alive:
+            self.close()
+        if self.jvm is None:
+            self.jvm, self.simulator = self.pool.acquire()
+
+        def load(sim):
+            sim.load(task, variation, "", False)
+            return sim.getTaskDescription(), sim.step("look around")
+
+        description, look = self.call(load)
+        self.task_id, self.task, self.variation = int(task_id), task, variation
+        self.score, self.done, self.steps, self.info = 0, False, 0, {}
+        return f"{description}\n{look}"
+
+    def reward(self) -> float:
+        if self.reward_mode == "normalized":
+            return max(self.score, 0) / 100
+        return float(self.score)
+
+    def step(self, text: str) -> StepResult:
+        if self.task_id is None:
+            raise RuntimeError("call reset(task_id) before step()")
+        if self.done:
+            return StepResult("The task is already finished.", self.reward(), True, {**self.info, "action": None})
+        action = parse_action(text)
+
+        def act(sim):
+            return sim.step(action), sim.getScore(), sim.getCompleted(), sim.getNumMoves()
+
+        observation, score, completed, moves = self.call(act)
+        self.steps += 1
+        self.score = int(round(100 * score))
+        failed = self.score < 0
+        self.done = bool(completed) or failed or moves > self.step_limit
+        self.info = {"action": action, "score": self.score, "moves": moves,
+                     "success": bool(completed) and not failed, "failed": failed}
+        return StepResult(observation, self.reward(), self.done, self.info)
+
+    def valid_actions(self) -> list[str]:
+        """The simulator's valid action-object combinations here (thousands; tens of ms)."""
+        return self.call(lambda sim: list(sim.getValidActionObjectCombinations()))
+
+    def gold_actions(self) -> list[str]:
+        """Reload the current task with the simulator's gold path, look around, and return it."""
+        def load(sim):
+            sim.load(self.task, self.variation, "", True)
+            sim.step("look around")
+            return list(sim.getGoldActionSequence())
+
+        gold = self.call(load)
+        self.score, self.done, self.steps, self.info = 0, False, 0, {}
+        return gold
+
+    def close(self) -> None:
+        if self.jvm is not None:
+            self.pool.release(self.jvm, self.simulator)
+        self.jvm = self.simulator = self.task_id = None
+
+
+def make(reward: str = "score", pool_size: int = 16, heap: str | None = None, timeout: float = 60.0,
+         step_limit: int = 100) -> SciWorld:
+    """reward: "score" (upstream: progress 0-100, -100 on failure) or "normalized" (score / 100,
+    failure 0). pool_size: envs per JVM. heap: the JVM's -Xmx, by default 320 MiB + 16 MiB per env
+    (a loaded task keeps about 10 MiB alive; generating a gold path, which only the oracle does,
+    takes up to about 250 MiB for a moment). timeout: seconds a simulator call may take before its
+    JVM counts as hung. step_limit: moves after which an episode ends (upstream's envStepLimit)."""
+    if reward not in REWARDS:
+        raise ValueError(f"sciworld reward must be one of {REWARDS}, got {reward!r}")
+    pool_size = int(pool_size)
+    heap = str(heap) if heap else f"{320 + 16 * pool_size}m"
+    if not re.fullmatch(r"[0-9]+[kmgKMG]?", heap):
+        raise ValueError(f"sciworld heap is a Java -Xmx size such as 512m or 2g, got {heap!r}")
+    return SciWorld(pool(pool_size, heap, float(timeout)), reward, int(step_limit))
+
+
+def oracle(env: SciWorld) -> Callable[[str], str]:
+    """The simulator's gold action sequence for the current task, one action per turn. Call it
+    right after env.reset: it reloads the task to get the gold path."""
+    if env.steps:
+        raise RuntimeError("call oracle(env) right after env.reset(task_id), before any step")
+    plan = iter(env.gold_actions())
+
+    def act(observation: str) -> str:
+        action = next(plan, None)
+        if action is None:
+            raise RuntimeError(f"the gold path of {env.task} variation {env.variation} is used up")
+        return f"Thought:\nThe next step towards the goal is: {action}.\n\nAction:\n{action}"
+
+    return act
