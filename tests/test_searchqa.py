@@ -427,3 +427,36 @@ def test_envs_stepped_from_many_threads_share_one_retriever():
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda t: play(envs.make("searchqa"), t)[0], task_ids))
     assert results == [1.0] * len(task_ids)
+
+
+# ----------------------------------------------------------------------------------------------
+# The training loop and eval on SearchQA (the embedded model, tiny settings)
+
+
+def test_training_loop_and_eval_run_on_searchqa(tmp_path):
+    import eval as eval_script
+    import train
+
+    args = train.parse_args(["--env", "searchqa", "--steps", "1", "--tasks-per-step", "2", "--n", "2",
+                             "--max-turns", "2", "--max-new-tokens", "16", "--out-dir", str(tmp_path),
+                             "--run-name", "searchqa"])
+    run_dir = train.main(args)
+    records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 2
+    train_ids = set(SPLITS["train"])
+    env = envs.make("searchqa")
+    for record in records:
+        task_id = int(record["item_id"].removeprefix("searchqa_"))
+        assert task_id in train_ids
+        assert 1 <= record["turns"] <= 2 and record["reward"] in (0.0, 1.0)
+        messages = record["messages"]
+        assert [m["content"] for m in messages[:2]] == [INSTRUCTION, ACK]
+        # replaying the model's turns through a fresh env gives the logged observations
+        assert messages[2]["content"] == env.reset(task_id)
+        for turn, observation in zip(messages[3::2], messages[4::2]):
+            assert observation["content"] == env.step(turn["content"]).observation
+
+    results = eval_script.main(eval_script.Args(model=str(run_dir / "checkpoints" / "step_1"), limit=4, k=1,
+                                                out=str(tmp_path / "eval")))
+    assert results["env"] == "searchqa" and results["tasks"] == 4
+    assert set(results["categories"]) == {envs.category("searchqa", i) for i in SPLITS["test"][:4]}
