@@ -24,14 +24,21 @@ is killed; the calls of every env on it raise SimulatorError (the rollout ends t
 with the error) and the next reset of such an env starts on a fresh JVM. JVMs are killed at
 interpreter exit, and die on their own when this process does (py4j's die-on-broken-pipe).
 
+Options are make()'s keywords, e.g. `python train.py --env sciworld --env-options reward normalized
+pool_size 32`: reward ("score" or "normalized"), pool_size (envs per JVM, default 16), heap (-Xmx,
+default 320m + 16m per env), timeout (seconds, default 60), step_limit (moves, default 100).
+
+The simulator itself does not replay exactly: the same actions on the same variation can give
+other observations (the order of objects in a room, a temperature, the move at which a circuit
+lights up) in most tasks, in a fresh JVM as in a used one, upstream as here.
+
 Where this port deliberately differs from upstream:
 - Upstream's client strips a trailing "</s>" with a slice that also eats the character before
   it; here exactly "</s>" is stripped.
 - A step after the episode ended answers "The task is already finished." with the final reward,
   where upstream's server returns an error that its client turns into an exception.
 - The oracle needs the simulator's gold path, which a load must ask for; it reloads the task with
-  it. A few tasks differ between two loads of the same variation in small details (the order of
-  objects in chemistry-mix, a thermometer reading), as they do between upstream's resets.
+  it, so its episode may differ in such details from the first observation the env gave.
 """
 
 from __future__ import annotations
@@ -264,8 +271,11 @@ class SciWorld(Env):
     instruction = INSTRUCTION
     ack = ACK
 
-    def __init__(self, pool: Pool, reward: str, step_limit: int):
-        self.pool, self.reward_mode, self.step_limit = pool, reward, step_limit
+    def __init__(self, reward: str, pool_size: int, heap: str, timeout: float, step_limit: int):
+        self.options = {"reward": reward, "pool_size": pool_size, "heap": heap, "timeout": timeout,
+                        "step_limit": step_limit}  # every setting in effect, for a run's config
+        self.pool = pool(pool_size, heap, timeout)
+        self.reward_mode, self.step_limit = reward, step_limit
         self.jvm: JVM | None = None
         self.simulator = None  # this env's PythonInterface inside self.jvm
         self.task_id = None  # None until a reset succeeds
@@ -349,7 +359,7 @@ def make(reward: str = "score", pool_size: int = 16, heap: str | None = None, ti
     heap = str(heap) if heap else f"{320 + 16 * pool_size}m"
     if not re.fullmatch(r"[0-9]+[kmgKMG]?", heap):
         raise ValueError(f"sciworld heap is a Java -Xmx size such as 512m or 2g, got {heap!r}")
-    return SciWorld(pool(pool_size, heap, float(timeout)), reward, int(step_limit))
+    return SciWorld(reward, pool_size, heap, float(timeout), int(step_limit))
 
 
 def oracle(env: SciWorld) -> Callable[[str], str]:

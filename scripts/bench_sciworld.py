@@ -1,13 +1,14 @@
 """Benchmark the SciWorld port: step latency, resets/s and resident memory for 1, 4 and 16 envs.
 
 In rounds, like the rollout: all envs reset a random task at once (timed), reload it with the
-gold path (not timed), then step their gold actions, one step of every live env per round from a
-thread pool (each step timed, at most --max-steps rounds). Step latency is what the caller waits,
-queueing for its JVM included. Memory is the resident set (VmRSS) of the pool's JVMs, and of this
-Python process, at the end of the run.
+gold path (not timed), then step their gold actions (or random valid ones), one step of every
+live env per round from a thread pool (each step timed, at most --max-steps rounds). Step latency
+is what the caller waits, queueing for its JVM included. Memory is the resident set (VmRSS) of the
+pool's JVMs, and of this Python process, at the end of the run.
 
     python scripts/bench_sciworld.py                      # 1, 4, 16 envs, defaults of make()
     python scripts/bench_sciworld.py --envs 16 --pool-size 8 --heap 384m
+    python scripts/bench_sciworld.py --policy random      # random valid actions instead of gold paths
 """
 
 import argparse
@@ -30,7 +31,7 @@ def rss_mib(pid="self") -> float:
     return 0.0
 
 
-def run(n_envs: int, episodes: int, max_steps: int, options: dict, seed: int) -> dict:
+def run(n_envs: int, episodes: int, max_steps: int, options: dict, seed: int, policy: str) -> dict:
     sciworld.shutdown()  # every size starts from a fresh JVM, as a new run would
     rng = random.Random(seed)
     env_list = [envs.make("sciworld", **options) for _ in range(n_envs)]
@@ -51,7 +52,10 @@ def run(n_envs: int, episodes: int, max_steps: int, options: dict, seed: int) ->
             reset_rounds.append(time.perf_counter() - t)
             reset_times += [took for _, took in results]
             observations = [observation for observation, _ in results]
-            oracles = list(pool.map(envs.oracle, env_list))  # reloads with the gold path: not timed
+            if policy == "gold":
+                oracles = list(pool.map(envs.oracle, env_list))  # reloads with the gold path: not timed
+            else:  # a random valid action each turn (the valid actions are computed untimed)
+                oracles = [lambda _, e=e: f"Action: {rng.choice(e.valid_actions())}" for e in env_list]
             live = list(range(n_envs))
             for _ in range(max_steps):
                 if not live:
@@ -93,13 +97,17 @@ def main():
     parser.add_argument("--heap", default=None, help="JVM -Xmx (default: make()'s, from the pool size)")
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policy", choices=["gold", "random"], default="gold",
+                        help="gold: the oracle's actions; random: a random valid action each turn")
     args = parser.parse_args()
     options = {"pool_size": args.pool_size, "heap": args.heap, "timeout": args.timeout}
-    print(f"pool_size={args.pool_size} heap={args.heap} episodes/env={args.episodes} max_steps={args.max_steps}")
+    settings = envs.make("sciworld", **options).options
+    print(f"pool_size={settings['pool_size']} heap={settings['heap']} episodes/env={args.episodes} "
+          f"max_steps={args.max_steps} policy={args.policy}")
     print(f"{'envs':>4} {'jvms':>4} {'steps':>6} {'step med':>9} {'step p95':>9} {'steps/s':>8} "
           f"{'reset med':>10} {'resets/s':>9} {'JVM RSS':>9} {'py RSS':>8}")
     for n in args.envs:
-        r = run(n, args.episodes, args.max_steps, options, args.seed)
+        r = run(n, args.episodes, args.max_steps, options, args.seed, args.policy)
         print(f"{r['envs']:>4} {r['jvms']:>4} {r['steps']:>6} {r['step_median_ms']:>7.1f}ms "
               f"{r['step_p95_ms']:>7.1f}ms {r['steps_per_s']:>8.0f} {r['reset_median_ms']:>8.0f}ms "
               f"{r['resets_per_s']:>9.1f} {r['jvm_rss_mib']:>6.0f}MiB {r['python_rss_mib']:>5.0f}MiB",
