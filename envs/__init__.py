@@ -17,7 +17,8 @@ Every environment module `envs/<name>.py` (or package `envs/<name>/`) defines
                                              observation in, full response text out
 
 and ships default splits as `envs/data/<name>_{train,test}.json` in AgentGym-RL-Data-ID's
-format: `[{"item_id": "<name>_<int>"}, ...]`. Modules are imported lazily, so one env's
+format: `[{"item_id": "<name>_<int>"}, ...]` (a module may point elsewhere with
+`default_split_files() -> (train_path, test_path)`). Modules are imported lazily, so one env's
 optional dependencies never break another.
 """
 
@@ -102,12 +103,11 @@ def save_task_ids(path: str | Path, name: str, ids: list[int]) -> None:
 
 
 def splits(name: str, train: str | Path | None = None, test: str | Path | None = None) -> dict[str, list[int]]:
-    """Train/test task ids: the files given, else the defaults shipped in envs/data/."""
-    _module(name)
-    return {
-        "train": load_task_ids(train or DATA_DIR / f"{name}_train.json", name),
-        "test": load_task_ids(test or DATA_DIR / f"{name}_test.json", name),
-    }
+    """Train/test task ids: the files given, else the env's defaults (envs/data/<name>_{train,test}.json
+    unless the module's `default_split_files()` says otherwise, as WebArena's does for the real sites)."""
+    module = _module(name)
+    default = getattr(module, "default_split_files", lambda: (DATA_DIR / f"{name}_train.json", DATA_DIR / f"{name}_test.json"))()
+    return {"train": load_task_ids(train or default[0], name), "test": load_task_ids(test or default[1], name)}
 
 
 REACT_ONLY_ONE = "Error: Only one 'Action' is allowed per response. Please adjust your response."
