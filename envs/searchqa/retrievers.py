@@ -130,6 +130,7 @@ class BM25Retriever:
         tmp = Path(tempfile.mkdtemp(prefix=self.index_dir.name + ".tmp-", dir=self.index_dir.parent))
         try:
             bm25.save(str(tmp), show_progress=False)
+            tmp.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
             os.rename(tmp, self.index_dir)
         except OSError:
             if not (self.index_dir / "params.index.json").is_file():
