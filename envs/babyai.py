@@ -29,6 +29,7 @@ import minigrid  # noqa: F401  (registers the BabyAI levels)
 import numpy as np
 from minigrid.core.constants import DIR_TO_VEC, IDX_TO_COLOR, IDX_TO_OBJECT
 from minigrid.envs.babyai.core import roomgrid_level
+from minigrid.envs.babyai.core.verifier import GoToInstr, OpenInstr, PickupInstr
 from minigrid.utils.baby_ai_bot import BabyAIBot
 
 from envs import REACT_ONLY_ONE, Env, StepResult, react_action
@@ -121,10 +122,10 @@ def _shortest_path(start, direction, target, blocked, area, arrive):
     return None
 
 
-def describe(game, image) -> tuple[str, dict[str, list[int]], dict[str, str]]:
+def describe(game, image) -> tuple[str, dict[str, list[int]], dict[str, str], dict[str, tuple[int, int]]]:
     """AgentGym's text view of the agent's 7x7 egocentric `image`: the description, the available
-    macro actions (name -> primitive actions, in upstream's order) and the fine-grained error
-    message for each action that is not available."""
+    macro actions (name -> primitive actions, in upstream's order), the fine-grained error message
+    for each action that is not available, and the cell each object macro leads to."""
     view = game.agent_view_size
     pos = np.array(game.agent_pos)
     d = game.agent_dir
@@ -180,6 +181,7 @@ def describe(game, image) -> tuple[str, dict[str, list[int]], dict[str, str]]:
     # -- available actions, in upstream's order
     actions: dict[str, list[int]] = {"turn left": [LEFT], "turn right": [RIGHT]}
     errors: dict[str, str] = {}
+    targets: dict[str, tuple[int, int]] = {}
     if not barriers or barriers[0]["dist"] > 1:
         actions["move forward"] = [FORWARD]
     else:
@@ -198,6 +200,7 @@ def describe(game, image) -> tuple[str, dict[str, list[int]], dict[str, str]]:
             else:
                 count[obj["name"]] = count.get(obj["name"], 0) + 1
                 actions[key] = path + [PICKUP]
+                targets[key] = obj["pos"]
 
     if carrying is not None:
         ahead = (int(pos[0] + fwd[0]), int(pos[1] + fwd[1]))
@@ -220,6 +223,7 @@ def describe(game, image) -> tuple[str, dict[str, list[int]], dict[str, str]]:
                 errors[f"go through {name}"] = f"You cannot go through {name}, as there is no path leading to it."
             else:
                 actions[f"go through {name}"] = path
+                targets[f"go through {name}"] = obj["pos"]
             continue
         if "locked door" in obj["name"]:
             key = f"toggle and go through {name}"
@@ -234,6 +238,7 @@ def describe(game, image) -> tuple[str, dict[str, list[int]], dict[str, str]]:
             errors[f"toggle and go through {name}"] = f"You cannot toggle and go through {name}, as there is no path leading to it."
         else:
             actions[f"toggle and go through {name}"] = path + [TOGGLE, FORWARD]
+            targets[f"toggle and go through {name}"] = obj["pos"]
             if not path:
                 actions["toggle"] = [TOGGLE]
         if "closed door" in obj["name"]:
@@ -258,9 +263,10 @@ def describe(game, image) -> tuple[str, dict[str, list[int]], dict[str, str]]:
         else:
             count[obj["name"]] = count.get(obj["name"], 0) + 1
             actions[key] = path
+            targets[key] = obj["pos"]
 
     actions["check available actions"] = []
-    return text, actions, errors
+    return text, actions, errors, targets
 
 
 class BabyAI(Env):
@@ -281,7 +287,7 @@ class BabyAI(Env):
         self.task_id, self.level, self.seed = task_id, level, seed
         self.goal = self.game.mission.replace("then", "and").replace("after you", "and")
         self.image = obs["image"]
-        self.description, self.actions, self.errors = describe(self.game, self.image)
+        self.description, self.actions, self.errors, self.targets = describe(self.game, self.image)
         self.score, self.done = 0.0, False
         return f"Your goal: {self.goal}\n{self.description}{self._action_list()}"
 
@@ -330,7 +336,7 @@ class BabyAI(Env):
             self.done = True
             self.score = float(reward) if terminated else 0.0
         info["success"] = self.score > 0
-        self.description, self.actions, self.errors = describe(self.game, self.image)
+        self.description, self.actions, self.errors, self.targets = describe(self.game, self.image)
         return self.description + ("\n The task is completed." if self.score > 0 else "")
 
 
@@ -362,15 +368,39 @@ class _BoundedStack(list):
         return super().__getitem__(index)
 
 
-def oracle(env: BabyAI) -> Callable[[str], str]:
-    """BabyAIBot's plan as text, one primitive action per turn. Raises RuntimeError where the bot
+def _finishing_macro(env: BabyAI) -> str | None:
+    """For a mission that is a single go-to, pick-up or open instruction: the macro that walks to a
+    matching object in view and completes it, if there is one."""
+    instr = env.game.instrs
+    if isinstance(instr, GoToInstr):
+        prefix, cells = "go to ", {tuple(int(c) for c in pos) for pos in instr.desc.obj_poss}
+    elif isinstance(instr, (PickupInstr, OpenInstr)):
+        prefix = "pickup " if isinstance(instr, PickupInstr) else "toggle and go through "
+        cells = {tuple(int(c) for c in obj.cur_pos) for obj in instr.desc.obj_set if obj.cur_pos is not None}
+    else:
+        return None
+    return next((name for name, cell in env.targets.items() if name.startswith(prefix) and cell in cells), None)
+
+
+def oracle(env: BabyAI, macros: bool = True) -> Callable[[str], str]:
+    """A scripted expert through the text interface. When the mission is a single go-to, pick-up or
+    open instruction and a matching object is in view, it uses the macro that completes it in one
+    turn (as a good agent would); otherwise it plays BabyAIBot's plan, one primitive action per
+    turn (`macros=False`: always the bot's plan, step for step). Raises RuntimeError where the bot
     cannot play (KeyInBox and PutNext*Carrying, as its docstring says; a few tasks where its
     replanning never ends) or where its plan needs an action that upstream's text interface lacks
     (closing an open door to reopen it)."""
-    bot = BabyAIBot(env.game)
-    bot.stack = _BoundedStack(bot.stack)
+    state = {"bot": None}
 
     def act(observation: str) -> str:
+        macro = _finishing_macro(env) if macros else None
+        if macro is not None:
+            state["bot"] = None  # the macro moves the agent behind the bot's back: replan afresh after it
+            return f"Thought:\nI can see where to {env.goal}.\n\nAction:\n{macro}"
+        if state["bot"] is None:
+            state["bot"] = BabyAIBot(env.game)
+            state["bot"].stack = _BoundedStack(state["bot"].stack)
+        bot = state["bot"]
         bot.stack.reads = 0
         try:
             primitive = int(bot.replan())

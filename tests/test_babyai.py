@@ -5,7 +5,7 @@ import pytest
 from minigrid.utils.baby_ai_bot import BabyAIBot
 
 import envs
-from envs.babyai import LEVELS, level_and_seed
+from envs.babyai import LEVELS, level_and_seed, oracle
 
 # Levels whose bot plan cannot be expressed in upstream's text actions: the bot fails KeyInBox and
 # PutNext*Carrying outright, and in the Synth/Boss levels it sometimes closes an open door to
@@ -121,6 +121,15 @@ def test_blocked_move_gives_upstreams_error():
     assert result.observation.startswith("There is a barrier in front of you, you can't move forward.")
 
 
+def play(env, act, observation):
+    for _ in range(env.game.max_steps):
+        result = env.step(act(observation))
+        observation = result.observation
+        if result.done:
+            return result
+    return result
+
+
 @pytest.mark.parametrize("task_id", [t for t in range(0, 160) if level_and_seed(t)[0] not in UNSUPPORTED])
 def test_oracle_solves_through_text_with_the_bots_reward(task_id):
     level, seed = level_and_seed(task_id)
@@ -129,17 +138,25 @@ def test_oracle_solves_through_text_with_the_bots_reward(task_id):
         pytest.skip(f"BabyAIBot itself does not solve {level} seed {seed}")
     env = envs.make("babyai")
     observation = env.reset(task_id)
-    act = envs.oracle(env)
-    for _ in range(env.game.max_steps):
-        try:
-            text = act(observation)
-        except RuntimeError as error:  # a plan step with no text action (closing an open door)
-            pytest.skip(str(error))
-        result = env.step(text)
-        observation = result.observation
-        if result.done:
-            break
-    assert result.done and result.reward == pytest.approx(expected)
+    try:
+        step_for_step = play(env, oracle(env, macros=False), observation)
+    except RuntimeError as error:  # a plan step with no text action (closing an open door)
+        pytest.skip(str(error))
+    assert step_for_step.done and step_for_step.reward == pytest.approx(expected)
+
+    # the default expert also takes finishing macros ("go to red ball 1") when the target is in view
+    observation = env.reset(task_id)
+    result = play(env, envs.oracle(env), observation)
+    assert result.done and result.reward > 0
+
+
+def test_oracle_finishes_a_visible_goal_with_one_macro():
+    env = envs.make("babyai")
+    observation = env.reset(1)  # "go to the red ball", the ball in view
+    text = envs.oracle(env)(observation)
+    assert text.endswith("Action:\ngo to red ball 1")
+    result = env.step(text)
+    assert result.done and result.reward == pytest.approx(1 - 0.9 * len(result.info["primitives"]) / 64)
 
 
 def test_oracle_stops_where_the_bot_never_finishes_planning():
