@@ -1,0 +1,51 @@
+"""Trajectories -> padded tensors, and the log-prob of every action token under a model.
+
+Only positions that predict an action token (loss_mask 1) go through the LM head: observation
+tokens dominate multi-turn sequences, and the [tokens x vocab] logits are the largest tensor of a
+step (8k tokens x 152k vocab is 5 GB in fp32), so this is most of the memory of a training step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def collate(trajectories, pad_id: int, device=None) -> dict[str, torch.Tensor]:
+    """Right-padded [B, T] tensors: input_ids, attention_mask, loss_mask, and the sampler's logprobs."""
+    width = max(len(t.token_ids) for t in trajectories)
+    batch = {
+        "input_ids": torch.full((len(trajectories), width), pad_id, dtype=torch.long),
+        "attention_mask": torch.zeros((len(trajectories), width), dtype=torch.long),
+        "loss_mask": torch.zeros((len(trajectories), width), dtype=torch.float32),
+        "sampler_logprobs": torch.zeros((len(trajectories), width), dtype=torch.float32),
+    }
+    for row, t in enumerate(trajectories):
+        n = len(t.token_ids)
+        batch["input_ids"][row, :n] = torch.tensor(t.token_ids)
+        batch["attention_mask"][row, :n] = 1
+        batch["loss_mask"][row, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
+        batch["sampler_logprobs"][row, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
+    return {k: v.to(device) for k, v in batch.items()} if device is not None else batch
+
+
+def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature: float = 1.0,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(token_t | tokens_<t) at every action token, under softmax(logits / temperature).
+
+    input_ids, attention_mask, loss_mask: [B, T]. Returns logprobs [B, T] (0 where no column of
+    the batch has an action token) and, if asked, the entropy of the same distributions [B, T].
+    """
+    columns = loss_mask.any(0).nonzero().squeeze(1)  # token positions with an action token in any row
+    columns = columns[columns > 0]  # position 0 has no prediction (it is always prompt anyway)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=columns - 1).logits
+    logits = logits.float() / (temperature if temperature > 0 else 1.0)  # [B, K, V]
+    logp_all = logits.log_softmax(-1)
+    picked = logp_all.gather(-1, input_ids[:, columns].unsqueeze(-1)).squeeze(-1)  # [B, K]
+    logprobs = torch.zeros(input_ids.shape, dtype=picked.dtype, device=picked.device)
+    logprobs[:, columns] = picked
+    entropy = None
+    if with_entropy:
+        ent = -(logp_all.exp() * logp_all).sum(-1)  # [B, K]
+        entropy = torch.zeros(input_ids.shape, dtype=ent.dtype, device=ent.device)
+        entropy[:, columns] = ent
+    return logprobs, entropy

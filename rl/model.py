@@ -1,0 +1,55 @@
+"""Which model: a Hugging Face hub id, a local directory, or the embedded tiny agent.
+
+`--model tiny-agent` (the default) is a small Qwen2-architecture model that ships with the repo
+(assets/tiny-agent, built by scripts/build_tiny_model.py): it needs no network and runs on a CPU.
+Anything else is handed to transformers' from_pretrained, so `--model Qwen/Qwen2.5-3B-Instruct`
+downloads as usual (set HF_HUB_OFFLINE=1 to forbid that).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+EMBEDDED = {"tiny-agent": ROOT / "assets" / "tiny-agent"}
+
+
+def resolve(name: str) -> str:
+    if Path(name).exists():
+        return str(name)
+    if name in EMBEDDED:
+        path = EMBEDDED[name]
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"the embedded model {name} is missing from {path}; run `python scripts/build_tiny_model.py`")
+        return str(path)
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise FileNotFoundError(f"model directory {name} does not exist")
+    return name  # a hub id
+
+
+def _load(loader, name: str, **kwargs):
+    source = resolve(name)
+    try:
+        return loader(source, **kwargs)
+    except OSError as error:
+        raise OSError(
+            f"could not load {name!r}: {error}\nPass a local model directory or a Hugging Face id; "
+            "hub downloads need network access (HF_HUB_OFFLINE=1 turns them off)."
+        ) from error
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = _load(AutoTokenizer.from_pretrained, name)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(name: str, dtype: torch.dtype = torch.float32, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    return _load(AutoModelForCausalLM.from_pretrained, name, dtype=dtype, **kwargs)

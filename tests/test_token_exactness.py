@@ -1,0 +1,193 @@
+"""Token-in, token-out: a trajectory holds exactly the sampled tokens, every turn's prompt is the
+previous prompt plus the sampled tokens plus the observation's tokens, the loss mask marks exactly
+the sampled tokens, and the model's own text is never tokenized again. Checked for every env (with
+its scripted expert) and for sampled rollouts under three chat templates."""
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+
+import envs
+from rl.model import load_model, load_tokenizer
+from rollout import ChatFormat, ExpertEngine, HFEngine, rollout
+
+LLAMA3_TEMPLATE = (
+    "{{- '<|begin_of_text|>' }}{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+# Qwen3-style: history assistant turns render without their <think> block, which would break any
+# scheme that re-renders the conversation every turn; appending tokens is immune to it.
+QWEN3_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}{%- set content = message['content'].split('</think>')[-1].lstrip('\\n') %}"
+    "{%- else %}{%- set content = message['content'] %}{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tokenizer = load_tokenizer("tiny-agent")
+    model = load_model("tiny-agent")
+    return tokenizer, model
+
+
+def with_template(tokenizer, model, template):
+    """A copy of the tiny tokenizer (and model, embeddings resized) speaking another chat template."""
+    if template == "chatml":
+        return tokenizer, model
+    tokenizer = copy.deepcopy(tokenizer)
+    model = copy.deepcopy(model)
+    if template == "llama3":
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<|begin_of_text|>", "<|start_header_id|>",
+                                                                    "<|end_header_id|>", "<|eot_id|>"]})
+        tokenizer.eos_token = "<|eot_id|>"
+        tokenizer.chat_template = LLAMA3_TEMPLATE
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+        # the tiny model learned to end turns with <|im_end|>; hand that habit to <|eot_id|>
+        # (embeddings are tied, so the output logit moves with the row)
+        eot, im_end = tokenizer.convert_tokens_to_ids(["<|eot_id|>", "<|im_end|>"])
+        with torch.no_grad():
+            rows = model.get_input_embeddings().weight
+            rows[eot] = rows[im_end].clone()
+            rows[im_end] = rows[tokenizer.convert_tokens_to_ids("Thought")].clone()
+    else:
+        tokenizer.chat_template = QWEN3_TEMPLATE
+    return tokenizer, model
+
+
+class Spy:
+    """Wraps an engine and the format's encoder: records every prompt, every sample and every text
+    that gets tokenized."""
+
+    def __init__(self, engine, fmt):
+        self.engine, self.prompts, self.samples, self.encoded = engine, {}, {}, []
+        original = fmt.encode
+
+        def encode(text):
+            self.encoded.append(text)
+            return original(text)
+
+        fmt.encode = encode
+
+    def generate(self, batch, limits):
+        samples = self.engine.generate(batch, limits)
+        for traj, sample in zip(batch, samples):
+            self.prompts.setdefault(traj.row, []).append(list(traj.token_ids))
+            self.samples.setdefault(traj.row, []).append(list(sample.token_ids))
+        return samples
+
+
+def check_exact(fmt, spy, trajectories):
+    checked_text = 0
+    for traj in trajectories:
+        prompts, samples = spy.prompts.get(traj.row, []), spy.samples.get(traj.row, [])
+        assert len(prompts) == traj.turns
+        # the loss mask marks exactly the sampled tokens, in order
+        assert [t for t, m in zip(traj.token_ids, traj.loss_mask) if m] == [t for s in samples for t in s]
+        # every prompt extends the previous one by the sampled tokens and the observation
+        observations = [m["content"] for m in traj.messages[4::2]]
+        for k in range(1, len(prompts)):
+            closed = samples[k - 1] if samples[k - 1][-1:] == [fmt.end_of_turn] else samples[k - 1] + [fmt.end_of_turn]
+            assert prompts[k] == prompts[k - 1] + closed + fmt.observation(observations[k - 1])
+        if prompts:
+            assert traj.token_ids[:len(prompts[-1])] == prompts[-1]
+            assert traj.token_ids[len(prompts[-1]):len(prompts[-1]) + len(samples[-1])] == samples[-1]
+        # the whole sequence is what the chat template renders for the conversation (turns cut
+        # off by the limit included: they are closed with the end-of-turn token), whenever the
+        # model sampled no special token inside a turn (the env sees text without those)
+        specials = {i for i, token in fmt.tokenizer.added_tokens_decoder.items() if token.special}
+        inner = [s[:-1] if s[-1:] == [fmt.end_of_turn] else s for s in samples]
+        if traj.error is None and traj.turns and not any(specials & set(s) for s in inner):
+            text = fmt.tokenizer.decode(traj.token_ids)
+            if traj.finish in ("done", "max_turns", "max_tokens"):  # the final observation is logged, not tokenized
+                text += fmt.observation_prefix + traj.messages[-1]["content"] + fmt.observation_suffix
+            assert text == fmt.render(traj.messages, add_generation_prompt=True)
+            checked_text += 1
+    # the model's text is never tokenized: only the first prompts and the observations are
+    firsts = {fmt.render(t.messages[:3], add_generation_prompt=True) for t in trajectories}
+    wrapped = {fmt.observation_prefix + m["content"] + fmt.observation_suffix for t in trajectories for m in t.messages[4::2]}
+    assert set(spy.encoded) <= firsts | wrapped | set(getattr(spy.engine, "expert_texts", []))
+    return checked_text
+
+
+@pytest.mark.parametrize("template", ["chatml", "llama3", "qwen3"])
+def test_sampled_rollouts_are_token_exact(tiny, template):
+    tokenizer, model = with_template(*tiny, template)
+    fmt = ChatFormat(tokenizer)
+    engine = HFEngine(model, fmt, temperature=1.0, seed=3)
+    spy = Spy(engine, fmt)
+    environments = [envs.make("babyai") for _ in range(6)]
+    trajectories = rollout(spy, fmt, environments, [1, 1, 2, 2, 44, 44], [0, 0, 1, 1, 2, 2],
+                           max_turns=4, max_new_tokens=24, max_tokens=4096)
+    assert sum(t.turns for t in trajectories) >= 6
+    assert check_exact(fmt, spy, trajectories) >= 1
+
+
+def test_turn_cut_by_the_token_limit_is_closed_unmasked(tiny):
+    tokenizer, model = tiny
+    fmt = ChatFormat(tokenizer)
+    spy = Spy(HFEngine(model, fmt, temperature=1.0, seed=0), fmt)
+    environments = [envs.make("babyai") for _ in range(2)]
+    trajectories = rollout(spy, fmt, environments, [1, 2], [0, 1], max_turns=2, max_new_tokens=3, max_tokens=4096)
+    check_exact(fmt, spy, trajectories)
+    cut = 0
+    for traj in trajectories:
+        # a 3-token turn that did not end itself is closed by an end-of-turn token with mask 0
+        for prompt, sample in zip(spy.prompts[traj.row], spy.samples[traj.row]):
+            assert len(sample) <= 3
+            if sample[-1] != fmt.end_of_turn:
+                pos = len(prompt) + len(sample)
+                assert traj.token_ids[pos] == fmt.end_of_turn and traj.loss_mask[pos] == 0
+                cut += 1
+    assert cut >= 2
+
+
+def test_token_budget_ends_the_episode(tiny):
+    tokenizer, model = tiny
+    fmt = ChatFormat(tokenizer)
+    environments = [envs.make("babyai") for _ in range(2)]
+    first = len(fmt.prompt(environments[0], environments[0].reset(1)))
+    trajectories = rollout(HFEngine(model, fmt, seed=0), fmt, environments, [1, 1], [0, 0], max_turns=10,
+                           max_new_tokens=16, max_tokens=first + 40)
+    for traj in trajectories:
+        assert len(traj.token_ids) <= first + 40
+        assert traj.finish in ("max_tokens", "done")
+
+
+@pytest.mark.parametrize("name", envs.ENVS)
+def test_expert_rollouts_are_token_exact_for_every_env(tiny, name):
+    if importlib.util.find_spec(f"envs.{name}") is None:
+        pytest.skip(f"envs.{name} is not ported yet")
+    tokenizer, _ = tiny
+    fmt = ChatFormat(tokenizer)
+    test_ids = envs.splits(name)["test"][:2]
+    environments = [envs.make(name) for _ in test_ids]
+    engine = ExpertEngine(fmt, environments)
+    spy = Spy(engine, fmt)
+    texts = []
+    original = engine.experts
+
+    class Recording(dict):  # the expert's own text is new text, tokenized once like an observation
+        def __setitem__(self, row, expert):
+            def act(observation):
+                text = expert(observation)
+                texts.append(text)
+                return text
+            super().__setitem__(row, act)
+
+    engine.experts = Recording(original)
+    engine.expert_texts = texts
+    try:
+        trajectories = rollout(spy, fmt, environments, test_ids, list(range(len(test_ids))),
+                               max_turns=4, max_new_tokens=256, max_tokens=16384)
+    finally:
+        for env in environments:
+            env.close()
+    assert all(t.error is None or "expert failed" in t.error for t in trajectories)
+    assert sum(t.turns for t in trajectories) >= 2
+    assert check_exact(fmt, spy, trajectories) >= 1

@@ -1,0 +1,99 @@
+"""End to end on the embedded model: train.py runs, changes the weights, writes a checkpoint and a
+rollout log; eval.py scores the checkpoint; bad settings stop early with a message."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import eval as eval_script
+import train
+from rl.model import EMBEDDED
+
+
+def tiny_args(tmp_path, **overrides):
+    argv = ["--steps", "2", "--tasks-per-step", "2", "--n", "2", "--max-turns", "2", "--max-new-tokens", "16",
+            "--out-dir", str(tmp_path), "--run-name", "t"]
+    for key, value in overrides.items():
+        argv += [f"--{key.replace('_', '-')}", *([str(value)] if not isinstance(value, list) else map(str, value))]
+    return train.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("run")
+    run_dir = train.main(tiny_args(tmp, lr=0.01))
+    return run_dir
+
+
+def test_training_changes_weights_and_writes_a_checkpoint(trained):
+    ckpt = trained / "checkpoints" / "step_2"
+    assert (ckpt / "model.safetensors").is_file() and (ckpt / "config.json").is_file()
+    assert (ckpt / "tokenizer.json").is_file() and (ckpt / "state").is_dir()
+    assert json.loads((ckpt / "trainer_state.json").read_text()) == {"step": 2}
+    before = load_file(EMBEDDED["tiny-agent"] / "model.safetensors")
+    after = load_file(ckpt / "model.safetensors")
+    assert before.keys() == after.keys()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert not list(trained.glob("checkpoints/*.tmp"))
+
+
+def test_rollout_log_has_every_trajectory(trained):
+    lines = [json.loads(line) for line in (trained / "rollouts.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 * 2 * 2  # steps x tasks x samples
+    for record in lines:
+        assert record["item_id"].startswith("babyai_")
+        assert record["messages"][0]["role"] == "user" and record["messages"][1]["role"] == "assistant"
+        assert 1 <= record["turns"] <= 2 and isinstance(record["reward"], float)
+    assert {r["step"] for r in lines} == {1, 2}
+    metrics = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
+    assert [m["charts/step"] for m in metrics] == [1, 2]
+    assert all(m["perf/tokens_per_s"] > 0 and m["rollout/horizon"] == 2 for m in metrics)
+    config = json.loads((trained / "config.json").read_text())
+    assert config["preset"] == "tiny" and config["env"] == "babyai"
+
+
+def test_eval_scores_the_checkpoint(trained, tmp_path):
+    ckpt = trained / "checkpoints" / "step_2"
+    out = tmp_path / "result"
+    results = eval_script.main(eval_script.Args(model=str(ckpt), limit=3, k=2, out=str(out)))
+    assert results["env"] == "babyai" and results["max_turns"] == 2  # the run's own settings
+    assert results["tasks"] == 3 and 0.0 <= results["avg@k"] <= 1.0 and 0.0 <= results["pass@k"] <= 1.0
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert saved["avg@k"] == results["avg@k"]
+    assert len(out.with_suffix(".jsonl").read_text().splitlines()) == 6
+
+
+def test_resume_continues_from_the_checkpoint(trained, tmp_path):
+    ckpt = trained / "checkpoints" / "step_2"
+    args = tiny_args(tmp_path, steps=3, resume=str(ckpt))
+    run_dir = train.main(args)
+    assert run_dir == trained
+    steps = [json.loads(line)["charts/step"] for line in (trained / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    assert (trained / "checkpoints" / "step_3" / "model.safetensors").is_file()
+
+
+def test_presets_follow_the_model():
+    assert train.parse_args([]).preset == "tiny"
+    paper = train.parse_args(["--model", "Qwen/Qwen2.5-3B-Instruct"])
+    assert paper.preset == "paper" and paper.lr == 1e-6 and paper.kl_coef == 0.001 and paper.clip == 0.2
+    assert paper.entropy_coef == 0.001 and paper.temperature == 1.0
+    assert train.parse_args(["--lr", "0.5"]).lr == 0.5  # a flag overrides the preset
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--env", "nope"], "unknown env"),
+    (["--n", "1"], "--n 2 or more"),
+    (["--max-new-tokens", "9000", "--max-tokens", "100"], "smaller than --max-tokens"),
+])
+def test_bad_settings_stop_early(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        train.check(train.parse_args(argv), world=1)
+    assert message in str(stop.value)
+
+
+def test_unknown_flag_is_rejected():
+    with pytest.raises(SystemExit):
+        train.parse_args(["--no-such-flag", "1"])

@@ -1,0 +1,407 @@
+"""Multi-turn RL for LLM agents: GRPO on AgentGym environments, the AgentGym-RL recipe.
+
+    python train.py                                              # tiny embedded model, BabyAI, CPU, minutes
+    python train.py --model Qwen/Qwen2.5-3B-Instruct --env babyai  # the paper's recipe, one GPU
+    accelerate launch --num_processes 8 train.py --model Qwen/Qwen2.5-7B-Instruct --env textcraft
+
+Each step: sample `tasks_per_step` tasks from the env's train split, roll out `n` episodes of each
+(rollout.py: batched generation, envs stepped in parallel, exact sampled tokens), score each episode
+by its last reward, turn rewards into group-relative advantages (GRPO), and update the policy with
+PPO's clipped loss, a k3 KL penalty to the frozen initial model and an entropy bonus, token-mean
+over each mini-batch. Every trajectory goes to runs/<run>/rollouts.jsonl, metrics to
+runs/<run>/metrics.jsonl (and wandb with --track), checkpoints to runs/<run>/checkpoints/step_<k>.
+
+Presets: flags default to the paper's recipe (lr 1e-6, clip 0.2, KL 0.001, entropy 0.001,
+temperature 1.0) for a real model; with the embedded tiny model (the default) they default to the
+`tiny` preset instead, sized to finish on two CPU cores in minutes. `--preset` picks one
+explicitly; any flag you pass overrides the preset.
+
+Simplifications: the policy samples with Hugging Face generation in this process (each process of
+a multi-GPU run rolls out its own share of tasks, so groups never straddle processes); the turn
+cap is fixed for the run.
+"""
+
+from __future__ import annotations
+
+import os
+
+# torch's OpenMP threads spin while they wait for work; on a shared or small CPU that starves the env
+# threads and everything else (measured here: 0.3 s vs 3.5 ms per decode step of the tiny model).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
+import ast
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+import torch
+import tyro
+from tqdm import tqdm
+
+import envs
+from rl import advantages as adv_lib
+from rl.logprobs import collate, token_logprobs
+from rl.losses import kl_k3, policy_loss, token_mean
+from rl.model import EMBEDDED, load_model, load_tokenizer
+from rollout import ChatFormat, HFEngine, rollout
+
+
+@dataclass
+class Args:
+    # -- what to train
+    env: str = "babyai"
+    """environment: babyai, textcraft, sciworld, searchqa, webarena"""
+    model: str = "tiny-agent"
+    """Hugging Face id or local directory; `tiny-agent` is the embedded CPU model"""
+    preset: Literal["auto", "paper", "tiny"] = "auto"
+    """default values: `paper` (the paper's recipe), `tiny` (CPU demo); auto: tiny for the embedded model"""
+    env_options: dict[str, str] = field(default_factory=dict)
+    """keyword options for envs.make, e.g. --env-options reward normalized"""
+    train_tasks: str | None = None
+    """task id file in AgentGym-RL-Data-ID format ([{"item_id": "babyai_12"}, ...]); default: the shipped train split"""
+
+    # -- rollout
+    steps: int = 200
+    """training steps (one rollout + one update each)"""
+    tasks_per_step: int = 16
+    """tasks per step, over all processes (upstream's train_batch_size)"""
+    n: int = 8
+    """samples per task: the GRPO group size"""
+    max_turns: int = 15
+    """turn cap (interaction horizon) per episode"""
+    max_new_tokens: int = 512
+    """tokens per assistant turn"""
+    max_tokens: int = 8192
+    """tokens per trajectory (prompt + every turn); an episode ends when it is spent"""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    gen_batch_size: int = 64
+    """trajectories per generation call"""
+
+    # -- optimisation
+    lr: float = 1e-6
+    warmup_steps: int = 0
+    """linear learning-rate warm-up, in optimizer steps"""
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    ppo_epochs: int = 1
+    minibatches: int = 2
+    """optimizer steps per epoch over the step's trajectories"""
+    micro_batch_size: int = 4
+    """trajectories per forward/backward (gradient accumulation inside a mini-batch)"""
+    clip: float = 0.2
+    """PPO ratio clip"""
+    kl_coef: float = 0.001
+    """k3 KL(policy || initial policy) loss weight; 0 drops the reference model"""
+    entropy_coef: float = 0.001
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    """auto: bf16 on GPU, fp32 on CPU"""
+    gradient_checkpointing: bool = False
+
+    # -- bookkeeping
+    seed: int = 1
+    run_name: str | None = None
+    """default: <env>-grpo-<time>"""
+    out_dir: str = "runs"
+    save_every: int = 50
+    """checkpoint every k steps (and at the end); 0: only at the end"""
+    resume: str | None = None
+    """a checkpoint directory (runs/<run>/checkpoints/step_<k>) to continue from"""
+    track: bool = False
+    """log to wandb (offline mode when no API key is configured)"""
+    wandb_project: str = "agentgym-rl"
+
+
+PRESETS = {
+    "paper": Args(),
+    "tiny": Args(
+        steps=8, tasks_per_step=4, n=4, max_turns=6, max_new_tokens=48, max_tokens=3072, lr=1e-4,
+        minibatches=1, micro_batch_size=4, save_every=0,
+    ),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> Args:
+    """tyro over the preset that applies: `tiny` for the embedded model, `paper` otherwise."""
+    argv = sys.argv[1:] if argv is None else argv
+    peek = argparse.ArgumentParser(add_help=False)
+    peek.add_argument("--model", default=Args.model)
+    peek.add_argument("--preset", default="auto")
+    known, _ = peek.parse_known_args(argv)
+    preset = known.preset if known.preset != "auto" else ("tiny" if known.model in EMBEDDED else "paper")
+    if preset not in PRESETS:
+        raise SystemExit(f"unknown preset {preset!r}; choose one of: auto, {', '.join(PRESETS)}")
+    args = tyro.cli(Args, args=argv, default=replace(PRESETS[preset], preset=preset),
+                    description=__doc__.split("\n\n")[0])
+    return replace(args, preset=preset)
+
+
+def check(args: Args, world: int) -> None:
+    """Stop early, with what to do, on settings that cannot work."""
+    if args.env not in envs.ENVS:
+        raise SystemExit(f"unknown env {args.env!r}; choose one of: {', '.join(envs.ENVS)}")
+    if args.n < 2:
+        raise SystemExit("GRPO compares the samples of a task with each other: use --n 2 or more")
+    if args.tasks_per_step % world:
+        raise SystemExit(f"--tasks-per-step {args.tasks_per_step} must be divisible by the {world} processes")
+    if args.tasks_per_step // world * args.n < args.minibatches:
+        raise SystemExit("--minibatches is larger than the number of trajectories per process")
+    if args.max_new_tokens >= args.max_tokens:
+        raise SystemExit("--max-new-tokens must be smaller than --max-tokens")
+
+
+def env_options(options: dict[str, str]) -> dict:
+    """CLI strings to Python values where they parse as literals (numbers, booleans, lists)."""
+    out = {}
+    for key, value in options.items():
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
+def main(args: Args) -> Path:
+    from accelerate import Accelerator
+    from accelerate.utils import gather_object, set_seed
+
+    mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
+    accelerator = Accelerator(mixed_precision=mixed)
+    check(args, accelerator.num_processes)
+    set_seed(args.seed + accelerator.process_index)
+    main_process = accelerator.is_main_process
+    run_name = args.run_name or f"{args.env}-grpo-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(args.out_dir) / run_name
+    ckpt_dir = run_dir / "checkpoints"
+
+    # ------------------------------------------------------------------------------------------
+    # Model, reference, tokenizer, optimizer
+
+    tokenizer = load_tokenizer(args.model)
+    fmt = ChatFormat(tokenizer)
+    model = load_model(args.resume or args.model)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    ref_model = None
+    if args.kl_coef > 0:
+        ref_model = load_model(args.model, dtype=torch.bfloat16 if mixed == "bf16" else torch.float32)
+        ref_model.requires_grad_(False).eval().to(accelerator.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    policy = accelerator.unwrap_model(model)
+    engine = HFEngine(policy, fmt, temperature=args.temperature, top_p=args.top_p,
+                      batch_size=args.gen_batch_size, seed=args.seed + accelerator.process_index)
+
+    start_step = 1
+    if args.resume:
+        accelerator.load_state(str(Path(args.resume) / "state"))
+        start_step = json.loads((Path(args.resume) / "trainer_state.json").read_text())["step"] + 1
+        run_dir = Path(args.resume).parent.parent
+        ckpt_dir = run_dir / "checkpoints"
+
+    # ------------------------------------------------------------------------------------------
+    # Environments: one per trajectory of this process, created once and reset every step
+
+    train_ids = envs.load_task_ids(args.train_tasks, args.env) if args.train_tasks else envs.splits(args.env)["train"]
+    local_tasks = args.tasks_per_step // accelerator.num_processes
+    environments = [envs.make(args.env, **env_options(args.env_options)) for _ in range(local_tasks * args.n)]
+    pool = ThreadPoolExecutor(max_workers=min(32, len(environments)))
+
+    # ------------------------------------------------------------------------------------------
+    # Logging
+
+    tracker = None
+    if main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config = {**asdict(args), "run_name": run_name, "mixed_precision": mixed, "processes": accelerator.num_processes,
+                  "env_options": env_options(args.env_options)}
+        (run_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if args.track:
+            import wandb
+
+            if "WANDB_MODE" not in os.environ and not os.environ.get("WANDB_API_KEY"):
+                os.environ["WANDB_MODE"] = "offline"
+                print(f"wandb: no API key configured, logging offline to {run_dir}/wandb (wandb sync to upload)")
+            tracker = wandb.init(project=args.wandb_project, name=run_name, config=config, dir=str(run_dir))
+        print(f"run {run_name}: {args.env}, {args.model} ({args.preset} preset), {args.steps} steps of "
+              f"{args.tasks_per_step} tasks x {args.n} samples, {args.max_turns} turns -> {run_dir}")
+    rollout_log = open(run_dir / "rollouts.jsonl", "a") if main_process else None
+    metrics_log = open(run_dir / "metrics.jsonl", "a") if main_process else None
+
+    # ------------------------------------------------------------------------------------------
+    # Training loop
+
+    progress = tqdm(range(start_step, args.steps + 1), disable=not main_process, desc="train", dynamic_ncols=True,
+                    initial=start_step - 1, total=args.steps)
+    for step in progress:
+        step_start = time.perf_counter()
+        metrics: dict[str, float] = {}
+
+        # -- rollout: the same tasks on every process for a step, each process playing its share
+        tasks = random.Random(f"{args.seed}-{step}").sample(train_ids, args.tasks_per_step)
+        mine = tasks[accelerator.process_index::accelerator.num_processes]
+        task_ids = [t for t in mine for _ in range(args.n)]
+        groups = [g for g in range(len(mine)) for _ in range(args.n)]
+        stats: dict = {}
+        trajectories = rollout(engine, fmt, environments, task_ids, groups, max_turns=args.max_turns,
+                               max_new_tokens=args.max_new_tokens, max_tokens=args.max_tokens, pool=pool, stats=stats)
+
+        # -- advantages: GRPO within each task's group; errored trajectories are logged, not trained on
+        trainable = [t for t in trajectories if t.error is None]
+        scores = torch.tensor([t.reward for t in trainable], dtype=torch.float32)
+        group_ids = torch.tensor([t.group for t in trainable], dtype=torch.long)
+        advantages = adv_lib.grpo(scores, group_ids) if trainable else scores
+        trainable = [(t, a) for t, a in zip(trainable, advantages.tolist()) if sum(t.loss_mask) > 0]
+
+        # -- micro-batches of similar length (less padding); each mini-batch is a set of micro-batches
+        trainable.sort(key=lambda pair: len(pair[0].token_ids))
+        micro = []
+        for i in range(0, len(trainable), args.micro_batch_size):
+            chunk = trainable[i:i + args.micro_batch_size]
+            batch = collate([t for t, _ in chunk], fmt.pad_id, accelerator.device)
+            batch["advantages"] = adv_lib.per_token(torch.tensor([a for _, a in chunk], device=accelerator.device), batch["loss_mask"])
+            micro.append(batch)
+
+        # -- old and reference log-probs. With a single update per rollout the policy has not moved,
+        #    so the old log-probs are the current ones (detached) and need no extra forward pass.
+        on_policy = args.ppo_epochs * args.minibatches == 1
+        with torch.no_grad():
+            for batch in micro:
+                inputs = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"], args.temperature)
+                if not on_policy:
+                    batch["old_logprobs"], _ = token_logprobs(model, *inputs)
+                if ref_model is not None:
+                    batch["ref_logprobs"], _ = token_logprobs(ref_model, *inputs)
+
+        # -- PPO update: token-mean over each mini-batch, however it is split into micro-batches
+        model.train()
+        sums = {"policy": 0.0, "kl": 0.0, "entropy": 0.0, "clipfrac": 0.0, "ppo_kl": 0.0, "logprob_diff": 0.0}
+        counted, grad_norms = 0.0, []
+        rng = random.Random(f"{args.seed}-{step}-update")
+        for _ in range(args.ppo_epochs):
+            order = list(range(len(micro)))
+            rng.shuffle(order)
+            for part in range(args.minibatches):
+                minibatch = [micro[i] for i in order[part::args.minibatches]]
+                tokens = sum(float(b["loss_mask"].sum()) for b in minibatch)
+                for batch in minibatch:
+                    mask = batch["loss_mask"]
+                    with accelerator.autocast():
+                        logprobs, entropy = token_logprobs(model, batch["input_ids"], batch["attention_mask"], mask,
+                                                           args.temperature, with_entropy=True)
+                    old = batch["old_logprobs"] if "old_logprobs" in batch else logprobs.detach()
+                    pg, clipped = policy_loss(logprobs, old, batch["advantages"], args.clip)
+                    loss = token_mean(pg, mask, tokens) - args.entropy_coef * token_mean(entropy, mask, tokens)
+                    kl = kl_k3(logprobs, batch["ref_logprobs"]) if ref_model is not None else torch.zeros_like(logprobs)
+                    if ref_model is not None:
+                        loss = loss + args.kl_coef * token_mean(kl, mask, tokens)
+                    accelerator.backward(loss)
+                    with torch.no_grad():
+                        n_tok = float(mask.sum())
+                        counted += n_tok
+                        sums["policy"] += float((pg * mask).sum())
+                        sums["kl"] += float((kl * mask).sum())
+                        sums["entropy"] += float((entropy * mask).sum())
+                        sums["clipfrac"] += float((clipped * mask).sum())
+                        sums["ppo_kl"] += float(((old - logprobs) * mask).sum())
+                        sums["logprob_diff"] += float(((batch["sampler_logprobs"] - old).abs() * mask).sum())
+                if minibatch:
+                    grad_norms.append(float(accelerator.clip_grad_norm_(model.parameters(), args.grad_clip)))
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+
+        # -- metrics (trajectory statistics over all processes, losses from this one)
+        everyone = gather_object([(t.reward, t.success, t.turns, t.finish, len(t.token_ids), sum(t.loss_mask))
+                                  for t in trajectories])
+        sampled = gather_object([stats["sampled_tokens"]])
+        elapsed = time.perf_counter() - step_start
+        rewards = [r for r, *_ in everyone]
+        metrics.update({
+            "rollout/reward": sum(rewards) / len(rewards),
+            "rollout/success": sum(s for _, s, *_ in everyone) / len(everyone),
+            "rollout/turns": sum(t for _, _, t, *_ in everyone) / len(everyone),
+            "rollout/errors": sum(f == "error" for *_, f, _, _ in everyone),
+            "rollout/done": sum(f == "done" for *_, f, _, _ in everyone) / len(everyone),
+            "rollout/tokens": sum(n for *_, n, _ in everyone) / len(everyone),
+            "rollout/action_tokens": sum(a for *_, a in everyone) / len(everyone),
+            "rollout/horizon": args.max_turns,
+            "perf/tokens_per_s": sum(sampled) / max(stats["generate_s"], 1e-9),
+            "perf/generate_s": stats["generate_s"],
+            "perf/env_s": stats["env_s"],
+            "perf/step_s": elapsed,
+            "losses/policy": sums["policy"] / max(counted, 1),
+            "losses/kl": sums["kl"] / max(counted, 1),
+            "losses/entropy": sums["entropy"] / max(counted, 1),
+            "losses/clipfrac": sums["clipfrac"] / max(counted, 1),
+            "losses/ppo_kl": sums["ppo_kl"] / max(counted, 1),
+            "losses/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+            "rollout/logprob_diff": sums["logprob_diff"] / max(counted, 1),
+            "charts/lr": scheduler.get_last_lr()[0],
+            "charts/step": step,
+        })
+        if main_process:
+            rollout_log.write("".join(json.dumps({"step": step, **t.log_record()}) + "\n" for t in trajectories))
+            rollout_log.flush()
+            metrics_log.write(json.dumps(metrics) + "\n")
+            metrics_log.flush()
+            if tracker is not None:
+                tracker.log(metrics, step=step)
+            progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", success=f"{metrics['rollout/success']:.2f}")
+            tqdm.write(
+                f"step {step:>4} | reward {metrics['rollout/reward']:.3f} | success {metrics['rollout/success']:.2f} | "
+                f"turns {metrics['rollout/turns']:.1f} | tokens/s {metrics['perf/tokens_per_s']:.0f} | "
+                f"kl {metrics['losses/kl']:.4f} | entropy {metrics['losses/entropy']:.3f} | "
+                f"grad {metrics['losses/grad_norm']:.3f} | {elapsed:.1f}s"
+            )
+
+        if step == args.steps or (args.save_every and step % args.save_every == 0):
+            save_checkpoint(accelerator, model, tokenizer, ckpt_dir / f"step_{step}", step)
+
+    # ------------------------------------------------------------------------------------------
+    pool.shutdown()
+    for env in environments:
+        env.close()
+    if main_process:
+        rollout_log.close()
+        metrics_log.close()
+        if tracker is not None:
+            tracker.finish()
+        print(f"done: {run_dir}")
+    accelerator.end_training()
+    return run_dir
+
+
+def save_checkpoint(accelerator, model, tokenizer, path: Path, step: int) -> None:
+    """A Hugging Face model directory (safetensors; eval.py and vLLM load it), the full training
+    state under state/ for --resume, and trainer_state.json. Written beside the final name and
+    renamed into place, so a crash never leaves a half-written checkpoint behind."""
+    tmp = path.with_name(path.name + ".tmp")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.unwrap_model(model).save_pretrained(
+        tmp, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
+        state_dict=accelerator.get_state_dict(model), safe_serialization=True)
+    accelerator.save_state(str(tmp / "state"))
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(tmp)
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step}) + "\n")
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+    accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    main(parse_args())
