@@ -50,7 +50,7 @@ class Args:
     tasks: str | None = None
     """task id file (AgentGym-RL-Data-ID format) instead of the split"""
     limit: int | None = None
-    """evaluate only the first N tasks"""
+    """evaluate N tasks spread evenly over the split"""
     k: int = 1
     """episodes per task"""
     max_turns: int | None = None
@@ -65,6 +65,12 @@ class Args:
     seed: int = 0
     out: str | None = None
     """output path without extension; default: next to the checkpoint, else runs/eval/"""
+
+
+def spread(task_ids: list[int], n: int) -> list[int]:
+    """n ids evenly spaced over the list: splits are often sorted by category, so the first n would
+    all come from one."""
+    return task_ids if n >= len(task_ids) else [task_ids[i * len(task_ids) // n] for i in range(n)]
 
 
 def run_config(model: str) -> dict | None:
@@ -137,7 +143,8 @@ def main(args: Args) -> dict:
         task_ids = envs.load_task_ids(args.tasks, env_name)
     else:
         task_ids = envs.splits(env_name)[args.split]
-    task_ids = task_ids[:args.limit] if args.limit else task_ids
+    if args.limit:
+        task_ids = spread(task_ids, args.limit)
     if args.k < 1 or not task_ids:
         raise SystemExit("nothing to evaluate: need --k >= 1 and at least one task")
 
@@ -159,11 +166,9 @@ def main(args: Args) -> dict:
                                 [g for _, g in chunk], max_turns=settings["max_turns"],
                                 max_new_tokens=settings["max_new_tokens"], max_tokens=settings["max_tokens"])
         print(f"  {len(trajectories)}/{len(episodes)} episodes ({time.perf_counter() - start:.0f}s)", flush=True)
-    for env in environments:
-        env.close()
-
     results = {"model": args.model, "split": args.split if not args.tasks else args.tasks, "k": args.k,
-               "temperature": args.temperature, **settings, **score(trajectories, env_name),
+               "temperature": args.temperature, **settings, "env_settings": getattr(environments[0], "options", {}),
+               **score(trajectories, env_name),
                "seconds": round(time.perf_counter() - start, 1)}
     if args.out:
         out = Path(args.out)
@@ -174,6 +179,8 @@ def main(args: Args) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out.with_suffix(".jsonl"), "".join(json.dumps(t.log_record()) + "\n" for t in trajectories))
     write_atomic(out.with_suffix(".json"), json.dumps(results, indent=2) + "\n")
+    for env in environments:
+        env.close()
 
     print(f"{env_name} {results['split']}: {results['tasks']} tasks x {args.k}  "
           f"Avg@{args.k} {results['avg@k']:.4f}  Pass@{args.k} {results['pass@k']:.4f}  turns {results['turns']:.1f}")

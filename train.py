@@ -224,7 +224,8 @@ def main(args: Args) -> Path:
     if main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         config = {**asdict(args), "run_name": run_name, "mixed_precision": mixed, "processes": accelerator.num_processes,
-                  "env_options": env_options(args.env_options)}
+                  "env_options": env_options(args.env_options),
+                  "env_settings": getattr(environments[0], "options", {})}  # every setting in effect, defaults too
         (run_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if args.track:
             import wandb

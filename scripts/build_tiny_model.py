@@ -127,10 +127,12 @@ def warm_start(model, tokenizer, env_names, episodes, max_turns, max_tokens, epo
     rng = random.Random(seed + 1)
     for name in env_names:
         ids = rng.choices(envs.splits(name)["train"], k=episodes)  # with replacement: small splits repeat
-        environments = [envs.make(name) for _ in ids]
-        batch = rollout(ExpertEngine(fmt, environments), fmt, environments, ids, list(range(len(ids))),
-                        max_turns=max_turns, max_new_tokens=64, max_tokens=max_tokens)
-        trajectories += [t for t in batch if t.error is None and sum(t.loss_mask) > 0]
+        environments = [envs.make(name) for _ in range(min(64, len(ids)))]  # some envs are heavy (JVM, browser)
+        for i in range(0, len(ids), len(environments)):
+            chunk = ids[i:i + len(environments)]
+            batch = rollout(ExpertEngine(fmt, environments), fmt, environments[:len(chunk)], chunk, list(range(len(chunk))),
+                            max_turns=max_turns, max_new_tokens=256, max_tokens=max_tokens)
+            trajectories += [t for t in batch if t.error is None and sum(t.loss_mask) > 0]
         for env in environments:
             env.close()
     tokens = sum(len(t.token_ids) for t in trajectories)

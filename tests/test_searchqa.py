@@ -459,4 +459,4 @@ def test_training_loop_and_eval_run_on_searchqa(tmp_path):
     results = eval_script.main(eval_script.Args(model=str(run_dir / "checkpoints" / "step_1"), limit=4, k=1,
                                                 out=str(tmp_path / "eval")))
     assert results["env"] == "searchqa" and results["tasks"] == 4
-    assert set(results["categories"]) == {envs.category("searchqa", i) for i in SPLITS["test"][:4]}
+    assert set(results["categories"]) == {envs.category("searchqa", i) for i in eval_script.spread(SPLITS["test"], 4)}
