@@ -32,7 +32,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse
 import ast
 import json
-import math
 import random
 import shutil
 import sys

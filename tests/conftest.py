@@ -7,3 +7,30 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see train.py: spinning OpenMP threads starve env threads
+
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def tiny_run(tmp_path):
+    """One training step of the embedded model on an env (2 tasks x 2 samples, 2 turns of 16 tokens),
+    then, unless told not to, eval.py on 4 test tasks of its checkpoint. Returns (run directory,
+    rollout-log records, eval results or None)."""
+    import eval as eval_script
+    import train
+
+    def run(env: str, *flags: str, evaluate: bool = True):
+        args = train.parse_args(["--env", env, "--steps", "1", "--tasks-per-step", "2", "--n", "2", "--max-turns", "2",
+                                 "--max-new-tokens", "16", "--out-dir", str(tmp_path), "--run-name", env, *flags])
+        run_dir = train.main(args)
+        records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+        results = None
+        if evaluate:
+            results = eval_script.main(eval_script.Args(model=str(run_dir / "checkpoints" / "step_1"), limit=4, k=1,
+                                                        out=str(tmp_path / "eval")))
+        return run_dir, records, results
+
+    return run

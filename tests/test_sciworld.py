@@ -313,16 +313,12 @@ def test_default_splits_are_the_simulators_train_and_test_variations(env):
 # The training loop and eval on SciWorld (the embedded model, tiny settings)
 
 
-def test_training_loop_and_eval_run_on_sciworld(tmp_path):
+def test_training_loop_and_eval_run_on_sciworld(tiny_run):
     import eval as eval_script
-    import train
 
-    args = train.parse_args(["--env", "sciworld", "--steps", "1", "--tasks-per-step", "2", "--n", "2",
-                             "--max-turns", "2", "--max-new-tokens", "16", "--out-dir", str(tmp_path),
-                             "--run-name", "sciworld", "--env-options", "reward", "normalized"])
-    run_dir = train.main(args)
-    assert json.loads((run_dir / "config.json").read_text())["env_options"] == {"reward": "normalized"}
-    records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    run_dir, records, results = tiny_run("sciworld", "--env-options", "reward", "normalized")
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["env_options"] == {"reward": "normalized"} and config["env_settings"]["reward"] == "normalized"
     assert len(records) == 2 * 2
     train_ids = set(envs.splits("sciworld")["train"])
     env = envs.make("sciworld", reward="normalized")
@@ -340,8 +336,6 @@ def test_training_loop_and_eval_run_on_sciworld(tmp_path):
                 assert observation["content"] == env.step(turn["content"]).observation
     env.close()
 
-    results = eval_script.main(eval_script.Args(model=str(run_dir / "checkpoints" / "step_1"), limit=4, k=1,
-                                                out=str(tmp_path / "eval")))
     assert results["env"] == "sciworld" and results["tasks"] == 4
     test_ids = eval_script.spread(envs.splits("sciworld")["test"], 4)
     assert set(results["categories"]) == {envs.category("sciworld", i) for i in test_ids}

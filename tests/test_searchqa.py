@@ -433,15 +433,10 @@ def test_envs_stepped_from_many_threads_share_one_retriever():
 # The training loop and eval on SearchQA (the embedded model, tiny settings)
 
 
-def test_training_loop_and_eval_run_on_searchqa(tmp_path):
+def test_training_loop_and_eval_run_on_searchqa(tiny_run):
     import eval as eval_script
-    import train
 
-    args = train.parse_args(["--env", "searchqa", "--steps", "1", "--tasks-per-step", "2", "--n", "2",
-                             "--max-turns", "2", "--max-new-tokens", "16", "--out-dir", str(tmp_path),
-                             "--run-name", "searchqa"])
-    run_dir = train.main(args)
-    records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    run_dir, records, results = tiny_run("searchqa")
     assert len(records) == 2 * 2
     train_ids = set(SPLITS["train"])
     env = envs.make("searchqa")
@@ -456,7 +451,5 @@ def test_training_loop_and_eval_run_on_searchqa(tmp_path):
         for turn, observation in zip(messages[3::2], messages[4::2]):
             assert observation["content"] == env.step(turn["content"]).observation
 
-    results = eval_script.main(eval_script.Args(model=str(run_dir / "checkpoints" / "step_1"), limit=4, k=1,
-                                                out=str(tmp_path / "eval")))
     assert results["env"] == "searchqa" and results["tasks"] == 4
     assert set(results["categories"]) == {envs.category("searchqa", i) for i in eval_script.spread(SPLITS["test"], 4)}

@@ -279,15 +279,10 @@ def test_default_splits_are_upstreams_sizes_stratified_by_depth(tmp_path):
 # the training loop and eval on TextCraft (the embedded model, tiny settings)
 
 
-def test_training_loop_and_eval_run_on_textcraft(tmp_path):
+def test_training_loop_and_eval_run_on_textcraft(tiny_run):
     import eval as eval_script
-    import train
 
-    args = train.parse_args(["--env", "textcraft", "--steps", "1", "--tasks-per-step", "2", "--n", "2",
-                             "--max-turns", "2", "--max-new-tokens", "16", "--out-dir", str(tmp_path),
-                             "--run-name", "textcraft"])
-    run_dir = train.main(args)
-    records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    run_dir, records, results = tiny_run("textcraft")
     assert len(records) == 2 * 2
     train_ids = set(envs.splits("textcraft")["train"])
     env = envs.make("textcraft")
@@ -302,8 +297,6 @@ def test_training_loop_and_eval_run_on_textcraft(tmp_path):
         for turn, observation in zip(messages[3::2], messages[4::2]):
             assert observation["content"] == env.step(turn["content"]).observation
 
-    results = eval_script.main(eval_script.Args(model=str(run_dir / "checkpoints" / "step_1"), limit=4, k=1,
-                                                out=str(tmp_path / "eval")))
     assert results["env"] == "textcraft" and results["tasks"] == 4
     test_ids = eval_script.spread(envs.splits("textcraft")["test"], 4)
     assert set(results["categories"]) == {envs.category("textcraft", i) for i in test_ids}

@@ -532,13 +532,8 @@ def test_no_browser_process_survives_the_run():
 
 
 @needs_chromium
-def test_training_loop_runs_on_the_local_sites(tmp_path):
-    import train
-
-    args = train.parse_args(["--env", "webarena", "--steps", "1", "--tasks-per-step", "2", "--n", "2",
-                             "--max-turns", "2", "--max-new-tokens", "16", "--out-dir", str(tmp_path), "--run-name", "w"])
-    run_dir = train.main(args)
-    records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+def test_training_loop_runs_on_the_local_sites(tiny_run):
+    run_dir, records, _ = tiny_run("webarena", evaluate=False)
     train_ids = set(envs.splits("webarena")["train"])
     assert len(records) == 4
     for record in records:
