@@ -122,7 +122,7 @@ class Args:
 PRESETS = {
     "paper": Args(),
     "tiny": Args(
-        steps=10, tasks_per_step=8, n=4, max_turns=6, max_new_tokens=48, max_tokens=3072, lr=2e-4,
+        steps=10, tasks_per_step=8, n=4, max_turns=6, max_new_tokens=48, max_tokens=3072, lr=5e-5,
         minibatches=1, micro_batch_size=4, save_every=0,
     ),
 }
