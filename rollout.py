@@ -157,6 +157,8 @@ class HFEngine:
     def _generate(self, prompts: list[list[int]], limits: list[int]) -> list[Sample]:
         from transformers import DynamicCache
 
+        if max(limits) <= 0:
+            return [Sample([]) for _ in prompts]
         model, device = self.model, self.model.device
         was_training = model.training
         model.eval()

@@ -31,6 +31,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import ast
+import contextlib
 import json
 import random
 import shutil
@@ -168,6 +169,34 @@ def env_options(options: dict[str, str]) -> dict:
     return out
 
 
+def update(model, ref_model, batch, tokens: float, args: Args, accelerator) -> dict[str, float]:
+    """Forward and backward of one micro-batch: PPO's clipped loss, minus the entropy bonus, plus the
+    k3 KL to the reference, each a token-mean over the whole mini-batch (`tokens` action tokens).
+    Returns the micro-batch's sums for the step's metrics."""
+    mask = batch["loss_mask"]
+    with accelerator.autocast():
+        logprobs, entropy = token_logprobs(model, batch["input_ids"], batch["attention_mask"], mask,
+                                           args.temperature, with_entropy=True)
+    old = batch["old_logprobs"] if "old_logprobs" in batch else logprobs.detach()
+    pg, clipped = policy_loss(logprobs, old, batch["advantages"], args.clip)
+    loss = token_mean(pg, mask, tokens) - args.entropy_coef * token_mean(entropy, mask, tokens)
+    kl = torch.zeros_like(logprobs)
+    if ref_model is not None:
+        kl = kl_k3(logprobs, batch["ref_logprobs"])
+        loss = loss + args.kl_coef * token_mean(kl, mask, tokens)
+    accelerator.backward(loss)
+    with torch.no_grad():
+        return {
+            "tokens": float(mask.sum()),
+            "policy": float((pg * mask).sum()),
+            "kl": float((kl * mask).sum()),
+            "entropy": float((entropy * mask).sum()),
+            "clipfrac": float((clipped * mask).sum()),
+            "ppo_kl": float(((old - logprobs) * mask).sum()),
+            "logprob_diff": float(((batch["sampler_logprobs"] - old).abs() * mask).sum()),
+        }
+
+
 def main(args: Args) -> Path:
     from accelerate import Accelerator
     from accelerate.utils import gather_object, set_seed
@@ -256,20 +285,24 @@ def main(args: Args) -> Path:
         trajectories = rollout(engine, fmt, environments, task_ids, groups, max_turns=args.max_turns,
                                max_new_tokens=args.max_new_tokens, max_tokens=args.max_tokens, pool=pool, stats=stats)
 
-        # -- advantages: GRPO within each task's group; errored trajectories are logged, not trained on
-        trainable = [t for t in trajectories if t.error is None]
-        scores = torch.tensor([t.reward for t in trainable], dtype=torch.float32)
-        group_ids = torch.tensor([t.group for t in trainable], dtype=torch.long)
-        advantages = adv_lib.grpo(scores, group_ids) if trainable else scores
-        trainable = [(t, a) for t, a in zip(trainable, advantages.tolist()) if sum(t.loss_mask) > 0]
+        # -- advantages: GRPO within each task's group. A trajectory that ended in an env error is no
+        #    outcome: it stays out of the group statistics and its tokens are not trained on. It stays
+        #    in the batch, though, so that every process runs the same number of backward passes.
+        ok = torch.tensor([t.error is None for t in trajectories])
+        scores = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+        group_ids = torch.tensor([t.group for t in trajectories], dtype=torch.long)
+        advantages = torch.zeros_like(scores)
+        if ok.any():
+            advantages[ok] = adv_lib.grpo(scores[ok], group_ids[ok])
 
         # -- micro-batches of similar length (less padding); each mini-batch is a set of micro-batches
-        trainable.sort(key=lambda pair: len(pair[0].token_ids))
+        order = sorted(range(len(trajectories)), key=lambda i: len(trajectories[i].token_ids))
         micro = []
-        for i in range(0, len(trainable), args.micro_batch_size):
-            chunk = trainable[i:i + args.micro_batch_size]
-            batch = collate([t for t, _ in chunk], fmt.pad_id, accelerator.device)
-            batch["advantages"] = adv_lib.per_token(torch.tensor([a for _, a in chunk], device=accelerator.device), batch["loss_mask"])
+        for i in range(0, len(order), args.micro_batch_size):
+            rows = order[i:i + args.micro_batch_size]
+            batch = collate([trajectories[r] for r in rows], fmt.pad_id, accelerator.device)
+            batch["loss_mask"] *= ok[rows].to(accelerator.device)[:, None]
+            batch["advantages"] = adv_lib.per_token(advantages[rows].to(accelerator.device), batch["loss_mask"])
             micro.append(batch)
 
         # -- old and reference log-probs. With a single update per rollout the policy has not moved,
@@ -285,36 +318,21 @@ def main(args: Args) -> Path:
 
         # -- PPO update: token-mean over each mini-batch, however it is split into micro-batches
         model.train()
-        sums = {"policy": 0.0, "kl": 0.0, "entropy": 0.0, "clipfrac": 0.0, "ppo_kl": 0.0, "logprob_diff": 0.0}
-        counted, grad_norms = 0.0, []
+        sums = {"tokens": 0.0, "policy": 0.0, "kl": 0.0, "entropy": 0.0, "clipfrac": 0.0, "ppo_kl": 0.0, "logprob_diff": 0.0}
+        grad_norms = []
         rng = random.Random(f"{args.seed}-{step}-update")
         for _ in range(args.ppo_epochs):
-            order = list(range(len(micro)))
-            rng.shuffle(order)
+            shuffled = list(range(len(micro)))
+            rng.shuffle(shuffled)
             for part in range(args.minibatches):
-                minibatch = [micro[i] for i in order[part::args.minibatches]]
+                minibatch = [micro[i] for i in shuffled[part::args.minibatches]]
                 tokens = sum(float(b["loss_mask"].sum()) for b in minibatch)
-                for batch in minibatch:
-                    mask = batch["loss_mask"]
-                    with accelerator.autocast():
-                        logprobs, entropy = token_logprobs(model, batch["input_ids"], batch["attention_mask"], mask,
-                                                           args.temperature, with_entropy=True)
-                    old = batch["old_logprobs"] if "old_logprobs" in batch else logprobs.detach()
-                    pg, clipped = policy_loss(logprobs, old, batch["advantages"], args.clip)
-                    loss = token_mean(pg, mask, tokens) - args.entropy_coef * token_mean(entropy, mask, tokens)
-                    kl = kl_k3(logprobs, batch["ref_logprobs"]) if ref_model is not None else torch.zeros_like(logprobs)
-                    if ref_model is not None:
-                        loss = loss + args.kl_coef * token_mean(kl, mask, tokens)
-                    accelerator.backward(loss)
-                    with torch.no_grad():
-                        n_tok = float(mask.sum())
-                        counted += n_tok
-                        sums["policy"] += float((pg * mask).sum())
-                        sums["kl"] += float((kl * mask).sum())
-                        sums["entropy"] += float((entropy * mask).sum())
-                        sums["clipfrac"] += float((clipped * mask).sum())
-                        sums["ppo_kl"] += float(((old - logprobs) * mask).sum())
-                        sums["logprob_diff"] += float(((batch["sampler_logprobs"] - old).abs() * mask).sum())
+                for k, batch in enumerate(minibatch):
+                    # gradients are averaged across processes once per mini-batch, at its last micro-batch
+                    with contextlib.nullcontext() if k == len(minibatch) - 1 else accelerator.no_sync(model):
+                        micro_sums = update(model, ref_model, batch, tokens, args, accelerator)
+                    for key, value in micro_sums.items():
+                        sums[key] += value
                 if minibatch:
                     grad_norms.append(float(accelerator.clip_grad_norm_(model.parameters(), args.grad_clip)))
                     optimizer.step()
@@ -340,13 +358,13 @@ def main(args: Args) -> Path:
             "perf/generate_s": stats["generate_s"],
             "perf/env_s": stats["env_s"],
             "perf/step_s": elapsed,
-            "losses/policy": sums["policy"] / max(counted, 1),
-            "losses/kl": sums["kl"] / max(counted, 1),
-            "losses/entropy": sums["entropy"] / max(counted, 1),
-            "losses/clipfrac": sums["clipfrac"] / max(counted, 1),
-            "losses/ppo_kl": sums["ppo_kl"] / max(counted, 1),
+            "losses/policy": sums["policy"] / max(sums["tokens"], 1),
+            "losses/kl": sums["kl"] / max(sums["tokens"], 1),
+            "losses/entropy": sums["entropy"] / max(sums["tokens"], 1),
+            "losses/clipfrac": sums["clipfrac"] / max(sums["tokens"], 1),
+            "losses/ppo_kl": sums["ppo_kl"] / max(sums["tokens"], 1),
             "losses/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-            "rollout/logprob_diff": sums["logprob_diff"] / max(counted, 1),
+            "rollout/logprob_diff": sums["logprob_diff"] / max(sums["tokens"], 1),
             "charts/lr": scheduler.get_last_lr()[0],
             "charts/step": step,
         })

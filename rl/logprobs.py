@@ -12,7 +12,7 @@ import torch
 
 def collate(trajectories, pad_id: int, device=None) -> dict[str, torch.Tensor]:
     """Right-padded [B, T] tensors: input_ids, attention_mask, loss_mask, and the sampler's logprobs."""
-    width = max(len(t.token_ids) for t in trajectories)
+    width = max(1, max(len(t.token_ids) for t in trajectories))
     batch = {
         "input_ids": torch.full((len(trajectories), width), pad_id, dtype=torch.long),
         "attention_mask": torch.zeros((len(trajectories), width), dtype=torch.long),
@@ -21,8 +21,9 @@ def collate(trajectories, pad_id: int, device=None) -> dict[str, torch.Tensor]:
     }
     for row, t in enumerate(trajectories):
         n = len(t.token_ids)
-        batch["input_ids"][row, :n] = torch.tensor(t.token_ids)
-        batch["attention_mask"][row, :n] = 1
+        batch["input_ids"][row, :n] = torch.tensor(t.token_ids, dtype=torch.long)
+        batch["attention_mask"][row, :max(n, 1)] = 1  # an empty trajectory (failed reset) attends to one pad:
+        # a row with nothing to attend to would make NaN logits, and NaN * 0 is still NaN
         batch["loss_mask"][row, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
         batch["sampler_logprobs"][row, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
     return {k: v.to(device) for k, v in batch.items()} if device is not None else batch
@@ -37,7 +38,11 @@ def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature: flo
     """
     columns = loss_mask.any(0).nonzero().squeeze(1)  # token positions with an action token in any row
     columns = columns[columns > 0]  # position 0 has no prediction (it is always prompt anyway)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=columns - 1).logits
+    if columns.numel() == 0:
+        # no action token at all: still score one (masked) position, so that the graph reaches every
+        # weight; under DDP every process must produce gradients for the same parameters
+        columns = torch.full((1,), input_ids.shape[1] - 1, device=input_ids.device)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=(columns - 1).clamp(min=0)).logits
     logits = logits.float() / (temperature if temperature > 0 else 1.0)  # [B, K, V]
     logp_all = logits.log_softmax(-1)
     picked = logp_all.gather(-1, input_ids[:, columns].unsqueeze(-1)).squeeze(-1)  # [B, K]

@@ -191,3 +191,17 @@ def test_expert_rollouts_are_token_exact_for_every_env(tiny, name):
     assert all(t.error is None or "expert failed" in t.error for t in trajectories)
     assert sum(t.turns for t in trajectories) >= 2
     assert check_exact(fmt, spy, trajectories) >= 1
+
+
+def test_top_p_and_top_k_only_draw_from_the_head_of_the_distribution(tiny):
+    tokenizer, model = tiny
+    logits = torch.tensor([[4.0, 3.0, 0.0, -1.0, -2.0]]).repeat(500, 1)  # p = .72, .26, .01, ...
+    fmt = ChatFormat(tokenizer)
+    nucleus = HFEngine(model, fmt, temperature=1.0, top_p=0.9, seed=0)
+    tokens, logprobs = nucleus._sample(logits)
+    assert set(tokens.tolist()) == {0, 1}  # .72 < .9, so the second token is in the nucleus, the rest not
+    assert torch.allclose(logprobs, logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1))
+    top1 = HFEngine(model, fmt, temperature=1.0, top_k=1, seed=0)
+    assert set(top1._sample(logits)[0].tolist()) == {0}
+    plain = HFEngine(model, fmt, temperature=1.0, seed=0)
+    assert set(plain._sample(logits)[0].tolist()) >= {0, 1, 2}

@@ -2,13 +2,17 @@
 rollout log; eval.py scores the checkpoint; bad settings stop early with a message."""
 
 import json
+import math
+import types
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+import envs
 import eval as eval_script
 import train
+from envs.babyai import BabyAI
 from rl.model import EMBEDDED
 
 
@@ -97,3 +101,41 @@ def test_bad_settings_stop_early(argv, message, capsys):
 def test_unknown_flag_is_rejected():
     with pytest.raises(SystemExit):
         train.parse_args(["--no-such-flag", "1"])
+
+
+class Flaky(BabyAI):
+    """BabyAI whose infrastructure fails: resets of task ids divisible by 3 and steps of even ids raise."""
+
+    name = "flaky"
+
+    def reset(self, task_id):
+        if task_id % 3 == 0:
+            raise ConnectionError("simulator is gone")
+        return super().reset(task_id)
+
+    def step(self, text):
+        if self.task_id % 2 == 0:
+            raise TimeoutError("no answer in 60 s")
+        return super().step(text)
+
+
+def test_env_failures_end_one_trajectory_not_the_run(monkeypatch, tmp_path):
+    ids = tmp_path / "ids.json"
+    envs.save_task_ids(ids, "flaky", list(range(120, 132)))
+    module = types.SimpleNamespace(make=lambda **_: Flaky(), category=lambda _: "all", default_split_files=lambda: (ids, ids))
+    monkeypatch.setattr(envs, "ENVS", envs.ENVS + ("flaky",))
+    original = envs._module
+    monkeypatch.setattr(envs, "_module", lambda name: module if name == "flaky" else original(name))
+    run_dir = train.main(tiny_args(tmp_path, env="flaky", tasks_per_step=6, steps=1))
+    records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    failed = [r for r in records if r["error"]]
+    doomed = [r for r in records if int(r["item_id"].split("_")[1]) % 2 == 0 or int(r["item_id"].split("_")[1]) % 3 == 0]
+    assert failed == doomed
+    assert all(r["finish"] == "error" and r["reward"] == 0.0 for r in failed)
+    assert any("reset failed: ConnectionError" in r["error"] for r in failed)
+    assert any("step failed: TimeoutError" in r["error"] for r in failed)
+    assert len(failed) < len(records)  # the healthy ones played on
+    metrics = json.loads((run_dir / "metrics.jsonl").read_text())
+    assert metrics["rollout/errors"] == len(failed)
+    assert math.isfinite(metrics["losses/policy"]) and math.isfinite(metrics["losses/grad_norm"])
+    assert (run_dir / "checkpoints" / "step_1" / "model.safetensors").is_file()
