@@ -340,8 +340,8 @@ def main(args: Args) -> Path:
                     optimizer.zero_grad(set_to_none=True)
 
         # -- metrics (trajectory statistics over all processes, losses from this one)
-        everyone = gather_object([(t.reward, t.success, t.turns, t.finish, len(t.token_ids), sum(t.loss_mask))
-                                  for t in trajectories])
+        records = gather_object([{"step": step, **t.log_record()} for t in trajectories])  # every process's episodes
+        everyone = [(r["reward"], r["success"], r["turns"], r["finish"], r["tokens"], r["action_tokens"]) for r in records]
         sampled = gather_object([stats["sampled_tokens"]])
         elapsed = time.perf_counter() - step_start
         rewards = [r for r, *_ in everyone]
@@ -369,7 +369,7 @@ def main(args: Args) -> Path:
             "charts/step": step,
         })
         if main_process:
-            rollout_log.write("".join(json.dumps({"step": step, **t.log_record()}) + "\n" for t in trajectories))
+            rollout_log.write("".join(json.dumps(record) + "\n" for record in records))
             rollout_log.flush()
             metrics_log.write(json.dumps(metrics) + "\n")
             metrics_log.flush()

@@ -3,7 +3,11 @@ rollout log; eval.py scores the checkpoint; bad settings stop early with a messa
 
 import json
 import math
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,3 +143,22 @@ def test_env_failures_end_one_trajectory_not_the_run(monkeypatch, tmp_path):
     assert metrics["rollout/errors"] == len(failed)
     assert math.isfinite(metrics["losses/policy"]) and math.isfinite(metrics["losses/grad_norm"])
     assert (run_dir / "checkpoints" / "step_1" / "model.safetensors").is_file()
+
+
+def test_two_processes_split_the_tasks_and_log_every_episode(tmp_path):
+    """Data-parallel training (DDP over gloo on the CPU): each process plays its share of a step's
+    tasks, gradients are averaged, and the main process logs every process's episodes."""
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py", "--",
+               "--steps", "2", "--tasks-per-step", "4", "--n=2", "--max-turns", "2", "--max-new-tokens", "16",
+               "--out-dir", str(tmp_path), "--run-name", "ddp"]
+    done = subprocess.run(command, cwd=Path(train.__file__).parent, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / "ddp"
+    assert json.loads((run_dir / "config.json").read_text())["processes"] == 2
+    records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 4 * 2
+    for step in (1, 2):
+        items = [r["item_id"] for r in records if r["step"] == step]
+        assert len(set(items)) == 4 and all(items.count(i) == 2 for i in items)  # 4 tasks, 2 samples each
+    assert (run_dir / "checkpoints" / "step_2" / "model.safetensors").is_file()
