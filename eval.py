@@ -87,11 +87,13 @@ def resolve_settings(args: Args) -> dict:
 
     config = run_config(args.model)
     if config is not None:
-        base = {key: config[key] for key in ("env", "max_turns", "max_new_tokens", "max_tokens")}
+        base = {key: config[key] for key in ("env", "max_new_tokens", "max_tokens")}
+        # the run's last horizon stage: the longest episodes it trained on (older runs: one max_turns)
+        base["max_turns"] = config["horizon"][-1] if "horizon" in config else config["max_turns"]
         base["env_options"] = config.get("env_options", {})
     elif args.model in EMBEDDED:
         tiny = PRESETS["tiny"]
-        base = {"env": tiny.env, "max_turns": tiny.max_turns, "max_new_tokens": tiny.max_new_tokens,
+        base = {"env": tiny.env, "max_turns": tiny.horizon[-1], "max_new_tokens": tiny.max_new_tokens,
                 "max_tokens": tiny.max_tokens, "env_options": {}}
     else:
         env = args.env or "babyai"

@@ -1,15 +1,18 @@
-"""Multi-turn RL for LLM agents: GRPO on AgentGym environments, the AgentGym-RL recipe.
+"""Multi-turn RL for LLM agents on AgentGym environments: AgentGym-RL and ScalingInter-RL.
 
     python train.py                                              # tiny embedded model, BabyAI, CPU, minutes
     python train.py --model Qwen/Qwen2.5-3B-Instruct --env babyai  # the paper's recipe, one GPU
-    accelerate launch --num_processes 8 train.py --model Qwen/Qwen2.5-7B-Instruct --env textcraft
+    accelerate launch --num_processes 8 train.py --model Qwen/Qwen2.5-7B-Instruct --env textcraft \
+        --algo grpo --horizon 10 20 30 --horizon-every 100          # ScalingInter-RL
 
 Each step: sample `tasks_per_step` tasks from the env's train split, roll out `n` episodes of each
-(rollout.py: batched generation, envs stepped in parallel, exact sampled tokens), score each episode
-by its last reward, turn rewards into group-relative advantages (GRPO), and update the policy with
-PPO's clipped loss, a k3 KL penalty to the frozen initial model and an entropy bonus, token-mean
-over each mini-batch. Every trajectory goes to runs/<run>/rollouts.jsonl, metrics to
-runs/<run>/metrics.jsonl (and wandb with --track), checkpoints to runs/<run>/checkpoints/step_<k>.
+(rollout.py: batched generation, envs stepped in parallel, exact sampled tokens) with at most as many
+turns as the horizon schedule allows at this step (rl/horizon.py), score each episode by its last
+reward, turn scores into advantages (rl/advantages.py: `--algo` grpo, rloo, reinforce_pp, or ppo with
+a critic and GAE), and update the policy with PPO's clipped loss, a KL penalty to the frozen initial
+model and an entropy bonus (rl/losses.py). Every trajectory goes to runs/<run>/rollouts.jsonl,
+metrics to runs/<run>/metrics.jsonl (and wandb with --track), checkpoints to
+runs/<run>/checkpoints/step_<k>.
 
 Presets: flags default to the paper's recipe (lr 1e-6, clip 0.2, KL 0.001, entropy 0.001,
 temperature 1.0) for a real model; with the embedded tiny model (the default) they default to the
@@ -17,8 +20,7 @@ temperature 1.0) for a real model; with the embedded tiny model (the default) th
 explicitly; any flag you pass overrides the preset.
 
 Simplifications: the policy samples with Hugging Face generation in this process (each process of
-a multi-GPU run rolls out its own share of tasks, so groups never straddle processes); the turn
-cap is fixed for the run.
+a multi-GPU run rolls out its own share of tasks, so groups never straddle processes).
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ from tqdm import tqdm
 
 import envs
 from rl import advantages as adv_lib
-from rl.logprobs import collate, token_logprobs
-from rl.losses import kl_k3, policy_loss, token_mean
-from rl.model import EMBEDDED, load_model, load_tokenizer
+from rl.horizon import describe, horizon
+from rl.logprobs import collate, token_logprobs, token_values
+from rl.losses import aggregate, kl, policy_loss, value_loss
+from rl.model import EMBEDDED, load_model, load_tokenizer, load_value_model
 from rollout import ChatFormat, HFEngine, rollout
 
 
@@ -68,15 +71,28 @@ class Args:
     train_tasks: str | None = None
     """task id file in AgentGym-RL-Data-ID format ([{"item_id": "babyai_12"}, ...]); default: the shipped train split"""
 
+    # -- algorithm
+    algo: Literal["grpo", "rloo", "reinforce_pp", "ppo"] = "grpo"
+    """advantage estimator: grpo (group-normalised), rloo (leave-one-out), reinforce_pp (discounted
+    returns whitened over the batch), ppo (a critic and GAE)"""
+    grpo_scale: bool = True
+    """grpo: divide by the group's std; --no-grpo-scale is Dr. GRPO"""
+    gamma: float = 1.0
+    """discount per action token (reinforce_pp, ppo)"""
+    lam: float = 1.0
+    """GAE lambda (ppo)"""
+
     # -- rollout
     steps: int = 200
     """training steps (one rollout + one update each)"""
     tasks_per_step: int = 16
     """tasks per step, over all processes (upstream's train_batch_size)"""
     n: int = 8
-    """samples per task: the GRPO group size"""
-    max_turns: int = 15
-    """turn cap (interaction horizon) per episode"""
+    """samples per task (the group of grpo and rloo)"""
+    horizon: tuple[int, ...] = (15,)
+    """turn cap per episode; several values are ScalingInter-RL's stages, e.g. --horizon 10 20 30"""
+    horizon_every: int = 100
+    """training steps per horizon stage"""
     max_new_tokens: int = 512
     """tokens per assistant turn"""
     max_tokens: int = 8192
@@ -98,10 +114,29 @@ class Args:
     micro_batch_size: int = 4
     """trajectories per forward/backward (gradient accumulation inside a mini-batch)"""
     clip: float = 0.2
-    """PPO ratio clip"""
+    """PPO ratio clip (the lower one when --clip-high is given)"""
+    clip_high: float | None = None
+    """upper ratio clip, e.g. 0.28 (DAPO's clip-higher); default: --clip"""
+    dual_clip: float | None = None
+    """bound the loss of negative advantages at -A * c (dual clip, c > 1, e.g. 3)"""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """how per-token losses become one number (seq-mean-token-sum: Dr. GRPO)"""
     kl_coef: float = 0.001
-    """k3 KL(policy || initial policy) loss weight; 0 drops the reference model"""
+    """weight of KL(policy || initial policy); 0 drops the reference model"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """k1 (log-ratio), k2 (squared, upstream's mse) or k3 (upstream's low_var_kl)"""
+    kl_in_reward: bool = False
+    """subtract the KL from the reward (per token) instead of adding it to the loss"""
     entropy_coef: float = 0.001
+
+    # -- critic (ppo)
+    critic_lr: float = 1e-5
+    critic_lr_warmup_steps: int = 0
+    """linear learning-rate warm-up of the critic, in optimizer steps"""
+    critic_warmup: int = 0
+    """training steps at the start in which only the critic learns (upstream's trainer.critic_warmup)"""
+    value_clip: float = 0.5
+    """value-loss clip around the old values"""
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     """auto: bf16 on GPU, fp32 on CPU"""
     gradient_checkpointing: bool = False
@@ -123,8 +158,8 @@ class Args:
 PRESETS = {
     "paper": Args(),
     "tiny": Args(
-        steps=10, tasks_per_step=8, n=4, max_turns=6, max_new_tokens=48, max_tokens=3072, lr=5e-5,
-        minibatches=1, micro_batch_size=4, save_every=0,
+        steps=10, tasks_per_step=8, n=4, horizon=(6,), max_new_tokens=48, max_tokens=3072, lr=5e-5,
+        minibatches=1, micro_batch_size=4, save_every=0, critic_lr=1e-3,
     ),
 }
 
@@ -148,8 +183,14 @@ def check(args: Args, world: int) -> None:
     """Stop early, with what to do, on settings that cannot work."""
     if args.env not in envs.ENVS:
         raise SystemExit(f"unknown env {args.env!r}; choose one of: {', '.join(envs.ENVS)}")
-    if args.n < 2:
-        raise SystemExit("GRPO compares the samples of a task with each other: use --n 2 or more")
+    if args.n < 2 and args.algo in ("grpo", "rloo"):
+        raise SystemExit(f"{args.algo} compares the samples of a task with each other: use --n 2 or more")
+    if not args.horizon or min(args.horizon) < 1 or args.horizon_every < 1:
+        raise SystemExit("--horizon takes one or more turn caps of at least 1, --horizon-every at least 1 step")
+    if list(args.horizon) != sorted(args.horizon):
+        raise SystemExit(f"--horizon {' '.join(map(str, args.horizon))}: ScalingInter-RL's stages only grow")
+    if args.dual_clip is not None and args.dual_clip <= 1:
+        raise SystemExit("--dual-clip must be larger than 1")
     if args.tasks_per_step % world:
         raise SystemExit(f"--tasks-per-step {args.tasks_per_step} must be divisible by the {world} processes")
     if args.tasks_per_step // world * args.n < args.minibatches:
@@ -169,32 +210,74 @@ def env_options(options: dict[str, str]) -> dict:
     return out
 
 
-def update(model, ref_model, batch, tokens: float, args: Args, accelerator) -> dict[str, float]:
-    """Forward and backward of one micro-batch: PPO's clipped loss, minus the entropy bonus, plus the
-    k3 KL to the reference, each a token-mean over the whole mini-batch (`tokens` action tokens).
-    Returns the micro-batch's sums for the step's metrics."""
+def update_policy(model, ref_model, batch, norm: dict, args: Args, accelerator) -> dict[str, float]:
+    """Forward and backward of one micro-batch for the policy: PPO's clipped loss, minus the entropy
+    bonus, plus the KL to the reference (unless it is in the reward), each aggregated over the whole
+    mini-batch (`norm`: its action tokens and sequences). Returns the micro-batch's sums for metrics."""
     mask = batch["loss_mask"]
     with accelerator.autocast():
         logprobs, entropy = token_logprobs(model, batch["input_ids"], batch["attention_mask"], mask,
                                            args.temperature, with_entropy=True)
     old = batch["old_logprobs"] if "old_logprobs" in batch else logprobs.detach()
-    pg, clipped = policy_loss(logprobs, old, batch["advantages"], args.clip)
-    loss = token_mean(pg, mask, tokens) - args.entropy_coef * token_mean(entropy, mask, tokens)
-    kl = torch.zeros_like(logprobs)
+    pg, clipped = policy_loss(logprobs, old, batch["advantages"], args.clip, args.clip_high, args.dual_clip)
+    loss = aggregate(pg, mask, args.loss_agg, **norm) - args.entropy_coef * aggregate(entropy, mask, args.loss_agg, **norm)
+    divergence = torch.zeros_like(logprobs)
     if ref_model is not None:
-        kl = kl_k3(logprobs, batch["ref_logprobs"])
-        loss = loss + args.kl_coef * token_mean(kl, mask, tokens)
+        divergence = kl(logprobs, batch["ref_logprobs"], args.kl_estimator)
+        if not args.kl_in_reward:
+            loss = loss + args.kl_coef * aggregate(divergence, mask, args.loss_agg, **norm)
     accelerator.backward(loss)
     with torch.no_grad():
         return {
             "tokens": float(mask.sum()),
             "policy": float((pg * mask).sum()),
-            "kl": float((kl * mask).sum()),
+            "kl": float((divergence * mask).sum()),
             "entropy": float((entropy * mask).sum()),
             "clipfrac": float((clipped * mask).sum()),
             "ppo_kl": float(((old - logprobs) * mask).sum()),
             "logprob_diff": float(((batch["sampler_logprobs"] - old).abs() * mask).sum()),
         }
+
+
+def update_critic(critic, batch, norm: dict, args: Args, accelerator) -> dict[str, float]:
+    """Forward and backward of one micro-batch for the critic: the clipped value loss against the GAE
+    returns, on action tokens only, aggregated like the policy loss."""
+    mask = batch["loss_mask"]
+    with accelerator.autocast():
+        values = token_values(critic, batch["input_ids"], batch["attention_mask"], mask)
+    terms, clipped = value_loss(values, batch["old_values"], batch["returns"], args.value_clip)
+    accelerator.backward(aggregate(terms, mask, args.loss_agg, **norm))
+    with torch.no_grad():
+        return {"critic_tokens": float(mask.sum()), "value": float((terms * mask).sum()),
+                "value_clipfrac": float((clipped * mask).sum())}
+
+
+def advantages_for(args: Args, full: dict, scores: torch.Tensor, groups: torch.Tensor, ok: torch.Tensor,
+                   reduce) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The step's per-token advantages [B, T] (and GAE's returns for the critic) on the padded batch.
+    A trajectory that ended in an env error has no outcome: its mask is already 0, and it stays out
+    of the group statistics."""
+    mask = full["loss_mask"]
+    penalty = torch.zeros_like(mask)
+    if args.kl_in_reward and "ref_logprobs" in full:  # r_t = outcome - beta * KL_t, per action token
+        penalty = args.kl_coef * kl(full["old_logprobs"], full["ref_logprobs"], args.kl_estimator) * mask
+    if args.algo in ("grpo", "rloo"):
+        totals = scores - penalty.sum(1)  # the trajectory's return: outcome minus its summed KL penalty
+        per_trajectory = torch.zeros_like(scores)
+        if ok.any():
+            estimator = adv_lib.rloo if args.algo == "rloo" else (lambda s, g: adv_lib.grpo(s, g, scale=args.grpo_scale))
+            per_trajectory[ok] = estimator(totals[ok], groups[ok])
+        return adv_lib.per_token(per_trajectory, mask), None
+    rewards = adv_lib.place_reward(scores, mask) - penalty
+    if args.algo == "reinforce_pp":
+        return adv_lib.reinforce_pp(rewards, mask, args.gamma, reduce=reduce), None
+    return adv_lib.gae(rewards, full["old_values"], mask, args.gamma, args.lam, reduce=reduce)
+
+
+def rows_of(full: dict, rows: list[int], device) -> dict:
+    """Rows of the padded batch, trimmed to their longest trajectory, on `device`."""
+    width = max(1, int(full["attention_mask"][rows].sum(1).max()))
+    return {key: value[rows, :width].to(device) for key, value in full.items()}
 
 
 def main(args: Args) -> Path:
@@ -206,7 +289,7 @@ def main(args: Args) -> Path:
     check(args, accelerator.num_processes)
     set_seed(args.seed + accelerator.process_index)
     main_process = accelerator.is_main_process
-    run_name = args.run_name or f"{args.env}-grpo-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_name = args.run_name or f"{args.env}-{args.algo}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(args.out_dir) / run_name
     ckpt_dir = run_dir / "checkpoints"
 
@@ -227,6 +310,15 @@ def main(args: Args) -> Path:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     policy = accelerator.unwrap_model(model)
+    critic = critic_optimizer = critic_scheduler = None
+    if args.algo == "ppo":  # separate weights, same architecture, a value head; restored by --resume with the rest
+        critic = load_value_model(args.model)
+        if args.gradient_checkpointing:
+            critic.gradient_checkpointing_enable()
+        critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay)
+        critic_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            critic_optimizer, lambda s: min(1.0, (s + 1) / max(args.critic_lr_warmup_steps, 1)))
+        critic, critic_optimizer, critic_scheduler = accelerator.prepare(critic, critic_optimizer, critic_scheduler)
     engine = HFEngine(policy, fmt, temperature=args.temperature, top_p=args.top_p,
                       batch_size=args.gen_batch_size, seed=args.seed + accelerator.process_index)
 
@@ -262,8 +354,9 @@ def main(args: Args) -> Path:
                 os.environ["WANDB_MODE"] = "offline"
                 print(f"wandb: no API key configured, logging offline to {run_dir}/wandb (wandb sync to upload)")
             tracker = wandb.init(project=args.wandb_project, name=run_name, config=config, dir=str(run_dir))
-        print(f"run {run_name}: {args.env}, {args.model} ({args.preset} preset), {args.steps} steps of "
-              f"{args.tasks_per_step} tasks x {args.n} samples, {args.max_turns} turns -> {run_dir}")
+        print(f"run {run_name}: {args.env}, {args.model} ({args.preset} preset), {args.algo}, {args.steps} steps of "
+              f"{args.tasks_per_step} tasks x {args.n} samples, {describe(args.horizon, args.horizon_every, args.steps)}"
+              f" -> {run_dir}")
     rollout_log = open(run_dir / "rollouts.jsonl", "a") if main_process else None
     metrics_log = open(run_dir / "metrics.jsonl", "a") if main_process else None
 
@@ -281,63 +374,93 @@ def main(args: Args) -> Path:
         mine = tasks[accelerator.process_index::accelerator.num_processes]
         task_ids = [t for t in mine for _ in range(args.n)]
         groups = [g for g in range(len(mine)) for _ in range(args.n)]
+        cap = horizon(step, args.horizon, args.horizon_every)  # ScalingInter-RL: this step's turn cap
         stats: dict = {}
-        trajectories = rollout(engine, fmt, environments, task_ids, groups, max_turns=args.max_turns,
+        trajectories = rollout(engine, fmt, environments, task_ids, groups, max_turns=cap,
                                max_new_tokens=args.max_new_tokens, max_tokens=args.max_tokens, pool=pool, stats=stats)
 
-        # -- advantages: GRPO within each task's group. A trajectory that ended in an env error is no
-        #    outcome: it stays out of the group statistics and its tokens are not trained on. It stays
-        #    in the batch, though, so that every process runs the same number of backward passes.
+        # -- the step's batch, padded [B, T] on the CPU. A trajectory that ended in an env error is no
+        #    outcome: its tokens are not trained on (mask 0). It stays in the batch, though, so that
+        #    every process runs the same number of backward passes.
         ok = torch.tensor([t.error is None for t in trajectories])
         scores = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
         group_ids = torch.tensor([t.group for t in trajectories], dtype=torch.long)
-        advantages = torch.zeros_like(scores)
-        if ok.any():
-            advantages[ok] = adv_lib.grpo(scores[ok], group_ids[ok])
+        full = collate(trajectories, fmt.pad_id)
+        full["loss_mask"] *= ok[:, None]
 
         # -- micro-batches of similar length (less padding); each mini-batch is a set of micro-batches
         order = sorted(range(len(trajectories)), key=lambda i: len(trajectories[i].token_ids))
-        micro = []
-        for i in range(0, len(order), args.micro_batch_size):
-            rows = order[i:i + args.micro_batch_size]
-            batch = collate([trajectories[r] for r in rows], fmt.pad_id, accelerator.device)
-            batch["loss_mask"] *= ok[rows].to(accelerator.device)[:, None]
-            batch["advantages"] = adv_lib.per_token(advantages[rows].to(accelerator.device), batch["loss_mask"])
-            micro.append(batch)
+        micro_rows = [order[i:i + args.micro_batch_size] for i in range(0, len(order), args.micro_batch_size)]
+        micro = [rows_of(full, rows, accelerator.device) for rows in micro_rows]
 
-        # -- old and reference log-probs. With a single update per rollout the policy has not moved,
-        #    so the old log-probs are the current ones (detached) and need no extra forward pass.
-        on_policy = args.ppo_epochs * args.minibatches == 1
+        # -- old and reference log-probs, old values. With a single update per rollout the policy has not
+        #    moved, so the old log-probs are the current ones (detached) and need no extra forward pass,
+        #    unless the KL goes into the reward, which needs them before the update.
+        need_old = args.ppo_epochs * args.minibatches > 1 or (args.kl_in_reward and ref_model is not None)
+        computed = {}
         with torch.no_grad():
-            for batch in micro:
-                inputs = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"], args.temperature)
-                if not on_policy:
-                    batch["old_logprobs"], _ = token_logprobs(model, *inputs)
+            for rows, batch in zip(micro_rows, micro):
+                inputs = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+                if need_old:
+                    batch["old_logprobs"], _ = token_logprobs(model, *inputs, args.temperature)
                 if ref_model is not None:
-                    batch["ref_logprobs"], _ = token_logprobs(ref_model, *inputs)
+                    batch["ref_logprobs"], _ = token_logprobs(ref_model, *inputs, args.temperature)
+                if critic is not None:
+                    with accelerator.autocast():
+                        batch["old_values"] = token_values(critic, *inputs)
+                for key in ("old_logprobs", "ref_logprobs", "old_values"):
+                    if key in batch:
+                        computed.setdefault(key, torch.zeros_like(full["loss_mask"]))
+                        computed[key][rows, :batch[key].shape[1]] = batch[key].float().cpu()
+        full.update(computed)
 
-        # -- PPO update: token-mean over each mini-batch, however it is split into micro-batches
+        # -- advantages on the whole (local) batch; whitening statistics are summed over processes
+        reduce = (lambda t: accelerator.reduce(t.to(accelerator.device), "sum").cpu()) if accelerator.num_processes > 1 else None
+        advantages, returns = advantages_for(args, full, scores, group_ids, ok, reduce)
+        for rows, batch in zip(micro_rows, micro):
+            width = batch["input_ids"].shape[1]
+            batch["advantages"] = advantages[rows, :width].to(accelerator.device)
+            if returns is not None:
+                batch["returns"] = returns[rows, :width].to(accelerator.device)
+
+        # -- update: the policy (after the critic's warm-up) and the critic, aggregated over each
+        #    mini-batch however it is split into micro-batches; gradients are averaged across
+        #    processes once per mini-batch, at its last micro-batch
+        train_policy = step > args.critic_warmup
         model.train()
-        sums = {"tokens": 0.0, "policy": 0.0, "kl": 0.0, "entropy": 0.0, "clipfrac": 0.0, "ppo_kl": 0.0, "logprob_diff": 0.0}
-        grad_norms = []
+        sums = {key: 0.0 for key in ("tokens", "policy", "kl", "entropy", "clipfrac", "ppo_kl", "logprob_diff",
+                                     "critic_tokens", "value", "value_clipfrac")}
+        grad_norms, critic_grad_norms = [], []
         rng = random.Random(f"{args.seed}-{step}-update")
         for _ in range(args.ppo_epochs):
             shuffled = list(range(len(micro)))
             rng.shuffle(shuffled)
             for part in range(args.minibatches):
                 minibatch = [micro[i] for i in shuffled[part::args.minibatches]]
-                tokens = sum(float(b["loss_mask"].sum()) for b in minibatch)
+                if not minibatch:
+                    continue
+                norm = {"tokens": sum(float(b["loss_mask"].sum()) for b in minibatch),
+                        "sequences": sum(float((b["loss_mask"].sum(1) > 0).sum()) for b in minibatch)}
                 for k, batch in enumerate(minibatch):
-                    # gradients are averaged across processes once per mini-batch, at its last micro-batch
-                    with contextlib.nullcontext() if k == len(minibatch) - 1 else accelerator.no_sync(model):
-                        micro_sums = update(model, ref_model, batch, tokens, args, accelerator)
-                    for key, value in micro_sums.items():
-                        sums[key] += value
-                if minibatch:
+                    last = k == len(minibatch) - 1
+                    if train_policy:
+                        with contextlib.nullcontext() if last else accelerator.no_sync(model):
+                            for key, value in update_policy(model, ref_model, batch, norm, args, accelerator).items():
+                                sums[key] += value
+                    if critic is not None:
+                        with contextlib.nullcontext() if last else accelerator.no_sync(critic):
+                            for key, value in update_critic(critic, batch, norm, args, accelerator).items():
+                                sums[key] += value
+                if train_policy:
                     grad_norms.append(float(accelerator.clip_grad_norm_(model.parameters(), args.grad_clip)))
                     optimizer.step()
                     scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
+                if critic is not None:
+                    critic_grad_norms.append(float(accelerator.clip_grad_norm_(critic.parameters(), args.grad_clip)))
+                    critic_optimizer.step()
+                    critic_scheduler.step()
+                    critic_optimizer.zero_grad(set_to_none=True)
 
         # -- metrics (trajectory statistics over all processes, losses from this one)
         records = gather_object([{"step": step, **t.log_record()} for t in trajectories])  # every process's episodes
@@ -353,7 +476,7 @@ def main(args: Args) -> Path:
             "rollout/done": sum(f == "done" for *_, f, _, _ in everyone) / len(everyone),
             "rollout/tokens": sum(n for *_, n, _ in everyone) / len(everyone),
             "rollout/action_tokens": sum(a for *_, a in everyone) / len(everyone),
-            "rollout/horizon": args.max_turns,
+            "rollout/horizon": cap,
             "perf/tokens_per_s": sum(sampled) / max(stats["generate_s"], 1e-9),
             "perf/generate_s": stats["generate_s"],
             "perf/env_s": stats["env_s"],
@@ -365,7 +488,15 @@ def main(args: Args) -> Path:
             "losses/ppo_kl": sums["ppo_kl"] / max(sums["tokens"], 1),
             "losses/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
             "rollout/logprob_diff": sums["logprob_diff"] / max(sums["tokens"], 1),
+            "rollout/advantage_mean": float(advantages.sum() / max(float(full["loss_mask"].sum()), 1)),
+            "rollout/advantage_abs": float(advantages.abs().sum() / max(float(full["loss_mask"].sum()), 1)),
             "charts/lr": scheduler.get_last_lr()[0],
+            **({"losses/value": sums["value"] / max(sums["critic_tokens"], 1),
+                "losses/value_clipfrac": sums["value_clipfrac"] / max(sums["critic_tokens"], 1),
+                "losses/critic_grad_norm": sum(critic_grad_norms) / max(len(critic_grad_norms), 1),
+                "critic/value": float(full["old_values"].sum() / max(float(full["loss_mask"].sum()), 1)),
+                "critic/return": float(returns.sum() / max(float(full["loss_mask"].sum()), 1)),
+                "charts/critic_lr": critic_scheduler.get_last_lr()[0]} if critic is not None else {}),
             "charts/step": step,
         })
         if main_process:
@@ -378,9 +509,10 @@ def main(args: Args) -> Path:
             progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", success=f"{metrics['rollout/success']:.2f}")
             tqdm.write(
                 f"step {step:>4} | reward {metrics['rollout/reward']:.3f} | success {metrics['rollout/success']:.2f} | "
-                f"turns {metrics['rollout/turns']:.1f} | tokens/s {metrics['perf/tokens_per_s']:.0f} | "
+                f"turns {metrics['rollout/turns']:.1f}/{cap} | tokens/s {metrics['perf/tokens_per_s']:.0f} | "
                 f"kl {metrics['losses/kl']:.4f} | entropy {metrics['losses/entropy']:.3f} | "
-                f"grad {metrics['losses/grad_norm']:.3f} | {elapsed:.1f}s"
+                f"grad {metrics['losses/grad_norm']:.3f} | "
+                + (f"value loss {metrics['losses/value']:.4f} | " if critic is not None else "") + f"{elapsed:.1f}s"
             )
 
         if step == args.steps or (args.save_every and step % args.save_every == 0):

@@ -1,13 +1,37 @@
-"""Outcome rewards -> advantages.
+"""Rewards -> advantages, for multi-turn trajectories.
 
-One trajectory, one outcome reward (the last env step's reward, as AgentGym-RL). GRPO compares
-the n samples of a task with each other: no critic, the group is the baseline. The trajectory's
-advantage is then spread over its action tokens (loss_mask 1); observation tokens get nothing.
+Shapes: trajectory-level estimators (GRPO, RLOO) take one score per trajectory, [B]; token-level
+estimators (REINFORCE++, GAE) take padded [B, T] tensors and a loss mask that is 1 on action tokens
+(the assistant's tokens and their end-of-turn token) and 0 on everything else (prompt, env
+observations, chat scaffolding, padding).
+
+The multi-turn rules, which upstream gets wrong (its reward sits on the final observation's last
+token, which the mask then zeroes; its GAE bootstraps from values of observation tokens):
+- the outcome reward goes on the trajectory's last action token (`place_reward`);
+- token-level estimators run over the action-token subsequence: observation tokens are transparent,
+  they neither discount nor receive anything, and the value that an action token bootstraps from is
+  the value of the next action token, in this turn or the next one.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over processes (identity on one process)
+
+
+def place_reward(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Outcome scores [B] -> token rewards [B, T], each score on its row's last action token.
+    A row without action tokens (an episode that failed before its first turn) gets nothing."""
+    rewards = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    has_action = mask.bool().any(1)
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask.bool(), positions, -1).max(1).values  # index of the last mask-1 token
+    rows = has_action.nonzero().squeeze(1)
+    rewards[rows, last[rows]] = scores[rows].float()
+    return rewards
 
 
 def grpo(scores: torch.Tensor, groups: torch.Tensor, eps: float = 1e-6, scale: bool = True) -> torch.Tensor:
@@ -27,6 +51,71 @@ def grpo(scores: torch.Tensor, groups: torch.Tensor, eps: float = 1e-6, scale: b
     return advantages
 
 
-def per_token(advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+def rloo(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """RLOO: s minus the mean of the other members of its group, i.e. (s - mean) * n / (n - 1).
+    A group of one has no other member and gets advantage 0 (upstream gives it its raw score)."""
+    advantages = torch.zeros_like(scores, dtype=torch.float32)
+    for g in groups.unique():
+        members = groups == g
+        s = scores[members].float()
+        if len(s) < 2:
+            continue
+        advantages[members] = s - (s.sum() - s) / (len(s) - 1)
+    return advantages
+
+
+def per_token(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Broadcast trajectory advantages [B] onto their action tokens: [B, T]."""
-    return advantages[:, None] * loss_mask
+    return advantages[:, None] * mask
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = None, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the action tokens (unbiased var, as upstream); 0 elsewhere.
+    `reduce` sums the statistics over processes, so that a distributed batch is whitened as one."""
+    mask = mask.float()
+    stats = torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()]).double()
+    if reduce is not None:
+        stats = reduce(stats)
+    total, squares, count = stats.tolist()
+    if count < 1:
+        return torch.zeros_like(x)
+    mean = total / count
+    var = max(squares - count * mean * mean, 0.0) / max(count - 1, 1)
+    return (x - mean) / (var + eps) ** 0.5 * mask
+
+
+def reinforce_pp(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, whiten: bool = True,
+                 reduce: Reduce | None = None) -> torch.Tensor:
+    """REINFORCE++: the discounted return at every action token, counted over action tokens only,
+    then whitened over the batch's action tokens. rewards, mask: [B, T] -> advantages [B, T]."""
+    mask = mask.float()
+    returns = torch.zeros_like(rewards, dtype=torch.float32)
+    future = torch.zeros(rewards.shape[0], dtype=torch.float32, device=rewards.device)
+    for t in reversed(range(rewards.shape[1])):
+        acting = mask[:, t] > 0
+        future = torch.where(acting, rewards[:, t] + gamma * future, future)  # observations: passed through
+        returns[:, t] = future * mask[:, t]
+    return masked_whiten(returns, mask, reduce) if whiten else returns
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0,
+        whiten: bool = True, reduce: Reduce | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the action-token subsequence.
+
+    For action tokens a_1 .. a_K of a trajectory (K over all turns): delta_k = r_k + gamma V(a_{k+1}) - V(a_k),
+    with V(a_{K+1}) = 0, and A_k = delta_k + gamma lam A_{k+1}. values[t] is the critic's value of the
+    state before token t. Returns (advantages, returns = A + V before whitening), both 0 off the mask.
+    """
+    mask = mask.float()
+    advantages = torch.zeros_like(rewards, dtype=torch.float32)
+    next_value = torch.zeros(rewards.shape[0], dtype=torch.float32, device=rewards.device)
+    next_advantage = torch.zeros_like(next_value)
+    for t in reversed(range(rewards.shape[1])):
+        acting = mask[:, t] > 0
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        next_value = torch.where(acting, values[:, t].float(), next_value)  # observations: passed through
+        next_advantage = torch.where(acting, advantage, next_advantage)
+        advantages[:, t] = advantage * mask[:, t]
+    returns = (advantages + values) * mask
+    return (masked_whiten(advantages, mask, reduce) if whiten else advantages), returns

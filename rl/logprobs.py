@@ -54,3 +54,12 @@ def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature: flo
         entropy = torch.zeros(input_ids.shape, dtype=ent.dtype, device=ent.device)
         entropy[:, columns] = ent
     return logprobs, entropy
+
+
+def token_values(critic, input_ids, attention_mask, loss_mask) -> torch.Tensor:
+    """The critic's value of the state before every action token: values[t] = V(tokens_<t), read off the
+    hidden state at t - 1 (the position whose output also predicts token t). [B, T], 0 off the mask."""
+    out = critic(input_ids=input_ids, attention_mask=attention_mask).logits[..., 0].float()  # [B, T]
+    values = torch.zeros_like(out)
+    values[:, 1:] = out[:, :-1]
+    return values * loss_mask

@@ -1,30 +1,85 @@
-"""Loss terms, per token. Every function takes [B, T] tensors and returns [B, T] terms; the caller
-masks and aggregates them (token-mean over a mini-batch: sum over action tokens / their count)."""
+"""Loss terms, per token, and how they are aggregated.
+
+Every term function takes [B, T] tensors and returns [B, T] terms; `aggregate` masks them to the
+action tokens and reduces them to a scalar. Signs: everything here is to be minimised.
+"""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+KLEstimator = Literal["k1", "k2", "k3"]
 
-def policy_loss(logprobs, old_logprobs, advantages, clip: float = 0.2):
-    """PPO's clipped surrogate, to be minimised: max(-A * r, -A * clip(r, 1 - eps, 1 + eps)) with
-    r = exp(logprobs - old_logprobs). Returns (loss terms, 1.0 where the clip was active)."""
+
+def policy_loss(logprobs, old_logprobs, advantages, clip_low: float = 0.2, clip_high: float | None = None,
+                dual_clip: float | None = None):
+    """PPO's clipped surrogate: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), r = exp(logp - old logp).
+
+    clip_high > clip_low is DAPO's clip-higher (more room for raising unlikely tokens); default
+    clip_high = clip_low. dual_clip = c > 1 bounds the loss of a negative advantage at -A c, however
+    large the ratio (Ye et al., 2020). Returns (loss terms, 1.0 where a clip was active).
+    """
+    clip_high = clip_low if clip_high is None else clip_high
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1 - clip, 1 + clip)
-    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    active = clipped > unclipped
+    if dual_clip is not None:
+        bound = -advantages * dual_clip
+        dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+        active = active | dual
+    return loss, active.float()
 
 
-def kl_k3(logprobs, ref_logprobs):
-    """Schulman's low-variance, non-negative estimator of KL(policy || reference) from samples of
-    the policy: exp(d) - d - 1 with d = ref - policy log-prob; clamped to [-10, 10] as upstream."""
+def value_loss(values, old_values, returns, clip: float | None = 0.5):
+    """Clipped value loss: 0.5 max((V - R)^2, (V_clipped - R)^2) with V_clipped = V_old + clip(V - V_old, +-clip).
+    Returns (loss terms, 1.0 where the clipped branch was the larger)."""
+    unclipped = (values - returns) ** 2
+    if clip is None:
+        return 0.5 * unclipped, torch.zeros_like(unclipped)
+    clipped = (old_values + (values - old_values).clamp(-clip, clip) - returns) ** 2
+    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
+def kl(logprobs, ref_logprobs, estimator: KLEstimator = "k3"):
+    """Per-token estimators of KL(policy || reference) from tokens sampled from the policy (Schulman,
+    "Approximating KL divergence"): k1 = logp - ref (unbiased, any sign); k2 = (logp - ref)^2 / 2
+    (upstream's `mse`); k3 = exp(d) - d - 1 with d = ref - logp (unbiased, non-negative, low variance;
+    upstream's `low_var_kl`, clamped to [-10, 10] as there)."""
     d = ref_logprobs - logprobs
-    return (torch.exp(d) - d - 1).clamp(-10, 10)
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return (torch.exp(d) - d - 1).clamp(-10, 10)
+    raise ValueError(f"unknown KL estimator {estimator!r}; choose k1, k2 or k3")
 
 
-def token_mean(terms, mask, count=None):
-    """Sum of terms over action tokens divided by `count` (default: their number). Pass the
-    mini-batch's action-token count when a mini-batch is split into micro-batches, so that the
-    gradient is the same however it is split."""
-    count = mask.sum() if count is None else count
-    return (terms * mask).sum() / max(float(count), 1.0)
+def aggregate(terms, mask, mode: Aggregation = "token-mean", tokens: float | None = None,
+              sequences: float | None = None):
+    """Reduce [B, T] terms over the action tokens to one scalar.
+
+    token-mean: sum over all action tokens / their number (every token weighs the same);
+    seq-mean-token-mean: the mean over sequences of each sequence's token mean (every trajectory
+    weighs the same); seq-mean-token-sum: the mean over sequences of each sequence's token sum (Dr.
+    GRPO: no length normalisation). When a mini-batch is split into micro-batches, pass the whole
+    mini-batch's `tokens` or `sequences` (those with an action token) so that the gradient is the
+    same however it is split.
+    """
+    mask = mask.float()
+    if mode == "token-mean":
+        count = mask.sum() if tokens is None else tokens
+        return (terms * mask).sum() / max(float(count), 1.0)
+    per_sequence = (terms * mask).sum(1)
+    if mode == "seq-mean-token-mean":
+        per_sequence = per_sequence / mask.sum(1).clamp(min=1)
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"unknown aggregation {mode!r}")
+    count = (mask.sum(1) > 0).sum() if sequences is None else sequences
+    return per_sequence.sum() / max(float(count), 1.0)

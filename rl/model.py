@@ -53,3 +53,16 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, **kwargs):
     from transformers import AutoModelForCausalLM
 
     return _load(AutoModelForCausalLM.from_pretrained, name, dtype=dtype, **kwargs)
+
+
+def load_value_model(name: str, dtype: torch.dtype = torch.float32):
+    """A critic for PPO: the same architecture as the policy, its own copy of the weights, and a
+    one-output linear head on the last hidden state in place of the LM head (a token-classification
+    model with one label; no dropout, so that values are deterministic). Loaded from a policy
+    checkpoint, the head starts fresh; from a critic checkpoint, it is restored."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = _load(AutoConfig.from_pretrained, name)
+    config.num_labels = 1
+    config.classifier_dropout = 0.0
+    return _load(AutoModelForTokenClassification.from_pretrained, name, config=config, dtype=dtype)

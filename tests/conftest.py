@@ -23,7 +23,7 @@ def tiny_run(tmp_path):
     import train
 
     def run(env: str, *flags: str, evaluate: bool = True):
-        args = train.parse_args(["--env", env, "--steps", "1", "--tasks-per-step", "2", "--n", "2", "--max-turns", "2",
+        args = train.parse_args(["--env", env, "--steps", "1", "--tasks-per-step", "2", "--n", "2", "--horizon", "2",
                                  "--max-new-tokens", "16", "--out-dir", str(tmp_path), "--run-name", env, *flags])
         run_dir = train.main(args)
         records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]

@@ -1,5 +1,5 @@
 """The whole RL loop learns: on a one-turn BabyAI bandit that rewards the action "turn left", a
-few GRPO steps of train.py make the tiny model choose it far more often. Catches sign errors,
+few steps of train.py, with each algorithm, make the tiny model choose it far more often. Catches sign errors,
 advantages on the wrong tokens, masks that hide the actions, and updates that never reach the
 sampler."""
 
@@ -45,11 +45,17 @@ def bandit(monkeypatch, tmp_path):
     monkeypatch.setattr(envs, "_module", lambda name: module if name == "bandit" else original(name))
 
 
-def test_grpo_steps_raise_the_rewarded_action(bandit, tmp_path):
-    before = left_rate(train.EMBEDDED["tiny-agent"])
-    args = train.parse_args(["--env", "bandit", "--steps", "6", "--tasks-per-step", "4", "--n", "8", "--max-turns", "1",
-                             "--lr", "1e-3", "--out-dir", str(tmp_path), "--run-name", "bandit"])
+@pytest.fixture(scope="module")
+def before():
+    rate = left_rate(train.EMBEDDED["tiny-agent"])
+    assert 0.05 < rate < 0.7  # the task is neither impossible nor solved to begin with
+    return rate
+
+
+@pytest.mark.parametrize("algo", ["grpo", "rloo", "reinforce_pp", "ppo"])
+def test_training_raises_the_rewarded_action(algo, before, bandit, tmp_path):
+    args = train.parse_args(["--env", "bandit", "--algo", algo, "--steps", "6", "--tasks-per-step", "4", "--n", "8",
+                             "--horizon", "1", "--lr", "1e-3", "--out-dir", str(tmp_path), "--run-name", "bandit"])
     run_dir = train.main(args)
     after = left_rate(run_dir / "checkpoints" / "step_6")
-    assert 0.05 < before < 0.7  # the task is neither impossible nor solved to begin with
-    assert after > before + 0.25, (before, after)
+    assert after > before + 0.25, (algo, before, after)

@@ -21,7 +21,7 @@ from rl.model import EMBEDDED
 
 
 def tiny_args(tmp_path, **overrides):
-    argv = ["--steps", "2", "--tasks-per-step", "2", "--n", "2", "--max-turns", "2", "--max-new-tokens", "16",
+    argv = ["--steps", "2", "--tasks-per-step", "2", "--n", "2", "--horizon", "2", "--max-new-tokens", "16",
             "--out-dir", str(tmp_path), "--run-name", "t"]
     for key, value in overrides.items():
         argv += [f"--{key.replace('_', '-')}", *([str(value)] if not isinstance(value, list) else map(str, value))]
@@ -146,11 +146,12 @@ def test_env_failures_end_one_trajectory_not_the_run(monkeypatch, tmp_path):
 
 
 def test_two_processes_split_the_tasks_and_log_every_episode(tmp_path):
-    """Data-parallel training (DDP over gloo on the CPU): each process plays its share of a step's
-    tasks, gradients are averaged, and the main process logs every process's episodes."""
+    """Data-parallel training (DDP over gloo on the CPU) with PPO, so a critic and whitening statistics
+    summed over processes: each process plays its share of a step's tasks, gradients are averaged,
+    and the main process logs every process's episodes."""
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py", "--",
-               "--steps", "2", "--tasks-per-step", "4", "--n=2", "--max-turns", "2", "--max-new-tokens", "16",
+               "--steps", "2", "--tasks-per-step", "4", "--n=2", "--horizon", "2", "--max-new-tokens", "16", "--algo", "ppo",
                "--out-dir", str(tmp_path), "--run-name", "ddp"]
     done = subprocess.run(command, cwd=Path(train.__file__).parent, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -162,3 +163,5 @@ def test_two_processes_split_the_tasks_and_log_every_episode(tmp_path):
         items = [r["item_id"] for r in records if r["step"] == step]
         assert len(set(items)) == 4 and all(items.count(i) == 2 for i in items)  # 4 tasks, 2 samples each
     assert (run_dir / "checkpoints" / "step_2" / "model.safetensors").is_file()
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(m["losses/value"]) and m["losses/critic_grad_norm"] > 0 for m in metrics)  # PPO's critic, DDP too
