@@ -85,6 +85,8 @@ class Args:
     # -- rollout
     steps: int = 200
     """training steps (one rollout + one update each)"""
+    epochs: int | None = None
+    """instead of --steps: passes over the train split, each in a new shuffled order (upstream's total_epochs)"""
     tasks_per_step: int = 16
     """tasks per step, over all processes (upstream's train_batch_size)"""
     n: int = 8
@@ -128,9 +130,11 @@ class Args:
     kl_in_reward: bool = False
     """subtract the KL from the reward (per token) instead of adding it to the loss"""
     entropy_coef: float = 0.001
+    """weight of the entropy bonus (subtracted from the loss)"""
 
     # -- critic (ppo)
     critic_lr: float = 1e-5
+    """learning rate of PPO's critic (upstream's critic.optim.lr)"""
     critic_lr_warmup_steps: int = 0
     """linear learning-rate warm-up of the critic, in optimizer steps"""
     critic_warmup: int = 0
@@ -274,6 +278,15 @@ def advantages_for(args: Args, full: dict, scores: torch.Tensor, groups: torch.T
     return adv_lib.gae(rewards, full["old_values"], mask, args.gamma, args.lam, reduce=reduce)
 
 
+def tasks_for(step: int, train_ids: list[int], per_step: int, seed: int) -> list[int]:
+    """The tasks of a training step: shuffled epochs over the train split, as upstream's data loader
+    (every task once per epoch, a new order each epoch, the last incomplete batch dropped). A pure
+    function of the step, so a resumed run sees the tasks it would have seen."""
+    epoch, k = divmod(step - 1, len(train_ids) // per_step)
+    order = random.Random(f"{seed}-epoch-{epoch}").sample(train_ids, len(train_ids))
+    return order[k * per_step:(k + 1) * per_step]
+
+
 def rows_of(full: dict, rows: list[int], device) -> dict:
     """Rows of the padded batch, trimmed to their longest trajectory, on `device`."""
     width = max(1, int(full["attention_mask"][rows].sum(1).max()))
@@ -333,6 +346,10 @@ def main(args: Args) -> Path:
     # Environments: one per trajectory of this process, created once and reset every step
 
     train_ids = envs.load_task_ids(args.train_tasks, args.env) if args.train_tasks else envs.splits(args.env)["train"]
+    if len(train_ids) < args.tasks_per_step:
+        raise SystemExit(f"the train split has {len(train_ids)} tasks, fewer than --tasks-per-step {args.tasks_per_step}")
+    if args.epochs is not None:
+        args = replace(args, steps=args.epochs * (len(train_ids) // args.tasks_per_step))
     local_tasks = args.tasks_per_step // accelerator.num_processes
     environments = [envs.make(args.env, **env_options(args.env_options)) for _ in range(local_tasks * args.n)]
     pool = ThreadPoolExecutor(max_workers=min(32, len(environments)))
@@ -370,7 +387,7 @@ def main(args: Args) -> Path:
         metrics: dict[str, float] = {}
 
         # -- rollout: the same tasks on every process for a step, each process playing its share
-        tasks = random.Random(f"{args.seed}-{step}").sample(train_ids, args.tasks_per_step)
+        tasks = tasks_for(step, train_ids, args.tasks_per_step, args.seed)
         mine = tasks[accelerator.process_index::accelerator.num_processes]
         task_ids = [t for t in mine for _ in range(args.n)]
         groups = [g for g in range(len(mine)) for _ in range(args.n)]

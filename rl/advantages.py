@@ -36,31 +36,23 @@ def place_reward(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def grpo(scores: torch.Tensor, groups: torch.Tensor, eps: float = 1e-6, scale: bool = True) -> torch.Tensor:
     """GRPO: (s - mean of its group) / (std of its group + eps), std unbiased (n - 1), as upstream.
-
-    scores, groups: [B]. scale=False skips the division (Dr. GRPO). A group of one has nothing to
-    compare with and gets advantage 0 (upstream gives it its raw score).
-    """
-    advantages = torch.zeros_like(scores, dtype=torch.float32)
-    for g in groups.unique():
-        members = groups == g
-        s = scores[members].float()
-        if len(s) < 2:
-            continue
-        centered = s - s.mean()
-        advantages[members] = centered / (s.std() + eps) if scale else centered
-    return advantages
+    scores, groups: [B]. scale=False skips the division (Dr. GRPO)."""
+    return _within_groups(scores, groups, lambda s: (s - s.mean()) / (s.std() + eps) if scale else s - s.mean())
 
 
 def rloo(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """RLOO: s minus the mean of the other members of its group, i.e. (s - mean) * n / (n - 1).
-    A group of one has no other member and gets advantage 0 (upstream gives it its raw score)."""
+    """RLOO: s minus the mean of the other members of its group, i.e. (s - mean) * n / (n - 1)."""
+    return _within_groups(scores, groups, lambda s: s - (s.sum() - s) / (len(s) - 1))
+
+
+def _within_groups(scores, groups, advantage) -> torch.Tensor:
+    """advantage(scores of one group) for every group of two or more. A group of one has nothing to
+    compare with and gets advantage 0 (upstream gives it its raw score, as if the baseline were 0)."""
     advantages = torch.zeros_like(scores, dtype=torch.float32)
     for g in groups.unique():
         members = groups == g
-        s = scores[members].float()
-        if len(s) < 2:
-            continue
-        advantages[members] = s - (s.sum() - s) / (len(s) - 1)
+        if int(members.sum()) >= 2:
+            advantages[members] = advantage(scores[members].float())
     return advantages
 
 

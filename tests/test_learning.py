@@ -58,4 +58,5 @@ def test_training_raises_the_rewarded_action(algo, before, bandit, tmp_path):
                              "--horizon", "1", "--lr", "1e-3", "--out-dir", str(tmp_path), "--run-name", "bandit"])
     run_dir = train.main(args)
     after = left_rate(run_dir / "checkpoints" / "step_6")
+    print(f"{algo}: rewarded action {before:.2f} -> {after:.2f}")
     assert after > before + 0.25, (algo, before, after)

@@ -95,6 +95,10 @@ def test_presets_follow_the_model():
     (["--env", "nope"], "unknown env"),
     (["--n", "1"], "--n 2 or more"),
     (["--max-new-tokens", "9000", "--max-tokens", "100"], "smaller than --max-tokens"),
+    (["--horizon", "20", "10"], "only grow"),
+    (["--horizon", "0"], "at least 1"),
+    (["--dual-clip", "0.5"], "larger than 1"),
+    (["--algo", "rloo", "--n", "1"], "--n 2 or more"),
 ])
 def test_bad_settings_stop_early(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:

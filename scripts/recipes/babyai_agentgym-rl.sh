@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# AgentGym-RL on babyai: GRPO with a fixed horizon of 20 turns.
+# The paper's recipe (AgentGym-RL examples/train/AgentGym-RL/babyai_train.sh): 16 tasks x 8 samples
+# a step, 2 optimizer steps of 8 tasks each, 1 PPO epoch(s), 10 epochs over the train split,
+# 200 tokens a turn, 1024 + 4096 tokens a trajectory.
+#
+#   bash scripts/recipes/babyai_agentgym-rl.sh                 # GPUS=8 MODEL=Qwen/Qwen2.5-3B-Instruct (common.sh)
+#   GPUS=2 bash scripts/recipes/babyai_agentgym-rl.sh --epochs 1   # flags given here override the recipe
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+recipe babyai-agentgym-rl --env babyai --horizon 20 \
+  --tasks-per-step 16 --n 8 --minibatches 2 --ppo-epochs 1 --epochs 10 \
+  --max-new-tokens 200 --max-tokens 5120 "$@"

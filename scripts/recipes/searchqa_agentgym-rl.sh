@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# AgentGym-RL on searchqa: GRPO with a fixed horizon of 5 turns.
+# The paper's recipe (AgentGym-RL examples/train/AgentGym-RL/searchqa_train.sh): 32 tasks x 4 samples
+# a step, 4 optimizer steps of 8 tasks each, 2 PPO epoch(s), 20 epochs over the train split,
+# 512 tokens a turn, 1024 + 8192 tokens a trajectory.
+#
+#   bash scripts/recipes/searchqa_agentgym-rl.sh                 # GPUS=8 MODEL=Qwen/Qwen2.5-3B-Instruct (common.sh)
+#   GPUS=2 bash scripts/recipes/searchqa_agentgym-rl.sh --epochs 1   # flags given here override the recipe
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+recipe searchqa-agentgym-rl --env searchqa --horizon 5 \
+  --tasks-per-step 32 --n 4 --minibatches 4 --ppo-epochs 2 --epochs 20 \
+  --max-new-tokens 512 --max-tokens 9216 "$@"
