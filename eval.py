@@ -33,6 +33,7 @@ import torch
 import tyro
 
 import envs
+from rl.horizon import horizon
 from rl.model import EMBEDDED, load_model, load_tokenizer
 from rollout import ChatFormat, HFEngine, rollout
 
@@ -82,14 +83,22 @@ def run_config(model: str) -> dict | None:
     return None
 
 
+def checkpoint_horizon(model: str, config: dict) -> int:
+    """The turn cap the run trained with at this checkpoint's step (ScalingInter-RL's stage then)."""
+    if "horizon" not in config:
+        return config["max_turns"]  # a run from before horizon schedules
+    state = Path(model) / "trainer_state.json"
+    step = json.loads(state.read_text())["step"] if state.is_file() else 10**9
+    return horizon(step, config["horizon"], config["horizon_every"])
+
+
 def resolve_settings(args: Args) -> dict:
     from train import PRESETS, env_options
 
     config = run_config(args.model)
     if config is not None:
         base = {key: config[key] for key in ("env", "max_new_tokens", "max_tokens")}
-        # the run's last horizon stage: the longest episodes it trained on (older runs: one max_turns)
-        base["max_turns"] = config["horizon"][-1] if "horizon" in config else config["max_turns"]
+        base["max_turns"] = checkpoint_horizon(args.model, config)
         base["env_options"] = config.get("env_options", {})
     elif args.model in EMBEDDED:
         tiny = PRESETS["tiny"]

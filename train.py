@@ -86,7 +86,7 @@ class Args:
     steps: int = 200
     """training steps (one rollout + one update each)"""
     epochs: int | None = None
-    """instead of --steps: passes over the train split, each in a new shuffled order (upstream's total_epochs)"""
+    """passes over the train split, each in a new shuffled order (upstream's total_epochs); sets --steps"""
     tasks_per_step: int = 16
     """tasks per step, over all processes (upstream's train_batch_size)"""
     n: int = 8
@@ -197,8 +197,14 @@ def check(args: Args, world: int) -> None:
         raise SystemExit("--dual-clip must be larger than 1")
     if args.tasks_per_step % world:
         raise SystemExit(f"--tasks-per-step {args.tasks_per_step} must be divisible by the {world} processes")
-    if args.tasks_per_step // world * args.n < args.minibatches:
-        raise SystemExit("--minibatches is larger than the number of trajectories per process")
+    trajectories = args.tasks_per_step // world * args.n
+    micro_batches = (trajectories + args.micro_batch_size - 1) // args.micro_batch_size
+    if micro_batches < args.minibatches:
+        raise SystemExit(f"--minibatches {args.minibatches} is more than the {micro_batches} micro-batches of "
+                         f"--micro-batch-size {args.micro_batch_size} that each process has")
+    if args.algo == "ppo" and args.mixed_precision == "fp16":
+        raise SystemExit("--algo ppo steps two optimizers, which fp16's loss scaling does not support here: "
+                         "use --mixed-precision bf16")
     if args.max_new_tokens >= args.max_tokens:
         raise SystemExit("--max-new-tokens must be smaller than --max-tokens")
 
@@ -298,7 +304,8 @@ def main(args: Args) -> Path:
     from accelerate.utils import gather_object, set_seed
 
     mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
-    accelerator = Accelerator(mixed_precision=mixed)
+    # schedulers step once per optimizer step (by default Accelerate steps them once per process)
+    accelerator = Accelerator(mixed_precision=mixed, step_scheduler_with_optimizer=False)
     check(args, accelerator.num_processes)
     set_seed(args.seed + accelerator.process_index)
     main_process = accelerator.is_main_process
@@ -326,6 +333,7 @@ def main(args: Args) -> Path:
     critic = critic_optimizer = critic_scheduler = None
     if args.algo == "ppo":  # separate weights, same architecture, a value head; restored by --resume with the rest
         critic = load_value_model(args.model)
+        critic.config.use_cache = False
         if args.gradient_checkpointing:
             critic.gradient_checkpointing_enable()
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay)
@@ -415,6 +423,9 @@ def main(args: Args) -> Path:
         #    unless the KL goes into the reward, which needs them before the update.
         need_old = args.ppo_epochs * args.minibatches > 1 or (args.kl_in_reward and ref_model is not None)
         computed = {}
+        for module in (model, critic):
+            if module is not None:
+                module.eval()
         with torch.no_grad():
             for rows, batch in zip(micro_rows, micro):
                 inputs = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
@@ -444,7 +455,9 @@ def main(args: Args) -> Path:
         #    mini-batch however it is split into micro-batches; gradients are averaged across
         #    processes once per mini-batch, at its last micro-batch
         train_policy = step > args.critic_warmup
-        model.train()
+        for module in (model, critic):
+            if module is not None:
+                module.train()
         sums = {key: 0.0 for key in ("tokens", "policy", "kl", "entropy", "clipfrac", "ppo_kl", "logprob_diff",
                                      "critic_tokens", "value", "value_clipfrac")}
         grad_norms, critic_grad_norms = [], []

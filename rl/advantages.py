@@ -65,7 +65,8 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = N
     """(x - mean) / sqrt(var + eps) over the action tokens (unbiased var, as upstream); 0 elsewhere.
     `reduce` sums the statistics over processes, so that a distributed batch is whitened as one."""
     mask = mask.float()
-    stats = torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()]).double()
+    wide, wide_mask = x.double(), mask.double()
+    stats = torch.stack([(wide * wide_mask).sum(), (wide * wide * wide_mask).sum(), wide_mask.sum()])
     if reduce is not None:
         stats = reduce(stats)
     total, squares, count = stats.tolist()

@@ -27,7 +27,7 @@ def horizon(step: int, caps: Sequence[int], every: int) -> int:
 
 
 def describe(caps: Sequence[int], every: int, steps: int) -> str:
-    """'10 turns' or '10 turns (steps 1-100), 20 (101-200), 30 (201-300)' for the run's banner."""
+    """'15 turns' or 'horizon 10 (1-100), 20 (101-200), 30 (201-300) turns' for the run's banner."""
     if len(caps) == 1:
         return f"{caps[0]} turns"
     parts = []

@@ -50,8 +50,9 @@ def kl(logprobs, ref_logprobs, estimator: KLEstimator = "k3"):
     """Per-token estimators of KL(policy || reference) from tokens sampled from the policy (Schulman,
     "Approximating KL divergence"): k1 = logp - ref (unbiased, any sign); k2 = (logp - ref)^2 / 2
     (upstream's `mse`); k3 = exp(d) - d - 1 with d = ref - logp (unbiased, non-negative, low variance;
-    upstream's `low_var_kl`, clamped to [-10, 10] as there)."""
-    d = ref_logprobs - logprobs
+    upstream's `low_var_kl`, clamped to [-10, 10] as there). d is clamped to [-20, 20] first: exp of a
+    large d is inf, and its gradient (0 * inf) would be NaN even at a masked position."""
+    d = (ref_logprobs - logprobs).clamp(-20, 20)
     if estimator == "k1":
         return -d
     if estimator == "k2":
@@ -70,7 +71,8 @@ def aggregate(terms, mask, mode: Aggregation = "token-mean", tokens: float | Non
     weighs the same); seq-mean-token-sum: the mean over sequences of each sequence's token sum (Dr.
     GRPO: no length normalisation). When a mini-batch is split into micro-batches, pass the whole
     mini-batch's `tokens` or `sequences` (those with an action token) so that the gradient is the
-    same however it is split.
+    same however it is split. The counts are per process; data-parallel training then averages the
+    processes' gradients (as upstream does).
     """
     mask = mask.float()
     if mode == "token-mean":

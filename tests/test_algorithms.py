@@ -5,6 +5,7 @@ training loop applies it, across a resume."""
 import json
 import os
 import subprocess
+import types
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 import envs
+import eval as eval_script
 import train
+from rl import advantages as adv_lib
+from rl.logprobs import token_values
 from rl.model import EMBEDDED
 
 
@@ -57,6 +61,21 @@ def test_ppo_trains_policy_and_critic(tmp_path):
     assert critic["score.weight"].shape[0] == 1
 
 
+def test_a_resumed_ppo_run_gets_its_critic_back(tmp_path, monkeypatch):
+    run_dir, _ = run(tmp_path, "--algo", "ppo", "--steps", "1", "--critic-lr", "0.01")
+    saved = load_file(run_dir / "checkpoints" / "step_1" / "state" / "model_1.safetensors")["score.weight"]
+    seen = []
+    original = train.update_critic
+
+    def spy(critic, *rest):
+        seen.append(getattr(critic, "module", critic).score.weight.detach().clone())
+        return original(critic, *rest)
+
+    monkeypatch.setattr(train, "update_critic", spy)
+    run(tmp_path, "--algo", "ppo", "--steps", "2", "--critic-lr", "0.01", "--resume", str(run_dir / "checkpoints" / "step_1"))
+    assert torch.equal(seen[0], saved)  # the critic the resumed run trains is the saved one, not a fresh head
+
+
 def test_horizon_schedule_in_the_loop_survives_a_resume(tmp_path):
     schedule = ["--horizon", "1", "2", "3", "--horizon-every", "1", "--save-every", "1"]
     run_dir, _ = run(tmp_path, *schedule, "--steps", "1")
@@ -67,6 +86,8 @@ def test_horizon_schedule_in_the_loop_survives_a_resume(tmp_path):
     records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
     for record in records:  # a cap, never a floor: an episode may end sooner
         assert record["turns"] <= record["step"]
+    config = json.loads((run_dir / "config.json").read_text())
+    assert [eval_script.checkpoint_horizon(str(run_dir / "checkpoints" / f"step_{k}"), config) for k in (1, 2, 3)] == [1, 2, 3]
 
 
 def test_unknown_algorithm_is_rejected():
@@ -111,3 +132,50 @@ def test_recipes_launch_valid_commands(recipe, tmp_path):
     assert args.algo == "grpo" and args.lr == 1e-6 and args.kl_coef == 0.001 and args.entropy_coef == 0.001
     assert args.epochs and args.save_every == 5
     assert (len(args.horizon) == 3) == (method == "scalinginter-rl")
+
+
+class Ramp(torch.nn.Module):
+    """A stand-in critic whose output at position i is i."""
+
+    def forward(self, input_ids, attention_mask):
+        positions = torch.arange(input_ids.shape[1], dtype=torch.float32)
+        return types.SimpleNamespace(logits=positions.expand(input_ids.shape)[..., None])
+
+
+def test_values_are_read_where_log_probs_are():
+    """values[t] comes from position t - 1, the position whose logits give token t its log-prob."""
+    mask = torch.tensor([[0, 0, 1, 1, 0, 1]], dtype=torch.float32)
+    values = token_values(Ramp(), torch.zeros(1, 6, dtype=torch.long), torch.ones(1, 6), mask)
+    assert values.tolist() == [[0, 0, 1, 2, 0, 4]]
+
+
+def step_batch():
+    """A padded step batch of three trajectories: two healthy ones in one group, one that errored."""
+    mask = torch.tensor([[0, 1, 1, 0, 1], [0, 1, 0, 1, 1], [0, 0, 0, 0, 0]], dtype=torch.float32)
+    full = {"loss_mask": mask, "old_logprobs": -torch.ones(3, 5) * mask, "ref_logprobs": -2 * torch.ones(3, 5) * mask,
+            "old_values": torch.zeros(3, 5)}
+    return full, torch.tensor([1.0, 0.0, 1.0]), torch.tensor([0, 0, 0]), torch.tensor([True, True, False])
+
+
+def test_kl_in_reward_uses_old_and_reference_log_probs():
+    full, scores, groups, ok = step_batch()
+    args = train.parse_args(["--algo", "grpo", "--no-grpo-scale", "--kl-in-reward", "--kl-coef", "0.1",
+                             "--kl-estimator", "k1"])
+    advantages, _ = train.advantages_for(args, full, scores, groups, ok, None)
+    # k1 = old - ref = 1 per action token: returns 1 - 0.1 * 3 = 0.7 and 0 - 0.1 * 3 = -0.3; the errored
+    # trajectory stays out of the group (with it the mean would move)
+    assert advantages[0, 1].item() == pytest.approx(0.5) and advantages[1, 1].item() == pytest.approx(-0.5)
+    assert advantages[2].abs().sum() == 0
+    args = train.parse_args(["--algo", "reinforce_pp", "--kl-in-reward", "--kl-coef", "0.1", "--kl-estimator", "k1"])
+    raw = adv_lib.reinforce_pp(adv_lib.place_reward(scores, full["loss_mask"]) - 0.1 * full["loss_mask"],
+                               full["loss_mask"])
+    torch.testing.assert_close(train.advantages_for(args, full, scores, groups, ok, None)[0], raw)
+
+
+def test_errored_trajectories_stay_out_of_whitening():
+    full, scores, groups, ok = step_batch()
+    args = train.parse_args(["--algo", "ppo", "--n", "1"])
+    with_error, returns = train.advantages_for(args, full, scores, groups, ok, None)
+    healthy, _ = train.advantages_for(args, {k: v[:2] for k, v in full.items()}, scores[:2], groups[:2], ok[:2], None)
+    torch.testing.assert_close(with_error[:2], healthy)
+    assert with_error[2].abs().sum() == 0 and returns[2].abs().sum() == 0

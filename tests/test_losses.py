@@ -88,3 +88,13 @@ def test_aggregation_modes_by_hand_and_under_micro_batching():
         assert split.item() == pytest.approx(whole.item())
     with pytest.raises(ValueError):
         aggregate(terms, mask, "sum")
+
+
+def test_k3_gradient_stays_finite_far_from_the_reference():
+    """exp of a huge log-ratio is inf; an unclamped k3 would send NaN gradients into the weights even
+    from masked positions (0 * NaN is NaN)."""
+    logp = torch.tensor([[-95.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.2]])
+    mask = torch.tensor([[0.0, 1.0]])
+    aggregate(kl(logp, ref, "k3"), mask).backward()
+    assert torch.isfinite(logp.grad).all() and logp.grad[0, 0] == 0

@@ -99,6 +99,8 @@ def test_presets_follow_the_model():
     (["--horizon", "0"], "at least 1"),
     (["--dual-clip", "0.5"], "larger than 1"),
     (["--algo", "rloo", "--n", "1"], "--n 2 or more"),
+    (["--tasks-per-step", "2", "--n", "4", "--micro-batch-size", "4", "--minibatches", "3"], "micro-batches"),
+    (["--algo", "ppo", "--mixed-precision", "fp16"], "bf16"),
 ])
 def test_bad_settings_stop_early(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -156,6 +158,7 @@ def test_two_processes_split_the_tasks_and_log_every_episode(tmp_path):
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py", "--",
                "--steps", "2", "--tasks-per-step", "4", "--n=2", "--horizon", "2", "--max-new-tokens", "16", "--algo", "ppo",
+               "--warmup-steps", "4", "--critic-lr-warmup-steps", "4", "--critic-lr", "1e-3",
                "--out-dir", str(tmp_path), "--run-name", "ddp"]
     done = subprocess.run(command, cwd=Path(train.__file__).parent, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -169,3 +172,6 @@ def test_two_processes_split_the_tasks_and_log_every_episode(tmp_path):
     assert (run_dir / "checkpoints" / "step_2" / "model.safetensors").is_file()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(m["losses/value"]) and m["losses/critic_grad_norm"] > 0 for m in metrics)  # PPO's critic, DDP too
+    # warm-ups count optimizer steps, whatever the number of processes: (k + 1) / 4 after k steps
+    assert [m["charts/lr"] for m in metrics] == pytest.approx([5e-5 * 2 / 4, 5e-5 * 3 / 4])
+    assert [m["charts/critic_lr"] for m in metrics] == pytest.approx([1e-3 * 2 / 4, 1e-3 * 3 / 4])
