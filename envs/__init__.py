@@ -80,6 +80,19 @@ def oracle(env: Env) -> Callable[[str], str]:
     return _module(env.name).oracle(env)
 
 
+def play(env: Env, task_id: int, agent: Callable[[str], str] | None = None, max_steps: int = 100) -> StepResult:
+    """One episode through the text interface: reset to `task_id`, then step with `agent(observation)`
+    (default: the env's oracle) until done or `max_steps`. Returns the last step's result."""
+    observation = env.reset(task_id)
+    agent = agent or oracle(env)
+    result = StepResult(observation, 0.0, False, {})
+    for _ in range(max_steps):
+        result = env.step(agent(result.observation))
+        if result.done:
+            break
+    return result
+
+
 def load_task_ids(path: str | Path, name: str) -> list[int]:
     """Task ids from an AgentGym-RL-Data-ID file (`[{"item_id": "babyai_12"}, ...]`).
     As upstream, the id is the integer after the last underscore."""

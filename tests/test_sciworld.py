@@ -51,14 +51,9 @@ def env():
 
 
 def play_gold(env, task_id):
-    observation = env.reset(task_id)
-    act = envs.oracle(env)
-    for _ in range(200):
-        result = env.step(act(observation))
-        observation = result.observation
-        if result.done:
-            return result
-    raise AssertionError("the gold path did not end the episode")
+    result = envs.play(env, task_id, max_steps=200)
+    assert result.done, "the gold path did not end the episode"
+    return result
 
 
 # ----------------------------------------------------------------------------------------------

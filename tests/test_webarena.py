@@ -49,14 +49,9 @@ def on(kind: str, observation: str, line: str, *args) -> str:
 
 
 def play(env, task_id: int) -> envs.StepResult:
-    observation, expert = env.reset(task_id), None
-    expert = envs.oracle(env)
-    for _ in range(25):
-        result = env.step(expert(observation))
-        observation = result.observation
-        if result.done:
-            return result
-    raise AssertionError("the oracle did not finish")
+    result = envs.play(env, task_id, max_steps=25)
+    assert result.done, "the oracle did not finish"
+    return result
 
 
 # ----------------------------------------------------------------------------------------------
