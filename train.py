@@ -299,6 +299,12 @@ def rows_of(full: dict, rows: list[int], device) -> dict:
     return {key: value[rows, :width].to(device) for key, value in full.items()}
 
 
+def linear_warmup(optimizer, steps: int):
+    """Learning rate rising linearly over the first `steps` optimizer steps, then constant (upstream's
+    `constant` warm-up style)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(steps, 1)))
+
+
 def main(args: Args) -> Path:
     from accelerate import Accelerator
     from accelerate.utils import gather_object, set_seed
@@ -327,7 +333,7 @@ def main(args: Args) -> Path:
         ref_model = load_model(args.model, dtype=torch.bfloat16 if mixed == "bf16" else torch.float32)
         ref_model.requires_grad_(False).eval().to(accelerator.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(args.warmup_steps, 1)))
+    scheduler = linear_warmup(optimizer, args.warmup_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     policy = accelerator.unwrap_model(model)
     critic = critic_optimizer = critic_scheduler = None
@@ -337,8 +343,7 @@ def main(args: Args) -> Path:
         if args.gradient_checkpointing:
             critic.gradient_checkpointing_enable()
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay)
-        critic_scheduler = torch.optim.lr_scheduler.LambdaLR(
-            critic_optimizer, lambda s: min(1.0, (s + 1) / max(args.critic_lr_warmup_steps, 1)))
+        critic_scheduler = linear_warmup(critic_optimizer, args.critic_lr_warmup_steps)
         critic, critic_optimizer, critic_scheduler = accelerator.prepare(critic, critic_optimizer, critic_scheduler)
     engine = HFEngine(policy, fmt, temperature=args.temperature, top_p=args.top_p,
                       batch_size=args.gen_batch_size, seed=args.seed + accelerator.process_index)
