@@ -15,13 +15,10 @@ go to <out>.json (written atomically) and every episode to <out>.jsonl.
 
 from __future__ import annotations
 
-import os
-
-# torch's OpenMP threads spin while they wait for work; on a shared or small CPU that starves the env
-# threads and everything else (measured here: 0.3 s vs 3.5 ms per decode step of the tiny model).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import rl  # noqa: F401 - first: sets OpenMP's wait policy before torch loads (see rl/__init__.py)
 
 import json
+import os
 import random
 import time
 from collections import defaultdict
@@ -33,8 +30,8 @@ import torch
 import tyro
 
 import envs
-from rl.horizon import horizon
-from rl.model import EMBEDDED, load_model, load_tokenizer
+from rl.horizon import horizon_at
+from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, load_model, load_tokenizer
 from rollout import ChatFormat, HFEngine, rollout
 
 # Upstream's eval scripts: max_rounds per env.
@@ -48,22 +45,29 @@ class Args:
     env: str | None = None
     """default: the run's env, else babyai"""
     split: Literal["test", "train"] = "test"
+    """which of the env's shipped splits to evaluate"""
     tasks: str | None = None
     """task id file (AgentGym-RL-Data-ID format) instead of the split"""
     limit: int | None = None
     """evaluate N tasks spread evenly over the split"""
     k: int = 1
     """episodes per task"""
-    max_turns: int | None = None
+    horizon: int | None = None
+    """turn cap per episode; default: the run's cap at the checkpoint's step, else upstream's per env"""
     max_new_tokens: int | None = None
+    """tokens per assistant turn; default: the run's, else upstream's 512"""
     max_tokens: int | None = None
+    """tokens per trajectory (prompt + every turn); default: the run's, else 16384"""
     temperature: float = 1.0
     """upstream evaluates with temperature 1; 0 is greedy"""
     top_p: float = 1.0
+    """nucleus sampling: draw from the smallest set of tokens holding this much probability"""
     env_options: dict[str, str] = field(default_factory=dict)
+    """keyword options for envs.make, added to the run's own, e.g. --env-options reward normalized"""
     batch_size: int = 64
     """episodes played at once"""
     seed: int = 0
+    """seeds the sampler"""
     out: str | None = None
     """output path without extension; default: next to the checkpoint, else runs/eval/"""
 
@@ -89,30 +93,26 @@ def checkpoint_horizon(model: str, config: dict) -> int:
         return config["max_turns"]  # a run from before horizon schedules
     state = Path(model) / "trainer_state.json"
     step = json.loads(state.read_text())["step"] if state.is_file() else 10**9
-    return horizon(step, config["horizon"], config["horizon_every"])
+    return horizon_at(step, config["horizon"], config["horizon_every"])
 
 
 def resolve_settings(args: Args) -> dict:
-    from train import PRESETS, env_options
-
     config = run_config(args.model)
     if config is not None:
         base = {key: config[key] for key in ("env", "max_new_tokens", "max_tokens")}
-        base["max_turns"] = checkpoint_horizon(args.model, config)
+        base["horizon"] = checkpoint_horizon(args.model, config)
         base["env_options"] = config.get("env_options", {})
     elif args.model in EMBEDDED:
-        tiny = PRESETS["tiny"]
-        base = {"env": tiny.env, "max_turns": tiny.horizon[-1], "max_new_tokens": tiny.max_new_tokens,
-                "max_tokens": tiny.max_tokens, "env_options": {}}
+        base = {**EMBEDDED_ROLLOUT, "env_options": {}}
     else:
         env = args.env or "babyai"
-        base = {"env": env, "max_turns": UPSTREAM_TURNS[env], "max_new_tokens": 512, "max_tokens": 16384, "env_options": {}}
-    for key in ("env", "max_turns", "max_new_tokens", "max_tokens"):
+        base = {"env": env, "horizon": UPSTREAM_TURNS[env], "max_new_tokens": 512, "max_tokens": 16384, "env_options": {}}
+    for key in ("env", "horizon", "max_new_tokens", "max_tokens"):
         if getattr(args, key) is not None:
             base[key] = getattr(args, key)
     if args.env is not None and args.env != (config or {}).get("env", args.env):
         base["env_options"] = {}  # another env's options do not apply
-    base["env_options"] = {**base["env_options"], **env_options(args.env_options)}
+    base["env_options"] = {**base["env_options"], **envs.parse_options(args.env_options)}
     if base["env"] not in envs.ENVS:
         raise SystemExit(f"unknown env {base['env']!r}; choose one of: {', '.join(envs.ENVS)}")
     return base
@@ -174,7 +174,7 @@ def main(args: Args) -> dict:
     for i in range(0, len(episodes), len(environments)):
         chunk = episodes[i:i + len(environments)]
         trajectories += rollout(engine, fmt, environments[:len(chunk)], [t for t, _ in chunk],
-                                [g for _, g in chunk], max_turns=settings["max_turns"],
+                                [g for _, g in chunk], horizon=settings["horizon"],
                                 max_new_tokens=settings["max_new_tokens"], max_tokens=settings["max_tokens"])
         print(f"  {len(trajectories)}/{len(episodes)} episodes ({time.perf_counter() - start:.0f}s)", flush=True)
     results = {"model": args.model, "split": args.split if not args.tasks else args.tasks, "k": args.k,

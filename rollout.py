@@ -1,6 +1,6 @@
 """Multi-turn rollout: batched generation for every live trajectory, environments stepped in parallel.
 
-    trajectories = rollout(engine, fmt, envs, task_ids, groups, max_turns=..., max_new_tokens=..., max_tokens=...)
+    trajectories = rollout(engine, fmt, envs, task_ids, groups, horizon=..., max_new_tokens=..., max_tokens=...)
 
 One env per trajectory (the caller repeats each task n times). Each round generates the next
 assistant turn of every live trajectory in one batched call, hands the decoded text to env.step in
@@ -43,17 +43,25 @@ class Trajectory:
     task_id: int
     group: int  # the n samples of one task share a group
     row: int  # index of this trajectory's env in the rollout
-    token_ids: list[int]
-    loss_mask: list[int]
-    logprobs: list[float]  # the sampler's log-prob of each token (0 where loss_mask is 0)
     messages: list[dict]
-    prompt_len: int  # tokens of the first prompt (instruction, ack, first observation)
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)  # 1 on tokens the policy is trained on
+    logprobs: list[float] = field(default_factory=list)  # the sampler's log-prob of each token (0 where loss_mask is 0)
     turns: int = 0
     reward: float = 0.0
     done: bool = False
-    finish: str = ""  # "done" | "max_turns" | "max_tokens" | "error"
+    finish: str = ""  # "done" | "horizon" | "max_tokens" | "error"
     error: str | None = None
     success: bool = False
+
+    def add(self, ids: list[int], logprobs: list[float] | None = None, trained: bool = False) -> None:
+        """Append tokens: sampled ones with their log-probs and trained=True, anything else untrained."""
+        self.token_ids += ids
+        self.loss_mask += [int(trained)] * len(ids)
+        self.logprobs += logprobs if trained else [0.0] * len(ids)
+
+    def fail(self, error: str) -> None:
+        self.finish, self.error, self.reward = "error", error, 0.0
 
     @property
     def item_id(self) -> str:
@@ -252,10 +260,10 @@ def _guard(fn, *args):
 
 
 def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int], *,
-            max_turns: int, max_new_tokens: int, max_tokens: int, pool: ThreadPoolExecutor | None = None,
+            horizon: int, max_new_tokens: int, max_tokens: int, pool: ThreadPoolExecutor | None = None,
             stats: dict | None = None) -> list[Trajectory]:
-    """Play one episode per env: environments[i] plays task_ids[i], in group groups[i].
-    `stats`, when given, receives timing and token counts for throughput metrics."""
+    """Play one episode per env: environments[i] plays task_ids[i], in group groups[i], for at most
+    `horizon` turns. `stats`, when given, receives timing and token counts for throughput metrics."""
     assert len(environments) == len(task_ids) == len(groups)
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(max_workers=min(32, len(environments)))
@@ -265,85 +273,84 @@ def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int
         start = time.perf_counter()
         firsts = list(pool.map(_guard, [env.reset for env in environments], task_ids))
         clock["env_s"] += time.perf_counter() - start
-        trajectories = []
-        for row, (env, task_id, group, first) in enumerate(zip(environments, task_ids, groups, firsts)):
-            messages = [{"role": "user", "content": env.instruction}, {"role": "assistant", "content": env.ack}]
-            traj = Trajectory(env.name, task_id, group, row, [], [], [], messages, 0)
-            if isinstance(first, Exception):
-                traj.finish, traj.error = "error", f"reset failed: {type(first).__name__}: {first}"
-            else:
-                messages.append({"role": "user", "content": first})
-                traj.token_ids = fmt.prompt(env, first)
-                traj.loss_mask, traj.logprobs = [0] * len(traj.token_ids), [0.0] * len(traj.token_ids)
-                traj.prompt_len = len(traj.token_ids)
-            trajectories.append(traj)
+        trajectories = [_start(fmt, row, *args) for row, args in enumerate(zip(environments, task_ids, groups, firsts))]
 
-        for _ in range(max_turns):
+        for _ in range(horizon):
             for traj in trajectories:  # a first prompt that leaves no room for a reply
                 if traj.live and len(traj.token_ids) >= max_tokens:
                     traj.finish = "max_tokens"
-            rows = [i for i, t in enumerate(trajectories) if t.live]
-            if not rows:
+            live = [t for t in trajectories if t.live]
+            if not live:
                 break
 
             # -- generate the next turn of every live trajectory in one batched call
             start = time.perf_counter()
-            limits = [min(max_new_tokens, max_tokens - len(trajectories[i].token_ids)) for i in rows]
-            samples = engine.generate([trajectories[i] for i in rows], limits)
+            limits = [min(max_new_tokens, max_tokens - len(t.token_ids)) for t in live]
+            samples = engine.generate(live, limits)
             clock["generate_s"] += time.perf_counter() - start
-            texts = []
-            stepping = []
-            for i, sample in zip(rows, samples):
-                traj = trajectories[i]
+            acting = []
+            for traj, sample in zip(live, samples):
                 if sample.error is not None:
-                    traj.finish, traj.error = "error", sample.error
+                    traj.fail(sample.error)
                     continue
-                stepping.append(i)
-                traj.token_ids += sample.token_ids
-                traj.loss_mask += [1] * len(sample.token_ids)
-                traj.logprobs += sample.logprobs
+                _act(fmt, traj, sample)
                 clock["sampled_tokens"] += len(sample.token_ids)
-                if not sample.token_ids or sample.token_ids[-1] not in fmt.stop_ids:
-                    traj.token_ids.append(fmt.end_of_turn)  # cut off by the limit: close the turn, unmasked
-                    traj.loss_mask.append(0)
-                    traj.logprobs.append(0.0)
-                elif sample.token_ids[-1] != fmt.end_of_turn:
-                    traj.token_ids.append(fmt.end_of_turn)  # stopped on another eos: the template needs end-of-turn
-                    traj.loss_mask.append(0)
-                    traj.logprobs.append(0.0)
-                text = fmt.text(sample.token_ids)
-                traj.messages.append({"role": "assistant", "content": text})
-                traj.turns += 1
-                texts.append(text)
+                acting.append(traj)
 
             # -- step the envs in parallel with the raw text
             start = time.perf_counter()
-            results = list(pool.map(_guard, [environments[i].step for i in stepping], texts))
+            steps = [environments[t.row].step for t in acting]
+            results = list(pool.map(_guard, steps, [t.messages[-1]["content"] for t in acting]))
             clock["env_s"] += time.perf_counter() - start
-            for i, result in zip(stepping, results):
-                traj = trajectories[i]
-                if isinstance(result, Exception):
-                    traj.finish, traj.error, traj.reward = "error", f"step failed: {type(result).__name__}: {result}", 0.0
-                    continue
-                traj.reward, traj.done = float(result.reward), bool(result.done)
-                traj.success = bool(result.info.get("success", result.reward > 0)) if result.done else False
-                traj.messages.append({"role": "user", "content": result.observation})
-                if traj.done:
-                    traj.finish = "done"
-                elif traj.turns < max_turns:
-                    obs = fmt.observation(result.observation)
-                    if len(traj.token_ids) + len(obs) >= max_tokens:  # no room left for a reply
-                        traj.finish = "max_tokens"
-                        continue
-                    traj.token_ids += obs
-                    traj.loss_mask += [0] * len(obs)
-                    traj.logprobs += [0.0] * len(obs)
+            for traj, result in zip(acting, results):
+                _observe(fmt, traj, result, horizon, max_tokens)
         for traj in trajectories:
             if traj.live:
-                traj.finish = "max_turns"
+                traj.finish = "horizon"
         return trajectories
     finally:
         if own_pool:
             pool.shutdown(wait=True)
         if stats is not None:
             stats.update(clock)
+
+
+def _start(fmt: ChatFormat, row: int, env: Env, task_id: int, group: int, first) -> Trajectory:
+    """A trajectory whose tokens are the first prompt (instruction, ack, first observation)."""
+    messages = [{"role": "user", "content": env.instruction}, {"role": "assistant", "content": env.ack}]
+    traj = Trajectory(env.name, task_id, group, row, messages)
+    if isinstance(first, Exception):
+        traj.fail(f"reset failed: {type(first).__name__}: {first}")
+        return traj
+    messages.append({"role": "user", "content": first})
+    traj.add(fmt.prompt(env, first))
+    return traj
+
+
+def _act(fmt: ChatFormat, traj: Trajectory, sample: Sample) -> None:
+    """Append a sampled turn, trained on, and the message the env will read."""
+    traj.add(sample.token_ids, sample.logprobs, trained=True)
+    if sample.token_ids[-1:] != [fmt.end_of_turn]:
+        # cut off by the limit, or stopped on another eos: the template needs the end-of-turn token,
+        # which the model did not choose, so it is not trained on
+        traj.add([fmt.end_of_turn])
+    traj.messages.append({"role": "assistant", "content": fmt.text(sample.token_ids)})
+    traj.turns += 1
+
+
+def _observe(fmt: ChatFormat, traj: Trajectory, result, horizon: int, max_tokens: int) -> None:
+    """Record the env's answer to a turn; append the observation's tokens if another turn follows."""
+    if isinstance(result, Exception):
+        traj.fail(f"step failed: {type(result).__name__}: {result}")
+        return
+    traj.reward, traj.done = float(result.reward), bool(result.done)
+    traj.success = bool(result.info.get("success", result.reward > 0)) if result.done else False
+    traj.messages.append({"role": "user", "content": result.observation})
+    if traj.done:
+        traj.finish = "done"
+    elif traj.turns < horizon:
+        observation = fmt.observation(result.observation)
+        if len(traj.token_ids) + len(observation) >= max_tokens:  # no room left for a reply
+            traj.finish = "max_tokens"
+        else:
+            traj.add(observation)

@@ -25,20 +25,17 @@ a multi-GPU run rolls out its own share of tasks, so groups never straddle proce
 
 from __future__ import annotations
 
-import os
-
-# torch's OpenMP threads spin while they wait for work; on a shared or small CPU that starves the env
-# threads and everything else (measured here: 0.3 s vs 3.5 ms per decode step of the tiny model).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import rl  # noqa: F401 - first: sets OpenMP's wait policy before torch loads (see rl/__init__.py)
 
 import argparse
-import ast
 import contextlib
 import json
+import os
 import random
 import shutil
 import sys
 import time
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -50,11 +47,11 @@ from tqdm import tqdm
 
 import envs
 from rl import advantages as adv_lib
-from rl.horizon import describe, horizon
+from rl.horizon import describe, horizon_at
 from rl.logprobs import collate, token_logprobs, token_values
 from rl.losses import aggregate, kl, policy_loss, value_loss
-from rl.model import EMBEDDED, load_model, load_tokenizer, load_value_model
-from rollout import ChatFormat, HFEngine, rollout
+from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, load_model, load_tokenizer, load_value_model
+from rollout import ChatFormat, HFEngine, Trajectory, rollout
 
 
 @dataclass
@@ -100,17 +97,23 @@ class Args:
     max_tokens: int = 8192
     """tokens per trajectory (prompt + every turn); an episode ends when it is spent"""
     temperature: float = 1.0
+    """sampling temperature; the trainer scores tokens under the same softmax(logits / T)"""
     top_p: float = 1.0
+    """nucleus sampling: draw from the smallest set of tokens holding this much probability"""
     gen_batch_size: int = 64
     """trajectories per generation call"""
 
     # -- optimisation
     lr: float = 1e-6
+    """policy learning rate (AdamW)"""
     warmup_steps: int = 0
     """linear learning-rate warm-up, in optimizer steps"""
     weight_decay: float = 0.01
+    """AdamW weight decay, policy and critic"""
     grad_clip: float = 1.0
+    """clip the gradient norm of each optimizer step to this"""
     ppo_epochs: int = 1
+    """passes over the step's trajectories"""
     minibatches: int = 2
     """optimizer steps per epoch over the step's trajectories"""
     micro_batch_size: int = 4
@@ -144,12 +147,15 @@ class Args:
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     """auto: bf16 on GPU, fp32 on CPU"""
     gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, about a third more compute"""
 
     # -- bookkeeping
     seed: int = 1
+    """seeds the task order, the sampler and the update's shuffling"""
     run_name: str | None = None
-    """default: <env>-grpo-<time>"""
+    """default: <env>-<algo>-<time>"""
     out_dir: str = "runs"
+    """runs are written to <out_dir>/<run_name>"""
     save_every: int = 50
     """checkpoint every k steps (and at the end); 0: only at the end"""
     resume: str | None = None
@@ -157,13 +163,16 @@ class Args:
     track: bool = False
     """log to wandb (offline mode when no API key is configured)"""
     wandb_project: str = "agentgym-rl"
+    """the wandb project of --track"""
+
 
 
 PRESETS = {
     "paper": Args(),
     "tiny": Args(
-        steps=10, tasks_per_step=8, n=4, horizon=(6,), max_new_tokens=48, max_tokens=3072, lr=5e-5,
-        minibatches=1, micro_batch_size=4, save_every=0, critic_lr=1e-3,
+        env=EMBEDDED_ROLLOUT["env"], horizon=(EMBEDDED_ROLLOUT["horizon"],), max_new_tokens=EMBEDDED_ROLLOUT["max_new_tokens"],
+        max_tokens=EMBEDDED_ROLLOUT["max_tokens"], steps=10, tasks_per_step=8, n=4, lr=5e-5, minibatches=1,
+        micro_batch_size=4, save_every=0, critic_lr=1e-3,
     ),
 }
 
@@ -209,57 +218,87 @@ def check(args: Args, world: int) -> None:
         raise SystemExit("--max-new-tokens must be smaller than --max-tokens")
 
 
-def env_options(options: dict[str, str]) -> dict:
-    """CLI strings to Python values where they parse as literals (numbers, booleans, lists)."""
-    out = {}
-    for key, value in options.items():
-        try:
-            out[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key] = value
-    return out
+# ----------------------------------------------------------------------------------------------
+# The phases of a training step, in the order main() runs them
 
 
-def update_policy(model, ref_model, batch, norm: dict, args: Args, accelerator) -> dict[str, float]:
-    """Forward and backward of one micro-batch for the policy: PPO's clipped loss, minus the entropy
-    bonus, plus the KL to the reference (unless it is in the reward), each aggregated over the whole
-    mini-batch (`norm`: its action tokens and sequences). Returns the micro-batch's sums for metrics."""
-    mask = batch["loss_mask"]
-    with accelerator.autocast():
-        logprobs, entropy = token_logprobs(model, batch["input_ids"], batch["attention_mask"], mask,
-                                           args.temperature, with_entropy=True)
-    old = batch["old_logprobs"] if "old_logprobs" in batch else logprobs.detach()
-    pg, clipped = policy_loss(logprobs, old, batch["advantages"], args.clip, args.clip_high, args.dual_clip)
-    loss = aggregate(pg, mask, args.loss_agg, **norm) - args.entropy_coef * aggregate(entropy, mask, args.loss_agg, **norm)
-    divergence = torch.zeros_like(logprobs)
-    if ref_model is not None:
-        divergence = kl(logprobs, batch["ref_logprobs"], args.kl_estimator)
-        if not args.kl_in_reward:
-            loss = loss + args.kl_coef * aggregate(divergence, mask, args.loss_agg, **norm)
-    accelerator.backward(loss)
-    with torch.no_grad():
-        return {
-            "tokens": float(mask.sum()),
-            "policy": float((pg * mask).sum()),
-            "kl": float((divergence * mask).sum()),
-            "entropy": float((entropy * mask).sum()),
-            "clipfrac": float((clipped * mask).sum()),
-            "ppo_kl": float(((old - logprobs) * mask).sum()),
-            "logprob_diff": float(((batch["sampler_logprobs"] - old).abs() * mask).sum()),
-        }
+def tasks_for(step: int, train_ids: list[int], per_step: int, seed: int) -> list[int]:
+    """The tasks of a training step: shuffled epochs over the train split, as upstream's data loader
+    (every task once per epoch, a new order each epoch, the last incomplete batch dropped). A pure
+    function of the step, so a resumed run sees the tasks it would have seen."""
+    epoch, k = divmod(step - 1, len(train_ids) // per_step)
+    order = random.Random(f"{seed}-epoch-{epoch}").sample(train_ids, len(train_ids))
+    return order[k * per_step:(k + 1) * per_step]
 
 
-def update_critic(critic, batch, norm: dict, args: Args, accelerator) -> dict[str, float]:
-    """Forward and backward of one micro-batch for the critic: the clipped value loss against the GAE
-    returns, on action tokens only, aggregated like the policy loss."""
-    mask = batch["loss_mask"]
-    with accelerator.autocast():
-        values = token_values(critic, batch["input_ids"], batch["attention_mask"], mask)
-    terms, clipped = value_loss(values, batch["old_values"], batch["returns"], args.value_clip)
-    accelerator.backward(aggregate(terms, mask, args.loss_agg, **norm))
-    with torch.no_grad():
-        return {"critic_tokens": float(mask.sum()), "value": float((terms * mask).sum()),
-                "value_clipfrac": float((clipped * mask).sum())}
+@dataclass
+class Batch:
+    """A step's trajectories as tensors: `full`, padded [B, T] on the CPU, and micro-batches of rows of
+    similar length (less padding) on the device. A trajectory that ended in an env error is no outcome:
+    its tokens are not trained on (mask 0), but it stays in the batch, so that every process runs the
+    same number of backward passes."""
+
+    full: dict[str, torch.Tensor]
+    micro: list[dict[str, torch.Tensor]]
+    rows: list[list[int]]  # the rows of `full` in each micro-batch
+    scores: torch.Tensor  # [B] outcome rewards
+    groups: torch.Tensor  # [B] which task's group
+    ok: torch.Tensor  # [B] False where the env failed
+
+
+def make_batch(trajectories: list[Trajectory], pad_id: int, micro_batch_size: int, device) -> Batch:
+    ok = torch.tensor([t.error is None for t in trajectories])
+    full = collate(trajectories, pad_id)
+    full["loss_mask"] *= ok[:, None]
+    order = sorted(range(len(trajectories)), key=lambda i: len(trajectories[i].token_ids))
+    rows = [order[i:i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
+    return Batch(full, [rows_of(full, r, device) for r in rows], rows,
+                 scores=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+                 groups=torch.tensor([t.group for t in trajectories], dtype=torch.long), ok=ok)
+
+
+def rows_of(full: dict, rows: list[int], device) -> dict:
+    """Rows of the padded batch, trimmed to their longest trajectory, on `device`."""
+    width = max(1, int(full["attention_mask"][rows].sum(1).max()))
+    return {key: value[rows, :width].to(device) for key, value in full.items()}
+
+
+@dataclass
+class Models:
+    """What the update trains and scores with; `policy` and `critic` are wrapped by Accelerate."""
+
+    policy: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    ref: torch.nn.Module | None = None  # the frozen initial policy, for the KL
+    critic: torch.nn.Module | None = None  # PPO's value model
+    critic_optimizer: torch.optim.Optimizer | None = None
+    critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+
+
+@torch.no_grad()
+def score_batch(models: Models, batch: Batch, args: Args, accelerator) -> None:
+    """Old and reference log-probs and old values of every micro-batch, also scattered into `full`
+    (the advantages need them on the whole batch). With a single update per rollout the policy has
+    not moved, so the old log-probs are the current ones (detached) and need no extra forward pass,
+    unless the KL goes into the reward, which needs them before the update."""
+    need_old = args.ppo_epochs * args.minibatches > 1 or (args.kl_in_reward and models.ref is not None)
+    for module in (models.policy, models.critic):
+        if module is not None:
+            module.eval()
+    for rows, micro in zip(batch.rows, batch.micro):
+        inputs = (micro["input_ids"], micro["attention_mask"], micro["loss_mask"])
+        if need_old:
+            micro["old_logprobs"], _ = token_logprobs(models.policy, *inputs, args.temperature)
+        if models.ref is not None:
+            micro["ref_logprobs"], _ = token_logprobs(models.ref, *inputs, args.temperature)
+        if models.critic is not None:
+            with accelerator.autocast():
+                micro["old_values"] = token_values(models.critic, *inputs)
+        for key in ("old_logprobs", "ref_logprobs", "old_values"):
+            if key in micro:
+                batch.full.setdefault(key, torch.zeros_like(batch.full["loss_mask"]))
+                batch.full[key][rows, :micro[key].shape[1]] = micro[key].float().cpu()
 
 
 def advantages_for(args: Args, full: dict, scores: torch.Tensor, groups: torch.Tensor, ok: torch.Tensor,
@@ -284,19 +323,163 @@ def advantages_for(args: Args, full: dict, scores: torch.Tensor, groups: torch.T
     return adv_lib.gae(rewards, full["old_values"], mask, args.gamma, args.lam, reduce=reduce)
 
 
-def tasks_for(step: int, train_ids: list[int], per_step: int, seed: int) -> list[int]:
-    """The tasks of a training step: shuffled epochs over the train split, as upstream's data loader
-    (every task once per epoch, a new order each epoch, the last incomplete batch dropped). A pure
-    function of the step, so a resumed run sees the tasks it would have seen."""
-    epoch, k = divmod(step - 1, len(train_ids) // per_step)
-    order = random.Random(f"{seed}-epoch-{epoch}").sample(train_ids, len(train_ids))
-    return order[k * per_step:(k + 1) * per_step]
+def attach(batch: Batch, advantages: torch.Tensor, returns: torch.Tensor | None) -> None:
+    """Give every micro-batch its rows of the advantages (and returns), on its device."""
+    for rows, micro in zip(batch.rows, batch.micro):
+        width = micro["input_ids"].shape[1]
+        micro["advantages"] = advantages[rows, :width].to(micro["input_ids"].device)
+        if returns is not None:
+            micro["returns"] = returns[rows, :width].to(micro["input_ids"].device)
 
 
-def rows_of(full: dict, rows: list[int], device) -> dict:
-    """Rows of the padded batch, trimmed to their longest trajectory, on `device`."""
-    width = max(1, int(full["attention_mask"][rows].sum(1).max()))
-    return {key: value[rows, :width].to(device) for key, value in full.items()}
+def update(models: Models, batch: Batch, args: Args, accelerator, step: int) -> tuple[dict, dict]:
+    """PPO's update: `ppo_epochs` passes, each over `minibatches` shuffled mini-batches of the step's
+    micro-batches, one optimizer step per mini-batch for the policy (after the critic's warm-up) and
+    the critic. Each mini-batch's loss is aggregated over the whole mini-batch however it is split
+    into micro-batches, and gradients are averaged across processes once, at its last micro-batch.
+    Returns the summed per-token statistics and the gradient norms of every optimizer step."""
+    train_policy = step > args.critic_warmup
+    trained = [m for m in (models.policy if train_policy else None, models.critic) if m is not None]
+    for module in trained:
+        module.train()
+    sums, grad_norms = defaultdict(float), defaultdict(list)
+    rng = random.Random(f"{args.seed}-{step}-update")
+    for _ in range(args.ppo_epochs):
+        shuffled = list(range(len(batch.micro)))
+        rng.shuffle(shuffled)
+        for part in range(args.minibatches):
+            minibatch = [batch.micro[i] for i in shuffled[part::args.minibatches]]
+            norm = {"tokens": sum(float(m["loss_mask"].sum()) for m in minibatch),
+                    "sequences": sum(float((m["loss_mask"].sum(1) > 0).sum()) for m in minibatch)}
+            for k, micro in enumerate(minibatch):
+                with gradient_sync(accelerator, trained, now=k == len(minibatch) - 1):
+                    terms = update_policy(models, micro, norm, args, accelerator) if train_policy else {}
+                    terms |= update_critic(models, micro, norm, args, accelerator) if models.critic is not None else {}
+                for key, value in terms.items():
+                    sums[key] += value
+            if train_policy:
+                grad_norms["policy"].append(optimizer_step(models.policy, models.optimizer, models.scheduler, args, accelerator))
+            if models.critic is not None:
+                grad_norms["critic"].append(optimizer_step(models.critic, models.critic_optimizer, models.critic_scheduler,
+                                                           args, accelerator))
+    return sums, grad_norms
+
+
+def gradient_sync(accelerator, modules: list, now: bool) -> contextlib.ExitStack:
+    """No all-reduce of these modules' gradients unless `now`: micro-batches accumulate locally."""
+    stack = contextlib.ExitStack()
+    if not now:
+        for module in modules:
+            stack.enter_context(accelerator.no_sync(module))
+    return stack
+
+
+def update_policy(models: Models, batch: dict, norm: dict, args: Args, accelerator) -> dict[str, float]:
+    """Forward and backward of one micro-batch for the policy: PPO's clipped loss, minus the entropy
+    bonus, plus the KL to the reference (unless it is in the reward), each aggregated over the whole
+    mini-batch (`norm`: its action tokens and sequences). Returns the micro-batch's sums for metrics."""
+    mask = batch["loss_mask"]
+    with accelerator.autocast():
+        logprobs, entropy = token_logprobs(models.policy, batch["input_ids"], batch["attention_mask"], mask,
+                                           args.temperature, with_entropy=True)
+    old = batch["old_logprobs"] if "old_logprobs" in batch else logprobs.detach()
+    pg, clipped = policy_loss(logprobs, old, batch["advantages"], args.clip, args.clip_high, args.dual_clip)
+    loss = aggregate(pg, mask, args.loss_agg, **norm) - args.entropy_coef * aggregate(entropy, mask, args.loss_agg, **norm)
+    divergence = torch.zeros_like(logprobs)
+    if models.ref is not None:
+        divergence = kl(logprobs, batch["ref_logprobs"], args.kl_estimator)
+        if not args.kl_in_reward:
+            loss = loss + args.kl_coef * aggregate(divergence, mask, args.loss_agg, **norm)
+    accelerator.backward(loss)
+    with torch.no_grad():
+        return {
+            "tokens": float(mask.sum()),
+            "policy": float((pg * mask).sum()),
+            "kl": float((divergence * mask).sum()),
+            "entropy": float((entropy * mask).sum()),
+            "clipfrac": float((clipped * mask).sum()),
+            "ppo_kl": float(((old - logprobs) * mask).sum()),
+            "logprob_diff": float(((batch["sampler_logprobs"] - old).abs() * mask).sum()),
+        }
+
+
+def update_critic(models: Models, batch: dict, norm: dict, args: Args, accelerator) -> dict[str, float]:
+    """Forward and backward of one micro-batch for the critic: the clipped value loss against the GAE
+    returns, on action tokens only, aggregated like the policy loss."""
+    mask = batch["loss_mask"]
+    with accelerator.autocast():
+        values = token_values(models.critic, batch["input_ids"], batch["attention_mask"], mask)
+    terms, clipped = value_loss(values, batch["old_values"], batch["returns"], args.value_clip)
+    accelerator.backward(aggregate(terms, mask, args.loss_agg, **norm))
+    with torch.no_grad():
+        return {"critic_tokens": float(mask.sum()), "value": float((terms * mask).sum()),
+                "value_clipfrac": float((clipped * mask).sum())}
+
+
+def optimizer_step(model, optimizer, scheduler, args: Args, accelerator) -> float:
+    """Clip the accumulated gradients, step the optimizer and its scheduler, clear. Returns the norm."""
+    norm = float(accelerator.clip_grad_norm_(model.parameters(), args.grad_clip))
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def step_metrics(records: list[dict], sampled: list[int], stats: dict, sums: dict, grad_norms: dict, batch: Batch,
+                 advantages: torch.Tensor, returns: torch.Tensor | None, models: Models, horizon: int) -> dict:
+    """The step's metrics: trajectory statistics over every process's episodes (`records`), losses per
+    action token from this process's update."""
+    rewards = [r["reward"] for r in records]
+    success = [r["success"] for r in records]
+    turns = [r["turns"] for r in records]
+    finishes = [r["finish"] for r in records]
+    tokens = [r["tokens"] for r in records]
+    action_tokens = [r["action_tokens"] for r in records]
+    trained_tokens = max(float(batch.full["loss_mask"].sum()), 1)
+
+    def mean(values):
+        return sum(values) / max(len(values), 1)
+
+    def per_token(key, count="tokens"):
+        return sums[key] / max(sums[count], 1)
+
+    metrics = {
+        "rollout/reward": mean(rewards),
+        "rollout/success": mean(success),
+        "rollout/turns": mean(turns),
+        "rollout/errors": finishes.count("error"),
+        "rollout/done": finishes.count("done") / len(finishes),
+        "rollout/tokens": mean(tokens),
+        "rollout/action_tokens": mean(action_tokens),
+        "rollout/horizon": horizon,
+        "rollout/logprob_diff": per_token("logprob_diff"),
+        "rollout/advantage_mean": float(advantages.sum()) / trained_tokens,
+        "rollout/advantage_abs": float(advantages.abs().sum()) / trained_tokens,
+        "perf/tokens_per_s": sum(sampled) / max(stats["generate_s"], 1e-9),
+        "perf/generate_s": stats["generate_s"],
+        "perf/env_s": stats["env_s"],
+        "losses/policy": per_token("policy"),
+        "losses/kl": per_token("kl"),
+        "losses/entropy": per_token("entropy"),
+        "losses/clipfrac": per_token("clipfrac"),
+        "losses/ppo_kl": per_token("ppo_kl"),
+        "losses/grad_norm": mean(grad_norms["policy"]),
+        "charts/lr": models.scheduler.get_last_lr()[0],
+    }
+    if models.critic is not None:
+        metrics |= {
+            "losses/value": per_token("value", "critic_tokens"),
+            "losses/value_clipfrac": per_token("value_clipfrac", "critic_tokens"),
+            "losses/critic_grad_norm": mean(grad_norms["critic"]),
+            "critic/value": float(batch.full["old_values"].sum()) / trained_tokens,
+            "critic/return": float(returns.sum()) / trained_tokens,
+            "charts/critic_lr": models.critic_scheduler.get_last_lr()[0],
+        }
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Set-up: models, logs, checkpoints
 
 
 def linear_warmup(optimizer, steps: int):
@@ -305,266 +488,75 @@ def linear_warmup(optimizer, steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(steps, 1)))
 
 
-def main(args: Args) -> Path:
-    from accelerate import Accelerator
-    from accelerate.utils import gather_object, set_seed
-
-    mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
-    # schedulers step once per optimizer step (by default Accelerate steps them once per process)
-    accelerator = Accelerator(mixed_precision=mixed, step_scheduler_with_optimizer=False)
-    check(args, accelerator.num_processes)
-    set_seed(args.seed + accelerator.process_index)
-    main_process = accelerator.is_main_process
-    run_name = args.run_name or f"{args.env}-{args.algo}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(args.out_dir) / run_name
-    ckpt_dir = run_dir / "checkpoints"
-
-    # ------------------------------------------------------------------------------------------
-    # Model, reference, tokenizer, optimizer
-
-    tokenizer = load_tokenizer(args.model)
-    fmt = ChatFormat(tokenizer)
-    model = load_model(args.resume or args.model)
+def build_models(args: Args, accelerator, mixed: str) -> Models:
+    """The policy (from the checkpoint when resuming), the frozen reference, PPO's critic (same
+    architecture, own weights, a value head; restored by --resume with the rest), their optimizers."""
+    policy = load_model(args.resume or args.model)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-    ref_model = None
+        policy.gradient_checkpointing_enable()
+        policy.config.use_cache = False
+    ref = None
     if args.kl_coef > 0:
-        ref_model = load_model(args.model, dtype=torch.bfloat16 if mixed == "bf16" else torch.float32)
-        ref_model.requires_grad_(False).eval().to(accelerator.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = linear_warmup(optimizer, args.warmup_steps)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    policy = accelerator.unwrap_model(model)
-    critic = critic_optimizer = critic_scheduler = None
-    if args.algo == "ppo":  # separate weights, same architecture, a value head; restored by --resume with the rest
+        ref = load_model(args.model, dtype=torch.bfloat16 if mixed == "bf16" else torch.float32)
+        ref.requires_grad_(False).eval().to(accelerator.device)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, linear_warmup(optimizer, args.warmup_steps))
+    models = Models(policy, optimizer, scheduler, ref)
+    if args.algo == "ppo":
         critic = load_value_model(args.model)
         critic.config.use_cache = False
         if args.gradient_checkpointing:
             critic.gradient_checkpointing_enable()
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay)
-        critic_scheduler = linear_warmup(critic_optimizer, args.critic_lr_warmup_steps)
-        critic, critic_optimizer, critic_scheduler = accelerator.prepare(critic, critic_optimizer, critic_scheduler)
-    engine = HFEngine(policy, fmt, temperature=args.temperature, top_p=args.top_p,
-                      batch_size=args.gen_batch_size, seed=args.seed + accelerator.process_index)
+        models.critic, models.critic_optimizer, models.critic_scheduler = accelerator.prepare(
+            critic, critic_optimizer, linear_warmup(critic_optimizer, args.critic_lr_warmup_steps))
+    return models
 
-    start_step = 1
-    if args.resume:
-        accelerator.load_state(str(Path(args.resume) / "state"))
-        start_step = json.loads((Path(args.resume) / "trainer_state.json").read_text())["step"] + 1
-        run_dir = Path(args.resume).parent.parent
-        ckpt_dir = run_dir / "checkpoints"
 
-    # ------------------------------------------------------------------------------------------
-    # Environments: one per trajectory of this process, created once and reset every step
+class Logs:
+    """The run's record on the main process: rollouts.jsonl (every trajectory), metrics.jsonl, wandb
+    with --track, and a line of the main metrics per step. Silent on the other processes."""
 
-    train_ids = envs.load_task_ids(args.train_tasks, args.env) if args.train_tasks else envs.splits(args.env)["train"]
-    if len(train_ids) < args.tasks_per_step:
-        raise SystemExit(f"the train split has {len(train_ids)} tasks, fewer than --tasks-per-step {args.tasks_per_step}")
-    if args.epochs is not None:
-        args = replace(args, steps=args.epochs * (len(train_ids) // args.tasks_per_step))
-    local_tasks = args.tasks_per_step // accelerator.num_processes
-    environments = [envs.make(args.env, **env_options(args.env_options)) for _ in range(local_tasks * args.n)]
-    pool = ThreadPoolExecutor(max_workers=min(32, len(environments)))
-
-    # ------------------------------------------------------------------------------------------
-    # Logging
-
-    tracker = None
-    if main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        config = {**asdict(args), "run_name": run_name, "mixed_precision": mixed, "processes": accelerator.num_processes,
-                  "env_options": env_options(args.env_options),
-                  "env_settings": getattr(environments[0], "options", {})}  # every setting in effect, defaults too
-        (run_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    def __init__(self, args: Args, run_dir: Path, config: dict, active: bool):
+        self.active, self.tracker = active, None
+        if not active:
+            return
         if args.track:
             import wandb
 
             if "WANDB_MODE" not in os.environ and not os.environ.get("WANDB_API_KEY"):
                 os.environ["WANDB_MODE"] = "offline"
                 print(f"wandb: no API key configured, logging offline to {run_dir}/wandb (wandb sync to upload)")
-            tracker = wandb.init(project=args.wandb_project, name=run_name, config=config, dir=str(run_dir))
-        print(f"run {run_name}: {args.env}, {args.model} ({args.preset} preset), {args.algo}, {args.steps} steps of "
-              f"{args.tasks_per_step} tasks x {args.n} samples, {describe(args.horizon, args.horizon_every, args.steps)}"
-              f" -> {run_dir}")
-    rollout_log = open(run_dir / "rollouts.jsonl", "a") if main_process else None
-    metrics_log = open(run_dir / "metrics.jsonl", "a") if main_process else None
+            self.tracker = wandb.init(project=args.wandb_project, name=config["run_name"], config=config, dir=str(run_dir))
+        self.rollouts = open(run_dir / "rollouts.jsonl", "a")
+        self.metrics = open(run_dir / "metrics.jsonl", "a")
 
-    # ------------------------------------------------------------------------------------------
-    # Training loop
+    def write(self, step: int, records: list[dict], metrics: dict, progress) -> None:
+        if not self.active:
+            return
+        self.rollouts.write("".join(json.dumps(record) + "\n" for record in records))
+        self.rollouts.flush()
+        self.metrics.write(json.dumps(metrics) + "\n")
+        self.metrics.flush()
+        if self.tracker is not None:
+            self.tracker.log(metrics, step=step)
+        progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", success=f"{metrics['rollout/success']:.2f}")
+        tqdm.write(
+            f"step {step:>4} | reward {metrics['rollout/reward']:.3f} | success {metrics['rollout/success']:.2f} | "
+            f"turns {metrics['rollout/turns']:.1f}/{metrics['rollout/horizon']} | "
+            f"tokens/s {metrics['perf/tokens_per_s']:.0f} | kl {metrics['losses/kl']:.4f} | "
+            f"entropy {metrics['losses/entropy']:.3f} | grad {metrics['losses/grad_norm']:.3f} | "
+            + (f"value loss {metrics['losses/value']:.4f} | " if "losses/value" in metrics else "")
+            + f"{metrics['perf/step_s']:.1f}s"
+        )
 
-    progress = tqdm(range(start_step, args.steps + 1), disable=not main_process, desc="train", dynamic_ncols=True,
-                    initial=start_step - 1, total=args.steps)
-    for step in progress:
-        step_start = time.perf_counter()
-        metrics: dict[str, float] = {}
-
-        # -- rollout: the same tasks on every process for a step, each process playing its share
-        tasks = tasks_for(step, train_ids, args.tasks_per_step, args.seed)
-        mine = tasks[accelerator.process_index::accelerator.num_processes]
-        task_ids = [t for t in mine for _ in range(args.n)]
-        groups = [g for g in range(len(mine)) for _ in range(args.n)]
-        cap = horizon(step, args.horizon, args.horizon_every)  # ScalingInter-RL: this step's turn cap
-        stats: dict = {}
-        trajectories = rollout(engine, fmt, environments, task_ids, groups, max_turns=cap,
-                               max_new_tokens=args.max_new_tokens, max_tokens=args.max_tokens, pool=pool, stats=stats)
-
-        # -- the step's batch, padded [B, T] on the CPU. A trajectory that ended in an env error is no
-        #    outcome: its tokens are not trained on (mask 0). It stays in the batch, though, so that
-        #    every process runs the same number of backward passes.
-        ok = torch.tensor([t.error is None for t in trajectories])
-        scores = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-        group_ids = torch.tensor([t.group for t in trajectories], dtype=torch.long)
-        full = collate(trajectories, fmt.pad_id)
-        full["loss_mask"] *= ok[:, None]
-
-        # -- micro-batches of similar length (less padding); each mini-batch is a set of micro-batches
-        order = sorted(range(len(trajectories)), key=lambda i: len(trajectories[i].token_ids))
-        micro_rows = [order[i:i + args.micro_batch_size] for i in range(0, len(order), args.micro_batch_size)]
-        micro = [rows_of(full, rows, accelerator.device) for rows in micro_rows]
-
-        # -- old and reference log-probs, old values. With a single update per rollout the policy has not
-        #    moved, so the old log-probs are the current ones (detached) and need no extra forward pass,
-        #    unless the KL goes into the reward, which needs them before the update.
-        need_old = args.ppo_epochs * args.minibatches > 1 or (args.kl_in_reward and ref_model is not None)
-        computed = {}
-        for module in (model, critic):
-            if module is not None:
-                module.eval()
-        with torch.no_grad():
-            for rows, batch in zip(micro_rows, micro):
-                inputs = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
-                if need_old:
-                    batch["old_logprobs"], _ = token_logprobs(model, *inputs, args.temperature)
-                if ref_model is not None:
-                    batch["ref_logprobs"], _ = token_logprobs(ref_model, *inputs, args.temperature)
-                if critic is not None:
-                    with accelerator.autocast():
-                        batch["old_values"] = token_values(critic, *inputs)
-                for key in ("old_logprobs", "ref_logprobs", "old_values"):
-                    if key in batch:
-                        computed.setdefault(key, torch.zeros_like(full["loss_mask"]))
-                        computed[key][rows, :batch[key].shape[1]] = batch[key].float().cpu()
-        full.update(computed)
-
-        # -- advantages on the whole (local) batch; whitening statistics are summed over processes
-        reduce = (lambda t: accelerator.reduce(t.to(accelerator.device), "sum").cpu()) if accelerator.num_processes > 1 else None
-        advantages, returns = advantages_for(args, full, scores, group_ids, ok, reduce)
-        for rows, batch in zip(micro_rows, micro):
-            width = batch["input_ids"].shape[1]
-            batch["advantages"] = advantages[rows, :width].to(accelerator.device)
-            if returns is not None:
-                batch["returns"] = returns[rows, :width].to(accelerator.device)
-
-        # -- update: the policy (after the critic's warm-up) and the critic, aggregated over each
-        #    mini-batch however it is split into micro-batches; gradients are averaged across
-        #    processes once per mini-batch, at its last micro-batch
-        train_policy = step > args.critic_warmup
-        for module in (model, critic):
-            if module is not None:
-                module.train()
-        sums = {key: 0.0 for key in ("tokens", "policy", "kl", "entropy", "clipfrac", "ppo_kl", "logprob_diff",
-                                     "critic_tokens", "value", "value_clipfrac")}
-        grad_norms, critic_grad_norms = [], []
-        rng = random.Random(f"{args.seed}-{step}-update")
-        for _ in range(args.ppo_epochs):
-            shuffled = list(range(len(micro)))
-            rng.shuffle(shuffled)
-            for part in range(args.minibatches):
-                minibatch = [micro[i] for i in shuffled[part::args.minibatches]]
-                if not minibatch:
-                    continue
-                norm = {"tokens": sum(float(b["loss_mask"].sum()) for b in minibatch),
-                        "sequences": sum(float((b["loss_mask"].sum(1) > 0).sum()) for b in minibatch)}
-                for k, batch in enumerate(minibatch):
-                    last = k == len(minibatch) - 1
-                    if train_policy:
-                        with contextlib.nullcontext() if last else accelerator.no_sync(model):
-                            for key, value in update_policy(model, ref_model, batch, norm, args, accelerator).items():
-                                sums[key] += value
-                    if critic is not None:
-                        with contextlib.nullcontext() if last else accelerator.no_sync(critic):
-                            for key, value in update_critic(critic, batch, norm, args, accelerator).items():
-                                sums[key] += value
-                if train_policy:
-                    grad_norms.append(float(accelerator.clip_grad_norm_(model.parameters(), args.grad_clip)))
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
-                if critic is not None:
-                    critic_grad_norms.append(float(accelerator.clip_grad_norm_(critic.parameters(), args.grad_clip)))
-                    critic_optimizer.step()
-                    critic_scheduler.step()
-                    critic_optimizer.zero_grad(set_to_none=True)
-
-        # -- metrics (trajectory statistics over all processes, losses from this one)
-        records = gather_object([{"step": step, **t.log_record()} for t in trajectories])  # every process's episodes
-        everyone = [(r["reward"], r["success"], r["turns"], r["finish"], r["tokens"], r["action_tokens"]) for r in records]
-        sampled = gather_object([stats["sampled_tokens"]])
-        elapsed = time.perf_counter() - step_start
-        rewards = [r for r, *_ in everyone]
-        metrics.update({
-            "rollout/reward": sum(rewards) / len(rewards),
-            "rollout/success": sum(s for _, s, *_ in everyone) / len(everyone),
-            "rollout/turns": sum(t for _, _, t, *_ in everyone) / len(everyone),
-            "rollout/errors": sum(f == "error" for *_, f, _, _ in everyone),
-            "rollout/done": sum(f == "done" for *_, f, _, _ in everyone) / len(everyone),
-            "rollout/tokens": sum(n for *_, n, _ in everyone) / len(everyone),
-            "rollout/action_tokens": sum(a for *_, a in everyone) / len(everyone),
-            "rollout/horizon": cap,
-            "perf/tokens_per_s": sum(sampled) / max(stats["generate_s"], 1e-9),
-            "perf/generate_s": stats["generate_s"],
-            "perf/env_s": stats["env_s"],
-            "perf/step_s": elapsed,
-            "losses/policy": sums["policy"] / max(sums["tokens"], 1),
-            "losses/kl": sums["kl"] / max(sums["tokens"], 1),
-            "losses/entropy": sums["entropy"] / max(sums["tokens"], 1),
-            "losses/clipfrac": sums["clipfrac"] / max(sums["tokens"], 1),
-            "losses/ppo_kl": sums["ppo_kl"] / max(sums["tokens"], 1),
-            "losses/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-            "rollout/logprob_diff": sums["logprob_diff"] / max(sums["tokens"], 1),
-            "rollout/advantage_mean": float(advantages.sum() / max(float(full["loss_mask"].sum()), 1)),
-            "rollout/advantage_abs": float(advantages.abs().sum() / max(float(full["loss_mask"].sum()), 1)),
-            "charts/lr": scheduler.get_last_lr()[0],
-            **({"losses/value": sums["value"] / max(sums["critic_tokens"], 1),
-                "losses/value_clipfrac": sums["value_clipfrac"] / max(sums["critic_tokens"], 1),
-                "losses/critic_grad_norm": sum(critic_grad_norms) / max(len(critic_grad_norms), 1),
-                "critic/value": float(full["old_values"].sum() / max(float(full["loss_mask"].sum()), 1)),
-                "critic/return": float(returns.sum() / max(float(full["loss_mask"].sum()), 1)),
-                "charts/critic_lr": critic_scheduler.get_last_lr()[0]} if critic is not None else {}),
-            "charts/step": step,
-        })
-        if main_process:
-            rollout_log.write("".join(json.dumps(record) + "\n" for record in records))
-            rollout_log.flush()
-            metrics_log.write(json.dumps(metrics) + "\n")
-            metrics_log.flush()
-            if tracker is not None:
-                tracker.log(metrics, step=step)
-            progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", success=f"{metrics['rollout/success']:.2f}")
-            tqdm.write(
-                f"step {step:>4} | reward {metrics['rollout/reward']:.3f} | success {metrics['rollout/success']:.2f} | "
-                f"turns {metrics['rollout/turns']:.1f}/{cap} | tokens/s {metrics['perf/tokens_per_s']:.0f} | "
-                f"kl {metrics['losses/kl']:.4f} | entropy {metrics['losses/entropy']:.3f} | "
-                f"grad {metrics['losses/grad_norm']:.3f} | "
-                + (f"value loss {metrics['losses/value']:.4f} | " if critic is not None else "") + f"{elapsed:.1f}s"
-            )
-
-        if step == args.steps or (args.save_every and step % args.save_every == 0):
-            save_checkpoint(accelerator, model, tokenizer, ckpt_dir / f"step_{step}", step)
-
-    # ------------------------------------------------------------------------------------------
-    pool.shutdown()
-    for env in environments:
-        env.close()
-    if main_process:
-        rollout_log.close()
-        metrics_log.close()
-        if tracker is not None:
-            tracker.finish()
-        print(f"done: {run_dir}")
-    accelerator.end_training()
-    return run_dir
+    def close(self) -> None:
+        if not self.active:
+            return
+        self.rollouts.close()
+        self.metrics.close()
+        if self.tracker is not None:
+            self.tracker.finish()
 
 
 def save_checkpoint(accelerator, model, tokenizer, path: Path, step: int) -> None:
@@ -585,6 +577,100 @@ def save_checkpoint(accelerator, model, tokenizer, path: Path, step: int) -> Non
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
     accelerator.wait_for_everyone()
+
+
+# ----------------------------------------------------------------------------------------------
+# The training loop
+
+
+def main(args: Args) -> Path:
+    from accelerate import Accelerator
+    from accelerate.utils import gather_object, set_seed
+
+    mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
+    # schedulers step once per optimizer step (by default Accelerate steps them once per process)
+    accelerator = Accelerator(mixed_precision=mixed, step_scheduler_with_optimizer=False)
+    check(args, accelerator.num_processes)
+    set_seed(args.seed + accelerator.process_index)
+    run_name = args.run_name or f"{args.env}-{args.algo}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(args.out_dir) / run_name
+
+    # -- models, the sampler, and the training state when resuming
+    tokenizer = load_tokenizer(args.model)
+    fmt = ChatFormat(tokenizer)
+    models = build_models(args, accelerator, mixed)
+    engine = HFEngine(accelerator.unwrap_model(models.policy), fmt, temperature=args.temperature, top_p=args.top_p,
+                      batch_size=args.gen_batch_size, seed=args.seed + accelerator.process_index)
+    start_step = 1
+    if args.resume:
+        accelerator.load_state(str(Path(args.resume) / "state"))
+        start_step = json.loads((Path(args.resume) / "trainer_state.json").read_text())["step"] + 1
+        run_dir = Path(args.resume).parent.parent
+
+    # -- tasks, and one env per trajectory of this process, created once and reset every step
+    train_ids = envs.load_task_ids(args.train_tasks, args.env) if args.train_tasks else envs.splits(args.env)["train"]
+    if len(train_ids) < args.tasks_per_step:
+        raise SystemExit(f"the train split has {len(train_ids)} tasks, fewer than --tasks-per-step {args.tasks_per_step}")
+    if args.epochs is not None:
+        args = replace(args, steps=args.epochs * (len(train_ids) // args.tasks_per_step))
+    local_tasks = args.tasks_per_step // accelerator.num_processes
+    environments = [envs.make(args.env, **envs.parse_options(args.env_options)) for _ in range(local_tasks * args.n)]
+    pool = ThreadPoolExecutor(max_workers=min(32, len(environments)))
+
+    # -- the run's record
+    config = {**asdict(args), "run_name": run_name, "mixed_precision": mixed, "processes": accelerator.num_processes,
+              "env_options": envs.parse_options(args.env_options),
+              "env_settings": getattr(environments[0], "options", {})}  # every setting in effect, defaults too
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        print(f"run {run_name}: {args.env}, {args.model} ({args.preset} preset), {args.algo}, {args.steps} steps of "
+              f"{args.tasks_per_step} tasks x {args.n} samples, {describe(args.horizon, args.horizon_every, args.steps)}"
+              f" -> {run_dir}")
+    logs = Logs(args, run_dir, config, active=accelerator.is_main_process)
+    # whitening statistics are summed over processes, so that a distributed batch is whitened as one
+    reduce = (lambda t: accelerator.reduce(t.to(accelerator.device), "sum").cpu()) if accelerator.num_processes > 1 else None
+
+    progress = tqdm(range(start_step, args.steps + 1), disable=not accelerator.is_main_process, desc="train",
+                    dynamic_ncols=True, initial=start_step - 1, total=args.steps)
+    for step in progress:
+        step_start = time.perf_counter()
+
+        # -- rollout: the same tasks on every process for a step, each process playing its share
+        tasks = tasks_for(step, train_ids, args.tasks_per_step, args.seed)
+        mine = tasks[accelerator.process_index::accelerator.num_processes]
+        task_ids = [t for t in mine for _ in range(args.n)]
+        groups = [g for g in range(len(mine)) for _ in range(args.n)]
+        horizon = horizon_at(step, args.horizon, args.horizon_every)  # ScalingInter-RL: this step's turn cap
+        stats: dict = {}
+        trajectories = rollout(engine, fmt, environments, task_ids, groups, horizon=horizon,
+                               max_new_tokens=args.max_new_tokens, max_tokens=args.max_tokens, pool=pool, stats=stats)
+
+        # -- the batch, its old/reference log-probs and values, advantages, the update
+        batch = make_batch(trajectories, fmt.pad_id, args.micro_batch_size, accelerator.device)
+        score_batch(models, batch, args, accelerator)
+        advantages, returns = advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, reduce)
+        attach(batch, advantages, returns)
+        sums, grad_norms = update(models, batch, args, accelerator, step)
+
+        # -- metrics and logs (trajectory statistics over all processes, losses from this one)
+        records = gather_object([{"step": step, **t.log_record()} for t in trajectories])
+        sampled = gather_object([stats["sampled_tokens"]])
+        metrics = step_metrics(records, sampled, stats, sums, grad_norms, batch, advantages, returns, models, horizon)
+        metrics |= {"perf/step_s": time.perf_counter() - step_start, "charts/step": step}
+        logs.write(step, records, metrics, progress)
+
+        if step == args.steps or (args.save_every and step % args.save_every == 0):
+            save_checkpoint(accelerator, models.policy, tokenizer, run_dir / "checkpoints" / f"step_{step}", step)
+
+    pool.shutdown()
+    for env in environments:
+        env.close()
+    logs.close()
+    if accelerator.is_main_process:
+        print(f"done: {run_dir}")
+    accelerator.end_training()
+    return run_dir
 
 
 if __name__ == "__main__":

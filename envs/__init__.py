@@ -24,6 +24,7 @@ optional dependencies never break another.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import json
 import re
@@ -70,6 +71,18 @@ def _module(name: str):
 
 def make(name: str, **options) -> Env:
     return _module(name).make(**options)
+
+
+def parse_options(options: dict[str, str]) -> dict:
+    """Command-line option strings (--env-options KEY VALUE ...) to Python values where they parse as
+    literals (numbers, booleans, lists); anything else stays a string."""
+    out = {}
+    for key, value in options.items():
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
 
 
 def category(name: str, task_id: int) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Sequence
 
 
-def horizon(step: int, caps: Sequence[int], every: int) -> int:
+def horizon_at(step: int, caps: Sequence[int], every: int) -> int:
     """The turn cap at training step `step` (1-based): caps[0] for steps 1..every, caps[1] for the next
     `every` steps, and so on, the last cap for the rest of training."""
     if step < 1:

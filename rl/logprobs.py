@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 
-def collate(trajectories, pad_id: int, device=None) -> dict[str, torch.Tensor]:
+def collate(trajectories, pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded [B, T] tensors: input_ids, attention_mask, loss_mask, and the sampler's logprobs."""
     width = max(1, max(len(t.token_ids) for t in trajectories))
     batch = {
@@ -26,7 +26,7 @@ def collate(trajectories, pad_id: int, device=None) -> dict[str, torch.Tensor]:
         # a row with nothing to attend to would make NaN logits, and NaN * 0 is still NaN
         batch["loss_mask"][row, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
         batch["sampler_logprobs"][row, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
-    return {k: v.to(device) for k, v in batch.items()} if device is not None else batch
+    return batch
 
 
 def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature: float = 1.0,

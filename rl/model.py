@@ -14,6 +14,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED = {"tiny-agent": ROOT / "assets" / "tiny-agent"}
+# How the embedded model plays (its preset in train.py, and eval.py's settings for it): short turns
+# and trajectories, sized to run on two CPU cores in minutes.
+EMBEDDED_ROLLOUT = {"env": "babyai", "horizon": 6, "max_new_tokens": 48, "max_tokens": 3072}
 
 
 def resolve(name: str) -> str:

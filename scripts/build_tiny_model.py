@@ -122,7 +122,7 @@ def make_model(tokenizer, seed: int):
     return model
 
 
-def warm_start(model, tokenizer, env_names, episodes, max_turns, max_tokens, epochs, lr, seed):
+def warm_start(model, tokenizer, env_names, episodes, horizon, max_tokens, epochs, lr, seed):
     fmt = ChatFormat(tokenizer)
     trajectories = []
     rng = random.Random(seed + 1)
@@ -132,7 +132,7 @@ def warm_start(model, tokenizer, env_names, episodes, max_turns, max_tokens, epo
         for i in range(0, len(ids), len(environments)):
             chunk = ids[i:i + len(environments)]
             batch = rollout(ExpertEngine(fmt, environments), fmt, environments[:len(chunk)], chunk, list(range(len(chunk))),
-                            max_turns=max_turns, max_new_tokens=256, max_tokens=max_tokens)
+                            horizon=horizon, max_new_tokens=256, max_tokens=max_tokens)
             trajectories += [t for t in batch if t.error is None and sum(t.loss_mask) > 0]
         for env in environments:
             env.close()
@@ -164,11 +164,11 @@ def warm_start(model, tokenizer, env_names, episodes, max_turns, max_tokens, epo
     return fmt
 
 
-def evaluate(model, fmt, env_name, task_ids, max_turns, max_tokens):
+def evaluate(model, fmt, env_name, task_ids, horizon, max_tokens):
     environments = [envs.make(env_name) for _ in task_ids]
     engine = HFEngine(model, fmt, temperature=1.0, seed=0)
     trajectories = rollout(engine, fmt, environments, task_ids, list(range(len(task_ids))),
-                           max_turns=max_turns, max_new_tokens=48, max_tokens=max_tokens)
+                           horizon=horizon, max_new_tokens=48, max_tokens=max_tokens)
     return sum(t.success for t in trajectories) / len(trajectories), sum(t.reward for t in trajectories) / len(trajectories)
 
 
@@ -179,7 +179,7 @@ def main():
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--corpus-episodes", type=int, default=1000)
     parser.add_argument("--sft-episodes", type=int, default=2000)
-    parser.add_argument("--max-turns", type=int, default=6, help="the tiny preset's horizon")
+    parser.add_argument("--horizon", type=int, default=6, help="the tiny preset's horizon")
     parser.add_argument("--max-tokens", type=int, default=2048, help="token budget of an expert episode")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -193,11 +193,11 @@ def main():
     print(f"tokenizer: {len(tokenizer)} tokens ({time.time() - start:.0f}s)")
     model = make_model(tokenizer, args.seed)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
-    fmt = warm_start(model, tokenizer, args.envs, args.sft_episodes, args.max_turns, args.max_tokens,
+    fmt = warm_start(model, tokenizer, args.envs, args.sft_episodes, args.horizon, args.max_tokens,
                      args.epochs, args.lr, args.seed)
     test = envs.splits(args.envs[0])["test"]
-    success, reward = evaluate(model, fmt, args.envs[0], test, args.max_turns, args.max_tokens)
-    print(f"{args.envs[0]} test ({len(test)} tasks, {args.max_turns} turns, T=1): success {success:.3f}, mean reward {reward:.3f}")
+    success, reward = evaluate(model, fmt, args.envs[0], test, args.horizon, args.max_tokens)
+    print(f"{args.envs[0]} test ({len(test)} tasks, {args.horizon} turns, T=1): success {success:.3f}, mean reward {reward:.3f}")
 
     tmp = args.out.with_name(args.out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

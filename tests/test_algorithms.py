@@ -67,9 +67,9 @@ def test_a_resumed_ppo_run_gets_its_critic_back(tmp_path, monkeypatch):
     seen = []
     original = train.update_critic
 
-    def spy(critic, *rest):
-        seen.append(getattr(critic, "module", critic).score.weight.detach().clone())
-        return original(critic, *rest)
+    def spy(models, *rest):
+        seen.append(getattr(models.critic, "module", models.critic).score.weight.detach().clone())
+        return original(models, *rest)
 
     monkeypatch.setattr(train, "update_critic", spy)
     run(tmp_path, "--algo", "ppo", "--steps", "2", "--critic-lr", "0.01", "--resume", str(run_dir / "checkpoints" / "step_1"))

@@ -3,23 +3,23 @@ tested on the training loop in test_algorithms.py.)"""
 
 import pytest
 
-from rl.horizon import describe, horizon
+from rl.horizon import describe, horizon_at
 
 
 def test_stepwise_stage_boundaries():
     caps = (10, 20, 30)
-    assert [horizon(s, caps, 100) for s in (1, 100, 101, 200, 201, 300, 10_000)] == [10, 10, 20, 20, 30, 30, 30]
+    assert [horizon_at(s, caps, 100) for s in (1, 100, 101, 200, 201, 300, 10_000)] == [10, 10, 20, 20, 30, 30, 30]
 
 
 def test_fixed_horizon_is_one_cap():
-    assert {horizon(s, (15,), 100) for s in range(1, 1000)} == {15}
+    assert {horizon_at(s, (15,), 100) for s in range(1, 1000)} == {15}
 
 
 def test_bad_schedules():
     with pytest.raises(ValueError):
-        horizon(0, (10,), 100)
+        horizon_at(0, (10,), 100)
     with pytest.raises(ValueError):
-        horizon(1, (), 100)
+        horizon_at(1, (), 100)
 
 
 def test_describe():

@@ -29,7 +29,7 @@ def left_rate(model_dir, samples=48):
     fmt = ChatFormat(tokenizer)
     environments = [TurnLeftBandit() for _ in range(samples)]
     trajectories = rollout(HFEngine(load_model(str(model_dir)), fmt, temperature=1.0, seed=123), fmt, environments,
-                           [120 + i for i in range(samples)], list(range(samples)), max_turns=1, max_new_tokens=48,
+                           [120 + i for i in range(samples)], list(range(samples)), horizon=1, max_new_tokens=48,
                            max_tokens=4096)
     return sum(t.reward for t in trajectories) / samples
 

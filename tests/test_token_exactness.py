@@ -104,7 +104,7 @@ def check_exact(fmt, spy, trajectories):
         inner = [s[:-1] if s[-1:] == [fmt.end_of_turn] else s for s in samples]
         if traj.error is None and traj.turns and not any(specials & set(s) for s in inner):
             text = fmt.tokenizer.decode(traj.token_ids)
-            if traj.finish in ("done", "max_turns", "max_tokens"):  # the final observation is logged, not tokenized
+            if traj.finish in ("done", "horizon", "max_tokens"):  # the final observation is logged, not tokenized
                 text += fmt.observation_prefix + traj.messages[-1]["content"] + fmt.observation_suffix
             assert text == fmt.render(traj.messages, add_generation_prompt=True)
             checked_text += 1
@@ -123,7 +123,7 @@ def test_sampled_rollouts_are_token_exact(tiny, template):
     spy = Spy(engine, fmt)
     environments = [envs.make("babyai") for _ in range(6)]
     trajectories = rollout(spy, fmt, environments, [1, 1, 2, 2, 44, 44], [0, 0, 1, 1, 2, 2],
-                           max_turns=4, max_new_tokens=24, max_tokens=4096)
+                           horizon=4, max_new_tokens=24, max_tokens=4096)
     assert sum(t.turns for t in trajectories) >= 6
     assert check_exact(fmt, spy, trajectories) >= 1
 
@@ -133,7 +133,7 @@ def test_turn_cut_by_the_token_limit_is_closed_unmasked(tiny):
     fmt = ChatFormat(tokenizer)
     spy = Spy(HFEngine(model, fmt, temperature=1.0, seed=0), fmt)
     environments = [envs.make("babyai") for _ in range(2)]
-    trajectories = rollout(spy, fmt, environments, [1, 2], [0, 1], max_turns=2, max_new_tokens=3, max_tokens=4096)
+    trajectories = rollout(spy, fmt, environments, [1, 2], [0, 1], horizon=2, max_new_tokens=3, max_tokens=4096)
     check_exact(fmt, spy, trajectories)
     cut = 0
     for traj in trajectories:
@@ -152,7 +152,7 @@ def test_token_budget_ends_the_episode(tiny):
     fmt = ChatFormat(tokenizer)
     environments = [envs.make("babyai") for _ in range(2)]
     first = len(fmt.prompt(environments[0], environments[0].reset(1)))
-    trajectories = rollout(HFEngine(model, fmt, seed=0), fmt, environments, [1, 1], [0, 0], max_turns=10,
+    trajectories = rollout(HFEngine(model, fmt, seed=0), fmt, environments, [1, 1], [0, 0], horizon=10,
                            max_new_tokens=16, max_tokens=first + 40)
     for traj in trajectories:
         assert len(traj.token_ids) <= first + 40
@@ -184,7 +184,7 @@ def test_expert_rollouts_are_token_exact_for_every_env(tiny, name):
     engine.expert_texts = texts
     try:
         trajectories = rollout(spy, fmt, environments, test_ids, list(range(len(test_ids))),
-                               max_turns=4, max_new_tokens=256, max_tokens=16384)
+                               horizon=4, max_new_tokens=256, max_tokens=16384)
     finally:
         for env in environments:
             env.close()

@@ -66,7 +66,7 @@ def test_eval_scores_the_checkpoint(trained, tmp_path):
     ckpt = trained / "checkpoints" / "step_2"
     out = tmp_path / "result"
     results = eval_script.main(eval_script.Args(model=str(ckpt), limit=3, k=2, out=str(out)))
-    assert results["env"] == "babyai" and results["max_turns"] == 2  # the run's own settings
+    assert results["env"] == "babyai" and results["horizon"] == 2  # the run's own settings
     assert results["tasks"] == 3 and 0.0 <= results["avg@k"] <= 1.0 and 0.0 <= results["pass@k"] <= 1.0
     saved = json.loads(out.with_suffix(".json").read_text())
     assert saved["avg@k"] == results["avg@k"]
