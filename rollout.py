@@ -277,7 +277,7 @@ def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int
 
         for _ in range(horizon):
             for traj in trajectories:  # a first prompt that leaves no room for a reply
-                if traj.live and len(traj.token_ids) >= max_tokens:
+                if traj.live and _room(traj, max_tokens) < 1:
                     traj.finish = "max_tokens"
             live = [t for t in trajectories if t.live]
             if not live:
@@ -285,7 +285,7 @@ def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int
 
             # -- generate the next turn of every live trajectory in one batched call
             start = time.perf_counter()
-            limits = [min(max_new_tokens, max_tokens - len(t.token_ids)) for t in live]
+            limits = [min(max_new_tokens, _room(t, max_tokens)) for t in live]
             samples = engine.generate(live, limits)
             clock["generate_s"] += time.perf_counter() - start
             acting = []
@@ -350,7 +350,13 @@ def _observe(fmt: ChatFormat, traj: Trajectory, result, horizon: int, max_tokens
         traj.finish = "done"
     elif traj.turns < horizon:
         observation = fmt.observation(result.observation)
-        if len(traj.token_ids) + len(observation) >= max_tokens:  # no room left for a reply
+        if _room(traj, max_tokens) - len(observation) < 1:  # no room left for a reply
             traj.finish = "max_tokens"
         else:
             traj.add(observation)
+
+
+def _room(traj: Trajectory, max_tokens: int) -> int:
+    """Tokens the next turn may sample: what is left of the budget, less one for the end-of-turn token
+    that closes a turn the model did not end itself, so that no trajectory exceeds max_tokens."""
+    return max_tokens - len(traj.token_ids) - 1

@@ -147,16 +147,39 @@ def test_turn_cut_by_the_token_limit_is_closed_unmasked(tiny):
     assert cut >= 2
 
 
+class NeverStops(torch.nn.Module):
+    """A model that never samples a stop token: every turn runs to its token limit."""
+
+    def __init__(self, model, stop_ids):
+        super().__init__()
+        self.model, self.stop_ids = model, sorted(stop_ids)
+
+    @property
+    def device(self):
+        return self.model.device
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def forward(self, **inputs):
+        out = self.model(**inputs)
+        out.logits[..., self.stop_ids] = float("-inf")
+        return out
+
+
 def test_token_budget_ends_the_episode(tiny):
     tokenizer, model = tiny
     fmt = ChatFormat(tokenizer)
     environments = [envs.make("babyai") for _ in range(2)]
     first = len(fmt.prompt(environments[0], environments[0].reset(1)))
-    trajectories = rollout(HFEngine(model, fmt, seed=0), fmt, environments, [1, 1], [0, 0], horizon=10,
-                           max_new_tokens=16, max_tokens=first + 40)
+    # the budget, not the per-turn limit, cuts the first turn: the closing end-of-turn token must fit too
+    trajectories = rollout(HFEngine(NeverStops(model, fmt.stop_ids), fmt, seed=0), fmt, environments, [1, 1], [0, 0],
+                           horizon=10, max_new_tokens=64, max_tokens=first + 40)
     for traj in trajectories:
-        assert len(traj.token_ids) <= first + 40
-        assert traj.finish in ("max_tokens", "done")
+        assert len(traj.token_ids) == first + 40  # 39 sampled tokens and the unmasked end-of-turn
+        assert traj.token_ids[-1] == fmt.end_of_turn and traj.loss_mask[-1] == 0
+        assert traj.finish == "max_tokens" and traj.turns == 1
 
 
 @pytest.mark.parametrize("name", envs.ENVS)
