@@ -35,7 +35,6 @@ import random
 import shutil
 import sys
 import time
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -141,7 +140,8 @@ class Args:
     critic_lr_warmup_steps: int = 0
     """linear learning-rate warm-up of the critic, in optimizer steps"""
     critic_warmup: int = 0
-    """training steps at the start in which only the critic learns (upstream's trainer.critic_warmup)"""
+    """the policy trains from step k on, only the critic before (upstream's trainer.critic_warmup: k - 1
+    critic-only steps)"""
     value_clip: float = 0.5
     """value-loss clip around the old values"""
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
@@ -194,6 +194,11 @@ def parse_args(argv: list[str] | None = None) -> Args:
 
 def check(args: Args, world: int) -> None:
     """Stop early, with what to do, on settings that cannot work."""
+    for flag in ("steps", "tasks_per_step", "n", "max_new_tokens", "ppo_epochs", "minibatches", "micro_batch_size"):
+        if getattr(args, flag) < 1:  # 0 would silently skip every rollout or update
+            raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.epochs is not None and args.epochs < 1:
+        raise SystemExit("--epochs must be at least 1")
     if args.env not in envs.ENVS:
         raise SystemExit(f"unknown env {args.env!r}; choose one of: {', '.join(envs.ENVS)}")
     if args.n < 2 and args.algo in ("grpo", "rloo"):
@@ -337,12 +342,14 @@ def update(models: Models, batch: Batch, args: Args, accelerator, step: int) -> 
     micro-batches, one optimizer step per mini-batch for the policy (after the critic's warm-up) and
     the critic. Each mini-batch's loss is aggregated over the whole mini-batch however it is split
     into micro-batches, and gradients are averaged across processes once, at its last micro-batch.
-    Returns the summed per-token statistics and the gradient norms of every optimizer step."""
-    train_policy = step > args.critic_warmup
+    Returns the summed per-token statistics and the gradient norms of every optimizer step, of the
+    models that trained."""
+    train_policy = step >= args.critic_warmup  # as upstream: `critic_warmup <= global_steps`, counted from 1
     trained = [m for m in (models.policy if train_policy else None, models.critic) if m is not None]
     for module in trained:
         module.train()
-    sums, grad_norms = defaultdict(float), defaultdict(list)
+    sums: dict[str, float] = {}
+    grad_norms: dict[str, list[float]] = {}
     rng = random.Random(f"{args.seed}-{step}-update")
     for _ in range(args.ppo_epochs):
         shuffled = list(range(len(batch.micro)))
@@ -356,12 +363,13 @@ def update(models: Models, batch: Batch, args: Args, accelerator, step: int) -> 
                     terms = update_policy(models, micro, norm, args, accelerator) if train_policy else {}
                     terms |= update_critic(models, micro, norm, args, accelerator) if models.critic is not None else {}
                 for key, value in terms.items():
-                    sums[key] += value
+                    sums[key] = sums.get(key, 0.0) + value
             if train_policy:
-                grad_norms["policy"].append(optimizer_step(models.policy, models.optimizer, models.scheduler, args, accelerator))
+                norm = optimizer_step(models.policy, models.optimizer, models.scheduler, args, accelerator)
+                grad_norms.setdefault("policy", []).append(norm)
             if models.critic is not None:
-                grad_norms["critic"].append(optimizer_step(models.critic, models.critic_optimizer, models.critic_scheduler,
-                                                           args, accelerator))
+                norm = optimizer_step(models.critic, models.critic_optimizer, models.critic_scheduler, args, accelerator)
+                grad_norms.setdefault("critic", []).append(norm)
     return sums, grad_norms
 
 
@@ -428,7 +436,7 @@ def optimizer_step(model, optimizer, scheduler, args: Args, accelerator) -> floa
 def step_metrics(records: list[dict], sampled: list[int], stats: dict, sums: dict, grad_norms: dict, batch: Batch,
                  advantages: torch.Tensor, returns: torch.Tensor | None, models: Models, horizon: int) -> dict:
     """The step's metrics: trajectory statistics over every process's episodes (`records`), losses per
-    action token from this process's update."""
+    action token from this process's update (none for a model that did not train this step)."""
     rewards = [r["reward"] for r in records]
     success = [r["success"] for r in records]
     turns = [r["turns"] for r in records]
@@ -441,7 +449,7 @@ def step_metrics(records: list[dict], sampled: list[int], stats: dict, sums: dic
         return sum(values) / max(len(values), 1)
 
     def per_token(key, count="tokens"):
-        return sums[key] / max(sums[count], 1)
+        return sums[key] / max(sums[count], 1.0)
 
     metrics = {
         "rollout/reward": mean(rewards),
@@ -452,21 +460,24 @@ def step_metrics(records: list[dict], sampled: list[int], stats: dict, sums: dic
         "rollout/tokens": mean(tokens),
         "rollout/action_tokens": mean(action_tokens),
         "rollout/horizon": horizon,
-        "rollout/logprob_diff": per_token("logprob_diff"),
         "rollout/advantage_mean": float(advantages.sum()) / trained_tokens,
         "rollout/advantage_abs": float(advantages.abs().sum()) / trained_tokens,
         "perf/tokens_per_s": sum(sampled) / max(stats["generate_s"], 1e-9),
         "perf/generate_s": stats["generate_s"],
         "perf/env_s": stats["env_s"],
-        "losses/policy": per_token("policy"),
-        "losses/kl": per_token("kl"),
-        "losses/entropy": per_token("entropy"),
-        "losses/clipfrac": per_token("clipfrac"),
-        "losses/ppo_kl": per_token("ppo_kl"),
-        "losses/grad_norm": mean(grad_norms["policy"]),
         "charts/lr": models.scheduler.get_last_lr()[0],
     }
-    if models.critic is not None:
+    if "policy" in grad_norms:
+        metrics |= {
+            "rollout/logprob_diff": per_token("logprob_diff"),
+            "losses/policy": per_token("policy"),
+            "losses/kl": per_token("kl"),
+            "losses/entropy": per_token("entropy"),
+            "losses/clipfrac": per_token("clipfrac"),
+            "losses/ppo_kl": per_token("ppo_kl"),
+            "losses/grad_norm": mean(grad_norms["policy"]),
+        }
+    if "critic" in grad_norms:
         metrics |= {
             "losses/value": per_token("value", "critic_tokens"),
             "losses/value_clipfrac": per_token("value_clipfrac", "critic_tokens"),
@@ -544,8 +555,9 @@ class Logs:
         tqdm.write(
             f"step {step:>4} | reward {metrics['rollout/reward']:.3f} | success {metrics['rollout/success']:.2f} | "
             f"turns {metrics['rollout/turns']:.1f}/{metrics['rollout/horizon']} | "
-            f"tokens/s {metrics['perf/tokens_per_s']:.0f} | kl {metrics['losses/kl']:.4f} | "
-            f"entropy {metrics['losses/entropy']:.3f} | grad {metrics['losses/grad_norm']:.3f} | "
+            f"tokens/s {metrics['perf/tokens_per_s']:.0f} | "
+            + (f"kl {metrics['losses/kl']:.4f} | entropy {metrics['losses/entropy']:.3f} | "
+               f"grad {metrics['losses/grad_norm']:.3f} | " if "losses/kl" in metrics else "critic warm-up | ")
             + (f"value loss {metrics['losses/value']:.4f} | " if "losses/value" in metrics else "")
             + f"{metrics['perf/step_s']:.1f}s"
         )

@@ -101,6 +101,9 @@ def test_presets_follow_the_model():
     (["--algo", "rloo", "--n", "1"], "--n 2 or more"),
     (["--tasks-per-step", "2", "--n", "4", "--micro-batch-size", "4", "--minibatches", "3"], "micro-batches"),
     (["--algo", "ppo", "--mixed-precision", "fp16"], "bf16"),
+    (["--minibatches", "0"], "--minibatches must be at least 1"),
+    (["--ppo-epochs", "0"], "--ppo-epochs must be at least 1"),
+    (["--epochs", "0"], "--epochs must be at least 1"),
 ])
 def test_bad_settings_stop_early(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
