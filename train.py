@@ -284,21 +284,23 @@ class Models:
 @torch.no_grad()
 def score_batch(models: Models, batch: Batch, args: Args, accelerator) -> None:
     """Old and reference log-probs and old values of every micro-batch, also scattered into `full`
-    (the advantages need them on the whole batch). With a single update per rollout the policy has
-    not moved, so the old log-probs are the current ones (detached) and need no extra forward pass,
-    unless the KL goes into the reward, which needs them before the update."""
+    (the advantages need them on the whole batch). Every model runs as the policy does in the update
+    and in the sampler (fp32 weights under Accelerate's autocast, which `prepare` also wraps around the
+    policy's forward), so that policy and reference agree exactly while their weights do. With a single update per rollout the policy has not moved, so the old log-probs are
+    the current ones (detached) and need no extra forward pass, unless the KL goes into the reward,
+    which needs them before the update."""
     need_old = args.ppo_epochs * args.minibatches > 1 or (args.kl_in_reward and models.ref is not None)
     for module in (models.policy, models.critic):
         if module is not None:
             module.eval()
     for rows, micro in zip(batch.rows, batch.micro):
         inputs = (micro["input_ids"], micro["attention_mask"], micro["loss_mask"])
-        if need_old:
-            micro["old_logprobs"], _ = token_logprobs(models.policy, *inputs, args.temperature)
-        if models.ref is not None:
-            micro["ref_logprobs"], _ = token_logprobs(models.ref, *inputs, args.temperature)
-        if models.critic is not None:
-            with accelerator.autocast():
+        with accelerator.autocast():
+            if need_old:
+                micro["old_logprobs"], _ = token_logprobs(models.policy, *inputs, args.temperature)
+            if models.ref is not None:
+                micro["ref_logprobs"], _ = token_logprobs(models.ref, *inputs, args.temperature)
+            if models.critic is not None:
                 micro["old_values"] = token_values(models.critic, *inputs)
         for key in ("old_logprobs", "ref_logprobs", "old_values"):
             if key in micro:
@@ -499,7 +501,7 @@ def linear_warmup(optimizer, steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(steps, 1)))
 
 
-def build_models(args: Args, accelerator, mixed: str) -> Models:
+def build_models(args: Args, accelerator) -> Models:
     """The policy (from the checkpoint when resuming), the frozen reference, PPO's critic (same
     architecture, own weights, a value head; restored by --resume with the rest), their optimizers."""
     policy = load_model(args.resume or args.model)
@@ -507,8 +509,8 @@ def build_models(args: Args, accelerator, mixed: str) -> Models:
         policy.gradient_checkpointing_enable()
         policy.config.use_cache = False
     ref = None
-    if args.kl_coef > 0:
-        ref = load_model(args.model, dtype=torch.bfloat16 if mixed == "bf16" else torch.float32)
+    if args.kl_coef > 0:  # loaded and run exactly as the policy (fp32 under autocast): at step 0 the KL is 0
+        ref = load_model(args.model)
         ref.requires_grad_(False).eval().to(accelerator.device)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, linear_warmup(optimizer, args.warmup_steps))
@@ -610,7 +612,7 @@ def main(args: Args) -> Path:
     # -- models, the sampler, and the training state when resuming
     tokenizer = load_tokenizer(args.model)
     fmt = ChatFormat(tokenizer)
-    models = build_models(args, accelerator, mixed)
+    models = build_models(args, accelerator)
     engine = HFEngine(accelerator.unwrap_model(models.policy), fmt, temperature=args.temperature, top_p=args.top_p,
                       batch_size=args.gen_batch_size, seed=args.seed + accelerator.process_index)
     start_step = 1

@@ -111,6 +111,14 @@ def test_bad_settings_stop_early(argv, message, capsys):
     assert message in str(stop.value)
 
 
+def test_reference_equals_the_policy_at_the_first_update(tmp_path):
+    """Policy and reference start from the same weights and run the same way (fp32 under bf16 autocast
+    here), so the KL of the first update, before any optimizer step, is exactly 0."""
+    run_dir = train.main(tiny_args(tmp_path, steps=1, mixed_precision="bf16"))
+    metrics = json.loads((run_dir / "metrics.jsonl").read_text())
+    assert metrics["losses/kl"] == 0.0
+
+
 def test_unknown_flag_is_rejected():
     with pytest.raises(SystemExit):
         train.parse_args(["--no-such-flag", "1"])
