@@ -192,8 +192,13 @@ def parse_args(argv: list[str] | None = None) -> Args:
     return replace(args, preset=preset)
 
 
-def check(args: Args, world: int) -> None:
-    """Stop early, with what to do, on settings that cannot work."""
+def check(args: Args, world: int, distributed: str = "NO") -> None:
+    """Stop early, with what to do, on settings that cannot work. `distributed`: Accelerate's
+    distributed type (NO, MULTI_GPU, FSDP, DEEPSPEED, ...)."""
+    if distributed in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+        raise SystemExit(f"train.py does not run under {distributed} yet: the sampler generates from the unwrapped "
+                         "model, which sharding leaves in pieces. Launch data-parallel (accelerate launch "
+                         "--num_processes N, every process holding the whole model) or on one GPU.")
     for flag in ("steps", "tasks_per_step", "n", "max_new_tokens", "ppo_epochs", "minibatches", "micro_batch_size"):
         if getattr(args, flag) < 1:  # 0 would silently skip every rollout or update
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
@@ -604,7 +609,7 @@ def main(args: Args) -> Path:
     mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     # schedulers step once per optimizer step (by default Accelerate steps them once per process)
     accelerator = Accelerator(mixed_precision=mixed, step_scheduler_with_optimizer=False)
-    check(args, accelerator.num_processes)
+    check(args, accelerator.num_processes, accelerator.distributed_type.value)
     set_seed(args.seed + accelerator.process_index)
     run_name = args.run_name or f"{args.env}-{args.algo}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(args.out_dir) / run_name

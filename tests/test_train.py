@@ -119,6 +119,13 @@ def test_reference_equals_the_policy_at_the_first_update(tmp_path):
     assert metrics["losses/kl"] == 0.0
 
 
+@pytest.mark.parametrize("distributed", ["FSDP", "DEEPSPEED"])
+def test_sharded_launches_are_refused_until_they_work(distributed):
+    with pytest.raises(SystemExit, match="does not run under"):
+        train.check(train.parse_args([]), world=2, distributed=distributed)
+    train.check(train.parse_args([]), world=2, distributed="MULTI_GPU")  # data-parallel runs
+
+
 def test_unknown_flag_is_rejected():
     with pytest.raises(SystemExit):
         train.parse_args(["--no-such-flag", "1"])

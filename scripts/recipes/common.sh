@@ -3,7 +3,7 @@
 # a checkpoint every 25 steps) and the launch on $GPUS processes of $MODEL.
 #
 # The paper trains Qwen2.5-3B- and 7B-Instruct on 8 GPUs. Here every data-parallel process holds the
-# whole policy (fp32 weights and AdamW, about 16 bytes a parameter, plus a bf16 reference), which
+# whole policy (fp32 weights and AdamW, about 16 bytes a parameter, plus an fp32 reference), which
 # suits 3B on 80 GB GPUs; 7B needs sharded training, which the Hugging Face sampler in train.py does
 # not support yet. A recipe's --tasks-per-step must divide by GPUS.
 MODEL=${MODEL:-Qwen/Qwen2.5-3B-Instruct}
