@@ -363,8 +363,7 @@ def update(models: Models, batch: Batch, args: Args, accelerator, step: int) -> 
         rng.shuffle(shuffled)
         for part in range(args.minibatches):
             minibatch = [batch.micro[i] for i in shuffled[part::args.minibatches]]
-            norm = {"tokens": sum(float(m["loss_mask"].sum()) for m in minibatch),
-                    "sequences": sum(float((m["loss_mask"].sum(1) > 0).sum()) for m in minibatch)}
+            norm = counts(minibatch, accelerator)
             for k, micro in enumerate(minibatch):
                 with gradient_sync(accelerator, trained, now=k == len(minibatch) - 1):
                     terms = update_policy(models, micro, norm, args, accelerator) if train_policy else {}
@@ -378,6 +377,27 @@ def update(models: Models, batch: Batch, args: Args, accelerator, step: int) -> 
                 norm = optimizer_step(models.critic, models.critic_optimizer, models.critic_scheduler, args, accelerator)
                 grad_norms.setdefault("critic", []).append(norm)
     return sums, grad_norms
+
+
+def counts(minibatch: list[dict], accelerator) -> dict[str, float]:
+    """What the losses of a mini-batch are divided by: its action tokens and its sequences with any,
+    over every process's share of it, divided by the number of processes, since data-parallel training
+    averages the processes' gradients. So each token (or sequence) weighs the same wherever it was
+    played; with per-process counts a token on a process with 10 action tokens would weigh 19x one on
+    a process with 190."""
+    local = torch.tensor([sum(float(m["loss_mask"].sum()) for m in minibatch),
+                          sum(float((m["loss_mask"].sum(1) > 0).sum()) for m in minibatch)], dtype=torch.float64)
+    reduce = reducer(accelerator)
+    total = reduce(local) if reduce is not None else local
+    tokens, sequences = (total / accelerator.num_processes).tolist()
+    return {"tokens": tokens, "sequences": sequences}
+
+
+def reducer(accelerator):
+    """A function that sums a CPU tensor over processes; None on a single process."""
+    if accelerator.num_processes == 1:
+        return None
+    return lambda t: accelerator.reduce(t.to(accelerator.device), "sum").cpu()
 
 
 def gradient_sync(accelerator, modules: list, now: bool) -> contextlib.ExitStack:
@@ -647,8 +667,7 @@ def main(args: Args) -> Path:
               f"{args.tasks_per_step} tasks x {args.n} samples, {describe(args.horizon, args.horizon_every, args.steps)}"
               f" -> {run_dir}")
     logs = Logs(args, run_dir, config, active=accelerator.is_main_process)
-    # whitening statistics are summed over processes, so that a distributed batch is whitened as one
-    reduce = (lambda t: accelerator.reduce(t.to(accelerator.device), "sum").cpu()) if accelerator.num_processes > 1 else None
+    reduce = reducer(accelerator)  # whitening statistics over every process: a distributed batch is whitened as one
 
     progress = tqdm(range(start_step, args.steps + 1), disable=not accelerator.is_main_process, desc="train",
                     dynamic_ncols=True, initial=start_step - 1, total=args.steps)

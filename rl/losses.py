@@ -71,8 +71,8 @@ def aggregate(terms, mask, mode: Aggregation = "token-mean", tokens: float | Non
     weighs the same); seq-mean-token-sum: the mean over sequences of each sequence's token sum (Dr.
     GRPO: no length normalisation). When a mini-batch is split into micro-batches, pass the whole
     mini-batch's `tokens` or `sequences` (those with an action token) so that the gradient is the
-    same however it is split. The counts are per process; data-parallel training then averages the
-    processes' gradients (as upstream does).
+    same however it is split, and over processes (train.py passes the mini-batch's counts over all
+    processes divided by their number, since data-parallel training averages their gradients).
     """
     mask = mask.float()
     if mode == "token-mean":

@@ -193,3 +193,25 @@ def test_two_processes_split_the_tasks_and_log_every_episode(tmp_path):
     # warm-ups count optimizer steps, whatever the number of processes: (k + 1) / 4 after k steps
     assert [m["charts/lr"] for m in metrics] == pytest.approx([5e-5 * 2 / 4, 5e-5 * 3 / 4])
     assert [m["charts/critic_lr"] for m in metrics] == pytest.approx([1e-3 * 2 / 4, 1e-3 * 3 / 4])
+
+
+def launch(processes: int, *argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes), *argv]
+    done = subprocess.run(command, cwd=Path(train.__file__).parent, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_two_process_update_equals_the_one_process_update(tmp_path):
+    """The same mini-batch, played by one process or split over two (short trajectories on one, long
+    ones on the other), gives the same gradient: token-mean and whitening run over the whole
+    mini-batch, not per process."""
+    for processes in (1, 2):
+        (tmp_path / str(processes)).mkdir()
+        launch(processes, "tests/ddp_update.py", str(tmp_path / str(processes)))
+    for algo in ("grpo", "reinforce_pp"):
+        one, two = (load_file(tmp_path / str(p) / f"{algo}.safetensors") for p in (1, 2))
+        assert one.keys() == two.keys()
+        for name in one:
+            torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-7, msg=f"{algo}: {name}")
