@@ -112,7 +112,7 @@ def resolve_settings(args: Args) -> dict:
             base[key] = getattr(args, key)
     if args.env is not None and args.env != (config or {}).get("env", args.env):
         base["env_options"] = {}  # another env's options do not apply
-    base["env_options"] = {**base["env_options"], **envs.parse_options(args.env_options)}
+    base["env_options"] = {**envs.parse_options(base["env_options"]), **envs.parse_options(args.env_options)}
     if base["env"] not in envs.ENVS:
         raise SystemExit(f"unknown env {base['env']!r}; choose one of: {', '.join(envs.ENVS)}")
     return base

@@ -154,6 +154,13 @@ class HFEngine:
         self.temperature, self.top_p, self.top_k, self.batch_size = temperature, top_p, top_k, batch_size
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The sampler's random state, so that a resumed run draws what the uninterrupted one would."""
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.generator.set_state(state["generator"])
+
     def generate(self, batch: list[Trajectory], limits: list[int]) -> list[Sample]:
         prompts = [traj.token_ids for traj in batch]
         samples = []

@@ -36,12 +36,13 @@ import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal
 
 import torch
 import tyro
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 import envs
@@ -159,7 +160,8 @@ class Args:
     save_every: int = 50
     """checkpoint every k steps (and at the end); 0: only at the end"""
     resume: str | None = None
-    """a checkpoint directory (runs/<run>/checkpoints/step_<k>) to continue from"""
+    """a checkpoint directory (runs/<run>/checkpoints/step_<k>) to continue from, with the run's own
+    settings (its config.json); only the flags in RESUMABLE may change"""
     track: bool = False
     """log to wandb (offline mode when no API key is configured)"""
     wandb_project: str = "agentgym-rl"
@@ -177,19 +179,50 @@ PRESETS = {
 }
 
 
+# What a resumed run may change: how long it goes on and how it is logged. Everything else is the
+# run's own setting, so that it continues as it started. (--out-dir and --run-name are accepted and
+# have no effect: a resumed run goes on writing where its checkpoint is.)
+RESUMABLE = ("steps", "epochs", "save_every", "track", "wandb_project", "gen_batch_size", "resume", "out_dir", "run_name")
+
+
 def parse_args(argv: list[str] | None = None) -> Args:
-    """tyro over the preset that applies: `tiny` for the embedded model, `paper` otherwise."""
+    """tyro over the preset that applies: `tiny` for the embedded model, `paper` otherwise; when
+    resuming, over the run's own settings."""
     argv = sys.argv[1:] if argv is None else argv
     peek = argparse.ArgumentParser(add_help=False)
     peek.add_argument("--model", default=Args.model)
     peek.add_argument("--preset", default="auto")
+    peek.add_argument("--resume", default=None)
     known, _ = peek.parse_known_args(argv)
+    if known.resume:
+        return resumed_args(argv, Path(known.resume))
     preset = known.preset if known.preset != "auto" else ("tiny" if known.model in EMBEDDED else "paper")
     if preset not in PRESETS:
         raise SystemExit(f"unknown preset {preset!r}; choose one of: auto, {', '.join(PRESETS)}")
     args = tyro.cli(Args, args=argv, default=replace(PRESETS[preset], preset=preset),
                     description=__doc__.split("\n\n")[0])
     return replace(args, preset=preset)
+
+
+def resumed_args(argv: list[str], checkpoint: Path) -> Args:
+    """The run's settings from its config.json, with the flags of this command line that RESUMABLE
+    allows; any other flag that differs stops the run, naming it."""
+    config_file = checkpoint.parent.parent / "config.json"
+    if not (checkpoint / "trainer_state.json").is_file() or not config_file.is_file():
+        raise SystemExit(f"--resume {checkpoint}: not a checkpoint of a run (runs/<run>/checkpoints/step_<k>, "
+                         "with the run's config.json two levels up)")
+    config = json.loads(config_file.read_text())
+    saved = Args(**{f.name: tuple(config[f.name]) if isinstance(config[f.name], list) else config[f.name]
+                    for f in fields(Args) if f.name in config})
+    args = tyro.cli(Args, args=argv, default=saved, description=__doc__.split("\n\n")[0])
+    changed = [f.name for f in fields(Args) if f.name not in RESUMABLE and getattr(args, f.name) != getattr(saved, f.name)]
+    if changed:
+        given = ", ".join(f"--{name.replace('_', '-')} {getattr(args, name)} (the run's: {getattr(saved, name)})"
+                          for name in changed)
+        raise SystemExit(f"--resume continues the run with its own settings, and this command line changes {given}. "
+                         f"Drop those flags, or start a new run; on resume only "
+                         f"{', '.join('--' + n.replace('_', '-') for n in RESUMABLE)} may change.")
+    return args
 
 
 def check(args: Args, world: int, distributed: str = "NO") -> None:
@@ -598,10 +631,11 @@ class Logs:
             self.tracker.finish()
 
 
-def save_checkpoint(accelerator, model, tokenizer, path: Path, step: int) -> None:
+def save_checkpoint(accelerator, model, engine, tokenizer, path: Path, step: int) -> None:
     """A Hugging Face model directory (safetensors; eval.py and vLLM load it), the full training
-    state under state/ for --resume, and trainer_state.json. Written beside the final name and
-    renamed into place, so a crash never leaves a half-written checkpoint behind."""
+    state under state/ for --resume (models, optimizers, schedulers, RNGs, and every process's
+    sampler), and trainer_state.json. Written beside the final name and renamed into place, so a
+    crash never leaves a half-written checkpoint behind."""
     tmp = path.with_name(path.name + ".tmp")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -610,12 +644,26 @@ def save_checkpoint(accelerator, model, tokenizer, path: Path, step: int) -> Non
         tmp, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
         state_dict=accelerator.get_state_dict(model), safe_serialization=True)
     accelerator.save_state(str(tmp / "state"))
+    save_file(engine.state_dict(), str(tmp / "state" / f"sampler_{accelerator.process_index}.safetensors"))
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         tokenizer.save_pretrained(tmp)
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step}) + "\n")
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
     accelerator.wait_for_everyone()
+
+
+def resume(accelerator, engine, checkpoint: Path) -> int:
+    """Restore the training state and this process's sampler from a checkpoint; returns its step."""
+    accelerator.load_state(str(checkpoint / "state"))
+    sampler = checkpoint / "state" / f"sampler_{accelerator.process_index}.safetensors"
+    if sampler.is_file():
+        engine.load_state_dict(load_file(str(sampler)))
+    else:  # a checkpoint from before samplers were saved, or from a run on fewer processes
+        print(f"{checkpoint}: no sampler state for process {accelerator.process_index}; its samples will differ from "
+              "the uninterrupted run's")
+    return json.loads((checkpoint / "trainer_state.json").read_text())["step"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -631,8 +679,10 @@ def main(args: Args) -> Path:
     accelerator = Accelerator(mixed_precision=mixed, step_scheduler_with_optimizer=False)
     check(args, accelerator.num_processes, accelerator.distributed_type.value)
     set_seed(args.seed + accelerator.process_index)
-    run_name = args.run_name or f"{args.env}-{args.algo}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(args.out_dir) / run_name
+    if args.resume:  # a resumed run goes on in its own directory
+        run_dir = Path(args.resume).parent.parent
+    else:
+        run_dir = Path(args.out_dir) / (args.run_name or f"{args.env}-{args.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
 
     # -- models, the sampler, and the training state when resuming
     tokenizer = load_tokenizer(args.model)
@@ -642,9 +692,7 @@ def main(args: Args) -> Path:
                       batch_size=args.gen_batch_size, seed=args.seed + accelerator.process_index)
     start_step = 1
     if args.resume:
-        accelerator.load_state(str(Path(args.resume) / "state"))
-        start_step = json.loads((Path(args.resume) / "trainer_state.json").read_text())["step"] + 1
-        run_dir = Path(args.resume).parent.parent
+        start_step = resume(accelerator, engine, Path(args.resume)) + 1
 
     # -- tasks, and one env per trajectory of this process, created once and reset every step
     train_ids = envs.load_task_ids(args.train_tasks, args.env) if args.train_tasks else envs.splits(args.env)["train"]
@@ -657,15 +705,15 @@ def main(args: Args) -> Path:
     pool = ThreadPoolExecutor(max_workers=min(32, len(environments)))
 
     # -- the run's record
-    config = {**asdict(args), "run_name": run_name, "mixed_precision": mixed, "processes": accelerator.num_processes,
-              "env_options": envs.parse_options(args.env_options),
+    config = {**asdict(args), "run_name": run_dir.name, "mixed_precision": mixed, "processes": accelerator.num_processes,
               "env_settings": getattr(environments[0], "options", {})}  # every setting in effect, defaults too
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        print(f"run {run_name}: {args.env}, {args.model} ({args.preset} preset), {args.algo}, {args.steps} steps of "
+        if not args.resume:  # a resumed run keeps its config.json: it runs with those settings
+            (run_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        print(f"run {run_dir.name}: {args.env}, {args.model} ({args.preset} preset), {args.algo}, {args.steps} steps of "
               f"{args.tasks_per_step} tasks x {args.n} samples, {describe(args.horizon, args.horizon_every, args.steps)}"
-              f" -> {run_dir}")
+              f" -> {run_dir}" + (f", resumed at step {start_step}" if args.resume else ""))
     logs = Logs(args, run_dir, config, active=accelerator.is_main_process)
     reduce = reducer(accelerator)  # whitening statistics over every process: a distributed batch is whitened as one
 
@@ -699,7 +747,7 @@ def main(args: Args) -> Path:
         logs.write(step, records, metrics, progress)
 
         if step == args.steps or (args.save_every and step % args.save_every == 0):
-            save_checkpoint(accelerator, models.policy, tokenizer, run_dir / "checkpoints" / f"step_{step}", step)
+            save_checkpoint(accelerator, models.policy, engine, tokenizer, run_dir / "checkpoints" / f"step_{step}", step)
 
     pool.shutdown()
     for env in environments:

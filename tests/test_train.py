@@ -83,6 +83,41 @@ def test_resume_continues_from_the_checkpoint(trained, tmp_path):
     assert (trained / "checkpoints" / "step_3" / "model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_a_resumed_run_equals_the_uninterrupted_run(tmp_path, algo):
+    """Stopped after step 1 and resumed, a run logs the same metrics, step for step, as one that never
+    stopped: the sampler's random stream, optimizers, critic and data order all continue."""
+    flags = {"algo": algo, "n": 2, "lr": 0.01, "critic_lr": 0.01, "ppo_epochs": 2}
+    whole = train.main(tiny_args(tmp_path / "whole", steps=3, **flags))
+    part = train.main(tiny_args(tmp_path / "part", steps=1, **flags))
+    config = (part / "config.json").read_text()
+    train.main(train.parse_args(["--resume", str(part / "checkpoints" / "step_1"), "--steps", "3"]))
+    assert (part / "config.json").read_text() == config  # the run's settings, not overwritten
+
+    def metrics(run_dir):
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in row.items() if not k.startswith("perf/")} for row in rows]
+
+    assert [m["charts/step"] for m in metrics(part)] == [1, 2, 3]
+    for resumed, uninterrupted in zip(metrics(part), metrics(whole)):
+        assert resumed == pytest.approx(uninterrupted, rel=1e-6, abs=1e-9)
+    rollouts = [[json.loads(line)["messages"] for line in (d / "rollouts.jsonl").read_text().splitlines()]
+                for d in (part, whole)]
+    assert rollouts[0] == rollouts[1]
+
+
+def test_resume_keeps_the_runs_settings(trained):
+    ckpt = str(trained / "checkpoints" / "step_2")
+    args = train.parse_args(["--resume", ckpt, "--steps", "5"])  # the flags RESUMABLE allows
+    assert args.steps == 5 and args.lr == 0.01 and args.model == "tiny-agent" and args.tasks_per_step == 2
+    for flag, value in (["--lr", "0.5"], ["--algo", "rloo"], ["--model", "Qwen/Qwen2.5-3B-Instruct"], ["--seed", "7"],
+                        ["--n", "4"]):
+        with pytest.raises(SystemExit, match=f"changes {flag} "):
+            train.parse_args(["--resume", ckpt, flag, value])
+    with pytest.raises(SystemExit, match="not a checkpoint of a run"):
+        train.parse_args(["--resume", str(trained)])
+
+
 def test_presets_follow_the_model():
     assert train.parse_args([]).preset == "tiny"
     paper = train.parse_args(["--model", "Qwen/Qwen2.5-3B-Instruct"])
@@ -114,7 +149,13 @@ def test_bad_settings_stop_early(argv, message, capsys):
 def test_reference_equals_the_policy_at_the_first_update(tmp_path):
     """Policy and reference start from the same weights and run the same way (fp32 under bf16 autocast
     here), so the KL of the first update, before any optimizer step, is exactly 0."""
-    run_dir = train.main(tiny_args(tmp_path, steps=1, mixed_precision="bf16"))
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # the process's other runs are fp32
+    try:
+        run_dir = train.main(tiny_args(tmp_path, steps=1, mixed_precision="bf16"))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
     metrics = json.loads((run_dir / "metrics.jsonl").read_text())
     assert metrics["losses/kl"] == 0.0
 
