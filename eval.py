@@ -7,10 +7,16 @@ Each task is played k times. Avg@k is the mean final score over all k x tasks ep
 score: BabyAI's fractional reward, SciWorld's 0-100 progress); Pass@k is the fraction of tasks where
 at least one of the k episodes scored above 0. Both as AgentGym-RL computes them.
 
-Settings default, in order, to: the training run's own settings when --model is a checkpoint
-inside runs/<run>/ (env, turn cap, token limits, env options); the `tiny` preset for the embedded
-model; upstream's eval settings otherwise (its turn cap per env, 512 tokens per turn). The results
-go to <out>.json (written atomically) and every episode to <out>.jsonl.
+Which limits an episode plays under is a protocol (`--protocol`), recorded with every result:
+- `run`: the training run's own settings, for a checkpoint inside runs/<run>/ (env, the turn cap of
+  the checkpoint's step, token limits, env options): the score the run itself would see;
+- `tiny`: the embedded model's short turns and trajectories;
+- `agentgym`: upstream's evaluation (AgentGym-RL's examples/eval/*.sh): its turn cap per env, 512
+  tokens a turn (200 for SciWorld) and no trajectory budget below the 32k context of its vLLM
+  engine. Use it to compare with the paper's numbers.
+`auto` picks `run` for a run's checkpoint, `tiny` for the embedded model, `agentgym` otherwise;
+--horizon, --max-new-tokens and --max-tokens override single limits. The results go to <out>.json
+(written atomically) and every episode to <out>.jsonl.
 """
 
 from __future__ import annotations
@@ -34,8 +40,10 @@ from rl.horizon import horizon_at
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, load_model, load_tokenizer
 from rollout import ChatFormat, HFEngine, rollout
 
-# Upstream's eval scripts: max_rounds per env.
+# Upstream's eval scripts: max_rounds per env, max_tokens a turn, and vLLM's max_model_len.
 UPSTREAM_TURNS = {"babyai": 20, "textcraft": 30, "sciworld": 30, "searchqa": 30, "webarena": 15}
+UPSTREAM_TURN_TOKENS = {"sciworld": 200}  # 512 for the others
+UPSTREAM_CONTEXT = 32768
 
 
 @dataclass
@@ -44,6 +52,8 @@ class Args:
     """Hugging Face id, local directory or checkpoint (runs/<run>/checkpoints/step_<k>)"""
     env: str | None = None
     """default: the run's env, else babyai"""
+    protocol: Literal["auto", "run", "tiny", "agentgym"] = "auto"
+    """the limits episodes play under (see above): the run's, the embedded model's, or upstream's eval"""
     split: Literal["test", "train"] = "test"
     """which of the env's shipped splits to evaluate"""
     tasks: str | None = None
@@ -97,25 +107,28 @@ def checkpoint_horizon(model: str, config: dict) -> int:
 
 
 def resolve_settings(args: Args) -> dict:
+    """The env, its options, the protocol and its limits (horizon, max_new_tokens, max_tokens)."""
     config = run_config(args.model)
-    if config is not None:
-        base = {key: config[key] for key in ("env", "max_new_tokens", "max_tokens")}
-        base["horizon"] = checkpoint_horizon(args.model, config)
-        base["env_options"] = config.get("env_options", {})
-    elif args.model in EMBEDDED:
-        base = {**EMBEDDED_ROLLOUT, "env_options": {}}
+    protocol = args.protocol
+    if protocol == "auto":
+        protocol = "run" if config is not None else "tiny" if args.model in EMBEDDED else "agentgym"
+    if protocol == "run" and config is None:
+        raise SystemExit("--protocol run takes a checkpoint of a training run (runs/<run>/checkpoints/step_<k>)")
+    env = args.env or (config["env"] if config is not None else EMBEDDED_ROLLOUT["env"])
+    if env not in envs.ENVS:
+        raise SystemExit(f"unknown env {env!r}; choose one of: {', '.join(envs.ENVS)}")
+    if protocol == "run":
+        limits = {"horizon": checkpoint_horizon(args.model, config), "max_new_tokens": config["max_new_tokens"],
+                  "max_tokens": config["max_tokens"]}
+    elif protocol == "tiny":
+        limits = {key: EMBEDDED_ROLLOUT[key] for key in ("horizon", "max_new_tokens", "max_tokens")}
     else:
-        env = args.env or "babyai"
-        base = {"env": env, "horizon": UPSTREAM_TURNS[env], "max_new_tokens": 512, "max_tokens": 16384, "env_options": {}}
-    for key in ("env", "horizon", "max_new_tokens", "max_tokens"):
-        if getattr(args, key) is not None:
-            base[key] = getattr(args, key)
-    if args.env is not None and args.env != (config or {}).get("env", args.env):
-        base["env_options"] = {}  # another env's options do not apply
-    base["env_options"] = {**envs.parse_options(base["env_options"]), **envs.parse_options(args.env_options)}
-    if base["env"] not in envs.ENVS:
-        raise SystemExit(f"unknown env {base['env']!r}; choose one of: {', '.join(envs.ENVS)}")
-    return base
+        limits = {"horizon": UPSTREAM_TURNS[env], "max_new_tokens": UPSTREAM_TURN_TOKENS.get(env, 512),
+                  "max_tokens": UPSTREAM_CONTEXT}
+    overrides = {key: getattr(args, key) for key in limits if getattr(args, key) is not None}
+    own_options = config.get("env_options", {}) if config is not None and config["env"] == env else {}
+    options = {**envs.parse_options(own_options), **envs.parse_options(args.env_options)}
+    return {"env": env, "protocol": protocol, **limits, **overrides, "overrides": sorted(overrides), "env_options": options}
 
 
 def score(trajectories, env_name: str) -> dict:
@@ -193,6 +206,9 @@ def main(args: Args) -> dict:
     for env in environments:
         env.close()
 
+    limits = (f"{settings['horizon']} turns, {settings['max_new_tokens']} tokens a turn, {settings['max_tokens']} a trajectory"
+              + (f"; set by flag: {', '.join(settings['overrides'])}" if settings["overrides"] else ""))
+    print(f"protocol {settings['protocol']} ({limits})")
     print(f"{env_name} {results['split']}: {results['tasks']} tasks x {args.k}  "
           f"Avg@{args.k} {results['avg@k']:.4f}  Pass@{args.k} {results['pass@k']:.4f}  turns {results['turns']:.1f}")
     for name, c in results["categories"].items():

@@ -67,10 +67,29 @@ def test_eval_scores_the_checkpoint(trained, tmp_path):
     out = tmp_path / "result"
     results = eval_script.main(eval_script.Args(model=str(ckpt), limit=3, k=2, out=str(out)))
     assert results["env"] == "babyai" and results["horizon"] == 2  # the run's own settings
+    assert results["protocol"] == "run" and results["overrides"] == []
     assert results["tasks"] == 3 and 0.0 <= results["avg@k"] <= 1.0 and 0.0 <= results["pass@k"] <= 1.0
     saved = json.loads(out.with_suffix(".json").read_text())
     assert saved["avg@k"] == results["avg@k"]
     assert len(out.with_suffix(".jsonl").read_text().splitlines()) == 6
+
+
+def test_eval_protocols(trained):
+    """A checkpoint plays by its run's limits unless told to play by upstream's evaluation, which
+    has its own turn cap per env, 512 tokens a turn (200 for SciWorld) and a 32k context."""
+    ckpt = str(trained / "checkpoints" / "step_2")
+    resolve = eval_script.resolve_settings
+    run = resolve(eval_script.Args(model=ckpt))
+    assert (run["protocol"], run["horizon"], run["max_new_tokens"], run["max_tokens"]) == ("run", 2, 16, 3072)
+    upstream = resolve(eval_script.Args(model=ckpt, protocol="agentgym"))
+    assert (upstream["env"], upstream["horizon"], upstream["max_new_tokens"], upstream["max_tokens"]) == ("babyai", 20, 512, 32768)
+    sciworld = resolve(eval_script.Args(model="Qwen/Qwen2.5-7B-Instruct", env="sciworld"))
+    assert (sciworld["protocol"], sciworld["horizon"], sciworld["max_new_tokens"]) == ("agentgym", 30, 200)
+    flagged = resolve(eval_script.Args(model=ckpt, protocol="agentgym", horizon=5))
+    assert flagged["horizon"] == 5 and flagged["overrides"] == ["horizon"] and flagged["max_new_tokens"] == 512
+    assert resolve(eval_script.Args())["protocol"] == "tiny"
+    with pytest.raises(SystemExit, match="--protocol run takes a checkpoint"):
+        resolve(eval_script.Args(model="Qwen/Qwen2.5-7B-Instruct", protocol="run"))
 
 
 def test_resume_continues_from_the_checkpoint(trained, tmp_path):
