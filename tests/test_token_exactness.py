@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import envs
+from rl.logprobs import collate, token_logprobs
 from rl.model import load_model, load_tokenizer
 from rollout import ChatFormat, ExpertEngine, HFEngine, rollout
 
@@ -228,3 +229,26 @@ def test_top_p_and_top_k_only_draw_from_the_head_of_the_distribution(tiny):
     assert set(top1._sample(logits)[0].tolist()) == {0}
     plain = HFEngine(model, fmt, temperature=1.0, seed=0)
     assert set(plain._sample(logits)[0].tolist()) >= {0, 1, 2}
+
+
+def test_sampler_and_trainer_log_probs_agree(tiny):
+    """The sampled log-probs are those the trainer computes for the same tokens under the same
+    temperature (the key alignment invariant behind PPO's ratio); scoring at another temperature
+    than the sampler's breaks it."""
+    tokenizer, model = tiny
+    fmt = ChatFormat(tokenizer)
+    environments = [envs.make("babyai") for _ in range(4)]
+    trajectories = rollout(HFEngine(model, fmt, temperature=0.7, seed=5), fmt, environments, [1, 1, 2, 2], [0, 0, 1, 1],
+                           horizon=2, max_new_tokens=16, max_tokens=4096)
+    batch = collate(trajectories, fmt.pad_id)
+    mask = batch["loss_mask"]
+
+    def difference(temperature):
+        with torch.no_grad():
+            logprobs, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], mask, temperature)
+        gap = (logprobs - batch["sampler_logprobs"]).abs() * mask
+        return float(gap.sum() / mask.sum()), float(gap.max())
+
+    mean, worst = difference(0.7)
+    assert mean < 1e-5 and worst < 1e-4
+    assert difference(1.0)[0] > 1e-2

@@ -58,6 +58,7 @@ def test_rollout_log_has_every_trajectory(trained):
     metrics = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
     assert [m["charts/step"] for m in metrics] == [1, 2]
     assert all(m["perf/tokens_per_s"] > 0 and m["rollout/horizon"] == 2 for m in metrics)
+    assert all(m["rollout/logprob_diff"] < 1e-5 for m in metrics)  # the sampler's log-probs are the trainer's
     config = json.loads((trained / "config.json").read_text())
     assert config["preset"] == "tiny" and config["env"] == "babyai"
 
@@ -72,6 +73,21 @@ def test_eval_scores_the_checkpoint(trained, tmp_path):
     saved = json.loads(out.with_suffix(".json").read_text())
     assert saved["avg@k"] == results["avg@k"]
     assert len(out.with_suffix(".jsonl").read_text().splitlines()) == 6
+
+
+def test_avg_and_pass_at_k_by_hand():
+    """Three tasks, k = 3, raw scores as the env gives them: Avg@k is the mean of all nine, Pass@k the
+    share of tasks with a score above 0 in any episode; per category the same over its tasks."""
+    scores = {0: [0.0, 0.5, 0.0], 1: [0.0, 0.0, 0.0], 11: [1.0, 0.9, 0.8]}  # GoTo, GoTo, Open
+    episodes = [types.SimpleNamespace(task_id=task, reward=r, success=r > 0, turns=2, error=None)
+                for task, rewards in scores.items() for r in rewards]
+    results = eval_script.score(episodes, "babyai")
+    assert results["tasks"] == 3
+    assert results["avg@k"] == pytest.approx(3.2 / 9) and results["pass@k"] == pytest.approx(2 / 3)
+    assert set(results["categories"]) == {"GoTo", "Open"}
+    goto, open_ = results["categories"]["GoTo"], results["categories"]["Open"]
+    assert (goto["tasks"], goto["avg@k"], goto["pass@k"]) == (2, pytest.approx(0.5 / 6), pytest.approx(0.5))
+    assert (open_["tasks"], open_["avg@k"], open_["pass@k"]) == (1, pytest.approx(0.9), pytest.approx(1.0))
 
 
 def test_eval_protocols(trained):

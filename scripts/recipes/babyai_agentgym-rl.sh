@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # AgentGym-RL on babyai: GRPO with a fixed horizon of 20 turns.
 # The paper's recipe (AgentGym-RL examples/train/AgentGym-RL/babyai_train.sh): 16 tasks x 8 samples
-# a step, 2 optimizer steps of 8 tasks each, 1 PPO epoch(s), 10 epochs over the train split,
+# a step, 2 optimizer steps of 8 tasks each, 1 PPO epoch, 10 epochs over the train split,
 # 200 tokens a turn, 1024 + 4096 tokens a trajectory.
 #
 #   bash scripts/recipes/babyai_agentgym-rl.sh                 # GPUS=8 MODEL=Qwen/Qwen2.5-3B-Instruct (common.sh)

@@ -6,6 +6,12 @@
 # whole policy (fp32 weights and AdamW, about 16 bytes a parameter, plus an fp32 reference), which
 # suits 3B on 80 GB GPUs; 7B needs sharded training, which the Hugging Face sampler in train.py does
 # not support yet. A recipe's --tasks-per-step must divide by GPUS.
+#
+# What upstream's trainer effectively optimises, which its scripts do not say: its actor
+# (agent_actor/dp_actor.py, update_policy) makes ONE pass over the mini-batches whatever ppo_epochs
+# says (the value only feeds an MFU metric), so every recipe runs --ppo-epochs 1; and it takes the
+# token mean of each micro-batch of one trajectory, divided by the accumulation count and averaged
+# over GPUs, so every trajectory weighs the same whatever its length: --loss-agg seq-mean-token-mean.
 MODEL=${MODEL:-Qwen/Qwen2.5-3B-Instruct}
 GPUS=${GPUS:-8}
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -16,6 +22,6 @@ recipe() {  # recipe NAME FLAGS...: the recipe's own flags, then the command lin
   accelerate launch --num_processes "$GPUS" train.py \
     --model "$MODEL" --algo grpo \
     --lr 1e-6 --kl-coef 0.001 --kl-estimator k3 --entropy-coef 0.001 --clip 0.2 --temperature 1.0 \
-    --micro-batch-size 1 --gradient-checkpointing --save-every 25 \
+    --loss-agg seq-mean-token-mean --micro-batch-size 1 --gradient-checkpointing --save-every 25 \
     --run-name "$name-$(date +%Y%m%d-%H%M%S)" "$@"
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # ScalingInter-RL on textcraft: GRPO with the interaction horizon growing in stages, 10, 20, 30 turns, 100 steps a stage.
 # The paper's recipe (AgentGym-RL examples/train/ScalingInter-RL/textcraft_train.sh): 32 tasks x 8 samples
-# a step, 4 optimizer steps of 8 tasks each, 2 PPO epoch(s), 30 epochs over the train split,
+# a step, 4 optimizer steps of 8 tasks each, 1 PPO epoch (upstream's script says 2; its actor makes one pass), 30 epochs over the train split,
 # 512 tokens a turn, 512 + 10240 tokens a trajectory.
 #
 #   bash scripts/recipes/textcraft_scalinginter-rl.sh                 # GPUS=8 MODEL=Qwen/Qwen2.5-3B-Instruct (common.sh)
@@ -9,5 +9,5 @@
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 recipe textcraft-scalinginter-rl --env textcraft --horizon 10 20 30 --horizon-every 100 \
-  --tasks-per-step 32 --n 8 --minibatches 4 --ppo-epochs 2 --epochs 30 \
+  --tasks-per-step 32 --n 8 --minibatches 4 --ppo-epochs 1 --epochs 30 \
   --max-new-tokens 512 --max-tokens 10752 "$@"

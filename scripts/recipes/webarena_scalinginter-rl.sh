@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # ScalingInter-RL on webarena: GRPO with the interaction horizon growing in stages, 8, 12, 15 turns, 80 steps a stage.
 # The paper's recipe (AgentGym-RL examples/train/ScalingInter-RL/webarena_train.sh): 32 tasks x 4 samples
-# a step, 8 optimizer steps of 4 tasks each, 2 PPO epoch(s), 25 epochs over the train split,
+# a step, 8 optimizer steps of 4 tasks each, 1 PPO epoch (upstream's script says 2; its actor makes one pass), 25 epochs over the train split,
 # 512 tokens a turn, 750 + 14098 tokens a trajectory.
 #
 #   bash scripts/recipes/webarena_scalinginter-rl.sh                 # GPUS=8 MODEL=Qwen/Qwen2.5-3B-Instruct (common.sh)
@@ -9,5 +9,5 @@
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 recipe webarena-scalinginter-rl --env webarena --horizon 8 12 15 --horizon-every 80 \
-  --tasks-per-step 32 --n 4 --minibatches 8 --ppo-epochs 2 --epochs 25 \
+  --tasks-per-step 32 --n 4 --minibatches 8 --ppo-epochs 1 --epochs 25 \
   --max-new-tokens 512 --max-tokens 14848 "$@"
