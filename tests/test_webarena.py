@@ -173,6 +173,31 @@ def test_url_match_gold_in_pred(url, score):
     assert url_match(config, url) == score
 
 
+ISSUES = "http://gl:8023/a11yproject/a11yproject.com/-/issues"  # task 45's reference, GITLAB filled in
+SEARCH = "http://shop:7770/catalogsearch/result"  # task 274's
+
+
+@pytest.mark.parametrize("reference, url, score", [
+    # WebArena keeps the "/" before "?" in the reference: GitLab's own URL without it scores 0
+    # there (tasks 45, 46, 102-106, 274-278, 324-328, 339-343), and so it does here.
+    (f"{ISSUES}/?sort=created_asc&state=opened", f"{ISSUES}?sort=created_asc&state=opened", 0.0),
+    (f"{SEARCH}/?q=usb+wifi", f"{SEARCH}?q=usb+wifi", 0.0),
+    (f"{ISSUES}/?sort=created_asc&state=opened", f"{ISSUES}/?state=opened&sort=created_asc", 1.0),
+    (f"{ISSUES}/?sort=created_asc&state=opened", f"{ISSUES}/?sort=created_asc", 0.0),
+    (f"{SEARCH}/?q=usb+wifi", f"{SEARCH}/?q=usb%20wifi&p=2", 1.0),
+    (f"{ISSUES}/", f"{ISSUES}", 1.0),  # a trailing "/" of the whole URL is stripped on both sides
+    (f"{ISSUES}", f"{ISSUES}/?sort=created_asc", 1.0),
+])
+def test_url_match_scores_as_webarena(reference, url, score):
+    """Scores as WebArena's URLEvaluator gives them (checked by running it on these pairs)."""
+    assert url_match({"eval": {"reference_url": reference, "url_note": "GOLD in PRED"}}, url) == score
+
+
+def test_url_match_knows_only_gold_in_pred():
+    with pytest.raises(ValueError, match="unknown url matching rule"):
+        url_match({"eval": {"reference_url": ISSUES, "url_note": ""}}, ISSUES)
+
+
 def test_reddit_post_url_helper():
     assert reddit_get_post_url("http://h:1/f/books/15/reading_list/comment/3") == "http://h:1/f/books/15/"
     assert reddit_get_post_url("http://h:1/user/alice") == "http://h:1/user/alice"
