@@ -218,6 +218,15 @@ def test_sites_fill_placeholders_and_map_aliases():
     assert not sites.allows("file:///etc/passwd")
 
 
+def test_map_services_default_to_webarenas_map_backend_ports():
+    sites = tasks.Sites({"map": "http://10.0.0.1:3000", "shopping": "http://10.0.0.1:7770"})
+    assert sites.map_services() == {f"http://10.0.0.1:{port}" for port in (8080, 8085, 5000, 5001, 5002)}
+    assert sites.map_services("none") == set() and tasks.Sites({"shopping": "http://h:1"}).map_services() == set()
+    assert sites.map_services("http://b:8080, http://b:5000/route") == {"http://b:8080", "http://b:5000"}
+    with pytest.raises(ValueError, match="not an origin"):
+        sites.map_services("b:8080")
+
+
 def test_local_tasks_use_the_config_schema_and_cover_every_evaluator():
     assert len(LOCAL) >= 10
     kinds = {t for c in LOCAL for t in c["eval"]["eval_types"]}
@@ -435,6 +444,47 @@ def test_navigation_outside_the_sites_is_refused(env):
     env.step(act("go_back"))
     result = env.step(on("click", env.tree, "link 'Local file'"))
     assert "passwd" not in env.url and "root:" not in result.observation
+
+
+class _Service(BaseHTTPRequestHandler):
+    """A stand-in for a map service (OSRM, Nominatim, tiles) on a loopback port."""
+
+    def do_GET(self):
+        self.server.paths.append(self.path)
+        data = b'{"code": "Ok"}'
+        self.send_response(200)
+        self.send_header("Access-Control-Allow-Origin", "*")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@needs_chromium
+def test_pages_fetch_from_the_map_services_and_nowhere_else():
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), _Service) for _ in range(2)]
+    for server in servers:
+        server.paths = []
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    service, other = (f"http://127.0.0.1:{server.server_port}" for server in servers)
+    env = envs.make("webarena", sites="local", map_services=service)
+    try:
+        env.reset(0)
+        fetch = "url => fetch(url).then(r => r.text(), () => 'blocked')"
+        route = f"{service}/route/v1/driving/-79.9,40.4;-79.9,40.5"
+        assert BROWSER.run(env._page.evaluate(fetch, route), 10) == '{"code": "Ok"}'
+        assert BROWSER.run(env._page.evaluate(fetch, f"{other}/search?q=cmu"), 10) == "blocked"
+        with pytest.raises(Exception, match="ERR_BLOCKED_BY_CLIENT"):  # a service is fetched from, not visited
+            BROWSER.run(env._page.goto(f"{service}/"), 10)
+        assert env.step(act(f"goto [{service}/]")).info["refused"] == f"{service}/"
+        assert env.blocked == [f"{other}/search?q=cmu", f"{service}/"]
+        assert [server.paths for server in servers] == [["/route/v1/driving/-79.9,40.4;-79.9,40.5"], []]
+    finally:
+        env.close()
+        for server in servers:
+            server.shutdown()
 
 
 @needs_chromium
