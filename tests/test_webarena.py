@@ -137,7 +137,7 @@ def test_truncation_cuts_at_a_line_end():
     cut = truncate(text, 500)
     assert len(cut) <= 500 and cut.endswith("\n" + TRUNCATED)
     assert all(line.startswith("[") and line.endswith("'") for line in cut.split("\n")[:-1])
-    assert truncate("short", 500) == "short"
+    assert truncate("short", 500) == "short" and truncate(text, 0) == text
 
 
 def test_string_match_approaches():
@@ -485,6 +485,21 @@ def test_pages_fetch_from_the_map_services_and_nowhere_else():
         env.close()
         for server in servers:
             server.shutdown()
+
+
+@needs_chromium
+def test_observation_is_not_cut_unless_a_cap_is_asked_for(env):
+    env.reset(0)
+    observation = env.step(act("goto [http://homepage.com/test/long]")).observation
+    assert len(env.tree) > 8192 and TRUNCATED not in observation  # upstream never cuts the tree
+    assert "link 'link number 399 of a long page'" in observation
+    capped = envs.make("webarena", sites="local", max_obs_chars="2000")
+    try:
+        capped.reset(0)
+        observation = capped.step(act("goto [http://homepage.com/test/long]")).observation
+        assert len(capped.tree) <= 2000 and capped.tree.endswith("\n" + TRUNCATED) and TRUNCATED in observation
+    finally:
+        capped.close()
 
 
 @needs_chromium

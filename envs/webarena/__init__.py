@@ -48,8 +48,8 @@ another host (WebArena's AMI takes it as MAP_BACKEND_IP) needs `map_services`.
 make() options (strings are accepted, as they come from the command line):
     sites          auto | local | webarena (auto: webarena when a site variable is set)
     chromium       Chromium executable (default $WEBARENA_CHROMIUM or /usr/bin/chromium)
-    max_obs_chars  cap on the tab line + tree text, cut at a line end (default 8192, WebArena's
-                   UTTERANCE_MAX_LENGTH)
+    max_obs_chars  cap on the tab line + tree text, cut at a line end with a marker line; 0
+                   (default) means no cap, as upstream, which never cuts the tree
     settle_s       after an action, wait at least this long and until navigations finished
                    (default 1.5 s on WebArena's sites, upstream's sleep_after_execution; 0.1 s locally)
     nav_timeout_s  limit for one page load (default 30)
@@ -410,7 +410,7 @@ def _product(values) -> float:
     return score
 
 
-def make(sites: str = "auto", chromium: str | None = None, max_obs_chars: int = 8192, settle_s: float | None = None,
+def make(sites: str = "auto", chromium: str | None = None, max_obs_chars: int = 0, settle_s: float | None = None,
          nav_timeout_s: float = 30.0, timeout_s: float = 120.0, judge_base_url: str | None = None,
          judge_api_key: str | None = None, judge_model: str = "gpt-4-1106-preview",
          map_services: str = "auto") -> WebArena:
