@@ -39,7 +39,9 @@ from envs import REACT_ONLY_ONE, Env, StepResult, react_action
 roomgrid_level.print = lambda *args, **kwargs: None
 
 # AgentGym's 40 levels, in its order (level k of upstream's 1-based table is LEVELS[k - 1]).
-# minigrid 3.x retired GoToObjS6-v0 in favour of v1, the same level with a fixed generator.
+# Upstream's level 4, GoToObjS6-v0, was registered with room_size 4 by mistake (minigrid < 2.5,
+# which upstream pins); minigrid 3 retired it for GoToObjS6-v1, a 6x6 room. GoToObjS4-v0 is the
+# game upstream actually served: the same mission, layout and step limit for every seed.
 LEVELS = [f"BabyAI-{name}-v0" for name in (
     "GoToRedBallGrey GoToRedBall GoToRedBallNoDists GoToObjS6 GoToLocalS8N7 GoToObjMazeS7 "
     "GoToImpUnlock GoToSeqS5R2 GoToRedBlueBall GoToDoor GoToObjDoor Open OpenRedDoor OpenDoorLoc "
@@ -49,7 +51,7 @@ LEVELS = [f"BabyAI-{name}-v0" for name in (
     "OneRoomS20 MoveTwoAcrossS8N9 SynthS5R2 SynthLoc SynthSeq MiniBossLevel BossLevel "
     "BossLevelNoUnlock"
 ).split()]
-LEVELS[3] = "BabyAI-GoToObjS6-v1"
+LEVELS[3] = "BabyAI-GoToObjS4-v0"
 
 # Eval categories by level family (upstream's category files are not published).
 _CATEGORY_BOUNDS = [  # (first level index, category)
