@@ -23,10 +23,16 @@ Tasks (tasks.py): with WebArena's site variables (SHOPPING=http://host:7770, ...
 sites="webarena", task id i is test.raw.json's task i (812 tasks, from the package
 webarena-verified). Otherwise, or with sites="local", task id i is
 envs/data/webarena/local_tasks.json's task i, on a small shop, forum and homepage that this
-process serves on 127.0.0.1 (sites.py); those tasks come with an oracle action list. Default
-splits: envs/data/webarena_{train,test}.json for the local tasks (11 / 4; the two fuzzy_match tasks
-need a judge and are in neither), envs/data/webarena/webarena_{train,test}.json for the 812 (762 /
-50, the paper's 15 Shopping + 15 CMS + 10 Maps + 10 G&R); default_split_files() picks the pair.
+process serves on 127.0.0.1 (sites.py); those tasks come with an oracle action list.
+
+Default data: offline, the local tasks, which are not WebArena's; their splits are
+envs/data/webarena_{train,test}.json (11 / 4; the two fuzzy_match tasks need a judge and are in
+neither). For the 812 the splits are envs/data/webarena/webarena_{train,test}.json (762 / 50): the
+50 have the paper's shape, 15 Shopping + 15 CMS + 10 Maps + 10 G&R, but are drawn at random
+(scripts/webarena_splits.py), as the paper's own ids are not published. default_split_files()
+picks the pair. With the paper's ids in an AgentGym-RL-Data-ID file, run them with `python
+train.py --env webarena --train-tasks FILE` or `python eval.py --env webarena --tasks FILE`.
+Eval categories (Shopping, CMS, Maps, G&R) go by a task's first site, our rule.
 
 One Chromium per process (browser.py), one isolated browser context per env, all Playwright calls
 on one browser thread: safe to step many envs from a thread pool. A hung page, crashed tab or
@@ -76,6 +82,15 @@ Where this port deliberately differs from upstream:
   handed to each new context, instead of a cookie folder refreshed by a subprocess.
 - `require_reset` tasks on real sites get no site reset, as upstream: reset your WebArena
   containers between evaluation runs if you need pristine state.
+- A failure of the browser or a site (a start page that does not load, a hung page, a dead
+  browser, an evaluation that cannot reach its site) raises BrowserError, which ends that
+  trajectory as an error. Upstream's reset answered "TimeoutError" and its client raised; any
+  other exception in a step became the observation (its message), with reward 0.
+- A step after `stop` answers "The task is already finished." with the final reward; upstream
+  stepped the browser again.
+- The browser is the system Chromium, much newer than the build Playwright bundled for upstream,
+  so the accessibility tree can differ in details (observation.py lists how its text is made the
+  same); the evaluators differ in the small ways evaluators.py lists.
 """
 
 from __future__ import annotations
