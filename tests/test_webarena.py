@@ -485,6 +485,7 @@ def test_pages_fetch_from_the_map_services_and_nowhere_else():
         env.close()
         for server in servers:
             server.shutdown()
+            server.server_close()
 
 
 @needs_chromium
