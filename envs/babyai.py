@@ -8,7 +8,13 @@ MiniGrid actions by breadth-first search over the visible cells, and the primiti
 of them leaves the view unchanged. The reward is MiniGrid's success reward 1 - 0.9 * steps /
 max_steps, counted in primitive steps.
 
-Where this port deliberately differs from upstream (each one a bug that changes rewards):
+Default data: the splits in envs/data/babyai_{train,test}.json are ours: test = ids 0-119 (seeds
+0-2 of every level), train = ids 120-4,119 (seeds 3-102). The paper's sets are AgentGym-RL-Data-ID's
+files; run them with `python train.py --env babyai --train-tasks babyai_train.json` and
+`python eval.py --env babyai --tasks babyai_test.json`. Eval categories are the level families in
+_CATEGORY_BOUNDS (upstream's category files are not published).
+
+Where this port deliberately differs from upstream. These change rewards (upstream bugs):
 - Upstream keeps an episode running after a "slow" success (reward <= 0.5) and adds every later
   reward to a cumulative score, so an agent can farm reward by re-satisfying its goal. Here the
   first success ends the episode with its reward; so does a MiniGrid failure (reward 0) or
@@ -16,8 +22,22 @@ Where this port deliberately differs from upstream (each one a bug that changes 
 - Upstream runs all primitives of a macro even after one of them completed the task, and then
   reports the last primitive's reward, which can throw a success away. Here a macro stops at the
   primitive that ends the task.
+These change which macro actions are offered and the paths they take (upstream bugs):
 - Path search is a plain shortest-path BFS (forward, then left, then right), where upstream's
   queue could rewrite a visited state's parent and return a longer path.
+- Path search stays inside the 7x7 view. Upstream's search area is off by one for three of the
+  four headings (facing east or south it includes the line of cells behind the agent; facing south
+  or west, a line past the view's right edge), so it offered paths through cells the agent cannot
+  see, e.g. "go to blue closed door 1" on task 34, where no visible path leads.
+And these are small:
+- "pick up <obj> <id>", the instruction's spelling, is accepted for upstream's "pickup <obj> <id>"
+  (upstream answers "The action is not recognized").
+- A step after the episode ended answers "The task is already finished." with the final reward,
+  where upstream's server returns an error that its client turns into an exception.
+- minigrid 3.2 instead of upstream's pinned minigrid < 2.5 (2.3.1), where upstream's level 4,
+  GoToObjS6-v0, no longer exists; its twin GoToObjS4-v0 stands in (LEVELS below). Checked against
+  minigrid 2.3.1 on seeds 0-49 of all 40 levels, a seed gives the same game except tasks 155 and
+  156 (SynthLoc and SynthSeq, seed 3): the same layout with a differently worded mission.
 """
 
 from __future__ import annotations
@@ -39,7 +59,9 @@ from envs import REACT_ONLY_ONE, Env, StepResult, react_action
 roomgrid_level.print = lambda *args, **kwargs: None
 
 # AgentGym's 40 levels, in its order (level k of upstream's 1-based table is LEVELS[k - 1]).
-# minigrid 3.x retired GoToObjS6-v0 in favour of v1, the same level with a fixed generator.
+# Upstream's level 4, GoToObjS6-v0, was registered with room_size 4 by mistake (minigrid < 2.5,
+# which upstream pins); minigrid 3 retired it for GoToObjS6-v1, a 6x6 room. GoToObjS4-v0 is the
+# game upstream actually served: the same mission, layout and step limit for every seed.
 LEVELS = [f"BabyAI-{name}-v0" for name in (
     "GoToRedBallGrey GoToRedBall GoToRedBallNoDists GoToObjS6 GoToLocalS8N7 GoToObjMazeS7 "
     "GoToImpUnlock GoToSeqS5R2 GoToRedBlueBall GoToDoor GoToObjDoor Open OpenRedDoor OpenDoorLoc "
@@ -49,7 +71,7 @@ LEVELS = [f"BabyAI-{name}-v0" for name in (
     "OneRoomS20 MoveTwoAcrossS8N9 SynthS5R2 SynthLoc SynthSeq MiniBossLevel BossLevel "
     "BossLevelNoUnlock"
 ).split()]
-LEVELS[3] = "BabyAI-GoToObjS6-v1"
+LEVELS[3] = "BabyAI-GoToObjS4-v0"
 
 # Eval categories by level family (upstream's category files are not published).
 _CATEGORY_BOUNDS = [  # (first level index, category)

@@ -32,11 +32,23 @@ The simulator itself does not replay exactly: the same actions on the same varia
 other observations (the order of objects in a room, a temperature, the move at which a circuit
 lights up) in most tasks, in a fresh JVM as in a used one, upstream as here.
 
+Default data: the splits in envs/data/sciworld_{train,test}.json are the simulator's own train
+and test variations of each task (2,312 and 1,171 ids; its dev variations are in neither;
+scripts/sciworld_splits.py), not AgentGym-RL-Data-ID's 200-task eval file. The paper's sets:
+`python train.py --env sciworld --train-tasks sciworld_train.json` and `python eval.py --env
+sciworld --tasks sciworld_test.json` with AgentGym-RL-Data-ID's files. Ids mean the same
+(task, variation) as upstream's server only on the same simulator: its flat list follows the
+installed scienceworld's task order and variation counts, and upstream does not pin a version
+(1.2.3 here; its server's list, rebuilt on 1.2.3, equals TASKS). Eval categories are the task
+names (upstream's category files are not published).
+
 Where this port deliberately differs from upstream:
 - Upstream's client strips a trailing "</s>" with a slice that also eats the character before
   it; here exactly "</s>" is stripped.
 - A step after the episode ended answers "The task is already finished." with the final reward,
   where upstream's server returns an error that its client turns into an exception.
+- A response without "Action:" sends "" to the simulator; upstream's shared ReAct parser sends the
+  whole response instead when it contains "search[" or "click[" (a WebShop rule).
 - The oracle needs the simulator's gold path, which a load must ask for; it reloads the task with
   it, so its episode may differ in such details from the first observation the env gave.
 """

@@ -19,6 +19,18 @@ the tree), shuffled with seed 42. The inventory starts empty. Actions are upstre
 `Action:` line, cleaned to letters, digits, commas and spaces) and server (`re.match`) do, with
 upstream's messages. Reward 1 and done when the goal item is crafted (or gotten).
 
+Default data: the splits in envs/data/textcraft_{train,test}.json are ours, with upstream's sizes
+(374 train, 100 test; AgentGym-RL-Data-ID's files are not shipped), each depth split in proportion
+(scripts/textcraft_splits.py). The paper's sets: `python train.py --env textcraft --train-tasks
+textcraft_train.json` and `python eval.py --env textcraft --tasks textcraft_test.json` with
+AgentGym-RL-Data-ID's files. Their ids land on goals of the same depth here; whether on the same
+goals depends on the order upstream's filesystem listed the recipe files (first difference
+below). Eval categories are the goal's depth, "depth1" to "depth4", as the paper reports.
+
+Checked side by side with AgentGym's own crafting_tree.py and environment.py, with its
+`os.listdir` sorted: the same goal for each of the 544 ids, every recipe of each goal's tree in
+its list, and the same answers step by step to the oracle's plans with wrong actions mixed in.
+
 Where this port deliberately differs from upstream:
 - Recipe files are read in sorted file-name order. Upstream reads them in `os.listdir` order,
   which decides which recipe of a cycle is dropped and how goals of equal depth are ordered, so

@@ -51,6 +51,18 @@ def test_reset_matches_a_fresh_minigrid_game():
         assert env.game.mission == ref.mission
 
 
+def test_level_4_is_the_4x4_room_upstream_served():
+    """Upstream's GoToObjS6-v0 had room_size 4 (a registry slip of minigrid < 2.5, which it pins).
+    The text is what AgentGym's own BabyAI server answers for task 3 on minigrid 2.3.1."""
+    env = envs.make("babyai")
+    assert env.reset(3) == (
+        "Your goal: go to the blue key\nIn front of you in this room, you can see several objects: There is a "
+        "blue key 1 1 steps in front of you and 1 steps to your right.  The room has walls around you. You are "
+        "facing a wall 2 steps away. You are not carrying anything.\nAvailable actions: [\"turn left\", "
+        "\"turn right\", \"move forward\", \"pickup blue key 1\", \"go to blue key 1\", \"check available actions\"]")
+    assert env.game.max_steps == 16
+
+
 def test_first_observation_is_upstreams_text():
     env = envs.make("babyai")
     obs = env.reset(1)  # GoToRedBall, seed 0

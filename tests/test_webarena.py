@@ -137,7 +137,7 @@ def test_truncation_cuts_at_a_line_end():
     cut = truncate(text, 500)
     assert len(cut) <= 500 and cut.endswith("\n" + TRUNCATED)
     assert all(line.startswith("[") and line.endswith("'") for line in cut.split("\n")[:-1])
-    assert truncate("short", 500) == "short"
+    assert truncate("short", 500) == "short" and truncate(text, 0) == text
 
 
 def test_string_match_approaches():
@@ -173,6 +173,31 @@ def test_url_match_gold_in_pred(url, score):
     assert url_match(config, url) == score
 
 
+ISSUES = "http://gl:8023/a11yproject/a11yproject.com/-/issues"  # task 45's reference, GITLAB filled in
+SEARCH = "http://shop:7770/catalogsearch/result"  # task 274's
+
+
+@pytest.mark.parametrize("reference, url, score", [
+    # WebArena keeps the "/" before "?" in the reference: GitLab's own URL without it scores 0
+    # there (tasks 45, 46, 102-106, 274-278, 324-328, 339-343), and so it does here.
+    (f"{ISSUES}/?sort=created_asc&state=opened", f"{ISSUES}?sort=created_asc&state=opened", 0.0),
+    (f"{SEARCH}/?q=usb+wifi", f"{SEARCH}?q=usb+wifi", 0.0),
+    (f"{ISSUES}/?sort=created_asc&state=opened", f"{ISSUES}/?state=opened&sort=created_asc", 1.0),
+    (f"{ISSUES}/?sort=created_asc&state=opened", f"{ISSUES}/?sort=created_asc", 0.0),
+    (f"{SEARCH}/?q=usb+wifi", f"{SEARCH}/?q=usb%20wifi&p=2", 1.0),
+    (f"{ISSUES}/", f"{ISSUES}", 1.0),  # a trailing "/" of the whole URL is stripped on both sides
+    (f"{ISSUES}", f"{ISSUES}/?sort=created_asc", 1.0),
+])
+def test_url_match_scores_as_webarena(reference, url, score):
+    """Scores as WebArena's URLEvaluator gives them (checked by running it on these pairs)."""
+    assert url_match({"eval": {"reference_url": reference, "url_note": "GOLD in PRED"}}, url) == score
+
+
+def test_url_match_knows_only_gold_in_pred():
+    with pytest.raises(ValueError, match="unknown url matching rule"):
+        url_match({"eval": {"reference_url": ISSUES, "url_note": ""}}, ISSUES)
+
+
 def test_reddit_post_url_helper():
     assert reddit_get_post_url("http://h:1/f/books/15/reading_list/comment/3") == "http://h:1/f/books/15/"
     assert reddit_get_post_url("http://h:1/user/alice") == "http://h:1/user/alice"
@@ -191,6 +216,15 @@ def test_sites_fill_placeholders_and_map_aliases():
     assert sites.to_local("goto [https://onestopmarket.com/a]") == "goto [http://10.0.0.1:7770/a]"
     assert sites.allows("http://10.0.0.1:999/f") and not sites.allows("http://10.0.0.1:22/")
     assert not sites.allows("file:///etc/passwd")
+
+
+def test_map_services_default_to_webarenas_map_backend_ports():
+    sites = tasks.Sites({"map": "http://10.0.0.1:3000", "shopping": "http://10.0.0.1:7770"})
+    assert sites.map_services() == {f"http://10.0.0.1:{port}" for port in (8080, 8085, 5000, 5001, 5002)}
+    assert sites.map_services("none") == set() and tasks.Sites({"shopping": "http://h:1"}).map_services() == set()
+    assert sites.map_services("http://b:8080, http://b:5000/route") == {"http://b:8080", "http://b:5000"}
+    with pytest.raises(ValueError, match="not an origin"):
+        sites.map_services("b:8080")
 
 
 def test_local_tasks_use_the_config_schema_and_cover_every_evaluator():
@@ -410,6 +444,63 @@ def test_navigation_outside_the_sites_is_refused(env):
     env.step(act("go_back"))
     result = env.step(on("click", env.tree, "link 'Local file'"))
     assert "passwd" not in env.url and "root:" not in result.observation
+
+
+class _Service(BaseHTTPRequestHandler):
+    """A stand-in for a map service (OSRM, Nominatim, tiles) on a loopback port."""
+
+    def do_GET(self):
+        self.server.paths.append(self.path)
+        data = b'{"code": "Ok"}'
+        self.send_response(200)
+        self.send_header("Access-Control-Allow-Origin", "*")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@needs_chromium
+def test_pages_fetch_from_the_map_services_and_nowhere_else():
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), _Service) for _ in range(2)]
+    for server in servers:
+        server.paths = []
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    service, other = (f"http://127.0.0.1:{server.server_port}" for server in servers)
+    env = envs.make("webarena", sites="local", map_services=service)
+    try:
+        env.reset(0)
+        fetch = "url => fetch(url).then(r => r.text(), () => 'blocked')"
+        route = f"{service}/route/v1/driving/-79.9,40.4;-79.9,40.5"
+        assert BROWSER.run(env._page.evaluate(fetch, route), 10) == '{"code": "Ok"}'
+        assert BROWSER.run(env._page.evaluate(fetch, f"{other}/search?q=cmu"), 10) == "blocked"
+        with pytest.raises(Exception, match="ERR_BLOCKED_BY_CLIENT"):  # a service is fetched from, not visited
+            BROWSER.run(env._page.goto(f"{service}/"), 10)
+        assert env.step(act(f"goto [{service}/]")).info["refused"] == f"{service}/"
+        assert env.blocked == [f"{other}/search?q=cmu", f"{service}/"]
+        assert [server.paths for server in servers] == [["/route/v1/driving/-79.9,40.4;-79.9,40.5"], []]
+    finally:
+        env.close()
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+
+
+@needs_chromium
+def test_observation_is_not_cut_unless_a_cap_is_asked_for(env):
+    env.reset(0)
+    observation = env.step(act("goto [http://homepage.com/test/long]")).observation
+    assert len(env.tree) > 8192 and TRUNCATED not in observation  # upstream never cuts the tree
+    assert "link 'link number 399 of a long page'" in observation
+    capped = envs.make("webarena", sites="local", max_obs_chars="2000")
+    try:
+        capped.reset(0)
+        observation = capped.step(act("goto [http://homepage.com/test/long]")).observation
+        assert len(capped.tree) <= 2000 and capped.tree.endswith("\n" + TRUNCATED) and TRUNCATED in observation
+    finally:
+        capped.close()
 
 
 @needs_chromium

@@ -22,10 +22,24 @@ agentenv-searchqa server and client, verbatim:
 Task ids: see envs/searchqa/data.py (AgentGym's global ids for the real sets with qa_path=, and
 ids from 1,000,000 for the embedded set that ships in envs/data/searchqa/).
 
+Default data: synthetic. The default questions are the embedded set: 2,144 questions that
+scripts/searchqa_build_data.py writes from text Debian packages ship (WordNet glosses, GNU
+miscfiles' country and currency tables, the Elements database), answered from an 8,278-passage
+corpus of the same text; envs/data/searchqa_{train,test}.json split them 1,715 / 429. None of it
+is the paper's data, whose questions are NQ, TriviaQA, PopQA, HotpotQA, 2WikiMultihopQA, MuSiQue
+and Bamboogle (AgentGym's ids 0-221,327) searched in wiki-18. To run the paper's sets, give the
+real QA sets, a wiki-18 retriever and AgentGym-RL-Data-ID's id files:
+`python train.py --env searchqa --env-options qa_path FlashRAG_datasets retriever remote
+retrieval_url http://host:8000/retrieve --train-tasks searchqa_train.json`, then `python eval.py
+--env searchqa --env-options <the same> --tasks searchqa_test.json`. Eval categories are the
+dataset (real ids) or the question template (embedded ids).
+
 Where this port differs from upstream:
-- The default retriever is bm25 (bm25s with pyserini's settings) over a small shipped corpus,
-  where upstream's is e5 + FAISS over wiki-18; both of upstream's are available (dense, or
-  remote for a Search-R1 server).
+- The default data (above) and the default retriever: bm25 (bm25s with pyserini's settings) over
+  the small shipped corpus, where upstream's is e5 + FAISS over wiki-18; both of upstream's are
+  available (dense, or remote for a Search-R1 server).
+- `topk` documents per search is an option (default 3); upstream always returns 3, whatever its
+  SEARCHQA_RETRIEVAL_TOPK says.
 - Upstream scores an answer with a format-aware scorer first; with its format scores all 0 and no
   chat markers inside a single response that reduces to plain EM, which is what this computes.
 - A query with no searchable term (e.g. empty) returns "<information></information>" from bm25,

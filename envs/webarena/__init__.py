@@ -23,27 +23,46 @@ Tasks (tasks.py): with WebArena's site variables (SHOPPING=http://host:7770, ...
 sites="webarena", task id i is test.raw.json's task i (812 tasks, from the package
 webarena-verified). Otherwise, or with sites="local", task id i is
 envs/data/webarena/local_tasks.json's task i, on a small shop, forum and homepage that this
-process serves on 127.0.0.1 (sites.py); those tasks come with an oracle action list. Default
-splits: envs/data/webarena_{train,test}.json for the local tasks (11 / 4; the two fuzzy_match tasks
-need a judge and are in neither), envs/data/webarena/webarena_{train,test}.json for the 812 (762 /
-50, the paper's 15 Shopping + 15 CMS + 10 Maps + 10 G&R); default_split_files() picks the pair.
+process serves on 127.0.0.1 (sites.py); those tasks come with an oracle action list.
+
+Default data: offline, the local tasks, which are not WebArena's; their splits are
+envs/data/webarena_{train,test}.json (11 / 4; the two fuzzy_match tasks need a judge and are in
+neither). For the 812 the splits are envs/data/webarena/webarena_{train,test}.json (762 / 50): the
+50 have the paper's shape, 15 Shopping + 15 CMS + 10 Maps + 10 G&R, but are drawn at random
+(scripts/webarena_splits.py), as the paper's own ids are not published. default_split_files()
+picks the pair. With the paper's ids in an AgentGym-RL-Data-ID file, run them with `python
+train.py --env webarena --train-tasks FILE` or `python eval.py --env webarena --tasks FILE`.
+Eval categories (Shopping, CMS, Maps, G&R) go by a task's first site, our rule.
 
 One Chromium per process (browser.py), one isolated browser context per env, all Playwright calls
-on one browser thread: safe to step many envs from a thread pool. Navigation is limited to the
-configured sites: other hosts and schemes (file://, ...) are refused, a `goto` with an
-observation that says so and any other request by the browser itself. A hung page, crashed tab or
+on one browser thread: safe to step many envs from a thread pool. A hung page, crashed tab or
 dead browser raises BrowserError from reset/step (that trajectory ends); the next reset starts
 over in a new context, on a new browser if the old one died.
+
+What the browser may reach: the configured sites, plus fetches (not navigation) from the map's
+services. Every other request is aborted, whoever makes it: a `goto` elsewhere is refused with an
+observation that says so; links, redirects, frames, images, scripts and XHR to other hosts or
+schemes (file://, chrome://, ...) fail as if offline, and env.blocked lists them. Why: the tasks
+are meant to be solved on WebArena's self-hosted sites, and a browser that reaches the live web
+(the real GitLab or OpenStreetMap, a search engine) or this machine's files could answer from
+there; upstream blocks nothing. The map's services: WebArena's map front end fetches its tiles and
+calls Nominatim and OSRM from the browser, on ports 8080, 8085 and 5000-5002 of its backend host
+(tasks.MAP_SERVICE_PORTS says where that comes from); without them the map shows no tiles and
+directions tasks cannot be done. By default those ports of MAP's host are allowed; a backend on
+another host (WebArena's AMI takes it as MAP_BACKEND_IP) needs `map_services`.
 
 make() options (strings are accepted, as they come from the command line):
     sites          auto | local | webarena (auto: webarena when a site variable is set)
     chromium       Chromium executable (default $WEBARENA_CHROMIUM or /usr/bin/chromium)
-    max_obs_chars  cap on the tab line + tree text, cut at a line end (default 8192, WebArena's
-                   UTTERANCE_MAX_LENGTH)
+    max_obs_chars  cap on the tab line + tree text, cut at a line end with a marker line; 0
+                   (default) means no cap, as upstream, which never cuts the tree
     settle_s       after an action, wait at least this long and until navigations finished
                    (default 1.5 s on WebArena's sites, upstream's sleep_after_execution; 0.1 s locally)
     nav_timeout_s  limit for one page load (default 30)
     timeout_s      limit for one browser call: reset, step or evaluation (default 120)
+    map_services   origins pages may fetch from besides the sites, for the map's tiles, geocoding
+                   and routing: auto (default: MAP's host on ports 8080, 8085, 5000, 5001, 5002),
+                   none, or origins separated by commas (http://backend:8080,http://backend:5000,...)
     judge_base_url / judge_api_key / judge_model
                    OpenAI-compatible endpoint for fuzzy_match (default $OPENAI_BASE_URL,
                    $OPENAI_API_KEY, gpt-4-1106-preview). Without one, a task that needs the judge
@@ -52,9 +71,10 @@ make() options (strings are accepted, as they come from the command line):
 Where this port deliberately differs from upstream:
 - Upstream sleeps 1.5 s after every action; here the env waits until navigations started by the
   action have finished and at least `settle_s` has passed.
-- A `goto` outside the allowed sites is refused (the PREVIOUS ACTION line says so); upstream
-  requested any URL. A `goto` to an allowed URL is visited even if it answers an error status,
-  where upstream first fetched it with `requests` and silently stayed put on anything but 200.
+- Requests outside the sites and the map's services are blocked (above) and a `goto` outside
+  the sites is refused (the PREVIOUS ACTION line says so); upstream requested any URL. A `goto`
+  to an allowed URL is visited even if it answers an error status, where upstream first fetched
+  it with `requests` and silently stayed put on anything but 200.
 - URLs in PREVIOUS ACTION are shown under their aliases, like the URL line; upstream showed the
   local address the model never saw.
 - An empty action block answers "Invalid action " (upstream: "list index out of range").
@@ -62,6 +82,15 @@ Where this port deliberately differs from upstream:
   handed to each new context, instead of a cookie folder refreshed by a subprocess.
 - `require_reset` tasks on real sites get no site reset, as upstream: reset your WebArena
   containers between evaluation runs if you need pristine state.
+- A failure of the browser or a site (a start page that does not load, a hung page, a dead
+  browser, an evaluation that cannot reach its site) raises BrowserError, which ends that
+  trajectory as an error. Upstream's reset answered "TimeoutError" and its client raised; any
+  other exception in a step became the observation (its message), with reward 0.
+- A step after `stop` answers "The task is already finished." with the final reward; upstream
+  stepped the browser again.
+- The browser is the system Chromium, much newer than the build Playwright bundled for upstream,
+  so the accessibility tree can differ in details (observation.py lists how its text is made the
+  same); the evaluators differ in the small ways evaluators.py lists.
 """
 
 from __future__ import annotations
@@ -146,8 +175,8 @@ class WebArena(Env):
     ack = ACK
 
     def __init__(self, task_set: str, sites: tasks.Sites, chromium: str, max_obs_chars: int, settle_s: float,
-                 nav_timeout_s: float, timeout_s: float, judge: Judge):
-        self.task_set, self.sites, self.judge = task_set, sites, judge
+                 nav_timeout_s: float, timeout_s: float, judge: Judge, map_services: set[str]):
+        self.task_set, self.sites, self.judge, self.map_services = task_set, sites, judge, map_services
         self.max_obs_chars, self.settle_s = max_obs_chars, settle_s
         self.nav_timeout_s, self.timeout_s = nav_timeout_s, timeout_s
         BROWSER.use(chromium)
@@ -272,8 +301,10 @@ class WebArena(Env):
         await self._observe()
 
     async def _route(self, route) -> None:
-        url = route.request.url
-        if url.startswith(("data:", "blob:")) or self.sites.allows(url):
+        request = route.request
+        url = request.url
+        service = tasks.origin(url) in self.map_services and not request.is_navigation_request()
+        if url.startswith(("data:", "blob:")) or self.sites.allows(url) or service:
             await route.continue_()
         else:
             self.blocked.append(url)
@@ -394,9 +425,10 @@ def _product(values) -> float:
     return score
 
 
-def make(sites: str = "auto", chromium: str | None = None, max_obs_chars: int = 8192, settle_s: float | None = None,
+def make(sites: str = "auto", chromium: str | None = None, max_obs_chars: int = 0, settle_s: float | None = None,
          nav_timeout_s: float = 30.0, timeout_s: float = 120.0, judge_base_url: str | None = None,
-         judge_api_key: str | None = None, judge_model: str = "gpt-4-1106-preview") -> WebArena:
+         judge_api_key: str | None = None, judge_model: str = "gpt-4-1106-preview",
+         map_services: str = "auto") -> WebArena:
     if importlib.util.find_spec("playwright") is None:
         raise ImportError("the webarena env drives Chromium with Playwright: pip install playwright==1.65.2")
     task_set = tasks.mode(str(sites))
@@ -407,7 +439,7 @@ def make(sites: str = "auto", chromium: str | None = None, max_obs_chars: int = 
     judge = Judge(judge_base_url or os.environ.get("OPENAI_BASE_URL"),
                   judge_api_key or os.environ.get("OPENAI_API_KEY"), str(judge_model))
     return WebArena(task_set, site_urls, chromium_path(chromium), int(max_obs_chars), float(settle_s),
-                    float(nav_timeout_s), float(timeout_s), judge)
+                    float(nav_timeout_s), float(timeout_s), judge, site_urls.map_services(str(map_services)))
 
 
 def category(task_id: int) -> str:

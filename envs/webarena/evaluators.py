@@ -6,8 +6,11 @@
   with upstream's grading prompt. A `fuzzy_match` of "N/A" passes on the answer "N/A", else the
   judge compares the stated reason with the task's `string_note` (upstream's `ua_match`). Without
   a judge endpoint these raise JudgeMissing, which the env reports as a skipped evaluation.
-- url_match: every reference URL's host+path must be a substring of the final page's, and each
-  reference query parameter must have one of its values in the final URL ("GOLD in PRED").
+- url_match, exactly as upstream: trailing slashes are stripped from the whole URLs only, so a
+  reference `.../-/issues/?sort=x` keeps its `/` before `?` and does not match a final page
+  `.../-/issues?sort=x`. One of the reference URLs' host+path must be a substring of the final
+  page's, and each reference query parameter must have one of its values in the final URL
+  ("GOLD in PRED", the only `url_note` upstream knows).
 - program_html: for each target, open its URL in the agent's own browser context ("last" = the
   final page), select text with its JavaScript locator (empty = the whole HTML; `func:` = one of
   upstream's helper functions, parsed, never eval'ed), and require `exact_match` or
@@ -139,11 +142,11 @@ def string_match(config: dict, answer: str, judge: Judge) -> float:
 
 def _split_url(url: str) -> tuple[str, dict[str, list[str]]]:
     parts = urllib.parse.urlparse(url)
-    return (parts.netloc + parts.path).rstrip("/"), urllib.parse.parse_qs(parts.query)
+    return parts.netloc + parts.path, urllib.parse.parse_qs(parts.query)
 
 
 def url_match(config: dict, url: str) -> float:
-    rule = config["eval"].get("url_note") or "GOLD in PRED"
+    rule = config["eval"].get("url_note", "GOLD in PRED")
     if rule != "GOLD in PRED":
         raise ValueError(f"unknown url matching rule {rule!r}")
     pred_base, pred_query = _split_url(url.rstrip("/"))

@@ -15,7 +15,9 @@ Differences from upstream, none of which changes what a node's line says:
   `getBoundingClientRect` round trip per node, which costs seconds on a large page.
 - The `url` property, which Chromium versions newer than upstream's attach to links and the root
   (with the local address in it), is not printed, like the other ignored properties.
-- The text is capped at `max_chars`, cut at a line end, with a marker line.
+- Optionally (`max_chars` > 0, make()'s `max_obs_chars`) the text is capped, cut at a line end,
+  with a marker line; by default it is not, as upstream never cuts it (its UTTERANCE_MAX_LENGTH,
+  8192, only sizes a gym observation space).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ async def observe(page, cdp, max_chars: int) -> tuple[str, dict[str, Node]]:
 
 
 def truncate(text: str, max_chars: int) -> str:
-    if len(text) <= max_chars:
+    if max_chars <= 0 or len(text) <= max_chars:
         return text
     cut = text.rfind("\n", 0, max_chars - len(TRUNCATED) - 1)
     return text[:max(cut, 0)] + "\n" + TRUNCATED

@@ -7,9 +7,10 @@
 - the forum ("Postmill", in the place of WebArena's Postmill `REDDIT`): forums, paginated
   submission lists, posts with votes and comments, search, user pages, submitting, and a login,
   at Postmill's URLs (`/f/<forum>/<id>/<slug>`, `/submit/<forum>`, `/login`, ...);
-- a homepage linking both (WebArena's `HOMEPAGE`), plus three pages the fault tests need
-  (`/test/slow` never answers in time, `/test/freeze` hangs its renderer on a click,
-  `/test/external` links and embeds things outside the allowed sites).
+- a homepage linking both (WebArena's `HOMEPAGE`), plus pages the tests need (`/test/slow`
+  never answers in time, `/test/freeze` hangs its renderer on a click, `/test/external` links and
+  embeds things outside the allowed sites, `/test/long` shows a tree text of over 8,192
+  characters in one viewport).
 
 The accounts are WebArena's (`ACCOUNTS` in tasks.py), so the same auto-login code signs in here and
 on the real sites. Every browser context gets its own `sid` cookie and all state a task can change
@@ -627,6 +628,9 @@ class Homepage(App):
             return Response(page("External", (
                 "<img src='http://example.com/pixel.png' alt='pixel'>"
                 "<a href='http://example.com/'>Outside link</a> <a href='file:///etc/passwd'>Local file</a>")))
+        if request.path == "/test/long":  # 400 small links, all inside the viewport
+            links = " ".join(f"<a href='#{i}'>link number {i} of a long page</a>" for i in range(400))
+            return Response(page("Long", f"<p style='font-size:6px'>{links}</p>"))
         return not_found()
 
 

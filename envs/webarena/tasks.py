@@ -40,6 +40,12 @@ ACCOUNTS = {  # WebArena's accounts; the local sites accept the same ones
     "shopping": {"username": "emma.lopez@gmail.com", "password": "Password.123"},
     "shopping_admin": {"username": "admin", "password": "admin1234"},
 }
+# WebArena's map front end (its openstreetmap-website fork, on MAP's port 3000) calls the map backend
+# from the browser, on other ports of the backend host: tiles on 8080, Nominatim (geocoding the
+# directions' endpoints) on 8085, OSRM (routes) on 5000 / 5001 / 5002 for car / bike / foot.
+# Sources: WebArena's environment_docker/README.md (Map section, "Selecting different routing
+# ports") and webarena-map-backend-boot-init.yaml (the backend's `docker run -p` ports).
+MAP_SERVICE_PORTS = (8080, 8085, 5000, 5001, 5002)
 # Eval categories: the paper's WebArena columns, by a task's first site.
 CATEGORIES = {"shopping": "Shopping", "shopping_admin": "CMS", "map": "Maps", "wikipedia": "Maps",
               "gitlab": "G&R", "reddit": "G&R", "homepage": "Shopping"}
@@ -79,11 +85,31 @@ class Sites:
         return json.loads(text)
 
     def origins(self) -> set[str]:
-        return {"{0.scheme}://{0.netloc}".format(urlsplit(url)) for url in self.urls.values()}
+        return {origin(url) for url in self.urls.values()}
 
     def allows(self, url: str) -> bool:
-        parts = urlsplit(url)
-        return parts.scheme in ("http", "https") and f"{parts.scheme}://{parts.netloc}" in self.origins()
+        return urlsplit(url).scheme in ("http", "https") and origin(url) in self.origins()
+
+    def map_services(self, option: str = "auto") -> set[str]:
+        """Origins that pages may fetch from besides the sites. "auto": MAP's host on WebArena's
+        map service ports (none without a MAP site); "none"; or origins separated by commas or
+        spaces, for a map backend on another host or other ports."""
+        if option == "auto":
+            if "map" not in self.urls:
+                return set()
+            parts = urlsplit(self.urls["map"])
+            host = parts.netloc.rsplit(":", 1)[0] if parts.port else parts.netloc
+            return {f"{parts.scheme}://{host}:{port}" for port in MAP_SERVICE_PORTS}
+        if option == "none":
+            return set()
+        origins = set()
+        for item in option.replace(",", " ").split():
+            parts = urlsplit(item)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ValueError(f"map_services: {item!r} is not an origin like http://host:5000; "
+                                 "give auto, none, or origins separated by commas")
+            origins.add(origin(item))
+        return origins
 
     def to_alias(self, text: str) -> str:
         return _replace(text, {url: ALIASES[site] for site, url in self.urls.items()})
@@ -94,6 +120,10 @@ class Sites:
             pairs[ALIASES[site]] = url
             pairs[ALIASES[site].replace("http://", "https://")] = url
         return _replace(text, pairs)
+
+
+def origin(url: str) -> str:
+    return "{0.scheme}://{0.netloc}".format(urlsplit(url))
 
 
 def _replace(text: str, pairs: dict[str, str]) -> str:
