@@ -63,11 +63,11 @@ class Args:
     k: int = 1
     """episodes per task"""
     horizon: int | None = None
-    """turn cap per episode; default: the run's cap at the checkpoint's step, else upstream's per env"""
+    """turn cap per episode; default: set by --protocol"""
     max_new_tokens: int | None = None
-    """tokens per assistant turn; default: the run's, else upstream's 512"""
+    """tokens per assistant turn; default: set by --protocol"""
     max_tokens: int | None = None
-    """tokens per trajectory (prompt + every turn); default: the run's, else 16384"""
+    """tokens per trajectory (prompt + every turn); default: set by --protocol"""
     temperature: float = 1.0
     """upstream evaluates with temperature 1; 0 is greedy"""
     top_p: float = 1.0
@@ -114,7 +114,7 @@ def resolve_settings(args: Args) -> dict:
         protocol = "run" if config is not None else "tiny" if args.model in EMBEDDED else "agentgym"
     if protocol == "run" and config is None:
         raise SystemExit("--protocol run takes a checkpoint of a training run (runs/<run>/checkpoints/step_<k>)")
-    env = args.env or (config["env"] if config is not None else EMBEDDED_ROLLOUT["env"])
+    env = args.env or (config["env"] if config is not None else EMBEDDED_ROLLOUT["env"] if protocol == "tiny" else "babyai")
     if env not in envs.ENVS:
         raise SystemExit(f"unknown env {env!r}; choose one of: {', '.join(envs.ENVS)}")
     if protocol == "run":

@@ -198,10 +198,10 @@ PRESETS = {
 }
 
 
-# What a resumed run may change: how long it goes on and how it is logged. Everything else is the
-# run's own setting, so that it continues as it started. (--out-dir and --run-name are accepted and
-# have no effect: a resumed run goes on writing where its checkpoint is.)
-RESUMABLE = ("steps", "epochs", "save_every", "track", "wandb_project", "gen_batch_size", "resume", "out_dir", "run_name")
+# What a resumed run may change: how long it goes on, how it is logged, and how many trajectories
+# one generation call takes (for a smaller GPU; the samples then differ from an uninterrupted run's).
+# Everything else is the run's own setting, so that it continues as it started, in its own directory.
+RESUMABLE = ("steps", "epochs", "save_every", "track", "wandb_project", "gen_batch_size", "resume")
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
@@ -231,9 +231,12 @@ def resumed_args(argv: list[str], checkpoint: Path) -> Args:
         raise SystemExit(f"--resume {checkpoint}: not a checkpoint of a run (runs/<run>/checkpoints/step_<k>, "
                          "with the run's config.json two levels up)")
     config = json.loads(config_file.read_text())
-    saved = Args(**{f.name: tuple(config[f.name]) if isinstance(config[f.name], list) else config[f.name]
-                    for f in fields(Args) if f.name in config})
+    saved = replace(PRESETS[config.get("preset", "paper")], **{
+        f.name: tuple(config[f.name]) if isinstance(config[f.name], list) else config[f.name]
+        for f in fields(Args) if f.name in config})
     args = tyro.cli(Args, args=argv, default=saved, description=__doc__.split("\n\n")[0])
+    if args.steps != saved.steps and args.epochs == saved.epochs:  # --steps replaces the run's --epochs
+        args = replace(args, epochs=None)
     changed = [f.name for f in fields(Args) if f.name not in RESUMABLE and getattr(args, f.name) != getattr(saved, f.name)]
     if changed:
         given = ", ".join(f"--{name.replace('_', '-')} {getattr(args, name)} (the run's: {getattr(saved, name)})"
@@ -264,6 +267,9 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
         raise SystemExit("--horizon takes one or more turn caps of at least 1, --horizon-every at least 1 step")
     if list(args.horizon) != sorted(args.horizon):
         raise SystemExit(f"--horizon {' '.join(map(str, args.horizon))}: ScalingInter-RL's stages only grow")
+    if args.critic_warmup > 1 and args.algo != "ppo":
+        raise SystemExit(f"--critic-warmup trains only the critic for a while, and --algo {args.algo} has none: "
+                         "use it with --algo ppo")
     if args.dual_clip is not None and args.dual_clip <= 1:
         raise SystemExit("--dual-clip must be larger than 1")
     if args.tasks_per_step % world:
@@ -343,9 +349,10 @@ def score_batch(models: Models, batch: Batch, args: Args, accelerator) -> None:
     """Old and reference log-probs and old values of every micro-batch, also scattered into `full`
     (the advantages need them on the whole batch). Every model runs as the policy does in the update
     and in the sampler (fp32 weights under Accelerate's autocast, which `prepare` also wraps around the
-    policy's forward), so that policy and reference agree exactly while their weights do. With a single update per rollout the policy has not moved, so the old log-probs are
-    the current ones (detached) and need no extra forward pass, unless the KL goes into the reward,
-    which needs them before the update."""
+    policy's forward), so that policy and reference agree exactly while their weights do. With a
+    single update per rollout the policy has not moved, so the old log-probs are the current ones
+    (detached) and need no extra forward pass, unless the KL goes into the reward, which needs them
+    before the update."""
     need_old = args.ppo_epochs * args.minibatches > 1 or (args.kl_in_reward and models.ref is not None)
     for module in (models.policy, models.critic):
         if module is not None:
@@ -415,25 +422,26 @@ def update(models: Models, batch: Batch, args: Args, accelerator, step: int) -> 
         rng.shuffle(shuffled)
         for part in range(args.minibatches):
             minibatch = [batch.micro[i] for i in shuffled[part::args.minibatches]]
-            norm = counts(minibatch, accelerator)
+            counts = minibatch_counts(minibatch, accelerator)
             for k, micro in enumerate(minibatch):
                 with gradient_sync(accelerator, trained, now=k == len(minibatch) - 1):
-                    terms = update_policy(models, micro, norm, args, accelerator) if train_policy else {}
-                    terms |= update_critic(models, micro, norm, args, accelerator) if models.critic is not None else {}
+                    terms = update_policy(models, micro, counts, args, accelerator) if train_policy else {}
+                    terms |= update_critic(models, micro, counts, args, accelerator) if models.critic is not None else {}
                 for key, value in terms.items():
                     sums[key] = sums.get(key, 0.0) + value
             if train_policy:
-                norm = optimizer_step(models.policy, models.optimizer, models.scheduler, args, accelerator)
-                grad_norms.setdefault("policy", []).append(norm)
+                grad_norm = optimizer_step(models.policy, models.optimizer, models.scheduler, args, accelerator)
+                grad_norms.setdefault("policy", []).append(grad_norm)
             if models.critic is not None:
-                norm = optimizer_step(models.critic, models.critic_optimizer, models.critic_scheduler, args, accelerator)
-                grad_norms.setdefault("critic", []).append(norm)
+                grad_norm = optimizer_step(models.critic, models.critic_optimizer, models.critic_scheduler, args, accelerator)
+                grad_norms.setdefault("critic", []).append(grad_norm)
     return sums, grad_norms
 
 
-def counts(minibatch: list[dict], accelerator) -> dict[str, float]:
-    """What the losses of a mini-batch are divided by: its action tokens and its sequences with any,
-    over every process's share of it, divided by the number of processes, since data-parallel training
+def minibatch_counts(minibatch: list[dict], accelerator) -> dict[str, float]:
+    """What the losses of a mini-batch are divided by: its action tokens and its sequences with any
+    action token, over every process's share of it, divided by the number of processes (a fraction
+    when there are fewer than processes), since data-parallel training
     averages the processes' gradients. So each token (or sequence) weighs the same wherever it was
     played; with per-process counts a token on a process with 10 action tokens would weigh 19x one on
     a process with 190."""
@@ -461,22 +469,22 @@ def gradient_sync(accelerator, modules: list, now: bool) -> contextlib.ExitStack
     return stack
 
 
-def update_policy(models: Models, batch: dict, norm: dict, args: Args, accelerator) -> dict[str, float]:
+def update_policy(models: Models, batch: dict, counts: dict, args: Args, accelerator) -> dict[str, float]:
     """Forward and backward of one micro-batch for the policy: PPO's clipped loss, minus the entropy
     bonus, plus the KL to the reference (unless it is in the reward), each aggregated over the whole
-    mini-batch (`norm`: its action tokens and sequences). Returns the micro-batch's sums for metrics."""
+    mini-batch (`counts`: its action tokens and sequences). Returns the micro-batch's sums for metrics."""
     mask = batch["loss_mask"]
     with accelerator.autocast():
         logprobs, entropy = token_logprobs(models.policy, batch["input_ids"], batch["attention_mask"], mask,
                                            args.temperature, with_entropy=True)
     old = batch["old_logprobs"] if "old_logprobs" in batch else logprobs.detach()
     pg, clipped = policy_loss(logprobs, old, batch["advantages"], args.clip, args.clip_high, args.dual_clip)
-    loss = aggregate(pg, mask, args.loss_agg, **norm) - args.entropy_coef * aggregate(entropy, mask, args.loss_agg, **norm)
+    loss = aggregate(pg, mask, args.loss_agg, **counts) - args.entropy_coef * aggregate(entropy, mask, args.loss_agg, **counts)
     divergence = torch.zeros_like(logprobs)
     if models.ref is not None:
         divergence = kl(logprobs, batch["ref_logprobs"], args.kl_estimator)
         if not args.kl_in_reward:
-            loss = loss + args.kl_coef * aggregate(divergence, mask, args.loss_agg, **norm)
+            loss = loss + args.kl_coef * aggregate(divergence, mask, args.loss_agg, **counts)
     accelerator.backward(loss)
     with torch.no_grad():
         return {
@@ -490,14 +498,14 @@ def update_policy(models: Models, batch: dict, norm: dict, args: Args, accelerat
         }
 
 
-def update_critic(models: Models, batch: dict, norm: dict, args: Args, accelerator) -> dict[str, float]:
+def update_critic(models: Models, batch: dict, counts: dict, args: Args, accelerator) -> dict[str, float]:
     """Forward and backward of one micro-batch for the critic: the clipped value loss against the GAE
     returns, on action tokens only, aggregated like the policy loss."""
     mask = batch["loss_mask"]
     with accelerator.autocast():
         values = token_values(models.critic, batch["input_ids"], batch["attention_mask"], mask)
     terms, clipped = value_loss(values, batch["old_values"], batch["returns"], args.value_clip)
-    accelerator.backward(aggregate(terms, mask, args.loss_agg, **norm))
+    accelerator.backward(aggregate(terms, mask, args.loss_agg, **counts))
     with torch.no_grad():
         return {"critic_tokens": float(mask.sum()), "value": float((terms * mask).sum()),
                 "value_clipfrac": float((clipped * mask).sum())}
@@ -505,11 +513,11 @@ def update_critic(models: Models, batch: dict, norm: dict, args: Args, accelerat
 
 def optimizer_step(model, optimizer, scheduler, args: Args, accelerator) -> float:
     """Clip the accumulated gradients, step the optimizer and its scheduler, clear. Returns the norm."""
-    norm = float(accelerator.clip_grad_norm_(model.parameters(), args.grad_clip))
+    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), args.grad_clip))
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return norm
+    return grad_norm
 
 
 def step_metrics(records: list[dict], sampled: list[int], stats: dict, sums: dict, grad_norms: dict, batch: Batch,

@@ -72,16 +72,17 @@ def aggregate(terms, mask, mode: Aggregation = "token-mean", tokens: float | Non
     GRPO: no length normalisation). When a mini-batch is split into micro-batches, pass the whole
     mini-batch's `tokens` or `sequences` (those with an action token) so that the gradient is the
     same however it is split, and over processes (train.py passes the mini-batch's counts over all
-    processes divided by their number, since data-parallel training averages their gradients).
+    processes divided by their number, since data-parallel training averages their gradients: a
+    fraction when there are fewer than processes). A count of 0 means nothing to average: the sum is 0.
     """
     mask = mask.float()
     if mode == "token-mean":
         count = mask.sum() if tokens is None else tokens
-        return (terms * mask).sum() / max(float(count), 1.0)
+        return (terms * mask).sum() / (float(count) or 1.0)
     per_sequence = (terms * mask).sum(1)
     if mode == "seq-mean-token-mean":
         per_sequence = per_sequence / mask.sum(1).clamp(min=1)
     elif mode != "seq-mean-token-sum":
         raise ValueError(f"unknown aggregation {mode!r}")
     count = (mask.sum(1) > 0).sum() if sequences is None else sequences
-    return per_sequence.sum() / max(float(count), 1.0)
+    return per_sequence.sum() / (float(count) or 1.0)

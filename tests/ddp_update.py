@@ -1,9 +1,11 @@
 """One update of train.py on a fixed, hand-made batch, under however many processes launch it:
     python -m torch.distributed.run --standalone --nproc_per_node N tests/ddp_update.py OUT_DIR
-Four trajectories in two groups, split contiguously over the processes: two short ones (3 action
-tokens, rewards 1 and 0) and two long ones (40 action tokens, rewards 0 and 1). For each algorithm
-the main process writes the policy's gradient of the first optimizer step to OUT_DIR/<algo>.safetensors,
-so that a two-process update can be compared with a one-process update on the same data."""
+Six trajectories in two groups, split contiguously over the processes: three short ones (3 action
+tokens, rewards 1, 0, and an env error, so no outcome) and three long ones (40 action tokens, rewards
+0, 1, 1). Split over two processes, one holds 4 action tokens in 2 sequences and the other 120 in 3.
+For each algorithm and loss aggregation the main process writes the policy's gradient of the first
+optimizer step to OUT_DIR/<algo>_<aggregation>.safetensors, so that a two-process update can be
+compared with a one-process update on the same data."""
 
 import os
 import random
@@ -24,8 +26,9 @@ from rollout import Trajectory  # noqa: E402
 def trajectories() -> list[Trajectory]:
     rng = random.Random(0)
     out = []
-    for row, (actions, reward, group) in enumerate([(3, 1.0, 0), (3, 0.0, 0), (40, 0.0, 1), (40, 1.0, 1)]):
-        traj = Trajectory("babyai", row, group, row, messages=[], reward=reward)
+    for row, (actions, reward, group) in enumerate([(3, 1.0, 0), (3, 0.0, 0), (3, 0.0, 0), (40, 0.0, 1), (40, 1.0, 1),
+                                                    (40, 1.0, 1)]):
+        traj = Trajectory("babyai", row, group, row, messages=[], reward=reward, error="step failed" if row == 2 else None)
         traj.add([rng.randrange(10, 500) for _ in range(20)])  # the prompt
         traj.add([rng.randrange(10, 500) for _ in range(actions)], [-1.0] * actions, trained=True)
         out.append(traj)
@@ -35,10 +38,10 @@ def trajectories() -> list[Trajectory]:
 def main(out_dir: Path) -> None:
     accelerator = Accelerator()
     world, rank = accelerator.num_processes, accelerator.process_index
-    mine = trajectories()[rank * 4 // world:(rank + 1) * 4 // world]
-    for algo in ("grpo", "reinforce_pp"):
-        args = train.parse_args(["--algo", algo, "--tasks-per-step", "2", "--n", "2", "--micro-batch-size", "2",
-                                 "--minibatches", "1", "--kl-coef", "0", "--loss-agg", "token-mean"])
+    mine = trajectories()[rank * 6 // world:(rank + 1) * 6 // world]
+    for algo, aggregation in [(a, g) for a in ("grpo", "reinforce_pp") for g in ("token-mean", "seq-mean-token-mean")]:
+        args = train.parse_args(["--algo", algo, "--tasks-per-step", "2", "--n", "3", "--micro-batch-size", "2",
+                                 "--minibatches", "1", "--kl-coef", "0", "--loss-agg", aggregation])
         models = train.build_models(args, accelerator)
         gradients = {}
         original = train.optimizer_step
@@ -56,7 +59,7 @@ def main(out_dir: Path) -> None:
         train.update(models, batch, args, accelerator, step=1)
         train.optimizer_step = original
         if accelerator.is_main_process:
-            save_file(gradients, str(out_dir / f"{algo}.safetensors"))
+            save_file(gradients, str(out_dir / f"{algo}_{aggregation}.safetensors"))
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

@@ -163,6 +163,8 @@ def test_epochs_set_the_number_of_steps(tmp_path):
     run_dir, metrics = run(tmp_path, "--epochs", "1", "--train-tasks", str(ids), "--horizon", "1")
     assert [m["charts/step"] for m in metrics] == [1, 2]
     assert json.loads((run_dir / "config.json").read_text())["steps"] == 2
+    resumed = train.parse_args(["--resume", str(run_dir / "checkpoints" / "step_2"), "--steps", "3"])
+    assert resumed.steps == 3 and resumed.epochs is None  # --steps on resume replaces the run's --epochs
 
 
 @pytest.mark.parametrize("recipe", sorted((Path(train.__file__).parent / "scripts" / "recipes").glob("*_*.sh")),

@@ -29,7 +29,7 @@ def left_rate(model_dir, samples=48):
     fmt = ChatFormat(tokenizer)
     environments = [TurnLeftBandit() for _ in range(samples)]
     trajectories = rollout(HFEngine(load_model(str(model_dir)), fmt, temperature=1.0, seed=123), fmt, environments,
-                           [120 + i for i in range(samples)], list(range(samples)), horizon=1, max_new_tokens=48,
+                           [121 + i for i in range(samples)], list(range(samples)), horizon=1, max_new_tokens=48,
                            max_tokens=4096)
     return sum(t.reward for t in trajectories) / samples
 
@@ -37,7 +37,7 @@ def left_rate(model_dir, samples=48):
 @pytest.fixture
 def bandit(monkeypatch, tmp_path):
     ids = tmp_path / "ids.json"
-    envs.save_task_ids(ids, "bandit", list(range(120, 520)))
+    envs.save_task_ids(ids, "bandit", list(range(121, 521)))
     module = types.SimpleNamespace(make=lambda **_: TurnLeftBandit(), category=lambda _: "all",
                                    default_split_files=lambda: (ids, ids))
     monkeypatch.setattr(envs, "ENVS", envs.ENVS + ("bandit",))

@@ -98,3 +98,12 @@ def test_k3_gradient_stays_finite_far_from_the_reference():
     mask = torch.tensor([[0.0, 1.0]])
     aggregate(kl(logp, ref, "k3"), mask).backward()
     assert torch.isfinite(logp.grad).all() and logp.grad[0, 0] == 0
+
+
+def test_aggregate_divides_by_a_fractional_count():
+    """Under DDP a mini-batch's count over processes, divided by their number, can be below 1 (3
+    sequences on 8 GPUs): it must be divided by as it is, not rounded up to 1."""
+    terms, mask = torch.ones(1, 4), torch.ones(1, 4)
+    assert aggregate(terms, mask, "seq-mean-token-mean", sequences=3 / 8).item() == pytest.approx(8 / 3)
+    assert aggregate(terms, mask, "token-mean", tokens=0.5).item() == pytest.approx(8.0)
+    assert aggregate(terms, mask * 0, "token-mean", tokens=0).item() == 0.0

@@ -110,7 +110,7 @@ def test_eval_protocols(trained):
 
 def test_resume_continues_from_the_checkpoint(trained, tmp_path):
     ckpt = trained / "checkpoints" / "step_2"
-    args = tiny_args(tmp_path, steps=3, resume=str(ckpt))
+    args = train.parse_args(["--resume", str(ckpt), "--steps", "3"])
     run_dir = train.main(args)
     assert run_dir == trained
     steps = [json.loads(line)["charts/step"] for line in (trained / "metrics.jsonl").read_text().splitlines()]
@@ -146,7 +146,7 @@ def test_resume_keeps_the_runs_settings(trained):
     args = train.parse_args(["--resume", ckpt, "--steps", "5"])  # the flags RESUMABLE allows
     assert args.steps == 5 and args.lr == 0.01 and args.model == "tiny-agent" and args.tasks_per_step == 2
     for flag, value in (["--lr", "0.5"], ["--algo", "rloo"], ["--model", "Qwen/Qwen2.5-3B-Instruct"], ["--seed", "7"],
-                        ["--n", "4"]):
+                        ["--n", "4"], ["--run-name", "another"]):
         with pytest.raises(SystemExit, match=f"changes {flag} "):
             train.parse_args(["--resume", ckpt, flag, value])
     with pytest.raises(SystemExit, match="not a checkpoint of a run"):
@@ -174,6 +174,7 @@ def test_presets_follow_the_model():
     (["--minibatches", "0"], "--minibatches must be at least 1"),
     (["--ppo-epochs", "0"], "--ppo-epochs must be at least 1"),
     (["--epochs", "0"], "--epochs must be at least 1"),
+    (["--critic-warmup", "3"], "use it with --algo ppo"),
 ])
 def test_bad_settings_stop_early(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -281,13 +282,14 @@ def launch(processes: int, *argv: str) -> subprocess.CompletedProcess:
 
 def test_two_process_update_equals_the_one_process_update(tmp_path):
     """The same mini-batch, played by one process or split over two (short trajectories on one, long
-    ones on the other), gives the same gradient: token-mean and whitening run over the whole
-    mini-batch, not per process."""
+    ones on the other, and different numbers of sequences), gives the same gradient: the token and
+    sequence means and the whitening run over the whole mini-batch, not per process."""
     for processes in (1, 2):
         (tmp_path / str(processes)).mkdir()
         launch(processes, "tests/ddp_update.py", str(tmp_path / str(processes)))
-    for algo in ("grpo", "reinforce_pp"):
-        one, two = (load_file(tmp_path / str(p) / f"{algo}.safetensors") for p in (1, 2))
+    for case in ("grpo_token-mean", "grpo_seq-mean-token-mean", "reinforce_pp_token-mean",
+                 "reinforce_pp_seq-mean-token-mean"):
+        one, two = (load_file(tmp_path / str(p) / f"{case}.safetensors") for p in (1, 2))
         assert one.keys() == two.keys()
         for name in one:
-            torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-7, msg=f"{algo}: {name}")
+            torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-7, msg=f"{case}: {name}")
