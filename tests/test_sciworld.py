@@ -31,7 +31,8 @@ DETERMINISTIC = {"find-living-thing", "find-non-living-thing", "find-plant", "fi
 
 
 def java_pids() -> set[int]:
-    out = subprocess.run(["pgrep", "-f", "scienceworld.jar"], capture_output=True, text=True).stdout
+    """This test process's simulator JVMs (its children: other runs on the machine have their own)."""
+    out = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "scienceworld.jar"], capture_output=True, text=True).stdout
     return {int(pid) for pid in out.split()}
 
 
