@@ -398,15 +398,20 @@ class _Judge(BaseHTTPRequestHandler):
             reply = "same" if "not sold" in prompt.split("reported unachievable reason:")[1] else "different"
         else:
             reply = "correct" if "loud" in prompt.split("student answer:")[1] else "incorrect"
-        data = json.dumps({"choices": [{"message": {"content": reply.upper()}}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        _send(self, json.dumps({"choices": [{"message": {"content": reply.upper()}}]}).encode(),
+              {"Content-Type": "application/json"})
 
     def log_message(self, *args):
         pass
+
+
+def _send(handler: BaseHTTPRequestHandler, data: bytes, headers: dict[str, str]) -> None:
+    """A stand-in server's 200 answer."""
+    handler.send_response(200)
+    for key, value in {**headers, "Content-Length": str(len(data))}.items():
+        handler.send_header(key, value)
+    handler.end_headers()
+    handler.wfile.write(data)
 
 
 @needs_chromium
@@ -451,12 +456,7 @@ class _Service(BaseHTTPRequestHandler):
 
     def do_GET(self):
         self.server.paths.append(self.path)
-        data = b'{"code": "Ok"}'
-        self.send_response(200)
-        self.send_header("Access-Control-Allow-Origin", "*")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        _send(self, b'{"code": "Ok"}', {"Access-Control-Allow-Origin": "*"})
 
     def log_message(self, *args):
         pass

@@ -372,6 +372,16 @@ class WebArena(Env):
         except Exception:
             if page.is_closed():
                 raise
+        # Our CDP session's loading events can trail the page: a navigation (e.g. a search submitted
+        # with Enter) may have committed unseen, its new document still loading. Wait for that too.
+        while time.monotonic() < deadline:
+            try:
+                if await page.evaluate("document.readyState") == "complete":
+                    break
+            except Exception:  # the document changed under the call: look again
+                if page.is_closed():
+                    raise
+            await asyncio.sleep(0.02)
         return ""
 
     async def _observe(self) -> None:
