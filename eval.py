@@ -197,7 +197,7 @@ def main(args: Args) -> dict:
     if args.out:
         out = Path(args.out)
     elif run_config(args.model) is not None:
-        out = Path(args.model) / f"eval_{env_name}_{args.split}_k{args.k}"
+        out = Path(args.model) / f"eval_{env_name}_{args.split}_k{args.k}_{settings['protocol']}"
     else:
         out = Path("runs/eval") / f"{env_name}-{Path(args.model).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.parent.mkdir(parents=True, exist_ok=True)
