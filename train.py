@@ -19,9 +19,11 @@ temperature 1.0) for a real model; with the embedded tiny model (the default) th
 `tiny` preset instead, sized to finish on two CPU cores in minutes. `--preset` picks one
 explicitly; any flag you pass overrides the preset.
 
-Simplifications: the policy samples with Hugging Face generation in this process (each process of
-a multi-GPU run rolls out its own share of tasks, so groups never straddle processes); sharded
-training (FSDP, DeepSpeed) is refused until the sampler can generate from sharded weights.
+Rollouts run on `--engine`: vLLM where it is installed (`bash setup.sh` installs it; the CPU build
+here), in every process, with the trainer's weights copied in after every update and checked on a
+probe sequence (the run stops if they differ); or Hugging Face sampling on the trainer's own weights.
+Each process of a multi-GPU run rolls out its own share of tasks, so groups never straddle
+processes. Sharded training (FSDP, DeepSpeed) is refused for now (issue: scale).
 
 Where the loop deliberately differs from upstream's (AgentGym-RL's verl fork), and why:
 - `--ppo-epochs` is honoured: upstream's actor makes one pass whatever its ppo_epochs says, so the
@@ -66,7 +68,8 @@ from rl.horizon import describe, horizon_at
 from rl.logprobs import collate, token_logprobs, token_values
 from rl.losses import aggregate, kl, policy_loss, value_loss
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, load_model, load_tokenizer, load_value_model
-from rollout import ChatFormat, HFEngine, Trajectory, rollout
+from rl.engines import SyncError, make_engine
+from rollout import ChatFormat, Trajectory, rollout
 
 
 @dataclass
@@ -116,7 +119,25 @@ class Args:
     top_p: float = 1.0
     """nucleus sampling: draw from the smallest set of tokens holding this much probability"""
     gen_batch_size: int = 64
-    """trajectories per generation call"""
+    """trajectories per generation call (hf engine)"""
+
+    # -- rollout engine
+    engine: Literal["auto", "vllm", "hf"] = "auto"
+    """vllm: vLLM in every process (continuous batching, prefix caching), the trainer's weights copied
+    in and checked after every update; hf: Hugging Face sampling on the trainer's own weights; auto:
+    vllm when it is installed"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """share of the GPU's memory the vLLM engine takes (weights and KV cache); the trainer has the rest.
+    0.3 leaves a 3B full fine-tune its ~50 GB on one 80 GB GPU"""
+    vllm_max_model_len: int = 0
+    """the vLLM engine's context length; 0: --max-tokens"""
+    vllm_tensor_parallel_size: int = 1
+    """GPUs per vLLM engine (tensor parallel); 1: one engine per process, each generating its own tasks"""
+    vllm_sleep: bool = True
+    """GPU: the engine frees its KV cache and offloads its weights while the trainer scores and updates"""
+    sync_tolerance: float = 0.0
+    """largest engine-vs-trainer log-prob difference on the probe accepted after a weight sync (the
+    run stops past it); 0: by the engine's dtype, 1e-3 for fp32, 0.25 for bf16"""
 
     # -- optimisation
     lr: float = 1e-6
@@ -198,10 +219,12 @@ PRESETS = {
 }
 
 
-# What a resumed run may change: how long it goes on, how it is logged, and how many trajectories
-# one generation call takes (for a smaller GPU; the samples then differ from an uninterrupted run's).
+# What a resumed run may change: how long it goes on, how it is logged, and the engine that samples
+# and its sizing (for another GPU; the samples then differ from an uninterrupted run's).
 # Everything else is the run's own setting, so that it continues as it started, in its own directory.
-RESUMABLE = ("steps", "epochs", "save_every", "track", "wandb_project", "gen_batch_size", "resume")
+RESUMABLE = ("steps", "epochs", "save_every", "track", "wandb_project", "gen_batch_size", "resume", "engine",
+             "vllm_gpu_memory_utilization", "vllm_max_model_len", "vllm_tensor_parallel_size", "vllm_sleep",
+             "sync_tolerance")
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
@@ -284,6 +307,15 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
                          "use --mixed-precision bf16")
     if args.max_new_tokens >= args.max_tokens:
         raise SystemExit("--max-new-tokens must be smaller than --max-tokens")
+    if not 0 < args.vllm_gpu_memory_utilization <= 1:
+        raise SystemExit("--vllm-gpu-memory-utilization is a share of the GPU's memory, in (0, 1]")
+    if 0 < args.vllm_max_model_len < args.max_tokens:
+        raise SystemExit(f"--vllm-max-model-len {args.vllm_max_model_len} is shorter than --max-tokens {args.max_tokens}: "
+                         "the engine could not hold a whole trajectory (0 sizes it to --max-tokens)")
+    if args.vllm_tensor_parallel_size != 1:
+        raise SystemExit("--vllm-tensor-parallel-size above 1 puts the engine's workers in other processes, which the "
+                         "in-memory weight sync cannot reach yet: train with one engine per process (the default); "
+                         "eval.py takes it")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -428,7 +460,7 @@ def update(models: Models, batch: Batch, args: Args, accelerator, step: int) -> 
                     terms = update_policy(models, micro, counts, args, accelerator) if train_policy else {}
                     terms |= update_critic(models, micro, counts, args, accelerator) if models.critic is not None else {}
                 for key, value in terms.items():
-                    sums[key] = sums.get(key, 0.0) + value
+                    sums[key] = max(sums.get(key, 0.0), value) if key.endswith("_max") else sums.get(key, 0.0) + value
             if train_policy:
                 grad_norm = optimizer_step(models.policy, models.optimizer, models.scheduler, args, accelerator)
                 grad_norms.setdefault("policy", []).append(grad_norm)
@@ -495,6 +527,7 @@ def update_policy(models: Models, batch: dict, counts: dict, args: Args, acceler
             "clipfrac": float((clipped * mask).sum()),
             "ppo_kl": float(((old - logprobs) * mask).sum()),
             "logprob_diff": float(((batch["sampler_logprobs"] - old).abs() * mask).sum()),
+            "logprob_diff_max": float(((batch["sampler_logprobs"] - old).abs() * mask).max()),
         }
 
 
@@ -520,8 +553,26 @@ def optimizer_step(model, optimizer, scheduler, args: Args, accelerator) -> floa
     return grad_norm
 
 
+def sync_engine(engine, policy, accelerator, step: int) -> dict[str, float]:
+    """Copy the policy's new weights into the engine and check them (a no-op for the HF engine, which
+    samples with the policy itself). Every process checks its own engine; the worst difference over
+    all of them decides, so that all stop together rather than leave the others waiting."""
+    from accelerate.utils import gather_object
+
+    synced = engine.load_weights(accelerator.unwrap_model(policy), verify=False)
+    if not synced:
+        return {}
+    worst = max(gather_object([synced["probe_diff"]]), key=lambda d: d if d == d else float("inf"))  # NaN is worst
+    try:
+        engine.verify(worst)
+    except SyncError as error:
+        raise SystemExit(f"after step {step}: {error}") from error
+    return {"sync/seconds": synced["sync_s"], "sync/probe_diff": worst}
+
+
 def step_metrics(records: list[dict], sampled: list[int], stats: dict, sums: dict, grad_norms: dict, batch: Batch,
-                 advantages: torch.Tensor, returns: torch.Tensor | None, models: Models, horizon: int) -> dict:
+                 advantages: torch.Tensor, returns: torch.Tensor | None, models: Models, horizon: int,
+                 engine_metrics: dict) -> dict:
     """The step's metrics: trajectory statistics over every process's episodes (`records`), losses per
     action token from this process's update (none for a model that did not train this step)."""
     rewards = [r["reward"] for r in records]
@@ -550,13 +601,18 @@ def step_metrics(records: list[dict], sampled: list[int], stats: dict, sums: dic
         "rollout/advantage_mean": float(advantages.sum()) / trained_tokens,
         "rollout/advantage_abs": float(advantages.abs().sum()) / trained_tokens,
         "perf/tokens_per_s": sum(sampled) / max(stats["generate_s"], 1e-9),
+        "perf/rollout_s": stats["rollout_s"],
         "perf/generate_s": stats["generate_s"],
-        "perf/env_s": stats["env_s"],
+        "perf/engine_idle_share": stats["idle_s"] / max(stats["rollout_s"], 1e-9),  # waiting for envs, nothing to generate
+        "perf/env_step_s": stats["env_s"] / max(stats["env_calls"], 1),
+        **({"perf/prefix_hit_rate": engine_metrics["prefix_hit_rate"]} if "prefix_hit_rate" in engine_metrics else {}),
+        **{key: value for key, value in engine_metrics.items() if key.startswith("sync/")},
         "charts/lr": models.scheduler.get_last_lr()[0],
     }
     if "policy" in grad_norms:
         metrics |= {
             "rollout/logprob_diff": per_token("logprob_diff"),
+            "rollout/logprob_diff_max": sums["logprob_diff_max"],
             "losses/policy": per_token("policy"),
             "losses/kl": per_token("kl"),
             "losses/entropy": per_token("entropy"),
@@ -646,6 +702,8 @@ class Logs:
             + (f"kl {metrics['losses/kl']:.4f} | entropy {metrics['losses/entropy']:.3f} | "
                f"grad {metrics['losses/grad_norm']:.3f} | " if "losses/kl" in metrics else "critic warm-up | ")
             + (f"value loss {metrics['losses/value']:.4f} | " if "losses/value" in metrics else "")
+            + (f"sync {metrics['sync/seconds']:.2f}s, probe {metrics['sync/probe_diff']:.1e} | "
+               if "sync/seconds" in metrics else "")
             + f"{metrics['perf/step_s']:.1f}s"
         )
 
@@ -715,11 +773,16 @@ def main(args: Args) -> Path:
     tokenizer = load_tokenizer(args.model)
     fmt = ChatFormat(tokenizer)
     models = build_models(args, accelerator)
-    engine = HFEngine(accelerator.unwrap_model(models.policy), fmt, temperature=args.temperature, top_p=args.top_p,
-                      batch_size=args.gen_batch_size, seed=args.seed + accelerator.process_index)
+    engine = make_engine(args.engine, args.model, fmt, accelerator.unwrap_model(models.policy),
+                         temperature=args.temperature, top_p=args.top_p, seed=args.seed + accelerator.process_index,
+                         batch_size=args.gen_batch_size, max_model_len=args.vllm_max_model_len or args.max_tokens,
+                         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                         tensor_parallel_size=args.vllm_tensor_parallel_size, sleep=args.vllm_sleep,
+                         tolerance=args.sync_tolerance)
     start_step = 1
     if args.resume:
         start_step = resume(accelerator, engine, Path(args.resume)) + 1
+    sync_engine(engine, models.policy, accelerator, start_step - 1)  # from the first step on, the engine samples the trainer's weights
 
     # -- tasks, and one env per trajectory of this process, created once and reset every step
     train_ids = envs.load_task_ids(args.train_tasks, args.env) if args.train_tasks else envs.splits(args.env)["train"]
@@ -759,17 +822,20 @@ def main(args: Args) -> Path:
         trajectories = rollout(engine, fmt, environments, task_ids, groups, horizon=horizon,
                                max_new_tokens=args.max_new_tokens, max_tokens=args.max_tokens, pool=pool, stats=stats)
 
-        # -- the batch, its old/reference log-probs and values, advantages, the update
+        # -- the batch, its old/reference log-probs and values, advantages, the update, the engine's new weights
+        engine.sleep()
         batch = make_batch(trajectories, fmt.pad_id, args.micro_batch_size, accelerator.device)
         score_batch(models, batch, args, accelerator)
         advantages, returns = advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, reduce)
         attach(batch, advantages, returns)
         sums, grad_norms = update(models, batch, args, accelerator, step)
+        synced = sync_engine(engine, models.policy, accelerator, step)
 
         # -- metrics and logs (trajectory statistics over all processes, losses from this one)
         records = gather_object([{"step": step, **t.log_record()} for t in trajectories])
         sampled = gather_object([stats["sampled_tokens"]])
-        metrics = step_metrics(records, sampled, stats, sums, grad_norms, batch, advantages, returns, models, horizon)
+        metrics = step_metrics(records, sampled, stats, sums, grad_norms, batch, advantages, returns, models, horizon,
+                               engine.metrics() | synced)
         metrics |= {"perf/step_s": time.perf_counter() - step_start, "charts/step": step}
         logs.write(step, records, metrics, progress)
 
@@ -777,6 +843,7 @@ def main(args: Args) -> Path:
             save_checkpoint(accelerator, models.policy, engine, tokenizer, run_dir / "checkpoints" / f"step_{step}", step)
 
     pool.shutdown()
+    engine.close()
     for env in environments:
         env.close()
     logs.close()

@@ -75,12 +75,23 @@ class Spy:
 
         fmt.encode = encode
 
-    def generate(self, batch, limits):
-        samples = self.engine.generate(batch, limits)
-        for traj, sample in zip(batch, samples):
-            self.prompts.setdefault(traj.row, []).append(list(traj.token_ids))
+    @property
+    def continuous(self):
+        return self.engine.continuous
+
+    @property
+    def pending(self):
+        return self.engine.pending
+
+    def submit(self, traj, limit):
+        self.prompts.setdefault(traj.row, []).append(list(traj.token_ids))
+        self.engine.submit(traj, limit)
+
+    def poll(self):
+        finished = self.engine.poll()
+        for traj, sample in finished:
             self.samples.setdefault(traj.row, []).append(list(sample.token_ids))
-        return samples
+        return finished
 
 
 def check_exact(fmt, spy, trajectories):

