@@ -134,6 +134,8 @@ def resolve_settings(args: Args) -> dict:
         limits = {"horizon": UPSTREAM_TURNS[env], "max_new_tokens": UPSTREAM_TURN_TOKENS.get(env, 512),
                   "max_tokens": UPSTREAM_CONTEXT}
     overrides = {key: getattr(args, key) for key in limits if getattr(args, key) is not None}
+    if any(value < 1 for value in overrides.values()):
+        raise SystemExit(f"--{' --'.join(k.replace('_', '-') for k, v in overrides.items() if v < 1)}: at least 1")
     own_options = config.get("env_options", {}) if config is not None and config["env"] == env else {}
     options = {**envs.parse_options(own_options), **envs.parse_options(args.env_options)}
     return {"env": env, "protocol": protocol, **limits, **overrides, "overrides": sorted(overrides), "env_options": options}
@@ -160,6 +162,19 @@ def score(trajectories, env_name: str) -> dict:
     for task in by_task:
         categories[envs.category(env_name, task)].append(task)
     return {**summary(list(by_task)), "categories": {c: summary(ids) for c, ids in sorted(categories.items())}}
+
+
+def play(engine, fmt, environments: list, episodes: list[tuple[int, int]], settings: dict) -> list:
+    """Every (task, group) episode, as many at once as there are envs."""
+    start = time.perf_counter()
+    trajectories = []
+    for i in range(0, len(episodes), len(environments)):
+        chunk = episodes[i:i + len(environments)]
+        trajectories += rollout(engine, fmt, environments[:len(chunk)], [t for t, _ in chunk],
+                                [g for _, g in chunk], horizon=settings["horizon"],
+                                max_new_tokens=settings["max_new_tokens"], max_tokens=settings["max_tokens"])
+        print(f"  {len(trajectories)}/{len(episodes)} episodes ({time.perf_counter() - start:.0f}s)", flush=True)
+    return trajectories
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -196,17 +211,16 @@ def main(args: Args) -> dict:
 
     episodes = [(task, group) for group, task in enumerate(task_ids) for _ in range(args.k)]
     environments = [envs.make(env_name, **settings["env_options"]) for _ in range(min(args.batch_size, len(episodes)))]
+    env_settings = getattr(environments[0], "options", {})
     start = time.perf_counter()
-    trajectories = []
-    for i in range(0, len(episodes), len(environments)):
-        chunk = episodes[i:i + len(environments)]
-        trajectories += rollout(engine, fmt, environments[:len(chunk)], [t for t, _ in chunk],
-                                [g for _, g in chunk], horizon=settings["horizon"],
-                                max_new_tokens=settings["max_new_tokens"], max_tokens=settings["max_tokens"])
-        print(f"  {len(trajectories)}/{len(episodes)} episodes ({time.perf_counter() - start:.0f}s)", flush=True)
-    engine.close()
+    try:
+        trajectories = play(engine, fmt, environments, episodes, settings)
+    finally:
+        engine.close()
+        for env in environments:
+            env.close()
     results = {"model": args.model, "split": args.split if not args.tasks else args.tasks, "k": args.k,
-               "temperature": args.temperature, "engine": kind, **settings, "env_settings": getattr(environments[0], "options", {}),
+               "temperature": args.temperature, "engine": kind, **settings, "env_settings": env_settings,
                **score(trajectories, env_name),
                "seconds": round(time.perf_counter() - start, 1)}
     if args.out:
@@ -218,8 +232,6 @@ def main(args: Args) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out.with_suffix(".jsonl"), "".join(json.dumps(t.log_record()) + "\n" for t in trajectories))
     write_atomic(out.with_suffix(".json"), json.dumps(results, indent=2) + "\n")
-    for env in environments:
-        env.close()
 
     limits = (f"{settings['horizon']} turns, {settings['max_new_tokens']} tokens a turn, {settings['max_tokens']} a trajectory"
               + (f"; set by flag: {', '.join(settings['overrides'])}" if settings["overrides"] else ""))

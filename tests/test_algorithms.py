@@ -22,7 +22,9 @@ from rollout import ChatFormat, Trajectory
 
 
 def run(tmp_path, *flags):
-    args = train.parse_args(["--steps", "2", "--tasks-per-step", "2", "--n", "2", "--horizon", "2",
+    # the HF engine: these tests are about the algorithms, and it starts at once (vLLM runs in test_vllm.py,
+    # test_train.py and every env's training test)
+    args = train.parse_args(["--engine", "hf", "--steps", "2", "--tasks-per-step", "2", "--n", "2", "--horizon", "2",
                              "--max-new-tokens", "16", "--lr", "0.01", "--out-dir", str(tmp_path), "--run-name", "r", *flags])
     run_dir = train.main(args)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -83,6 +83,9 @@ class Spy:
     def pending(self):
         return self.engine.pending
 
+    def abort(self):
+        self.engine.abort()
+
     def submit(self, traj, limit):
         self.prompts.setdefault(traj.row, []).append(list(traj.token_ids))
         self.engine.submit(traj, limit)
