@@ -53,17 +53,21 @@ def generate(engine, batch, limit):
     return [samples[traj.row] for traj in batch]
 
 
-def test_greedy_tokens_equal_the_hf_engines(tiny):
-    fmt, model, engine = tiny
-    batch = prompts(fmt)
+def greedy_both(engine, model, fmt, batch, limit):
+    """Greedy turns of `batch` from the vLLM engine and from the HF engine on `model`."""
     engine.temperature = 0.0
     try:
-        fast = generate(engine, batch, 40)
+        fast = generate(engine, batch, limit)
     finally:
         engine.temperature = 1.0
-    slow = HFEngine(model, fmt, temperature=0.0).generate(batch, [40] * len(batch))
+    return fast, HFEngine(model, fmt, temperature=0.0).generate(batch, [limit] * len(batch))
+
+
+def test_greedy_tokens_equal_the_hf_engines(tiny):
+    fmt, model, engine = tiny
+    fast, slow = greedy_both(engine, model, fmt, prompts(fmt), 40)
     assert [s.token_ids for s in fast] == [s.token_ids for s in slow]
-    assert sum(len(s.token_ids) for s in fast) > 5 * len(batch)
+    assert sum(len(s.token_ids) for s in fast) > 5 * len(fast)
     diffs = [abs(a - b) for f, s in zip(fast, slow) for a, b in zip(f.logprobs, s.logprobs)]
     assert max(diffs) < 1e-4
 
@@ -119,13 +123,7 @@ def test_weights_reach_the_engine_after_every_update(tiny, monkeypatch):
             synced = engine.load_weights(model)
             assert synced["probe_diff"] < 1e-4 and synced["sync_s"] < 5
         # and generation follows: greedy tokens equal the updated model's
-        batch = prompts(fmt, 3)
-        engine.temperature = 0.0
-        try:
-            fast = generate(engine, batch, 24)
-        finally:
-            engine.temperature = 1.0
-        slow = HFEngine(model, fmt, temperature=0.0).generate(batch, [24] * len(batch))
+        fast, slow = greedy_both(engine, model, fmt, prompts(fmt, 3), 24)
         assert [s.token_ids for s in fast] == [s.token_ids for s in slow]
 
         # a sync without the tied-output-layer fix leaves the engine on stale logits: caught
