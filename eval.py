@@ -16,7 +16,8 @@ Which limits an episode plays under is a protocol (`--protocol`), recorded with 
   engine. Use it to compare with the paper's numbers.
 `auto` picks `run` for a run's checkpoint, `tiny` for the embedded model, `agentgym` otherwise;
 --horizon, --max-new-tokens and --max-tokens override single limits. The results go to <out>.json
-(written atomically) and every episode to <out>.jsonl.
+(written atomically) and every episode to <out>.jsonl. Episodes run on vLLM when it is installed
+(`--engine`, as in train.py), else on Hugging Face sampling; the result records which.
 """
 
 from __future__ import annotations

@@ -713,7 +713,10 @@ class Logs:
             + (f"kl {metrics['losses/kl']:.4f} | entropy {metrics['losses/entropy']:.3f} | "
                f"grad {metrics['losses/grad_norm']:.3f} | " if "losses/kl" in metrics else "critic warm-up | ")
             + (f"value loss {metrics['losses/value']:.4f} | " if "losses/value" in metrics else "")
-            + (f"sync {metrics['sync/seconds']:.2f}s, probe {metrics['sync/probe_diff']:.1e} | "
+            + (f"prefix hits {metrics['perf/prefix_hit_rate']:.2f} | " if "perf/prefix_hit_rate" in metrics else "")
+            + f"idle {metrics['perf/engine_idle_share']:.0%} | "
+            + (f"logp diff {metrics['rollout/logprob_diff']:.0e} | " if "rollout/logprob_diff" in metrics else "")
+            + (f"sync {metrics['sync/seconds']:.2f}s, probe {metrics['sync/probe_diff']:.0e} | "
                if "sync/seconds" in metrics else "")
             + f"{metrics['perf/step_s']:.1f}s"
         )

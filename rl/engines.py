@@ -30,6 +30,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -472,24 +473,35 @@ def _hidden_from_kernel_scan():
     imports for SearchQA) answers every attribute, `__dict__` included, with a function wrapper, so
     start-up fails in any process that has already loaded it. Such objects are taken out of their
     modules for the start-up and put back after."""
-    hidden = []
-    if not torch.cuda.is_available():
-        for module in list(sys.modules.values()):
-            namespace = getattr(module, "__dict__", None)
-            if not isinstance(namespace, dict):
-                continue
-            for name, value in list(namespace.items()):
-                try:
-                    odd = hasattr(value, "__dict__") and not hasattr(vars(value), "get")
-                except Exception:  # noqa: BLE001 - vars() itself fails: the scan would fail on it too
-                    odd = True
-                if odd:
-                    hidden.append((namespace, name, namespace.pop(name)))
-    try:
-        yield
-    finally:
-        for namespace, name, value in hidden:
-            namespace[name] = value
+    with warnings.catch_warnings():
+        # touching every module global (here and in vLLM's scan) wakes deprecation warnings, e.g. of
+        # torch.distributed.reduce_op: not the user's concern
+        warnings.simplefilter("ignore", FutureWarning)
+        hidden = [] if torch.cuda.is_available() else _odd_globals()
+        for namespace, name, _ in hidden:
+            del namespace[name]
+        try:
+            yield
+        finally:
+            for namespace, name, value in hidden:
+                namespace[name] = value
+
+
+def _odd_globals() -> list[tuple[dict, str, object]]:
+    """(module namespace, name, value) of every global whose `__dict__` is not a mapping."""
+    found = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, value in list(namespace.items()):
+            try:
+                odd = hasattr(value, "__dict__") and not hasattr(vars(value), "get")
+            except Exception:  # noqa: BLE001 - vars() itself fails: the scan would fail on it too
+                odd = True
+            if odd:
+                found.append((namespace, name, value))
+    return found
 
 
 def _repack_lm_head(model) -> None:
