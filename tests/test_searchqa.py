@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import envs
-from envs.searchqa import ACK, CORRECT, INSTRUCTION, INVALID, PROMPT, WRONG, exact_match, normalize_answer
+from envs.searchqa import (ACK, CORRECT, INSTRUCTION, INVALID, PROMPT, WRONG, exact_match, last_answer,
+                           normalize_answer, parse_action)
 from envs.searchqa.data import EMBEDDED_BASE, EMBEDDED_CORPUS, EMBEDDED_QA, embedded_tasks
 from envs.searchqa.retrievers import BM25Retriever, Corpus, build_dense_index, get_retriever
 
@@ -100,6 +101,26 @@ def test_first_complete_tag_decides_the_action(env, text, action):
         assert (result.observation, result.reward, result.done) == (INVALID, 0.0, False)
     elif action == "search":
         assert result.observation.startswith("<information>")
+
+
+def test_action_parsing_equals_upstreams_regexes_in_linear_time(env):
+    """parse_action and last_answer give what upstream's two regexes give, on random tag soup, and
+    answer at once on inputs that make those regexes quadratic (30 s for "<search>" * 20000)."""
+    import random
+
+    upstream_action = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+    upstream_answers = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+    pieces = ["<search>", "</search>", "<answer>", "</answer>", "<answer", "search>", "</", "x", " q ", "\n"]
+    rng = random.Random(0)
+    for _ in range(20000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
+        match = upstream_action.search(text)
+        assert parse_action(text) == (None if match is None else (match.group(1), match.group(2))), text
+        assert last_answer(text) == (upstream_answers.findall(text) or [None])[-1], text
+    env.reset(first_task("capital"))
+    for text in ("<search>" * 20000, "<answer>" * 20000 + "</search>", "<search>x</search" * 20000):
+        assert env.step(text).info["action"] is None
+    assert env.step("<answer>Atlantis</answer>" + "<answer>" * 20000).info["answer"] == "Atlantis"
 
 
 def test_the_last_answer_of_a_response_is_scored(env):

@@ -81,9 +81,39 @@ INVALID = (
     "</search>. If you want to give the final answer, you should put the answer between <answer> and </answer>. "
     "Please try again."
 )
-ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
-ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+TAGS = ("search", "answer")
 PUNCTUATION = set(string.punctuation)
+
+
+def parse_action(text: str) -> tuple[str, str] | None:
+    """The first complete <search>...</search> or <answer>...</answer> of a response, as upstream's
+    `re.search(r"<(search|answer)>(.*?)</\1>", text, re.DOTALL)` finds it: the leftmost opening tag
+    with a closing tag of its kind somewhere after it, up to the first such closing tag. In linear
+    time: the regex retries every opening tag and scans to the end for each (quadratic: 30 s on
+    "<search>" * 20000)."""
+    best = None
+    for tag in TAGS:
+        start = text.find(f"<{tag}>")
+        # only the first opening tag of a kind can match: a later one has fewer closing tags after it
+        if start != -1 and text.rfind(f"</{tag}>") >= start + len(tag) + 2 and (best is None or start < best[1]):
+            best = (tag, start)
+    if best is None:
+        return None
+    tag, start = best
+    begin = start + len(tag) + 2
+    return tag, text[begin:text.find(f"</{tag}>", begin)]
+
+
+def last_answer(text: str) -> str | None:
+    """The content of the last <answer>...</answer>, as the last of upstream's
+    `re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)`, in linear time."""
+    answer, position = None, 0
+    while (start := text.find("<answer>", position)) != -1:
+        end = text.find("</answer>", start + 8)
+        if end == -1:
+            break
+        answer, position = text[start + 8:end], end + 9
+    return answer
 
 
 def normalize_answer(text: str) -> str:
@@ -136,15 +166,15 @@ class SearchQA(Env):
     def step(self, text: str) -> StepResult:
         if self.task is None:
             raise RuntimeError("call reset(task_id) before step()")
-        match = ACTION.search(text)
-        if match is None:
+        parsed = parse_action(text)
+        if parsed is None:
             return StepResult(INVALID, 0.0, False, {"action": None, "valid": False})
-        action, content = match.group(1), match.group(2).strip()
+        action, content = parsed[0], parsed[1].strip()
         if action == "search":
             docs = self.retriever.search(content, self.topk)
             info = {"action": "search", "valid": True, "query": content, "doc_ids": [doc.get("id") for doc in docs]}
             return StepResult(f"<information>{format_docs(docs).strip()}</information>", 0.0, False, info)
-        answer = ANSWER.findall(text)[-1].strip()  # upstream scores the last <answer> of the response
+        answer = last_answer(text).strip()  # upstream scores the last <answer> of the response
         correct = exact_match(answer, self.task.golden_answers)
         info = {"action": "answer", "valid": True, "answer": answer, "success": correct}
         return StepResult(CORRECT if correct else WRONG, float(correct), correct, info)
