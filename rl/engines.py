@@ -281,8 +281,8 @@ class VLLMEngine:
             dtype = "bfloat16" if on_gpu else "float32"
         self.fmt, self.dtype, self.continuous = fmt, dtype, continuous
         self.sleep_mode, self.asleep = sleep and on_gpu, False
-        self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
-        self.tolerance = tolerance or PROBE_TOLERANCE.get(dtype, 0.25)
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.tolerance = tolerance or PROBE_TOLERANCE.get(dtype, PROBE_TOLERANCE["bfloat16"])  # other names: 16-bit
         launched = {}
         if on_gpu and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             # under `accelerate launch`: vLLM's own executor would put every process's engine on GPU 0;
@@ -294,7 +294,6 @@ class VLLMEngine:
                            enforce_eager=not on_gpu,  # CPU: torch.compile makes start-up 10x slower, decoding slower
                            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                            enable_sleep_mode=self.sleep_mode, max_num_seqs=max_num_seqs)
-        self.max_model_len = max_model_len
         self.engine = self.llm.llm_engine
         self.requests: dict[str, object] = {}
         self.counter = itertools.count()
