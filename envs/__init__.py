@@ -5,6 +5,11 @@
     result = env.step(model_text)                   # raw model text in, StepResult out
     env.close()
 
+    env = envs.make("babyai", url="http://127.0.0.1:36001")   # the same, on an AgentGym env server
+
+`python -m envs.serve --env babyai --port 36001` serves any of them over AgentGym's HTTP protocol
+(envs/serve.py); envs/remote.py is the client that make() returns for a url.
+
 An environment never raises on bad model output: a malformed action is an observation that
 says what was wrong, as upstream does. It may raise for infrastructure failures (a dead JVM or
 browser); the rollout then ends that one trajectory and records the error.
@@ -69,8 +74,28 @@ def _module(name: str):
     return importlib.import_module(f"envs.{name}")
 
 
-def make(name: str, **options) -> Env:
+def make(name: str, url: str | None = None, **options) -> Env:
+    """One env instance: in process, or with `url` a remote one on an AgentGym env server (ours,
+    envs/serve.py, or upstream's), behind the same interface (envs/remote.py)."""
+    if url is not None:
+        from envs.remote import RemoteEnv
+
+        return RemoteEnv(name, url, **options)
     return _module(name).make(**options)
+
+
+# Seconds a reset or step may take before the caller gives up on it (the rollout ends that trajectory;
+# envs/serve.py answers 504). Generous against measured times: BabyAI and TextCraft take milliseconds;
+# a SciWorld reset can start a JVM (about 2 s) and its own simulator calls time out at 60 s; a SearchQA
+# search is milliseconds with bm25 and the remote retriever waits up to 60 s; a WebArena step waits up
+# to its own 120 s browser limit plus page loads, and a `stop` also runs the evaluators.
+CALL_TIMEOUT = {"babyai": 30.0, "textcraft": 30.0, "sciworld": 120.0, "searchqa": 120.0, "webarena": 600.0}
+
+
+def call_timeout(name: str) -> float:
+    if name not in CALL_TIMEOUT:
+        raise ValueError(f"unknown env {name!r}; choose one of: {', '.join(ENVS)}")
+    return CALL_TIMEOUT[name]
 
 
 def parse_options(options: dict[str, str]) -> dict:

@@ -317,13 +317,17 @@ class BabyAI(Env):
         return "\nAvailable actions: [" + ", ".join(f'"{a}"' for a in self.actions) + "]"
 
     def step(self, text: str) -> StepResult:
+        action = react_action(text)
+        if action is None and self.game is not None and not self.done:
+            return StepResult(REACT_ONLY_ONE, self.score, False, {"valid": False})
+        return self.act(action or "")
+
+    def act(self, action: str) -> StepResult:
+        """Upstream's server step on an action its client already parsed (what envs/serve.py calls)."""
         if self.game is None:
             raise RuntimeError("call reset(task_id) before step()")
         if self.done:
             return StepResult("The task is already finished.", self.score, True, {"valid": False})
-        action = react_action(text)
-        if action is None:
-            return StepResult(REACT_ONLY_ONE, self.score, False, {"valid": False})
         action = action.lower().strip()
         # The instruction says "pick up <obj> <id>" but upstream's action is "pickup <obj> <id>";
         # accept both spellings.

