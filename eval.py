@@ -25,7 +25,6 @@ from __future__ import annotations
 import rl  # noqa: F401 - first: sets OpenMP's wait policy before torch loads (see rl/__init__.py)
 
 import json
-import os
 import random
 import time
 from collections import defaultdict
@@ -37,6 +36,8 @@ import torch
 import tyro
 
 import envs
+from envs.guard import close_envs, make_envs
+from rl.checkpoint import write_atomic
 from rl.horizon import horizon_at
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, load_model, load_tokenizer
 from rl.engines import engine_kind, make_engine
@@ -76,6 +77,12 @@ class Args:
     """nucleus sampling: draw from the smallest set of tokens holding this much probability"""
     env_options: dict[str, str] = field(default_factory=dict)
     """keyword options for envs.make, added to the run's own, e.g. --env-options reward normalized"""
+    env_timeout: float = 0.0
+    """seconds an env reset or step may take before its episode ends as failed (counted under `errors`)
+    and the env is replaced; 0: the env's default (envs.CALL_TIMEOUT)"""
+    env_url: str | None = None
+    """play on an AgentGym env server (ours, `python -m envs.serve`, or upstream's) at this URL instead
+    of in process"""
     batch_size: int = 64
     """episodes played at once"""
     engine: Literal["auto", "vllm", "hf"] = "auto"
@@ -178,12 +185,6 @@ def play(engine, fmt, environments: list, episodes: list[tuple[int, int]], setti
     return trajectories
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def main(args: Args) -> dict:
     settings = resolve_settings(args)
     env_name = settings["env"]
@@ -211,17 +212,18 @@ def main(args: Args) -> dict:
     torch.manual_seed(args.seed)
 
     episodes = [(task, group) for group, task in enumerate(task_ids) for _ in range(args.k)]
-    environments = [envs.make(env_name, **settings["env_options"]) for _ in range(min(args.batch_size, len(episodes)))]
+    environments = make_envs(env_name, min(args.batch_size, len(episodes)), settings["env_options"], args.env_timeout,
+                             args.env_url)
     env_settings = getattr(environments[0], "options", {})
     start = time.perf_counter()
     try:
         trajectories = play(engine, fmt, environments, episodes, settings)
     finally:
         engine.close()
-        for env in environments:
-            env.close()
+        close_envs(environments)
     results = {"model": args.model, "split": args.split if not args.tasks else args.tasks, "k": args.k,
                "temperature": args.temperature, "engine": kind, **settings, "env_settings": env_settings,
+               "env_url": args.env_url,
                **score(trajectories, env_name),
                "seconds": round(time.perf_counter() - start, 1)}
     if args.out:
@@ -238,7 +240,8 @@ def main(args: Args) -> dict:
               + (f"; set by flag: {', '.join(settings['overrides'])}" if settings["overrides"] else ""))
     print(f"protocol {settings['protocol']} ({limits})")
     print(f"{env_name} {results['split']}: {results['tasks']} tasks x {args.k}  "
-          f"Avg@{args.k} {results['avg@k']:.4f}  Pass@{args.k} {results['pass@k']:.4f}  turns {results['turns']:.1f}")
+          f"Avg@{args.k} {results['avg@k']:.4f}  Pass@{args.k} {results['pass@k']:.4f}  turns {results['turns']:.1f}"
+          + (f"  env failures {results['errors']} (scored 0; see the .jsonl)" if results["errors"] else ""))
     for name, c in results["categories"].items():
         print(f"  {name:<24} {c['tasks']:>4} tasks  Avg@{args.k} {c['avg@k']:.4f}  Pass@{args.k} {c['pass@k']:.4f}")
     print(f"wrote {out.with_suffix('.json')}")

@@ -20,6 +20,15 @@ choose it. The final observation (after the last turn, or one that would leave n
 reply within max_tokens) is kept in `messages` but not appended as tokens: nothing after it is
 trained, so it would only cost compute.
 
+Limits: max_new_tokens caps the tokens sampled in a turn, exactly; max_tokens caps the whole
+trajectory (train.py passes the smaller of --max-tokens and the model's context window). An episode
+that runs out of room (a first prompt or an observation that leaves no room for a reply, or a turn
+cut by the budget) ends cleanly with finish "max_tokens", never an error, and is scored like one cut
+by the horizon: its reward is the last step's, trained with the advantage that reward earns, as
+upstream keeps the env's reward for a response cut at max_response_length. An env call that raises
+or hangs (envs/guard.py bounds each one) ends only its trajectory, with finish "error": it has no
+outcome, and train.py leaves it out of the update.
+
 Engines (rl/engines.py): HFEngine, VLLMEngine and ExpertEngine (the envs' scripted oracles).
 
 Where this differs from upstream's rollout (AgentGym-RL's vLLMRollout.generate_sequences) on purpose:

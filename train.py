@@ -45,7 +45,9 @@ from __future__ import annotations
 import rl  # noqa: F401 - first: sets OpenMP's wait policy before torch loads (see rl/__init__.py)
 
 import argparse
+import collections
 import contextlib
+import math
 import json
 import os
 import random
@@ -59,11 +61,14 @@ from typing import Literal
 
 import torch
 import tyro
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save_file, save_model
+from safetensors.torch import load_model as load_safetensors_model
 from tqdm import tqdm
 
 import envs
+from envs.guard import close_envs, make_envs
 from rl import advantages as adv_lib
+from rl import checkpoint as checkpoint_lib
 from rl.horizon import describe, horizon_at
 from rl.logprobs import collate, token_logprobs, token_values
 from rl.losses import aggregate, kl, policy_loss, value_loss
@@ -120,6 +125,15 @@ class Args:
     """nucleus sampling: draw from the smallest set of tokens holding this much probability"""
     gen_batch_size: int = 64
     """trajectories per generation call (hf engine)"""
+    env_timeout: float = 0.0
+    """seconds an env reset or step may take before its trajectory ends as failed and the env is
+    replaced; 0: the env's default (envs.CALL_TIMEOUT)"""
+    env_url: str | None = None
+    """play on an AgentGym env server (ours, `python -m envs.serve`, or upstream's) at this URL instead
+    of in process"""
+    max_error_rate: float = 0.25
+    """stop the run when more than this share of a step's trajectories end in an env failure, rather
+    than train on the rest; 1: never"""
 
     # -- rollout engine
     engine: Literal["auto", "vllm", "hf"] = "auto"
@@ -186,6 +200,9 @@ class Args:
     """auto: bf16 on GPU, fp32 on CPU"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, about a third more compute"""
+    max_nonfinite_updates: int = 3
+    """an optimizer step whose loss or gradient is NaN or infinite is skipped; this many in a row stop the
+    run, and the batch is saved under the run directory for debugging"""
 
     # -- bookkeeping
     seed: int = 1
@@ -196,9 +213,13 @@ class Args:
     """runs are written to <out_dir>/<run_name>"""
     save_every: int = 50
     """checkpoint every k steps (and at the end); 0: only at the end"""
+    keep_checkpoints: int = 0
+    """keep only the k newest checkpoints; 0: keep all"""
     resume: str | None = None
-    """a checkpoint directory (runs/<run>/checkpoints/step_<k>) to continue from, with the run's own
-    settings (its config.json); only the flags in RESUMABLE may change"""
+    """continue a run with its own settings (its config.json; only the flags in RESUMABLE may change):
+    a checkpoint directory (runs/<run>/checkpoints/step_<k>), a run directory (its newest complete
+    checkpoint), or `auto`: the newest checkpoint of <out-dir>/<run-name> if there is one, else a new run
+    under that name (the same command line then survives any number of crashes)"""
     track: bool = False
     """log to wandb (offline mode when no API key is configured)"""
     wandb_project: str = "agentgym-rl"
@@ -219,12 +240,13 @@ PRESETS = {
 }
 
 
-# What a resumed run may change: how long it goes on, how it is logged, and the engine that samples
-# and its sizing (for another GPU; the samples then differ from an uninterrupted run's).
+# What a resumed run may change: how long it goes on, how it is logged and checkpointed, the engine
+# that samples and its sizing (for another GPU; the samples then differ from an uninterrupted run's),
+# and the env infrastructure (where the env server is, how long a call may take, what stops the run).
 # Everything else is the run's own setting, so that it continues as it started, in its own directory.
-RESUMABLE = ("steps", "epochs", "save_every", "track", "wandb_project", "gen_batch_size", "resume", "engine",
-             "vllm_gpu_memory_utilization", "vllm_max_model_len", "vllm_tensor_parallel_size", "vllm_sleep",
-             "sync_tolerance")
+RESUMABLE = ("steps", "epochs", "save_every", "keep_checkpoints", "track", "wandb_project", "gen_batch_size", "resume",
+             "out_dir", "engine", "vllm_gpu_memory_utilization", "vllm_max_model_len", "vllm_tensor_parallel_size",
+             "vllm_sleep", "sync_tolerance", "env_timeout", "env_url", "max_error_rate", "max_nonfinite_updates")
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
@@ -235,9 +257,12 @@ def parse_args(argv: list[str] | None = None) -> Args:
     peek.add_argument("--model", default=Args.model)
     peek.add_argument("--preset", default="auto")
     peek.add_argument("--resume", default=None)
+    peek.add_argument("--run-name", "--run_name", dest="run_name", default=None)  # (tyro takes both spellings)
+    peek.add_argument("--out-dir", "--out_dir", dest="out_dir", default=Args.out_dir)
     known, _ = peek.parse_known_args(argv)
-    if known.resume:
-        return resumed_args(argv, Path(known.resume))
+    checkpoint = find_checkpoint(known.resume, known.out_dir, known.run_name) if known.resume else None
+    if checkpoint is not None:
+        return resumed_args(argv, checkpoint)
     preset = known.preset if known.preset != "auto" else ("tiny" if known.model in EMBEDDED else "paper")
     if preset not in PRESETS:
         raise SystemExit(f"unknown preset {preset!r}; choose one of: auto, {', '.join(PRESETS)}")
@@ -246,18 +271,40 @@ def parse_args(argv: list[str] | None = None) -> Args:
     return replace(args, preset=preset)
 
 
+def find_checkpoint(resume: str, out_dir: str, run_name: str | None) -> Path | None:
+    """The checkpoint --resume names: itself, a run directory's newest complete one, or with `auto` the
+    newest of <out_dir>/<run_name> (None when it has none yet: a new run starts)."""
+    if resume == "auto":
+        if not run_name:
+            raise SystemExit("--resume auto continues the run named by --run-name: give one")
+        found = checkpoint_lib.checkpoints(Path(out_dir) / run_name)
+        return found[-1] if found else None
+    path = Path(resume)
+    if (path / "config.json").is_file() and not (path / checkpoint_lib.STATE).is_file():  # a run directory
+        found = checkpoint_lib.checkpoints(path)
+        if not found:
+            raise SystemExit(f"--resume {path}: the run has no complete checkpoint yet (start it again with "
+                             f"--resume auto --run-name {path.name} --out-dir {path.parent})")
+        return found[-1]
+    return path
+
+
 def resumed_args(argv: list[str], checkpoint: Path) -> Args:
     """The run's settings from its config.json, with the flags of this command line that RESUMABLE
     allows; any other flag that differs stops the run, naming it."""
     config_file = checkpoint.parent.parent / "config.json"
-    if not (checkpoint / "trainer_state.json").is_file() or not config_file.is_file():
+    if not (checkpoint / checkpoint_lib.STATE).is_file() or not config_file.is_file():
         raise SystemExit(f"--resume {checkpoint}: not a checkpoint of a run (runs/<run>/checkpoints/step_<k>, "
-                         "with the run's config.json two levels up)")
+                         "with the run's config.json two levels up), nor a run directory, nor `auto`")
+    if not (checkpoint / "state" / "schedulers.json").is_file():
+        raise SystemExit(f"--resume {checkpoint}: a checkpoint from before training state was saved as safetensors "
+                         "(its state/ held pickles); its weights load with --model or eval.py, but it cannot be resumed")
     config = json.loads(config_file.read_text())
     saved = replace(PRESETS[config.get("preset", "paper")], **{
         f.name: tuple(config[f.name]) if isinstance(config[f.name], list) else config[f.name]
         for f in fields(Args) if f.name in config})
     args = tyro.cli(Args, args=argv, default=saved, description=__doc__.split("\n\n")[0])
+    args = replace(args, resume=str(checkpoint))
     if args.steps != saved.steps and args.epochs == saved.epochs:  # --steps replaces the run's --epochs
         args = replace(args, epochs=None)
     changed = [f.name for f in fields(Args) if f.name not in RESUMABLE and getattr(args, f.name) != getattr(saved, f.name)]
@@ -277,11 +324,16 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
         raise SystemExit(f"train.py does not run under {distributed} yet: the sampler generates from the unwrapped "
                          "model, which sharding leaves in pieces. Launch data-parallel (accelerate launch "
                          "--num_processes N, every process holding the whole model) or on one GPU.")
-    for flag in ("steps", "tasks_per_step", "n", "max_new_tokens", "ppo_epochs", "minibatches", "micro_batch_size"):
+    for flag in ("steps", "tasks_per_step", "n", "max_new_tokens", "ppo_epochs", "minibatches", "micro_batch_size",
+                 "max_nonfinite_updates"):
         if getattr(args, flag) < 1:  # 0 would silently skip every rollout or update
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
     if args.epochs is not None and args.epochs < 1:
         raise SystemExit("--epochs must be at least 1")
+    if args.keep_checkpoints < 0 or args.env_timeout < 0:
+        raise SystemExit("--keep-checkpoints and --env-timeout take 0 (all, the env's default) or more")
+    if not 0 <= args.max_error_rate <= 1:
+        raise SystemExit("--max-error-rate is a share of a step's trajectories, in [0, 1]")
     if args.env not in envs.ENVS:
         raise SystemExit(f"unknown env {args.env!r}; choose one of: {', '.join(envs.ENVS)}")
     if args.n < 2 and args.algo in ("grpo", "rloo"):
@@ -374,6 +426,8 @@ class Models:
     critic: torch.nn.Module | None = None  # PPO's value model
     critic_optimizer: torch.optim.Optimizer | None = None
     critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    # per model ("policy", "critic"): its optimizer steps skipped in a row for a NaN or infinite loss or gradient
+    nonfinite_streak: dict[str, int] = field(default_factory=dict)
 
 
 @torch.no_grad()
@@ -404,6 +458,29 @@ def score_batch(models: Models, batch: Batch, args: Args, accelerator) -> None:
                 batch.full[key][rows, :micro[key].shape[1]] = micro[key].float().cpu()
 
 
+def stop_on_env_failures(trajectories: list[Trajectory], args: Args, accelerator, run_dir: Path, step: int) -> None:
+    """Stop every process, naming the errors, when more than --max-error-rate of the step's trajectories
+    (over all processes) ended in an env failure: a broken env must not quietly train the model on what
+    is left. The step's episodes are written to failed_step_<k>.jsonl for a look."""
+    from accelerate.utils import gather_object
+
+    failed = [t.error for t in trajectories if t.error is not None]
+    counts = gather_object([(len(failed), len(trajectories))])
+    errors, total = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    if errors <= args.max_error_rate * total:
+        return
+    records = gather_object([{"step": step, **t.log_record()} for t in trajectories])
+    if accelerator.is_main_process:
+        checkpoint_lib.write_atomic(run_dir / f"failed_step_{step}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    common = collections.Counter(r["error"] for r in records if r["error"]).most_common(3)
+    message = (f"step {step}: {errors} of {total} trajectories ended in an env failure, more than --max-error-rate "
+               f"{args.max_error_rate}; most common: " + "; ".join(f"{n} x {e}" for e, n in common)
+               + f". The episodes are in {run_dir / f'failed_step_{step}.jsonl'}; fix the env (or raise "
+               "--max-error-rate) and continue with --resume auto")
+    accelerator.wait_for_everyone()  # (the file is written before any process exits)
+    raise SystemExit(message if accelerator.is_main_process else 1)
+
+
 def advantages_for(args: Args, full: dict, scores: torch.Tensor, groups: torch.Tensor, ok: torch.Tensor,
                    reduce) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The step's per-token advantages [B, T] (and GAE's returns for the critic) on the padded batch.
@@ -428,6 +505,9 @@ def advantages_for(args: Args, full: dict, scores: torch.Tensor, groups: torch.T
 
 def attach(batch: Batch, advantages: torch.Tensor, returns: torch.Tensor | None) -> None:
     """Give every micro-batch its rows of the advantages (and returns), on its device."""
+    batch.full["advantages"] = advantages
+    if returns is not None:
+        batch.full["returns"] = returns
     for rows, micro in zip(batch.rows, batch.micro):
         width = micro["input_ids"].shape[1]
         micro["advantages"] = advantages[rows, :width].to(micro["input_ids"].device)
@@ -441,7 +521,9 @@ def update(models: Models, batch: Batch, args: Args, accelerator, step: int) -> 
     the critic. Each mini-batch's loss is aggregated over the whole mini-batch however it is split
     into micro-batches, and gradients are averaged across processes once, at its last micro-batch.
     Returns the summed per-token statistics and the gradient norms of every optimizer step, of the
-    models that trained."""
+    models that trained. An optimizer step whose loss or gradient is not finite is skipped (counted in
+    sums["nonfinite_updates"] and models.nonfinite_streak, with a warning; fp16's loss scaler skips the
+    steps whose scaled gradients overflow itself, and those are not counted)."""
     train_policy = step >= args.critic_warmup  # as upstream: `critic_warmup <= global_steps`, counted from 1
     trained = [m for m in (models.policy if train_policy else None, models.critic) if m is not None]
     for module in trained:
@@ -455,19 +537,36 @@ def update(models: Models, batch: Batch, args: Args, accelerator, step: int) -> 
         for part in range(args.minibatches):
             minibatch = [batch.micro[i] for i in shuffled[part::args.minibatches]]
             counts = minibatch_counts(minibatch, accelerator)
+            finite = {"policy": True, "critic": True}
             for k, micro in enumerate(minibatch):
                 with gradient_sync(accelerator, trained, now=k == len(minibatch) - 1):
                     terms = update_policy(models, micro, counts, args, accelerator) if train_policy else {}
                     terms |= update_critic(models, micro, counts, args, accelerator) if models.critic is not None else {}
+                finite["policy"] &= all(math.isfinite(terms[key]) for key in ("policy", "kl", "entropy") if key in terms)
+                finite["critic"] &= math.isfinite(terms.get("value", 0.0))
                 for key, value in terms.items():
                     sums[key] = max(sums.get(key, 0.0), value) if key.endswith("_max") else sums.get(key, 0.0) + value
-            if train_policy:
-                grad_norm = optimizer_step(models.policy, models.optimizer, models.scheduler, args, accelerator)
-                grad_norms.setdefault("policy", []).append(grad_norm)
+            stepped = [("policy", models.policy, models.optimizer, models.scheduler)] if train_policy else []
             if models.critic is not None:
-                grad_norm = optimizer_step(models.critic, models.critic_optimizer, models.critic_scheduler, args, accelerator)
-                grad_norms.setdefault("critic", []).append(grad_norm)
+                stepped.append(("critic", models.critic, models.critic_optimizer, models.critic_scheduler))
+            for name, model, optimizer, scheduler in stepped:
+                grad_norm, nonfinite = optimizer_step(model, optimizer, scheduler, args, accelerator, finite[name])
+                count_nonfinite(models, sums, name, step, nonfinite, accelerator)
+                if grad_norm is not None:
+                    grad_norms.setdefault(name, []).append(grad_norm)
     return sums, grad_norms
+
+
+def count_nonfinite(models: Models, sums: dict, name: str, step: int, nonfinite: bool, accelerator) -> None:
+    """Count an optimizer step of `name` skipped for NaN or inf, or end its streak of them."""
+    if not nonfinite:
+        models.nonfinite_streak[name] = 0
+        return
+    models.nonfinite_streak[name] = models.nonfinite_streak.get(name, 0) + 1
+    sums["nonfinite_updates"] = sums.get("nonfinite_updates", 0) + 1
+    if accelerator.is_main_process:
+        tqdm.write(f"warning: step {step}: NaN or infinite {name} loss or gradient, optimizer step skipped "
+                   f"({models.nonfinite_streak[name]} in a row)")
 
 
 def minibatch_counts(minibatch: list[dict], accelerator) -> dict[str, float]:
@@ -544,13 +643,47 @@ def update_critic(models: Models, batch: dict, counts: dict, args: Args, acceler
                 "value_clipfrac": float((clipped * mask).sum())}
 
 
-def optimizer_step(model, optimizer, scheduler, args: Args, accelerator) -> float:
-    """Clip the accumulated gradients, step the optimizer and its scheduler, clear. Returns the norm."""
+def optimizer_step(model, optimizer, scheduler, args: Args, accelerator, finite: bool) -> tuple[float | None, bool]:
+    """Clip the accumulated gradients, step the optimizer and its scheduler, clear. Returns the gradient
+    norm (None when no step was taken) and whether the step was skipped for NaN or inf: a loss (`finite`
+    False) or gradient that is not finite on any process leaves the weights, the optimizer's moments and
+    the schedule as they were. Under fp16 the loss scaler decides on the gradients (it skips a step
+    whose scaled gradients overflowed and lowers its scale, as it should: not a fault)."""
     grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), args.grad_clip))
-    optimizer.step()
-    scheduler.step()
+    flags = torch.tensor([float(not finite), float(not math.isfinite(grad_norm))])
+    reduce = reducer(accelerator)
+    bad_loss, bad_gradient = ((reduce(flags) if reduce is not None else flags) > 0).tolist()  # every process alike
+    if accelerator.scaler is not None and not bad_loss:
+        optimizer.step()
+        stepped, nonfinite = not optimizer.step_was_skipped, False
+    else:
+        stepped = not (bad_loss or bad_gradient)
+        nonfinite = not stepped
+        if stepped:
+            optimizer.step()
+        elif accelerator.scaler is not None:  # a NaN loss under fp16: close the scaler's step (it lowers its scale)
+            accelerator.scaler.update()
+    if stepped:
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm
+    return (grad_norm if stepped else None), nonfinite
+
+
+def stop_on_nonfinite(models: Models, batch: Batch, args: Args, accelerator, run_dir: Path, step: int) -> None:
+    """After --max-nonfinite-updates optimizer steps in a row were skipped for NaN or infinite values,
+    save this step's batch (each process's share) and stop: something upstream of the loss is broken."""
+    streak = max(models.nonfinite_streak.values(), default=0)
+    if streak < args.max_nonfinite_updates:
+        return
+    where = run_dir / f"nonfinite_step_{step}"
+    where.mkdir(parents=True, exist_ok=True)
+    tensors = {key: value.contiguous() for key, value in batch.full.items()} | {"scores": batch.scores}
+    save_file(tensors, str(where / f"batch_{accelerator.process_index}.safetensors"))
+    message = (f"step {step}: {streak} optimizer steps in a row had a NaN or infinite loss or gradient and were "
+               f"skipped; this step's batch is in {where} (input_ids, loss_mask, sampler_logprobs, advantages, ...). "
+               "Check the rewards and the model's dtype, or start a new run with a lower --lr.")
+    accelerator.wait_for_everyone()  # (every process's share is written before any exits)
+    raise SystemExit(message if accelerator.is_main_process else 1)
 
 
 def sync_engine(engine, policy, accelerator, step: int) -> dict[str, float]:
@@ -594,6 +727,9 @@ def step_metrics(records: list[dict], sampled: list[int], stats: dict, sums: dic
         "rollout/success": mean(success),
         "rollout/turns": mean(turns),
         "rollout/errors": finishes.count("error"),
+        "rollout/error_rate": finishes.count("error") / len(finishes),
+        "rollout/truncated": finishes.count("max_tokens") / len(finishes),  # out of tokens (budget or context window)
+        "losses/nonfinite_updates": sums.get("nonfinite_updates", 0),  # optimizer steps skipped for NaN or inf
         "rollout/done": finishes.count("done") / len(finishes),
         "rollout/tokens": mean(tokens),
         "rollout/action_tokens": mean(action_tokens),
@@ -642,10 +778,11 @@ def linear_warmup(optimizer, steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(steps, 1)))
 
 
-def build_models(args: Args, accelerator) -> Models:
-    """The policy (from the checkpoint when resuming), the frozen reference, PPO's critic (same
-    architecture, own weights, a value head; restored by --resume with the rest), their optimizers."""
-    policy = load_model(args.resume or args.model)
+def build_models(args: Args, accelerator, policy_from: str) -> Models:
+    """The policy (from `policy_from`: the model, or the checkpoint when resuming), the frozen reference,
+    PPO's critic (same architecture, own weights, a value head; restored by --resume with the rest), their
+    optimizers."""
+    policy = load_model(policy_from)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         policy.config.use_cache = False
@@ -667,42 +804,113 @@ def build_models(args: Args, accelerator) -> Models:
     return models
 
 
-def build_engine(args: Args, fmt: ChatFormat, models: Models, accelerator):
+def context_limit(args: Args, policy, say: bool = True) -> int:
+    """Tokens a trajectory may hold: --max-tokens, or the model's context window if that is shorter. A
+    trajectory that would outgrow it ends as truncated (finish "max_tokens", see rollout.py)."""
+    window = getattr(policy.config, "max_position_embeddings", None) or args.max_tokens
+    if window < args.max_tokens and say:
+        print(f"--max-tokens {args.max_tokens} is more than {args.model}'s context window: trajectories end at {window} tokens")
+    return min(args.max_tokens, window)
+
+
+def build_engine(args: Args, fmt: ChatFormat, models: Models, accelerator, max_tokens: int):
     """This process's rollout engine (`--engine`): vLLM loads the model itself (its weights are synced
     from the policy before the first rollout); HF samples with the policy."""
     return make_engine(args.engine, args.model, fmt, accelerator.unwrap_model(models.policy),
                        temperature=args.temperature, top_p=args.top_p, seed=args.seed + accelerator.process_index,
-                       batch_size=args.gen_batch_size, max_model_len=args.vllm_max_model_len or args.max_tokens,
+                       batch_size=args.gen_batch_size, max_model_len=args.vllm_max_model_len or max_tokens,
                        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                        tensor_parallel_size=args.vllm_tensor_parallel_size, sleep=args.vllm_sleep,
                        tolerance=args.sync_tolerance)
 
 
+def run_directory(args: Args, resuming: bool, accelerator) -> Path:
+    """Where the run writes, the same on every process. A resumed run goes on in its own directory (from a
+    checkpoint older than its newest, the newer ones and a copy of the logs are moved aside first); a new
+    one refuses a directory that holds another run (its logs would mix), unless --resume auto restarts it."""
+    from accelerate.utils import broadcast_object_list
+
+    if resuming:
+        run_dir = Path(args.resume).parent.parent
+        if accelerator.is_main_process and (aside := checkpoint_lib.supersede(run_dir, Path(args.resume), Logs.FILES)):
+            print(f"{args.resume} is older than the run's newest checkpoint: the newer ones, and a copy of the logs "
+                  f"before they are cut back to this checkpoint, are now in {aside}")
+        accelerator.wait_for_everyone()
+        return run_dir
+    name = [args.run_name or f"{args.env}-{args.algo}-{time.strftime('%Y%m%d-%H%M%S')}"]
+    run_dir = Path(args.out_dir) / broadcast_object_list(name)[0]  # one timestamp for every process
+    if (run_dir / "config.json").exists():
+        if args.resume != "auto":
+            raise SystemExit(f"{run_dir} already holds a run: continue it with --resume auto --run-name {run_dir.name}, "
+                             "or choose another --run-name")
+        if accelerator.is_main_process:
+            print(f"--resume auto: {run_dir} has no complete checkpoint yet; the run starts over")
+    return run_dir
+
+
+def run_config(args: Args, run_dir: Path, resuming: bool, accelerator, mixed: str, engine, env) -> dict:
+    """The run's config.json: every setting, and what it ran on. Written once, when the run starts; a
+    resumed run keeps it (it runs with those settings), and its wandb run."""
+    config = {**asdict(args), "run_name": run_dir.name, "mixed_precision": mixed, "processes": accelerator.num_processes,
+              "engine_used": engine.name, "env_settings": env.options,  # every setting in effect, defaults too
+              "wandb_id": os.urandom(6).hex()}  # (not the seeded random: a new run must not reuse an old id)
+    if resuming:
+        return config | {"wandb_id": json.loads((run_dir / "config.json").read_text()).get("wandb_id")}
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint_lib.write_atomic(run_dir / "config.json", json.dumps(config, indent=2) + "\n")
+    return config
+
+
 class Logs:
     """The run's record on the main process: rollouts.jsonl (every trajectory), metrics.jsonl, wandb
-    with --track, and a line of the main metrics per step. Silent on the other processes."""
+    with --track, and a line of the main metrics per step. Silent on the other processes.
 
-    def __init__(self, args: Args, run_dir: Path, config: dict, active: bool):
+    Each step's lines are appended and fsynced; a checkpoint records how long the logs were when it was
+    taken (`sizes`), and a resumed run cuts them back to that (`resume_sizes`; {} for a new run), so
+    that a step redone after a crash appears once, and a line torn by the crash not at all."""
+
+    FILES = ("rollouts.jsonl", "metrics.jsonl")
+
+    def __init__(self, args: Args, run_dir: Path, config: dict, active: bool, resume_sizes: dict[str, int]):
         self.active, self.tracker = active, None
         if not active:
             return
+        files = {}
+        for name in self.FILES:
+            path = run_dir / name
+            size = resume_sizes.get(name, 0)
+            if size > (path.stat().st_size if path.exists() else 0):
+                raise SystemExit(f"{path} is shorter than its checkpoint says ({size} bytes): the run's logs were "
+                                 "changed or lost since; resume from a copy of the run directory that has them")
+            with open(path, "a") as f:
+                f.truncate(size)
+            files[name] = open(path, "a")
+        self.rollouts, self.metrics = files["rollouts.jsonl"], files["metrics.jsonl"]
         if args.track:
             import wandb
 
             if "WANDB_MODE" not in os.environ and not os.environ.get("WANDB_API_KEY"):
                 os.environ["WANDB_MODE"] = "offline"
                 print(f"wandb: no API key configured, logging offline to {run_dir}/wandb (wandb sync to upload)")
-            self.tracker = wandb.init(project=args.wandb_project, name=config["run_name"], config=config, dir=str(run_dir))
-        self.rollouts = open(run_dir / "rollouts.jsonl", "a")
-        self.metrics = open(run_dir / "metrics.jsonl", "a")
+            # one wandb run for the whole run, however often it resumes (wandb ignores re-logged steps)
+            self.tracker = wandb.init(project=args.wandb_project, name=config["run_name"], config=config,
+                                      dir=str(run_dir), id=config["wandb_id"], resume="allow")
+
+    def sizes(self) -> dict[str, int]:
+        return {"rollouts.jsonl": self.rollouts.tell(), "metrics.jsonl": self.metrics.tell()} if self.active else {}
+
+    @staticmethod
+    def _append(file, text: str) -> None:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
 
     def write(self, step: int, records: list[dict], metrics: dict, progress) -> None:
         if not self.active:
             return
-        self.rollouts.write("".join(json.dumps(record) + "\n" for record in records))
-        self.rollouts.flush()
-        self.metrics.write(json.dumps(metrics) + "\n")
-        self.metrics.flush()
+        self._append(self.rollouts, "".join(json.dumps(record) + "\n" for record in records))
+        self._append(self.metrics, json.dumps(metrics) + "\n")
         if self.tracker is not None:
             self.tracker.log(metrics, step=step)
         progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", success=f"{metrics['rollout/success']:.2f}")
@@ -711,7 +919,8 @@ class Logs:
             f"turns {metrics['rollout/turns']:.1f}/{metrics['rollout/horizon']} | "
             f"tokens/s {metrics['perf/tokens_per_s']:.0f} | "
             + (f"kl {metrics['losses/kl']:.4f} | entropy {metrics['losses/entropy']:.3f} | "
-               f"grad {metrics['losses/grad_norm']:.3f} | " if "losses/kl" in metrics else "critic warm-up | ")
+               f"grad {metrics['losses/grad_norm']:.3f} | " if "losses/kl" in metrics
+               else "update skipped: NaN/inf | " if metrics["losses/nonfinite_updates"] else "critic warm-up | ")
             + (f"value loss {metrics['losses/value']:.4f} | " if "losses/value" in metrics else "")
             + (f"prefix hits {metrics['perf/prefix_hit_rate']:.2f} | " if "perf/prefix_hit_rate" in metrics else "")
             + f"idle {metrics['perf/engine_idle_share']:.0%} | "
@@ -730,38 +939,67 @@ class Logs:
             self.tracker.finish()
 
 
-def save_checkpoint(accelerator, model, engine, tokenizer, path: Path, step: int) -> None:
-    """A Hugging Face model directory (safetensors; eval.py and vLLM load it), the full training
-    state under state/ for --resume (models, optimizers, schedulers, RNGs, and every process's
-    sampler), and trainer_state.json. Written beside the final name and renamed into place, so a
-    crash never leaves a half-written checkpoint behind."""
-    tmp = path.with_name(path.name + ".tmp")
-    if accelerator.is_main_process:
+def save_checkpoint(accelerator, models: Models, engine, tokenizer, path: Path, step: int, logs: Logs,
+                    keep: int) -> None:
+    """A Hugging Face model directory (safetensors; eval.py and vLLM load it) with the full training state
+    for --resume (rl/checkpoint.py: critic, optimizers, schedulers, every process's random state and
+    sampler; how far the logs got), written beside its final name and renamed into place, so that a crash
+    never leaves half a checkpoint. Then all but the `keep` newest are deleted (0: none)."""
+    tmp, main_process = path.with_name(path.name + ".tmp"), accelerator.is_main_process
+    if main_process:
         shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "state").mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.unwrap_model(model).save_pretrained(
-        tmp, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
-        state_dict=accelerator.get_state_dict(model), safe_serialization=True)
-    accelerator.save_state(str(tmp / "state"))
+    accelerator.unwrap_model(models.policy).save_pretrained(
+        tmp, is_main_process=main_process, save_function=accelerator.save,
+        state_dict=accelerator.get_state_dict(models.policy), safe_serialization=True)
+    if main_process:  # data parallel: every process holds the same models and optimizer states
+        for name, optimizer in (("optimizer", models.optimizer), ("critic_optimizer", models.critic_optimizer)):
+            if optimizer is not None:
+                checkpoint_lib.save_optimizer(optimizer, tmp / "state" / f"{name}.safetensors")
+        if models.critic is not None:
+            save_model(accelerator.unwrap_model(models.critic), str(tmp / "state" / "critic.safetensors"))
+        schedulers = {"policy": models.scheduler.state_dict(),
+                      "critic": models.critic_scheduler.state_dict() if models.critic_scheduler else None,
+                      "scaler": accelerator.scaler.state_dict() if accelerator.scaler else None}
+        (tmp / "state" / "schedulers.json").write_text(json.dumps(schedulers) + "\n")
+    checkpoint_lib.save_rng(tmp / "state" / f"rng_{accelerator.process_index}.safetensors")
     save_file(engine.state_dict(), str(tmp / "state" / f"sampler_{accelerator.process_index}.safetensors"))
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+    if main_process:
         tokenizer.save_pretrained(tmp)
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step}) + "\n")
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
+        state = {"step": step, "logs": logs.sizes(), "nonfinite_streak": models.nonfinite_streak}
+        (tmp / checkpoint_lib.STATE).write_text(json.dumps(state) + "\n")
+        checkpoint_lib.publish(tmp, path)
+        checkpoint_lib.prune(path.parent.parent, keep)
     accelerator.wait_for_everyone()
 
 
-def resume(accelerator, engine, checkpoint: Path) -> int:
-    """Restore the training state and this process's sampler from a checkpoint; returns its step."""
-    accelerator.load_state(str(checkpoint / "state"))
-    sampler = checkpoint / "state" / f"sampler_{accelerator.process_index}.safetensors"
-    # none from before samplers were saved, from fewer processes, or from another engine (vLLM has none)
-    if not engine.load_state_dict(load_file(str(sampler)) if sampler.is_file() else {}):
-        print(f"{checkpoint}: no sampler state for process {accelerator.process_index}; its samples will differ from "
-              "the uninterrupted run's")
-    return json.loads((checkpoint / "trainer_state.json").read_text())["step"]
+def resume(accelerator, models: Models, engine, checkpoint: Path) -> dict:
+    """Restore the training state, this process's random state and its sampler from a checkpoint (the
+    policy's weights were loaded from it by build_models); returns its trainer_state.json."""
+    state = checkpoint / "state"
+    checkpoint_lib.load_optimizer(models.optimizer, state / "optimizer.safetensors")
+    schedulers = json.loads((state / "schedulers.json").read_text())
+    models.scheduler.load_state_dict(schedulers["policy"])
+    if models.critic is not None:
+        load_safetensors_model(accelerator.unwrap_model(models.critic), str(state / "critic.safetensors"))
+        checkpoint_lib.load_optimizer(models.critic_optimizer, state / "critic_optimizer.safetensors")
+        models.critic_scheduler.load_state_dict(schedulers["critic"])
+    if accelerator.scaler is not None and schedulers["scaler"] is not None:
+        accelerator.scaler.load_state_dict(schedulers["scaler"])
+    rng = state / f"rng_{accelerator.process_index}.safetensors"
+    sampler = state / f"sampler_{accelerator.process_index}.safetensors"
+    if rng.is_file():
+        checkpoint_lib.load_rng(rng)
+    # none from fewer processes, or from another engine; vLLM keeps none
+    if not rng.is_file() or not engine.load_state_dict(load_file(str(sampler)) if sampler.is_file() else {}):
+        print(f"{checkpoint}: process {accelerator.process_index} continues without the "
+              f"{'sampler' if rng.is_file() else 'random and sampler'} state of the run ({engine.name} engine): "
+              "its samples will differ from an uninterrupted run's")
+    trainer_state = json.loads((checkpoint / checkpoint_lib.STATE).read_text())
+    models.nonfinite_streak = trainer_state.get("nonfinite_streak", {})
+    return trainer_state
 
 
 # ----------------------------------------------------------------------------------------------
@@ -777,20 +1015,8 @@ def main(args: Args) -> Path:
     accelerator = Accelerator(mixed_precision=mixed, step_scheduler_with_optimizer=False)
     check(args, accelerator.num_processes, accelerator.distributed_type.value)
     set_seed(args.seed + accelerator.process_index)
-    if args.resume:  # a resumed run goes on in its own directory
-        run_dir = Path(args.resume).parent.parent
-    else:
-        run_dir = Path(args.out_dir) / (args.run_name or f"{args.env}-{args.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
-
-    # -- models, the sampler, and the training state when resuming
-    tokenizer = load_tokenizer(args.model)
-    fmt = ChatFormat(tokenizer)
-    models = build_models(args, accelerator)
-    engine = build_engine(args, fmt, models, accelerator)
-    start_step = 1
-    if args.resume:
-        start_step = resume(accelerator, engine, Path(args.resume)) + 1
-    sync_engine(engine, models.policy, accelerator, start_step - 1)  # from the first step on, the engine samples the trainer's weights
+    resuming = args.resume not in (None, "auto")  # "auto" without a checkpoint yet: a new run under --run-name
+    run_dir = run_directory(args, resuming, accelerator)
 
     # -- tasks, and one env per trajectory of this process, created once and reset every step
     train_ids = envs.load_task_ids(args.train_tasks, args.env) if args.train_tasks else envs.splits(args.env)["train"]
@@ -798,64 +1024,73 @@ def main(args: Args) -> Path:
         raise SystemExit(f"the train split has {len(train_ids)} tasks, fewer than --tasks-per-step {args.tasks_per_step}")
     if args.epochs is not None:
         args = replace(args, steps=args.epochs * (len(train_ids) // args.tasks_per_step))
-    local_tasks = args.tasks_per_step // accelerator.num_processes
-    environments = [envs.make(args.env, **envs.parse_options(args.env_options)) for _ in range(local_tasks * args.n)]
+    # (each call bounded by --env-timeout; an env that failed is replaced: envs/guard.py)
+    environments = make_envs(args.env, args.tasks_per_step // accelerator.num_processes * args.n,
+                             envs.parse_options(args.env_options), args.env_timeout, args.env_url)
     pool = ThreadPoolExecutor(max_workers=min(32, len(environments)))
 
-    # -- the run's record
-    config = {**asdict(args), "run_name": run_dir.name, "mixed_precision": mixed, "processes": accelerator.num_processes,
-              "engine_used": engine.name,
-              "env_settings": getattr(environments[0], "options", {})}  # every setting in effect, defaults too
+    # -- models, the sampler, and the training state when resuming
+    tokenizer = load_tokenizer(args.model)
+    fmt = ChatFormat(tokenizer)
+    models = build_models(args, accelerator, policy_from=args.resume if resuming else args.model)
+    max_tokens = context_limit(args, accelerator.unwrap_model(models.policy), say=accelerator.is_main_process)
+    engine = build_engine(args, fmt, models, accelerator, max_tokens)
+    trainer_state = resume(accelerator, models, engine, Path(args.resume)) if resuming else {"step": 0, "logs": {}}
+    start_step = trainer_state["step"] + 1
+    sync_engine(engine, models.policy, accelerator, start_step - 1)  # from the first step on, the engine samples the trainer's weights
+
+    # -- the run's record (logs cut back to the checkpoint's when resuming)
+    config = run_config(args, run_dir, resuming, accelerator, mixed, engine, environments[0])
     if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if not args.resume:  # a resumed run keeps its config.json: it runs with those settings
-            (run_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         print(f"run {run_dir.name}: {args.env}, {args.model} ({args.preset} preset), {args.algo}, {args.steps} steps of "
               f"{args.tasks_per_step} tasks x {args.n} samples, {describe(args.horizon, args.horizon_every, args.steps)}"
-              f" -> {run_dir}" + (f", resumed at step {start_step}" if args.resume else ""))
-    logs = Logs(args, run_dir, config, active=accelerator.is_main_process)
+              f" -> {run_dir}" + (f", resumed at step {start_step}" if resuming else ""))
+    logs = Logs(args, run_dir, config, active=accelerator.is_main_process, resume_sizes=trainer_state["logs"])
     reduce = reducer(accelerator)  # whitening statistics over every process: a distributed batch is whitened as one
 
     progress = tqdm(range(start_step, args.steps + 1), disable=not accelerator.is_main_process, desc="train",
                     dynamic_ncols=True, initial=start_step - 1, total=args.steps)
-    for step in progress:
-        step_start = time.perf_counter()
+    try:
+        for step in progress:
+            step_start = time.perf_counter()
 
-        # -- rollout: the same tasks on every process for a step, each process playing its share
-        tasks = tasks_for(step, train_ids, args.tasks_per_step, args.seed)
-        mine = tasks[accelerator.process_index::accelerator.num_processes]
-        task_ids = [t for t in mine for _ in range(args.n)]
-        groups = [g for g in range(len(mine)) for _ in range(args.n)]
-        horizon = horizon_at(step, args.horizon, args.horizon_every)  # ScalingInter-RL: this step's turn cap
-        stats: dict = {}
-        trajectories = rollout(engine, fmt, environments, task_ids, groups, horizon=horizon,
-                               max_new_tokens=args.max_new_tokens, max_tokens=args.max_tokens, pool=pool, stats=stats)
+            # -- rollout: the same tasks on every process for a step, each process playing its share
+            tasks = tasks_for(step, train_ids, args.tasks_per_step, args.seed)
+            mine = tasks[accelerator.process_index::accelerator.num_processes]
+            task_ids = [t for t in mine for _ in range(args.n)]
+            groups = [g for g in range(len(mine)) for _ in range(args.n)]
+            horizon = horizon_at(step, args.horizon, args.horizon_every)  # ScalingInter-RL: this step's turn cap
+            stats: dict = {}
+            trajectories = rollout(engine, fmt, environments, task_ids, groups, horizon=horizon,
+                                   max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, pool=pool, stats=stats)
+            stop_on_env_failures(trajectories, args, accelerator, run_dir, step)
 
-        # -- the batch, its old/reference log-probs and values, advantages, the update, the engine's new weights
-        engine.sleep()
-        batch = make_batch(trajectories, fmt.pad_id, args.micro_batch_size, accelerator.device)
-        score_batch(models, batch, args, accelerator)
-        advantages, returns = advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, reduce)
-        attach(batch, advantages, returns)
-        sums, grad_norms = update(models, batch, args, accelerator, step)
-        synced = sync_engine(engine, models.policy, accelerator, step)
+            # -- the batch, its old/reference log-probs and values, advantages, the update, the engine's new weights
+            engine.sleep()
+            batch = make_batch(trajectories, fmt.pad_id, args.micro_batch_size, accelerator.device)
+            score_batch(models, batch, args, accelerator)
+            advantages, returns = advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, reduce)
+            attach(batch, advantages, returns)
+            sums, grad_norms = update(models, batch, args, accelerator, step)
+            stop_on_nonfinite(models, batch, args, accelerator, run_dir, step)
+            synced = sync_engine(engine, models.policy, accelerator, step)
 
-        # -- metrics and logs (trajectory statistics over all processes, losses from this one)
-        records = gather_object([{"step": step, **t.log_record()} for t in trajectories])
-        sampled = gather_object([stats["sampled_tokens"]])
-        metrics = step_metrics(records, sampled, stats, sums, grad_norms, batch, advantages, returns, models, horizon,
-                               engine.metrics() | synced)
-        metrics |= {"perf/step_s": time.perf_counter() - step_start, "charts/step": step}
-        logs.write(step, records, metrics, progress)
+            # -- metrics and logs (trajectory statistics over all processes, losses from this one)
+            records = gather_object([{"step": step, **t.log_record()} for t in trajectories])
+            sampled = gather_object([stats["sampled_tokens"]])
+            metrics = step_metrics(records, sampled, stats, sums, grad_norms, batch, advantages, returns, models, horizon,
+                                   engine.metrics() | synced)
+            metrics |= {"perf/step_s": time.perf_counter() - step_start, "charts/step": step}
+            logs.write(step, records, metrics, progress)
 
-        if step == args.steps or (args.save_every and step % args.save_every == 0):
-            save_checkpoint(accelerator, models.policy, engine, tokenizer, run_dir / "checkpoints" / f"step_{step}", step)
-
-    pool.shutdown()
-    engine.close()
-    for env in environments:
-        env.close()
-    logs.close()
+            if step == args.steps or (args.save_every and step % args.save_every == 0):
+                save_checkpoint(accelerator, models, engine, tokenizer, run_dir / "checkpoints" / f"step_{step}", step, logs,
+                                args.keep_checkpoints)
+    finally:  # also when a stop (env failures, NaN) or an error ends the run: no JVM or browser left behind
+        pool.shutdown()
+        engine.close()
+        close_envs(environments)
+        logs.close()
     if accelerator.is_main_process:
         print(f"done: {run_dir}")
     accelerator.end_training()

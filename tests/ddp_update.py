@@ -42,7 +42,7 @@ def main(out_dir: Path) -> None:
     for algo, aggregation in [(a, g) for a in ("grpo", "reinforce_pp") for g in ("token-mean", "seq-mean-token-mean")]:
         args = train.parse_args(["--algo", algo, "--tasks-per-step", "2", "--n", "3", "--micro-batch-size", "2",
                                  "--minibatches", "1", "--kl-coef", "0", "--loss-agg", aggregation])
-        models = train.build_models(args, accelerator)
+        models = train.build_models(args, accelerator, args.model)
         gradients = {}
         original = train.optimizer_step
 

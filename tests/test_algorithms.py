@@ -72,7 +72,7 @@ def test_an_update_moves_toward_the_rewarded_action(flags):
     args = train.parse_args([*flags, "--tasks-per-step", "2", "--n", "2", "--lr", "1e-3", "--micro-batch-size", "2",
                              "--minibatches", "1"])
     accelerator = Accelerator()
-    models = train.build_models(args, accelerator)
+    models = train.build_models(args, accelerator, args.model)
     tokenizer = load_tokenizer("tiny-agent")
     fmt = ChatFormat(tokenizer)
     env = envs.make("babyai")

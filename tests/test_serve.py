@@ -443,3 +443,30 @@ def test_command_line():
         main(["--env", "searchqa", "--env-options", "retriever", "dense"])
     assert set(envs.CALL_TIMEOUT) == set(envs.ENVS) and all(envs.call_timeout(n) > 0 for n in envs.ENVS)
 
+
+def test_training_and_eval_over_env_url_equal_in_process(babyai_url, tmp_path):
+    """train.py and eval.py on our own server (--env-url) play, log and score exactly as in process."""
+    import eval as eval_script
+    import train
+
+    def run(name, *flags):
+        argv = ["--engine", "hf", "--steps", "2", "--tasks-per-step", "2", "--n", "2", "--horizon", "3",
+                "--max-new-tokens", "16", "--lr", "0.01", "--out-dir", str(tmp_path), "--run-name", name, *flags]
+        run_dir = train.main(train.parse_args(argv))
+        rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+        metrics = [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
+                   for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return run_dir, rollouts, metrics
+
+    remote_dir, remote_rollouts, remote_metrics = run("remote", "--env-url", babyai_url)
+    _, local_rollouts, local_metrics = run("local")
+    assert all(r["error"] is None for r in remote_rollouts) and sum(r["turns"] for r in remote_rollouts) >= 8
+    assert remote_rollouts == local_rollouts and remote_metrics == local_metrics
+    assert json.loads((remote_dir / "config.json").read_text())["env_url"] == babyai_url
+
+    checkpoint = str(remote_dir / "checkpoints" / "step_2")
+    scored = [eval_script.main(eval_script.Args(model=checkpoint, engine="hf", limit=3, out=str(tmp_path / out), **extra))
+              for out, extra in (("remote", {"env_url": babyai_url}), ("local", {}))]
+    assert scored[0]["errors"] == 0
+    assert {k: v for k, v in scored[0].items() if k not in ("seconds", "env_settings", "env_url")} == \
+           {k: v for k, v in scored[1].items() if k not in ("seconds", "env_settings", "env_url")}

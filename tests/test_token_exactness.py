@@ -197,6 +197,48 @@ def test_token_budget_ends_the_episode(tiny):
         assert traj.finish == "max_tokens" and traj.turns == 1
 
 
+def test_every_turn_samples_exactly_the_per_turn_cap_when_the_model_does_not_stop(tiny):
+    tokenizer, model = tiny
+    fmt = ChatFormat(tokenizer)
+    spy = Spy(HFEngine(NeverStops(model, fmt.stop_ids), fmt, seed=0), fmt)
+    environments = [envs.make("babyai") for _ in range(2)]
+    trajectories = rollout(spy, fmt, environments, [1, 2], [0, 1], horizon=3, max_new_tokens=7, max_tokens=4096)
+    for traj in trajectories:
+        assert [len(sample) for sample in spy.samples[traj.row]] == [7] * traj.turns
+        assert sum(traj.loss_mask) == 7 * traj.turns
+
+
+class Verbose(envs.Env):
+    """An env whose first observation is `first_words` long and whose next ones are huge."""
+
+    name, instruction, ack = "verbose", "Play.", "OK."
+
+    def __init__(self, first_words):
+        self.first_words = first_words
+
+    def reset(self, task_id):
+        return "word " * self.first_words
+
+    def step(self, text):
+        return envs.StepResult("word " * 100_000, 0.5, False)
+
+
+def test_an_observation_or_prompt_past_the_budget_ends_the_episode_as_truncated(tiny):
+    """Never an error: a first prompt longer than the budget ends the episode before any turn, and an
+    observation that leaves no room for a reply ends it after the turn it answers (reward kept: a
+    truncated episode is scored like one cut by the horizon, see rollout.py)."""
+    tokenizer, model = tiny
+    fmt = ChatFormat(tokenizer)
+    environments = [Verbose(5000), Verbose(5)]
+    trajectories = rollout(HFEngine(model, fmt, seed=0), fmt, environments, [0, 0], [0, 1], horizon=5,
+                           max_new_tokens=8, max_tokens=1000)
+    too_long, flooded = trajectories
+    assert too_long.finish == "max_tokens" and too_long.turns == 0 and too_long.error is None
+    assert sum(too_long.loss_mask) == 0 and too_long.reward == 0.0
+    assert flooded.finish == "max_tokens" and flooded.turns == 1 and flooded.error is None
+    assert flooded.reward == 0.5 and len(flooded.token_ids) <= 1000 and sum(flooded.loss_mask) > 0
+
+
 @pytest.mark.parametrize("name", envs.ENVS)
 def test_expert_rollouts_are_token_exact_for_every_env(tiny, name):
     if importlib.util.find_spec(f"envs.{name}") is None:

@@ -17,8 +17,10 @@ import envs
 import eval as eval_script
 import train
 from envs.babyai import BabyAI
+from rl import advantages as adv_lib
 from rl.engines import engine_kind
 from rl.model import EMBEDDED
+from rollout import Trajectory
 
 
 def tiny_args(tmp_path, **overrides):
@@ -40,7 +42,12 @@ def test_training_changes_weights_and_writes_a_checkpoint(trained):
     ckpt = trained / "checkpoints" / "step_2"
     assert (ckpt / "model.safetensors").is_file() and (ckpt / "config.json").is_file()
     assert (ckpt / "tokenizer.json").is_file() and (ckpt / "state").is_dir()
-    assert json.loads((ckpt / "trainer_state.json").read_text()) == {"step": 2}
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["step"] == 2 and state["nonfinite_streak"] == {"policy": 0}
+    # how far the logs got, for a resume to cut them back to: here, all of them
+    assert state["logs"] == {name: (trained / name).stat().st_size for name in ("rollouts.jsonl", "metrics.jsonl")}
+    # nothing a resume would unpickle: weights and state in safetensors, the rest JSON
+    assert {p.suffix for p in ckpt.rglob("*") if p.is_file()} <= {".safetensors", ".json", ".jinja"}
     before = load_file(EMBEDDED["tiny-agent"] / "model.safetensors")
     after = load_file(ckpt / "model.safetensors")
     assert before.keys() == after.keys()
@@ -154,7 +161,11 @@ def test_resume_keeps_the_runs_settings(trained):
         with pytest.raises(SystemExit, match=f"changes {flag} "):
             train.parse_args(["--resume", ckpt, flag, value])
     with pytest.raises(SystemExit, match="not a checkpoint of a run"):
-        train.parse_args(["--resume", str(trained)])
+        train.parse_args(["--resume", str(trained / "checkpoints")])
+    newest = train.find_checkpoint(str(trained), "runs", None)  # a run directory: its newest complete checkpoint
+    assert newest == max(trained.glob("checkpoints/step_*"), key=lambda p: int(p.name.split("_")[1]))
+    with pytest.raises(SystemExit, match="--resume auto continues the run named by --run-name"):
+        train.parse_args(["--resume", "auto"])
 
 
 def test_presets_follow_the_model():
@@ -232,13 +243,8 @@ class Flaky(BabyAI):
 
 
 def test_env_failures_end_one_trajectory_not_the_run(monkeypatch, tmp_path):
-    ids = tmp_path / "ids.json"
-    envs.save_task_ids(ids, "flaky", list(range(120, 132)))
-    module = types.SimpleNamespace(make=lambda **_: Flaky(), category=lambda _: "all", default_split_files=lambda: (ids, ids))
-    monkeypatch.setattr(envs, "ENVS", envs.ENVS + ("flaky",))
-    original = envs._module
-    monkeypatch.setattr(envs, "_module", lambda name: module if name == "flaky" else original(name))
-    run_dir = train.main(tiny_args(tmp_path, env="flaky", tasks_per_step=6, steps=1))
+    flaky_env(monkeypatch, tmp_path)
+    run_dir = train.main(tiny_args(tmp_path, env="flaky", tasks_per_step=6, steps=1, env_timeout=30, max_error_rate=1))
     records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
     failed = [r for r in records if r["error"]]
     doomed = [r for r in records if int(r["item_id"].split("_")[1]) % 2 == 0 or int(r["item_id"].split("_")[1]) % 3 == 0]
@@ -251,6 +257,98 @@ def test_env_failures_end_one_trajectory_not_the_run(monkeypatch, tmp_path):
     assert metrics["rollout/errors"] == len(failed)
     assert math.isfinite(metrics["losses/policy"]) and math.isfinite(metrics["losses/grad_norm"])
     assert (run_dir / "checkpoints" / "step_1" / "model.safetensors").is_file()
+
+
+def flaky_env(monkeypatch, tmp_path):
+    ids = tmp_path / "ids.json"
+    envs.save_task_ids(ids, "flaky", list(range(120, 132)))
+    module = types.SimpleNamespace(make=lambda **_: Flaky(), category=lambda _: "all", default_split_files=lambda: (ids, ids))
+    monkeypatch.setattr(envs, "ENVS", envs.ENVS + ("flaky",))
+    original = envs._module
+    monkeypatch.setattr(envs, "_module", lambda name: module if name == "flaky" else original(name))
+
+
+def test_too_many_env_failures_stop_the_run_before_the_update(monkeypatch, tmp_path):
+    flaky_env(monkeypatch, tmp_path)
+    with pytest.raises(SystemExit, match=r"step 1: \d+ of 12 trajectories ended in an env failure, more than "
+                                         r"--max-error-rate 0.25; most common: \d+ x (reset|step) failed"):
+        train.main(tiny_args(tmp_path, env="flaky", tasks_per_step=6, steps=2, env_timeout=30))
+    run_dir = tmp_path / "t"
+    records = [json.loads(line) for line in (run_dir / "failed_step_1.jsonl").read_text().splitlines()]
+    assert len(records) == 12 and sum(r["error"] is not None for r in records) > 3
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").read_text()  # nothing trained
+
+
+def nan_policy_loss(monkeypatch):
+    real = train.policy_loss
+
+    def poisoned(*args, **kwargs):
+        loss, clipped = real(*args, **kwargs)
+        return loss * float("nan"), clipped
+
+    monkeypatch.setattr(train, "policy_loss", poisoned)
+
+
+def test_a_nan_loss_skips_the_update(monkeypatch, tmp_path, capsys):
+    nan_policy_loss(monkeypatch)
+    run_dir = train.main(tiny_args(tmp_path, lr=0.01, engine="hf"))
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["losses/nonfinite_updates"] for m in metrics] == [1, 1]
+    assert "NaN or infinite policy loss or gradient, optimizer step skipped (2 in a row)" in capsys.readouterr().out
+    before = load_file(EMBEDDED["tiny-agent"] / "model.safetensors")
+    after = load_file(run_dir / "checkpoints" / "step_2" / "model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before)  # no step was taken
+
+
+def test_repeated_nan_updates_stop_the_run_and_keep_the_batch(monkeypatch, tmp_path):
+    nan_policy_loss(monkeypatch)
+    with pytest.raises(SystemExit, match="step 2: 2 optimizer steps in a row had a NaN or infinite loss"):
+        train.main(tiny_args(tmp_path, steps=3, max_nonfinite_updates=2, engine="hf"))
+    batch = load_file(tmp_path / "t" / "nonfinite_step_2" / "batch_0.safetensors")
+    assert {"input_ids", "loss_mask", "sampler_logprobs", "advantages", "scores"} <= batch.keys()
+    assert batch["input_ids"].shape[0] == 4
+
+
+def test_truncated_trajectories_are_trained_on_their_reward_failed_ones_not_at_all():
+    """The rule for an episode that ran out of tokens: scored by its last reward like one cut by the
+    horizon, and trained with the advantage that reward earns in its group; an env failure has no
+    outcome and is left out of the group and the update."""
+    def played(reward, finish, error=None):
+        traj = Trajectory("babyai", 1, 0, 0, [])
+        traj.add([1, 2, 3])
+        traj.add([4, 5], [-0.5, -0.5], trained=True)
+        traj.reward, traj.finish, traj.error = reward, finish, error
+        return traj
+
+    trajectories = [played(1.0, "done"), played(0.5, "max_tokens"), played(0.0, "horizon"), played(0.0, "error", "x")]
+    batch = train.make_batch(trajectories, pad_id=0, micro_batch_size=4, device="cpu")
+    args = tiny_args(Path("/tmp/unused"))
+    advantages, _ = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, None)
+    per_trajectory = advantages[:, 3]  # the first trained token
+    expected = adv_lib.grpo(torch.tensor([1.0, 0.5, 0.0]), torch.tensor([0, 0, 0]))
+    assert torch.allclose(per_trajectory[:3], expected) and per_trajectory[1] == 0  # 0.5 is the group's mean
+    assert batch.full["loss_mask"][1].sum() == 2 and batch.full["loss_mask"][3].sum() == 0
+    assert per_trajectory[3] == 0
+
+
+def test_the_token_budget_stays_within_the_models_context_window():
+    args = tiny_args(Path("/tmp/unused"), max_tokens=4096)
+    policy = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=1024))
+    assert train.context_limit(args, policy) == 1024
+    policy.config.max_position_embeddings = 32768
+    assert train.context_limit(args, policy) == 4096
+
+
+def test_each_model_keeps_its_own_nan_streak():
+    """PPO with a policy whose loss is NaN every step and a healthy critic still stops: the critic's good
+    steps do not end the policy's streak."""
+    models = train.Models(None, None, None)
+    accelerator = types.SimpleNamespace(is_main_process=False, process_index=0)
+    sums: dict = {}
+    for _ in range(3):
+        train.count_nonfinite(models, sums, "policy", 1, True, accelerator)
+        train.count_nonfinite(models, sums, "critic", 1, False, accelerator)
+    assert models.nonfinite_streak == {"policy": 3, "critic": 0} and sums["nonfinite_updates"] == 3
 
 
 def test_two_processes_split_the_tasks_and_log_every_episode(tmp_path):

@@ -1,0 +1,107 @@
+"""An env behind a timeout: what the rollout loop steps, so that a broken env costs one trajectory.
+
+    env = Guarded("sciworld", options, timeout=120)
+    env.reset(task_id); env.step(text)        # as the env's own, or its exception, or EnvTimeout
+
+Every reset and step runs in its own daemon thread and is waited for at most `timeout` seconds. A call
+that raises passes the exception on; one that does not answer in time (a hung simulator, a browser that
+stopped responding) raises EnvTimeout. Either way the instance is abandoned (closed in the background,
+since its close may hang too) and the next call starts on a fresh one, so one broken episode never
+poisons the next. A hung call's thread is a daemon: it never keeps the process from exiting.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, wait
+
+import envs
+
+
+class EnvTimeout(TimeoutError):
+    """An env call gave no answer within its timeout."""
+
+
+def _in_thread(fn, *args) -> Future:
+    future: Future = Future()
+
+    def run():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as error:  # noqa: BLE001 - handed to the caller, whatever it is
+            future.set_exception(error)
+
+    threading.Thread(target=run, daemon=True, name="env-call").start()
+    return future
+
+
+class Guarded(envs.Env):
+    """`envs.make(name, **options)` with a per-call timeout and a fresh instance after any failure."""
+
+    def __init__(self, name: str, options: dict, timeout: float):
+        self.name, self.make_options, self.timeout = name, options, timeout
+        self.env: envs.Env | None = envs.make(name, **options)
+        # fixed by the env and its options: a fresh instance has the same
+        self.instruction, self.ack = self.env.instruction, self.env.ack
+        self.options = getattr(self.env, "options", {})
+        self.lock = threading.Lock()
+        self.generation = 0  # +1 whenever the instance is given up on
+
+    def _call(self, method: str, *args):
+        generation = self.generation
+        future = _in_thread(self._run, generation, method, args)
+        wait([future], timeout=self.timeout)  # (not result(timeout): the env's own TimeoutError is not ours)
+        if not future.done():
+            self._abandon()
+            raise EnvTimeout(f"no answer in {self.timeout:g} s")
+        if future.exception() is not None:
+            self._abandon()
+        return future.result()
+
+    def _run(self, generation: int, method: str, args: tuple):
+        """The call, in its own thread; on a fresh instance if the last one was given up on. A fresh one
+        made after its call timed out (a slow JVM or browser start) is closed, never used."""
+        env = self.env
+        if env is None:
+            env = envs.make(self.name, **self.make_options)
+            with self.lock:
+                current = generation == self.generation and self.env is None
+                if current:
+                    self.env = env
+            if not current:
+                env.close()
+                raise EnvTimeout("given up on while starting")
+        return getattr(env, method)(*args)
+
+    def _abandon(self) -> Future:
+        """Give up on the instance: close it in the background (its close may hang too)."""
+        with self.lock:
+            env, self.env = self.env, None
+            self.generation += 1
+        return _in_thread(env.close if env is not None else lambda: None)
+
+    def reset(self, task_id: int) -> str:
+        return self._call("reset", task_id)
+
+    def step(self, text: str) -> envs.StepResult:
+        return self._call("step", text)
+
+    def close(self) -> None:
+        """Close the instance, waiting for it at most `timeout` (close_envs closes many at once)."""
+        wait([self._abandon()], timeout=self.timeout)
+
+
+def make_envs(name: str, count: int, options: dict | None = None, timeout: float = 0.0,
+              url: str | None = None) -> list[Guarded]:
+    """`count` guarded instances of an env, in process or (`url`) on an AgentGym env server, whose own
+    requests then have the same timeout; `timeout` 0: the env's default (envs.CALL_TIMEOUT)."""
+    timeout = timeout or envs.call_timeout(name)
+    options = dict(options or {}) | ({"url": url, "timeout": timeout} if url else {})
+    return [Guarded(name, options, timeout) for _ in range(count)]
+
+
+def close_envs(environments: list[Guarded]) -> None:
+    """Close them all at once, waiting at most the longest timeout (so that browsers and JVMs are gone
+    when a run ends, and hung ones cannot hold it up for long)."""
+    if environments:
+        wait([env._abandon() for env in environments], timeout=max(env.timeout for env in environments))

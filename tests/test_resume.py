@@ -1,0 +1,71 @@
+"""A run killed with SIGKILL at any moment and started again with the same command line (--resume auto)
+ends with the same logs, step for step, as a run that was never stopped: the checkpoint holds every
+piece of state, is written atomically, and the logs are cut back to what the checkpoint saw."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import train
+
+CRASH = Path(__file__).parent / "crash_train.py"
+# HF engine: its sampler's random stream is saved (vLLM's is not; see rl/engines.py). Checkpoints every
+# 2 steps, so that a crash also throws away logged steps past the last checkpoint.
+FLAGS = ["--engine", "hf", "--steps", "5", "--save-every", "2", "--keep-checkpoints", "2", "--tasks-per-step", "2",
+         "--n", "2", "--horizon", "2", "--max-new-tokens", "16", "--lr", "0.01", "--resume", "auto"]
+
+
+def launch(out: Path, point: str = "none", n: int = 0) -> int:
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    command = [sys.executable, str(CRASH), point, str(n), *FLAGS, "--out-dir", str(out), "--run-name", "r"]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600).returncode
+
+
+def logged(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in metrics], rollouts
+
+
+@pytest.mark.timeout(900)
+def test_killed_anywhere_and_resumed_the_run_logs_what_an_uninterrupted_run_logs(tmp_path):
+    assert launch(tmp_path / "whole") == 0
+    crashed = tmp_path / "crashed"
+    # Each launch is the same command line; each crash lands somewhere else (calls counted per launch):
+    kills = [
+        ("rollout", 12),  # step 2's rollout (8 env steps a step), before any checkpoint: starts over
+        ("update", 3),  # step 3's update, after the step-2 checkpoint: resumes at 3
+        ("checkpoint", 1),  # writing the step-4 checkpoint: a torn .tmp, resumes at 3 again
+        ("log", 5),  # step 5's rollout log line, torn, after the step-4 checkpoint: resumes at 5
+    ]
+    for point, n in kills:
+        assert launch(crashed, point, n) == -9, f"the {point} crash did not happen"
+    assert (crashed / "r" / "checkpoints" / "step_4.tmp").exists() is False  # cleaned when step 4 was saved again
+    assert launch(crashed) == 0
+
+    whole, resumed = logged(tmp_path / "whole" / "r"), logged(crashed / "r")
+    assert [m["charts/step"] for m in resumed[0]] == [1, 2, 3, 4, 5]
+    assert resumed[0] == whole[0]  # every metric but timings, exactly
+    assert resumed[1] == whole[1]  # every trajectory
+    checkpoints = sorted(p.name for p in (crashed / "r" / "checkpoints").iterdir())
+    assert checkpoints == ["step_4", "step_5"]  # --keep-checkpoints 2, nothing half-written left
+
+
+def test_resume_auto_and_run_directories(tmp_path):
+    run_dir = tmp_path / "r"
+    assert train.find_checkpoint("auto", str(tmp_path), "r") is None  # nothing yet: a new run
+    (run_dir / "checkpoints" / "step_3.tmp").mkdir(parents=True)  # a crash while writing step 3
+    (run_dir / "checkpoints" / "step_2").mkdir()
+    (run_dir / "checkpoints" / "step_2" / "trainer_state.json").write_text('{"step": 2}')
+    (run_dir / "checkpoints" / "step_10").mkdir()  # numbers, not names, order checkpoints
+    (run_dir / "checkpoints" / "step_10" / "trainer_state.json").write_text('{"step": 10}')
+    assert train.find_checkpoint("auto", str(tmp_path), "r") == run_dir / "checkpoints" / "step_10"
+    (run_dir / "config.json").write_text("{}")
+    assert train.find_checkpoint(str(run_dir), "runs", None) == run_dir / "checkpoints" / "step_10"
+    # a new run (no --resume auto) does not write into a directory that holds another run
+    with pytest.raises(SystemExit, match="already holds a run: continue it with --resume auto --run-name r"):
+        train.run_directory(train.parse_args(["--out-dir", str(tmp_path), "--run-name", "r"]), resuming=False)
