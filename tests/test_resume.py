@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from accelerate import Accelerator
 
 import train
 
@@ -68,4 +69,4 @@ def test_resume_auto_and_run_directories(tmp_path):
     assert train.find_checkpoint(str(run_dir), "runs", None) == run_dir / "checkpoints" / "step_10"
     # a new run (no --resume auto) does not write into a directory that holds another run
     with pytest.raises(SystemExit, match="already holds a run: continue it with --resume auto --run-name r"):
-        train.run_directory(train.parse_args(["--out-dir", str(tmp_path), "--run-name", "r"]), resuming=False)
+        train.run_directory(train.parse_args(["--out-dir", str(tmp_path), "--run-name", "r"]), False, Accelerator())
