@@ -7,10 +7,25 @@ Parsing is upstream's `create_id_based_action` (the keyword is what comes before
 `type` presses Enter unless it ends in [0]); the history text is upstream's
 `get_action_description`; execution is upstream's `execute_action` for the id-based actions:
 clicks and typing go to the centre of the element's box with the mouse and keyboard.
+
+Hostile text is answered in bounded time, with upstream's results for sane actions:
+- The bracket patterns (`stop ?\[(.+)\]`, ...) match as upstream's `re.search`, in linear time
+  (`_search`): upstream's regex retried every start and rescanned the line from each (40 s on
+  "type [1] [x" * 20000).
+- A `tab_focus` index too long for int() (Python's 4,300 digits) counts as no such tab.
+- `type` types as Playwright's keyboard.type does (`_type`), with two limits. Past TYPED_KEYS
+  characters it inserts the rest at once, as a paste does (one input event, no key events): each
+  key takes ~4 ms, so 1 MB would type for an hour. And an insertion (a character off the US
+  layout, e.g. "é") that gets no answer within INSERT_TIMEOUT_S reloads the page and fails the
+  action: Chromium loses the answer to one made while the page navigates (typing "é" into a link),
+  after which every later key on that page waits forever; a reload clears it.
+- A key combination of more than MAX_COMBO_KEYS keys fails as an unknown key does (the step goes
+  on); each key is pressed and released in turn, so 100,000 of them would take minutes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 from dataclasses import dataclass
 
@@ -23,6 +38,11 @@ KEY_NAMES = {
     "arrowup": "ArrowUp", **{f"f{i}": f"F{i}" for i in range(1, 13)},
 }
 ELEMENT_ACTIONS = ("click", "hover", "type")
+TYPED_KEYS = 500  # characters of a `type` typed key by key; the rest is inserted at once
+INSERT_TIMEOUT_S = 3.0  # an insertion takes milliseconds (1 MB: a fraction of a second)
+KEYED = r"\x20-\x7e\n\r"  # (a regex class) what Playwright's US layout presses as keys; it inserts the rest
+MAX_COMBO_KEYS = 16  # keys in one `press` combination
+NO_TAB = 1 << 62  # the index of a tab_focus whose digits are too many for int()
 
 
 class ActionParsingError(Exception):
@@ -47,6 +67,22 @@ def first_block(response: str) -> str | None:
     return match.group(1).strip() if match else None
 
 
+def _search(start: str, rest: str, text: str) -> re.Match | None:
+    """re.search(start + rest, text) in linear time, for `rest` = `(.+)\]` or `(.+)\] ?\[(\d+)\]` (a
+    match stays on one line). On a line only the first place `start` matches can match: a later one
+    has the same line end and fewer closing brackets after it. So try that one alone, then the next
+    line, where re.search retries every start and rescans the rest of the line from each."""
+    starts, pattern = re.compile(start), re.compile(start + rest)
+    position = 0
+    while (found := starts.search(text, position)) is not None:
+        if match := pattern.match(text, found.start()):
+            return match
+        position = text.find("\n", found.end())
+        if position == -1:
+            return None
+    return None
+
+
 def parse(action_str: str) -> Action:
     action_str = action_str.strip()
     words = action_str.split()
@@ -54,8 +90,8 @@ def parse(action_str: str) -> Action:
         raise ActionParsingError(f"Invalid action {action_str}")
     keyword = action_str.split("[")[0].strip() if "[" in action_str else words[0].strip()
 
-    def one(pattern: str) -> str:
-        match = re.search(pattern, action_str)
+    def one(pattern: str, rest: str = "") -> str:
+        match = _search(pattern, rest, action_str) if rest else re.search(pattern, action_str)
         if not match:
             raise ActionParsingError(f"Invalid {keyword} action {action_str}")
         return match.group(1)
@@ -66,24 +102,25 @@ def parse(action_str: str) -> Action:
         case "type":
             if not (action_str.endswith("[0]") or action_str.endswith("[1]")):
                 action_str += " [1]"
-            match = re.search(r"type ?\[(\d+)\] ?\[(.+)\] ?\[(\d+)\]", action_str)
+            match = _search(r"type ?\[(\d+)\] ?\[", r"(.+)\] ?\[(\d+)\]", action_str)
             if not match:
                 raise ActionParsingError(f"Invalid type action {action_str}")
             element_id, text, enter = match.groups()
             return Action("type", element_id=element_id, text=text + ("\n" if enter == "1" else ""))
         case "press":
-            keys = one(r"press ?\[(.+)\]")
+            keys = one(r"press ?\[", r"(.+)\]")
             return Action("press", key_comb="+".join(KEY_NAMES.get(k.lower(), k) for k in keys.split("+")))
         case "scroll":
             return Action("scroll", direction=one(r"scroll ?\[?(up|down)\]?"))
         case "goto":
-            return Action("goto", url=one(r"goto ?\[(.+)\]"))
+            return Action("goto", url=one(r"goto ?\[", r"(.+)\]"))
         case "tab_focus":
-            return Action("tab_focus", tab=int(one(r"tab_focus ?\[(\d+)\]")))
+            index = one(r"tab_focus ?\[(\d+)\]")
+            return Action("tab_focus", tab=int(index) if len(index) <= 18 else NO_TAB)
         case "new_tab" | "go_back" | "go_forward" | "close_tab":
             return Action(keyword)
         case "stop":
-            match = re.search(r"stop ?\[(.+)\]", action_str)
+            match = _search(r"stop ?\[", r"(.+)\]", action_str)
             return Action("stop", answer=match.group(1) if match else "")
     raise ActionParsingError(f"Invalid action {action_str}")
 
@@ -110,8 +147,9 @@ def describe(action: Action, nodes: dict, url_alias=lambda url: url) -> str:
 
 async def execute(action: Action, page, nodes: dict):
     """Perform `action` on `page`; returns the page that is current afterwards. Raises KeyError for
-    an unknown element id and IndexError for an unknown tab, which the caller reports as upstream
-    does (the step goes on, only the page does not change). `goto` is checked by the caller."""
+    an unknown element id, IndexError for an unknown tab and ValueError for too many keys at once,
+    which the caller reports as upstream does (the step goes on, only the page does not change).
+    `goto` is checked by the caller."""
     context = page.context
     match action.kind:
         case "click" | "type" | "hover":
@@ -121,9 +159,11 @@ async def execute(action: Action, page, nodes: dict):
             else:
                 await page.mouse.click(x, y)
             if action.kind == "type":
-                await page.keyboard.type(action.text)
+                await _type(page, action.text)
         case "press":
             key = action.key_comb
+            if key.count("+") >= MAX_COMBO_KEYS:
+                raise ValueError(f"a key combination of {key.count('+') + 1} keys (at most {MAX_COMBO_KEYS})")
             if "Meta" in key and "Mac" not in await page.evaluate("navigator.platform"):
                 key = key.replace("Meta", "Control")
             await page.keyboard.press(key)
@@ -146,3 +186,28 @@ async def execute(action: Action, page, nodes: dict):
         case "goto":
             await page.goto(action.url)
     return page
+
+
+async def _type(page, text: str) -> None:
+    """page.keyboard.type(text), event for event: runs of KEYED characters pressed as keys, any other
+    character inserted on its own; past TYPED_KEYS characters, the rest inserted at once."""
+    enter = len(text) > TYPED_KEYS and text.endswith("\n")
+    text = text.removesuffix("\n") if enter else text
+    for keys, others in re.findall(rf"([{KEYED}]+)|([^{KEYED}]+)", text[:TYPED_KEYS]):
+        if keys:
+            await page.keyboard.type(keys)
+        for char in others:
+            await _insert(page, char)
+    if text[TYPED_KEYS:]:
+        await _insert(page, text[TYPED_KEYS:])
+    if enter:
+        await page.keyboard.press("Enter")
+
+
+async def _insert(page, text: str) -> None:
+    try:
+        await asyncio.wait_for(page.keyboard.insert_text(text), INSERT_TIMEOUT_S)
+    except asyncio.TimeoutError:  # Chromium lost it to a navigation: the page takes no input until reloaded
+        await page.reload()
+        raise TimeoutError(f"inserting text got no answer within {INSERT_TIMEOUT_S:g} s (the page navigated "
+                           "meanwhile); the page was reloaded") from None

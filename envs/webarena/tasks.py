@@ -88,7 +88,10 @@ class Sites:
         return {origin(url) for url in self.urls.values()}
 
     def allows(self, url: str) -> bool:
-        return urlsplit(url).scheme in ("http", "https") and origin(url) in self.origins()
+        try:
+            return urlsplit(url).scheme in ("http", "https") and origin(url) in self.origins()
+        except ValueError:  # not a URL urllib can split ("http://[x", a netloc that changes under NFKC)
+            return False
 
     def map_services(self, option: str = "auto") -> set[str]:
         """Origins that pages may fetch from besides the sites. "auto": MAP's host on WebArena's
