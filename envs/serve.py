@@ -342,14 +342,7 @@ def textcraft_routes(app: FastAPI, pool: Instances) -> None:
         instance.detail.update(answer)
         return answer
 
-    @app.get("/observation")
-    async def observation(id: int):
-        return pool.get(id).observation
-
-    @app.get("/detail")
-    async def detail(id: int):
-        return pool.get(id).detail
-
+    id_observation_routes(app, pool)
     id_close_route(app, pool)
 
 
@@ -446,14 +439,7 @@ def sciworld_routes(app: FastAPI, pool: Instances) -> None:
         instance.detail.update(answer)
         return answer
 
-    @app.get("/observation")
-    async def observation(id: int):
-        return pool.get(id).observation
-
-    @app.get("/detail")
-    async def detail(id: int):
-        return pool.get(id).detail
-
+    id_observation_routes(app, pool)
     def hints(env) -> dict:
         return env.call(lambda sim: {"possible_actions": list(sim.getPossibleActions()),
                                      "possible_objects": list(sim.getPossibleObjects())})
@@ -551,6 +537,17 @@ def webarena_routes(app: FastAPI, pool: Instances) -> None:
     async def close(body: EnvIdxBody):
         await pool.close(body.env_idx)
         return {"closed": "closed"}
+
+
+def id_observation_routes(app: FastAPI, pool: Instances) -> None:
+    """TextCraft's and SciWorld's GET /observation (the last observation) and /detail (the last answer)."""
+    @app.get("/observation")
+    async def observation(id: int):
+        return pool.get(id).observation
+
+    @app.get("/detail")
+    async def detail(id: int):
+        return pool.get(id).detail
 
 
 def id_close_route(app: FastAPI, pool: Instances) -> None:
