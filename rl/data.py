@@ -1,0 +1,108 @@
+"""AgentGym's trajectory format (AgentTraj), read and written, and turned into RL's token layout.
+
+    records = read_trajectories("babyai_train.jsonl")       # AgentTraj-L JSON or JSONL, or ours
+    ids, mask = encode(fmt, records[0])                     # exactly the tokens and mask of an RL rollout
+    record = to_record(trajectory)                          # a rollout (ours) as an AgentTraj record
+
+A record is one episode, as in AgentGym's AgentTraj files:
+
+    {"item_id": "babyai_12",
+     "conversations": [{"from": "human", "loss": null, "value": <instruction>},
+                       {"from": "gpt", "loss": false, "value": <the canned ack>},
+                       {"from": "human", "loss": null, "value": <first observation>},
+                       {"from": "gpt", "loss": true, "value": <the agent's reply>}, ...],
+     "reward": 0.95}
+
+Fields beyond these are ignored; "reward" may be missing (AgentTraj-L has none). Task-id files
+(AgentGym-RL-Data-ID, `[{"item_id": "babyai_12"}, ...]`) are read by envs.load_task_ids.
+
+Tokens: the first three messages are the prompt an RL rollout starts from (ChatFormat.prompt), each
+later "gpt" turn is its text's tokens plus the end-of-turn token, and each later "human" turn is an
+observation wrapped in the template's scaffolding (ChatFormat.observation); a final observation is
+dropped, as a rollout does. The loss mask is 1 on a "gpt" turn after the ack unless its "loss" is
+false (null counts as trained, as AgentGym's trainer treats every agent turn after the first), and 0
+everywhere else: so an expert episode and the same episode sampled in RL give identical ids and mask.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROLES = {"human": "user", "gpt": "assistant"}
+
+
+class DataError(ValueError):
+    """A trajectory file or record that cannot be used; the message names which and why."""
+
+
+def read_trajectories(path: str | Path) -> list[dict]:
+    """Every record of an AgentTraj file (a JSON list, or JSON lines), checked; a malformed one stops
+    with its file, position, item id and what is wrong."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"trajectory file {path} does not exist")
+    text = path.read_text()
+    try:
+        records = json.loads(text) if text.lstrip().startswith("[") else [
+            json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as error:
+        raise DataError(f"{path}: not JSON or JSON lines ({error})") from None
+    for index, record in enumerate(records):
+        problem = _problem(record)
+        if problem:
+            item = record.get("item_id") if isinstance(record, dict) else None
+            raise DataError(f"{path}: record {index}" + (f" ({item})" if item else "") + f": {problem}")
+    return records
+
+
+def _problem(record) -> str | None:
+    """What is wrong with a record, or None."""
+    if not isinstance(record, dict):
+        return f"a record is a JSON object, not {type(record).__name__}"
+    if not isinstance(record.get("item_id"), str) or "_" not in record["item_id"]:
+        return 'needs "item_id" as "<env>_<number>", e.g. "babyai_12"'
+    if not record["item_id"].rpartition("_")[2].isdigit():
+        return f'item_id {record["item_id"]!r} does not end in a task number'
+    turns = record.get("conversations")
+    if not isinstance(turns, list) or len(turns) < 3:
+        return 'needs "conversations": the instruction, the ack and at least one observation'
+    for k, turn in enumerate(turns):
+        expected = "human" if k % 2 == 0 else "gpt"
+        if not isinstance(turn, dict) or turn.get("from") != expected:
+            return f'conversations[{k}] must be a "{expected}" turn (turns alternate, starting with "human")'
+        if not isinstance(turn.get("value"), str):
+            return f'conversations[{k}] needs a string "value"'
+        if turn.get("loss") not in (None, True, False):
+            return f'conversations[{k}]: "loss" is true, false or null, not {turn["loss"]!r}'
+    if record.get("reward") is not None and not isinstance(record["reward"], (int, float)):
+        return f'"reward" is a number, not {record["reward"]!r}'
+    return None
+
+
+def encode(fmt, record: dict) -> tuple[list[int], list[int]]:
+    """A record's token ids and loss mask, laid out exactly as an RL rollout of the same episode."""
+    turns = record["conversations"]
+    messages = [{"role": ROLES[t["from"]], "content": t["value"]} for t in turns[:3]]
+    ids = fmt.encode(fmt.render(messages, add_generation_prompt=True))
+    mask = [0] * len(ids)
+    for k, turn in enumerate(turns[3:], start=3):
+        if turn["from"] == "gpt":
+            reply = fmt.encode(turn["value"]) + [fmt.end_of_turn]
+            ids += reply
+            mask += [int(turn.get("loss") is not False)] * len(reply)
+        elif k < len(turns) - 1:  # an observation the agent answered (a final one is not tokenized)
+            observation = fmt.observation(turn["value"])
+            ids += observation
+            mask += [0] * len(observation)
+    return ids, mask
+
+
+def to_record(trajectory) -> dict:
+    """A rollout's episode as an AgentTraj record (its messages: instruction, ack, then turns)."""
+    conversations = []
+    for k, message in enumerate(trajectory.messages):
+        agent = message["role"] == "assistant"
+        conversations.append({"from": "gpt" if agent else "human", "loss": (k > 1) if agent else None,
+                              "value": message["content"]})
+    return {"item_id": trajectory.item_id, "conversations": conversations, "reward": trajectory.reward}

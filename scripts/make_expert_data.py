@@ -1,0 +1,87 @@
+"""Expert trajectories for SFT, in AgentGym's AgentTraj format: each env's scripted oracle, played
+through the text interface with exactly the token layout of RL rollouts (rollout.py, ExpertEngine).
+
+    python scripts/make_expert_data.py --env babyai --split train              # -> data/babyai_train_expert.jsonl
+    python scripts/make_expert_data.py --env textcraft --split train --limit 100 --out tc.jsonl
+
+One JSON line per episode the oracle solved (rl/data.py: item_id, conversations, reward); an episode
+it could not solve (the oracle gave up, the env failed, or the horizon or token budget ran out first)
+is skipped and counted. The file is written whole or not at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tqdm import tqdm  # noqa: E402
+
+import envs  # noqa: E402
+from rl.checkpoint import write_atomic  # noqa: E402
+from rl.data import to_record  # noqa: E402
+from rl.model import load_tokenizer  # noqa: E402
+from rollout import ChatFormat, ExpertEngine, rollout  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--env", required=True, choices=envs.ENVS)
+    parser.add_argument("--split", default="train", choices=("train", "test"), help="the env's shipped split")
+    parser.add_argument("--tasks", help="a task id file (AgentGym-RL-Data-ID format) instead of the split")
+    parser.add_argument("--limit", type=int, help="the first N tasks only")
+    parser.add_argument("--horizon", type=int, default=30, help="turns an episode may take")
+    parser.add_argument("--max-tokens", type=int, default=16384, help="tokens an episode may take")
+    parser.add_argument("--model", default="tiny-agent", help="whose chat template lays out the tokens")
+    parser.add_argument("--batch-size", type=int, default=32, help="episodes played at once")
+    parser.add_argument("--out", help="default: data/<env>_<split>_expert.jsonl")
+    return parser.parse_args(argv)
+
+
+def why_unsolved(trajectory) -> str:
+    if trajectory.error is not None:
+        return "oracle gave up" if trajectory.error.startswith("expert failed") else "env failed"
+    return {"horizon": "out of turns", "max_tokens": "out of tokens"}.get(trajectory.finish, "ended unsolved")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    task_ids = envs.load_task_ids(args.tasks, args.env) if args.tasks else envs.splits(args.env)[args.split]
+    task_ids = task_ids[:args.limit] if args.limit else task_ids
+    fmt = ChatFormat(load_tokenizer(args.model))
+    environments = [envs.make(args.env) for _ in range(min(args.batch_size, len(task_ids)))]
+    solved, skipped, tokens = [], collections.Counter(), 0
+    progress = tqdm(total=len(task_ids), desc=f"{args.env} experts", unit="episode")
+    try:
+        for start in range(0, len(task_ids), len(environments)):
+            chunk = task_ids[start:start + len(environments)]
+            played = rollout(ExpertEngine(fmt, environments), fmt, environments[:len(chunk)], chunk,
+                             list(range(len(chunk))), horizon=args.horizon, max_new_tokens=4096, max_tokens=args.max_tokens)
+            for trajectory in played:
+                if trajectory.error is None and trajectory.success:
+                    solved.append(to_record(trajectory))
+                    tokens += len(trajectory.token_ids)
+                else:
+                    skipped[why_unsolved(trajectory)] += 1
+            progress.update(len(chunk))
+    finally:
+        progress.close()
+        for env in environments:
+            env.close()
+    out = Path(args.out or f"data/{args.env}_{args.split}_expert.jsonl")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, "".join(json.dumps(record) + "\n" for record in solved))
+    summary = {"episodes": len(solved), "skipped": dict(skipped), "success_rate": len(solved) / max(len(task_ids), 1),
+               "tokens": tokens, "out": str(out)}
+    why = ", ".join(f"{n} {reason}" for reason, n in skipped.most_common())
+    print(f"{args.env} {args.split}: wrote {len(solved)} expert episodes to {out} (success {summary['success_rate']:.1%}, "
+          f"{tokens} tokens); skipped {sum(skipped.values())}" + (f": {why}" if why else ""))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
