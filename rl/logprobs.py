@@ -30,11 +30,12 @@ def collate(trajectories, pad_id: int) -> dict[str, torch.Tensor]:
 
 
 def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature: float = 1.0,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_entropy: bool = False, position_ids=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(token_t | tokens_<t) at every action token, under softmax(logits / temperature).
 
-    input_ids, attention_mask, loss_mask: [B, T]. Returns logprobs [B, T] (0 where no column of
-    the batch has an action token) and, if asked, the entropy of the same distributions [B, T].
+    input_ids, loss_mask: [B, T]; attention_mask [B, T], or [B, 1, T, T] with position_ids [B, T] for
+    packed rows (rl/sft.py: pack). Returns logprobs [B, T] (0 where no column of the batch has an action
+    token) and, if asked, the entropy of the same distributions [B, T].
     """
     columns = loss_mask.any(0).nonzero().squeeze(1)  # token positions with an action token in any row
     columns = columns[columns > 0]  # position 0 has no prediction (it is always prompt anyway)
@@ -42,7 +43,8 @@ def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature: flo
         # no action token at all: still score one (masked) position, so that the graph reaches every
         # weight; under DDP every process must produce gradients for the same parameters
         columns = torch.full((1,), input_ids.shape[1] - 1, device=input_ids.device)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=(columns - 1).clamp(min=0)).logits
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=(columns - 1).clamp(min=0)).logits
     logits = logits.float() / (temperature if temperature > 0 else 1.0)  # [B, K, V]
     logp_all = logits.log_softmax(-1)
     picked = logp_all.gather(-1, input_ids[:, columns].unsqueeze(-1)).squeeze(-1)  # [B, K]
