@@ -13,7 +13,8 @@ A record is one episode, as in AgentGym's AgentTraj files:
                        {"from": "gpt", "loss": true, "value": <the agent's reply>}, ...],
      "reward": 0.95}
 
-Fields beyond these are ignored; "reward" may be missing (AgentTraj-L has none). Task-id files
+Fields beyond these are ignored; "reward" may be missing (AgentTraj-L has none). Our own rollout logs
+and eval outputs (rollouts.jsonl, eval_*.jsonl: "messages" with roles) read as records too. Task-id files
 (AgentGym-RL-Data-ID, `[{"item_id": "babyai_12"}, ...]`) are read by envs.load_task_ids.
 
 Tokens: the first three messages are the prompt an RL rollout starts from (ChatFormat.prompt), each
@@ -48,12 +49,19 @@ def read_trajectories(path: str | Path) -> list[dict]:
             json.loads(line) for line in text.splitlines() if line.strip()]
     except json.JSONDecodeError as error:
         raise DataError(f"{path}: not JSON or JSON lines ({error})") from None
+    records = [from_log(r) if _logged(r) else r for r in records
+               if not (_logged(r) and r.get("error"))]  # an env failure in a log has no outcome to learn from
     for index, record in enumerate(records):
         problem = _problem(record)
         if problem:
             item = record.get("item_id") if isinstance(record, dict) else None
             raise DataError(f"{path}: record {index}" + (f" ({item})" if item else "") + f": {problem}")
     return records
+
+
+def _logged(record) -> bool:
+    """A line of our rollout log or eval output rather than an AgentTraj record."""
+    return isinstance(record, dict) and "messages" in record and "conversations" not in record
 
 
 def _problem(record) -> str | None:
@@ -100,9 +108,14 @@ def encode(fmt, record: dict) -> tuple[list[int], list[int]]:
 
 def to_record(trajectory) -> dict:
     """A rollout's episode as an AgentTraj record (its messages: instruction, ack, then turns)."""
+    return from_log({"item_id": trajectory.item_id, "messages": trajectory.messages, "reward": trajectory.reward})
+
+
+def from_log(entry: dict) -> dict:
+    """A line of a rollout log or eval output (item_id, messages with roles, reward, ...) as a record."""
     conversations = []
-    for k, message in enumerate(trajectory.messages):
-        agent = message["role"] == "assistant"
+    for k, message in enumerate(entry["messages"]):
+        agent = message.get("role") == "assistant"
         conversations.append({"from": "gpt" if agent else "human", "loss": (k > 1) if agent else None,
-                              "value": message["content"]})
-    return {"item_id": trajectory.item_id, "conversations": conversations, "reward": trajectory.reward}
+                              "value": message.get("content")})
+    return {"item_id": entry.get("item_id"), "conversations": conversations, "reward": entry.get("reward")}

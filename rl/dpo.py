@@ -1,0 +1,59 @@
+"""DPO on whole trajectories: preference pairs of episodes of the same task, and the DPO loss on the
+summed log-probs of their assistant tokens against the frozen reference model.
+
+    pairs = make_pairs(records, margin=0.5)          # from rollout logs, eval outputs or AgentTraj files
+    pairs = expert_pairs(expert, experience, margin)  # AgentGym's make_dpo_dataset: expert vs. the model's own
+    loss, chosen_reward, rejected_reward = dpo_loss(policy_c, policy_r, ref_c, ref_r, beta=0.1)
+
+A pair is (chosen, rejected): two records (rl/data.py) of one item_id whose rewards differ by at
+least `margin`. Within a task the best episode is paired with the worst, the second best with the
+second worst, and so on while the gap holds, so that no episode is used twice and a task with many
+samples does not outweigh the others quadratically.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-log sigmoid(beta * (log-ratio of chosen - log-ratio of rejected)), per pair; all inputs [P]: the
+    summed log-probs of each trajectory's assistant tokens. Returns the loss [P] and the implicit rewards
+    beta * log(pi / ref) of the chosen and rejected trajectories [P] (their difference is the margin)."""
+    chosen_reward = beta * (policy_chosen - ref_chosen)
+    rejected_reward = beta * (policy_rejected - ref_rejected)
+    return -F.logsigmoid(chosen_reward - rejected_reward), chosen_reward.detach(), rejected_reward.detach()
+
+
+def make_pairs(records: list[dict], margin: float) -> list[tuple[dict, dict]]:
+    """Disjoint (chosen, rejected) pairs within each task: best with worst while the rewards differ by at
+    least `margin`. Records without a reward are left out."""
+    by_task = defaultdict(list)
+    for record in records:
+        if record.get("reward") is not None:
+            by_task[record["item_id"]].append(record)
+    pairs = []
+    for episodes in by_task.values():
+        episodes = sorted(episodes, key=lambda r: r["reward"], reverse=True)
+        for chosen, rejected in zip(episodes[:len(episodes) // 2], reversed(episodes[len(episodes) // 2:])):
+            if chosen["reward"] - rejected["reward"] < margin:
+                break
+            pairs.append((chosen, rejected))
+    return pairs
+
+
+def expert_pairs(expert: list[dict], experience: list[dict], margin: float) -> list[tuple[dict, dict]]:
+    """AgentGym's make_dpo_dataset: for each task in both, its expert episode (chosen) against each of the
+    model's own episodes (rejected) that scored at least `margin` less. An expert record without a reward
+    (AgentTraj-L has none) counts as solved: 1."""
+    best = {}
+    for record in expert:
+        reward = record["reward"] if record.get("reward") is not None else 1.0
+        if record["item_id"] not in best or reward > best[record["item_id"]][0]:
+            best[record["item_id"]] = (reward, record)
+    return [(best[r["item_id"]][1], r) for r in experience
+            if r["item_id"] in best and r.get("reward") is not None and best[r["item_id"]][0] - r["reward"] >= margin]
