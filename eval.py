@@ -27,21 +27,22 @@ import rl  # noqa: F401 - first: sets OpenMP's wait policy before torch loads (s
 import json
 import random
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
 import tyro
+from tqdm import tqdm
 
 import envs
 from envs.guard import close_envs, make_envs
 from rl.checkpoint import write_atomic
 from rl.horizon import horizon_at
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, load_model, load_tokenizer
+from rl.scores import score, spread
 from rl.engines import engine_kind, make_engine
-from rollout import ChatFormat, rollout
+from rollout import ChatFormat, play
 
 # Upstream's eval scripts: max_rounds per env, max_tokens a turn, and vLLM's max_model_len.
 UPSTREAM_TURNS = {"babyai": 20, "textcraft": 30, "sciworld": 30, "searchqa": 30, "webarena": 15}
@@ -98,12 +99,6 @@ class Args:
     """output path without extension; default: next to the checkpoint, else runs/eval/"""
 
 
-def spread(task_ids: list[int], n: int) -> list[int]:
-    """n ids evenly spaced over the list: splits are often sorted by category, so the first n would
-    all come from one."""
-    return task_ids if n >= len(task_ids) else [task_ids[i * len(task_ids) // n] for i in range(n)]
-
-
 def run_config(model: str) -> dict | None:
     """The training config of a checkpoint inside runs/<run>/checkpoints/step_<k>, if it is one."""
     path = Path(model)
@@ -119,7 +114,7 @@ def checkpoint_horizon(model: str, config: dict) -> int:
         return config["max_turns"]  # a run from before horizon schedules
     state = Path(model) / "trainer_state.json"
     step = json.loads(state.read_text())["step"] if state.is_file() else 10**9
-    return horizon_at(step, config["horizon"], config["horizon_every"])
+    return horizon_at(max(step, 1), config["horizon"], config["horizon_every"])  # (agentevol's iteration 0 is step 0)
 
 
 def resolve_settings(args: Args) -> dict:
@@ -147,42 +142,6 @@ def resolve_settings(args: Args) -> dict:
     own_options = config.get("env_options", {}) if config is not None and config["env"] == env else {}
     options = {**envs.parse_options(own_options), **envs.parse_options(args.env_options)}
     return {"env": env, "protocol": protocol, **limits, **overrides, "overrides": sorted(overrides), "env_options": options}
-
-
-def score(trajectories, env_name: str) -> dict:
-    """Avg@k and Pass@k overall and per category, from one list of episodes."""
-    by_task = defaultdict(list)
-    for t in trajectories:
-        by_task[t.task_id].append(t)
-
-    def summary(task_ids):
-        episodes = [t for task in task_ids for t in by_task[task]]
-        return {
-            "tasks": len(task_ids),
-            "avg@k": sum(t.reward for t in episodes) / len(episodes),
-            "pass@k": sum(any(t.reward > 0 for t in by_task[task]) for task in task_ids) / len(task_ids),
-            "success": sum(t.success for t in episodes) / len(episodes),
-            "turns": sum(t.turns for t in episodes) / len(episodes),
-            "errors": sum(t.error is not None for t in episodes),
-        }
-
-    categories = defaultdict(list)
-    for task in by_task:
-        categories[envs.category(env_name, task)].append(task)
-    return {**summary(list(by_task)), "categories": {c: summary(ids) for c, ids in sorted(categories.items())}}
-
-
-def play(engine, fmt, environments: list, episodes: list[tuple[int, int]], settings: dict) -> list:
-    """Every (task, group) episode, as many at once as there are envs."""
-    start = time.perf_counter()
-    trajectories = []
-    for i in range(0, len(episodes), len(environments)):
-        chunk = episodes[i:i + len(environments)]
-        trajectories += rollout(engine, fmt, environments[:len(chunk)], [t for t, _ in chunk],
-                                [g for _, g in chunk], horizon=settings["horizon"],
-                                max_new_tokens=settings["max_new_tokens"], max_tokens=settings["max_tokens"])
-        print(f"  {len(trajectories)}/{len(episodes)} episodes ({time.perf_counter() - start:.0f}s)", flush=True)
-    return trajectories
 
 
 def main(args: Args) -> dict:
@@ -216,9 +175,13 @@ def main(args: Args) -> dict:
                              args.env_url)
     env_settings = getattr(environments[0], "options", {})
     start = time.perf_counter()
+    bar = tqdm(total=len(episodes), desc=f"eval {env_name}", unit="episode", dynamic_ncols=True)
     try:
-        trajectories = play(engine, fmt, environments, episodes, settings)
+        trajectories = play(engine, fmt, environments, [t for t, _ in episodes], [g for _, g in episodes],
+                            horizon=settings["horizon"], max_new_tokens=settings["max_new_tokens"],
+                            max_tokens=settings["max_tokens"], progress=bar.update)
     finally:
+        bar.close()
         engine.close()
         close_envs(environments)
     results = {"model": args.model, "split": args.split if not args.tasks else args.tasks, "k": args.k,

@@ -1,6 +1,7 @@
 """Multi-turn rollout: batched generation for every live trajectory, environments stepped in parallel.
 
     trajectories = rollout(engine, fmt, envs, task_ids, groups, horizon=..., max_new_tokens=..., max_tokens=...)
+    trajectories = play(engine, fmt, envs, task_ids, horizon=..., ...)   # more tasks than envs: in turn
 
 One env per trajectory (the caller repeats each task n times). Each trajectory's next turn is
 submitted to the engine; a finished turn's decoded text goes to env.step in a thread pool, and the
@@ -49,6 +50,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import Callable
 
 from envs import Env
 from rl.engines import ExpertEngine, HFEngine, Sample, VLLMEngine  # noqa: F401 - the engines rollouts run on
@@ -200,6 +202,24 @@ def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int
         clock["rollout_s"] = time.perf_counter() - begin
         if stats is not None:
             stats.update(clock)
+
+
+def play(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int] | None = None, *,
+         horizon: int, max_new_tokens: int, max_tokens: int, pool: ThreadPoolExecutor | None = None,
+         progress: Callable[[int], None] | None = None) -> list[Trajectory]:
+    """Any number of episodes on a fixed set of envs: rollouts of as many at once as there are envs,
+    in order, until every task id is played. `progress` is called with each rollout's episode count.
+    Groups default to one per episode."""
+    groups = list(range(len(task_ids))) if groups is None else groups
+    trajectories: list[Trajectory] = []
+    for start in range(0, len(task_ids), len(environments)):
+        count = min(len(environments), len(task_ids) - start)
+        trajectories += rollout(engine, fmt, environments[:count], task_ids[start:start + count],
+                                groups[start:start + count], horizon=horizon, max_new_tokens=max_new_tokens,
+                                max_tokens=max_tokens, pool=pool)
+        if progress is not None:
+            progress(count)
+    return trajectories
 
 
 def _generate(engine, fmt: ChatFormat, environments: list[Env], pool: ThreadPoolExecutor,

@@ -29,6 +29,19 @@ def collate(trajectories, pad_id: int) -> dict[str, torch.Tensor]:
     return batch
 
 
+def pad(sequences: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """(token ids, loss mask) sequences as right-padded [B, T] input_ids, attention_mask and loss_mask."""
+    width = max(1, max(len(ids) for ids, _ in sequences))
+    batch = {"input_ids": torch.full((len(sequences), width), pad_id, dtype=torch.long),
+             "attention_mask": torch.zeros((len(sequences), width), dtype=torch.long),
+             "loss_mask": torch.zeros((len(sequences), width), dtype=torch.float32)}
+    for row, (ids, mask) in enumerate(sequences):
+        batch["input_ids"][row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        batch["attention_mask"][row, :max(len(ids), 1)] = 1
+        batch["loss_mask"][row, :len(ids)] = torch.tensor(mask, dtype=torch.float32)
+    return batch
+
+
 def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature: float = 1.0,
                    with_entropy: bool = False, position_ids=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(token_t | tokens_<t) at every action token, under softmax(logits / temperature).

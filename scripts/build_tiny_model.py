@@ -40,7 +40,7 @@ import envs  # noqa: E402
 from rl.logprobs import collate  # noqa: E402
 from rl.model import EMBEDDED  # noqa: E402
 from rl.sft import sft_loss  # noqa: E402
-from rollout import ChatFormat, ExpertEngine, HFEngine, rollout  # noqa: E402
+from rollout import ChatFormat, ExpertEngine, HFEngine, play, rollout  # noqa: E402
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Qwen2's pre-tokenizer: words, single digits, punctuation runs, newlines and spaces kept apart.
@@ -129,11 +129,9 @@ def warm_start(model, tokenizer, env_names, episodes, horizon, max_tokens, epoch
     for name in env_names:
         ids = rng.choices(envs.splits(name)["train"], k=episodes)  # with replacement: small splits repeat
         environments = [envs.make(name) for _ in range(min(64, len(ids)))]  # some envs are heavy (JVM, browser)
-        for i in range(0, len(ids), len(environments)):
-            chunk = ids[i:i + len(environments)]
-            batch = rollout(ExpertEngine(fmt, environments), fmt, environments[:len(chunk)], chunk, list(range(len(chunk))),
-                            horizon=horizon, max_new_tokens=256, max_tokens=max_tokens)
-            trajectories += [t for t in batch if t.error is None and sum(t.loss_mask) > 0]
+        played = play(ExpertEngine(fmt, environments), fmt, environments, ids, horizon=horizon, max_new_tokens=256,
+                      max_tokens=max_tokens)
+        trajectories += [t for t in played if t.error is None and sum(t.loss_mask) > 0]
         for env in environments:
             env.close()
     tokens = sum(len(t.token_ids) for t in trajectories)

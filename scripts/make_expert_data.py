@@ -25,7 +25,7 @@ import envs  # noqa: E402
 from rl.checkpoint import write_atomic  # noqa: E402
 from rl.data import to_record  # noqa: E402
 from rl.model import load_tokenizer  # noqa: E402
-from rollout import ChatFormat, ExpertEngine, rollout  # noqa: E402
+from rollout import ChatFormat, ExpertEngine, play  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -57,17 +57,14 @@ def main(argv=None) -> dict:
     solved, skipped, tokens = [], collections.Counter(), 0
     progress = tqdm(total=len(task_ids), desc=f"{args.env} experts", unit="episode")
     try:
-        for start in range(0, len(task_ids), len(environments)):
-            chunk = task_ids[start:start + len(environments)]
-            played = rollout(ExpertEngine(fmt, environments), fmt, environments[:len(chunk)], chunk,
-                             list(range(len(chunk))), horizon=args.horizon, max_new_tokens=4096, max_tokens=args.max_tokens)
-            for trajectory in played:
-                if trajectory.error is None and trajectory.success:
-                    solved.append(to_record(trajectory))
-                    tokens += len(trajectory.token_ids)
-                else:
-                    skipped[why_unsolved(trajectory)] += 1
-            progress.update(len(chunk))
+        played = play(ExpertEngine(fmt, environments), fmt, environments, task_ids, horizon=args.horizon,
+                      max_new_tokens=4096, max_tokens=args.max_tokens, progress=progress.update)
+        for trajectory in played:
+            if trajectory.error is None and trajectory.success:
+                solved.append(to_record(trajectory))
+                tokens += len(trajectory.token_ids)
+            else:
+                skipped[why_unsolved(trajectory)] += 1
     finally:
         progress.close()
         for env in environments:

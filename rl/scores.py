@@ -1,0 +1,45 @@
+"""Avg@k and Pass@k, overall and per category, as AgentGym-RL computes them: eval.py's scores, and
+the periodic evaluations of train.py.
+
+    results = score(trajectories, "babyai")   # {"avg@k", "pass@k", "success", ..., "categories": {...}}
+
+Avg@k is the mean final score over every episode (the raw env score: BabyAI's fractional reward,
+SciWorld's 0-100 progress); Pass@k is the share of tasks where at least one of its k episodes scored
+above 0. An episode that ended in an env failure is scored 0 and counted under `errors`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import envs
+
+
+def spread(task_ids: list[int], n: int) -> list[int]:
+    """n ids evenly spaced over the list: splits are often sorted by category, so the first n would
+    all come from one."""
+    return task_ids if n >= len(task_ids) else [task_ids[i * len(task_ids) // n] for i in range(n)]
+
+
+def score(trajectories, env_name: str) -> dict:
+    """Avg@k and Pass@k overall and per category, from one list of episodes (anything with task_id,
+    reward, success, turns and error, as rollout.Trajectory)."""
+    by_task = defaultdict(list)
+    for t in trajectories:
+        by_task[t.task_id].append(t)
+
+    def summary(task_ids):
+        episodes = [t for task in task_ids for t in by_task[task]]
+        return {
+            "tasks": len(task_ids),
+            "avg@k": sum(t.reward for t in episodes) / len(episodes),
+            "pass@k": sum(any(t.reward > 0 for t in by_task[task]) for task in task_ids) / len(task_ids),
+            "success": sum(t.success for t in episodes) / len(episodes),
+            "turns": sum(t.turns for t in episodes) / len(episodes),
+            "errors": sum(t.error is not None for t in episodes),
+        }
+
+    categories = defaultdict(list)
+    for task in by_task:
+        categories[envs.category(env_name, task)].append(task)
+    return {**summary(list(by_task)), "categories": {c: summary(ids) for c, ids in sorted(categories.items())}}
