@@ -14,6 +14,25 @@ model and an entropy bonus (rl/losses.py). Every trajectory goes to runs/<run>/r
 metrics to runs/<run>/metrics.jsonl (and wandb with --track), checkpoints to
 runs/<run>/checkpoints/step_<k>.
 
+Beside RL, the same script learns from trajectory files (--data: AgentGym's AgentTraj JSON/JSONL, a
+run's rollouts.jsonl, eval.py's episodes) on the same model loading, chat layout, loss mask (rl/data.py),
+Accelerate set-up, logs and checkpoints, so that each one's checkpoint is the next one's --model:
+
+    python scripts/make_expert_data.py --env babyai --split train --horizon 6      # the oracle's episodes
+    python train.py --algo sft --data data/babyai_train_expert.jsonl --epochs 2   # behaviour cloning
+    python train.py --algo dpo --data expert.jsonl --experience runs/<run>/rollouts.jsonl
+    python train.py --algo agentevol --data data/babyai_train_expert.jsonl --iterations 3 --n 4
+
+- sft: token-mean cross-entropy on the assistant tokens, several conversations packed per row with no
+  attention across them (rl/sft.py), a seeded share of the tasks held out for the validation loss.
+- dpo: pairs of episodes of one task, the chosen one scoring at least --margin more (rl/dpo.py), from
+  --data alone or, as AgentGym's make_dpo_dataset, --data's expert episodes against --experience; the
+  DPO loss on summed assistant-token log-probs against the frozen --model, with --beta.
+- agentevol: AgentGym's self-evolution: behaviour cloning on --data, then per iteration explore the
+  train split with the current policy (--n episodes a task), keep the episodes reaching --threshold,
+  retrain --model on --data plus those, and play the test split.
+--eval-every plays the test split during any run (RL too), scored as eval.py scores.
+
 Presets: flags default to the paper's recipe (lr 1e-6, clip 0.2, KL 0.001, entropy 0.001,
 temperature 1.0) for a real model; with the embedded tiny model (the default) they default to the
 `tiny` preset instead, sized to finish on two CPU cores in minutes. `--preset` picks one
@@ -36,6 +55,16 @@ Where the loop deliberately differs from upstream's (AgentGym-RL's verl fork), a
   while their weights agree; upstream runs it in bf16 with CPU offload.
 - Resume restores the samplers' random state and takes the run's own settings; upstream re-seeds
   and takes whatever the command line says.
+- SFT packs conversations into rows (block-causal masks, positions restarting per conversation) and
+  averages the loss over the action tokens of the whole batch however it is split into micro-batches
+  and processes; AgentGym pads each conversation and averages per micro-batch, which weighs a token of
+  a short conversation more. The log-probs, and so the optimum, are the same (tests/test_sft.py).
+- SFT, DPO and AgentEvol hold out a share of the tasks (--validation) for a validation loss; AgentGym
+  trains on every record and only evaluates by playing.
+- DPO also pairs episodes within a task of one file (our rollout logs and eval outputs), besides
+  AgentGym's expert-versus-experience pairs.
+- AgentEvol explores --explore-tasks of the train split (default: all, as AgentGym) and can go on from
+  the last iteration's weights (--retrain-from continue); AgentGym always retrains from the base.
 (Reward placement, GAE over action tokens and groups of one are in rl/advantages.py; the horizon
 schedule's resume in rl/horizon.py.)
 """
@@ -47,6 +76,7 @@ import rl  # noqa: F401 - first: sets OpenMP's wait policy before torch loads (s
 import argparse
 import collections
 import contextlib
+import copy
 import math
 import json
 import os
@@ -69,12 +99,16 @@ import envs
 from envs.guard import close_envs, make_envs
 from rl import advantages as adv_lib
 from rl import checkpoint as checkpoint_lib
+from rl.data import DataError, encode, read_trajectories, to_record
+from rl.dpo import dpo_loss, expert_pairs, make_pairs
 from rl.horizon import describe, horizon_at
-from rl.logprobs import collate, token_logprobs, token_values
+from rl.logprobs import collate, pad, token_logprobs, token_values
 from rl.losses import aggregate, kl, policy_loss, value_loss
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, load_model, load_tokenizer, load_value_model
 from rl.engines import SyncError, make_engine
-from rollout import ChatFormat, Trajectory, rollout
+from rl.scores import score, spread
+from rl.sft import pack
+from rollout import ChatFormat, Trajectory, play, rollout
 
 
 @dataclass
@@ -92,9 +126,10 @@ class Args:
     """task id file in AgentGym-RL-Data-ID format ([{"item_id": "babyai_12"}, ...]); default: the shipped train split"""
 
     # -- algorithm
-    algo: Literal["grpo", "rloo", "reinforce_pp", "ppo"] = "grpo"
-    """advantage estimator: grpo (group-normalised), rloo (leave-one-out), reinforce_pp (discounted
-    returns whitened over the batch), ppo (a critic and GAE)"""
+    algo: Literal["grpo", "rloo", "reinforce_pp", "ppo", "sft", "dpo", "agentevol"] = "grpo"
+    """RL by its advantage estimator: grpo (group-normalised), rloo (leave-one-out), reinforce_pp (discounted
+    returns whitened over the batch), ppo (a critic and GAE); or learning from trajectory files (--data):
+    sft (behaviour cloning), dpo (preference pairs), agentevol (AgentGym's self-evolution)"""
     grpo_scale: bool = True
     """grpo: divide by the group's std; --no-grpo-scale is Dr. GRPO"""
     gamma: float = 1.0
@@ -102,11 +137,44 @@ class Args:
     lam: float = 1.0
     """GAE lambda (ppo)"""
 
+    # -- SFT, DPO, AgentEvol: learning from trajectory files
+    data: tuple[str, ...] = ()
+    """trajectory files to learn from: AgentGym's AgentTraj JSON/JSONL (scripts/make_expert_data.py writes
+    them), a run's rollouts.jsonl or eval.py's episodes"""
+    experience: tuple[str, ...] = ()
+    """dpo: the model's own episodes, each paired (rejected) with its task's episode in --data (chosen),
+    as AgentGym's make_dpo_dataset; without it, pairs are made within --data's tasks"""
+    batch_size: int = 16
+    """conversations (dpo: pairs) per optimizer step"""
+    validation: float = 0.05
+    """share of --data's tasks held out for the validation loss"""
+    beta: float = 0.1
+    """dpo: strength of the pull toward the reference model"""
+    margin: float = 0.5
+    """dpo: a pair's chosen episode scored at least this much more than its rejected one"""
+    iterations: int = 2
+    """agentevol: rounds of explore, keep the successes, retrain, evaluate (after the first, on --data alone)"""
+    explore_tasks: int = 0
+    """agentevol: train tasks explored per iteration (--n episodes each), spread over the split; 0: all"""
+    threshold: float | None = None
+    """agentevol: keep explored episodes with at least this reward; default: those the env counts as solved"""
+    retrain_from: Literal["base", "continue"] = "base"
+    """agentevol: each iteration retrains --model afresh on the merged data (base, as AgentGym), or goes on
+    from the last iteration's weights (continue)"""
+
+    # -- evaluation during training
+    eval_every: int = 0
+    """play the test split every k steps and at the end (agentevol: every iteration); 0: never
+    (agentevol: every iteration)"""
+    eval_tasks: int = 64
+    """test tasks per evaluation, spread over the split; 0: all"""
+
     # -- rollout
     steps: int = 200
-    """training steps (one rollout + one update each)"""
+    """training steps (one rollout + one update each; sft, dpo: optimizer steps, agentevol: per iteration)"""
     epochs: int | None = None
-    """passes over the train split, each in a new shuffled order (upstream's total_epochs); sets --steps"""
+    """passes over the train split (sft, dpo, agentevol: over --data), each in a new shuffled order
+    (upstream's total_epochs); sets --steps"""
     tasks_per_step: int = 16
     """tasks per step, over all processes (upstream's train_batch_size)"""
     n: int = 8
@@ -244,6 +312,14 @@ PRESETS = {
 # that samples and its sizing (for another GPU; the samples then differ from an uninterrupted run's),
 # and the env infrastructure (where the env server is, how long a call may take, what stops the run).
 # Everything else is the run's own setting, so that it continues as it started, in its own directory.
+# Learning from trajectory files takes its own learning rate: AgentGym's behaviour cloning (1e-5) for a real
+# model, and for the embedded one what took its SFT loss down in a few dozen steps (measured: see the README);
+# DPO keeps the RL rate (the paper preset's 1e-6, a common DPO rate too).
+OFFLINE_LR = {("paper", "sft"): 1e-5, ("paper", "agentevol"): 1e-5,
+              ("tiny", "sft"): 1e-3, ("tiny", "agentevol"): 1e-3, ("tiny", "dpo"): 1e-4}
+OFFLINE = ("sft", "dpo", "agentevol")
+
+
 RESUMABLE = ("steps", "epochs", "save_every", "keep_checkpoints", "track", "wandb_project", "gen_batch_size", "resume",
              "out_dir", "engine", "vllm_gpu_memory_utilization", "vllm_max_model_len", "vllm_tensor_parallel_size",
              "vllm_sleep", "sync_tolerance", "env_timeout", "env_url", "max_error_rate", "max_nonfinite_updates")
@@ -256,6 +332,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
     peek = argparse.ArgumentParser(add_help=False)
     peek.add_argument("--model", default=Args.model)
     peek.add_argument("--preset", default="auto")
+    peek.add_argument("--algo", default=Args.algo)
     peek.add_argument("--resume", default=None)
     peek.add_argument("--run-name", "--run_name", dest="run_name", default=None)  # (tyro takes both spellings)
     peek.add_argument("--out-dir", "--out_dir", dest="out_dir", default=Args.out_dir)
@@ -263,12 +340,24 @@ def parse_args(argv: list[str] | None = None) -> Args:
     checkpoint = find_checkpoint(known.resume, known.out_dir, known.run_name) if known.resume else None
     if checkpoint is not None:
         return resumed_args(argv, checkpoint)
-    preset = known.preset if known.preset != "auto" else ("tiny" if known.model in EMBEDDED else "paper")
+    preset = known.preset if known.preset != "auto" else preset_of(known.model)
     if preset not in PRESETS:
         raise SystemExit(f"unknown preset {preset!r}; choose one of: auto, {', '.join(PRESETS)}")
-    args = tyro.cli(Args, args=argv, default=replace(PRESETS[preset], preset=preset),
-                    description=__doc__.split("\n\n")[0])
+    default = replace(PRESETS[preset], preset=preset)
+    if (preset, known.algo) in OFFLINE_LR:
+        default = replace(default, lr=OFFLINE_LR[preset, known.algo])
+    args = tyro.cli(Args, args=argv, default=default, description=__doc__.split("\n\n")[0])
     return replace(args, preset=preset)
+
+
+def preset_of(model: str) -> str:
+    """`--preset auto`: tiny for the embedded model and for a checkpoint of a run that used it (so that SFT
+    then GRPO on the tiny model chain without flags), the run's own for any other run's checkpoint, else
+    paper."""
+    config = Path(model).parent.parent / "config.json"
+    if Path(model).parent.name == "checkpoints" and config.is_file():
+        return json.loads(config.read_text()).get("preset", "paper")
+    return "tiny" if model in EMBEDDED else "paper"
 
 
 def find_checkpoint(resume: str, out_dir: str, run_name: str | None) -> Path | None:
@@ -347,13 +436,6 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
                          "use it with --algo ppo")
     if args.dual_clip is not None and args.dual_clip <= 1:
         raise SystemExit("--dual-clip must be larger than 1")
-    if args.tasks_per_step % world:
-        raise SystemExit(f"--tasks-per-step {args.tasks_per_step} must be divisible by the {world} processes")
-    trajectories = args.tasks_per_step // world * args.n
-    micro_batches = (trajectories + args.micro_batch_size - 1) // args.micro_batch_size
-    if micro_batches < args.minibatches:
-        raise SystemExit(f"--minibatches {args.minibatches} is more than the {micro_batches} micro-batches of "
-                         f"--micro-batch-size {args.micro_batch_size} that each process has")
     if args.algo == "ppo" and args.mixed_precision == "fp16":
         raise SystemExit("--algo ppo steps two optimizers, which fp16's loss scaling does not support here: "
                          "use --mixed-precision bf16")
@@ -368,6 +450,43 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
         raise SystemExit("--vllm-tensor-parallel-size above 1 puts the engine's workers in other processes, which the "
                          "in-memory weight sync cannot reach yet: train with one engine per process (the default); "
                          "eval.py takes it")
+    if args.eval_every < 0 or args.eval_tasks < 0:
+        raise SystemExit("--eval-every and --eval-tasks take 0 (never, all) or more")
+    if args.algo in OFFLINE:
+        return check_offline(args, world)
+    if args.data or args.experience:
+        raise SystemExit(f"--data and --experience are what sft, dpo and agentevol learn from; --algo {args.algo} "
+                         "learns from its own rollouts")
+    if args.tasks_per_step % world:
+        raise SystemExit(f"--tasks-per-step {args.tasks_per_step} must be divisible by the {world} processes")
+    trajectories = args.tasks_per_step // world * args.n
+    micro_batches = (trajectories + args.micro_batch_size - 1) // args.micro_batch_size
+    if micro_batches < args.minibatches:
+        raise SystemExit(f"--minibatches {args.minibatches} is more than the {micro_batches} micro-batches of "
+                         f"--micro-batch-size {args.micro_batch_size} that each process has")
+
+
+def check_offline(args: Args, world: int) -> None:
+    """check()'s part for sft, dpo and agentevol."""
+    if not args.data:
+        raise SystemExit(f"--algo {args.algo} learns from trajectory files: give --data FILE ... (AgentGym's AgentTraj "
+                         "format; `python scripts/make_expert_data.py --env ENV` writes the oracle's, and a run's "
+                         "rollouts.jsonl or eval.py's episodes read too)")
+    if args.experience and args.algo != "dpo":
+        raise SystemExit("--experience holds the rejected side of DPO's pairs: use it with --algo dpo")
+    if args.batch_size < 1 or args.batch_size % world:
+        raise SystemExit(f"--batch-size {args.batch_size} must be at least 1 and divisible by the {world} processes")
+    if not 0 <= args.validation < 1:
+        raise SystemExit("--validation is the share of --data's tasks held out, in [0, 1)")
+    if args.beta <= 0 or args.margin < 0:
+        raise SystemExit("--beta must be above 0 and --margin at least 0")
+    if args.iterations < 1 or args.explore_tasks < 0:
+        raise SystemExit("--iterations takes 1 or more, --explore-tasks 0 (all) or more")
+    if args.algo == "agentevol" and len(args.horizon) > 1:
+        raise SystemExit("--horizon takes one turn cap with agentevol (ScalingInter-RL's stages are steps of RL)")
+    if args.algo == "agentevol" and args.resume is not None:
+        raise SystemExit("--resume does not continue an agentevol run yet: each iteration's model is in "
+                         "runs/<run>/checkpoints/step_<iteration>; start a new run from it with --model")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -669,19 +788,21 @@ def optimizer_step(model, optimizer, scheduler, args: Args, accelerator, finite:
     return (grad_norm if stepped else None), nonfinite
 
 
-def stop_on_nonfinite(models: Models, batch: Batch, args: Args, accelerator, run_dir: Path, step: int) -> None:
+def stop_on_nonfinite(models: Models, batch: Batch | None, args: Args, accelerator, run_dir: Path, step: int) -> None:
     """After --max-nonfinite-updates optimizer steps in a row were skipped for NaN or infinite values,
-    save this step's batch (each process's share) and stop: something upstream of the loss is broken."""
+    save this step's RL batch (each process's share) and stop: something upstream of the loss is broken."""
     streak = max(models.nonfinite_streak.values(), default=0)
     if streak < args.max_nonfinite_updates:
         return
     where = run_dir / f"nonfinite_step_{step}"
-    where.mkdir(parents=True, exist_ok=True)
-    tensors = {key: value.contiguous() for key, value in batch.full.items()} | {"scores": batch.scores}
-    save_file(tensors, str(where / f"batch_{accelerator.process_index}.safetensors"))
+    if batch is not None:
+        where.mkdir(parents=True, exist_ok=True)
+        tensors = {key: value.contiguous() for key, value in batch.full.items()} | {"scores": batch.scores}
+        save_file(tensors, str(where / f"batch_{accelerator.process_index}.safetensors"))
     message = (f"step {step}: {streak} optimizer steps in a row had a NaN or infinite loss or gradient and were "
-               f"skipped; this step's batch is in {where} (input_ids, loss_mask, sampler_logprobs, advantages, ...). "
-               "Check the rewards and the model's dtype, or start a new run with a lower --lr.")
+               "skipped; " + (f"this step's batch is in {where} (input_ids, loss_mask, sampler_logprobs, advantages, "
+                              "...). Check the rewards and " if batch is not None else "check the data and ")
+               + "the model's dtype, or start a new run with a lower --lr.")
     accelerator.wait_for_everyone()  # (every process's share is written before any exits)
     raise SystemExit(message if accelerator.is_main_process else 1)
 
@@ -768,6 +889,372 @@ def step_metrics(records: list[dict], sampled: list[int], stats: dict, sums: dic
     return metrics
 
 
+def rl_line(step: int, metrics: dict) -> str:
+    """The printed line of an RL step."""
+    return (
+        f"step {step:>4} | reward {metrics['rollout/reward']:.3f} | success {metrics['rollout/success']:.2f} | "
+        f"turns {metrics['rollout/turns']:.1f}/{metrics['rollout/horizon']} | "
+        f"tokens/s {metrics['perf/tokens_per_s']:.0f} | "
+        + (f"kl {metrics['losses/kl']:.4f} | entropy {metrics['losses/entropy']:.3f} | "
+           f"grad {metrics['losses/grad_norm']:.3f} | " if "losses/kl" in metrics
+           else "update skipped: NaN/inf | " if metrics["losses/nonfinite_updates"] else "critic warm-up | ")
+        + (f"value loss {metrics['losses/value']:.4f} | " if "losses/value" in metrics else "")
+        + (f"test success {metrics['eval/success']:.3f} | " if "eval/success" in metrics else "")
+        + (f"prefix hits {metrics['perf/prefix_hit_rate']:.2f} | " if "perf/prefix_hit_rate" in metrics else "")
+        + f"idle {metrics['perf/engine_idle_share']:.0%} | "
+        + (f"logp diff {metrics['rollout/logprob_diff']:.0e} | " if "rollout/logprob_diff" in metrics else "")
+        + (f"sync {metrics['sync/seconds']:.2f}s, probe {metrics['sync/probe_diff']:.0e} | "
+           if "sync/seconds" in metrics else "")
+        + f"{metrics['perf/step_s']:.1f}s"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# SFT, DPO and AgentEvol: learning from trajectory files (rl/data.py), on RL's models and checkpoints
+
+
+def read_data(paths: tuple[str, ...], env: str) -> list[dict]:
+    """Every record of the trajectory files, which must all be `env`'s episodes."""
+    records = []
+    for path in paths:
+        try:
+            records += read_trajectories(path)
+        except DataError as error:
+            raise SystemExit(f"--data: {error}") from None
+    others = sorted({r["item_id"].rpartition("_")[0] for r in records} - {env})
+    if others:
+        raise SystemExit(f"{', '.join(paths)} hold episodes of {', '.join(others)}, and the run's env is {env}: "
+                         f"pass --env {others[0]}, or give {env}'s episodes")
+    return records
+
+
+def held_out(records: list[dict], share: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train, validation): a seeded `share` of the tasks, with every episode of each, held out, so that
+    the validation loss is on tasks the model never learned from."""
+    tasks = sorted({r["item_id"] for r in records})
+    chosen = set(random.Random(f"{seed}-validation").sample(tasks, round(share * len(tasks))))
+    return [r for r in records if r["item_id"] not in chosen], [r for r in records if r["item_id"] in chosen]
+
+
+def encoded(fmt: ChatFormat, record: dict, max_tokens: int) -> tuple[list[int], list[int]]:
+    """A record as RL's token ids and loss mask (rl/data.py: encode), cut to --max-tokens as a rollout
+    would be: what does not fit is not learned."""
+    ids, mask = encode(fmt, record)
+    return ids[:max_tokens], mask[:max_tokens]
+
+
+def examples_of(args: Args, fmt: ChatFormat, records: list[dict], max_tokens: int,
+                experience: list[dict] | None = None) -> list:
+    """What an optimizer step draws from: (ids, mask) conversations with a trained token (sft,
+    agentevol), or (chosen, rejected) pairs of them (dpo: rl/dpo.py, within --data's tasks, or --data's
+    expert episodes against --experience)."""
+    if args.algo != "dpo":
+        sequences = [encoded(fmt, r, max_tokens) for r in records]
+        return [s for s in sequences if any(s[1])]
+    pairs = expert_pairs(records, experience, args.margin) if experience is not None else make_pairs(records, args.margin)
+    return [(encoded(fmt, chosen, max_tokens), encoded(fmt, rejected, max_tokens)) for chosen, rejected in pairs]
+
+
+def offline_steps(args: Args, examples: int) -> int:
+    """Optimizer steps of an sft or dpo run (agentevol: of each iteration): --epochs passes over the
+    examples (the last incomplete batch dropped, as the RL task order), else --steps."""
+    if examples < args.batch_size:
+        raise SystemExit(f"{examples} training {'pairs' if args.algo == 'dpo' else 'conversations'} are fewer than "
+                         f"--batch-size {args.batch_size}: lower it, or give more --data"
+                         + (" (or a lower --margin)" if args.algo == "dpo" else ""))
+    return args.epochs * (examples // args.batch_size) if args.epochs is not None else args.steps
+
+
+def micro_batches(args: Args, examples: list, pad_id: int) -> list[dict]:
+    """This process's examples as micro-batches: sft's conversations packed into rows as long as the
+    longest of them (rl/sft.py: no attention across conversations; longer rows would only add attention
+    across the mask), --micro-batch-size rows each; dpo's pairs, --micro-batch-size pairs each, chosen
+    rows first, then their rejected ones."""
+    size = args.micro_batch_size
+    if args.algo == "dpo":
+        return [pad([c for c, _ in examples[i:i + size]] + [r for _, r in examples[i:i + size]], pad_id)
+                for i in range(0, len(examples), size)]
+    packed = pack(examples, max(len(ids) for ids, _ in examples), pad_id)
+    rows = len(packed.pop("rows"))
+    return [{key: value[i:i + size] for key, value in packed.items()} for i in range(0, rows, size)]
+
+
+def offline_terms(models: Models, micro: dict, args: Args, accelerator) -> tuple[torch.Tensor, dict[str, float]]:
+    """One micro-batch's summed loss (sft: NLL of its action tokens; dpo: rl/dpo.py's loss of its pairs)
+    and its summed statistics."""
+    inputs = (micro["input_ids"], micro["attention_mask"], micro["loss_mask"])
+    with accelerator.autocast():
+        logprobs, _ = token_logprobs(models.policy, *inputs, position_ids=micro.get("position_ids"))
+    if args.algo != "dpo":
+        nll = -(logprobs * micro["loss_mask"]).sum()
+        return nll, {"nll": float(nll.detach()), "tokens": float(micro["loss_mask"].sum())}
+    with torch.no_grad(), accelerator.autocast():
+        ref, _ = token_logprobs(models.ref, *inputs)
+    summed, ref_summed = (logprobs * micro["loss_mask"]).sum(1), (ref.float() * micro["loss_mask"]).sum(1)
+    half = summed.shape[0] // 2
+    loss, chosen, rejected = dpo_loss(summed[:half], summed[half:], ref_summed[:half], ref_summed[half:], args.beta)
+    return loss.sum(), {"loss": float(loss.detach().sum()), "pairs": float(half), "correct": float((chosen > rejected).sum()),
+                        "margin": float((chosen - rejected).sum()), "chosen": float(chosen.sum()),
+                        "rejected": float(rejected.sum())}
+
+
+def offline_pass(models: Models, examples: list, args: Args, accelerator, pad_id: int, train: bool) -> dict[str, float]:
+    """Forward (and when `train`, backward) over this process's share of a batch of examples, the loss
+    divided by the batch's size over all processes (its action tokens for sft, its pairs for dpo), so
+    that the accumulated gradient is the batch's mean however it is split. Returns the statistics
+    summed over every process."""
+    share = examples[accelerator.process_index::accelerator.num_processes]
+    micros = micro_batches(args, share, pad_id) if share else []
+    local = sum(float(m["loss_mask"].sum()) if args.algo != "dpo" else m["input_ids"].shape[0] / 2 for m in micros)
+    reduce = reducer(accelerator)
+    size = float(reduce(torch.tensor([local]))[0] if reduce is not None else local) / accelerator.num_processes
+    sums: dict[str, float] = {}
+    for k, micro in enumerate(micros):
+        micro = {key: value.to(accelerator.device) for key, value in micro.items()}
+        with gradient_sync(accelerator, [models.policy], now=k == len(micros) - 1) if train else torch.no_grad():
+            loss, terms = offline_terms(models, micro, args, accelerator)
+            if train:
+                accelerator.backward(loss / max(size, 1e-9))
+        for key, value in terms.items():
+            sums[key] = sums.get(key, 0.0) + value
+    keys = sorted(sums) or (["nll", "tokens"] if args.algo != "dpo" else ["loss", "pairs", "correct", "margin", "chosen", "rejected"])
+    totals = torch.tensor([sums.get(key, 0.0) for key in keys], dtype=torch.float64)
+    return dict(zip(keys, (reduce(totals) if reduce is not None else totals).tolist()))
+
+
+def offline_metrics(sums: dict[str, float], algo: str, prefix: str = "") -> dict[str, float]:
+    """sft: the mean NLL per action token; dpo: the mean loss, accuracy (the chosen episode's implicit
+    reward above the rejected one's), margin and implicit rewards per pair."""
+    kind = "sft" if algo != "dpo" else "dpo"
+    if kind == "sft":
+        return {f"sft/{prefix}loss": sums["nll"] / max(sums["tokens"], 1.0), f"sft/{prefix}tokens": sums["tokens"]}
+    pairs = max(sums["pairs"], 1.0)
+    return {f"dpo/{prefix}{name}": sums[key] / pairs for name, key in
+            (("loss", "loss"), ("accuracy", "correct"), ("margin", "margin"), ("chosen_reward", "chosen"),
+             ("rejected_reward", "rejected"))}
+
+
+def offline_step(models: Models, examples: list, step: int, args: Args, accelerator, pad_id: int) -> dict[str, float]:
+    """One optimizer step on the step's batch (shuffled epochs over the examples, as RL's task order:
+    a pure function of the step), and its metrics."""
+    batch = [examples[i] for i in tasks_for(step, list(range(len(examples))), args.batch_size, args.seed)]
+    models.policy.train()
+    sums = offline_pass(models, batch, args, accelerator, pad_id, train=True)
+    finite = math.isfinite(sums.get("nll", sums.get("loss", 0.0)))
+    grad_norm, nonfinite = optimizer_step(models.policy, models.optimizer, models.scheduler, args, accelerator, finite)
+    count_nonfinite(models, sums, "policy", step, nonfinite, accelerator)
+    metrics = offline_metrics(sums, args.algo) | {"charts/lr": models.scheduler.get_last_lr()[0],
+                                                  "losses/nonfinite_updates": sums.get("nonfinite_updates", 0)}
+    return metrics | ({"losses/grad_norm": grad_norm} if grad_norm is not None else {})
+
+
+@torch.no_grad()
+def validate(models: Models, examples: list, args: Args, accelerator, pad_id: int) -> dict:
+    """The loss (dpo: and accuracy) on the held-out examples; {} when there are none."""
+    if not examples:
+        return {}
+    models.policy.eval()
+    return offline_metrics(offline_pass(models, examples, args, accelerator, pad_id, train=False),
+                           args.algo, prefix="val_")
+
+
+def play_share(engine, fmt: ChatFormat, environments: list, task_ids: list[int], n: int, models: Models, args: Args,
+               accelerator, max_tokens: int, step: int) -> list[Trajectory]:
+    """`n` episodes of every task with the policy's current weights, each process playing its share of the
+    tasks, at the step's horizon (agentevol: at step 0, iteration 0's evaluation, the only one it has);
+    every process gets all of them, in the same order."""
+    from accelerate.utils import gather_object
+
+    sync_engine(engine, models.policy, accelerator, step)
+    mine = [t for t in task_ids[accelerator.process_index::accelerator.num_processes] for _ in range(n)]
+    played = play(engine, fmt, environments, mine, [i // n for i in range(len(mine))],
+                  horizon=horizon_at(max(step, 1), args.horizon, args.horizon_every), max_new_tokens=args.max_new_tokens,
+                  max_tokens=max_tokens) if mine else []
+    engine.sleep()
+    return gather_object(played)
+
+
+def evaluate(engine, fmt: ChatFormat, environments: list, test_ids: list[int], models: Models, args: Args,
+             accelerator, max_tokens: int, step: int) -> tuple[dict, list[dict]]:
+    """The policy on the test tasks, one episode each at the run's temperature, scored as eval.py scores
+    (rl/scores.py). Returns eval/ metrics, per category too, and every episode's log record."""
+    episodes = play_share(engine, fmt, environments, test_ids, 1, models, args, accelerator, max_tokens, step)
+    results = score(episodes, args.env)
+    metrics = {f"eval/{key}": results[key] for key in ("avg@k", "pass@k", "success", "turns", "errors")}
+    metrics |= {f"eval/{name}/avg@k": c["avg@k"] for name, c in results["categories"].items()}
+    return metrics, [{"step": step, **t.log_record()} for t in episodes]
+
+
+def eval_due(step: int, every: int, last: int) -> bool:
+    """--eval-every's steps: every k-th, and the last."""
+    return every > 0 and (step % every == 0 or step == last)
+
+
+def test_tasks(args: Args) -> list[int]:
+    """The tasks an evaluation plays: --eval-tasks of the test split, spread over it (0: all)."""
+    test_ids = envs.splits(args.env)["test"]
+    return spread(test_ids, args.eval_tasks) if args.eval_tasks else test_ids
+
+
+def restart(models: Models, args: Args, accelerator, initial: tuple[dict, dict]) -> None:
+    """Back to --model's weights with the optimizer and schedule as they started (agentevol's retraining
+    from the base), in place: the engine and Accelerate keep the same modules."""
+    accelerator.unwrap_model(models.policy).load_state_dict(load_model(args.model).state_dict())
+    models.optimizer.load_state_dict(copy.deepcopy(initial[0]))
+    models.scheduler.load_state_dict(copy.deepcopy(initial[1]))
+
+
+def learn(args: Args, accelerator, mixed: str) -> Path:
+    """--algo sft or dpo: optimizer steps over --data's examples, the validation loss at --eval-every
+    steps and at the end, and with --eval-every the policy played on the test split then too."""
+    resuming = args.resume not in (None, "auto")
+    run_dir = run_directory(args, resuming, accelerator)
+    train, validation = held_out(read_data(args.data, args.env), args.validation, args.seed)
+    experience = read_data(args.experience, args.env) if args.experience else None
+    tokenizer = load_tokenizer(args.model)
+    fmt = ChatFormat(tokenizer)
+    models = build_models(args, accelerator, policy_from=args.resume if resuming else args.model)
+    max_tokens = context_limit(args, accelerator.unwrap_model(models.policy), say=accelerator.is_main_process)
+
+    # -- the examples: conversations (sft) or pairs (dpo), a share of the tasks held out for validation
+    examples = examples_of(args, fmt, train, max_tokens, experience)
+    held = examples_of(args, fmt, validation, max_tokens, experience)
+    args = replace(args, steps=offline_steps(args, len(examples)))
+
+    # -- the test tasks, envs and an engine, when the policy is played during training
+    test_ids = test_tasks(args) if args.eval_every else []
+    environments = make_envs(args.env, min(args.gen_batch_size, -(-len(test_ids) // accelerator.num_processes)),
+                             envs.parse_options(args.env_options), args.env_timeout, args.env_url) if test_ids else []
+    engine = build_engine(args, fmt, models, accelerator, max_tokens) if test_ids else None
+    trainer_state = resume(accelerator, models, engine, Path(args.resume)) if resuming else {"step": 0, "logs": {}}
+    config = run_config(args, run_dir, resuming, accelerator, mixed, engine, environments[0] if environments else None)
+    if accelerator.is_main_process:
+        print(f"run {run_dir.name}: {args.algo} on {args.model} ({args.preset} preset), {len(examples)} "
+              f"{'pairs' if args.algo == 'dpo' else 'conversations'} of {len(train)} episodes ({len(held)} held out), "
+              f"{args.steps} steps of {args.batch_size} -> {run_dir}"
+              + (f", resumed at step {trainer_state['step'] + 1}" if resuming else ""))
+    logs = Logs(args, run_dir, config, active=accelerator.is_main_process, resume_sizes=trainer_state["logs"])
+
+    progress = tqdm(range(trainer_state["step"] + 1, args.steps + 1), disable=not accelerator.is_main_process,
+                    desc=args.algo, dynamic_ncols=True, initial=trainer_state["step"], total=args.steps)
+    try:
+        for step in progress:
+            step_start = time.perf_counter()
+            metrics = offline_step(models, examples, step, args, accelerator, fmt.pad_id)
+            stop_on_nonfinite(models, None, args, accelerator, run_dir, step)
+            evaluated = []
+            if step == args.steps or eval_due(step, args.eval_every, args.steps):
+                metrics |= validate(models, held, args, accelerator, fmt.pad_id)
+            if test_ids and eval_due(step, args.eval_every, args.steps):
+                evaluation, evaluated = evaluate(engine, fmt, environments, test_ids, models, args, accelerator,
+                                                 max_tokens, step)
+                metrics |= evaluation
+            metrics |= {"perf/step_s": time.perf_counter() - step_start, "charts/step": step}
+            logs.write(step, metrics, offline_line(step, metrics), evaluations=evaluated)
+            if step == args.steps or (args.save_every and step % args.save_every == 0):
+                save_checkpoint(accelerator, models, engine, tokenizer, run_dir / "checkpoints" / f"step_{step}", step,
+                                logs, args.keep_checkpoints)
+    finally:
+        if engine is not None:
+            engine.close()
+        close_envs(environments)
+        logs.close()
+    return finish(run_dir, accelerator)
+
+
+def evolve(args: Args, accelerator, mixed: str) -> Path:
+    """--algo agentevol, AgentGym's self-evolution. Iteration 0 learns --data alone (behaviour cloning);
+    each later one explores --explore-tasks of the train split (--n episodes each) with the current
+    policy, keeps the episodes that reached --threshold, retrains on --data plus those (from --model, or
+    going on with --retrain-from continue), and plays the test split. One metrics line per iteration;
+    its model is checkpoints/step_<iteration>, its explored episodes are in rollouts.jsonl."""
+    run_dir = run_directory(args, False, accelerator)
+    expert, validation = held_out(read_data(args.data, args.env), args.validation, args.seed)
+    tokenizer = load_tokenizer(args.model)
+    fmt = ChatFormat(tokenizer)
+    models = build_models(args, accelerator, policy_from=args.model)
+    initial = copy.deepcopy(models.optimizer.state_dict()), copy.deepcopy(models.scheduler.state_dict())
+    max_tokens = context_limit(args, accelerator.unwrap_model(models.policy), say=accelerator.is_main_process)
+    held = examples_of(args, fmt, validation, max_tokens)
+
+    # -- the tasks explored and tested, envs to play them on, the engine
+    train_ids = envs.load_task_ids(args.train_tasks, args.env) if args.train_tasks else envs.splits(args.env)["train"]
+    explore_ids = spread(train_ids, args.explore_tasks) if args.explore_tasks else train_ids
+    test_ids = test_tasks(args)
+    share = -(-max(len(explore_ids) * args.n, len(test_ids)) // accelerator.num_processes)
+    count = min(args.gen_batch_size, share)
+    environments = make_envs(args.env, count, envs.parse_options(args.env_options), args.env_timeout, args.env_url)
+    engine = build_engine(args, fmt, models, accelerator, max_tokens)
+    config = run_config(args, run_dir, False, accelerator, mixed, engine, environments[0])
+    if accelerator.is_main_process:
+        print(f"run {run_dir.name}: agentevol on {args.model} ({args.preset} preset), {args.iterations} iterations "
+              f"exploring {len(explore_ids)} tasks x {args.n}, {len(expert)} expert episodes ({len(validation)} held "
+              f"out), testing on {len(test_ids)} tasks -> {run_dir}")
+    logs = Logs(args, run_dir, config, active=accelerator.is_main_process, resume_sizes={})
+    try:
+        for iteration in range(args.iterations + 1):
+            start = time.perf_counter()
+            explored, kept = [], []
+            if iteration > 0:  # explore with the last iteration's policy, keep the successes
+                explored = play_share(engine, fmt, environments, explore_ids, args.n, models, args, accelerator,
+                                      max_tokens, iteration)
+                kept = [to_record(t) for t in explored if t.error is None
+                        and (t.reward >= args.threshold if args.threshold is not None else t.success)]
+                if args.retrain_from == "base":
+                    restart(models, args, accelerator, initial)
+            examples = examples_of(args, fmt, expert + kept, max_tokens)
+            steps = offline_steps(args, len(examples))
+            for step in tqdm(range(1, steps + 1), desc=f"iteration {iteration}", leave=False, dynamic_ncols=True,
+                             disable=not accelerator.is_main_process):
+                metrics = offline_step(models, examples, step, args, accelerator, fmt.pad_id)
+                stop_on_nonfinite(models, None, args, accelerator, run_dir, step)
+            metrics |= validate(models, held, args, accelerator, fmt.pad_id)
+            evaluation, evaluated = evaluate(engine, fmt, environments, test_ids, models, args, accelerator,
+                                             max_tokens, iteration)
+            metrics |= evaluation | {
+                "evol/iteration": iteration, "evol/buffer": len(kept), "evol/explored": len(explored),
+                "evol/explore_success": sum(t.success for t in explored) / max(len(explored), 1),
+                "evol/conversations": len(examples), "sft/steps": steps,
+                "perf/step_s": time.perf_counter() - start, "charts/step": iteration}
+            logs.write(iteration, metrics, evol_line(iteration, metrics), evaluations=evaluated,
+                       rollouts=[{"step": iteration, **t.log_record()} for t in explored])
+            save_checkpoint(accelerator, models, engine, tokenizer, run_dir / "checkpoints" / f"step_{iteration}",
+                            iteration, logs, args.keep_checkpoints)
+    finally:
+        engine.close()
+        close_envs(environments)
+        logs.close()
+    return finish(run_dir, accelerator)
+
+
+def offline_line(step: int, metrics: dict) -> str:
+    """The printed line of an sft or dpo step."""
+    kind = "dpo" if "dpo/loss" in metrics else "sft"
+    return (f"step {step:>4} | {kind} loss {metrics[f'{kind}/loss']:.4f} | "
+            + (f"accuracy {metrics['dpo/accuracy']:.2f} | margin {metrics['dpo/margin']:.3f} | " if kind == "dpo" else "")
+            + (f"val loss {metrics[f'{kind}/val_loss']:.4f} | " if f"{kind}/val_loss" in metrics else "")
+            + (f"test success {metrics['eval/success']:.3f} | " if "eval/success" in metrics else "")
+            + (f"grad {metrics['losses/grad_norm']:.3f} | " if "losses/grad_norm" in metrics else "update skipped: NaN/inf | ")
+            + f"{metrics['perf/step_s']:.1f}s")
+
+
+def evol_line(iteration: int, metrics: dict) -> str:
+    """The printed line of an agentevol iteration."""
+    return (f"iteration {iteration} | explored {metrics['evol/explored']}, kept {metrics['evol/buffer']} "
+            f"(success {metrics['evol/explore_success']:.3f}) | {metrics['evol/conversations']} conversations, "
+            f"{metrics['sft/steps']} steps, loss {metrics['sft/loss']:.4f}"
+            + (f", val loss {metrics['sft/val_loss']:.4f}" if "sft/val_loss" in metrics else "")
+            + f" | test success {metrics['eval/success']:.3f}, avg@1 {metrics['eval/avg@k']:.3f} | "
+            f"{metrics['perf/step_s']:.0f}s")
+
+
+def finish(run_dir: Path, accelerator) -> Path:
+    if accelerator.is_main_process:
+        print(f"done: {run_dir}")
+    accelerator.end_training()
+    return run_dir
+
+
 # ----------------------------------------------------------------------------------------------
 # Set-up: models, logs, checkpoints
 
@@ -787,7 +1274,8 @@ def build_models(args: Args, accelerator, policy_from: str) -> Models:
         policy.gradient_checkpointing_enable()
         policy.config.use_cache = False
     ref = None
-    if args.kl_coef > 0:  # loaded and run exactly as the policy (fp32 under autocast): at step 0 the KL is 0
+    if args.algo == "dpo" or (args.kl_coef > 0 and args.algo not in OFFLINE):
+        # loaded and run exactly as the policy (fp32 under autocast): at step 0 the KL is 0 (DPO's margins too)
         ref = load_model(args.model)
         ref.requires_grad_(False).eval().to(accelerator.device)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -852,7 +1340,8 @@ def run_config(args: Args, run_dir: Path, resuming: bool, accelerator, mixed: st
     """The run's config.json: every setting, and what it ran on. Written once, when the run starts; a
     resumed run keeps it (it runs with those settings), and its wandb run."""
     config = {**asdict(args), "run_name": run_dir.name, "mixed_precision": mixed, "processes": accelerator.num_processes,
-              "engine_used": engine.name, "env_settings": env.options,  # every setting in effect, defaults too
+              "engine_used": engine.name if engine is not None else None,
+              "env_settings": env.options if env is not None else {},  # every setting in effect, defaults too
               "wandb_id": os.urandom(6).hex()}  # (not the seeded random: a new run must not reuse an old id)
     if resuming:
         return config | {"wandb_id": json.loads((run_dir / "config.json").read_text()).get("wandb_id")}
@@ -863,20 +1352,21 @@ def run_config(args: Args, run_dir: Path, resuming: bool, accelerator, mixed: st
 
 
 class Logs:
-    """The run's record on the main process: rollouts.jsonl (every trajectory), metrics.jsonl, wandb
-    with --track, and a line of the main metrics per step. Silent on the other processes.
+    """The run's record on the main process: rollouts.jsonl (every trajectory trained on or explored),
+    evaluations.jsonl (every test episode of --eval-every), metrics.jsonl, wandb with --track, and a line
+    of the main metrics per step. Silent on the other processes.
 
     Each step's lines are appended and fsynced; a checkpoint records how long the logs were when it was
     taken (`sizes`), and a resumed run cuts them back to that (`resume_sizes`; {} for a new run), so
     that a step redone after a crash appears once, and a line torn by the crash not at all."""
 
-    FILES = ("rollouts.jsonl", "metrics.jsonl")
+    FILES = ("rollouts.jsonl", "evaluations.jsonl", "metrics.jsonl")
 
     def __init__(self, args: Args, run_dir: Path, config: dict, active: bool, resume_sizes: dict[str, int]):
         self.active, self.tracker = active, None
         if not active:
             return
-        files = {}
+        self.files = {}
         for name in self.FILES:
             path = run_dir / name
             size = resume_sizes.get(name, 0)
@@ -885,8 +1375,7 @@ class Logs:
                                  "changed or lost since; resume from a copy of the run directory that has them")
             with open(path, "a") as f:
                 f.truncate(size)
-            files[name] = open(path, "a")
-        self.rollouts, self.metrics = files["rollouts.jsonl"], files["metrics.jsonl"]
+            self.files[name] = open(path, "a")
         if args.track:
             import wandb
 
@@ -898,7 +1387,19 @@ class Logs:
                                       dir=str(run_dir), id=config["wandb_id"], resume="allow")
 
     def sizes(self) -> dict[str, int]:
-        return {"rollouts.jsonl": self.rollouts.tell(), "metrics.jsonl": self.metrics.tell()} if self.active else {}
+        return {name: file.tell() for name, file in self.files.items()} if self.active else {}
+
+    def write(self, step: int, metrics: dict, line: str, rollouts: list[dict] = (), evaluations: list[dict] = ()) -> None:
+        """A step's episodes and metrics, appended and fsynced, the metrics to wandb, and `line` printed."""
+        if not self.active:
+            return
+        for name, records in (("rollouts.jsonl", rollouts), ("evaluations.jsonl", evaluations)):
+            if records:
+                self._append(self.files[name], "".join(json.dumps(record) + "\n" for record in records))
+        self._append(self.files["metrics.jsonl"], json.dumps(metrics) + "\n")
+        if self.tracker is not None:
+            self.tracker.log(metrics, step=step)
+        tqdm.write(line)
 
     @staticmethod
     def _append(file, text: str) -> None:
@@ -906,35 +1407,11 @@ class Logs:
         file.flush()
         os.fsync(file.fileno())
 
-    def write(self, step: int, records: list[dict], metrics: dict, progress) -> None:
-        if not self.active:
-            return
-        self._append(self.rollouts, "".join(json.dumps(record) + "\n" for record in records))
-        self._append(self.metrics, json.dumps(metrics) + "\n")
-        if self.tracker is not None:
-            self.tracker.log(metrics, step=step)
-        progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", success=f"{metrics['rollout/success']:.2f}")
-        tqdm.write(
-            f"step {step:>4} | reward {metrics['rollout/reward']:.3f} | success {metrics['rollout/success']:.2f} | "
-            f"turns {metrics['rollout/turns']:.1f}/{metrics['rollout/horizon']} | "
-            f"tokens/s {metrics['perf/tokens_per_s']:.0f} | "
-            + (f"kl {metrics['losses/kl']:.4f} | entropy {metrics['losses/entropy']:.3f} | "
-               f"grad {metrics['losses/grad_norm']:.3f} | " if "losses/kl" in metrics
-               else "update skipped: NaN/inf | " if metrics["losses/nonfinite_updates"] else "critic warm-up | ")
-            + (f"value loss {metrics['losses/value']:.4f} | " if "losses/value" in metrics else "")
-            + (f"prefix hits {metrics['perf/prefix_hit_rate']:.2f} | " if "perf/prefix_hit_rate" in metrics else "")
-            + f"idle {metrics['perf/engine_idle_share']:.0%} | "
-            + (f"logp diff {metrics['rollout/logprob_diff']:.0e} | " if "rollout/logprob_diff" in metrics else "")
-            + (f"sync {metrics['sync/seconds']:.2f}s, probe {metrics['sync/probe_diff']:.0e} | "
-               if "sync/seconds" in metrics else "")
-            + f"{metrics['perf/step_s']:.1f}s"
-        )
-
     def close(self) -> None:
         if not self.active:
             return
-        self.rollouts.close()
-        self.metrics.close()
+        for file in self.files.values():
+            file.close()
         if self.tracker is not None:
             self.tracker.finish()
 
@@ -964,7 +1441,8 @@ def save_checkpoint(accelerator, models: Models, engine, tokenizer, path: Path, 
                       "scaler": accelerator.scaler.state_dict() if accelerator.scaler else None}
         (tmp / "state" / "schedulers.json").write_text(json.dumps(schedulers) + "\n")
     checkpoint_lib.save_rng(tmp / "state" / f"rng_{accelerator.process_index}.safetensors")
-    save_file(engine.state_dict(), str(tmp / "state" / f"sampler_{accelerator.process_index}.safetensors"))
+    if engine is not None:  # (sft and dpo without --eval-every sample nothing)
+        save_file(engine.state_dict(), str(tmp / "state" / f"sampler_{accelerator.process_index}.safetensors"))
     accelerator.wait_for_everyone()
     if main_process:
         tokenizer.save_pretrained(tmp)
@@ -992,11 +1470,13 @@ def resume(accelerator, models: Models, engine, checkpoint: Path) -> dict:
     sampler = state / f"sampler_{accelerator.process_index}.safetensors"
     if rng.is_file():
         checkpoint_lib.load_rng(rng)
-    # none from fewer processes, or from another engine; vLLM keeps none
-    if not rng.is_file() or not engine.load_state_dict(load_file(str(sampler)) if sampler.is_file() else {}):
+    # none from fewer processes, or from another engine; vLLM keeps none (sft and dpo may have no engine)
+    restored = engine is None or engine.load_state_dict(load_file(str(sampler)) if sampler.is_file() else {})
+    if not rng.is_file() or not restored:
         print(f"{checkpoint}: process {accelerator.process_index} continues without the "
-              f"{'sampler' if rng.is_file() else 'random and sampler'} state of the run ({engine.name} engine): "
-              "its samples will differ from an uninterrupted run's")
+              f"{'sampler' if rng.is_file() else 'random and sampler'} state of the run"
+              + (f" ({engine.name} engine)" if engine is not None else "")
+              + ": its samples will differ from an uninterrupted run's")
     trainer_state = json.loads((checkpoint / checkpoint_lib.STATE).read_text())
     models.nonfinite_streak = trainer_state.get("nonfinite_streak", {})
     return trainer_state
@@ -1015,6 +1495,8 @@ def main(args: Args) -> Path:
     accelerator = Accelerator(mixed_precision=mixed, step_scheduler_with_optimizer=False)
     check(args, accelerator.num_processes, accelerator.distributed_type.value)
     set_seed(args.seed + accelerator.process_index)
+    if args.algo in OFFLINE:  # learning from trajectory files: the same models, checkpoints and logs
+        return evolve(args, accelerator, mixed) if args.algo == "agentevol" else learn(args, accelerator, mixed)
     resuming = args.resume not in (None, "auto")  # "auto" without a checkpoint yet: a new run under --run-name
     run_dir = run_directory(args, resuming, accelerator)
 
@@ -1028,6 +1510,7 @@ def main(args: Args) -> Path:
     environments = make_envs(args.env, args.tasks_per_step // accelerator.num_processes * args.n,
                              envs.parse_options(args.env_options), args.env_timeout, args.env_url)
     pool = ThreadPoolExecutor(max_workers=min(32, len(environments)))
+    test_ids = test_tasks(args) if args.eval_every else []  # played on the same envs every --eval-every steps
 
     # -- models, the sampler, and the training state when resuming
     tokenizer = load_tokenizer(args.model)
@@ -1080,8 +1563,13 @@ def main(args: Args) -> Path:
             sampled = gather_object([stats["sampled_tokens"]])
             metrics = step_metrics(records, sampled, stats, sums, grad_norms, batch, advantages, returns, models, horizon,
                                    engine.metrics() | synced)
+            evaluated = []
+            if eval_due(step, args.eval_every, args.steps):
+                evaluation, evaluated = evaluate(engine, fmt, environments, test_ids, models, args, accelerator,
+                                                 max_tokens, step)
+                metrics |= evaluation
             metrics |= {"perf/step_s": time.perf_counter() - step_start, "charts/step": step}
-            logs.write(step, records, metrics, progress)
+            logs.write(step, metrics, rl_line(step, metrics), rollouts=records, evaluations=evaluated)
 
             if step == args.steps or (args.save_every and step % args.save_every == 0):
                 save_checkpoint(accelerator, models, engine, tokenizer, run_dir / "checkpoints" / f"step_{step}", step, logs,
@@ -1091,10 +1579,7 @@ def main(args: Args) -> Path:
         engine.close()
         close_envs(environments)
         logs.close()
-    if accelerator.is_main_process:
-        print(f"done: {run_dir}")
-    accelerator.end_training()
-    return run_dir
+    return finish(run_dir, accelerator)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def tiny_args(tmp_path, **overrides):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("run")
-    run_dir = train.main(tiny_args(tmp, lr=0.01))
+    run_dir = train.main(tiny_args(tmp, lr=0.01, eval_every=2, eval_tasks=4))
     return run_dir
 
 
@@ -45,7 +45,7 @@ def test_training_changes_weights_and_writes_a_checkpoint(trained):
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["nonfinite_streak"] == {"policy": 0}
     # how far the logs got, for a resume to cut them back to: here, all of them
-    assert state["logs"] == {name: (trained / name).stat().st_size for name in ("rollouts.jsonl", "metrics.jsonl")}
+    assert state["logs"] == {name: (trained / name).stat().st_size for name in train.Logs.FILES}
     # nothing a resume would unpickle: weights and state in safetensors, the rest JSON
     assert {p.suffix for p in ckpt.rglob("*") if p.is_file()} <= {".safetensors", ".json", ".jinja"}
     before = load_file(EMBEDDED["tiny-agent"] / "model.safetensors")
@@ -71,6 +71,15 @@ def test_rollout_log_has_every_trajectory(trained):
         assert all(m["sync/probe_diff"] < 1e-3 and m["perf/prefix_hit_rate"] > 0 for m in metrics)
     config = json.loads((trained / "config.json").read_text())
     assert config["preset"] == "tiny" and config["env"] == "babyai"
+
+
+def test_eval_every_plays_the_test_split(trained):
+    metrics = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
+    assert ["eval/success" in m for m in metrics] == [False, True]  # --eval-every 2 of 2 steps
+    episodes = [json.loads(line) for line in (trained / "evaluations.jsonl").read_text().splitlines()]
+    assert [e["item_id"] for e in episodes] == [f"babyai_{i}" for i in eval_script.spread(envs.splits("babyai")["test"], 4)]
+    assert all(e["step"] == 2 and 1 <= e["turns"] <= 2 for e in episodes)  # at the step's horizon
+    assert metrics[1]["eval/avg@k"] == pytest.approx(sum(e["reward"] for e in episodes) / 4)
 
 
 def test_eval_scores_the_checkpoint(trained, tmp_path):
