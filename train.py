@@ -63,8 +63,10 @@ Where the loop deliberately differs from upstream's (AgentGym-RL's verl fork), a
   trains on every record and only evaluates by playing.
 - DPO also pairs episodes within a task of one file (our rollout logs and eval outputs), besides
   AgentGym's expert-versus-experience pairs.
-- AgentEvol explores --explore-tasks of the train split (default: all, as AgentGym) and can go on from
-  the last iteration's weights (--retrain-from continue); AgentGym always retrains from the base.
+- AgentEvol explores --explore-tasks of the train split (default: all) --n times each at the run's
+  temperature; AgentGym's script explores a set of its own greedily (do_sample False), which would make
+  the samples of a task identical. It can also go on from the last iteration's weights (--retrain-from
+  continue); AgentGym always retrains from the base.
 (Reward placement, GAE over action tokens and groups of one are in rl/advantages.py; the horizon
 schedule's resume in rl/horizon.py.)
 """
@@ -148,12 +150,13 @@ class Args:
     """conversations (dpo: pairs) per optimizer step"""
     validation: float = 0.05
     """share of --data's tasks held out for the validation loss"""
-    beta: float = 0.1
-    """dpo: strength of the pull toward the reference model"""
+    beta: float = 0.5
+    """dpo: strength of the pull toward the reference model (AgentGym's train_dpo.sh: 0.5)"""
     margin: float = 0.5
     """dpo: a pair's chosen episode scored at least this much more than its rejected one"""
     iterations: int = 2
-    """agentevol: rounds of explore, keep the successes, retrain, evaluate (after the first, on --data alone)"""
+    """agentevol: rounds of explore, keep the successes, retrain, evaluate, after a first round of behaviour
+    cloning on --data alone"""
     explore_tasks: int = 0
     """agentevol: train tasks explored per iteration (--n episodes each), spread over the split; 0: all"""
     threshold: float | None = None
@@ -235,7 +238,8 @@ class Args:
     minibatches: int = 2
     """optimizer steps per epoch over the step's trajectories"""
     micro_batch_size: int = 4
-    """trajectories per forward/backward (gradient accumulation inside a mini-batch)"""
+    """trajectories per forward/backward (gradient accumulation inside a mini-batch; sft: packed rows,
+    dpo: pairs)"""
     clip: float = 0.2
     """PPO ratio clip (the lower one when --clip-high is given)"""
     clip_high: float | None = None
@@ -312,10 +316,10 @@ PRESETS = {
 # that samples and its sizing (for another GPU; the samples then differ from an uninterrupted run's),
 # and the env infrastructure (where the env server is, how long a call may take, what stops the run).
 # Everything else is the run's own setting, so that it continues as it started, in its own directory.
-# Learning from trajectory files takes its own learning rate: AgentGym's behaviour cloning (1e-5) for a real
-# model, and for the embedded one what took its SFT loss down in a few dozen steps (measured: see the README);
-# DPO keeps the RL rate (the paper preset's 1e-6, a common DPO rate too).
-OFFLINE_LR = {("paper", "sft"): 1e-5, ("paper", "agentevol"): 1e-5,
+# Learning from trajectory files takes its own learning rate: AgentGym's example scripts' for a real model
+# (behaviour cloning and AgentEvol 1e-5, DPO 5e-7), and for the embedded one what took its losses down in a few
+# dozen steps (measured: see the README).
+OFFLINE_LR = {("paper", "sft"): 1e-5, ("paper", "agentevol"): 1e-5, ("paper", "dpo"): 5e-7,
               ("tiny", "sft"): 1e-3, ("tiny", "agentevol"): 1e-3, ("tiny", "dpo"): 1e-4}
 OFFLINE = ("sft", "dpo", "agentevol")
 
