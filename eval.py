@@ -61,7 +61,7 @@ class Args:
     split: Literal["test", "train"] = "test"
     """which of the env's shipped splits to evaluate"""
     tasks: str | None = None
-    """task id file (AgentGym-RL-Data-ID format) instead of the split"""
+    """task id file (AgentGym-RL-Data-ID format) instead of the split; a run's checkpoint: default its run's --test-tasks"""
     limit: int | None = None
     """evaluate N tasks spread evenly over the split"""
     k: int = 1
@@ -141,14 +141,17 @@ def resolve_settings(args: Args) -> dict:
         raise SystemExit(f"--{' --'.join(k.replace('_', '-') for k, v in overrides.items() if v < 1)}: at least 1")
     own_options = config.get("env_options", {}) if config is not None and config["env"] == env else {}
     options = {**envs.parse_options(own_options), **envs.parse_options(args.env_options)}
-    return {"env": env, "protocol": protocol, **limits, **overrides, "overrides": sorted(overrides), "env_options": options}
+    # a run's checkpoint plays its run's test tasks (the tiny preset's on BabyAI: the short-horizon levels')
+    own_tasks = config.get("test_tasks") if protocol == "run" and config["env"] == env and args.split == "test" else None
+    return {"env": env, "protocol": protocol, **limits, **overrides, "overrides": sorted(overrides), "env_options": options,
+            "tasks": args.tasks or own_tasks}
 
 
 def main(args: Args) -> dict:
     settings = resolve_settings(args)
     env_name = settings["env"]
-    if args.tasks:
-        task_ids = envs.load_task_ids(args.tasks, env_name)
+    if settings["tasks"]:
+        task_ids = envs.load_task_ids(settings["tasks"], env_name)
     else:
         task_ids = envs.splits(env_name)[args.split]
     if args.limit:
@@ -184,7 +187,7 @@ def main(args: Args) -> dict:
         bar.close()
         engine.close()
         close_envs(environments)
-    results = {"model": args.model, "split": args.split if not args.tasks else args.tasks, "k": args.k,
+    results = {"model": args.model, "split": settings["tasks"] or args.split, "k": args.k,
                "temperature": args.temperature, "engine": kind, **settings, "env_settings": env_settings,
                "env_url": args.env_url,
                **score(trajectories, env_name),

@@ -98,7 +98,21 @@ class Trajectory:
             "item_id": self.item_id, "group": self.group, "reward": self.reward, "success": self.success,
             "turns": self.turns, "finish": self.finish, "error": self.error, "tokens": len(self.token_ids),
             "action_tokens": sum(self.loss_mask), "messages": self.messages,
+            # the exact tokens, and the [start, end) runs of loss-mask 1 (the sampled turns) among them
+            "token_ids": self.token_ids, "action_spans": spans(self.loss_mask),
         }
+
+
+def spans(mask: list[int]) -> list[list[int]]:
+    """The [start, end) runs of 1 in a 0/1 mask."""
+    runs, start = [], None
+    for i, value in enumerate([*mask, 0]):
+        if value and start is None:
+            start = i
+        elif not value and start is not None:
+            runs.append([start, i])
+            start = None
+    return runs
 
 
 # ----------------------------------------------------------------------------------------------

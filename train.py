@@ -86,6 +86,7 @@ import random
 import shutil
 import sys
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -106,9 +107,10 @@ from rl.dpo import dpo_loss, expert_pairs, make_pairs
 from rl.horizon import describe, horizon_at
 from rl.logprobs import collate, pad, token_logprobs, token_values
 from rl.losses import aggregate, kl, policy_loss, value_loss
+from rl.memory import peak_gib, reset_peak
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, load_model, load_tokenizer, load_value_model
 from rl.engines import SyncError, make_engine
-from rl.scores import score, spread
+from rl.scores import gain, score, spread
 from rl.sft import pack
 from rollout import ChatFormat, Trajectory, play, rollout
 
@@ -125,7 +127,11 @@ class Args:
     env_options: dict[str, str] = field(default_factory=dict)
     """keyword options for envs.make, e.g. --env-options reward normalized"""
     train_tasks: str | None = None
-    """task id file in AgentGym-RL-Data-ID format ([{"item_id": "babyai_12"}, ...]); default: the shipped train split"""
+    """task id file in AgentGym-RL-Data-ID format ([{"item_id": "babyai_12"}, ...]); default: the shipped train split
+    (the tiny preset's on BabyAI: 5 levels where the embedded agent learns fastest, envs/data/babyai_tiny_train.json)"""
+    test_tasks: str | None = None
+    """task id file that evaluations play (--eval-every); default: the shipped test split (the tiny preset's on
+    BabyAI: envs/data/babyai_tiny_test.json)"""
 
     # -- algorithm
     algo: Literal["grpo", "rloo", "reinforce_pp", "ppo", "sft", "dpo", "agentevol"] = "grpo"
@@ -171,6 +177,8 @@ class Args:
     (agentevol: every iteration)"""
     eval_tasks: int = 64
     """test tasks per evaluation, spread over the split; 0: all"""
+    eval_k: int = 1
+    """episodes per test task in an evaluation (Avg@k, Pass@k)"""
 
     # -- rollout
     steps: int = 200
@@ -301,10 +309,13 @@ class Args:
 
 PRESETS = {
     "paper": Args(),
+    # the default run, `python train.py`: ScalingInter-RL on 5 BabyAI levels (TINY_TASKS), 3 turns
+    # then 6, and the held-out comparison of the initial and final policies (step 0 and the last evaluation)
     "tiny": Args(
-        env=EMBEDDED_ROLLOUT["env"], horizon=(EMBEDDED_ROLLOUT["horizon"],), max_new_tokens=EMBEDDED_ROLLOUT["max_new_tokens"],
-        max_tokens=EMBEDDED_ROLLOUT["max_tokens"], steps=10, tasks_per_step=8, n=4, lr=5e-5, minibatches=1,
-        micro_batch_size=4, save_every=0, critic_lr=1e-3,
+        env=EMBEDDED_ROLLOUT["env"], horizon=(3, EMBEDDED_ROLLOUT["horizon"]), horizon_every=8,
+        max_new_tokens=EMBEDDED_ROLLOUT["max_new_tokens"], max_tokens=EMBEDDED_ROLLOUT["max_tokens"], steps=16,
+        tasks_per_step=8, n=4, lr=1e-4, minibatches=1, micro_batch_size=4, save_every=0, critic_lr=1e-3,
+        eval_every=16, eval_tasks=0, eval_k=2,
         # measured on the one-turn bandit of tests/test_learning.py at lr 1e-3: token-mean takes GRPO from
         # 27% to 69% in 6 steps, seq-mean-token-mean drifts to long replies and collapses to 0%
         loss_agg="token-mean",
@@ -322,6 +333,10 @@ PRESETS = {
 OFFLINE_LR = {("paper", "sft"): 1e-5, ("paper", "agentevol"): 1e-5, ("paper", "dpo"): 5e-7,
               ("tiny", "sft"): 1e-3, ("tiny", "agentevol"): 1e-3, ("tiny", "dpo"): 1e-4}
 OFFLINE = ("sft", "dpo", "agentevol")
+# The tiny preset's task sets, by env (envs/data, scripts/babyai_splits.py): on BabyAI the 5 levels where the
+# embedded agent succeeds 20-80% of the time, so that most of GRPO's groups differ in reward; on the others it is
+# at 1-15% (or the expert itself cannot finish in 6 turns), and a group of 4 rarely carries any signal.
+TINY_TASKS = {"babyai": ("babyai_tiny_train.json", "babyai_tiny_test.json")}
 
 
 RESUMABLE = ("steps", "epochs", "save_every", "keep_checkpoints", "track", "wandb_project", "gen_batch_size", "resume",
@@ -337,6 +352,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
     peek.add_argument("--model", default=Args.model)
     peek.add_argument("--preset", default="auto")
     peek.add_argument("--algo", default=Args.algo)
+    peek.add_argument("--env", default=PRESETS["tiny"].env)
     peek.add_argument("--resume", default=None)
     peek.add_argument("--run-name", "--run_name", dest="run_name", default=None)  # (tyro takes both spellings)
     peek.add_argument("--out-dir", "--out_dir", dest="out_dir", default=Args.out_dir)
@@ -348,8 +364,11 @@ def parse_args(argv: list[str] | None = None) -> Args:
     if preset not in PRESETS:
         raise SystemExit(f"unknown preset {preset!r}; choose one of: auto, {', '.join(PRESETS)}")
     default = replace(PRESETS[preset], preset=preset)
-    if (preset, known.algo) in OFFLINE_LR:
-        default = replace(default, lr=OFFLINE_LR[preset, known.algo])
+    if (preset, known.algo) in OFFLINE_LR:  # (and one turn cap: ScalingInter-RL's stages are steps of RL)
+        default = replace(default, lr=OFFLINE_LR[preset, known.algo], horizon=default.horizon[-1:])
+    if preset == "tiny" and known.env in TINY_TASKS:
+        train, test = TINY_TASKS[known.env]
+        default = replace(default, train_tasks=str(envs.DATA_DIR / train), test_tasks=str(envs.DATA_DIR / test))
     args = tyro.cli(Args, args=argv, default=default, description=__doc__.split("\n\n")[0])
     return replace(args, preset=preset)
 
@@ -454,8 +473,8 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
         raise SystemExit("--vllm-tensor-parallel-size above 1 puts the engine's workers in other processes, which the "
                          "in-memory weight sync cannot reach yet: train with one engine per process (the default); "
                          "eval.py takes it")
-    if args.eval_every < 0 or args.eval_tasks < 0:
-        raise SystemExit("--eval-every and --eval-tasks take 0 (never, all) or more")
+    if args.eval_every < 0 or args.eval_tasks < 0 or args.eval_k < 1:
+        raise SystemExit("--eval-every and --eval-tasks take 0 (never, all) or more, --eval-k 1 or more")
     if args.algo in OFFLINE:
         return check_offline(args, world)
     if args.data or args.experience:
@@ -519,6 +538,16 @@ class Batch:
     scores: torch.Tensor  # [B] outcome rewards
     groups: torch.Tensor  # [B] which task's group
     ok: torch.Tensor  # [B] False where the env failed
+
+    @property
+    def tokens(self) -> int:
+        """Trajectory tokens in the micro-batches (this process's)."""
+        return sum(int(micro["attention_mask"].sum()) for micro in self.micro)
+
+    @property
+    def positions(self) -> int:
+        """Positions in the micro-batches, padding included."""
+        return sum(micro["attention_mask"].numel() for micro in self.micro)
 
 
 def make_batch(trajectories: list[Trajectory], pad_id: int, micro_batch_size: int, device) -> Batch:
@@ -866,6 +895,12 @@ def step_metrics(records: list[dict], sampled: list[int], stats: dict, sums: dic
         "perf/generate_s": stats["generate_s"],
         "perf/engine_idle_share": stats["idle_s"] / max(stats["rollout_s"], 1e-9),  # waiting for envs, nothing to generate
         "perf/env_call_s": stats["env_s"] / max(stats["env_calls"], 1),  # mean seconds of a reset or step
+        # the update phase (the batch, old/reference log-probs, advantages, every optimizer step) of this process
+        "perf/update_s": stats["update_s"],
+        "perf/update_tokens_per_s": batch.tokens / max(stats["update_s"], 1e-9),
+        "perf/update_padding_share": 1 - batch.tokens / max(batch.positions, 1),  # pad positions of its micro-batches
+        "perf/rollout_peak_gib": stats["rollout_peak_gib"],  # GPU allocated, else resident set (rl/memory.py)
+        "perf/update_peak_gib": stats["update_peak_gib"],
         **({"perf/prefix_hit_rate": engine_metrics["prefix_hit_rate"]} if "prefix_hit_rate" in engine_metrics else {}),
         **{key: value for key, value in engine_metrics.items() if key.startswith("sync/")},
         "charts/lr": models.scheduler.get_last_lr()[0],
@@ -1063,30 +1098,33 @@ def validate(models: Models, examples: list, args: Args, accelerator, pad_id: in
 
 
 def play_share(engine, fmt: ChatFormat, environments: list, task_ids: list[int], n: int, models: Models, args: Args,
-               accelerator, max_tokens: int, step: int) -> list[Trajectory]:
-    """`n` episodes of every task with the policy's current weights, each process playing its share of the
-    tasks, at the step's horizon (agentevol: at step 0, iteration 0's evaluation, the only one it has);
-    every process gets all of them, in the same order."""
+               accelerator, max_tokens: int, step: int, horizon: int) -> list[Trajectory]:
+    """`n` episodes of every task with the policy's current weights (those of `step`), at most `horizon`
+    turns each, each process playing its share of the tasks; every process gets all of them, in the same
+    order."""
     from accelerate.utils import gather_object
 
     sync_engine(engine, models.policy, accelerator, step)
     mine = [t for t in task_ids[accelerator.process_index::accelerator.num_processes] for _ in range(n)]
-    played = play(engine, fmt, environments, mine, [i // n for i in range(len(mine))],
-                  horizon=horizon_at(max(step, 1), args.horizon, args.horizon_every), max_new_tokens=args.max_new_tokens,
-                  max_tokens=max_tokens) if mine else []
+    played = play(engine, fmt, environments, mine, [i // n for i in range(len(mine))], horizon=horizon,
+                  max_new_tokens=args.max_new_tokens, max_tokens=max_tokens) if mine else []
     engine.sleep()
     return gather_object(played)
 
 
 def evaluate(engine, fmt: ChatFormat, environments: list, test_ids: list[int], models: Models, args: Args,
              accelerator, max_tokens: int, step: int) -> tuple[dict, list[dict]]:
-    """The policy on the test tasks, one episode each at the run's temperature, scored as eval.py scores
-    (rl/scores.py). Returns eval/ metrics, per category too, and every episode's log record."""
-    episodes = play_share(engine, fmt, environments, test_ids, 1, models, args, accelerator, max_tokens, step)
+    """The policy on the test tasks, --eval-k episodes each at the run's temperature, scored as eval.py scores
+    (rl/scores.py). Every evaluation of a run plays under one turn cap, its horizon schedule's last stage (the
+    one it is headed for), so that evaluations compare across steps, the first (step 0, before any update)
+    included. Returns eval/ metrics, per category too, and every episode's log record."""
+    horizon = args.horizon[-1]
+    episodes = play_share(engine, fmt, environments, test_ids, args.eval_k, models, args, accelerator, max_tokens, step,
+                          horizon)
     results = score(episodes, args.env)
     metrics = {f"eval/{key}": results[key] for key in ("avg@k", "pass@k", "success", "turns", "errors")}
     metrics |= {f"eval/{name}/avg@k": c["avg@k"] for name, c in results["categories"].items()}
-    return metrics, [{"step": step, **t.log_record()} for t in episodes]
+    return metrics | {"eval/horizon": horizon}, [{"step": step, **t.log_record()} for t in episodes]
 
 
 def eval_due(step: int, every: int, last: int) -> bool:
@@ -1094,9 +1132,9 @@ def eval_due(step: int, every: int, last: int) -> bool:
     return every > 0 and (step % every == 0 or step == last)
 
 
-def test_tasks(args: Args) -> list[int]:
-    """The tasks an evaluation plays: --eval-tasks of the test split, spread over it (0: all)."""
-    test_ids = envs.splits(args.env)["test"]
+def test_task_ids(args: Args) -> list[int]:
+    """The tasks an evaluation plays: --eval-tasks of --test-tasks (the test split), spread over it (0: all)."""
+    test_ids = envs.load_task_ids(args.test_tasks, args.env) if args.test_tasks else envs.splits(args.env)["test"]
     return spread(test_ids, args.eval_tasks) if args.eval_tasks else test_ids
 
 
@@ -1126,7 +1164,7 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
     args = replace(args, steps=offline_steps(args, len(examples)))
 
     # -- the test tasks, envs and an engine, when the policy is played during training
-    test_ids = test_tasks(args) if args.eval_every else []
+    test_ids = test_task_ids(args) if args.eval_every else []
     environments = make_envs(args.env, min(args.gen_batch_size, -(-len(test_ids) // accelerator.num_processes)),
                              envs.parse_options(args.env_options), args.env_timeout, args.env_url) if test_ids else []
     engine = build_engine(args, fmt, models, accelerator, max_tokens) if test_ids else None
@@ -1184,7 +1222,7 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
     # -- the tasks explored and tested, envs to play them on, the engine
     train_ids = envs.load_task_ids(args.train_tasks, args.env) if args.train_tasks else envs.splits(args.env)["train"]
     explore_ids = spread(train_ids, args.explore_tasks) if args.explore_tasks else train_ids
-    test_ids = test_tasks(args)
+    test_ids = test_task_ids(args)
     share = -(-max(len(explore_ids) * args.n, len(test_ids)) // accelerator.num_processes)
     count = min(args.gen_batch_size, share)
     environments = make_envs(args.env, count, envs.parse_options(args.env_options), args.env_timeout, args.env_url)
@@ -1201,7 +1239,7 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
             explored, kept = [], []
             if iteration > 0:  # explore with the last iteration's policy, keep the successes
                 explored = play_share(engine, fmt, environments, explore_ids, args.n, models, args, accelerator,
-                                      max_tokens, iteration)
+                                      max_tokens, iteration, horizon=args.horizon[-1])
                 kept = [to_record(t) for t in explored if t.error is None
                         and (t.reward >= args.threshold if args.threshold is not None else t.success)]
                 if args.retrain_from == "base":
@@ -1252,8 +1290,36 @@ def evol_line(iteration: int, metrics: dict) -> str:
             f"{metrics['perf/step_s']:.0f}s")
 
 
+def eval_line(step: int, metrics: dict) -> str:
+    """The printed line of an evaluation outside a training step."""
+    return (f"eval {step:>4} | test success {metrics['eval/success']:.3f} | avg@k {metrics['eval/avg@k']:.3f} | "
+            f"pass@k {metrics['eval/pass@k']:.3f} | turns {metrics['eval/turns']:.1f}/{metrics['eval/horizon']}")
+
+
+def held_out_line(run_dir: Path) -> str | None:
+    """The run's first evaluation (step 0: the initial policy) against its last, on the same test tasks:
+    success before and after, the gain and its 95% confidence interval (rl/scores.py's `gain`); None
+    unless the run evaluated at step 0 and later."""
+    path = run_dir / "evaluations.jsonl"
+    steps: dict[int, list] = collections.defaultdict(list)
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        record = json.loads(line)
+        steps[record["step"]].append(types.SimpleNamespace(task_id=record["item_id"], success=record["success"]))
+    last = max(steps, default=0)
+    if 0 not in steps or last == 0:
+        return None
+    result = gain(steps[0], steps[last])
+    episodes = len(steps[last]) / result["tasks"]
+    return (f"held-out success {result['before']:.3f} -> {result['after']:.3f} ({result['gain']:+.3f}, 95% CI "
+            f"{result['low']:+.3f} to {result['high']:+.3f}; {result['tasks']} test tasks x {episodes:g} episodes, "
+            f"step 0 vs step {last})")
+
+
 def finish(run_dir: Path, accelerator) -> Path:
     if accelerator.is_main_process:
+        line = held_out_line(run_dir)
+        if line is not None:
+            print(line)
         print(f"done: {run_dir}")
     accelerator.end_training()
     return run_dir
@@ -1514,7 +1580,7 @@ def main(args: Args) -> Path:
     environments = make_envs(args.env, args.tasks_per_step // accelerator.num_processes * args.n,
                              envs.parse_options(args.env_options), args.env_timeout, args.env_url)
     pool = ThreadPoolExecutor(max_workers=min(32, len(environments)))
-    test_ids = test_tasks(args) if args.eval_every else []  # played on the same envs every --eval-every steps
+    test_ids = test_task_ids(args) if args.eval_every else []  # played on the same envs every --eval-every steps
 
     # -- models, the sampler, and the training state when resuming
     tokenizer = load_tokenizer(args.model)
@@ -1535,6 +1601,9 @@ def main(args: Args) -> Path:
     logs = Logs(args, run_dir, config, active=accelerator.is_main_process, resume_sizes=trainer_state["logs"])
     reduce = reducer(accelerator)  # whitening statistics over every process: a distributed batch is whitened as one
 
+    if test_ids and start_step == 1:  # the initial policy, for the held-out comparison at the end (finish)
+        evaluation, evaluated = evaluate(engine, fmt, environments, test_ids, models, args, accelerator, max_tokens, 0)
+        logs.write(0, evaluation | {"charts/step": 0}, eval_line(0, evaluation), evaluations=evaluated)
     progress = tqdm(range(start_step, args.steps + 1), disable=not accelerator.is_main_process, desc="train",
                     dynamic_ncols=True, initial=start_step - 1, total=args.steps)
     try:
@@ -1548,18 +1617,23 @@ def main(args: Args) -> Path:
             groups = [g for g in range(len(mine)) for _ in range(args.n)]
             horizon = horizon_at(step, args.horizon, args.horizon_every)  # ScalingInter-RL: this step's turn cap
             stats: dict = {}
+            reset_peak()
             trajectories = rollout(engine, fmt, environments, task_ids, groups, horizon=horizon,
                                    max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, pool=pool, stats=stats)
             stop_on_env_failures(trajectories, args, accelerator, run_dir, step)
+            stats["rollout_peak_gib"] = peak_gib()
 
             # -- the batch, its old/reference log-probs and values, advantages, the update, the engine's new weights
             engine.sleep()
+            reset_peak()
+            update_start = time.perf_counter()
             batch = make_batch(trajectories, fmt.pad_id, args.micro_batch_size, accelerator.device)
             score_batch(models, batch, args, accelerator)
             advantages, returns = advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, reduce)
             attach(batch, advantages, returns)
             sums, grad_norms = update(models, batch, args, accelerator, step)
             stop_on_nonfinite(models, batch, args, accelerator, run_dir, step)
+            stats |= {"update_s": time.perf_counter() - update_start, "update_peak_gib": peak_gib()}
             synced = sync_engine(engine, models.policy, accelerator, step)
 
             # -- metrics and logs (trajectory statistics over all processes, losses from this one)

@@ -6,6 +6,7 @@
     sft.py         supervised fine-tuning loss on trajectories (expert data, warm starts)
     horizon.py     ScalingInter-RL: the turn cap as a schedule over training steps
     model.py       which model: a Hugging Face id, a local path, or the embedded tiny agent
+    memory.py      peak memory of a phase of a step (GPU allocated, else resident set)
 
 Importing this package sets OpenMP's wait policy, so the entry scripts import it before torch.
 """

@@ -43,3 +43,27 @@ def score(trajectories, env_name: str) -> dict:
     for task in by_task:
         categories[envs.category(env_name, task)].append(task)
     return {**summary(list(by_task)), "categories": {c: summary(ids) for c, ids in sorted(categories.items())}}
+
+
+def gain(before, after) -> dict:
+    """How much `after`'s success beats `before`'s on the same tasks, with a 95% confidence interval:
+    the per-task success rates (the mean over a task's episodes) are paired by task, and the interval
+    is the normal one on the mean of the per-task differences (the tasks are the sample; a task's k
+    episodes are not independent draws of the population). Episodes are anything with task_id and
+    success; tasks that only one side played are left out."""
+    def rates(episodes):
+        by_task = defaultdict(list)
+        for t in episodes:
+            by_task[t.task_id].append(float(t.success))
+        return {task: sum(v) / len(v) for task, v in by_task.items()}
+
+    first, last = rates(before), rates(after)
+    tasks = sorted(set(first) & set(last))
+    if not tasks:
+        raise ValueError("the two evaluations have no task in common")
+    differences = [last[t] - first[t] for t in tasks]
+    mean = sum(differences) / len(tasks)
+    variance = sum((d - mean) ** 2 for d in differences) / max(len(tasks) - 1, 1)
+    half = 1.96 * (variance / len(tasks)) ** 0.5
+    return {"before": sum(first[t] for t in tasks) / len(tasks), "after": sum(last[t] for t in tasks) / len(tasks),
+            "gain": mean, "low": mean - half, "high": mean + half, "tasks": len(tasks)}

@@ -9,9 +9,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see train.py: spinning OpenMP threads starve env threads
 
 
+import dataclasses  # noqa: E402
 import json  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import train  # noqa: E402
+
+# The tiny preset evaluates the initial and final policies on 104 held-out tasks twice each (about a minute a
+# run): the tests' short runs do without, unless they ask for it (--eval-every; tests/test_train.py does).
+# Tests that run train.py in a subprocess pass --eval-every 0 themselves.
+train.PRESETS["tiny"] = dataclasses.replace(train.PRESETS["tiny"], eval_every=0)
 
 
 @pytest.fixture
@@ -20,7 +31,6 @@ def tiny_run(tmp_path):
     then, unless told not to, eval.py on 4 test tasks of its checkpoint. Returns (run directory,
     rollout-log records, eval results or None)."""
     import eval as eval_script
-    import train
 
     def run(env: str, *flags: str, evaluate: bool = True):
         args = train.parse_args(["--env", env, "--steps", "1", "--tasks-per-step", "2", "--n", "2", "--horizon", "2",

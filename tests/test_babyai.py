@@ -178,3 +178,24 @@ def test_oracle_stops_where_the_bot_never_finishes_planning():
     with pytest.raises(RuntimeError, match="does not terminate"):
         for _ in range(64):
             observation = env.step(act(observation)).observation
+
+
+def test_the_tiny_agents_task_sets_hold_out_their_test_tasks():
+    """The embedded agent's BabyAI tasks (scripts/babyai_splits.py): short, 13 levels its expert finishes in 6
+    turns; tiny, 5 of those (the tiny preset's). Test tasks from seeds no split trains on (the test split's 0-2,
+    and 103 on), more than 100 of them."""
+    from envs.babyai import level_and_seed
+
+    train_split = set(envs.splits("babyai")["train"])
+    for name, count, seeds in (("short", 13, [0, 1, 2, *range(103, 108)]), ("tiny", 5, [0, 1, 2, *range(103, 121)])):
+        train = envs.load_task_ids(envs.DATA_DIR / f"babyai_{name}_train.json", "babyai")
+        test = envs.load_task_ids(envs.DATA_DIR / f"babyai_{name}_test.json", "babyai")
+        levels = {level_and_seed(t)[0] for t in train}
+        assert len(levels) == count and {level_and_seed(t)[0] for t in test} == levels
+        assert "BabyAI-GoToRedBall-v0" in levels and "BabyAI-BossLevel-v0" not in levels
+        assert len(train) == 100 * count and not set(test) & set(train)
+        assert (set(train) <= train_split) == (name == "short")  # tiny: seeds 121-220, which no SFT saw
+        assert not set(test) & train_split and len(test) > 100
+        assert {level_and_seed(t)[1] for t in test} == set(seeds)
+    short = {level_and_seed(t)[0] for t in envs.load_task_ids(envs.DATA_DIR / "babyai_short_train.json", "babyai")}
+    assert levels <= short

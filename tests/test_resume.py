@@ -17,7 +17,7 @@ CRASH = Path(__file__).parent / "crash_train.py"
 # HF engine: its sampler's random stream is saved (vLLM's is not; see rl/engines.py). Checkpoints every
 # 2 steps, so that a crash also throws away logged steps past the last checkpoint.
 FLAGS = ["--engine", "hf", "--steps", "5", "--save-every", "2", "--keep-checkpoints", "2", "--tasks-per-step", "2",
-         "--n", "2", "--horizon", "2", "--max-new-tokens", "16", "--lr", "0.01", "--resume", "auto"]
+         "--n", "2", "--horizon", "2", "--max-new-tokens", "16", "--lr", "0.01", "--resume", "auto", "--eval-every", "0"]
 
 
 def launch(out: Path, point: str = "none", n: int = 0) -> int:

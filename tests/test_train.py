@@ -20,6 +20,7 @@ from envs.babyai import BabyAI
 from rl import advantages as adv_lib
 from rl.engines import engine_kind
 from rl.model import EMBEDDED
+from rl.scores import gain
 from rollout import Trajectory
 
 
@@ -63,9 +64,15 @@ def test_rollout_log_has_every_trajectory(trained):
         assert record["messages"][0]["role"] == "user" and record["messages"][1]["role"] == "assistant"
         assert 1 <= record["turns"] <= 2 and isinstance(record["reward"], float)
     assert {r["step"] for r in lines} == {1, 2}
+    for record in lines:  # the exact tokens, and which of them were sampled (and trained on)
+        assert len(record["token_ids"]) == record["tokens"]
+        assert sum(end - start for start, end in record["action_spans"]) == record["action_tokens"] > 0
     metrics = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
-    assert [m["charts/step"] for m in metrics] == [1, 2]
+    assert [m["charts/step"] for m in metrics] == [0, 1, 2]  # step 0: the initial policy's evaluation
+    metrics = metrics[1:]
     assert all(m["perf/tokens_per_s"] > 0 and m["rollout/horizon"] == 2 for m in metrics)
+    assert all(m["perf/update_tokens_per_s"] > 0 and 0 <= m["perf/update_padding_share"] < 1 for m in metrics)
+    assert all(m["perf/rollout_peak_gib"] > 0.1 and m["perf/update_peak_gib"] > 0.1 for m in metrics)
     assert all(m["rollout/logprob_diff"] < 1e-5 for m in metrics)  # the sampler's log-probs are the trainer's
     if engine_kind("auto") == "vllm":  # the default engine where vLLM is installed (CI): synced and checked
         assert all(m["sync/probe_diff"] < 1e-3 and m["perf/prefix_hit_rate"] > 0 for m in metrics)
@@ -73,13 +80,35 @@ def test_rollout_log_has_every_trajectory(trained):
     assert config["preset"] == "tiny" and config["env"] == "babyai"
 
 
-def test_eval_every_plays_the_test_split(trained):
+def test_eval_every_plays_the_test_tasks(trained):
+    """--eval-every 2 of 2 steps: the initial policy (step 0) and step 2 play the same test tasks (the tiny
+    preset's on BabyAI), and the run ends on the held-out comparison of the two."""
     metrics = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
-    assert ["eval/success" in m for m in metrics] == [False, True]  # --eval-every 2 of 2 steps
+    assert ["eval/success" in m for m in metrics] == [True, False, True]
     episodes = [json.loads(line) for line in (trained / "evaluations.jsonl").read_text().splitlines()]
-    assert [e["item_id"] for e in episodes] == [f"babyai_{i}" for i in eval_script.spread(envs.splits("babyai")["test"], 4)]
-    assert all(e["step"] == 2 and 1 <= e["turns"] <= 2 for e in episodes)  # at the step's horizon
-    assert metrics[1]["eval/avg@k"] == pytest.approx(sum(e["reward"] for e in episodes) / 4)
+    test = envs.load_task_ids(envs.DATA_DIR / "babyai_tiny_test.json", "babyai")
+    assert [e["item_id"] for e in episodes] == 2 * [f"babyai_{i}" for i in eval_script.spread(test, 4) for _ in "kk"]
+    assert [e["step"] for e in episodes] == [0] * 8 + [2] * 8 and all(1 <= e["turns"] <= 2 for e in episodes)
+    assert metrics[2]["eval/avg@k"] == pytest.approx(sum(e["reward"] for e in episodes[8:]) / 8)  # --eval-k 2
+    assert metrics[0]["eval/horizon"] == metrics[2]["eval/horizon"] == 2
+    line = train.held_out_line(trained)
+    assert line.startswith("held-out success ") and "4 test tasks x 2 episodes, step 0 vs step 2" in line
+
+
+def test_gain_is_paired_by_task():
+    """Per-task success rates, paired: the gain is the mean difference, its 95% interval the normal one
+    over the tasks' differences."""
+    def episodes(rates):
+        return [types.SimpleNamespace(task_id=task, success=s) for task, outcomes in rates.items() for s in outcomes]
+
+    same = gain(episodes({1: [0, 0], 2: [1, 0], 3: [0, 0]}), episodes({1: [1, 0], 2: [1, 1], 3: [0, 1]}))
+    assert same == pytest.approx({"before": 1 / 6, "after": 2 / 3, "gain": 0.5, "low": 0.5, "high": 0.5, "tasks": 3})
+    mixed = gain(episodes({1: [0], 2: [1], 3: [1], 4: [0], 5: [1]}), episodes({1: [1], 2: [1], 3: [0], 4: [1], 9: [1]}))
+    half = 1.96 * ((0.75 ** 2 * 2 + 0.25 ** 2 + 1.25 ** 2) / 3 / 4) ** 0.5  # differences 1, 0, -1, 1; tasks 5, 9 unpaired
+    assert mixed["tasks"] == 4 and mixed["gain"] == pytest.approx(0.25)
+    assert (mixed["low"], mixed["high"]) == (pytest.approx(0.25 - half), pytest.approx(0.25 + half))
+    with pytest.raises(ValueError, match="no task in common"):
+        gain(episodes({1: [1]}), episodes({2: [1]}))
 
 
 def test_eval_scores_the_checkpoint(trained, tmp_path):
@@ -133,7 +162,7 @@ def test_resume_continues_from_the_checkpoint(trained, tmp_path):
     run_dir = train.main(args)
     assert run_dir == trained
     steps = [json.loads(line)["charts/step"] for line in (trained / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]
+    assert steps == [0, 1, 2, 3]
     assert (trained / "checkpoints" / "step_3" / "model.safetensors").is_file()
 
 
@@ -183,6 +212,10 @@ def test_presets_follow_the_model():
     assert paper.preset == "paper" and paper.lr == 1e-6 and paper.kl_coef == 0.001 and paper.clip == 0.2
     assert paper.entropy_coef == 0.001 and paper.temperature == 1.0
     assert train.parse_args(["--lr", "0.5"]).lr == 0.5  # a flag overrides the preset
+    tiny = train.parse_args([])  # on BabyAI, the tiny preset's tasks are the levels where the tiny agent learns
+    assert Path(tiny.train_tasks).name == "babyai_tiny_train.json" and Path(tiny.test_tasks).name == "babyai_tiny_test.json"
+    assert train.parse_args(["--env", "textcraft"]).train_tasks is None and paper.train_tasks is None
+    assert train.parse_args(["--train-tasks", "mine.json"]).train_tasks == "mine.json"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -368,7 +401,7 @@ def test_two_processes_split_the_tasks_and_log_every_episode(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py", "--",
                "--steps", "2", "--tasks-per-step", "4", "--n=2", "--horizon", "2", "--max-new-tokens", "16", "--algo", "ppo",
                "--warmup-steps", "4", "--critic-lr-warmup-steps", "4", "--critic-lr", "1e-3",
-               "--out-dir", str(tmp_path), "--run-name", "ddp"]
+               "--eval-every", "0", "--out-dir", str(tmp_path), "--run-name", "ddp"]
     done = subprocess.run(command, cwd=Path(train.__file__).parent, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "ddp"
@@ -382,7 +415,8 @@ def test_two_processes_split_the_tasks_and_log_every_episode(tmp_path):
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(m["losses/value"]) and m["losses/critic_grad_norm"] > 0 for m in metrics)  # PPO's critic, DDP too
     # warm-ups count optimizer steps, whatever the number of processes: (k + 1) / 4 after k steps
-    assert [m["charts/lr"] for m in metrics] == pytest.approx([5e-5 * 2 / 4, 5e-5 * 3 / 4])
+    lr = train.PRESETS["tiny"].lr
+    assert [m["charts/lr"] for m in metrics] == pytest.approx([lr * 2 / 4, lr * 3 / 4])
     assert [m["charts/critic_lr"] for m in metrics] == pytest.approx([1e-3 * 2 / 4, 1e-3 * 3 / 4])
 
 

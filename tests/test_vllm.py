@@ -212,7 +212,7 @@ def test_train_and_eval_run_on_vllm_from_the_command_line(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "train.py", "--engine", "vllm", "--steps", "2", "--tasks-per-step", "2", "--n", "2",
-                    "--horizon", "2", "--max-new-tokens", "16", "--out-dir", str(tmp_path), "--run-name", "cli"],
+                    "--horizon", "2", "--max-new-tokens", "16", "--eval-every", "0", "--out-dir", str(tmp_path), "--run-name", "cli"],
                    cwd=root, check=True, timeout=600)
     metrics = [json.loads(line) for line in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2
