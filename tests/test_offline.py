@@ -81,7 +81,7 @@ def test_sft_learns_the_expert_and_its_checkpoint_chains_into_eval_and_grpo(tmp_
                                                                          if s % 4 == 0 or s == steps]
     assert all(0 <= m["eval/success"] <= 1 for m in metrics if "sft/val_loss" in m)
     evaluated = [json.loads(line) for line in (run_dir / "evaluations.jsonl").read_text().splitlines()]
-    assert len(evaluated) == 2 * len([m for m in metrics if "eval/success" in m])
+    assert len(evaluated) == 2 * train.PRESETS["tiny"].eval_k * len([m for m in metrics if "eval/success" in m])
     assert (run_dir / "rollouts.jsonl").read_text() == ""  # SFT samples nothing to train on
 
     train_records = read_trajectories(expert)[:24]
@@ -162,7 +162,8 @@ def test_one_agentevol_iteration_grows_its_buffer_and_keeps_test_success(tmp_pat
     assert len(explored) == 3 * len(goto) and sum(r["success"] for r in explored) == metrics[1]["evol/buffer"]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_0", "step_1"]
 
-    base = eval_script.main(eval_script.Args(model="tiny-agent", limit=24, out=str(tmp_path / "base")))
+    test = str(envs.DATA_DIR / "babyai_tiny_test.json")  # the tiny preset's test tasks, which agentevol played
+    base = eval_script.main(eval_script.Args(model="tiny-agent", tasks=test, limit=24, out=str(tmp_path / "base")))
     p = max(base["success"], 0.1)
     noise = 2 * math.sqrt(2 * p * (1 - p) / 24)  # two standard errors of a difference of two 24-task means
     assert metrics[1]["eval/success"] >= base["success"] - noise, (base["success"], metrics[1]["eval/success"])
