@@ -630,7 +630,7 @@ def table(results: dict) -> str:
     if "update_tokens_per_s" in update:
         lines += [f"| update | ours: tokens/s ({update['tokens']:,.0f} tokens a step) | {update['update_tokens_per_s']:,.0f} | |",
                   f"| update | ours: padding share | {update['update_padding_share']:.1%} | <= 5% |",
-                  f"| update | ours: peak memory, rollout / update | {fmt(update.get('rollout_peak_gib'), '.2f')} / "
+                  f"| update | ours: peak memory, rollout / update (resident set with the vLLM engine; GPU: allocated) | {fmt(update.get('rollout_peak_gib'), '.2f')} / "
                   f"{fmt(update.get('update_peak_gib'), '.2f')} GiB | |"]
     if "update_tokens_per_s" in trl:
         lines += [f"| trl | TRL {trl['trl']} GRPOTrainer: tokens/s, same batches | {trl['update_tokens_per_s']:,.0f} | |",
