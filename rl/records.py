@@ -1,0 +1,65 @@
+"""Trajectory records: one JSON line per episode in rollouts.jsonl, evaluations.jsonl and eval.py's
+.jsonl, holding what the viewer (scripts/view.py), DPO's --experience and a person need, compactly.
+
+A record (log format 2):
+
+    item_id, task_id, category, group      the task (AgentGym's item id) and its n samples' group
+    step, horizon                          the training step (0: the initial policy) and its turn cap
+    reward, success, turns, finish, error  the outcome; finish is done | horizon | max_tokens | error
+    invalid_actions                        turns the env answered as not a valid action
+    tokens, action_tokens                  trajectory length and how many of its tokens were sampled
+    messages                               the conversation as text (instruction, ack, observations, replies)
+    token_ids                              the exact ids, packed (below)
+    action_spans                           [start, end) of each sampled turn among the ids: loss mask 1
+    sampled_logprobs                       the sampler's log-prob of each action token, in span order
+    trainer_logprobs                       the trainer's (before the update), RL steps only
+    advantages                             one number where it is constant over the trajectory (GRPO,
+                                           RLOO, outcome REINFORCE++), else one per action token
+    values, returns                        PPO's critic values and GAE returns, per action token
+
+Number arrays are packed as "<type>:<base64 of little-endian values>" with type i32 or f32: exact,
+and 1.5x (ids) to 4x (log-probs) smaller than JSON's decimals. `unpack` reads them back, and also the
+plain lists of log format 1 (token_ids and action_spans only), so every older log still opens:
+
+    from rl.records import unpack
+    ids = unpack(record["token_ids"])
+"""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+
+FORMAT = 2
+_TYPES = {"i32": "<i4", "f32": "<f4"}
+
+
+def pack(values, kind: str) -> str:
+    """Numbers as "<kind>:<base64>", kind i32 or f32."""
+    return f"{kind}:" + base64.b64encode(np.asarray(values, dtype=_TYPES[kind]).tobytes()).decode("ascii")
+
+
+def unpack(value) -> list:
+    """A packed array (or a plain list, or a number, as older logs and constant advantages hold) as a list."""
+    if value is None or isinstance(value, list):
+        return value
+    if isinstance(value, (int, float)):
+        return [value]
+    kind, _, data = value.partition(":")
+    if kind not in _TYPES:
+        raise ValueError(f"not a packed array: {value[:20]!r}")
+    return np.frombuffer(base64.b64decode(data), dtype=_TYPES[kind]).tolist()
+
+
+def action_positions(spans: list[list[int]]) -> list[int]:
+    """The token positions of the action tokens, in span order."""
+    return [i for start, end in spans for i in range(start, end)]
+
+
+def per_action(row, positions: list[int]):
+    """A [T] tensor's values at the action positions: one number when they are all equal, else packed."""
+    values = row[positions].float()
+    if values.numel() and bool((values == values[0]).all()):
+        return round(float(values[0]), 7)
+    return pack(values.tolist(), "f32")
