@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 import envs
 from envs.guard import close_envs, make_envs
+from rl import plots
 from rl.checkpoint import write_atomic
 from rl.horizon import horizon_at
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, load_model, load_tokenizer
@@ -210,7 +211,8 @@ def main(args: Args) -> dict:
           + (f"  env failures {results['errors']} (scored 0; see the .jsonl)" if results["errors"] else ""))
     for name, c in results["categories"].items():
         print(f"  {name:<24} {c['tasks']:>4} tasks  Avg@{args.k} {c['avg@k']:.4f}  Pass@{args.k} {c['pass@k']:.4f}")
-    print(f"wrote {out.with_suffix('.json')}")
+    plotted = plots.draw(out.with_suffix(".json"))
+    print(f"wrote {out.with_suffix('.json')}" + (f" and {plotted}" if plotted else ""))
     return results
 
 

@@ -52,7 +52,9 @@ from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoo
 from dataclasses import dataclass, field
 from typing import Callable
 
+import envs
 from envs import Env
+from rl.records import FORMAT, pack
 from rl.engines import ExpertEngine, HFEngine, Sample, VLLMEngine  # noqa: F401 - the engines rollouts run on
 
 # ----------------------------------------------------------------------------------------------
@@ -69,7 +71,9 @@ class Trajectory:
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)  # 1 on tokens the policy is trained on
     logprobs: list[float] = field(default_factory=list)  # the sampler's log-prob of each token (0 where loss_mask is 0)
+    horizon: int = 0  # the turn cap it played under
     turns: int = 0
+    invalid_actions: int = 0  # turns whose action the env reported as not valid (info["valid"] False)
     reward: float = 0.0
     done: bool = False
     finish: str = ""  # "done" | "horizon" | "max_tokens" | "error"
@@ -94,13 +98,26 @@ class Trajectory:
         return not self.finish
 
     def log_record(self) -> dict:
+        """The trajectory as a log record (rl/records.py), without what only training knows."""
         return {
-            "item_id": self.item_id, "group": self.group, "reward": self.reward, "success": self.success,
-            "turns": self.turns, "finish": self.finish, "error": self.error, "tokens": len(self.token_ids),
+            "log_format": FORMAT, "item_id": self.item_id, "task_id": self.task_id,
+            "category": category(self.env, self.task_id), "group": self.group, "horizon": self.horizon,
+            "reward": self.reward, "success": self.success, "turns": self.turns, "finish": self.finish,
+            "error": self.error, "invalid_actions": self.invalid_actions, "tokens": len(self.token_ids),
             "action_tokens": sum(self.loss_mask), "messages": self.messages,
-            # the exact tokens, and the [start, end) runs of loss-mask 1 (the sampled turns) among them
-            "token_ids": self.token_ids, "action_spans": spans(self.loss_mask),
+            # the exact tokens, the [start, end) runs of loss-mask 1 (the sampled turns) among them, and
+            # the sampler's log-prob of each of those tokens
+            "token_ids": pack(self.token_ids, "i32"), "action_spans": spans(self.loss_mask),
+            "sampled_logprobs": pack([p for p, m in zip(self.logprobs, self.loss_mask) if m], "f32"),
         }
+
+
+def category(env: str, task_id: int) -> str | None:
+    """The task's eval category, or None for an env outside envs.ENVS (one a test defines)."""
+    try:
+        return envs.category(env, task_id)
+    except (ValueError, LookupError):
+        return None
 
 
 def spans(mask: list[int]) -> list[list[int]]:
@@ -174,27 +191,34 @@ class ChatFormat:
 
 def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int], *,
             horizon: int, max_new_tokens: int, max_tokens: int, pool: ThreadPoolExecutor | None = None,
-            stats: dict | None = None) -> list[Trajectory]:
+            stats: dict | None = None, progress: Callable[[int], None] | None = None) -> list[Trajectory]:
     """Play one episode per env: environments[i] plays task_ids[i], in group groups[i], for at most
-    `horizon` turns. `stats`, when given, receives timing and token counts for throughput metrics:
+    `horizon` turns. `progress`, when given, is called with the count of episodes that ended since its last
+    call. `stats`, when given, receives timing and token counts for throughput metrics:
     rollout_s (wall), generate_s (inside the engine), idle_s (waiting for envs with nothing to
-    generate), env_s (env time summed over calls, resets and steps) and env_calls, sampled_tokens."""
+    generate), env_s (env time summed over calls, resets and steps), env_calls and env_call_s (each
+    call's seconds), sampled_tokens."""
     assert len(environments) == len(task_ids) == len(groups)
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(max_workers=min(32, len(environments)))
-    clock = {"rollout_s": 0.0, "generate_s": 0.0, "idle_s": 0.0, "env_s": 0.0, "env_calls": 0, "sampled_tokens": 0}
+    clock = {"rollout_s": 0.0, "generate_s": 0.0, "idle_s": 0.0, "env_s": 0.0, "env_calls": 0, "env_call_s": [],
+             "sampled_tokens": 0}
     begin = time.perf_counter()
     stepping: dict[Future, Trajectory] = {}  # env steps under way
     try:
         # -- reset every env in parallel; the first observation completes each prompt
         firsts = list(pool.map(_timed, [env.reset for env in environments], task_ids))
         _count(clock, firsts)
-        trajectories = [_start(fmt, row, env, task, group, first)
+        trajectories = [_start(fmt, row, env, task, group, first, horizon)
                         for row, (env, task, group, (first, _)) in enumerate(zip(environments, task_ids, groups, firsts))]
         clock["idle_s"] += time.perf_counter() - begin
 
         ready = [t for t in trajectories if t.live]  # waiting to be submitted for their next turn
+        ended = 0
         while ready or stepping or engine.pending:
+            if progress is not None and (now := sum(not t.live for t in trajectories)) > ended:
+                progress(now - ended)
+                ended = now
             for traj in ready:
                 limit = min(max_new_tokens, _room(traj, max_tokens))
                 if limit < 1:  # a first prompt that leaves no room for a reply
@@ -207,6 +231,8 @@ def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int
         for traj in trajectories:
             if traj.live:
                 traj.finish = "horizon"
+        if progress is not None and len(trajectories) > ended:
+            progress(len(trajectories) - ended)
         return trajectories
     finally:  # stopped half-way (an exception), nothing may spill into the next rollout
         engine.abort()
@@ -222,7 +248,7 @@ def play(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], 
          horizon: int, max_new_tokens: int, max_tokens: int, pool: ThreadPoolExecutor | None = None,
          progress: Callable[[int], None] | None = None) -> list[Trajectory]:
     """Any number of episodes on a fixed set of envs: rollouts of as many at once as there are envs,
-    in order, until every task id is played. `progress` is called with each rollout's episode count.
+    in order, until every task id is played. `progress` is called as episodes end (see rollout).
     Groups default to one per episode."""
     groups = list(range(len(task_ids))) if groups is None else groups
     trajectories: list[Trajectory] = []
@@ -230,9 +256,7 @@ def play(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], 
         count = min(len(environments), len(task_ids) - start)
         trajectories += rollout(engine, fmt, environments[:count], task_ids[start:start + count],
                                 groups[start:start + count], horizon=horizon, max_new_tokens=max_new_tokens,
-                                max_tokens=max_tokens, pool=pool)
-        if progress is not None:
-            progress(count)
+                                max_tokens=max_tokens, pool=pool, progress=progress)
     return trajectories
 
 
@@ -290,12 +314,13 @@ def _timed(fn, *args):
 def _count(clock: dict, timed: list) -> None:
     clock["env_s"] += sum(seconds for _, seconds in timed)
     clock["env_calls"] += len(timed)
+    clock["env_call_s"] += [seconds for _, seconds in timed]
 
 
-def _start(fmt: ChatFormat, row: int, env: Env, task_id: int, group: int, first) -> Trajectory:
+def _start(fmt: ChatFormat, row: int, env: Env, task_id: int, group: int, first, horizon: int) -> Trajectory:
     """A trajectory whose tokens are the first prompt (instruction, ack, first observation)."""
     messages = [{"role": "user", "content": env.instruction}, {"role": "assistant", "content": env.ack}]
-    traj = Trajectory(env.name, task_id, group, row, messages)
+    traj = Trajectory(env.name, task_id, group, row, messages, horizon=horizon)
     if isinstance(first, Exception):
         traj.fail(f"reset failed: {type(first).__name__}: {first}")
         return traj
@@ -321,6 +346,7 @@ def _observe(fmt: ChatFormat, traj: Trajectory, result, horizon: int, max_tokens
         traj.fail(f"step failed: {type(result).__name__}: {result}")
         return
     traj.reward, traj.done = float(result.reward), bool(result.done)
+    traj.invalid_actions += result.info.get("valid") is False
     traj.success = bool(result.info.get("success", result.reward > 0)) if result.done else False
     traj.messages.append({"role": "user", "content": result.observation})
     if traj.done:

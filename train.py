@@ -102,6 +102,7 @@ import envs
 from envs.guard import close_envs, make_envs
 from rl import advantages as adv_lib
 from rl import checkpoint as checkpoint_lib
+from rl import plots
 from rl.data import DataError, encode, read_trajectories, to_record
 from rl.dpo import dpo_loss, expert_pairs, make_pairs
 from rl.horizon import describe, horizon_at
@@ -109,6 +110,7 @@ from rl.logprobs import collate, pad, token_logprobs, token_values
 from rl.losses import aggregate, kl, policy_loss, value_loss
 from rl.memory import peak_gib, reset_peak
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, load_model, load_tokenizer, load_value_model
+from rl.records import action_positions, per_action
 from rl.engines import SyncError, make_engine
 from rl.scores import gain, score, spread
 from rl.sft import pack
@@ -300,8 +302,10 @@ class Args:
     a checkpoint directory (runs/<run>/checkpoints/step_<k>), a run directory (its newest complete
     checkpoint), or `auto`: the newest checkpoint of <out-dir>/<run-name> if there is one, else a new run
     under that name (the same command line then survives any number of crashes)"""
+    log_rollouts_every: int = 1
+    """write every k-th step's trajectories to rollouts.jsonl (metrics go to metrics.jsonl every step)"""
     track: bool = False
-    """log to wandb (offline mode when no API key is configured)"""
+    """log to wandb (offline mode when no API key is configured), with a few trajectories a step as a table"""
     wandb_project: str = "agentgym-rl"
     """the wandb project of --track"""
 
@@ -340,7 +344,7 @@ OFFLINE = ("sft", "dpo", "agentevol")
 TINY_TASKS = {"babyai": ("babyai_tiny_train.json", "babyai_tiny_test.json")}
 
 
-RESUMABLE = ("steps", "epochs", "save_every", "keep_checkpoints", "track", "wandb_project", "gen_batch_size", "resume",
+RESUMABLE = ("steps", "epochs", "save_every", "keep_checkpoints", "log_rollouts_every", "track", "wandb_project", "gen_batch_size", "resume",
              "out_dir", "engine", "vllm_gpu_memory_utilization", "vllm_max_model_len", "vllm_tensor_parallel_size",
              "vllm_sleep", "sync_tolerance", "env_timeout", "env_url", "max_error_rate", "max_nonfinite_updates")
 
@@ -438,7 +442,7 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
                          "model, which sharding leaves in pieces. Launch data-parallel (accelerate launch "
                          "--num_processes N, every process holding the whole model) or on one GPU.")
     for flag in ("steps", "tasks_per_step", "n", "max_new_tokens", "ppo_epochs", "minibatches", "micro_batch_size",
-                 "max_nonfinite_updates"):
+                 "max_nonfinite_updates", "log_rollouts_every"):
         if getattr(args, flag) < 1:  # 0 would silently skip every rollout or update
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
     if args.epochs is not None and args.epochs < 1:
@@ -596,7 +600,7 @@ def score_batch(models: Models, batch: Batch, args: Args, accelerator) -> None:
     for module in (models.policy, models.critic):
         if module is not None:
             module.eval()
-    for rows, micro in zip(batch.rows, batch.micro):
+    for micro in batch.micro:
         inputs = (micro["input_ids"], micro["attention_mask"], micro["loss_mask"])
         with accelerator.autocast():
             if need_old:
@@ -605,7 +609,13 @@ def score_batch(models: Models, batch: Batch, args: Args, accelerator) -> None:
                 micro["ref_logprobs"], _ = token_logprobs(models.ref, *inputs, args.temperature)
             if models.critic is not None:
                 micro["old_values"] = token_values(models.critic, *inputs)
-        for key in ("old_logprobs", "ref_logprobs", "old_values"):
+    scatter(batch, ("old_logprobs", "ref_logprobs", "old_values"))
+
+
+def scatter(batch: Batch, keys: tuple[str, ...]) -> None:
+    """Copy the micro-batches' tensors named `keys` into `full`, [B, T] on the CPU."""
+    for rows, micro in zip(batch.rows, batch.micro):
+        for key in keys:
             if key in micro:
                 batch.full.setdefault(key, torch.zeros_like(batch.full["loss_mask"]))
                 batch.full[key][rows, :micro[key].shape[1]] = micro[key].float().cpu()
@@ -668,7 +678,7 @@ def attach(batch: Batch, advantages: torch.Tensor, returns: torch.Tensor | None)
             micro["returns"] = returns[rows, :width].to(micro["input_ids"].device)
 
 
-def update(models: Models, batch: Batch, args: Args, accelerator, step: int) -> tuple[dict, dict]:
+def update(models: Models, batch: Batch, args: Args, accelerator, step: int, progress=None) -> tuple[dict, dict]:
     """PPO's update: `ppo_epochs` passes, each over `minibatches` shuffled mini-batches of the step's
     micro-batches, one optimizer step per mini-batch for the policy (after the critic's warm-up) and
     the critic. Each mini-batch's loss is aggregated over the whole mini-batch however it is split
@@ -695,6 +705,8 @@ def update(models: Models, batch: Batch, args: Args, accelerator, step: int) -> 
                 with gradient_sync(accelerator, trained, now=k == len(minibatch) - 1):
                     terms = update_policy(models, micro, counts, args, accelerator) if train_policy else {}
                     terms |= update_critic(models, micro, counts, args, accelerator) if models.critic is not None else {}
+                if progress is not None:
+                    progress()
                 finite["policy"] &= all(math.isfinite(terms[key]) for key in ("policy", "kl", "entropy") if key in terms)
                 finite["critic"] &= math.isfinite(terms.get("value", 0.0))
                 for key, value in terms.items():
@@ -707,6 +719,7 @@ def update(models: Models, batch: Batch, args: Args, accelerator, step: int) -> 
                 count_nonfinite(models, sums, name, step, nonfinite, accelerator)
                 if grad_norm is not None:
                     grad_norms.setdefault(name, []).append(grad_norm)
+    scatter(batch, ("trainer_logprobs",))
     return sums, grad_norms
 
 
@@ -762,6 +775,7 @@ def update_policy(models: Models, batch: dict, counts: dict, args: Args, acceler
         logprobs, entropy = token_logprobs(models.policy, batch["input_ids"], batch["attention_mask"], mask,
                                            args.temperature, with_entropy=True)
     old = batch["old_logprobs"] if "old_logprobs" in batch else logprobs.detach()
+    batch.setdefault("trainer_logprobs", old.detach())  # the first pass's, for the rollout log
     pg, clipped = policy_loss(logprobs, old, batch["advantages"], args.clip, args.clip_high, args.dual_clip)
     loss = aggregate(pg, mask, args.loss_agg, **counts) - args.entropy_coef * aggregate(entropy, mask, args.loss_agg, **counts)
     divergence = torch.zeros_like(logprobs)
@@ -877,15 +891,18 @@ def step_metrics(records: list[dict], sampled: list[int], stats: dict, sums: dic
     def per_token(key, count="tokens"):
         return sums[key] / max(sums[count], 1.0)
 
+    calls = sorted(stats["env_call_s"])
     metrics = {
         "rollout/reward": mean(rewards),
         "rollout/success": mean(success),
         "rollout/turns": mean(turns),
         "rollout/errors": finishes.count("error"),
-        "rollout/error_rate": finishes.count("error") / len(finishes),
-        "rollout/truncated": finishes.count("max_tokens") / len(finishes),  # out of tokens (budget or context window)
+        # how episodes ended, as shares: the env said done, the horizon cap, out of tokens (budget or context), env failure
+        **{f"finish/{name}": finishes.count(finish) / len(finishes) for finish, name in FINISHES.items()},
+        "rollout/invalid_action_rate": sum(r["invalid_actions"] for r in records) / max(sum(turns), 1),
+        "rollout/zero_variance_groups": zero_variance_share(records),  # groups with no GRPO signal
+        **category_metrics(records),
         "losses/nonfinite_updates": sums.get("nonfinite_updates", 0),  # optimizer steps skipped for NaN or inf
-        "rollout/done": finishes.count("done") / len(finishes),
         "rollout/tokens": mean(tokens),
         "rollout/action_tokens": mean(action_tokens),
         "rollout/horizon": horizon,
@@ -894,8 +911,10 @@ def step_metrics(records: list[dict], sampled: list[int], stats: dict, sums: dic
         "perf/tokens_per_s": sum(sampled) / max(stats["generate_s"], 1e-9),
         "perf/rollout_s": stats["rollout_s"],
         "perf/generate_s": stats["generate_s"],
-        "perf/engine_idle_share": stats["idle_s"] / max(stats["rollout_s"], 1e-9),  # waiting for envs, nothing to generate
+        # the share of the rollout's wall time in which the engine waited for envs with nothing to generate
+        "perf/env_wait_share": stats["idle_s"] / max(stats["rollout_s"], 1e-9),
         "perf/env_call_s": stats["env_s"] / max(stats["env_calls"], 1),  # mean seconds of a reset or step
+        "perf/env_call_p95_s": calls[min(len(calls) - 1, int(0.95 * len(calls)))] if calls else 0.0,
         # the update phase (the batch, old/reference log-probs, advantages, every optimizer step) of this process
         "perf/update_s": stats["update_s"],
         "perf/update_tokens_per_s": batch.tokens / max(stats["update_s"], 1e-9),
@@ -929,6 +948,42 @@ def step_metrics(records: list[dict], sampled: list[int], stats: dict, sums: dic
     return metrics
 
 
+FINISHES = {"done": "done", "horizon": "max_turns", "max_tokens": "max_tokens", "error": "error"}
+
+
+def zero_variance_share(records: list[dict]) -> float:
+    """The share of task groups (n episodes of one task) whose rewards are all equal: GRPO gives them no advantage."""
+    groups = collections.defaultdict(list)
+    for r in records:
+        if r["finish"] != "error":
+            groups[(r["item_id"], r["group"])].append(r["reward"])
+    return sum(len(set(rewards)) == 1 for rewards in groups.values()) / max(len(groups), 1)
+
+
+def category_metrics(records: list[dict]) -> dict[str, float]:
+    """Reward and success per task category (category/<name>/reward, .../success)."""
+    by_category = collections.defaultdict(list)
+    for r in records:
+        by_category[r.get("category")].append(r)
+    return {f"category/{name}/{key}": sum(float(r[key]) for r in rs) / len(rs)
+            for name, rs in by_category.items() if name is not None for key in ("reward", "success")}
+
+
+def rollout_records(trajectories: list[Trajectory], batch: Batch, step: int) -> list[dict]:
+    """The step's trajectories as log records (rl/records.py), with what the update saw of each: the trainer's
+    log-probs, the advantages, and PPO's values and returns, at its action tokens."""
+    records = []
+    for row, traj in enumerate(trajectories):
+        record = {"step": step, **traj.log_record()}
+        positions = action_positions(record["action_spans"])
+        for key, name in (("trainer_logprobs", "trainer_logprobs"), ("advantages", "advantages"),
+                          ("old_values", "values"), ("returns", "returns")):
+            if traj.error is None and positions and key in batch.full:
+                record[name] = per_action(batch.full[key][row], positions)
+        records.append(record)
+    return records
+
+
 def rl_line(step: int, metrics: dict) -> str:
     """The printed line of an RL step."""
     return (
@@ -941,7 +996,7 @@ def rl_line(step: int, metrics: dict) -> str:
         + (f"value loss {metrics['losses/value']:.4f} | " if "losses/value" in metrics else "")
         + (f"test success {metrics['eval/success']:.3f} | " if "eval/success" in metrics else "")
         + (f"prefix hits {metrics['perf/prefix_hit_rate']:.2f} | " if "perf/prefix_hit_rate" in metrics else "")
-        + f"idle {metrics['perf/engine_idle_share']:.0%} | "
+        + f"env wait {metrics['perf/env_wait_share']:.0%} | "
         + (f"logp diff {metrics['rollout/logprob_diff']:.0e} | " if "rollout/logprob_diff" in metrics else "")
         + (f"sync {metrics['sync/seconds']:.2f}s, probe {metrics['sync/probe_diff']:.0e} | "
            if "sync/seconds" in metrics else "")
@@ -1099,7 +1154,7 @@ def validate(models: Models, examples: list, args: Args, accelerator, pad_id: in
 
 
 def play_share(engine, fmt: ChatFormat, environments: list, task_ids: list[int], n: int, models: Models, args: Args,
-               accelerator, max_tokens: int, step: int, horizon: int) -> list[Trajectory]:
+               accelerator, max_tokens: int, step: int, horizon: int, progress=None) -> list[Trajectory]:
     """`n` episodes of every task with the policy's current weights (those of `step`), at most `horizon`
     turns each, each process playing its share of the tasks; every process gets all of them, in the same
     order."""
@@ -1108,24 +1163,39 @@ def play_share(engine, fmt: ChatFormat, environments: list, task_ids: list[int],
     sync_engine(engine, models.policy, accelerator, step)
     mine = [t for t in task_ids[accelerator.process_index::accelerator.num_processes] for _ in range(n)]
     played = play(engine, fmt, environments, mine, [i // n for i in range(len(mine))], horizon=horizon,
-                  max_new_tokens=args.max_new_tokens, max_tokens=max_tokens) if mine else []
+                  max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, progress=progress) if mine else []
     engine.sleep()
     return gather_object(played)
 
 
 def evaluate(engine, fmt: ChatFormat, environments: list, test_ids: list[int], models: Models, args: Args,
-             accelerator, max_tokens: int, step: int) -> tuple[dict, list[dict]]:
+             accelerator, max_tokens: int, step: int, bar=None) -> tuple[dict, list[dict]]:
     """The policy on the test tasks, --eval-k episodes each at the run's temperature, scored as eval.py scores
     (rl/scores.py). Every evaluation of a run plays under one turn cap, its horizon schedule's last stage (the
     one it is headed for), so that evaluations compare across steps, the first (step 0, before any update)
     included. Returns eval/ metrics, per category too, and every episode's log record."""
     horizon = args.horizon[-1]
+    mine = len(test_ids[accelerator.process_index::accelerator.num_processes]) * args.eval_k
     episodes = play_share(engine, fmt, environments, test_ids, args.eval_k, models, args, accelerator, max_tokens, step,
-                          horizon)
+                          horizon, phase(bar, "eval", mine))
     results = score(episodes, args.env)
     metrics = {f"eval/{key}": results[key] for key in ("avg@k", "pass@k", "success", "turns", "errors")}
     metrics |= {f"eval/{name}/avg@k": c["avg@k"] for name, c in results["categories"].items()}
     return metrics | {"eval/horizon": horizon}, [{"step": step, **t.log_record()} for t in episodes]
+
+
+def phase(bar, name: str, total: int):
+    """A progress callback for a phase of a step, shown after the step bar (`bar`; None: nothing shown) as
+    "<name> done/total"."""
+    done = 0
+
+    def advance(count: int = 1) -> None:
+        nonlocal done
+        done += count
+        if bar is not None:
+            bar.set_postfix_str(f"{name} {done}/{total}")
+
+    return advance
 
 
 def eval_due(step: int, every: int, last: int) -> bool:
@@ -1190,7 +1260,7 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
                 metrics |= validate(models, held, args, accelerator, fmt.pad_id)
             if test_ids and eval_due(step, args.eval_every, args.steps):
                 evaluation, evaluated = evaluate(engine, fmt, environments, test_ids, models, args, accelerator,
-                                                 max_tokens, step)
+                                                 max_tokens, step, progress)
                 metrics |= evaluation
             metrics |= {"perf/step_s": time.perf_counter() - step_start, "charts/step": step}
             logs.write(step, metrics, offline_line(step, metrics), evaluations=evaluated)
@@ -1321,7 +1391,8 @@ def finish(run_dir: Path, accelerator) -> Path:
         line = held_out_line(run_dir)
         if line is not None:
             print(line)
-        print(f"done: {run_dir}")
+        curves = plots.draw(run_dir)
+        print(f"done: {run_dir}" + (f" (curves: {curves})" if curves else ""))
     accelerator.end_training()
     return run_dir
 
@@ -1469,7 +1540,10 @@ class Logs:
                 self._append(self.files[name], "".join(json.dumps(record) + "\n" for record in records))
         self._append(self.files["metrics.jsonl"], json.dumps(metrics) + "\n")
         if self.tracker is not None:
-            self.tracker.log(metrics, step=step)
+            import wandb
+
+            samples = {"samples/trajectories": wandb.Table(*sample_table(rollouts))} if rollouts else {}
+            self.tracker.log(metrics | samples, step=step)
         tqdm.write(line)
 
     @staticmethod
@@ -1485,6 +1559,17 @@ class Logs:
             file.close()
         if self.tracker is not None:
             self.tracker.finish()
+
+
+def sample_table(records: list[dict], count: int = 4) -> tuple[list[str], list[list]]:
+    """(columns, rows) of a few of a step's trajectories for a wandb table: the best and the worst by reward,
+    each with its conversation as text."""
+    ranked = sorted(records, key=lambda r: r["reward"])
+    picked = ranked[-(count - count // 2):][::-1] + ranked[:count // 2] if len(ranked) > count else ranked[::-1]
+    columns = ["step", "item_id", "category", "reward", "success", "turns", "finish", "conversation"]
+    rows = [[r.get("step"), r["item_id"], r.get("category"), r["reward"], r["success"], r["turns"], r["finish"],
+             "\n\n".join(f"[{m['role']}] {m['content']}" for m in r["messages"])] for r in picked]
+    return columns, rows
 
 
 def save_checkpoint(accelerator, models: Models, engine, tokenizer, path: Path, step: int, logs: Logs,
@@ -1602,11 +1687,13 @@ def main(args: Args) -> Path:
     logs = Logs(args, run_dir, config, active=accelerator.is_main_process, resume_sizes=trainer_state["logs"])
     reduce = reducer(accelerator)  # whitening statistics over every process: a distributed batch is whitened as one
 
-    if test_ids and start_step == 1:  # the initial policy, for the held-out comparison at the end (finish)
-        evaluation, evaluated = evaluate(engine, fmt, environments, test_ids, models, args, accelerator, max_tokens, 0)
-        logs.write(0, evaluation | {"charts/step": 0}, eval_line(0, evaluation), evaluations=evaluated)
+    # (the step bar shows the phase under way: rollout, update or eval, and how far it got)
     progress = tqdm(range(start_step, args.steps + 1), disable=not accelerator.is_main_process, desc="train",
                     dynamic_ncols=True, initial=start_step - 1, total=args.steps)
+    if test_ids and start_step == 1:  # the initial policy, for the held-out comparison at the end (finish)
+        evaluation, evaluated = evaluate(engine, fmt, environments, test_ids, models, args, accelerator, max_tokens, 0,
+                                         progress)
+        logs.write(0, evaluation | {"charts/step": 0}, eval_line(0, evaluation), evaluations=evaluated)
     try:
         for step in progress:
             step_start = time.perf_counter()
@@ -1619,8 +1706,9 @@ def main(args: Args) -> Path:
             horizon = horizon_at(step, args.horizon, args.horizon_every)  # ScalingInter-RL: this step's turn cap
             stats: dict = {}
             reset_peak()
-            trajectories = rollout(engine, fmt, environments, task_ids, groups, horizon=horizon,
-                                   max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, pool=pool, stats=stats)
+            trajectories = rollout(engine, fmt, environments, task_ids, groups, horizon=horizon, pool=pool, stats=stats,
+                                   max_new_tokens=args.max_new_tokens, max_tokens=max_tokens,
+                                   progress=phase(progress, "rollout", len(task_ids)))
             stop_on_env_failures(trajectories, args, accelerator, run_dir, step)
             stats["rollout_peak_gib"] = peak_gib()
 
@@ -1632,23 +1720,25 @@ def main(args: Args) -> Path:
             score_batch(models, batch, args, accelerator)
             advantages, returns = advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, reduce)
             attach(batch, advantages, returns)
-            sums, grad_norms = update(models, batch, args, accelerator, step)
+            sums, grad_norms = update(models, batch, args, accelerator, step,
+                                      phase(progress, "update", args.ppo_epochs * len(batch.micro)))
             stop_on_nonfinite(models, batch, args, accelerator, run_dir, step)
             stats |= {"update_s": time.perf_counter() - update_start, "update_peak_gib": peak_gib()}
             synced = sync_engine(engine, models.policy, accelerator, step)
 
             # -- metrics and logs (trajectory statistics over all processes, losses from this one)
-            records = gather_object([{"step": step, **t.log_record()} for t in trajectories])
+            records = gather_object(rollout_records(trajectories, batch, step))
             sampled = gather_object([stats["sampled_tokens"]])
             metrics = step_metrics(records, sampled, stats, sums, grad_norms, batch, advantages, returns, models, horizon,
                                    engine.metrics() | synced)
             evaluated = []
             if eval_due(step, args.eval_every, args.steps):
                 evaluation, evaluated = evaluate(engine, fmt, environments, test_ids, models, args, accelerator,
-                                                 max_tokens, step)
+                                                 max_tokens, step, progress)
                 metrics |= evaluation
             metrics |= {"perf/step_s": time.perf_counter() - step_start, "charts/step": step}
-            logs.write(step, metrics, rl_line(step, metrics), rollouts=records, evaluations=evaluated)
+            logs.write(step, metrics, rl_line(step, metrics), evaluations=evaluated,
+                       rollouts=records if step % args.log_rollouts_every == 0 else [])
 
             if step == args.steps or (args.save_every and step % args.save_every == 0):
                 save_checkpoint(accelerator, models, engine, tokenizer, run_dir / "checkpoints" / f"step_{step}", step, logs,

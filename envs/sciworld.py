@@ -116,6 +116,7 @@ INSTRUCTION = (
 )
 ACK = "OK. I'll follow your instructions and try my best to solve the task."
 REWARDS = ("score", "normalized")
+NO_MATCH = "No known action matches that input."  # the simulator's answer to an action it cannot parse
 
 
 def task_and_variation(task_id: int) -> tuple[str, int]:
@@ -341,7 +342,7 @@ class SciWorld(Env):
         self.score = int(round(100 * score))
         failed = self.score < 0
         self.done = bool(completed) or failed or moves > self.step_limit
-        self.info = {"action": action, "score": self.score, "moves": moves,
+        self.info = {"action": action, "score": self.score, "moves": moves, "valid": observation != NO_MATCH,
                      "success": bool(completed) and not failed, "failed": failed}
         return StepResult(observation, self.reward(), self.done, self.info)
 

@@ -293,7 +293,8 @@ class VLLMEngine:
                            enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                            enforce_eager=not on_gpu,  # CPU: torch.compile makes start-up 10x slower, decoding slower
                            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-                           enable_sleep_mode=self.sleep_mode, max_num_seqs=max_num_seqs)
+                           enable_sleep_mode=self.sleep_mode, max_num_seqs=max_num_seqs,
+                           use_tqdm_on_load=False)  # a bar per load of weights that take well under a second here
         self.engine = self.llm.llm_engine
         self.requests: dict[str, object] = {}
         self.counter = itertools.count()
@@ -516,6 +517,9 @@ def _vllm_settings() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: weights sync by reference
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (its default takes ~10)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its start-up warnings are noise here; the probe checks it
+    # (vllm-cpu 0.32 logs some of them at import, before it applies that level: "Triton is installed, but
+    # doesn't include CPU backend", which only says that CPU decoding runs without Triton kernels)
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
 
 
 def vllm_available() -> bool:

@@ -34,6 +34,7 @@ def resolve(name: str) -> str:
 
 def _load(loader, name: str, **kwargs):
     source = resolve(name)
+    _quiet_bars()
     try:
         return loader(source, **kwargs)
     except OSError as error:
@@ -41,6 +42,19 @@ def _load(loader, name: str, **kwargs):
             f"could not load {name!r}: {error}\nPass a local model directory or a Hugging Face id; "
             "hub downloads need network access (HF_HUB_OFFLINE=1 turns them off)."
         ) from error
+
+
+def _quiet_bars() -> None:
+    """Turn off transformers' own progress bars ("Loading weights", "Writing model shards": one for every model
+    loaded or saved, each done in a moment) and keep the hub's, which show a first download of a large model."""
+    import huggingface_hub.utils as hub
+    from transformers.utils import logging as transformers_logging
+
+    if transformers_logging.is_progress_bar_enabled():
+        downloads_shown = not hub.are_progress_bars_disabled()
+        transformers_logging.disable_progress_bar()  # (which also turns the hub's off)
+        if downloads_shown:
+            hub.enable_progress_bars()
 
 
 def load_tokenizer(name: str):
@@ -65,7 +79,14 @@ def load_value_model(name: str, dtype: torch.dtype = torch.float32):
     checkpoint, the head starts fresh; from a critic checkpoint, it is restored."""
     from transformers import AutoConfig, AutoModelForTokenClassification
 
+    from transformers.utils import logging as transformers_logging
+
     config = _load(AutoConfig.from_pretrained, name)
     config.num_labels = 1
     config.classifier_dropout = 0.0
-    return _load(AutoModelForTokenClassification.from_pretrained, name, config=config, dtype=dtype)
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # its LOAD REPORT lists the head as new (and the LM head as unused)
+    try:
+        return _load(AutoModelForTokenClassification.from_pretrained, name, config=config, dtype=dtype)
+    finally:
+        transformers_logging.set_verbosity(verbosity)

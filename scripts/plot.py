@@ -1,9 +1,13 @@
 """Plots of a run's curves from its metrics.jsonl, as PNGs, with no service: training reward and success
-per step (and their running mean), the test success of every evaluation (step 0 is the initial policy),
-turns against the horizon cap with ScalingInter-RL's stages shaded, KL and entropy, and throughput.
+per step (and their running mean) and per task category, the test success of every evaluation (step 0 is
+the initial policy), turns against the horizon cap with ScalingInter-RL's stages shaded, how episodes
+ended (finish reasons, invalid actions, groups without reward variance), KL and entropy, clipping and
+gradient norm, throughput, time and peak memory. An eval result (eval.py's .json) is drawn as Avg@k and
+Pass@k per category. train.py and eval.py run this at their end.
 
     python scripts/plot.py runs/<run>                                  # -> runs/<run>/curves.png
     python scripts/plot.py runs/a runs/b runs/c --out curves.png       # several runs (e.g. seeds) overlaid
+    python scripts/plot.py runs/eval/babyai-tiny-agent-....json        # -> the same name, .png
 
 A run that is still going is plotted as far as it got; a line torn by a crash is skipped.
 """
@@ -11,6 +15,7 @@ A run that is still going is plotted as far as it got; a line torn by a crash is
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import sys
 from pathlib import Path
@@ -20,13 +25,18 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-PANELS = [  # (title, [(metric, label)], y limits or None)
+PANELS = [  # (title, [(metric or pattern, label)], y limits or None); a "*" pattern is one line per match
     ("training episodes", [("rollout/success", "success"), ("rollout/reward", "reward")], (0, 1)),
+    ("training success by category", [("category/*/success", "*")], (0, 1)),
     ("held-out test tasks", [("eval/success", "success")], (0, 1)),
     ("turns", [("rollout/turns", "turns"), ("rollout/horizon", "horizon cap")], None),
+    ("how episodes ended (shares)", [("finish/*", "*"), ("rollout/invalid_action_rate", "invalid actions"),
+                                     ("rollout/zero_variance_groups", "groups without signal")], (0, 1)),
     ("policy", [("losses/kl", "KL to the initial policy"), ("losses/entropy", "entropy")], None),
+    ("update", [("losses/clipfrac", "clip fraction"), ("losses/grad_norm", "gradient norm")], None),
     ("throughput", [("perf/tokens_per_s", "sampled tokens/s"), ("perf/update_tokens_per_s", "update tokens/s")], None),
     ("time", [("perf/step_s", "step s"), ("perf/rollout_s", "rollout s"), ("perf/update_s", "update s")], None),
+    ("peak memory (GiB)", [("perf/rollout_peak_gib", "rollout"), ("perf/update_peak_gib", "update")], None),
 ]
 
 
@@ -64,10 +74,24 @@ def shade_stages(axis, rows: list[dict]) -> None:
             start = i
 
 
+def expand(keys: list[tuple[str, str]], rows: list[dict]) -> list[tuple[str, str]]:
+    """The (metric, label) pairs of a panel, each "*" pattern replaced by the metrics it matches."""
+    out = []
+    for key, label in keys:
+        if "*" not in key:
+            out.append((key, label))
+            continue
+        matched = sorted({name for row in rows for name in row if fnmatch.fnmatch(name, key)})
+        prefix, _, suffix = key.partition("*")
+        out += [(name, name[len(prefix):len(name) - len(suffix)]) for name in matched]
+    return out
+
+
 def plot(runs: dict[str, list[dict]], out: Path) -> None:
-    figure, axes = plt.subplots(2, 3, figsize=(15, 8))
-    for axis, (title, keys, limits) in zip(axes.flat, PANELS):
+    figure, axes = plt.subplots(2, 5, figsize=(25, 8))
+    for axis, (title, patterns, limits) in zip(axes.flat, PANELS):
         for k, (name, rows) in enumerate(runs.items()):
+            keys = expand(patterns, rows)
             for j, (key, label) in enumerate(keys):
                 steps, values = series(rows, key)
                 if not steps:
@@ -87,6 +111,11 @@ def plot(runs: dict[str, list[dict]], out: Path) -> None:
         if axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=7)
     figure.tight_layout()
+    save(figure, out)
+
+
+def save(figure, out: Path) -> None:
+    """Write the PNG beside its final name and rename it into place: never half a file."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp.png")
     figure.savefig(tmp, dpi=100)
@@ -94,11 +123,39 @@ def plot(runs: dict[str, list[dict]], out: Path) -> None:
     tmp.replace(out)
 
 
+def plot_eval(path: Path, out: Path) -> None:
+    """Avg@k and Pass@k per category of an eval result (eval.py's .json), overall first."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise SystemExit(f"{path} is not an eval result: {error}") from error
+    if "avg@k" not in result:
+        raise SystemExit(f"{path} is not an eval result (no avg@k): give eval.py's .json")
+    k = result.get("k", "k")
+    names = ["overall", *result.get("categories", {})]
+    values = [result] + list(result.get("categories", {}).values())
+    figure, axis = plt.subplots(figsize=(max(6.0, 0.6 * len(names) + 2), 4))
+    x = range(len(names))
+    axis.bar([i - 0.2 for i in x], [v["avg@k"] for v in values], width=0.4, label=f"Avg@{k}")
+    axis.bar([i + 0.2 for i in x], [v["pass@k"] for v in values], width=0.4, label=f"Pass@{k}")
+    axis.set_xticks(list(x), names, rotation=45, ha="right", fontsize=8)
+    axis.set_title(f"{result.get('model', '')}: {result.get('env', '')} {result.get('split', '')}, "
+                   f"{result.get('tasks', '?')} tasks x {k}", fontsize=9)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    save(figure, out)
+
+
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", type=Path, help="run directories (runs/<run>)")
-    parser.add_argument("--out", type=Path, help="default: <run>/curves.png (first run)")
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories (runs/<run>), or one eval result (.json)")
+    parser.add_argument("--out", type=Path, help="default: <run>/curves.png (first run), <result>.png")
     args = parser.parse_args(argv)
+    if args.runs[0].suffix == ".json":
+        out = args.out or args.runs[0].with_suffix(".png")
+        plot_eval(args.runs[0], out)
+        print(f"wrote {out}")
+        return out
     names = [run.name if [r.name for r in args.runs].count(run.name) == 1 else f"{run.parent.name}/{run.name}"
              for run in args.runs]
     runs = {name: read_metrics(run) for name, run in zip(names, args.runs)}

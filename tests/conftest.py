@@ -7,6 +7,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see train.py: spinning OpenMP threads starve env threads
+os.environ.setdefault("AGENTGYM_RL_PLOTS", "0")  # no PNGs at the end of every short run (tests/test_view.py draws them)
 
 
 import dataclasses  # noqa: E402

@@ -173,8 +173,9 @@ def test_garbage_text_gives_an_observation(env, text):
     env.reset(FIND_NON_LIVING_0)
     result = env.step(text)
     assert result.observation == "No known action matches that input."
-    assert result.reward == 0.0 and not result.done
-    assert env.step("Action: open door to kitchen").observation == "The door is now open."
+    assert result.reward == 0.0 and not result.done and result.info["valid"] is False  # an invalid action (metrics)
+    opened = env.step("Action: open door to kitchen")
+    assert opened.observation == "The door is now open." and opened.info["valid"] is True
 
 
 def test_step_limit_ends_the_episode():

@@ -18,10 +18,26 @@ import eval as eval_script
 import train
 from envs.babyai import BabyAI
 from rl import advantages as adv_lib
+from rl import plots
 from rl.engines import engine_kind
 from rl.model import EMBEDDED
+from rl.records import unpack
 from rl.scores import gain
 from rollout import Trajectory
+
+
+# every step's metrics (README, "Metrics")
+STEP_METRICS = [
+    "rollout/reward", "rollout/success", "rollout/turns", "rollout/horizon", "rollout/errors",
+    "finish/done", "finish/max_turns", "finish/max_tokens", "finish/error", "rollout/invalid_action_rate",
+    "rollout/zero_variance_groups", "rollout/tokens", "rollout/action_tokens", "rollout/advantage_mean",
+    "rollout/advantage_abs", "rollout/logprob_diff", "rollout/logprob_diff_max",
+    "perf/env_call_s", "perf/env_call_p95_s", "perf/env_wait_share", "perf/tokens_per_s", "perf/rollout_s",
+    "perf/generate_s", "perf/update_s", "perf/update_tokens_per_s", "perf/update_padding_share",
+    "perf/rollout_peak_gib", "perf/update_peak_gib", "perf/step_s",
+    "losses/policy", "losses/kl", "losses/entropy", "losses/clipfrac", "losses/ppo_kl", "losses/grad_norm",
+    "losses/nonfinite_updates", "charts/lr", "charts/step",
+]
 
 
 def tiny_args(tmp_path, **overrides):
@@ -64,12 +80,27 @@ def test_rollout_log_has_every_trajectory(trained):
         assert record["messages"][0]["role"] == "user" and record["messages"][1]["role"] == "assistant"
         assert 1 <= record["turns"] <= 2 and isinstance(record["reward"], float)
     assert {r["step"] for r in lines} == {1, 2}
-    for record in lines:  # the exact tokens, and which of them were sampled (and trained on)
-        assert len(record["token_ids"]) == record["tokens"]
+    for record in lines:  # the exact tokens, which of them were sampled (and trained on), and what the update saw
+        assert record["log_format"] == 2 and record["horizon"] == 2 and record["finish"] in ("done", "horizon")
+        assert record["task_id"] == int(record["item_id"].split("_")[1])
+        assert record["category"] == envs.category("babyai", record["task_id"])
+        assert len(unpack(record["token_ids"])) == record["tokens"]
         assert sum(end - start for start, end in record["action_spans"]) == record["action_tokens"] > 0
+        sampled, trainer = unpack(record["sampled_logprobs"]), unpack(record["trainer_logprobs"])
+        assert len(sampled) == len(trainer) == record["action_tokens"]
+        assert max(abs(a - b) for a, b in zip(sampled, trainer)) < 1e-3 and max(sampled) <= 0
+        assert isinstance(record["advantages"], float)  # GRPO: one advantage for the whole trajectory
+        assert 0 <= record["invalid_actions"] <= record["turns"]
     metrics = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
     assert [m["charts/step"] for m in metrics] == [0, 1, 2]  # step 0: the initial policy's evaluation
     metrics = metrics[1:]
+    for m in metrics:  # every metric the README lists, grouped by name
+        assert set(STEP_METRICS) <= set(m), set(STEP_METRICS) - set(m)
+        assert sum(m[f"finish/{name}"] for name in ("done", "max_turns", "max_tokens", "error")) == pytest.approx(1)
+        categories = {r["category"] for r in lines if r["step"] == m["charts/step"]}
+        assert {key.split("/")[1] for key in m if key.startswith("category/")} == categories
+        assert 0 <= m["rollout/invalid_action_rate"] <= 1 and 0 <= m["rollout/zero_variance_groups"] <= 1
+        assert 0 < m["perf/env_call_s"] <= m["perf/env_call_p95_s"] * 20 and 0 <= m["perf/env_wait_share"] < 1
     assert all(m["perf/tokens_per_s"] > 0 and m["rollout/horizon"] == 2 for m in metrics)
     assert all(m["perf/update_tokens_per_s"] > 0 and 0 <= m["perf/update_padding_share"] < 1 for m in metrics)
     assert all(m["perf/rollout_peak_gib"] > 0.1 and m["perf/update_peak_gib"] > 0.1 for m in metrics)
@@ -93,6 +124,34 @@ def test_eval_every_plays_the_test_tasks(trained):
     assert metrics[0]["eval/horizon"] == metrics[2]["eval/horizon"] == 2
     line = train.held_out_line(trained)
     assert line.startswith("held-out success ") and "4 test tasks x 2 episodes, step 0 vs step 2" in line
+
+
+def test_plots_of_a_run_and_an_eval(trained, tmp_path, monkeypatch):
+    """The PNGs train.py and eval.py draw at their end (rl/plots.py runs scripts/plot.py): a run's curves, with a
+    panel per metric group, and an eval result's Avg@k / Pass@k per category."""
+    monkeypatch.setenv("AGENTGYM_RL_PLOTS", "1")
+    curves = plots.draw(trained)
+    assert curves == trained / "curves.png" and curves.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps({"model": "m", "env": "babyai", "split": "test", "k": 2, "tasks": 3, "avg@k": 0.5,
+                                  "pass@k": 0.67, "categories": {"GoTo": {"tasks": 3, "avg@k": 0.5, "pass@k": 0.67}}}))
+    assert plots.draw(result) == tmp_path / "result.png" and (tmp_path / "result.png").stat().st_size > 1000
+    (tmp_path / "broken.json").write_text("{")
+    assert plots.draw(tmp_path / "broken.json") is None  # one line says why; nothing raised, nothing written
+    assert not (tmp_path / "broken.png").exists()
+    monkeypatch.setenv("AGENTGYM_RL_PLOTS", "0")
+    assert plots.draw(trained) is None
+
+
+def test_wandb_samples_are_the_best_and_worst_trajectories():
+    records = [{"step": 3, "item_id": f"babyai_{i}", "category": "GoTo", "reward": r, "success": r > 0, "turns": 2,
+                "finish": "done", "messages": [{"role": "user", "content": "go"}, {"role": "assistant", "content": "ok"}]}
+               for i, r in enumerate([0.0, 0.9, 0.2, 0.5, 0.0, 0.7])]
+    columns, rows = train.sample_table(records, count=4)
+    assert columns[:4] == ["step", "item_id", "category", "reward"] and len(rows) == 4
+    assert [row[3] for row in rows] == [0.9, 0.7, 0.0, 0.0]
+    assert rows[0][-1] == "[user] go\n\n[assistant] ok"
+    assert len(train.sample_table(records[:2])[1]) == 2
 
 
 def test_gain_is_paired_by_task():

@@ -219,7 +219,7 @@ def test_train_and_eval_run_on_vllm_from_the_command_line(tmp_path):
     for m in metrics:
         assert m["sync/probe_diff"] < 1e-3 and 0 < m["sync/seconds"] < 5
         assert m["rollout/logprob_diff"] < 1e-4 and m["rollout/logprob_diff_max"] < 1e-2
-        assert m["perf/tokens_per_s"] > 0 and 0 <= m["perf/engine_idle_share"] < 1
+        assert m["perf/tokens_per_s"] > 0 and 0 <= m["perf/env_wait_share"] < 1
         assert 0 < m["perf/prefix_hit_rate"] < 1  # turn 2 reuses turn 1's KV cache
     out = tmp_path / "eval"
     subprocess.run([sys.executable, "eval.py", "--engine", "vllm", "--model", str(tmp_path / "cli" / "checkpoints" / "step_2"),

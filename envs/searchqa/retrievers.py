@@ -35,6 +35,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 # pyserini's LuceneSearcher defaults, which Search-R1's bm25 retriever uses.
 BM25_K1, BM25_B = 0.9, 0.4
@@ -103,6 +104,9 @@ def _scan(path: Path, chunk: int = 1 << 24) -> tuple[str, np.ndarray, np.ndarray
 # Backends
 
 
+LARGE_CORPUS = 100_000  # passages; a smaller index builds in seconds, without progress bars
+
+
 class BM25Retriever:
     def __init__(self, corpus: Corpus, cache_dir: str | Path | None = None):
         import bm25s
@@ -128,7 +132,12 @@ class BM25Retriever:
     def _build(self) -> None:
         self.index_dir.parent.mkdir(parents=True, exist_ok=True)
         bm25 = self._bm25s.BM25(k1=BM25_K1, b=BM25_B, method="lucene")
-        bm25.index(self._tokenize(list(self.corpus.contents()), return_ids=True), show_progress=False)
+        large = len(self.corpus) >= LARGE_CORPUS  # minutes to hours: say so, and show bm25s's progress bars
+        if large:
+            print(f"searchqa: building the BM25 index of {len(self.corpus):,} passages once, into {self.index_dir}")
+        tokens = self._bm25s.tokenize(list(self.corpus.contents()), token_pattern=TOKEN_PATTERN, stopwords="en",
+                                      stemmer=self._stemmer, return_ids=True, show_progress=large)
+        bm25.index(tokens, show_progress=large)
         tmp = Path(tempfile.mkdtemp(prefix=self.index_dir.name + ".tmp-", dir=self.index_dir.parent))
         try:
             bm25.save(str(tmp), show_progress=False)
@@ -232,7 +241,7 @@ def build_dense_index(corpus_path: str | Path, encoder_path: str | Path, index_p
         index.add(vectors)
         batch.clear()
 
-    for text in corpus.contents():
+    for text in tqdm(corpus.contents(), total=len(corpus), desc="encoding passages", unit="passage"):
         batch.append(text)
         if len(batch) == batch_size:
             flush()
