@@ -42,6 +42,8 @@ And these are small:
 
 from __future__ import annotations
 
+import struct
+import zlib
 from typing import Callable
 
 import gymnasium
@@ -368,6 +370,20 @@ class BabyAI(Env):
 
 def make() -> BabyAI:
     return BabyAI()
+
+
+def picture(env: BabyAI) -> bytes:
+    """The game as a PNG: MiniGrid's own rendering of the whole grid, the agent's 7x7 view highlighted (what
+    envs/serve.py's /render answers and the trajectory viewer draws)."""
+    rgb = env.game.get_frame(highlight=True, tile_size=32)
+    height, width, _ = rgb.shape
+    rows = b"".join(b"\x00" + rgb[y].tobytes() for y in range(height))  # filter type 0 per row
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
 
 
 def _text_action(env: BabyAI, primitive: int) -> str:

@@ -69,10 +69,8 @@ import argparse
 import asyncio
 import base64
 import contextlib
-import struct
 import sys
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Callable
@@ -386,22 +384,12 @@ def babyai_routes(app: FastAPI, pool: Instances) -> None:
     @app.post("/render")
     async def render(body: IdBody):
         instance = pool.get(body.id)
-        frame = await pool.call(instance, lambda env: env.game.get_frame(highlight=True, tile_size=32), "render")
-        return "data:image/png;base64," + base64.b64encode(png(frame)).decode()
+        from envs.babyai import picture
+
+        image = await pool.call(instance, picture, "render")
+        return "data:image/png;base64," + base64.b64encode(image).decode()
 
     id_close_route(app, pool)
-
-
-def png(rgb) -> bytes:
-    """An RGB uint8 array (height, width, 3) as a PNG file."""
-    height, width, _ = rgb.shape
-    rows = b"".join(b"\x00" + rgb[y].tobytes() for y in range(height))  # filter type 0 per row
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
 
 
 def sciworld_routes(app: FastAPI, pool: Instances) -> None:
