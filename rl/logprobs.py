@@ -1,13 +1,24 @@
-"""Trajectories -> padded tensors, and the log-prob of every action token under a model.
+"""Trajectories -> padded tensors, and the log-prob (and entropy) of every action token under a model.
 
-Only positions that predict an action token (loss_mask 1) go through the LM head: observation
-tokens dominate multi-turn sequences, and the [tokens x vocab] logits are the largest tensor of a
-step (8k tokens x 152k vocab is 5 GB in fp32), so this is most of the memory of a training step.
+Only positions that predict an action token (loss_mask 1) go through the LM head: observation tokens
+dominate multi-turn sequences. Even so the [positions x vocab] logits would be the largest tensors of a
+step (3k action tokens x 152k vocab is 1.8 GB in fp32, and softmax, log-softmax and entropy each keep a
+copy for the backward pass), so the head scores them in chunks of at most CHUNK_ELEMENTS logits, and
+under autograd each chunk's logits are recomputed in the backward pass instead of kept: a step holds one
+chunk's logits at a time. The chunking happens inside the model's forward (its output layer returns
+[log-prob, entropy] pairs instead of logits while scoring), so that a sharded model (FSDP2, ZeRO-3) has its
+output layer's weights gathered, and its backward hooks fire, as in any forward.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.utils.checkpoint import checkpoint
+
+# the most logits (positions x vocab) scored at once: 256 MB in fp32
+CHUNK_ELEMENTS = 2**26
 
 
 def collate(trajectories, pad_id: int) -> dict[str, torch.Tensor]:
@@ -43,12 +54,14 @@ def pad(sequences: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, 
 
 
 def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature: float = 1.0,
-                   with_entropy: bool = False, position_ids=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_entropy: bool = False, position_ids=None,
+                   chunk_elements: int = CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(token_t | tokens_<t) at every action token, under softmax(logits / temperature).
 
     input_ids, loss_mask: [B, T]; attention_mask [B, T], or [B, 1, T, T] with position_ids [B, T] for
-    packed rows (rl/sft.py: pack). Returns logprobs [B, T] (0 where no column of the batch has an action
-    token) and, if asked, the entropy of the same distributions [B, T].
+    packed rows (rl/batch.py, rl/sft.py). Returns logprobs [B, T] (0 where no column of the batch has an
+    action token) and, if asked, the entropy of the same distributions [B, T]. `model` is a model or its
+    forward (a bound method).
     """
     columns = loss_mask.any(0).nonzero().squeeze(1)  # token positions with an action token in any row
     columns = columns[columns > 0]  # position 0 has no prediction (it is always prompt anyway)
@@ -56,25 +69,81 @@ def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature: flo
         # no action token at all: still score one (masked) position, so that the graph reaches every
         # weight; under DDP every process must produce gradients for the same parameters
         columns = torch.full((1,), input_ids.shape[1] - 1, device=input_ids.device)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=(columns - 1).clamp(min=0)).logits
-    logits = logits.float() / (temperature if temperature > 0 else 1.0)  # [B, K, V]
-    logp_all = logits.log_softmax(-1)
-    picked = logp_all.gather(-1, input_ids[:, columns].unsqueeze(-1)).squeeze(-1)  # [B, K]
-    logprobs = torch.zeros(input_ids.shape, dtype=picked.dtype, device=picked.device)
-    logprobs[:, columns] = picked
+    targets = input_ids[:, columns]  # [B, K]
+    with scoring_head(model, targets, temperature, with_entropy, chunk_elements) as head:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    logits_to_keep=(columns - 1).clamp(min=0)).logits
+        scores = head.scores(out)  # [B, K, 2]: log-prob, entropy
+    logprobs = torch.zeros(input_ids.shape, dtype=scores.dtype, device=scores.device)
+    logprobs[:, columns] = scores[..., 0]
     entropy = None
     if with_entropy:
-        ent = -(logp_all.exp() * logp_all).sum(-1)  # [B, K]
-        entropy = torch.zeros(input_ids.shape, dtype=ent.dtype, device=ent.device)
-        entropy[:, columns] = ent
+        entropy = torch.zeros(input_ids.shape, dtype=scores.dtype, device=scores.device)
+        entropy[:, columns] = scores[..., 1]
     return logprobs, entropy
 
 
-def token_values(critic, input_ids, attention_mask, loss_mask) -> torch.Tensor:
+class _Head:
+    """The output layer of a model while it scores `targets` [B, K]: hidden states [B, K, H] in, [B, K, 2]
+    (log-prob of the target, entropy) out, chunk by chunk. Models whose logits are post-processed after the
+    output layer (Gemma's soft-capping) keep their output layer; their logits are then scored whole."""
+
+    def __init__(self, layer, targets, temperature: float, with_entropy: bool, chunk_elements: int, chunked: bool):
+        self.targets, self.chunked, self.with_entropy = targets, chunked, with_entropy
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.rows = max(1, chunk_elements // getattr(layer, "out_features", 1))
+        self.linear = type(layer).forward.__get__(layer) if chunked else None  # the layer's own forward, not ours
+
+    def forward(self, hidden):
+        flat, targets = hidden.reshape(-1, hidden.shape[-1]), self.targets.reshape(-1)
+        recompute = torch.is_grad_enabled() and len(flat) > self.rows  # keep no chunk's logits for the backward
+        parts = []
+        for start in range(0, len(flat), self.rows):
+            part = (flat[start:start + self.rows], targets[start:start + self.rows])
+            parts.append(checkpoint(self._score, *part, use_reentrant=False) if recompute else self._score(*part))
+        return torch.cat(parts).reshape(*self.targets.shape, 2)
+
+    def _score(self, hidden, targets):
+        return _score_logits(self.linear(hidden), targets, self.temperature, self.with_entropy)
+
+    def scores(self, out):
+        """The model's output as scores: already scores when the output layer made them, else logits to score."""
+        if self.chunked:
+            return out
+        return _score_logits(out.reshape(-1, out.shape[-1]), self.targets.reshape(-1), self.temperature,
+                             self.with_entropy).reshape(*self.targets.shape, 2)
+
+
+def _score_logits(logits, targets, temperature: float, with_entropy: bool):
+    """[N, V] logits, [N] targets -> [N, 2]: log p(target) and the entropy (0 unless asked) under softmax(logits / T)."""
+    logp = (logits.float() / temperature).log_softmax(-1)
+    picked = logp.gather(-1, targets[:, None]).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else torch.zeros_like(picked)
+    return torch.stack([picked, entropy], -1)
+
+
+@contextlib.contextmanager
+def scoring_head(model, targets, temperature: float, with_entropy: bool, chunk_elements: int = CHUNK_ELEMENTS):
+    """For the duration of one forward, `model`'s output layer scores `targets` instead of returning logits."""
+    module = getattr(model, "__self__", model)  # a bound forward
+    module = getattr(module, "module", module)  # inside DistributedDataParallel
+    layer = module.get_output_embeddings()
+    config = getattr(module, "config", None)
+    chunked = layer is not None and not getattr(config, "final_logit_softcapping", None)
+    head = _Head(layer, targets, temperature, with_entropy, chunk_elements, chunked)
+    if chunked:
+        layer.forward = head.forward  # (an instance attribute: nn.Module.__call__ finds it first)
+    try:
+        yield head
+    finally:
+        if chunked:
+            del layer.forward
+
+
+def token_values(critic, input_ids, attention_mask, loss_mask, position_ids=None) -> torch.Tensor:
     """The critic's value of the state before every action token: values[t] = V(tokens_<t), read off the
     hidden state at t - 1 (the position whose output also predicts token t). [B, T], 0 off the mask."""
-    out = critic(input_ids=input_ids, attention_mask=attention_mask).logits[..., 0].float()  # [B, T]
+    out = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[..., 0].float()
     values = torch.zeros_like(out)
     values[:, 1:] = out[:, :-1]
     return values * loss_mask
