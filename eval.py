@@ -3,6 +3,9 @@
     python eval.py --model runs/<run>/checkpoints/step_8          # scores a checkpoint as it was trained
     python eval.py --model Qwen/Qwen2.5-7B-Instruct --env textcraft --k 4
 
+A LoRA run's checkpoint holds an adapter: it is loaded on its base model (and a vLLM engine gets the merged
+weights, checked on a probe).
+
 Each task is played k times. Avg@k is the mean final score over all k x tasks episodes (the raw env
 score: BabyAI's fractional reward, SciWorld's 0-100 progress); Pass@k is the fraction of tasks where
 at least one of the k episodes scored above 0. Both as AgentGym-RL computes them.
@@ -40,7 +43,7 @@ from envs.guard import close_envs, make_envs
 from rl import plots
 from rl.checkpoint import write_atomic
 from rl.horizon import horizon_at
-from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, load_model, load_tokenizer
+from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, full_weights, is_adapter, load_model, load_tokenizer
 from rl.scores import score, spread
 from rl.engines import engine_kind, make_engine
 from rollout import ChatFormat, play
@@ -164,13 +167,15 @@ def main(args: Args) -> dict:
     fmt = ChatFormat(tokenizer)
     kind = engine_kind(args.engine)
     model = None
-    if kind == "hf":
+    if kind == "hf" or is_adapter(args.model):
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model = load_model(args.model, dtype=torch.bfloat16 if device == "cuda" else torch.float32).to(device).eval()
     engine = make_engine(kind, args.model, fmt, model, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                          batch_size=args.batch_size, max_model_len=settings["max_tokens"],
                          gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                          tensor_parallel_size=args.vllm_tensor_parallel_size)
+    if kind == "vllm" and model is not None:  # a LoRA checkpoint: vLLM loaded its base; the adapter goes in merged
+        engine.load_weights(model, weights=full_weights(model))
     random.seed(args.seed)
     torch.manual_seed(args.seed)
 

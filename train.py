@@ -94,13 +94,14 @@ from typing import Literal
 
 import torch
 import tyro
-from safetensors.torch import load_file, save_file, save_model
+from safetensors.torch import load_file, save_file
 from safetensors.torch import load_model as load_safetensors_model
 from tqdm import tqdm
 
 import envs
 from envs.guard import close_envs, make_envs
 from rl import advantages as adv_lib
+from rl.batch import Batch, attach, count_sequences, make_batch, plan, scatter
 from rl import checkpoint as checkpoint_lib
 from rl import plots
 from rl.data import DataError, encode, read_trajectories, to_record
@@ -109,7 +110,7 @@ from rl.horizon import describe, horizon_at
 from rl.logprobs import collate, pad, token_logprobs, token_values
 from rl.losses import aggregate, kl, policy_loss, value_loss
 from rl.memory import peak_gib, reset_peak
-from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, load_model, load_tokenizer, load_value_model
+from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, add_lora, full_weights, is_adapter, load_model, load_tokenizer, load_value_model
 from rl.records import action_positions, per_action
 from rl.engines import SyncError, make_engine
 from rl.scores import gain, score, spread
@@ -250,6 +251,12 @@ class Args:
     micro_batch_size: int = 4
     """trajectories per forward/backward (gradient accumulation inside a mini-batch; sft: packed rows,
     dpo: pairs)"""
+    max_tokens_per_micro_batch: int = 0
+    """RL: choose micro-batches by tokens instead of --micro-batch-size: padded rows x width (with --pack: the
+    tokens of a row) at most this many; a longer trajectory goes alone. 0: by --micro-batch-size"""
+    pack: bool = False
+    """RL: several trajectories a row, positions restarting and no attention across them (no padding); needs
+    --max-tokens-per-micro-batch, the length of a row"""
     clip: float = 0.2
     """PPO ratio clip (the lower one when --clip-high is given)"""
     clip_high: float | None = None
@@ -280,6 +287,13 @@ class Args:
     """value-loss clip around the old values"""
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     """auto: bf16 on GPU, fp32 on CPU"""
+    lora_rank: int = 0
+    """train LoRA adapters of this rank (PEFT) instead of every weight; 0: full fine-tune. The reference is then
+    the policy with its adapters off (no second copy of the model), and checkpoints hold the adapter"""
+    lora_alpha: float = 32.0
+    """LoRA's scale numerator: adapters add (alpha / rank) B A"""
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
+    """modules that get adapters, e.g. q_proj k_proj v_proj o_proj; all-linear: every linear layer but the output layer"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, about a third more compute"""
     max_nonfinite_updates: int = 3
@@ -437,10 +451,12 @@ def resumed_args(argv: list[str], checkpoint: Path) -> Args:
 def check(args: Args, world: int, distributed: str = "NO") -> None:
     """Stop early, with what to do, on settings that cannot work. `distributed`: Accelerate's
     distributed type (NO, MULTI_GPU, FSDP, DEEPSPEED, ...)."""
-    if distributed in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
-        raise SystemExit(f"train.py does not run under {distributed} yet: the sampler generates from the unwrapped "
-                         "model, which sharding leaves in pieces. Launch data-parallel (accelerate launch "
-                         "--num_processes N, every process holding the whole model) or on one GPU.")
+    if distributed in ("DEEPSPEED", "MEGATRON_LM"):
+        raise SystemExit(f"train.py does not run under {distributed}: shard with FSDP2 (accelerate launch --config_file "
+                         "configs/fsdp2.yaml), or launch data-parallel (configs/ddp.yaml) or on one GPU")
+    if distributed == "FSDP" and args.algo == "agentevol":
+        raise SystemExit("agentevol resets the policy in place between iterations, which a sharded model does not "
+                         "support here: run it data-parallel (configs/ddp.yaml) or on one GPU")
     for flag in ("steps", "tasks_per_step", "n", "max_new_tokens", "ppo_epochs", "minibatches", "micro_batch_size",
                  "max_nonfinite_updates", "log_rollouts_every"):
         if getattr(args, flag) < 1:  # 0 would silently skip every rollout or update
@@ -478,6 +494,8 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
         raise SystemExit("--vllm-tensor-parallel-size above 1 puts the engine's workers in other processes, which the "
                          "in-memory weight sync cannot reach yet: train with one engine per process (the default); "
                          "eval.py takes it")
+    if args.lora_rank < 0 or args.lora_alpha <= 0:
+        raise SystemExit("--lora-rank takes 0 (full fine-tune) or more, --lora-alpha a positive number")
     if args.eval_every < 0 or args.eval_tasks < 0 or args.eval_k < 1:
         raise SystemExit("--eval-every and --eval-tasks take 0 (never, all) or more, --eval-k 1 or more")
     if args.algo in OFFLINE:
@@ -489,7 +507,11 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
         raise SystemExit(f"--tasks-per-step {args.tasks_per_step} must be divisible by the {world} processes")
     trajectories = args.tasks_per_step // world * args.n
     micro_batches = (trajectories + args.micro_batch_size - 1) // args.micro_batch_size
-    if micro_batches < args.minibatches:
+    if args.max_tokens_per_micro_batch < 0 or args.pack and not args.max_tokens_per_micro_batch:
+        raise SystemExit("--pack fills rows of --max-tokens-per-micro-batch tokens: give that too (e.g. 16384)")
+    if args.max_tokens_per_micro_batch and trajectories < args.minibatches:
+        raise SystemExit(f"--minibatches {args.minibatches} is more than the {trajectories} trajectories each process has")
+    if not args.max_tokens_per_micro_batch and micro_batches < args.minibatches:
         raise SystemExit(f"--minibatches {args.minibatches} is more than the {micro_batches} micro-batches of "
                          f"--micro-batch-size {args.micro_batch_size} that each process has")
 
@@ -530,46 +552,14 @@ def tasks_for(step: int, train_ids: list[int], per_step: int, seed: int) -> list
     return order[k * per_step:(k + 1) * per_step]
 
 
-@dataclass
-class Batch:
-    """A step's trajectories as tensors: `full`, padded [B, T] on the CPU, and micro-batches of rows of
-    similar length (less padding) on the device. A trajectory that ended in an env error is no outcome:
-    its tokens are not trained on (mask 0), but it stays in the batch, so that every process runs the
-    same number of backward passes."""
-
-    full: dict[str, torch.Tensor]
-    micro: list[dict[str, torch.Tensor]]
-    rows: list[list[int]]  # the rows of `full` in each micro-batch
-    scores: torch.Tensor  # [B] outcome rewards
-    groups: torch.Tensor  # [B] which task's group
-    ok: torch.Tensor  # [B] False where the env failed
-
-    @property
-    def tokens(self) -> int:
-        """Trajectory tokens in the micro-batches (this process's)."""
-        return sum(int(micro["attention_mask"].sum()) for micro in self.micro)
-
-    @property
-    def positions(self) -> int:
-        """Positions in the micro-batches, padding included."""
-        return sum(micro["attention_mask"].numel() for micro in self.micro)
-
-
-def make_batch(trajectories: list[Trajectory], pad_id: int, micro_batch_size: int, device) -> Batch:
-    ok = torch.tensor([t.error is None for t in trajectories])
-    full = collate(trajectories, pad_id)
-    full["loss_mask"] *= ok[:, None]
-    order = sorted(range(len(trajectories)), key=lambda i: len(trajectories[i].token_ids))
-    rows = [order[i:i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
-    return Batch(full, [rows_of(full, r, device) for r in rows], rows,
-                 scores=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
-                 groups=torch.tensor([t.group for t in trajectories], dtype=torch.long), ok=ok)
-
-
-def rows_of(full: dict, rows: list[int], device) -> dict:
-    """Rows of the padded batch, trimmed to their longest trajectory, on `device`."""
-    width = max(1, int(full["attention_mask"][rows].sum(1).max()))
-    return {key: value[rows, :width].to(device) for key, value in full.items()}
+def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: int) -> Batch:
+    """The step's tensors (rl/batch.py): micro-batches by --micro-batch-size or --max-tokens-per-micro-batch,
+    packed with --pack, as many on every process (the most any process needs; the others add empty ones)."""
+    layout = plan([len(t.token_ids) for t in trajectories], args.micro_batch_size, args.max_tokens_per_micro_batch,
+                  args.pack, minimum=args.minibatches)
+    reduce = reducer(accelerator, "max")
+    count = int(reduce(torch.tensor([len(layout)]))) if reduce is not None else len(layout)
+    return make_batch(trajectories, pad_id, layout, accelerator.device, count=count, pack=args.pack)
 
 
 @dataclass
@@ -580,11 +570,27 @@ class Models:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     ref: torch.nn.Module | None = None  # the frozen initial policy, for the KL
+    adapter_reference: bool = False  # LoRA: the reference is the policy with its adapters off
     critic: torch.nn.Module | None = None  # PPO's value model
     critic_optimizer: torch.optim.Optimizer | None = None
     critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     # per model ("policy", "critic"): its optimizer steps skipped in a row for a NaN or infinite loss or gradient
     nonfinite_streak: dict[str, int] = field(default_factory=dict)
+
+
+def has_reference(models: Models) -> bool:
+    return models.ref is not None or models.adapter_reference
+
+
+@contextlib.contextmanager
+def reference(models: Models, accelerator):
+    """The model that scores the reference log-probs: the frozen initial policy, or under LoRA the policy itself
+    with its adapters off for the duration."""
+    if models.ref is not None:
+        yield models.ref
+        return
+    with accelerator.unwrap_model(models.policy).disable_adapter():
+        yield models.policy
 
 
 @torch.no_grad()
@@ -596,29 +602,22 @@ def score_batch(models: Models, batch: Batch, args: Args, accelerator) -> None:
     single update per rollout the policy has not moved, so the old log-probs are the current ones
     (detached) and need no extra forward pass, unless the KL goes into the reward, which needs them
     before the update."""
-    need_old = args.ppo_epochs * args.minibatches > 1 or (args.kl_in_reward and models.ref is not None)
+    need_old = args.ppo_epochs * args.minibatches > 1 or (args.kl_in_reward and has_reference(models))
     for module in (models.policy, models.critic):
         if module is not None:
             module.eval()
     for micro in batch.micro:
         inputs = (micro["input_ids"], micro["attention_mask"], micro["loss_mask"])
+        positions = micro.get("position_ids")
         with accelerator.autocast():
             if need_old:
-                micro["old_logprobs"], _ = token_logprobs(models.policy, *inputs, args.temperature)
-            if models.ref is not None:
-                micro["ref_logprobs"], _ = token_logprobs(models.ref, *inputs, args.temperature)
+                micro["old_logprobs"], _ = token_logprobs(models.policy, *inputs, args.temperature, position_ids=positions)
+            if has_reference(models):
+                with reference(models, accelerator) as ref:
+                    micro["ref_logprobs"], _ = token_logprobs(ref, *inputs, args.temperature, position_ids=positions)
             if models.critic is not None:
-                micro["old_values"] = token_values(models.critic, *inputs)
+                micro["old_values"] = token_values(models.critic, *inputs, position_ids=positions)
     scatter(batch, ("old_logprobs", "ref_logprobs", "old_values"))
-
-
-def scatter(batch: Batch, keys: tuple[str, ...]) -> None:
-    """Copy the micro-batches' tensors named `keys` into `full`, [B, T] on the CPU."""
-    for rows, micro in zip(batch.rows, batch.micro):
-        for key in keys:
-            if key in micro:
-                batch.full.setdefault(key, torch.zeros_like(batch.full["loss_mask"]))
-                batch.full[key][rows, :micro[key].shape[1]] = micro[key].float().cpu()
 
 
 def stop_on_env_failures(trajectories: list[Trajectory], args: Args, accelerator, run_dir: Path, step: int) -> None:
@@ -664,18 +663,6 @@ def advantages_for(args: Args, full: dict, scores: torch.Tensor, groups: torch.T
     if args.algo == "reinforce_pp":
         return adv_lib.reinforce_pp(rewards, mask, args.gamma, reduce=reduce), None
     return adv_lib.gae(rewards, full["old_values"], mask, args.gamma, args.lam, reduce=reduce)
-
-
-def attach(batch: Batch, advantages: torch.Tensor, returns: torch.Tensor | None) -> None:
-    """Give every micro-batch its rows of the advantages (and returns), on its device."""
-    batch.full["advantages"] = advantages
-    if returns is not None:
-        batch.full["returns"] = returns
-    for rows, micro in zip(batch.rows, batch.micro):
-        width = micro["input_ids"].shape[1]
-        micro["advantages"] = advantages[rows, :width].to(micro["input_ids"].device)
-        if returns is not None:
-            micro["returns"] = returns[rows, :width].to(micro["input_ids"].device)
 
 
 def update(models: Models, batch: Batch, args: Args, accelerator, step: int, progress=None) -> tuple[dict, dict]:
@@ -743,17 +730,19 @@ def minibatch_counts(minibatch: list[dict], accelerator) -> dict[str, float]:
     played; with per-process counts a token on a process with 10 action tokens would weigh 19x one on
     a process with 190."""
     local = torch.tensor([sum(float(m["loss_mask"].sum()) for m in minibatch),
-                          sum(float((m["loss_mask"].sum(1) > 0).sum()) for m in minibatch)], dtype=torch.float64)
+                          sum(count_sequences(m) for m in minibatch)], dtype=torch.float64)
     reduce = reducer(accelerator)
     total = reduce(local) if reduce is not None else local
     tokens, sequences = (total / accelerator.num_processes).tolist()
     return {"tokens": tokens, "sequences": sequences}
 
 
-def reducer(accelerator):
-    """A function that sums a CPU tensor over processes; None on a single process."""
+def reducer(accelerator, op: str = "sum"):
+    """A function that sums (or takes the max of) a CPU tensor over processes; None on a single process."""
     if accelerator.num_processes == 1:
         return None
+    if op == "max":
+        return lambda t: accelerator.gather(t.to(accelerator.device)).max(0, keepdim=True).values.cpu()
     return lambda t: accelerator.reduce(t.to(accelerator.device), "sum").cpu()
 
 
@@ -771,15 +760,16 @@ def update_policy(models: Models, batch: dict, counts: dict, args: Args, acceler
     bonus, plus the KL to the reference (unless it is in the reward), each aggregated over the whole
     mini-batch (`counts`: its action tokens and sequences). Returns the micro-batch's sums for metrics."""
     mask = batch["loss_mask"]
+    counts = counts | {"segments": batch["segments"]}  # (a packed row holds several trajectories)
     with accelerator.autocast():
         logprobs, entropy = token_logprobs(models.policy, batch["input_ids"], batch["attention_mask"], mask,
-                                           args.temperature, with_entropy=True)
+                                           args.temperature, with_entropy=True, position_ids=batch.get("position_ids"))
     old = batch["old_logprobs"] if "old_logprobs" in batch else logprobs.detach()
     batch.setdefault("trainer_logprobs", old.detach())  # the first pass's, for the rollout log
     pg, clipped = policy_loss(logprobs, old, batch["advantages"], args.clip, args.clip_high, args.dual_clip)
     loss = aggregate(pg, mask, args.loss_agg, **counts) - args.entropy_coef * aggregate(entropy, mask, args.loss_agg, **counts)
     divergence = torch.zeros_like(logprobs)
-    if models.ref is not None:
+    if has_reference(models):
         divergence = kl(logprobs, batch["ref_logprobs"], args.kl_estimator)
         if not args.kl_in_reward:
             loss = loss + args.kl_coef * aggregate(divergence, mask, args.loss_agg, **counts)
@@ -802,9 +792,9 @@ def update_critic(models: Models, batch: dict, counts: dict, args: Args, acceler
     returns, on action tokens only, aggregated like the policy loss."""
     mask = batch["loss_mask"]
     with accelerator.autocast():
-        values = token_values(models.critic, batch["input_ids"], batch["attention_mask"], mask)
+        values = token_values(models.critic, batch["input_ids"], batch["attention_mask"], mask, batch.get("position_ids"))
     terms, clipped = value_loss(values, batch["old_values"], batch["returns"], args.value_clip)
-    accelerator.backward(aggregate(terms, mask, args.loss_agg, **counts))
+    accelerator.backward(aggregate(terms, mask, args.loss_agg, **counts, segments=batch["segments"]))
     with torch.no_grad():
         return {"critic_tokens": float(mask.sum()), "value": float((terms * mask).sum()),
                 "value_clipfrac": float((clipped * mask).sum())}
@@ -861,9 +851,10 @@ def sync_engine(engine, policy, accelerator, step: int) -> dict[str, float]:
     all of them decides, so that all stop together rather than leave the others waiting."""
     from accelerate.utils import gather_object
 
-    synced = engine.load_weights(accelerator.unwrap_model(policy), verify=False)
-    if not synced:
-        return {}
+    model = accelerator.unwrap_model(policy)
+    synced = engine.load_weights(model, weights=full_weights(model), verify=False)
+    if "probe_diff" not in synced:  # the HF engine: its own model, or an exact copy of the weights
+        return {"sync/seconds": synced["sync_s"]} if synced else {}
     worst = max(gather_object([synced["probe_diff"]]), key=lambda d: d if d == d else float("inf"))  # NaN is worst
     try:
         engine.verify(worst)
@@ -999,7 +990,7 @@ def rl_line(step: int, metrics: dict) -> str:
         + f"env wait {metrics['perf/env_wait_share']:.0%} | "
         + (f"logp diff {metrics['rollout/logprob_diff']:.0e} | " if "rollout/logprob_diff" in metrics else "")
         + (f"sync {metrics['sync/seconds']:.2f}s, probe {metrics['sync/probe_diff']:.0e} | "
-           if "sync/seconds" in metrics else "")
+           if "sync/probe_diff" in metrics else f"sync {metrics['sync/seconds']:.2f}s | " if "sync/seconds" in metrics else "")
         + f"{metrics['perf/step_s']:.1f}s"
     )
 
@@ -1083,8 +1074,8 @@ def offline_terms(models: Models, micro: dict, args: Args, accelerator) -> tuple
     if args.algo != "dpo":
         nll = -(logprobs * micro["loss_mask"]).sum()
         return nll, {"nll": float(nll.detach()), "tokens": float(micro["loss_mask"].sum())}
-    with torch.no_grad(), accelerator.autocast():
-        ref, _ = token_logprobs(models.ref, *inputs)
+    with torch.no_grad(), accelerator.autocast(), reference(models, accelerator) as reference_model:
+        ref, _ = token_logprobs(reference_model, *inputs)
     summed, ref_summed = (logprobs * micro["loss_mask"]).sum(1), (ref.float() * micro["loss_mask"]).sum(1)
     half = summed.shape[0] // 2
     loss, chosen, rejected = dpo_loss(summed[:half], summed[half:], ref_summed[:half], ref_summed[half:], args.beta)
@@ -1212,7 +1203,14 @@ def test_task_ids(args: Args) -> list[int]:
 def restart(models: Models, args: Args, accelerator, initial: tuple[dict, dict]) -> None:
     """Back to --model's weights with the optimizer and schedule as they started (agentevol's retraining
     from the base), in place: the engine and Accelerate keep the same modules."""
-    accelerator.unwrap_model(models.policy).load_state_dict(load_model(args.model).state_dict())
+    policy = accelerator.unwrap_model(models.policy)
+    if args.lora_rank:  # fresh adapters: the base model again
+        for layer in policy.modules():
+            if hasattr(layer, "reset_lora_parameters"):
+                for adapter in layer.active_adapters:
+                    layer.reset_lora_parameters(adapter, init_lora_weights=True)
+    else:
+        policy.load_state_dict(load_model(args.model).state_dict())
     models.optimizer.load_state_dict(copy.deepcopy(initial[0]))
     models.scheduler.load_state_dict(copy.deepcopy(initial[1]))
 
@@ -1407,31 +1405,64 @@ def linear_warmup(optimizer, steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(steps, 1)))
 
 
+def sharded(accelerator) -> bool:
+    """Whether the models are split over processes (FSDP2): no process holds a whole one."""
+    return accelerator.distributed_type == "FSDP"
+
+
 def build_models(args: Args, accelerator, policy_from: str) -> Models:
     """The policy (from `policy_from`: the model, or the checkpoint when resuming), the frozen reference,
-    PPO's critic (same architecture, own weights, a value head; restored by --resume with the rest), their
-    optimizers."""
-    policy = load_model(policy_from)
+    PPO's critic (same architecture, own weights, a value head; its weights from the checkpoint when resuming),
+    their optimizers."""
+    critic_from = Path(policy_from) / "state" / "critic.safetensors"
+    critic_from = critic_from if critic_from.is_file() else None
+    policy = load_model(policy_from, trainable=True)  # (a LoRA run's checkpoint: its base, the adapter on it)
+    if args.lora_rank and not is_adapter(policy_from):
+        policy = add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_target_modules)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         policy.config.use_cache = False
+        if args.lora_rank:
+            policy.enable_input_require_grads()  # (the frozen embeddings would cut the recomputed graph)
+    wanted = args.algo == "dpo" or (args.kl_coef > 0 and args.algo not in OFFLINE)
     ref = None
-    if args.algo == "dpo" or (args.kl_coef > 0 and args.algo not in OFFLINE):
-        # loaded and run exactly as the policy (fp32 under autocast): at step 0 the KL is 0 (DPO's margins too)
+    if wanted and not args.lora_rank:
+        # loaded and run exactly as the policy (fp32 under autocast): at step 0 the KL is 0 (DPO's margins too),
+        # and sharded as the policy is
         ref = load_model(args.model)
-        ref.requires_grad_(False).eval().to(accelerator.device)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        ref.requires_grad_(False).eval()
+        ref = shard(accelerator, ref) if sharded(accelerator) else ref.to(accelerator.device)
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, linear_warmup(optimizer, args.warmup_steps))
-    models = Models(policy, optimizer, scheduler, ref)
+    models = Models(policy, optimizer, scheduler, ref, adapter_reference=wanted and bool(args.lora_rank))
     if args.algo == "ppo":
         critic = load_value_model(args.model)
+        if critic_from is not None:  # resuming: its weights before Accelerate shards it
+            load_safetensors_model(critic, str(critic_from))
         critic.config.use_cache = False
         if args.gradient_checkpointing:
             critic.gradient_checkpointing_enable()
+        if sharded(accelerator):  # sharded first, so that its optimizer holds the shards
+            critic = shard(accelerator, critic)
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay)
-        models.critic, models.critic_optimizer, models.critic_scheduler = accelerator.prepare(
-            critic, critic_optimizer, linear_warmup(critic_optimizer, args.critic_lr_warmup_steps))
+        critic_scheduler = linear_warmup(critic_optimizer, args.critic_lr_warmup_steps)
+        if sharded(accelerator):
+            models.critic = critic
+            models.critic_optimizer = accelerator.prepare_optimizer(critic_optimizer)
+            models.critic_scheduler = accelerator.prepare_scheduler(critic_scheduler)
+        else:
+            models.critic, models.critic_optimizer, models.critic_scheduler = accelerator.prepare(
+                critic, critic_optimizer, critic_scheduler)
     return models
+
+
+def shard(accelerator, model):
+    """A model beside the policy sharded as the policy is: Accelerate's FSDP2 prepares one model (with its optimizer)
+    per prepare(), so the reference and the critic go through its fsdp2_prepare_model, with the same settings."""
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    return fsdp2_prepare_model(accelerator, model)
 
 
 def context_limit(args: Args, policy, say: bool = True) -> int:
@@ -1445,8 +1476,10 @@ def context_limit(args: Args, policy, say: bool = True) -> int:
 
 def build_engine(args: Args, fmt: ChatFormat, models: Models, accelerator, max_tokens: int):
     """This process's rollout engine (`--engine`): vLLM loads the model itself (its weights are synced
-    from the policy before the first rollout); HF samples with the policy."""
-    return make_engine(args.engine, args.model, fmt, accelerator.unwrap_model(models.policy),
+    from the policy before the first rollout); HF samples with the policy, or with a copy when it is sharded."""
+    own = sharded(accelerator)  # (the HF engine then samples from a whole copy of its own)
+    return make_engine(args.engine, args.model, fmt, None if own else accelerator.unwrap_model(models.policy),
+                       device=accelerator.device,
                        temperature=args.temperature, top_p=args.top_p, seed=args.seed + accelerator.process_index,
                        batch_size=args.gen_batch_size, max_model_len=args.vllm_max_model_len or max_tokens,
                        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
@@ -1586,12 +1619,16 @@ def save_checkpoint(accelerator, models: Models, engine, tokenizer, path: Path, 
     accelerator.unwrap_model(models.policy).save_pretrained(
         tmp, is_main_process=main_process, save_function=accelerator.save,
         state_dict=accelerator.get_state_dict(models.policy), safe_serialization=True)
-    if main_process:  # data parallel: every process holds the same models and optimizer states
-        for name, optimizer in (("optimizer", models.optimizer), ("critic_optimizer", models.critic_optimizer)):
-            if optimizer is not None:
-                checkpoint_lib.save_optimizer(optimizer, tmp / "state" / f"{name}.safetensors")
-        if models.critic is not None:
-            save_model(accelerator.unwrap_model(models.critic), str(tmp / "state" / "critic.safetensors"))
+    # data parallel: every process holds the same optimizer states, saved once; sharded: each its own shard
+    shard = f"_{accelerator.process_index}" if sharded(accelerator) else ""
+    for name, optimizer in (("optimizer", models.optimizer), ("critic_optimizer", models.critic_optimizer)):
+        if optimizer is not None and (main_process or shard):
+            checkpoint_lib.save_optimizer(optimizer, tmp / "state" / f"{name}{shard}.safetensors")
+    if models.critic is not None:
+        critic = accelerator.get_state_dict(models.critic)  # (gathered to the main process when sharded)
+        if main_process:
+            save_file({key: value.contiguous() for key, value in critic.items()}, str(tmp / "state" / "critic.safetensors"))
+    if main_process:
         schedulers = {"policy": models.scheduler.state_dict(),
                       "critic": models.critic_scheduler.state_dict() if models.critic_scheduler else None,
                       "scaler": accelerator.scaler.state_dict() if accelerator.scaler else None}
@@ -1601,6 +1638,7 @@ def save_checkpoint(accelerator, models: Models, engine, tokenizer, path: Path, 
         save_file(engine.state_dict(), str(tmp / "state" / f"sampler_{accelerator.process_index}.safetensors"))
     accelerator.wait_for_everyone()
     if main_process:
+        (tmp / "README.md").unlink(missing_ok=True)  # PEFT's model card for an adapter: not part of the state
         tokenizer.save_pretrained(tmp)
         state = {"step": step, "logs": logs.sizes(), "nonfinite_streak": models.nonfinite_streak}
         (tmp / checkpoint_lib.STATE).write_text(json.dumps(state) + "\n")
@@ -1611,14 +1649,17 @@ def save_checkpoint(accelerator, models: Models, engine, tokenizer, path: Path, 
 
 def resume(accelerator, models: Models, engine, checkpoint: Path) -> dict:
     """Restore the training state, this process's random state and its sampler from a checkpoint (the
-    policy's weights were loaded from it by build_models); returns its trainer_state.json."""
+    policy's and critic's weights were loaded from it by build_models); returns its trainer_state.json."""
     state = checkpoint / "state"
-    checkpoint_lib.load_optimizer(models.optimizer, state / "optimizer.safetensors")
+    shard = f"_{accelerator.process_index}" if sharded(accelerator) else ""
+    if shard and not (state / f"optimizer{shard}.safetensors").is_file():
+        raise SystemExit(f"--resume {checkpoint}: it holds no optimizer shard for process {accelerator.process_index}; "
+                         "a sharded run resumes with the same number of processes and FSDP, as it was saved")
+    checkpoint_lib.load_optimizer(models.optimizer, state / f"optimizer{shard}.safetensors")
     schedulers = json.loads((state / "schedulers.json").read_text())
     models.scheduler.load_state_dict(schedulers["policy"])
-    if models.critic is not None:
-        load_safetensors_model(accelerator.unwrap_model(models.critic), str(state / "critic.safetensors"))
-        checkpoint_lib.load_optimizer(models.critic_optimizer, state / "critic_optimizer.safetensors")
+    if models.critic is not None:  # (its weights were loaded by build_models)
+        checkpoint_lib.load_optimizer(models.critic_optimizer, state / f"critic_optimizer{shard}.safetensors")
         models.critic_scheduler.load_state_dict(schedulers["critic"])
     if accelerator.scaler is not None and schedulers["scaler"] is not None:
         accelerator.scaler.load_state_dict(schedulers["scaler"])
@@ -1716,7 +1757,7 @@ def main(args: Args) -> Path:
             engine.sleep()
             reset_peak()
             update_start = time.perf_counter()
-            batch = make_batch(trajectories, fmt.pad_id, args.micro_batch_size, accelerator.device)
+            batch = batch_of(trajectories, args, accelerator, fmt.pad_id)
             score_batch(models, batch, args, accelerator)
             advantages, returns = advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, reduce)
             attach(batch, advantages, returns)

@@ -5,6 +5,7 @@ A checkpoint is a directory runs/<run>/checkpoints/step_<k>:
     model.safetensors, config.json, tokenizer   the policy: a Hugging Face model directory (eval.py, vLLM)
     state/critic.safetensors                    PPO's critic
     state/<name>.safetensors                    each optimizer: its tensors, its param groups as JSON metadata
+                                                (<name>_<process>: each process's shard, under FSDP2)
     state/schedulers.json                       the learning-rate schedulers (and fp16's loss scaler)
     state/rng_<process>.safetensors             Python's, NumPy's and torch's (CPU, CUDA) random state
     state/sampler_<process>.safetensors         the rollout engine's sampler
@@ -115,26 +116,39 @@ def _step(checkpoint: Path) -> int:
 
 def save_optimizer(optimizer, path: Path) -> None:
     """An optimizer's state dict: per-parameter tensors as `state.<param>.<key>`, everything else
-    (param groups, non-tensor state such as a step count kept as a number) as JSON metadata."""
+    (param groups, non-tensor state such as a step count kept as a number) as JSON metadata. A sharded
+    parameter's state (a DTensor, FSDP2) is saved as this process's shard, and listed in the metadata."""
     state_dict = optimizer.state_dict()
-    tensors, numbers = {}, {}
+    tensors, numbers, shards = {}, {}, []
     for param, entries in state_dict["state"].items():
         for key, value in entries.items():
+            if hasattr(value, "to_local"):
+                shards.append(f"state.{param}.{key}")
+                value = value.to_local()
             if torch.is_tensor(value):
                 tensors[f"state.{param}.{key}"] = value.detach().cpu().contiguous()
             else:
                 numbers.setdefault(str(param), {})[key] = value
-    meta = {"param_groups": state_dict["param_groups"], "numbers": numbers}
+    meta = {"param_groups": state_dict["param_groups"], "numbers": numbers, "shards": shards}
     save_file(tensors, str(path), metadata={"optimizer": json.dumps(meta)})
 
 
 def load_optimizer(optimizer, path: Path) -> None:
+    """The inverse of save_optimizer; a shard becomes a DTensor again, laid out as its parameter is."""
+    from torch.distributed.tensor import DTensor
+
+    params = [param for group in optimizer.param_groups for param in group["params"]]
     with safe_open(str(path), framework="pt") as f:
         meta = json.loads(f.metadata()["optimizer"])
         state: dict[int, dict] = {int(p): dict(v) for p, v in meta["numbers"].items()}
         for name in f.keys():
             _, param, key = name.split(".", 2)
-            state.setdefault(int(param), {})[key] = f.get_tensor(name)
+            value = f.get_tensor(name)
+            if name in meta.get("shards", ()):
+                like = params[int(param)]
+                value = DTensor.from_local(value.to(like.device), like.device_mesh, like.placements,
+                                           shape=like.shape, stride=like.stride())
+            state.setdefault(int(param), {})[key] = value
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 

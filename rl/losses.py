@@ -63,7 +63,7 @@ def kl(logprobs, ref_logprobs, estimator: KLEstimator = "k3"):
 
 
 def aggregate(terms, mask, mode: Aggregation = "token-mean", tokens: float | None = None,
-              sequences: float | None = None):
+              sequences: float | None = None, segments=None):
     """Reduce [B, T] terms over the action tokens to one scalar.
 
     token-mean: sum over all action tokens / their number (every token weighs the same);
@@ -74,15 +74,23 @@ def aggregate(terms, mask, mode: Aggregation = "token-mean", tokens: float | Non
     same however it is split, and over processes (train.py passes the mini-batch's counts over all
     processes divided by their number, since data-parallel training averages their gradients: a
     fraction when there are fewer than processes). A count of 0 means nothing to average: the sum is 0.
+    `segments` [B, T], when given, says which sequence each token belongs to (rows that pack several
+    trajectories, rl/batch.py); otherwise a row is a sequence.
     """
     mask = mask.float()
     if mode == "token-mean":
         count = mask.sum() if tokens is None else tokens
         return (terms * mask).sum() / (float(count) or 1.0)
-    per_sequence = (terms * mask).sum(1)
+    if segments is None:
+        per_sequence, lengths = (terms * mask).sum(1), mask.sum(1)
+    else:  # sums over each segment's action tokens (every token takes part, so that the graph always
+        # reaches the terms: a micro-batch without action tokens still has a gradient, of zeros)
+        ids, which = torch.where(mask > 0, segments, -1).flatten().unique(return_inverse=True)
+        per_sequence = terms.new_zeros(len(ids)).index_add(0, which, (terms * mask).flatten())
+        lengths = mask.new_zeros(len(ids)).index_add(0, which, mask.flatten())
     if mode == "seq-mean-token-mean":
-        per_sequence = per_sequence / mask.sum(1).clamp(min=1)
+        per_sequence = per_sequence / lengths.clamp(min=1)
     elif mode != "seq-mean-token-sum":
         raise ValueError(f"unknown aggregation {mode!r}")
-    count = (mask.sum(1) > 0).sum() if sequences is None else sequences
+    count = (lengths > 0).sum() if sequences is None else sequences
     return per_sequence.sum() / (float(count) or 1.0)

@@ -4,6 +4,11 @@
 (assets/tiny-agent, built by scripts/build_tiny_model.py): it needs no network and runs on a CPU.
 Anything else is handed to transformers' from_pretrained, so `--model Qwen/Qwen2.5-3B-Instruct`
 downloads as usual (set HF_HUB_OFFLINE=1 to forbid that).
+
+LoRA (PEFT): `add_lora` puts adapters on a model; a checkpoint of a LoRA run holds only the adapter
+(adapter_config.json names its base), and `load_model` loads the base and the adapter on it. `full_weights`
+is what an engine receives: every weight in the base model's naming, adapters merged in (W + s B A,
+computed out of place, so the base weights never drift), sharded parameters gathered one at a time.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ EMBEDDED_ROLLOUT = {"env": "babyai", "horizon": 6, "max_new_tokens": 48, "max_to
 
 def resolve(name: str) -> str:
     if Path(name).exists():
-        return str(name)
+        return adapter_base(name) if is_adapter(name) else str(name)  # (an adapter: the model it adapts)
     if name in EMBEDDED:
         path = EMBEDDED[name]
         if not (path / "config.json").is_file():
@@ -66,10 +71,57 @@ def load_tokenizer(name: str):
     return tokenizer
 
 
-def load_model(name: str, dtype: torch.dtype = torch.float32, **kwargs):
+def is_adapter(name: str) -> bool:
+    """A LoRA checkpoint: an adapter on a base model, not a whole model."""
+    return (Path(name) / "adapter_config.json").is_file()
+
+
+def adapter_base(name: str) -> str:
+    """The base model a LoRA checkpoint's adapter was trained on."""
+    import json
+
+    return json.loads((Path(name) / "adapter_config.json").read_text())["base_model_name_or_path"]
+
+
+def load_model(name: str, dtype: torch.dtype = torch.float32, trainable: bool = False, **kwargs):
+    """A causal LM; for a LoRA checkpoint, its base with the adapter on it (trainable: for --resume)."""
     from transformers import AutoModelForCausalLM
 
+    if is_adapter(name):
+        from peft import PeftModel
+
+        base = _load(AutoModelForCausalLM.from_pretrained, adapter_base(name), dtype=dtype, **kwargs)
+        return PeftModel.from_pretrained(base, name, is_trainable=trainable)
     return _load(AutoModelForCausalLM.from_pretrained, name, dtype=dtype, **kwargs)
+
+
+def add_lora(model, rank: int, alpha: float, targets: tuple[str, ...]):
+    """LoRA adapters of `rank` on the `targets` modules (PEFT's "all-linear": every linear layer but the output
+    layer); only they train. At first they add nothing (B = 0), so the model is the base model."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
+                        target_modules=list(targets) if targets != ("all-linear",) else "all-linear")
+    return get_peft_model(model, config)
+
+
+def full_weights(model):
+    """(name, tensor) of every weight, in the base model's naming, as an engine loads them: LoRA adapters merged
+    in, and a sharded (FSDP2) parameter gathered whole, one at a time (every process must iterate alike)."""
+    from peft import PeftModel
+
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name:
+            continue  # merged into its layer's weight below
+        if ".base_layer." in name:
+            layer = base.get_submodule(name.split(".base_layer.")[0])
+            name = name.replace(".base_layer.", ".")
+            if name.endswith(".weight") and not layer.merged:
+                tensor = tensor + sum(layer.get_delta_weight(adapter) for adapter in layer.active_adapters)
+        if hasattr(tensor, "full_tensor"):  # a DTensor: this process holds a shard
+            tensor = tensor.full_tensor()
+        yield name, tensor.detach()
 
 
 def load_value_model(name: str, dtype: torch.dtype = torch.float32):

@@ -85,7 +85,7 @@ def test_an_update_moves_toward_the_rewarded_action(flags):
             traj.add(prompt)
             traj.add(reply, [0.0] * len(reply), trained=True)
             trajectories.append(traj)
-    batch = train.make_batch(trajectories, fmt.pad_id, args.micro_batch_size, accelerator.device)
+    batch = train.batch_of(trajectories, args, accelerator, fmt.pad_id)
     before = response_logprobs(models.policy, batch.full)
     train.score_batch(models, batch, args, accelerator)
     advantages, returns = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, None)
@@ -196,7 +196,7 @@ def test_recipes_launch_valid_commands(recipe, tmp_path):
 class Ramp(torch.nn.Module):
     """A stand-in critic whose output at position i is i."""
 
-    def forward(self, input_ids, attention_mask):
+    def forward(self, input_ids, attention_mask, position_ids=None):
         positions = torch.arange(input_ids.shape[1], dtype=torch.float32)
         return types.SimpleNamespace(logits=positions.expand(input_ids.shape)[..., None])
 

@@ -1,0 +1,119 @@
+"""How a step's trajectories are laid out for the update (rl/batch.py) changes nothing it computes: micro-batches by
+count or token budget, packed or padded, give the same log-probs, loss and gradients; values move between the
+padded batch and the micro-batches exactly."""
+
+import random
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+import train
+from rl.batch import attach, make_batch, plan, scatter
+from rl.logprobs import token_logprobs
+from rollout import Trajectory
+
+
+def trajectories(count: int = 7, seed: int = 0) -> list[Trajectory]:
+    """Trajectories of different lengths: a prompt, then sampled turns between observations."""
+    rng = random.Random(seed)
+    out = []
+    for row in range(count):
+        traj = Trajectory("babyai", row, row // 2, row, messages=[], reward=float(row % 2))
+        traj.add([rng.randrange(10, 500) for _ in range(rng.randrange(5, 30))])
+        for _ in range(rng.randrange(1, 4)):
+            turn = rng.randrange(2, 12)
+            traj.add([rng.randrange(10, 500) for _ in range(turn)], [-1.0] * turn, trained=True)
+            traj.add([rng.randrange(10, 500) for _ in range(rng.randrange(3, 9))])
+        out.append(traj)
+    return out
+
+
+def test_layouts_respect_their_limits():
+    lengths = [10, 50, 20, 30, 5, 45, 60]
+    assert plan(lengths, micro_batch_size=3) == [[[4], [0], [2]], [[3], [5], [1]], [[6]]]  # length-sorted
+    for micro in plan(lengths, token_budget=100):  # rows x the longest row
+        assert len(micro) * max(lengths[row[0]] for row in micro) <= 100
+    packed = plan(lengths, token_budget=100, pack=True)
+    assert sorted(i for micro in packed for row in micro for i in row) == list(range(7))
+    assert all(len(micro) == 1 and sum(lengths[i] for i in micro[0]) <= 100 for micro in packed)
+    assert len(packed) == 3  # 220 tokens in rows of 100, first fit from the longest
+    assert plan([120, 5], token_budget=100) == [[[1]], [[0]]]  # a trajectory over the budget goes alone
+    assert len(plan(lengths, token_budget=1000, pack=True, minimum=4)) == 4  # split until every optimizer step has one
+
+
+def test_values_move_between_the_batch_and_its_micro_batches_exactly():
+    played = trajectories()
+    lengths = [len(t.token_ids) for t in played]
+    for layout, pack in ((plan(lengths, 2), False), (plan(lengths, token_budget=64, pack=True), True)):
+        batch = make_batch(played, 0, layout, "cpu", count=len(layout) + 1, pack=pack)
+        assert len(batch.micro) == len(layout) + 1 and batch.micro[-1]["loss_mask"].sum() == 0  # an empty one
+        assert batch.tokens == sum(lengths)
+        values = torch.randn(batch.full["loss_mask"].shape) * (batch.full["attention_mask"] > 0)
+        attach(batch, values, values * 2)
+        for micro in batch.micro:
+            micro["copy"] = micro["advantages"]
+        batch.full.pop("advantages")
+        scatter(batch, ("copy",))
+        assert torch.equal(batch.full["copy"], values)
+        for pieces, micro in zip(batch.pieces, batch.micro):
+            for piece in pieces:
+                row = micro["input_ids"][piece.row, piece.offset:piece.offset + piece.length]
+                assert row.tolist() == played[piece.trajectory].token_ids
+                assert micro["returns"][piece.row, piece.offset:piece.offset + piece.length].tolist() == \
+                    (values[piece.trajectory, :piece.length] * 2).tolist()
+
+
+def test_packed_rows_score_each_trajectory_as_if_alone():
+    from rl.model import load_model
+
+    model = load_model("tiny-agent").eval()
+    played = trajectories()
+    lengths = [len(t.token_ids) for t in played]
+    padded = make_batch(played, 0, plan(lengths, 7), "cpu")
+    packed = make_batch(played, 0, plan(lengths, token_budget=90, pack=True), "cpu", pack=True)
+    assert len(packed.micro) > 1 and any(len(pieces) > 1 for pieces in packed.pieces)
+    for batch in (padded, packed):
+        for micro in batch.micro:
+            with torch.no_grad():
+                micro["scored"], _ = token_logprobs(model, micro["input_ids"], micro["attention_mask"], micro["loss_mask"],
+                                                    position_ids=micro.get("position_ids"))
+        scatter(batch, ("scored",))
+    mask = padded.full["loss_mask"] > 0
+    torch.testing.assert_close(packed.full["scored"][mask], padded.full["scored"][mask], rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_the_update_is_the_same_packed_or_padded(aggregation, tmp_path):
+    """One GRPO optimizer step on the same trajectories: four padded micro-batches of 2, or packed rows of at most
+    90 tokens: the same loss and the same gradient."""
+    accelerator = Accelerator(cpu=True)
+    played = trajectories()
+    gradients, losses = {}, {}
+    for name, flags in (("padded", ["--micro-batch-size", "2"]),
+                        ("packed", ["--max-tokens-per-micro-batch", "90", "--pack"])):
+        args = train.parse_args(["--tasks-per-step", "4", "--n", "2", "--minibatches", "1", "--kl-coef", "0",
+                                 "--loss-agg", aggregation, "--out-dir", str(tmp_path), *flags])
+        torch.manual_seed(0)
+        models = train.build_models(args, accelerator, args.model)
+        batch = train.batch_of(played, args, accelerator, 0)
+        train.score_batch(models, batch, args, accelerator)
+        advantages, _ = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, None)
+        attach(batch, advantages, None)
+        original = train.optimizer_step
+
+        def recording(model, *rest, name=name):
+            gradients[name] = {n: p.grad.clone() for n, p in model.named_parameters()}
+            return original(model, *rest)
+
+        train.optimizer_step = recording
+        try:
+            sums, _ = train.update(models, batch, args, accelerator, step=1)
+        finally:
+            train.optimizer_step = original
+        losses[name] = sums["policy"]
+        accelerator.free_memory()
+    assert losses["packed"] == pytest.approx(losses["padded"], rel=1e-5)
+    for name, gradient in gradients["padded"].items():  # (float noise: 1e-5 of each tensor's largest entry)
+        torch.testing.assert_close(gradients["packed"][name], gradient, rtol=1e-3, atol=1e-5 * float(gradient.abs().max()),
+                                   msg=lambda message, name=name: f"{name}: {message}")
