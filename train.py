@@ -42,7 +42,11 @@ Rollouts run on `--engine`: vLLM where it is installed (`bash setup.sh` installs
 here), in every process, with the trainer's weights copied in after every update and checked on a
 probe sequence (the run stops if they differ); or Hugging Face sampling on the trainer's own weights.
 Each process of a multi-GPU run rolls out its own share of tasks, so groups never straddle
-processes. Sharded training (FSDP, DeepSpeed) is refused for now (issue: scale).
+processes. Launches are Accelerate's (configs/): data-parallel, or FSDP2 with the reference and critic sharded
+as the policy is and the engines fed weights gathered one parameter at a time; --lora-rank trains PEFT adapters
+(the reference is then the policy with its adapters off); --dry-run prints the memory plan (rl/memory.py).
+DeepSpeed is refused: its engine steps the optimizer inside backward after a fixed number of micro-batches,
+which this update (token budgets, NaN skips, up to three models) does not fit; FSDP2 shards as ZeRO-3 does.
 
 Where the loop deliberately differs from upstream's (AgentGym-RL's verl fork), and why:
 - `--ppo-epochs` is honoured: upstream's actor makes one pass whatever its ppo_epochs says, so the
@@ -52,7 +56,8 @@ Where the loop deliberately differs from upstream's (AgentGym-RL's verl fork), a
   per micro-batch on each GPU, which `--loss-agg seq-mean-token-mean` (the paper preset's) matches
   when micro-batches hold one trajectory, as in its scripts.
 - The reference model is loaded and run exactly as the policy (fp32 under autocast), so the KL is 0
-  while their weights agree; upstream runs it in bf16 with CPU offload.
+  while their weights agree; upstream runs it in bf16 with CPU offload (here: --offload-reference, or
+  configs/fsdp2_offload.yaml).
 - Resume restores the samplers' random state and takes the run's own settings; upstream re-seeds
   and takes whatever the command line says.
 - SFT packs conversations into rows (block-causal masks, positions restarting per conversation) and
@@ -112,7 +117,7 @@ from rl.losses import aggregate, kl, policy_loss, value_loss
 from rl.memory import peak_gib, reset_peak
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, add_lora, full_weights, is_adapter, load_model, load_tokenizer, load_value_model
 from rl.records import action_positions, per_action
-from rl.engines import SyncError, make_engine
+from rl.engines import SyncError, engine_kind, make_engine
 from rl.scores import gain, score, spread
 from rl.sft import pack
 from rollout import ChatFormat, Trajectory, play, rollout
@@ -248,7 +253,7 @@ class Args:
     """passes over the step's trajectories (upstream makes one, whatever its ppo_epochs says)"""
     minibatches: int = 2
     """optimizer steps per epoch over the step's trajectories"""
-    micro_batch_size: int = 4
+    micro_batch_size: int = 1
     """trajectories per forward/backward (gradient accumulation inside a mini-batch; sft: packed rows,
     dpo: pairs)"""
     max_tokens_per_micro_batch: int = 0
@@ -294,11 +299,25 @@ class Args:
     """LoRA's scale numerator: adapters add (alpha / rank) B A"""
     lora_target_modules: tuple[str, ...] = ("all-linear",)
     """modules that get adapters, e.g. q_proj k_proj v_proj o_proj; all-linear: every linear layer but the output layer"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, about a third more compute"""
+    offload_reference: bool = False
+    """keep the frozen reference in CPU memory, on the GPU only while it scores a step (one GPU or data-parallel; a
+    sharded run offloads every model with configs/fsdp2_offload.yaml)"""
+    gradient_checkpointing: bool = True
+    """recompute activations in the backward pass: less memory (upstream's setting; without it a micro-batch of 8k
+    tokens on a 3B model keeps ~36 GiB of activations: --dry-run), about a third more compute"""
     max_nonfinite_updates: int = 3
     """an optimizer step whose loss or gradient is NaN or infinite is skipped; this many in a row stop the
     run, and the batch is saved under the run directory for debugging"""
+
+    # -- planning
+    dry_run: bool = False
+    """print the estimated peak memory per GPU of this run (weights, optimizer states, activations, engine) and
+    whether it fits, then stop: only the model's config is read"""
+    launch_config: str | None = None
+    """with --dry-run: the Accelerate config the run will be launched with (configs/*.yaml), to plan it from any
+    machine; default: how this process was launched"""
+    gpu_gib: float = 0.0
+    """with --dry-run: GPU memory to plan for; 0: this machine's GPU, else 80 (an H100)"""
 
     # -- bookkeeping
     seed: int = 1
@@ -332,7 +351,8 @@ PRESETS = {
     "tiny": Args(
         env=EMBEDDED_ROLLOUT["env"], horizon=(3, EMBEDDED_ROLLOUT["horizon"]), horizon_every=8,
         max_new_tokens=EMBEDDED_ROLLOUT["max_new_tokens"], max_tokens=EMBEDDED_ROLLOUT["max_tokens"], steps=16,
-        tasks_per_step=8, n=4, lr=2e-4, minibatches=1, micro_batch_size=4, save_every=0, critic_lr=1e-3,
+        tasks_per_step=8, n=4, lr=2e-4, minibatches=1, micro_batch_size=4, gradient_checkpointing=False, save_every=0,
+        critic_lr=1e-3,
         eval_every=16, eval_tasks=0, eval_k=2,
         # lr: measured over 3 seeds each, the held-out gain was 23-27 points at 2e-4, 5-18 at 1e-4, 0-10 at 5e-4
         # (README, What to expect). loss_agg: on the one-turn bandit of tests/test_learning.py at lr 1e-3,
@@ -452,8 +472,12 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
     """Stop early, with what to do, on settings that cannot work. `distributed`: Accelerate's
     distributed type (NO, MULTI_GPU, FSDP, DEEPSPEED, ...)."""
     if distributed in ("DEEPSPEED", "MEGATRON_LM"):
-        raise SystemExit(f"train.py does not run under {distributed}: shard with FSDP2 (accelerate launch --config_file "
-                         "configs/fsdp2.yaml), or launch data-parallel (configs/ddp.yaml) or on one GPU")
+        # (Accelerate's DeepSpeed engine steps the optimizer inside backward after a fixed number of micro-batches and
+        # scales the loss itself; the update here takes a varying number, normalised over the mini-batch, and skips
+        # NaN steps, with up to three models)
+        raise SystemExit(f"train.py does not run under {distributed}: shard with FSDP2, which partitions weights, "
+                         "gradients and optimizer states as ZeRO-3 does (accelerate launch --config_file configs/fsdp2.yaml; "
+                         "configs/fsdp2_offload.yaml offloads them to CPU memory), or launch data-parallel (configs/ddp.yaml)")
     if distributed == "FSDP" and args.algo == "agentevol":
         raise SystemExit("agentevol resets the policy in place between iterations, which a sharded model does not "
                          "support here: run it data-parallel (configs/ddp.yaml) or on one GPU")
@@ -494,6 +518,13 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
         raise SystemExit("--vllm-tensor-parallel-size above 1 puts the engine's workers in other processes, which the "
                          "in-memory weight sync cannot reach yet: train with one engine per process (the default); "
                          "eval.py takes it")
+    if args.offload_reference and args.algo == "dpo":
+        raise SystemExit("--offload-reference: DPO scores the reference in every micro-batch, which would move it "
+                         "each time; use --lora-rank (no copy at all) or configs/fsdp2_offload.yaml")
+    if args.offload_reference and (args.lora_rank or distributed == "FSDP"):
+        raise SystemExit("--offload-reference moves the frozen reference to CPU memory: with --lora-rank there is none "
+                         "(the policy with its adapters off is the reference), and a sharded run offloads with "
+                         "configs/fsdp2_offload.yaml")
     if args.lora_rank < 0 or args.lora_alpha <= 0:
         raise SystemExit("--lora-rank takes 0 (full fine-tune) or more, --lora-alpha a positive number")
     if args.eval_every < 0 or args.eval_tasks < 0 or args.eval_k < 1:
@@ -583,14 +614,20 @@ def has_reference(models: Models) -> bool:
 
 
 @contextlib.contextmanager
-def reference(models: Models, accelerator):
-    """The model that scores the reference log-probs: the frozen initial policy, or under LoRA the policy itself
-    with its adapters off for the duration."""
-    if models.ref is not None:
-        yield models.ref
+def reference(models: Models, accelerator, offloaded: bool = False):
+    """The model that scores the reference log-probs: the frozen initial policy (brought from CPU memory for the
+    duration when `offloaded`), or under LoRA the policy itself with its adapters off for the duration."""
+    if models.ref is None:
+        with accelerator.unwrap_model(models.policy).disable_adapter():
+            yield models.policy
         return
-    with accelerator.unwrap_model(models.policy).disable_adapter():
-        yield models.policy
+    if offloaded:
+        models.ref.to(accelerator.device)
+    try:
+        yield models.ref
+    finally:
+        if offloaded:
+            models.ref.to("cpu")
 
 
 @torch.no_grad()
@@ -606,17 +643,18 @@ def score_batch(models: Models, batch: Batch, args: Args, accelerator) -> None:
     for module in (models.policy, models.critic):
         if module is not None:
             module.eval()
-    for micro in batch.micro:
-        inputs = (micro["input_ids"], micro["attention_mask"], micro["loss_mask"])
-        positions = micro.get("position_ids")
-        with accelerator.autocast():
-            if need_old:
-                micro["old_logprobs"], _ = token_logprobs(models.policy, *inputs, args.temperature, position_ids=positions)
-            if has_reference(models):
-                with reference(models, accelerator) as ref:
+    scoring = reference(models, accelerator, args.offload_reference) if has_reference(models) else contextlib.nullcontext()
+    with scoring as ref:
+        for micro in batch.micro:
+            inputs = (micro["input_ids"], micro["attention_mask"], micro["loss_mask"])
+            positions = micro.get("position_ids")
+            with accelerator.autocast():
+                if need_old:
+                    micro["old_logprobs"], _ = token_logprobs(models.policy, *inputs, args.temperature, position_ids=positions)
+                if ref is not None:
                     micro["ref_logprobs"], _ = token_logprobs(ref, *inputs, args.temperature, position_ids=positions)
-            if models.critic is not None:
-                micro["old_values"] = token_values(models.critic, *inputs, position_ids=positions)
+                if models.critic is not None:
+                    micro["old_values"] = token_values(models.critic, *inputs, position_ids=positions)
     scatter(batch, ("old_logprobs", "ref_logprobs", "old_values"))
 
 
@@ -1074,7 +1112,7 @@ def offline_terms(models: Models, micro: dict, args: Args, accelerator) -> tuple
     if args.algo != "dpo":
         nll = -(logprobs * micro["loss_mask"]).sum()
         return nll, {"nll": float(nll.detach()), "tokens": float(micro["loss_mask"].sum())}
-    with torch.no_grad(), accelerator.autocast(), reference(models, accelerator) as reference_model:
+    with torch.no_grad(), accelerator.autocast(), reference(models, accelerator, args.offload_reference) as reference_model:
         ref, _ = token_logprobs(reference_model, *inputs)
     summed, ref_summed = (logprobs * micro["loss_mask"]).sum(1), (ref.float() * micro["loss_mask"]).sum(1)
     half = summed.shape[0] // 2
@@ -1431,7 +1469,7 @@ def build_models(args: Args, accelerator, policy_from: str) -> Models:
         # and sharded as the policy is
         ref = load_model(args.model)
         ref.requires_grad_(False).eval()
-        ref = shard(accelerator, ref) if sharded(accelerator) else ref.to(accelerator.device)
+        ref = shard(accelerator, ref) if sharded(accelerator) else ref.to("cpu" if args.offload_reference else accelerator.device)
     trained = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, linear_warmup(optimizer, args.warmup_steps))
@@ -1680,10 +1718,57 @@ def resume(accelerator, models: Models, engine, checkpoint: Path) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
+# --dry-run: the memory plan (rl/memory.py)
+
+
+def print_plan(args: Args, accelerator) -> None:
+    """The run's estimated peak memory per GPU, by phase and by what holds it, and whether it fits."""
+    import yaml
+    from transformers import AutoConfig
+
+    from rl.logprobs import CHUNK_ELEMENTS
+    from rl.memory import plan
+    from rl.model import adapter_base, resolve
+
+    if args.launch_config:
+        launch = yaml.safe_load(Path(args.launch_config).read_text())
+        processes = int(launch.get("num_processes", 1))
+        is_sharded = launch.get("distributed_type") == "FSDP"
+        how = f"{args.launch_config}: {launch.get('distributed_type')} over {processes} processes"
+    else:
+        processes, is_sharded = accelerator.num_processes, sharded(accelerator)
+        how = f"this launch: {accelerator.distributed_type.value} over {processes} processes"
+    config = AutoConfig.from_pretrained(adapter_base(args.model) if is_adapter(args.model) else resolve(args.model))
+    gpu_gib = args.gpu_gib or (torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0)
+    micro_tokens = args.max_tokens_per_micro_batch or args.micro_batch_size * args.max_tokens
+    estimate = plan(config, algo=args.algo, lora_rank=args.lora_rank, lora_targets=args.lora_target_modules,
+                    processes=processes, sharded=is_sharded, reference=args.algo == "dpo" or args.kl_coef > 0,
+                    offload_reference=args.offload_reference, micro_tokens=micro_tokens,
+                    checkpointing=args.gradient_checkpointing, engine=engine_kind(args.engine),
+                    engine_share=args.vllm_gpu_memory_utilization, engine_sleeps=args.vllm_sleep, gpu_gib=gpu_gib,
+                    batch=args.gen_batch_size, context=args.max_tokens,
+                    logits_elements=min(CHUNK_ELEMENTS, micro_tokens * config.vocab_size))
+    if not accelerator.is_main_process:
+        return None
+    print(f"memory plan per GPU: {args.model} ({estimate['parameters']:,} parameters, {estimate['trained']:,} trained), "
+          f"{args.algo}, {how}")
+    for phase, held in estimate["phases"].items():
+        print(f"  {phase}: {sum(held.values()) / 2**30:.1f} GiB")
+        for what, size in held.items():
+            print(f"    {what:<58} {size / 2**30:8.2f} GiB")
+    spare = gpu_gib - estimate["peak_gib"]
+    print(f"peak {estimate['peak_gib']:.1f} GiB of {gpu_gib:.0f}: " + (f"fits, {spare:.1f} GiB to spare" if spare > 0.05 * gpu_gib else
+          "does not fit" + (" (under 5% to spare)" if spare > 0 else "") + "; to need less: --gradient-checkpointing, a smaller "
+          "--max-tokens-per-micro-batch, --lora-rank 16, FSDP2 over more GPUs (configs/fsdp2.yaml), "
+          "configs/fsdp2_offload.yaml, --offload-reference, or a smaller --vllm-gpu-memory-utilization"))
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
 # The training loop
 
 
-def main(args: Args) -> Path:
+def main(args: Args) -> Path | None:
     from accelerate import Accelerator
     from accelerate.utils import gather_object, set_seed
 
@@ -1692,6 +1777,8 @@ def main(args: Args) -> Path:
     accelerator = Accelerator(mixed_precision=mixed, step_scheduler_with_optimizer=False)
     check(args, accelerator.num_processes, accelerator.distributed_type.value)
     set_seed(args.seed + accelerator.process_index)
+    if args.dry_run:  # the memory plan, before anything heavy
+        return print_plan(args, accelerator)
     if args.algo in OFFLINE:  # learning from trajectory files: the same models, checkpoints and logs
         return evolve(args, accelerator, mixed) if args.algo == "agentevol" else learn(args, accelerator, mixed)
     resuming = args.resume not in (None, "auto")  # "auto" without a checkpoint yet: a new run under --run-name

@@ -37,3 +37,80 @@ def peak_gib() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # (kB on Linux, where /proc exists)
     kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:"))
     return kib / 2**20
+
+
+# ----------------------------------------------------------------------------------------------
+# The memory plan of `train.py --dry-run`: per-GPU bytes by what holds them, from the model's config alone
+
+
+GiB = 2**30
+
+
+def parameters(config, lora_rank: int = 0, lora_targets: tuple[str, ...] = ("all-linear",)) -> tuple[int, int]:
+    """(all parameters, trained parameters) of a causal LM built from `config` on the meta device (no memory, no
+    weights), trained in full or through LoRA adapters of `lora_rank` on `lora_targets` (as rl/model.add_lora)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())  # (tied embeddings counted once)
+    if not lora_rank:
+        return total, total
+    head = model.get_output_embeddings()
+    adapted = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head
+               and (lora_targets == ("all-linear",) or name.split(".")[-1] in lora_targets)]
+    adapters = sum(lora_rank * (m.in_features + m.out_features) for m in adapted)
+    return total + adapters, adapters
+
+
+def activation_bytes(config, tokens: int, checkpointing: bool) -> int:
+    """What a forward keeps for its backward over `tokens` tokens, in 16-bit: per layer and token 16 h (the attention
+    block's inputs and outputs, norms) + 9 I (SwiGLU's gate, up, activation and product), h the hidden size and I
+    the MLP's; memory-efficient attention keeps no [s, s] scores. (Measured on the embedded model, Qwen2's layout with
+    SDPA: its forward keeps 1.01x this, weights aside.) With checkpointing, each layer keeps its input (2 h) and
+    one layer at a time is recomputed whole."""
+    hidden, inner, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    per_layer = 16 * hidden + 9 * inner
+    if checkpointing:
+        return tokens * (2 * hidden * layers + per_layer)
+    return tokens * per_layer * layers
+
+
+def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], processes: int, sharded: bool,
+         reference: bool, offload_reference: bool, micro_tokens: int, checkpointing: bool, engine: str,
+         engine_share: float, engine_sleeps: bool, gpu_gib: float, batch: int, context: int,
+         logits_elements: int) -> dict:
+    """Each phase's estimated peak per GPU, by what holds the memory. The trainer keeps fp32 weights (bf16 only
+    under autocast) and AdamW's two fp32 moments per trained parameter; a sharded run (FSDP2) holds 1/processes
+    of each, plus one whole layer at a time while it computes. Rollout: the weights and optimizer states stay, the
+    gradients are freed, and the engine works (vLLM: its share of the GPU; HF: the KV cache of a batch).
+    Update: gradients and activations of one micro-batch, and the chunk of logits being scored; a vLLM engine
+    asleep (--vllm-sleep) holds nothing then."""
+    total, trained = parameters(config, lora_rank, lora_targets)
+    shards = processes if sharded else 1
+    layer = 4 * total / config.num_hidden_layers if sharded else 0  # a gathered layer, beyond the shard
+    held = {"policy weights (fp32)": 4 * total / shards + layer,
+            "AdamW moments (fp32)": 8 * trained / shards}
+    if reference and not lora_rank:
+        held["reference (fp32)" + (", in CPU memory" if offload_reference else "")] = 0 if offload_reference else 4 * total / shards
+    if algo == "ppo":
+        held["critic weights and AdamW moments"] = 12 * total / shards
+    if engine == "vllm":
+        engine_bytes = engine_share * gpu_gib * GiB
+    else:  # KV cache of a generation batch: 2 (K, V) x layers x kv heads x head size, 16-bit
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        engine_bytes = batch * context * 2 * config.num_hidden_layers * heads * head_dim * 2 + (4 * total if sharded else 0)
+    update = {"gradients (fp32)": 4 * trained / shards,
+              **({"critic gradients (fp32)": 4 * total / shards} if algo == "ppo" else {}),
+              f"activations ({micro_tokens:,} tokens a micro-batch{', checkpointed' if checkpointing else ''})":
+                  activation_bytes(config, micro_tokens, checkpointing),
+              "logits being scored (a chunk)": 3 * 4 * logits_elements}
+    if offload_reference and reference and not lora_rank:
+        update["reference while it scores"] = 4 * total
+    engine_name = f"{engine} engine" + (f" ({engine_share:g} of the GPU)" if engine == "vllm" else " (KV cache)")
+    rollout = held | {engine_name: engine_bytes}
+    updating = held | update | ({} if engine == "vllm" and engine_sleeps else {engine_name: engine_bytes})
+    return {"parameters": total, "trained": trained, "gpu_gib": gpu_gib,
+            "phases": {"rollout": rollout, "update": updating},
+            "peak_gib": max(sum(rollout.values()), sum(updating.values())) / GiB}

@@ -174,8 +174,8 @@ def test_epochs_set_the_number_of_steps(tmp_path):
                          ids=lambda p: p.stem)
 def test_recipes_launch_valid_commands(recipe, tmp_path):
     """Each paper recipe, run with a stand-in `accelerate` that records its arguments, launches
-    train.py on 8 processes with flags that parse and pass the start-up checks; flags given to the
-    script come last and win."""
+    train.py on 8 processes with flags that parse and pass the start-up checks, data-parallel or with a
+    launch config; flags given to the script come last and win."""
     (tmp_path / "accelerate").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGS_FILE"\n')
     (tmp_path / "accelerate").chmod(0o755)
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "ARGS_FILE": str(tmp_path / "args")}
@@ -191,6 +191,11 @@ def test_recipes_launch_valid_commands(recipe, tmp_path):
     # what upstream's actor does whatever its scripts say: one pass, every trajectory weighing the same
     assert args.ppo_epochs == 1 and args.loss_agg == "seq-mean-token-mean"
     assert (len(args.horizon) == 3) == (method == "scalinginter-rl")
+    # sharded: LAUNCH names an Accelerate config, and the run passes the checks of an FSDP2 launch
+    subprocess.run(["bash", str(recipe)], env=env | {"LAUNCH": "configs/fsdp2.yaml"}, check=True, timeout=60)
+    argv = (tmp_path / "args").read_text().splitlines()
+    assert argv[:6] == ["launch", "--config_file", "configs/fsdp2.yaml", "--num_processes", "8", "train.py"]
+    train.check(train.parse_args(argv[6:]), world=8, distributed="FSDP")
 
 
 class Ramp(torch.nn.Module):

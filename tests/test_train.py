@@ -317,11 +317,13 @@ def test_reference_equals_the_policy_at_the_first_update(tmp_path):
     assert metrics["losses/kl"] == 0.0
 
 
-@pytest.mark.parametrize("distributed", ["FSDP", "DEEPSPEED"])
-def test_sharded_launches_are_refused_until_they_work(distributed):
-    with pytest.raises(SystemExit, match="does not run under"):
+def test_launches_that_cannot_work_are_refused():
+    for distributed in ("MULTI_GPU", "FSDP"):  # data-parallel and sharded runs
         train.check(train.parse_args([]), world=2, distributed=distributed)
-    train.check(train.parse_args([]), world=2, distributed="MULTI_GPU")  # data-parallel runs
+    with pytest.raises(SystemExit, match="configs/fsdp2.yaml"):
+        train.check(train.parse_args([]), world=2, distributed="DEEPSPEED")
+    with pytest.raises(SystemExit, match="agentevol resets"):
+        train.check(train.parse_args(["--algo", "agentevol", "--data", "x.jsonl"]), world=2, distributed="FSDP")
 
 
 def test_unknown_flag_is_rejected():
