@@ -1654,9 +1654,13 @@ def save_checkpoint(accelerator, models: Models, engine, tokenizer, path: Path, 
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "state").mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.unwrap_model(models.policy).save_pretrained(
-        tmp, is_main_process=main_process, save_function=accelerator.save,
-        state_dict=accelerator.get_state_dict(models.policy), safe_serialization=True)
+    policy = accelerator.unwrap_model(models.policy)
+    weights = accelerator.get_state_dict(models.policy)  # (gathered whole on the main process when sharded)
+    if getattr(policy.config, "tie_word_embeddings", False):
+        for name in getattr(policy, "_tied_weights_keys", None) or ():  # a gathered copy of a tied weight: saved once
+            weights.pop(name, None)
+    policy.save_pretrained(tmp, is_main_process=main_process, save_function=accelerator.save, state_dict=weights,
+                           safe_serialization=True)
     # data parallel: every process holds the same optimizer states, saved once; sharded: each its own shard
     shard = f"_{accelerator.process_index}" if sharded(accelerator) else ""
     for name, optimizer in (("optimizer", models.optimizer), ("critic_optimizer", models.critic_optimizer)):
