@@ -28,6 +28,8 @@ plain lists of log format 1 (token_ids and action_spans only), so every older lo
 from __future__ import annotations
 
 import base64
+import json
+from pathlib import Path
 
 import numpy as np
 
@@ -63,3 +65,15 @@ def per_action(row, positions: list[int]):
     if values.numel() and bool((values == values[0]).all()):
         return round(float(values[0]), 7)
     return pack(values.tolist(), "f32")
+
+
+def read_log(path: Path) -> list[dict]:
+    """The complete lines of a JSONL log (metrics.jsonl, rollouts.jsonl, ...) as records; a line torn by a crash, or
+    still being written, is skipped."""
+    records = []
+    for line in Path(path).read_bytes().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records

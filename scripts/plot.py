@@ -25,6 +25,9 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from rl.records import read_log  # noqa: E402
+
 PANELS = [  # (title, [(metric or pattern, label)], y limits or None); a "*" pattern is one line per match
     ("training episodes", [("rollout/success", "success"), ("rollout/reward", "reward")], (0, 1)),
     ("training success by category", [("category/*/success", "*")], (0, 1)),
@@ -44,13 +47,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise SystemExit(f"{path} does not exist: give a run directory (runs/<run>)")
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+    return read_log(path)
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:

@@ -46,7 +46,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import envs  # noqa: E402
-from rl.records import action_positions, unpack  # noqa: E402
+from rl.records import action_positions, read_log, unpack  # noqa: E402
 
 PAGE = Path(__file__).with_name("view.html")
 # the fields a listing needs; a record holds them before its messages (rl/records.py), so they are read
@@ -137,18 +137,6 @@ class Log:
 # Runs: what lies under the directory the viewer was given
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The complete, readable lines of a JSONL file (a torn last line is skipped)."""
-    rows = []
-    if path.is_file():
-        for line in path.read_bytes().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
-
-
 def read_json(path: Path) -> dict | None:
     try:
         value = json.loads(path.read_text())
@@ -217,7 +205,7 @@ class Runs:
         for file in sorted(f for f in files if f.startswith("failed_step_") and f.endswith(".jsonl")):
             self.log(here / file, name, "failed", f"failed step {file[len('failed_step_'):-len('.jsonl')]}")
         config = read_json(here / "config.json") or {}
-        metrics = read_jsonl(here / "metrics.jsonl")
+        metrics = read_log(here / "metrics.jsonl") if (here / "metrics.jsonl").is_file() else []
         return {"name": name, "config": {key: config.get(key) for key in ("env", "model", "algo", "horizon",
                                                                           "horizon_every", "steps", "n", "tasks_per_step")},
                 "curves": (here / "curves.png").relative_to(self.root).as_posix() if (here / "curves.png").is_file() else None,
