@@ -30,6 +30,11 @@ upstream keeps the env's reward for a response cut at max_response_length. An en
 or hangs (envs/guard.py bounds each one) ends only its trajectory, with finish "error": it has no
 outcome, and train.py leaves it out of the update.
 
+Agent formats (rl/agent.py, `agent=`): the messages an episode opens with and the part of each reply the
+env reads (react, plan); reflect plays up to agent.attempts attempts a task (`attempts`), the policy
+reflecting after each failed one by continuing that attempt's tokens. Every format keeps the token rules
+above.
+
 Engines (rl/engines.py): HFEngine, VLLMEngine and ExpertEngine (the envs' scripted oracles).
 
 Where this differs from upstream's rollout (AgentGym-RL's vLLMRollout.generate_sequences) on purpose:
@@ -49,11 +54,12 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import envs
 from envs import Env
+from rl.agent import REACT, Agent
 from rl.records import FORMAT, pack
 from rl.engines import ExpertEngine, HFEngine, Sample, VLLMEngine  # noqa: F401 - the engines rollouts run on
 
@@ -75,10 +81,14 @@ class Trajectory:
     turns: int = 0
     invalid_actions: int = 0  # turns whose action the env reported as not valid (info["valid"] False)
     reward: float = 0.0
+    turn_rewards: list[float] = field(default_factory=list)  # the env's reward after each turn (its last is `reward`)
     done: bool = False
     finish: str = ""  # "done" | "horizon" | "max_tokens" | "error"
     error: str | None = None
     success: bool = False
+    attempt: int = 1  # reflect: which attempt at the task this is (rl/agent.py)
+    final: bool = True  # reflect: False when another attempt followed this one
+    reflection: str | None = None  # reflect: what the policy wrote after this attempt failed
 
     def add(self, ids: list[int], logprobs: list[float] | None = None, trained: bool = False) -> None:
         """Append tokens: sampled ones with their log-probs and trained=True, anything else untrained."""
@@ -97,18 +107,30 @@ class Trajectory:
     def live(self) -> bool:
         return not self.finish
 
+    def cut(self, horizon: int) -> Trajectory:
+        """The episode as it would have ended under a lower turn cap: the same turns up to it (nothing an
+        episode sees depends on its cap), its reward the one after turn `horizon`; tokens and messages are
+        the whole episode's."""
+        if self.turns <= horizon or self.finish == "error":
+            return self
+        return replace(self, turns=horizon, reward=self.turn_rewards[horizon - 1], done=False, success=False,
+                       finish="horizon", horizon=horizon)
+
     def log_record(self) -> dict:
         """The trajectory as a log record (rl/records.py), without what only training knows."""
         return {
             "log_format": FORMAT, "item_id": self.item_id, "task_id": self.task_id,
             "category": category(self.env, self.task_id), "group": self.group, "horizon": self.horizon,
             "reward": self.reward, "success": self.success, "turns": self.turns, "finish": self.finish,
-            "error": self.error, "invalid_actions": self.invalid_actions, "tokens": len(self.token_ids),
+            "error": self.error, "invalid_actions": self.invalid_actions, "turn_rewards": self.turn_rewards,
+            "tokens": len(self.token_ids),
             "action_tokens": sum(self.loss_mask), "messages": self.messages,
             # the exact tokens, the [start, end) runs of loss-mask 1 (the sampled turns) among them, and
             # the sampler's log-prob of each of those tokens
             "token_ids": pack(self.token_ids, "i32"), "action_spans": spans(self.loss_mask),
             "sampled_logprobs": pack([p for p, m in zip(self.logprobs, self.loss_mask) if m], "f32"),
+            **({"attempt": self.attempt, "final": self.final, "reflection": self.reflection} if self.attempt > 1 or
+               not self.final else {}),
         }
 
 
@@ -172,9 +194,8 @@ class ChatFormat:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def prompt(self, env: Env, observation: str) -> list[int]:
-        messages = [{"role": "user", "content": env.instruction}, {"role": "assistant", "content": env.ack},
-                    {"role": "user", "content": observation}]
+    def prompt(self, messages: list[dict]) -> list[int]:
+        """An episode's first prompt: its opening messages (rl/agent.py) and the generation prompt."""
         return self.encode(self.render(messages, add_generation_prompt=True))
 
     def observation(self, text: str) -> list[int]:
@@ -190,15 +211,98 @@ class ChatFormat:
 
 
 def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int], *,
-            horizon: int, max_new_tokens: int, max_tokens: int, pool: ThreadPoolExecutor | None = None,
-            stats: dict | None = None, progress: Callable[[int], None] | None = None) -> list[Trajectory]:
+            horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent = REACT,
+            pool: ThreadPoolExecutor | None = None, stats: dict | None = None,
+            progress: Callable[[int], None] | None = None) -> list[Trajectory]:
     """Play one episode per env: environments[i] plays task_ids[i], in group groups[i], for at most
-    `horizon` turns. `progress`, when given, is called with the count of episodes that ended since its last
-    call. `stats`, when given, receives timing and token counts for throughput metrics:
+    `horizon` turns, laid out by `agent` (rl/agent.py; reflect plays up to agent.attempts attempts, each a
+    trajectory, see attempts()). `progress`, when given, is called with the count of episodes that ended since
+    its last call. `stats`, when given, receives timing and token counts for throughput metrics:
     rollout_s (wall), generate_s (inside the engine), idle_s (waiting for envs with nothing to
     generate), env_s (env time summed over calls, resets and steps), env_calls and env_call_s (each
     call's seconds), sampled_tokens."""
     assert len(environments) == len(task_ids) == len(groups)
+    if agent.attempts > 1:
+        return attempts(engine, fmt, environments, task_ids, groups, horizon=horizon, max_new_tokens=max_new_tokens,
+                        max_tokens=max_tokens, agent=agent, pool=pool, stats=stats, progress=progress)
+    return _episodes(engine, fmt, environments, task_ids, groups, [[] for _ in task_ids], horizon=horizon,
+                     max_new_tokens=max_new_tokens, max_tokens=max_tokens, agent=agent, pool=pool, stats=stats,
+                     progress=progress)
+
+
+def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int], *,
+             horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent, pool: ThreadPoolExecutor | None = None,
+             stats: dict | None = None, progress: Callable[[int], None] | None = None) -> list[Trajectory]:
+    """Reflect's episodes: attempt after attempt at each task until it succeeds or agent.attempts are played.
+    After a failed attempt the policy writes a reflection (reflect()), and the task's next attempt opens with
+    all of its reflections. Returns every attempt's trajectory, attempt 1's first; an attempt's group is
+    its task group's, moved by the attempt (group + (attempt - 1) x (max group + 1)), so that GRPO compares
+    it with the same attempt of the other samples. An attempt that ended in an env failure ends its
+    episode. `progress` counts episodes (a task's attempts together)."""
+    reflections: list[list[str]] = [[] for _ in task_ids]
+    rows, played, clocks = list(range(len(task_ids))), [], []
+    shift = max(groups, default=0) + 1
+    for attempt in range(1, agent.attempts + 1):
+        clocks.append({})
+        batch = _episodes(engine, fmt, [environments[r] for r in rows], [task_ids[r] for r in rows],
+                          [groups[r] + (attempt - 1) * shift for r in rows], [reflections[r] for r in rows],
+                          horizon=horizon, max_new_tokens=max_new_tokens, max_tokens=max_tokens, agent=agent, pool=pool,
+                          stats=clocks[-1])
+        for traj in batch:
+            traj.attempt = attempt
+        played += batch
+        failed = [(r, t) for r, t in zip(rows, batch) if not t.success and t.finish != "error"]
+        if attempt < agent.attempts:
+            for (r, traj), text in zip(failed, reflect(engine, fmt, [t for _, t in failed], agent, max_new_tokens,
+                                                       max_tokens)):
+                traj.reflection, traj.final = text, text is None
+                if text is not None:
+                    reflections[r].append(text)
+        going_on = [r for r, t in failed if not t.final]
+        if progress is not None:
+            progress(len(rows) - len(going_on))
+        rows = going_on
+        if not rows:
+            break
+    if stats is not None:
+        stats.update({key: sum(c[key] for c in clocks) if key != "env_call_s" else [s for c in clocks for s in c[key]]
+                      for key in clocks[0]})
+    return played
+
+
+def reflect(engine, fmt: ChatFormat, failed: list[Trajectory], agent: Agent, max_new_tokens: int,
+            max_tokens: int) -> list[str | None]:
+    """Each failed attempt's reflection: the policy continues the attempt's conversation after a user turn with
+    its final observation and the request (agent.reflection_request), for at most max_new_tokens tokens within
+    max_tokens. None where there is no room for one (or the attempt never got to act, or the engine failed)."""
+    asks: list[Trajectory | None] = []
+    for traj in failed:
+        asks.append(None)
+        if traj.turns < 1 or traj.messages[-1]["role"] != "user":
+            continue  # (the final observation of an attempt that acted is never in its tokens: see _observe)
+        request = agent.reflection_request(traj.messages[-1]["content"])
+        ask = Trajectory(traj.env, traj.task_id, traj.group, traj.row, [*traj.messages[:-1], {"role": "user", "content": request}],
+                         token_ids=traj.token_ids + fmt.observation(request), turns=traj.turns)
+        limit = min(max_new_tokens, _room(ask, max_tokens))
+        if limit >= 1:
+            asks[-1] = ask
+            engine.submit(ask, limit)
+    texts: dict[int, str] = {}
+    try:
+        while engine.pending:
+            for ask, sample in engine.poll():
+                if sample.error is None:
+                    texts[id(ask)] = _reply(fmt, sample)
+    finally:
+        engine.abort()
+    return [texts.get(id(ask)) if ask is not None else None for ask in asks]
+
+
+def _episodes(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int],
+              reflections: list[list[str]], *, horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent,
+              pool: ThreadPoolExecutor | None, stats: dict | None,
+              progress: Callable[[int], None] | None = None) -> list[Trajectory]:
+    """One episode per env (see rollout), each opening with its past reflections (reflect's; else none)."""
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(max_workers=min(32, len(environments)))
     clock = {"rollout_s": 0.0, "generate_s": 0.0, "idle_s": 0.0, "env_s": 0.0, "env_calls": 0, "env_call_s": [],
@@ -209,8 +313,9 @@ def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int
         # -- reset every env in parallel; the first observation completes each prompt
         firsts = list(pool.map(_timed, [env.reset for env in environments], task_ids))
         _count(clock, firsts)
-        trajectories = [_start(fmt, row, env, task, group, first, horizon)
-                        for row, (env, task, group, (first, _)) in enumerate(zip(environments, task_ids, groups, firsts))]
+        trajectories = [_start(fmt, agent, row, env, task, group, first, horizon, past)
+                        for row, (env, task, group, (first, _), past)
+                        in enumerate(zip(environments, task_ids, groups, firsts, reflections))]
         clock["idle_s"] += time.perf_counter() - begin
 
         ready = [t for t in trajectories if t.live]  # waiting to be submitted for their next turn
@@ -226,7 +331,7 @@ def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int
                 else:
                     engine.submit(traj, limit)
             if engine.pending:  # a round engine answers every submitted turn, vLLM the ones that finished
-                _generate(engine, fmt, environments, pool, stepping, clock)
+                _generate(engine, fmt, agent, environments, pool, stepping, clock)
             ready = _collect(engine, fmt, stepping, clock, horizon, max_tokens)
         for traj in trajectories:
             if traj.live:
@@ -245,7 +350,7 @@ def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int
 
 
 def play(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int] | None = None, *,
-         horizon: int, max_new_tokens: int, max_tokens: int, pool: ThreadPoolExecutor | None = None,
+         horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent = REACT, pool: ThreadPoolExecutor | None = None,
          progress: Callable[[int], None] | None = None) -> list[Trajectory]:
     """Any number of episodes on a fixed set of envs: rollouts of as many at once as there are envs,
     in order, until every task id is played. `progress` is called as episodes end (see rollout).
@@ -256,11 +361,11 @@ def play(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], 
         count = min(len(environments), len(task_ids) - start)
         trajectories += rollout(engine, fmt, environments[:count], task_ids[start:start + count],
                                 groups[start:start + count], horizon=horizon, max_new_tokens=max_new_tokens,
-                                max_tokens=max_tokens, pool=pool, progress=progress)
+                                max_tokens=max_tokens, agent=agent, pool=pool, progress=progress)
     return trajectories
 
 
-def _generate(engine, fmt: ChatFormat, environments: list[Env], pool: ThreadPoolExecutor,
+def _generate(engine, fmt: ChatFormat, agent: Agent, environments: list[Env], pool: ThreadPoolExecutor,
               stepping: dict[Future, Trajectory], clock: dict) -> None:
     """One engine poll; every finished turn is appended and its env step started."""
     start = time.perf_counter()
@@ -272,7 +377,7 @@ def _generate(engine, fmt: ChatFormat, environments: list[Env], pool: ThreadPool
             continue
         _act(fmt, traj, sample)
         clock["sampled_tokens"] += len(sample.token_ids)
-        stepping[pool.submit(_timed, environments[traj.row].step, traj.messages[-1]["content"])] = traj
+        stepping[pool.submit(_timed, environments[traj.row].step, agent.env_text(traj.messages[-1]["content"]))] = traj
 
 
 def _collect(engine, fmt: ChatFormat, stepping: dict[Future, Trajectory], clock: dict, horizon: int,
@@ -317,15 +422,18 @@ def _count(clock: dict, timed: list) -> None:
     clock["env_call_s"] += [seconds for _, seconds in timed]
 
 
-def _start(fmt: ChatFormat, row: int, env: Env, task_id: int, group: int, first, horizon: int) -> Trajectory:
-    """A trajectory whose tokens are the first prompt (instruction, ack, first observation)."""
-    messages = [{"role": "user", "content": env.instruction}, {"role": "assistant", "content": env.ack}]
-    traj = Trajectory(env.name, task_id, group, row, messages, horizon=horizon)
+def _start(fmt: ChatFormat, agent: Agent, row: int, env: Env, task_id: int, group: int, first, horizon: int,
+           reflections: list[str]) -> Trajectory:
+    """A trajectory whose tokens are the first prompt (the agent format's opening: instruction, ack, first
+    observation)."""
     if isinstance(first, Exception):
+        messages = agent.opening(env, "", reflections)[:2]
+        traj = Trajectory(env.name, task_id, group, row, messages, horizon=horizon)
         traj.fail(f"reset failed: {type(first).__name__}: {first}")
         return traj
-    messages.append({"role": "user", "content": first})
-    traj.add(fmt.prompt(env, first))
+    messages = agent.opening(env, first, reflections)
+    traj = Trajectory(env.name, task_id, group, row, messages, horizon=horizon)
+    traj.add(fmt.prompt(messages))
     return traj
 
 
@@ -336,8 +444,13 @@ def _act(fmt: ChatFormat, traj: Trajectory, sample: Sample) -> None:
         # cut off by the limit, or stopped on another eos: the template needs the end-of-turn token,
         # which the model did not choose, so it is not trained on
         traj.add([fmt.end_of_turn])
-    traj.messages.append({"role": "assistant", "content": fmt.text(sample.token_ids)})
+    traj.messages.append({"role": "assistant", "content": _reply(fmt, sample)})
     traj.turns += 1
+
+
+def _reply(fmt: ChatFormat, sample: Sample) -> str:
+    """A sampled turn's text as the conversation keeps it (the env reads agent.env_text of it)."""
+    return fmt.text(sample.token_ids)
 
 
 def _observe(fmt: ChatFormat, traj: Trajectory, result, horizon: int, max_tokens: int) -> None:
@@ -346,6 +459,7 @@ def _observe(fmt: ChatFormat, traj: Trajectory, result, horizon: int, max_tokens
         traj.fail(f"step failed: {type(result).__name__}: {result}")
         return
     traj.reward, traj.done = float(result.reward), bool(result.done)
+    traj.turn_rewards.append(traj.reward)
     traj.invalid_actions += result.info.get("valid") is False
     traj.success = bool(result.info.get("success", result.reward > 0)) if result.done else False
     traj.messages.append({"role": "user", "content": result.observation})

@@ -106,6 +106,7 @@ from tqdm import tqdm
 import envs
 from envs.guard import close_envs, make_envs
 from rl import advantages as adv_lib
+from rl.agent import make_agent
 from rl.batch import Batch, attach, count_sequences, make_batch, plan, scatter
 from rl import checkpoint as checkpoint_lib
 from rl import plots
@@ -206,6 +207,12 @@ class Args:
     """tokens per assistant turn"""
     max_tokens: int = 8192
     """tokens per trajectory (prompt + every turn); an episode ends when it is spent"""
+    agent: Literal["react", "plan", "reflect"] = "react"
+    """how episodes are laid out (rl/agent.py): react, AgentGym's Thought/Action; plan, a plan written before the
+    first action and revised when needed (trained like any action); reflect, up to --attempts attempts a task,
+    each after a reflection on the failed ones (each attempt its own trajectory and reward)"""
+    attempts: int = 3
+    """--agent reflect: attempts a task gets (it stops at its first success)"""
     temperature: float = 1.0
     """sampling temperature; the trainer scores tokens under the same softmax(logits / T)"""
     top_p: float = 1.0
@@ -484,7 +491,7 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
         raise SystemExit("agentevol resets the policy in place between iterations, which a sharded model does not "
                          "support here: run it data-parallel (configs/ddp.yaml) or on one GPU")
     for flag in ("steps", "tasks_per_step", "n", "max_new_tokens", "ppo_epochs", "minibatches", "micro_batch_size",
-                 "max_nonfinite_updates", "log_rollouts_every"):
+                 "max_nonfinite_updates", "log_rollouts_every", "attempts"):
         if getattr(args, flag) < 1:  # 0 would silently skip every rollout or update
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
     if args.epochs is not None and args.epochs < 1:
@@ -531,6 +538,9 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
         raise SystemExit("--lora-rank takes 0 (full fine-tune) or more, --lora-alpha a positive number")
     if args.eval_every < 0 or args.eval_tasks < 0 or args.eval_k < 1:
         raise SystemExit("--eval-every and --eval-tasks take 0 (never, all) or more, --eval-k 1 or more")
+    if args.algo in OFFLINE and args.agent != "react":
+        raise SystemExit(f"--agent {args.agent} lays out the rollouts of RL (grpo, rloo, reinforce_pp, ppo); {args.algo} "
+                         "learns AgentGym's ReAct conversations (--data), so it plays them as react too")
     if args.algo in OFFLINE:
         return check_offline(args, world)
     if args.data or args.experience:
@@ -928,6 +938,7 @@ def step_metrics(records: list[dict], sampled: list[int], stats: dict, sums: dic
         "rollout/success": mean(success),
         "rollout/turns": mean(turns),
         "rollout/errors": finishes.count("error"),
+        "rollout/trajectories": len(records),  # tasks x --n, and under --agent reflect every retried attempt
         # how episodes ended, as shares: the env said done, the horizon cap, out of tokens (budget or context), env failure
         **{f"finish/{name}": finishes.count(finish) / len(finishes) for finish, name in FINISHES.items()},
         "rollout/invalid_action_rate": sum(r["invalid_actions"] for r in records) / max(sum(turns), 1),
@@ -1194,7 +1205,8 @@ def play_share(engine, fmt: ChatFormat, environments: list, task_ids: list[int],
     sync_engine(engine, models.policy, accelerator, step)
     mine = [t for t in task_ids[accelerator.process_index::accelerator.num_processes] for _ in range(n)]
     played = play(engine, fmt, environments, mine, [i // n for i in range(len(mine))], horizon=horizon,
-                  max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, progress=progress) if mine else []
+                  max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, agent=make_agent(args.agent, args.attempts),
+                  progress=progress) if mine else []
     engine.sleep()
     return gather_object(played)
 
@@ -1413,7 +1425,8 @@ def held_out_line(run_dir: Path) -> str | None:
     steps: dict[int, list] = collections.defaultdict(list)
     for line in path.read_text().splitlines() if path.is_file() else []:
         record = json.loads(line)
-        steps[record["step"]].append(types.SimpleNamespace(task_id=record["item_id"], success=record["success"]))
+        if record.get("final", True):  # (--agent reflect: an episode is its last attempt)
+            steps[record["step"]].append(types.SimpleNamespace(task_id=record["item_id"], success=record["success"]))
     last = max(steps, default=0)
     if 0 not in steps or last == 0:
         return None
@@ -1842,6 +1855,7 @@ def main(args: Args) -> Path | None:
             reset_peak()
             trajectories = rollout(engine, fmt, environments, task_ids, groups, horizon=horizon, pool=pool, stats=stats,
                                    max_new_tokens=args.max_new_tokens, max_tokens=max_tokens,
+                                   agent=make_agent(args.agent, args.attempts),
                                    progress=phase(progress, "rollout", len(task_ids)))
             stop_on_env_failures(trajectories, args, accelerator, run_dir, step)
             stats["rollout_peak_gib"] = peak_gib()

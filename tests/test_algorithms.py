@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import envs
+from rl.agent import REACT
 import eval as eval_script
 import train
 from rl import advantages as adv_lib
@@ -78,7 +79,7 @@ def test_an_update_moves_toward_the_rewarded_action(flags):
     env = envs.make("babyai")
     trajectories = []
     for group, task in enumerate((120, 161)):
-        prompt = fmt.prompt(env, env.reset(task))
+        prompt = fmt.prompt(REACT.opening(env, env.reset(task)))
         for row, (action, reward) in enumerate([("turn left", 1.0), ("go forward", 0.0)]):
             traj = Trajectory("babyai", task, group, 2 * group + row, [], reward=reward)
             reply = fmt.encode(f"Thought: I will {action}.\nAction:\n{action}") + [fmt.end_of_turn]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import envs
+from rl.agent import REACT
 from rl.logprobs import collate, token_logprobs
 from rl.model import load_model, load_tokenizer
 from rollout import ChatFormat, ExpertEngine, HFEngine, rollout
@@ -187,7 +188,7 @@ def test_token_budget_ends_the_episode(tiny):
     tokenizer, model = tiny
     fmt = ChatFormat(tokenizer)
     environments = [envs.make("babyai") for _ in range(2)]
-    first = len(fmt.prompt(environments[0], environments[0].reset(1)))
+    first = len(fmt.prompt(REACT.opening(environments[0], environments[0].reset(1))))
     # the budget, not the per-turn limit, cuts the first turn: the closing end-of-turn token must fit too
     trajectories = rollout(HFEngine(NeverStops(model, fmt.stop_ids), fmt, seed=0), fmt, environments, [1, 1], [0, 0],
                            horizon=10, max_new_tokens=64, max_tokens=first + 40)

@@ -296,6 +296,8 @@ def test_presets_follow_the_model():
     (["--vllm-gpu-memory-utilization", "1.5"], "in (0, 1]"),
     (["--vllm-max-model-len", "100"], "could not hold a whole trajectory"),
     (["--vllm-tensor-parallel-size", "2"], "one engine per process"),
+    (["--agent", "reflect", "--attempts", "0"], "--attempts must be at least 1"),
+    (["--algo", "sft", "--agent", "plan", "--data", "x.json"], "plays them as react"),
 ])
 def test_bad_settings_stop_early(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -555,3 +557,23 @@ def test_a_sharded_run_checkpoints_and_resumes_exactly(tmp_path):
     assert [m["charts/step"] for m in resumed] == [1, 2]
     for key in ("rollout/reward", "losses/kl", "losses/value", "losses/grad_norm", "critic/value"):
         assert resumed[1][key] == uninterrupted[1][key], key
+
+
+@pytest.mark.parametrize("agent", ["plan", "reflect"])
+def test_training_lays_rollouts_out_by_the_agent_format(tiny_run, agent):
+    """--agent reaches the rollouts: plan's instruction asks for a plan, reflect's failed attempts are retried with
+    their reflections, each attempt a trajectory of its own group, and the step trains on all of them."""
+    from rl.agent import PLAN_GUIDE, REFLECTIONS
+
+    run_dir, records, _ = tiny_run("babyai", "--agent", agent, "--attempts", "2", evaluate=False)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert json.loads((run_dir / "config.json").read_text())["agent"] == agent
+    assert math.isfinite(metrics[-1]["losses/policy"])
+    if agent == "plan":
+        assert len(records) == 4 and all(PLAN_GUIDE in r["messages"][0]["content"] for r in records)
+        return
+    retried = [r for r in records if r.get("attempt") == 2]
+    assert len(records) == 4 + len(retried) and retried, "every first attempt succeeded: no retry to check"
+    assert all(REFLECTIONS in r["messages"][0]["content"] for r in retried)
+    assert {r["group"] for r in retried}.isdisjoint({r["group"] for r in records if r.get("attempt", 1) == 1})
+    assert metrics[-1]["rollout/trajectories"] == len(records)

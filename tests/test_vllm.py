@@ -16,6 +16,7 @@ if not os.environ.get("CI"):  # CI installs vLLM (setup.sh) and must run these; 
 import envs  # noqa: E402
 import rl.engines  # noqa: E402
 from envs import Env, StepResult  # noqa: E402
+from rl.agent import REACT  # noqa: E402
 from rl.engines import HFEngine, SyncError, VLLMEngine  # noqa: E402
 from rl.logprobs import token_logprobs  # noqa: E402
 from rl.model import load_model, load_tokenizer, resolve  # noqa: E402
@@ -39,7 +40,7 @@ def prompts(fmt, count=6):
     out = []
     for row, task in enumerate(envs.splits("babyai")["test"][:count]):
         traj = Trajectory("babyai", task, row, row, [])
-        traj.token_ids = fmt.prompt(env, env.reset(task))
+        traj.token_ids = fmt.prompt(REACT.opening(env, env.reset(task)))
         out.append(traj)
     return out
 
