@@ -2,6 +2,9 @@
 
     python eval.py --model runs/<run>/checkpoints/step_8          # scores a checkpoint as it was trained
     python eval.py --model Qwen/Qwen2.5-7B-Instruct --env textcraft --k 4
+    python eval.py --env textcraft --max-turns 5 10 20 30          # test-time interaction scaling: a table and a PNG
+    python eval.py --agent reflect --attempts 3                    # success after each attempt
+    python eval.py --compare runs/eval/a.json runs/eval/b.json     # differences per category, 95% CIs
 
 A LoRA run's checkpoint holds an adapter: it is loaded on its base model (and a vLLM engine gets the merged
 weights, checked on a probe).
@@ -21,6 +24,19 @@ Which limits an episode plays under is a protocol (`--protocol`), recorded with 
 --horizon, --max-new-tokens and --max-tokens override single limits. The results go to <out>.json
 (written atomically) and every episode to <out>.jsonl. Episodes run on vLLM when it is installed
 (`--engine`, as in train.py), else on Hugging Face sampling; the result records which.
+
+A result holds what was run, so that two can be compared: model, env, split, k, the limits, the agent format,
+temperature, seed, engine, the code's git revision ("+dirty" with uncommitted changes), and each task's
+episodes ([reward, success] each, `per_task`). `--compare A.json B.json` pairs two results' tasks and prints,
+per category, each one's Avg@k and success and the difference with a 95% interval (rl/scores.paired).
+
+Several turn caps (`--max-turns 5 10 20 30`, the same flag as --horizon) sweep the interaction budget, as
+the paper's figure on scaling test-time interaction: Avg@k and Pass@k per cap, overall and per category, as a
+table, in the result's `sweep` and as its PNG. The episodes are played once, under the largest cap, and each
+lower cap h scores them as they stood after turn h (Trajectory.cut): nothing an episode sees depends on its
+cap (the prompts do not name it), so their first h turns are episodes played under cap h, and the caps are
+compared on the same episodes. Under --agent reflect, where a failed attempt starts the next one, each cap
+is played on its own.
 """
 
 from __future__ import annotations
@@ -29,10 +45,11 @@ import rl  # noqa: F401 - first: sets OpenMP's wait policy before torch loads (s
 
 import json
 import random
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import tyro
@@ -41,12 +58,13 @@ from tqdm import tqdm
 import envs
 from envs.guard import close_envs, make_envs
 from rl import plots
+from rl.agent import make_agent
 from rl.checkpoint import write_atomic
 from rl.horizon import horizon_at
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, full_weights, is_adapter, load_model, load_tokenizer
-from rl.scores import score, spread
+from rl.scores import paired, score, spread
 from rl.engines import engine_kind, make_engine
-from rollout import ChatFormat, play
+from rollout import ChatFormat, category, play
 
 # Upstream's eval scripts: max_rounds per env, max_tokens a turn, and vLLM's max_model_len.
 UPSTREAM_TURNS = {"babyai": 20, "textcraft": 30, "sciworld": 30, "searchqa": 30, "webarena": 15}
@@ -70,8 +88,15 @@ class Args:
     """evaluate N tasks spread evenly over the split"""
     k: int = 1
     """episodes per task"""
-    horizon: int | None = None
-    """turn cap per episode; default: set by --protocol"""
+    horizon: Annotated[tuple[int, ...] | None, tyro.conf.arg(aliases=("--max-turns",))] = None
+    """turn cap per episode; default: set by --protocol. Several caps (--max-turns 5 10 20 30) sweep the test-time
+    interaction budget: a table and a PNG of Avg@k and Pass@k against it, per category"""
+    agent: Literal["react", "plan", "reflect"] = "react"
+    """how episodes are laid out (rl/agent.py): react (AgentGym's), plan, or reflect (--attempts attempts a task)"""
+    attempts: int = 3
+    """--agent reflect: attempts a task gets (it stops at its first success); success is reported per attempt"""
+    compare: tuple[str, str] | None = None
+    """two eval results (.json) to compare instead of evaluating: their differences per category with 95% CIs"""
     max_new_tokens: int | None = None
     """tokens per assistant turn; default: set by --protocol"""
     max_tokens: int | None = None
@@ -141,31 +166,90 @@ def resolve_settings(args: Args) -> dict:
         limits = {"horizon": UPSTREAM_TURNS[env], "max_new_tokens": UPSTREAM_TURN_TOKENS.get(env, 512),
                   "max_tokens": UPSTREAM_CONTEXT}
     overrides = {key: getattr(args, key) for key in limits if getattr(args, key) is not None}
+    if args.horizon is not None:  # a sweep plays up to its largest cap
+        if not args.horizon or min(args.horizon) < 1:
+            raise SystemExit("--horizon (--max-turns) takes one or more turn caps of at least 1")
+        overrides["horizon"] = max(args.horizon)
     if any(value < 1 for value in overrides.values()):
         raise SystemExit(f"--{' --'.join(k.replace('_', '-') for k, v in overrides.items() if v < 1)}: at least 1")
     own_options = config.get("env_options", {}) if config is not None and config["env"] == env else {}
     options = {**envs.parse_options(own_options), **envs.parse_options(args.env_options)}
     # a run's checkpoint plays its run's test tasks (the tiny preset's on BabyAI: the short-horizon levels')
     own_tasks = config.get("test_tasks") if protocol == "run" and config["env"] == env and args.split == "test" else None
+    horizons = sorted(set(args.horizon)) if args.horizon else [overrides.get("horizon", limits["horizon"])]
     return {"env": env, "protocol": protocol, **limits, **overrides, "overrides": sorted(overrides), "env_options": options,
-            "tasks": args.tasks or own_tasks}
+            "tasks": args.tasks or own_tasks, "horizons": horizons}
 
 
 def main(args: Args) -> dict:
+    if args.compare:
+        return compare(*args.compare)
     settings = resolve_settings(args)
     env_name = settings["env"]
-    if settings["tasks"]:
-        task_ids = envs.load_task_ids(settings["tasks"], env_name)
-    else:
-        task_ids = envs.splits(env_name)[args.split]
-    if args.limit:
-        task_ids = spread(task_ids, args.limit)
-    if args.k < 1 or not task_ids:
-        raise SystemExit("nothing to evaluate: need --k >= 1 and at least one task")
+    task_ids = evaluation_tasks(args, settings)
+    try:
+        agent = make_agent(args.agent, args.attempts)
+    except ValueError as error:
+        raise SystemExit(str(error)) from error
 
     tokenizer = load_tokenizer(args.model)
     fmt = ChatFormat(tokenizer)
     kind = engine_kind(args.engine)
+    engine = build_engine(args, kind, fmt, settings)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+
+    # -- every episode, k per task: once under the largest cap (a lower cap's episodes are its prefixes), or once
+    # per cap for reflect, whose next attempt starts when one ends
+    episodes = [(task, group) for group, task in enumerate(task_ids) for _ in range(args.k)]
+    environments = make_envs(env_name, min(args.batch_size, len(episodes)), settings["env_options"], args.env_timeout,
+                             args.env_url)
+    env_settings = getattr(environments[0], "options", {})
+    start = time.perf_counter()
+    played: dict[int, list] = {}
+    try:
+        for horizon in (settings["horizons"] if agent.attempts > 1 else settings["horizons"][-1:]):
+            with tqdm(total=len(episodes), desc=f"eval {env_name}" + (f" ({horizon} turns)" if len(settings["horizons"]) > 1
+                                                                     else ""), unit="episode", dynamic_ncols=True) as bar:
+                played[horizon] = play(engine, fmt, environments, [t for t, _ in episodes], [g for _, g in episodes],
+                                       horizon=horizon, max_new_tokens=settings["max_new_tokens"],
+                                       max_tokens=settings["max_tokens"], agent=agent, progress=bar.update)
+    finally:
+        engine.close()
+        close_envs(environments)
+    trajectories = played[settings["horizons"][-1]]
+    results = {"model": args.model, "split": settings["tasks"] or args.split, "k": args.k, "agent": agent.name,
+               **({"attempts": agent.attempts} if agent.attempts > 1 else {}), "temperature": args.temperature,
+               "top_p": args.top_p, "seed": args.seed, "engine": kind, "code": code_revision(), **settings,
+               "env_settings": env_settings, "env_url": args.env_url, **score(trajectories, env_name),
+               "per_task": per_task(trajectories), "seconds": round(time.perf_counter() - start, 1)}
+    if len(settings["horizons"]) > 1:
+        results["sweep"] = [{"horizon": h, **score([t.cut(h) for t in played.get(h, trajectories)], env_name)}
+                            for h in settings["horizons"]]
+    out = output_path(args, env_name, settings)
+    write_atomic(out.with_suffix(".jsonl"), "".join(json.dumps(t.log_record()) + "\n" for t in trajectories))
+    write_atomic(out.with_suffix(".json"), result_text(results))
+    report(results, settings, args.k)
+    plotted = plots.draw(out.with_suffix(".json"))
+    print(f"wrote {out.with_suffix('.json')}" + (f" and {plotted}" if plotted else ""))
+    return results
+
+
+def evaluation_tasks(args: Args, settings: dict) -> list[int]:
+    """The task ids to play: --tasks (or a run's own test tasks), else the split; --limit of them, spread."""
+    if settings["tasks"]:
+        task_ids = envs.load_task_ids(settings["tasks"], settings["env"])
+    else:
+        task_ids = envs.splits(settings["env"])[args.split]
+    if args.limit:
+        task_ids = spread(task_ids, args.limit)
+    if args.k < 1 or not task_ids:
+        raise SystemExit("nothing to evaluate: need --k >= 1 and at least one task")
+    return task_ids
+
+
+def build_engine(args: Args, kind: str, fmt: ChatFormat, settings: dict):
+    """The engine episodes run on; a LoRA checkpoint is loaded on its base (vLLM gets the merged weights)."""
     model = None
     if kind == "hf" or is_adapter(args.model):
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -176,28 +260,11 @@ def main(args: Args) -> dict:
                          tensor_parallel_size=args.vllm_tensor_parallel_size)
     if kind == "vllm" and model is not None:  # a LoRA checkpoint: vLLM loaded its base; the adapter goes in merged
         engine.load_weights(model, weights=full_weights(model))
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    return engine
 
-    episodes = [(task, group) for group, task in enumerate(task_ids) for _ in range(args.k)]
-    environments = make_envs(env_name, min(args.batch_size, len(episodes)), settings["env_options"], args.env_timeout,
-                             args.env_url)
-    env_settings = getattr(environments[0], "options", {})
-    start = time.perf_counter()
-    bar = tqdm(total=len(episodes), desc=f"eval {env_name}", unit="episode", dynamic_ncols=True)
-    try:
-        trajectories = play(engine, fmt, environments, [t for t, _ in episodes], [g for _, g in episodes],
-                            horizon=settings["horizon"], max_new_tokens=settings["max_new_tokens"],
-                            max_tokens=settings["max_tokens"], progress=bar.update)
-    finally:
-        bar.close()
-        engine.close()
-        close_envs(environments)
-    results = {"model": args.model, "split": settings["tasks"] or args.split, "k": args.k,
-               "temperature": args.temperature, "engine": kind, **settings, "env_settings": env_settings,
-               "env_url": args.env_url,
-               **score(trajectories, env_name),
-               "seconds": round(time.perf_counter() - start, 1)}
+
+def output_path(args: Args, env_name: str, settings: dict) -> Path:
+    """<out> (without extension): --out, else beside the checkpoint, else runs/eval/."""
     if args.out:
         out = Path(args.out)
     elif run_config(args.model) is not None:
@@ -205,20 +272,124 @@ def main(args: Args) -> dict:
     else:
         out = Path("runs/eval") / f"{env_name}-{Path(args.model).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out.with_suffix(".jsonl"), "".join(json.dumps(t.log_record()) + "\n" for t in trajectories))
-    write_atomic(out.with_suffix(".json"), json.dumps(results, indent=2) + "\n")
+    return out
 
+
+def per_task(trajectories) -> dict[str, list[list[float]]]:
+    """Each task's episodes as [reward, success] pairs (its final attempts under reflect): what --compare pairs."""
+    tasks: dict[str, list[list[float]]] = {}
+    for t in trajectories:
+        if getattr(t, "final", True):
+            tasks.setdefault(str(t.task_id), []).append([t.reward, float(t.success)])
+    return tasks
+
+
+def result_text(results: dict) -> str:
+    """The results as indented JSON, with each task's episodes on one line."""
+    rest = {key: value for key, value in results.items() if key != "per_task"}
+    tasks = ",\n".join(f"    {json.dumps(task)}: {json.dumps(value)}" for task, value in results["per_task"].items())
+    return json.dumps(rest, indent=2)[:-2] + ',\n  "per_task": {\n' + tasks + "\n  }\n}\n"
+
+
+def code_revision() -> str:
+    """The git commit the code ran at, "+dirty" when tracked files had changed; "unknown" outside a checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=here, capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if commit.returncode != 0:
+        return "unknown"
+    return commit.stdout.strip() + ("+dirty" if dirty.returncode == 1 else "")
+
+
+def report(results: dict, settings: dict, k: int) -> None:
+    """The console summary: the limits, Avg@k and Pass@k overall and per category, per attempt and per turn cap."""
     limits = (f"{settings['horizon']} turns, {settings['max_new_tokens']} tokens a turn, {settings['max_tokens']} a trajectory"
               + (f"; set by flag: {', '.join(settings['overrides'])}" if settings["overrides"] else ""))
-    print(f"protocol {settings['protocol']} ({limits})")
-    print(f"{env_name} {results['split']}: {results['tasks']} tasks x {args.k}  "
-          f"Avg@{args.k} {results['avg@k']:.4f}  Pass@{args.k} {results['pass@k']:.4f}  turns {results['turns']:.1f}"
+    print(f"protocol {settings['protocol']} ({limits}), agent {results['agent']}")
+    print(f"{settings['env']} {Path(str(results['split'])).name}: {results['tasks']} tasks x {k}  "
+          f"Avg@{k} {results['avg@k']:.4f}  Pass@{k} {results['pass@k']:.4f}  turns {results['turns']:.1f}"
           + (f"  env failures {results['errors']} (scored 0; see the .jsonl)" if results["errors"] else ""))
     for name, c in results["categories"].items():
-        print(f"  {name:<24} {c['tasks']:>4} tasks  Avg@{args.k} {c['avg@k']:.4f}  Pass@{args.k} {c['pass@k']:.4f}")
-    plotted = plots.draw(out.with_suffix(".json"))
-    print(f"wrote {out.with_suffix('.json')}" + (f" and {plotted}" if plotted else ""))
-    return results
+        print(f"  {name:<24} {c['tasks']:>4} tasks  Avg@{k} {c['avg@k']:.4f}  Pass@{k} {c['pass@k']:.4f}")
+    for row in results.get("by_attempt", []):
+        print(f"  after attempt {row['attempt']}: success {row['success']:.4f}, tasks solved {row['solved']:.4f}")
+    if "sweep" in results:
+        print(sweep_table(results["sweep"], k))
+
+
+def sweep_table(sweep: list[dict], k: int) -> str:
+    """Avg@k / Pass@k against the turn cap, overall and per category, one row per cap."""
+    names = ["overall", *sweep[0]["categories"]]
+    head = f"{'turns':>5}  " + "  ".join(f"{name[:22]:>22}" for name in names)
+    rows = [head, f"{'':>5}  " + "  ".join(f"{f'Avg@{k} / Pass@{k}':>22}" for _ in names)]
+    for row in sweep:
+        cells = [row] + [row["categories"][name] for name in names[1:]]
+        rows.append(f"{row['horizon']:>5}  " + "  ".join(f"{c['avg@k']:>10.3f} / {c['pass@k']:<9.3f}" for c in cells))
+    return "\n".join(rows)
+
+
+def compare(first: str, second: str) -> dict:
+    """Two eval results side by side: per category (overall first) each one's Avg@k and success, and the
+    difference (second - first) with a 95% interval, paired by task (rl/scores.paired); the settings that differ."""
+    results = []
+    for path in (first, second):
+        try:
+            results.append(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError) as error:
+            raise SystemExit(f"--compare: cannot read {path}: {error}") from error
+        if "avg@k" not in results[-1]:
+            raise SystemExit(f"--compare: {path} is not an eval result (no avg@k)")
+    a, b = results
+    keys = ("model", "env", "split", "k", "protocol", "horizon", "max_new_tokens", "max_tokens", "agent", "temperature",
+            "seed", "engine", "code")
+    differ = {key: (a.get(key), b.get(key)) for key in keys if a.get(key) != b.get(key)}
+    print(f"A {first}\nB {second}")
+    for key, (x, y) in differ.items():
+        print(f"  {key}: A {x}  B {y}")
+    if a.get("env") != b.get("env"):
+        raise SystemExit("--compare: the two results are on different envs; nothing to pair")
+    rows = compare_rows(a, b)
+    print(f"{'category':<24} {'tasks':>5}  {'Avg A':>7} {'Avg B':>7} {'B - A (95% CI)':>24}  "
+          f"{'succ A':>7} {'succ B':>7} {'B - A (95% CI)':>24}")
+    for row in rows:
+        cells = []
+        for metric in ("avg", "success"):
+            d = row[metric]
+            interval = f"{d['gain']:+.3f} ({d['low']:+.3f}, {d['high']:+.3f})" if d["tasks"] else "no paired tasks"
+            cells.append(f"{d['before']:>7.3f} {d['after']:>7.3f} {interval:>24}")
+        print(f"{row['category'][:24]:<24} {row['tasks']:>5}  " + "  ".join(cells))
+    if any(row["tasks"] == 0 for row in rows):
+        print("(a result without per-task scores, written before eval.py kept them, or without tasks in common: no intervals)")
+    return {"first": first, "second": second, "settings_differ": differ, "categories": rows}
+
+
+def compare_rows(a: dict, b: dict) -> list[dict]:
+    """compare()'s rows: overall, then each category either result has."""
+    env = a["env"]
+    tasks_a, tasks_b = a.get("per_task", {}), b.get("per_task", {})
+    names = ["overall", *sorted(set(a.get("categories", {})) | set(b.get("categories", {}))
+                                | {category(env, int(t)) for t in [*tasks_a, *tasks_b]} - {None})]
+    rows = []
+    for name in names:
+        def mine(tasks):
+            return {t: v for t, v in tasks.items() if name == "overall" or category(env, int(t)) == name}
+
+        pa, pb = mine(tasks_a), mine(tasks_b)
+        row = {"category": name, "tasks": len(set(pa) & set(pb))}
+        for metric, column in (("avg", 0), ("success", 1)):
+            means_a = {t: sum(e[column] for e in v) / len(v) for t, v in pa.items()}
+            means_b = {t: sum(e[column] for e in v) / len(v) for t, v in pb.items()}
+            if row["tasks"]:
+                row[metric] = paired(means_a, means_b)
+            else:  # no per-task scores: the summaries only
+                key = "avg@k" if metric == "avg" else "success"
+                x, y = (r if name == "overall" else r.get("categories", {}).get(name, {}) for r in (a, b))
+                row[metric] = {"before": x.get(key, float("nan")), "after": y.get(key, float("nan")), "tasks": 0}
+        rows.append(row)
+    return rows
 
 
 if __name__ == "__main__":

@@ -6,6 +6,10 @@ the periodic evaluations of train.py.
 Avg@k is the mean final score over every episode (the raw env score: BabyAI's fractional reward,
 SciWorld's 0-100 progress); Pass@k is the share of tasks where at least one of its k episodes scored
 above 0. An episode that ended in an env failure is scored 0 and counted under `errors`.
+
+Under --agent reflect an episode is a task's series of attempts, scored by its last attempt (the one that
+succeeded, or the last one played); `by_attempt` then gives, for each attempt a, the success rate of the
+episodes as they stood after attempt a and the share of tasks solved by one of their episodes by then.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ def spread(task_ids: list[int], n: int) -> list[int]:
 
 def score(trajectories, env_name: str) -> dict:
     """Avg@k and Pass@k overall and per category, from one list of episodes (anything with task_id,
-    reward, success, turns and error, as rollout.Trajectory)."""
+    reward, success, turns and error, as rollout.Trajectory; reflect's also attempt and final)."""
+    finals = [t for t in trajectories if getattr(t, "final", True)]
     by_task = defaultdict(list)
-    for t in trajectories:
+    for t in finals:
         by_task[t.task_id].append(t)
 
     def summary(task_ids):
@@ -42,28 +47,40 @@ def score(trajectories, env_name: str) -> dict:
     categories = defaultdict(list)
     for task in by_task:
         categories[envs.category(env_name, task)].append(task)
-    return {**summary(list(by_task)), "categories": {c: summary(ids) for c, ids in sorted(categories.items())}}
+    results = {**summary(list(by_task)), "categories": {c: summary(ids) for c, ids in sorted(categories.items())}}
+    played = max((getattr(t, "attempt", 1) for t in finals), default=1)
+    if played > 1:  # reflect: where the episodes stood after each attempt
+        won = {task: [t.attempt if t.success else None for t in episodes] for task, episodes in by_task.items()}
+        results["by_attempt"] = [{"attempt": a, "success": sum(w is not None and w <= a for ws in won.values() for w in ws)
+                                / len(finals),
+                                "solved": sum(any(w is not None and w <= a for w in ws) for ws in won.values()) / len(won)}
+                               for a in range(1, played + 1)]
+    return results
 
 
 def gain(before, after) -> dict:
-    """How much `after`'s success beats `before`'s on the same tasks, with a 95% confidence interval:
-    the per-task success rates (the mean over a task's episodes) are paired by task, and the interval
-    is the normal one on the mean of the per-task differences (the tasks are the sample; a task's k
-    episodes are not independent draws of the population). Episodes are anything with task_id and
-    success; tasks that only one side played are left out."""
+    """How much `after`'s success beats `before`'s on the same tasks, with a 95% confidence interval: the
+    per-task success rates (the mean over a task's episodes) paired by task (see paired). Episodes are anything
+    with task_id and success."""
     def rates(episodes):
         by_task = defaultdict(list)
         for t in episodes:
             by_task[t.task_id].append(float(t.success))
         return {task: sum(v) / len(v) for task, v in by_task.items()}
 
-    first, last = rates(before), rates(after)
-    tasks = sorted(set(first) & set(last))
+    return paired(rates(before), rates(after))
+
+
+def paired(before: dict, after: dict) -> dict:
+    """The mean of after[task] - before[task] over the tasks both have, with a 95% confidence interval: the
+    normal one on the mean of the per-task differences (the tasks are the sample; a task's k episodes are not
+    independent draws of the population). Tasks that only one side has are left out."""
+    tasks = sorted(set(before) & set(after))
     if not tasks:
         raise ValueError("the two evaluations have no task in common")
-    differences = [last[t] - first[t] for t in tasks]
+    differences = [after[t] - before[t] for t in tasks]
     mean = sum(differences) / len(tasks)
     variance = sum((d - mean) ** 2 for d in differences) / max(len(tasks) - 1, 1)
     half = 1.96 * (variance / len(tasks)) ** 0.5
-    return {"before": sum(first[t] for t in tasks) / len(tasks), "after": sum(last[t] for t in tasks) / len(tasks),
+    return {"before": sum(before[t] for t in tasks) / len(tasks), "after": sum(after[t] for t in tasks) / len(tasks),
             "gain": mean, "low": mean - half, "high": mean + half, "tasks": len(tasks)}

@@ -3,7 +3,8 @@ per step (and their running mean) and per task category, the test success of eve
 the initial policy), turns against the horizon cap with ScalingInter-RL's stages shaded, how episodes
 ended (finish reasons, invalid actions, groups without reward variance), KL and entropy, clipping and
 gradient norm, throughput, time and peak memory. An eval result (eval.py's .json) is drawn as Avg@k and
-Pass@k per category. train.py and eval.py run this at their end.
+Pass@k per category, a turn-budget sweep's (eval.py --max-turns 5 10 20) as both against the budget.
+train.py and eval.py run this at their end.
 
     python scripts/plot.py runs/<run>                                  # -> runs/<run>/curves.png
     python scripts/plot.py runs/a runs/b runs/c --out curves.png       # several runs (e.g. seeds) overlaid
@@ -129,6 +130,8 @@ def plot_eval(path: Path, out: Path) -> None:
     if "avg@k" not in result:
         raise SystemExit(f"{path} is not an eval result (no avg@k): give eval.py's .json")
     k = result.get("k", "k")
+    if "sweep" in result:
+        return plot_sweep(result, out)
     names = ["overall", *result.get("categories", {})]
     values = [result] + list(result.get("categories", {}).values())
     figure, axis = plt.subplots(figsize=(max(6.0, 0.6 * len(names) + 2), 4))
@@ -139,6 +142,27 @@ def plot_eval(path: Path, out: Path) -> None:
     axis.set_title(f"{result.get('model', '')}: {result.get('env', '')} {result.get('split', '')}, "
                    f"{result.get('tasks', '?')} tasks x {k}", fontsize=9)
     axis.legend(fontsize=8)
+    figure.tight_layout()
+    save(figure, out)
+
+
+def plot_sweep(result: dict, out: Path) -> None:
+    """A turn-budget sweep (eval.py --max-turns 5 10 20 ...): Avg@k and Pass@k against the turn cap, overall and
+    per category, as the paper's figure on scaling test-time interaction."""
+    k, sweep = result.get("k", "k"), result["sweep"]
+    caps = [row["horizon"] for row in sweep]
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for axis, key, label in ((axes[0], "avg@k", f"Avg@{k}"), (axes[1], "pass@k", f"Pass@{k}")):
+        axis.plot(caps, [row[key] for row in sweep], marker="o", color="black", linewidth=2, label="overall")
+        for name in sweep[0].get("categories", {}):
+            axis.plot(caps, [row["categories"][name][key] for row in sweep], marker=".", alpha=0.7, label=name)
+        axis.set_xlabel("turn budget (max turns)")
+        axis.set_ylabel(label)
+        axis.set_xticks(caps)
+        axis.grid(alpha=0.3)
+    axes[1].legend(fontsize=7, loc="best")
+    figure.suptitle(f"{result.get('model', '')}: {result.get('env', '')} {Path(str(result.get('split', ''))).name}, "
+                    f"{result.get('tasks', '?')} tasks x {k}, agent {result.get('agent', 'react')}", fontsize=9)
     figure.tight_layout()
     save(figure, out)
 

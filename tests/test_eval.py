@@ -1,0 +1,147 @@
+"""eval.py's results people can compare: the turn-budget sweep (its table, its PNG, and why one play under the
+largest cap scores every lower cap), reflect's success per attempt, the settings and code revision in every
+result, and --compare's per-category differences with paired intervals."""
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import envs
+import eval as eval_script
+from rl.agent import make_agent
+from rl.engines import ExpertEngine
+from rl.model import load_tokenizer
+from rollout import ChatFormat, rollout
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_eval(tmp_path, name, *flags):
+    args = eval_script.tyro.cli(eval_script.Args, args=["--engine", "hf", "--out", str(tmp_path / name), *flags])
+    results = eval_script.main(args)
+    return results, json.loads((tmp_path / f"{name}.json").read_text())
+
+
+def test_a_sweep_scores_every_turn_budget_and_draws_it(tmp_path, capsys):
+    results, written = run_eval(tmp_path, "sweep", "--tasks", str(envs.DATA_DIR / "babyai_tiny_test.json"), "--limit", "12",
+                                "--k", "2", "--max-turns", "4", "1", "2")
+    assert written["horizons"] == [1, 2, 4] and written["horizon"] == 4
+    sweep = written["sweep"]
+    assert [row["horizon"] for row in sweep] == [1, 2, 4]
+    assert {key: sweep[-1][key] for key in ("avg@k", "pass@k", "success")} == {
+        key: written[key] for key in ("avg@k", "pass@k", "success")}  # the largest cap is the run itself
+    for low, high in zip(sweep, sweep[1:]):  # a success within fewer turns is one within more
+        assert low["success"] <= high["success"] and low["pass@k"] <= high["pass@k"] and low["turns"] <= high["turns"]
+        assert set(low["categories"]) == set(written["categories"])
+    assert all(row["turns"] <= row["horizon"] for row in sweep)
+    table = capsys.readouterr().out
+    assert "turns" in table and f"Avg@2 / Pass@2" in table and len([line for line in table.splitlines()
+                                                                   if line.strip().startswith(("1 ", "2 ", "4 "))]) == 3
+    done = subprocess.run(["python", str(ROOT / "scripts" / "plot.py"), str(tmp_path / "sweep.json")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "sweep.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("name, tasks", [("babyai", [0, 30, 40, 80, 100]), ("textcraft", [49, 135, 156, 181])])
+def test_an_episode_cut_to_a_lower_cap_is_the_episode_played_under_it(name, tasks):
+    """Why one play under the largest cap scores every lower one: nothing an episode sees depends on its cap, so the
+    first h turns of a longer episode are an episode under cap h. With the deterministic experts: the same turns,
+    reward, success and finish as playing under cap h."""
+    fmt = ChatFormat(load_tokenizer("tiny-agent"))  # (tasks whose expert plays take 1 to 8 turns)
+
+    def played(horizon):
+        environments = [envs.make(name) for _ in tasks]
+        try:
+            return rollout(ExpertEngine(fmt, environments), fmt, environments, tasks, list(range(len(tasks))),
+                           horizon=horizon, max_new_tokens=256, max_tokens=16384)
+        finally:
+            for env in environments:
+                env.close()
+
+    longest = played(8)
+    assert max(t.turns for t in longest) >= 3 and any(t.success for t in longest)
+    for horizon in (1, 2, 3):
+        for cut, direct in zip([t.cut(horizon) for t in longest], played(horizon)):
+            assert (cut.turns, cut.reward, cut.success, cut.finish) == (direct.turns, direct.reward, direct.success,
+                                                                        direct.finish)
+            assert cut.turn_rewards[:cut.turns] == direct.turn_rewards
+
+
+def test_results_record_what_was_run_and_reflect_reports_every_attempt(tmp_path, capsys):
+    results, written = run_eval(tmp_path, "reflect", "--limit", "6", "--k", "2", "--horizon", "2", "--agent", "reflect",
+                                "--attempts", "2", "--seed", "3")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    for key, value in {"model": "tiny-agent", "env": "babyai", "split": "test", "k": 2, "horizon": 2, "agent": "reflect",
+                       "attempts": 2, "seed": 3, "engine": "hf"}.items():
+        assert written[key] == value, key
+    assert written["code"].removesuffix("+dirty") == head
+    attempts = written["by_attempt"]
+    assert [row["attempt"] for row in attempts] == [1, 2]
+    assert attempts[0]["success"] <= attempts[1]["success"] == pytest.approx(written["success"])
+    assert sum(len(v) for v in written["per_task"].values()) == 12  # each episode once: its final attempt
+    records = [json.loads(line) for line in (tmp_path / "reflect.jsonl").read_text().splitlines()]
+    retried = [r for r in records if r.get("attempt") == 2]
+    assert retried and all(r["final"] for r in retried)
+    assert all(r["reflection"] for r in records if r.get("final") is False)
+    assert "after attempt 2" in capsys.readouterr().out
+
+
+def result(env, tasks):
+    """A minimal eval result: per_task {task: [[reward, success], ...]} and its summaries."""
+    episodes = [e for v in tasks.values() for e in v]
+    return {"model": "m", "env": env, "k": 2, "avg@k": sum(e[0] for e in episodes) / len(episodes),
+            "success": sum(e[1] for e in episodes) / len(episodes), "categories": {},
+            "per_task": {str(t): v for t, v in tasks.items()}}
+
+
+def test_compare_pairs_tasks_per_category_with_intervals(tmp_path, capsys):
+    # BabyAI tasks 0-3 (GoTo) and 16-19 (Pickup): B solves every other GoTo task that A failed, and one Pickup less
+    a = {t: [[0.0, 0.0], [0.0, 0.0]] for t in (0, 1, 2, 3)} | {t: [[0.9, 1.0], [0.9, 1.0]] for t in (16, 17, 18, 19)}
+    b = {0: [[0.9, 1.0], [0.9, 1.0]], 1: [[0.0, 0.0]] * 2, 2: [[0.9, 1.0], [0.9, 1.0]], 3: [[0.0, 0.0]] * 2,
+         16: [[0.0, 0.0]] * 2, 17: [[0.9, 1.0]] * 2, 18: [[0.9, 1.0]] * 2, 19: [[0.9, 1.0]] * 2}
+    (tmp_path / "a.json").write_text(json.dumps(result("babyai", a)))
+    (tmp_path / "b.json").write_text(json.dumps(result("babyai", b) | {"model": "n"}))
+    assert {envs.category("babyai", t) for t in (0, 1, 2, 3)} == {"GoTo"}
+    assert {envs.category("babyai", t) for t in (16, 17, 18, 19)} == {"Pickup"}
+    out = eval_script.main(eval_script.Args(compare=(str(tmp_path / "a.json"), str(tmp_path / "b.json"))))
+    rows = {row["category"]: row for row in out["categories"]}
+    assert out["settings_differ"] == {"model": ("m", "n")}
+    goto = rows["GoTo"]["success"]  # differences 1, 0, 1, 0: mean 0.5, sample variance 1/3
+    half = 1.96 * math.sqrt(1 / 3 / 4)
+    assert (goto["gain"], goto["low"], goto["high"], goto["tasks"]) == pytest.approx((0.5, 0.5 - half, 0.5 + half, 4))
+    assert rows["Pickup"]["success"]["gain"] == pytest.approx(-0.25)
+    assert rows["overall"]["avg"]["gain"] == pytest.approx((0.9 + 0.9 - 0.9) / 8) and rows["overall"]["tasks"] == 8
+    printed = capsys.readouterr().out
+    assert "GoTo" in printed and "+0.500" in printed and "model: A m  B n" in printed
+
+
+def test_compare_reads_results_without_per_task_scores_and_refuses_bad_input(tmp_path, capsys):
+    old = {"model": "m", "env": "babyai", "k": 1, "avg@k": 0.2, "success": 0.25, "categories": {"GoTo": {"avg@k": 0.1}}}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    (tmp_path / "new.json").write_text(json.dumps(result("babyai", {0: [[0.9, 1.0]]})))
+    out = eval_script.main(eval_script.Args(compare=(str(tmp_path / "old.json"), str(tmp_path / "new.json"))))
+    assert out["categories"][0]["tasks"] == 0 and out["categories"][0]["avg"]["before"] == 0.2
+    assert "no intervals" in capsys.readouterr().out
+    (tmp_path / "text.json").write_text(json.dumps(result("textcraft", {0: [[1.0, 1.0]]})))
+    (tmp_path / "torn.json").write_text('{"avg@k": 0.')
+    for pair, message in [(("old.json", "missing.json"), "cannot read"), (("old.json", "torn.json"), "cannot read"),
+                          (("old.json", "text.json"), "different envs")]:
+        with pytest.raises(SystemExit, match=message):
+            eval_script.main(eval_script.Args(compare=tuple(str(tmp_path / p) for p in pair)))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-turns", "3", "0"], "at least 1"),
+    (["--agent", "reflect", "--attempts", "0"], "at least 1"),
+])
+def test_bad_sweep_or_agent_flags_stop_with_a_message(tmp_path, flags, message):
+    with pytest.raises(SystemExit, match=message):
+        run_eval(tmp_path, "bad", "--limit", "1", *flags)
+
+
+def test_make_agent_names_the_formats():
+    assert make_agent("reflect", 4).attempts == 4 and make_agent("plan", 4).attempts == 1
