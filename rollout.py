@@ -124,13 +124,14 @@ class Trajectory:
             "reward": self.reward, "success": self.success, "turns": self.turns, "finish": self.finish,
             "error": self.error, "invalid_actions": self.invalid_actions, "turn_rewards": self.turn_rewards,
             "tokens": len(self.token_ids),
-            "action_tokens": sum(self.loss_mask), "messages": self.messages,
+            "action_tokens": sum(self.loss_mask),
+            **({"attempt": self.attempt, "final": self.final, "reflection": self.reflection} if self.attempt > 1 or
+               not self.final else {}),  # (reflect's; before the messages, where the viewer's index reads)
+            "messages": self.messages,
             # the exact tokens, the [start, end) runs of loss-mask 1 (the sampled turns) among them, and
             # the sampler's log-prob of each of those tokens
             "token_ids": pack(self.token_ids, "i32"), "action_spans": spans(self.loss_mask),
             "sampled_logprobs": pack([p for p, m in zip(self.logprobs, self.loss_mask) if m], "f32"),
-            **({"attempt": self.attempt, "final": self.final, "reflection": self.reflection} if self.attempt > 1 or
-               not self.final else {}),
         }
 
 

@@ -3,6 +3,8 @@ reach the env, reflect carries each failed attempt's reflection into the next at
 every format's rollouts stay token-exact on every env."""
 
 import importlib.util
+import json
+from pathlib import Path
 
 import pytest
 
@@ -202,3 +204,15 @@ def test_reflect_with_the_tiny_agent_is_token_exact_per_attempt(fmt):
     for traj in retried:
         assert REFLECTIONS in traj.messages[0]["content"]
     assert sum(REFLECT_ASK in t.messages[-1]["content"] for t in seen) == len(retried)
+
+
+def test_the_viewer_lists_an_attempt_and_shows_its_reflection(fmt):
+    """A reflect record's attempt and reflection come before its messages, where the viewer's index reads them."""
+    spec = importlib.util.spec_from_file_location("view", Path(__file__).resolve().parent.parent / "scripts" / "view.py")
+    view = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(view)
+    trajectories = rollout(Scripted(fmt), fmt, [WinOrLose()], [7], [0], horizon=4, max_new_tokens=32, max_tokens=4096,
+                           agent=make_agent("reflect", 2))
+    rows = [view.summary(json.dumps(t.log_record()).encode()) for t in trajectories]
+    assert [(r["attempt"], r["reflection"]) for r in rows] == [(1, "I lost 2 times"), (2, None)]
+    assert "reflection, for the next attempt" in (Path(view.__file__).with_name("view.html")).read_text()
