@@ -30,7 +30,10 @@ upstream keeps the env's reward for a response cut at max_response_length. An en
 or hangs (envs/guard.py bounds each one) ends only its trajectory, with finish "error": it has no
 outcome, and train.py leaves it out of the update.
 
-Engines (rl/engines.py): HFEngine, VLLMEngine and ExpertEngine (the envs' scripted oracles).
+Engines (rl/engines.py): HFEngine, VLLMEngine and ExpertEngine (the envs' scripted oracles). A text
+engine (rl/api.py's APIEngine: a model behind an HTTP API, for eval) returns the reply as text
+(Sample.text): it becomes the assistant message exactly as a decoded turn would, and no tokens are
+appended, so such a trajectory's token_ids stay empty.
 
 Where this differs from upstream's rollout (AgentGym-RL's vLLMRollout.generate_sequences) on purpose:
 - Upstream re-renders the whole message list with the chat template every round and tokenizes it,
@@ -79,6 +82,7 @@ class Trajectory:
     finish: str = ""  # "done" | "horizon" | "max_tokens" | "error"
     error: str | None = None
     success: bool = False
+    usage: dict[str, float] = field(default_factory=dict)  # an API model's calls, tokens and cost (rl/api.py)
 
     def add(self, ids: list[int], logprobs: list[float] | None = None, trained: bool = False) -> None:
         """Append tokens: sampled ones with their log-probs and trained=True, anything else untrained."""
@@ -109,6 +113,7 @@ class Trajectory:
             # the sampler's log-prob of each of those tokens
             "token_ids": pack(self.token_ids, "i32"), "action_spans": spans(self.loss_mask),
             "sampled_logprobs": pack([p for p, m in zip(self.logprobs, self.loss_mask) if m], "f32"),
+            **({"usage": self.usage} if self.usage else {}),
         }
 
 
@@ -267,8 +272,13 @@ def _generate(engine, fmt: ChatFormat, environments: list[Env], pool: ThreadPool
     finished = engine.poll()
     clock["generate_s"] += time.perf_counter() - start
     for traj, sample in finished:
+        for key, value in sample.usage.items():  # a text engine's token counts and cost, summed over the episode
+            traj.usage[key] = traj.usage.get(key, 0) + value
         if sample.error is not None:
             traj.fail(sample.error)
+            continue
+        if sample.finish is not None:  # a text engine's server has no room left in its context window
+            traj.finish = sample.finish
             continue
         _act(fmt, traj, sample)
         clock["sampled_tokens"] += len(sample.token_ids)
@@ -331,6 +341,10 @@ def _start(fmt: ChatFormat, row: int, env: Env, task_id: int, group: int, first,
 
 def _act(fmt: ChatFormat, traj: Trajectory, sample: Sample) -> None:
     """Append a sampled turn, trained on, and the message the env will read."""
+    if sample.text is not None:  # a text engine (rl/api.py): the reply only, no tokens to append
+        traj.messages.append({"role": "assistant", "content": sample.text})
+        traj.turns += 1
+        return
     traj.add(sample.token_ids, sample.logprobs, trained=True)
     if sample.token_ids[-1:] != [fmt.end_of_turn]:
         # cut off by the limit, or stopped on another eos: the template needs the end-of-turn token,
