@@ -3,6 +3,8 @@
     python eval.py --model runs/<run>/checkpoints/step_8          # scores a checkpoint as it was trained
     python eval.py --model Qwen/Qwen2.5-7B-Instruct --env textcraft --k 4
 
+    python eval.py --model openai:gpt-4o --base-url https://api.openai.com/v1 --price-in 2.5 --price-out 10
+
 A LoRA run's checkpoint holds an adapter: it is loaded on its base model (and a vLLM engine gets the merged
 weights, checked on a probe).
 
@@ -21,6 +23,14 @@ Which limits an episode plays under is a protocol (`--protocol`), recorded with 
 --horizon, --max-new-tokens and --max-tokens override single limits. The results go to <out>.json
 (written atomically) and every episode to <out>.jsonl. Episodes run on vLLM when it is installed
 (`--engine`, as in train.py), else on Hugging Face sampling; the result records which.
+
+`--model openai:<name>` evaluates a model behind an OpenAI-compatible chat endpoint (--base-url: a hosted
+API, or a checkpoint served by `python -m vllm.entrypoints.openai.api_server`) through the same episodes,
+limits and scores, text in, text out (rl/api.py: retries, --api-concurrency, how the token budget is held).
+No local model or tokenizer is loaded. The key comes from $OPENAI_API_KEY (or --api-key-env) and is never
+written; each episode's token usage and cost (--price-in/--price-out) go to the .jsonl, their sums and the
+base URL to the .json. A server that cannot be reached stops the eval before any episode; one that fails
+later fails only the episodes it does not answer (counted under `errors`).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from __future__ import annotations
 import rl  # noqa: F401 - first: sets OpenMP's wait policy before torch loads (see rl/__init__.py)
 
 import json
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -40,7 +51,7 @@ from tqdm import tqdm
 
 import envs
 from envs.guard import close_envs, make_envs
-from rl import plots
+from rl import api, plots
 from rl.checkpoint import write_atomic
 from rl.horizon import horizon_at
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, full_weights, is_adapter, load_model, load_tokenizer
@@ -97,6 +108,22 @@ class Args:
     """share of the GPU's memory vLLM takes (nothing else shares the GPU in eval)"""
     vllm_tensor_parallel_size: int = 1
     """GPUs per vLLM engine (tensor parallel)"""
+    base_url: str | None = None
+    """--model openai:<name>: the OpenAI-compatible endpoint; default $OPENAI_BASE_URL, else OpenAI's"""
+    api_key_env: str = "OPENAI_API_KEY"
+    """--model openai:<name>: the environment variable holding the API key (never written anywhere)"""
+    api_concurrency: int = 8
+    """--model openai:<name>: requests in flight at once"""
+    api_retries: int = 4
+    """--model openai:<name>: retries of a request after a connection error, a timeout, HTTP 429 or 5xx"""
+    api_timeout: float = 120.0
+    """--model openai:<name>: seconds a request may wait for the server before it counts as timed out"""
+    api_backoff: float = 1.0
+    """--model openai:<name>: seconds before the first retry, doubled for each next one (plus jitter)"""
+    price_in: float = 0.0
+    """--model openai:<name>: dollars per million prompt tokens, for the cost in the results"""
+    price_out: float = 0.0
+    """--model openai:<name>: dollars per million completion tokens"""
     seed: int = 0
     """seeds the sampler"""
     out: str | None = None
@@ -151,18 +178,13 @@ def resolve_settings(args: Args) -> dict:
             "tasks": args.tasks or own_tasks}
 
 
-def main(args: Args) -> dict:
-    settings = resolve_settings(args)
-    env_name = settings["env"]
-    if settings["tasks"]:
-        task_ids = envs.load_task_ids(settings["tasks"], env_name)
-    else:
-        task_ids = envs.splits(env_name)[args.split]
-    if args.limit:
-        task_ids = spread(task_ids, args.limit)
-    if args.k < 1 or not task_ids:
-        raise SystemExit("nothing to evaluate: need --k >= 1 and at least one task")
-
+def load_engine(args: Args, settings: dict):
+    """(kind, format, engine) that episodes play on: the local model on vLLM or HF sampling, or for --model
+    openai:<name> the server at --base-url (no local model or tokenizer is loaded then)."""
+    if args.model.startswith(api.PREFIX):
+        return "api", api.APIFormat(), api_engine(args)
+    if args.base_url is not None:
+        raise SystemExit(f"--base-url is for --model {api.PREFIX}<name>, a model on a server (under the name it serves it by)")
     tokenizer = load_tokenizer(args.model)
     fmt = ChatFormat(tokenizer)
     kind = engine_kind(args.engine)
@@ -176,6 +198,46 @@ def main(args: Args) -> dict:
                          tensor_parallel_size=args.vllm_tensor_parallel_size)
     if kind == "vllm" and model is not None:  # a LoRA checkpoint: vLLM loaded its base; the adapter goes in merged
         engine.load_weights(model, weights=full_weights(model))
+    return kind, fmt, engine
+
+
+def api_engine(args: Args) -> api.APIEngine:
+    """The engine for a model behind an OpenAI-compatible endpoint, after one request that shows the server
+    answers and takes the key."""
+    if args.engine != "auto":
+        raise SystemExit(f"--engine chooses a local model's engine; --model {args.model} runs on its server")
+    if args.api_concurrency < 1 or args.api_retries < 0 or args.api_timeout <= 0 or args.api_backoff < 0:
+        raise SystemExit("need --api-concurrency >= 1, --api-retries >= 0, --api-timeout > 0 and --api-backoff >= 0")
+    base_url = args.base_url or os.environ.get("OPENAI_BASE_URL") or api.DEFAULT_URL
+    if not os.environ.get(args.api_key_env):
+        print(f"no API key in ${args.api_key_env}: requests go without one (a local server needs none)")
+    engine = api.APIEngine(base_url, args.model.removeprefix(api.PREFIX), temperature=args.temperature,
+                           top_p=args.top_p, seed=args.seed, concurrency=args.api_concurrency,
+                           retries=args.api_retries, timeout=args.api_timeout, backoff=args.api_backoff,
+                           api_key_env=args.api_key_env, price_in=args.price_in, price_out=args.price_out)
+    try:
+        note = engine.check()
+    except ConnectionError as error:
+        engine.close()
+        raise SystemExit(f"{error}\nCheck --base-url (it ends in /v1 for most servers) and that the server is up.")
+    if note:
+        print(note)
+    return engine
+
+
+def main(args: Args) -> dict:
+    settings = resolve_settings(args)
+    env_name = settings["env"]
+    if settings["tasks"]:
+        task_ids = envs.load_task_ids(settings["tasks"], env_name)
+    else:
+        task_ids = envs.splits(env_name)[args.split]
+    if args.limit:
+        task_ids = spread(task_ids, args.limit)
+    if args.k < 1 or not task_ids:
+        raise SystemExit("nothing to evaluate: need --k >= 1 and at least one task")
+
+    kind, fmt, engine = load_engine(args, settings)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
 
@@ -198,22 +260,33 @@ def main(args: Args) -> dict:
                "env_url": args.env_url,
                **score(trajectories, env_name),
                "seconds": round(time.perf_counter() - start, 1)}
+    if kind == "api":  # where the model was served (never the key) and what its calls cost
+        results |= {"base_url": engine.base_url, "usage": api.total_usage(trajectories),
+                    "prices": {"in": args.price_in, "out": args.price_out}}
     if args.out:
         out = Path(args.out)
     elif run_config(args.model) is not None:
         out = Path(args.model) / f"eval_{env_name}_{args.split}_k{args.k}_{settings['protocol']}"
     else:
-        out = Path("runs/eval") / f"{env_name}-{Path(args.model).name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        name = Path(args.model.replace(":", "-")).name  # (openai:<name> -> openai-<name>)
+        out = Path("runs/eval") / f"{env_name}-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out.with_suffix(".jsonl"), "".join(json.dumps(t.log_record()) + "\n" for t in trajectories))
     write_atomic(out.with_suffix(".json"), json.dumps(results, indent=2) + "\n")
 
     limits = (f"{settings['horizon']} turns, {settings['max_new_tokens']} tokens a turn, {settings['max_tokens']} a trajectory"
-              + (f"; set by flag: {', '.join(settings['overrides'])}" if settings["overrides"] else ""))
+              + (f"; set by flag: {', '.join(settings['overrides'])}" if settings["overrides"] else "")
+              + ("; the server's context window holds the trajectory's" if kind == "api" else ""))
     print(f"protocol {settings['protocol']} ({limits})")
     print(f"{env_name} {results['split']}: {results['tasks']} tasks x {args.k}  "
           f"Avg@{args.k} {results['avg@k']:.4f}  Pass@{args.k} {results['pass@k']:.4f}  turns {results['turns']:.1f}"
-          + (f"  env failures {results['errors']} (scored 0; see the .jsonl)" if results["errors"] else ""))
+          + (f"  failed episodes {results['errors']} (scored 0; see the .jsonl)" if results["errors"] else ""))
+    if results["errors"]:
+        print(f"  first failure: {next(t.error for t in trajectories if t.error is not None)}")
+    if kind == "api":
+        usage = results["usage"]
+        print(f"{engine.base_url}: {usage['calls']} calls, {usage['prompt_tokens']} prompt and "
+              f"{usage['completion_tokens']} completion tokens, ${usage['cost']:.4f}")
     for name, c in results["categories"].items():
         print(f"  {name:<24} {c['tasks']:>4} tasks  Avg@{args.k} {c['avg@k']:.4f}  Pass@{args.k} {c['pass@k']:.4f}")
     plotted = plots.draw(out.with_suffix(".json"))

@@ -93,8 +93,6 @@ class APIEngine:
     def __init__(self, base_url: str, model: str, *, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
                  concurrency: int = 8, retries: int = 4, timeout: float = 120.0, backoff: float = 1.0,
                  api_key_env: str = "OPENAI_API_KEY", price_in: float = 0.0, price_out: float = 0.0):
-        if concurrency < 1 or retries < 0 or timeout <= 0 or backoff < 0:
-            raise ValueError("need concurrency >= 1, retries >= 0, timeout > 0 and backoff >= 0")
         self.base_url, self.model = base_url.rstrip("/"), model
         self.temperature, self.top_p, self.seed = temperature, top_p, seed
         self.retries, self.timeout, self.backoff = retries, timeout, backoff
