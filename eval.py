@@ -184,7 +184,7 @@ def load_engine(args: Args, settings: dict):
     if args.model.startswith(api.PREFIX):
         return "api", api.APIFormat(), api_engine(args)
     if args.base_url is not None:
-        raise SystemExit(f"--base-url is for --model {api.PREFIX}<name>, a model on a server (under the name it serves it by)")
+        raise SystemExit(f"--base-url is for --model {api.PREFIX}<name>: a model on a server, by the name it serves it under")
     tokenizer = load_tokenizer(args.model)
     fmt = ChatFormat(tokenizer)
     kind = engine_kind(args.engine)

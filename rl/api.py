@@ -1,7 +1,8 @@
 """Models behind an OpenAI-compatible chat endpoint (a hosted API, or a served checkpoint) as a rollout engine.
 
     python eval.py --model openai:gpt-4o --base-url https://api.openai.com/v1 --env babyai   # key: $OPENAI_API_KEY
-    python -m vllm.entrypoints.openai.api_server --model runs/<run>/checkpoints/step_8 --served-model-name step8 --port 8000
+    python -m vllm.entrypoints.openai.api_server --model runs/<run>/checkpoints/step_8 --served-model-name step8 \\
+        --port 8000 --max-model-len 32768
     python eval.py --model openai:step8 --base-url http://127.0.0.1:8000/v1
 
 APIEngine honours rl/engines.py's contract (submit / poll / pending / continuous / abort / close / metrics), so
@@ -23,11 +24,11 @@ a token or two of the budget. A hosted model's window is its own, and usually fa
 budget. The server's token counts (`usage`) are summed per episode with their cost (--price-in /
 --price-out, dollars per million tokens).
 
-Failures. Connection errors, timeouts (HTTP 408 too), HTTP 429 and 5xx are retried up to --api-retries times after an
-exponential backoff with jitter (or the server's Retry-After, when longer); another 4xx is not retried. A
-turn that still fails ends its own episode with finish "error" and the reason (scored 0, counted under
-`errors`), never the eval. eval.py checks the server once before any episode (`check`), so that a wrong
-URL or a refused key stops at once with one sentence.
+Failures. Connection errors, timeouts (HTTP 408 too), HTTP 429 and 5xx are retried up to --api-retries
+times after an exponential backoff with jitter (or the server's Retry-After, when longer); another 4xx is
+not retried. A turn that still fails ends its own episode with finish "error" and the reason (scored 0,
+counted under `errors`), never the eval. eval.py checks the server once before any episode (`check`), so
+that a wrong URL or a refused key stops at once with one sentence.
 
 The API key comes from the environment ($OPENAI_API_KEY, or the variable --api-key-env names) and is sent as
 a Bearer header, nowhere else: every message that leaves this module (errors, exceptions) is scrubbed of it.
@@ -162,7 +163,8 @@ class APIEngine:
 
     def _turn(self, body: dict) -> Sample:
         """The reply to one request as a Sample: its text and usage; finish "max_tokens" for a full context
-        window; the error, scrubbed of the key, once retries are spent or on a refusal. Never raises."""
+        window; the error, scrubbed of the key, once retries are spent or on a refusal. What the server or the
+        network does never raises here."""
         for attempt in range(self.retries + 1):
             with self._lock:
                 self.counts["requests"] += 1

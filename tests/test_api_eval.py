@@ -257,7 +257,10 @@ def test_retries_refusals_usage_and_a_key_that_is_never_written(tmp_path, monkey
 
 def test_a_server_that_fails_every_request_fails_every_episode_and_still_writes_results(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("AGENTGYM_RL_TEST_KEY", KEY)
-    with fake_api(lambda body, attempt, authorization: (500, {"error": {"message": "the GPU caught fire"}}, {})) as (url, seen):
+    def answer(body, attempt, authorization):
+        return 500, {"error": {"message": "the GPU caught fire"}}, {}
+
+    with fake_api(answer) as (url, seen):
         results = eval_script.main(api_args(url, tmp_path / "down", api_retries=1))
     assert len(seen) == 4 * 2  # the first turn of each episode, tried twice
     assert results["errors"] == 4 and results["avg@k"] == 0 and results["usage"]["calls"] == 0
