@@ -5,6 +5,7 @@
     python eval.py --env textcraft --max-turns 5 10 20 30          # test-time interaction scaling: a table and a PNG
     python eval.py --agent reflect --attempts 3                    # success after each attempt
     python eval.py --compare runs/eval/a.json runs/eval/b.json     # differences per category, 95% CIs
+    python eval.py --model openai:gpt-4o --base-url https://api.openai.com/v1 --price-in 2.5 --price-out 10
 
 A LoRA run's checkpoint holds an adapter: it is loaded on its base model (and a vLLM engine gets the merged
 weights, checked on a probe).
@@ -25,6 +26,14 @@ Which limits an episode plays under is a protocol (`--protocol`), recorded with 
 (written atomically) and every episode to <out>.jsonl. Episodes run on vLLM when it is installed
 (`--engine`, as in train.py), else on Hugging Face sampling; the result records which.
 
+`--model openai:<name>` evaluates a model behind an OpenAI-compatible chat endpoint (--base-url: a hosted
+API, or a checkpoint served by `python -m vllm.entrypoints.openai.api_server`) through the same episodes,
+limits and scores, text in, text out (rl/api.py: retries, --api-concurrency, how the token budget is held).
+No local model or tokenizer is loaded. The key comes from $OPENAI_API_KEY (or --api-key-env) and is never
+written; each episode's token usage and cost (--price-in/--price-out) go to the .jsonl, their sums and the
+base URL to the .json. A server that cannot be reached stops the eval before any episode; one that fails
+later fails only the episodes it does not answer (counted under `errors`).
+
 A result holds what was run, so that two can be compared: model, env, split, k, the limits, the agent format,
 temperature, seed, engine, the code's git revision ("+dirty" with uncommitted changes), and each task's
 episodes ([reward, success] each, `per_task`). `--compare A.json B.json` pairs two results' tasks and prints,
@@ -44,6 +53,7 @@ from __future__ import annotations
 import rl  # noqa: F401 - first: sets OpenMP's wait policy before torch loads (see rl/__init__.py)
 
 import json
+import os
 import random
 import subprocess
 import time
@@ -57,7 +67,7 @@ from tqdm import tqdm
 
 import envs
 from envs.guard import close_envs, make_envs
-from rl import plots
+from rl import api, plots
 from rl.agent import make_agent
 from rl.checkpoint import write_atomic
 from rl.horizon import horizon_at
@@ -122,6 +132,22 @@ class Args:
     """share of the GPU's memory vLLM takes (nothing else shares the GPU in eval)"""
     vllm_tensor_parallel_size: int = 1
     """GPUs per vLLM engine (tensor parallel)"""
+    base_url: str | None = None
+    """--model openai:<name>: the OpenAI-compatible endpoint; default $OPENAI_BASE_URL, else OpenAI's"""
+    api_key_env: str = "OPENAI_API_KEY"
+    """--model openai:<name>: the environment variable holding the API key (never written anywhere)"""
+    api_concurrency: int = 8
+    """--model openai:<name>: requests in flight at once"""
+    api_retries: int = 4
+    """--model openai:<name>: retries of a request after a connection error, a timeout, HTTP 429 or 5xx"""
+    api_timeout: float = 120.0
+    """--model openai:<name>: seconds a request may wait for the server before it counts as timed out"""
+    api_backoff: float = 1.0
+    """--model openai:<name>: seconds before the first retry, doubled for each next one (plus jitter)"""
+    price_in: float = 0.0
+    """--model openai:<name>: dollars per million prompt tokens, for the cost in the results"""
+    price_out: float = 0.0
+    """--model openai:<name>: dollars per million completion tokens"""
     seed: int = 0
     """seeds the sampler"""
     out: str | None = None
@@ -166,17 +192,18 @@ def resolve_settings(args: Args) -> dict:
         limits = {"horizon": UPSTREAM_TURNS[env], "max_new_tokens": UPSTREAM_TURN_TOKENS.get(env, 512),
                   "max_tokens": UPSTREAM_CONTEXT}
     overrides = {key: getattr(args, key) for key in limits if getattr(args, key) is not None}
-    if args.horizon is not None:  # a sweep plays up to its largest cap
-        if not args.horizon or min(args.horizon) < 1:
+    caps = (args.horizon,) if isinstance(args.horizon, int) else args.horizon  # (Args(horizon=6) from code)
+    if caps is not None:  # a sweep plays up to its largest cap
+        if not caps or min(caps) < 1:
             raise SystemExit("--horizon (--max-turns) takes one or more turn caps of at least 1")
-        overrides["horizon"] = max(args.horizon)
+        overrides["horizon"] = max(caps)
     if any(value < 1 for value in overrides.values()):
         raise SystemExit(f"--{' --'.join(k.replace('_', '-') for k, v in overrides.items() if v < 1)}: at least 1")
     own_options = config.get("env_options", {}) if config is not None and config["env"] == env else {}
     options = {**envs.parse_options(own_options), **envs.parse_options(args.env_options)}
     # a run's checkpoint plays its run's test tasks (the tiny preset's on BabyAI: the short-horizon levels')
     own_tasks = config.get("test_tasks") if protocol == "run" and config["env"] == env and args.split == "test" else None
-    horizons = sorted(set(args.horizon)) if args.horizon else [overrides.get("horizon", limits["horizon"])]
+    horizons = sorted(set(caps)) if caps else [overrides.get("horizon", limits["horizon"])]
     return {"env": env, "protocol": protocol, **limits, **overrides, "overrides": sorted(overrides), "env_options": options,
             "tasks": args.tasks or own_tasks, "horizons": horizons}
 
@@ -192,10 +219,7 @@ def main(args: Args) -> dict:
     except ValueError as error:
         raise SystemExit(str(error)) from error
 
-    tokenizer = load_tokenizer(args.model)
-    fmt = ChatFormat(tokenizer)
-    kind = engine_kind(args.engine)
-    engine = build_engine(args, kind, fmt, settings)
+    kind, fmt, engine = load_engine(args, settings)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
 
@@ -223,13 +247,16 @@ def main(args: Args) -> dict:
                "top_p": args.top_p, "seed": args.seed, "engine": kind, "code": code_revision(), **settings,
                "env_settings": env_settings, "env_url": args.env_url, **score(trajectories, env_name),
                "per_task": per_task(trajectories), "seconds": round(time.perf_counter() - start, 1)}
+    if kind == "api":  # where the model was served (never the key) and what its calls cost
+        results |= {"base_url": engine.base_url, "usage": api.total_usage(trajectories),
+                    "prices": {"in": args.price_in, "out": args.price_out}}
     if len(settings["horizons"]) > 1:
         results["sweep"] = [{"horizon": h, **score([t.cut(h) for t in played.get(h, trajectories)], env_name)}
                             for h in settings["horizons"]]
     out = output_path(args, env_name, settings)
     write_atomic(out.with_suffix(".jsonl"), "".join(json.dumps(t.log_record()) + "\n" for t in trajectories))
     write_atomic(out.with_suffix(".json"), result_text(results))
-    report(results, settings, args.k)
+    report(results, settings, args.k, trajectories)
     plotted = plots.draw(out.with_suffix(".json"))
     print(f"wrote {out.with_suffix('.json')}" + (f" and {plotted}" if plotted else ""))
     return results
@@ -248,8 +275,16 @@ def evaluation_tasks(args: Args, settings: dict) -> list[int]:
     return task_ids
 
 
-def build_engine(args: Args, kind: str, fmt: ChatFormat, settings: dict):
-    """The engine episodes run on; a LoRA checkpoint is loaded on its base (vLLM gets the merged weights)."""
+def load_engine(args: Args, settings: dict):
+    """(kind, format, engine) that episodes play on: the local model on vLLM or HF sampling, or for --model
+    openai:<name> the server at --base-url (no local model or tokenizer is loaded then)."""
+    if args.model.startswith(api.PREFIX):
+        return "api", api.APIFormat(), api_engine(args)
+    if args.base_url is not None:
+        raise SystemExit(f"--base-url is for --model {api.PREFIX}<name>: a model on a server, by the name it serves it under")
+    tokenizer = load_tokenizer(args.model)
+    fmt = ChatFormat(tokenizer)
+    kind = engine_kind(args.engine)
     model = None
     if kind == "hf" or is_adapter(args.model):
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -260,6 +295,30 @@ def build_engine(args: Args, kind: str, fmt: ChatFormat, settings: dict):
                          tensor_parallel_size=args.vllm_tensor_parallel_size)
     if kind == "vllm" and model is not None:  # a LoRA checkpoint: vLLM loaded its base; the adapter goes in merged
         engine.load_weights(model, weights=full_weights(model))
+    return kind, fmt, engine
+
+
+def api_engine(args: Args) -> api.APIEngine:
+    """The engine for a model behind an OpenAI-compatible endpoint, after one request that shows the server
+    answers and takes the key."""
+    if args.engine != "auto":
+        raise SystemExit(f"--engine chooses a local model's engine; --model {args.model} runs on its server")
+    if args.api_concurrency < 1 or args.api_retries < 0 or args.api_timeout <= 0 or args.api_backoff < 0:
+        raise SystemExit("need --api-concurrency >= 1, --api-retries >= 0, --api-timeout > 0 and --api-backoff >= 0")
+    base_url = args.base_url or os.environ.get("OPENAI_BASE_URL") or api.DEFAULT_URL
+    if not os.environ.get(args.api_key_env):
+        print(f"no API key in ${args.api_key_env}: requests go without one (a local server needs none)")
+    engine = api.APIEngine(base_url, args.model.removeprefix(api.PREFIX), temperature=args.temperature,
+                           top_p=args.top_p, seed=args.seed, concurrency=args.api_concurrency,
+                           retries=args.api_retries, timeout=args.api_timeout, backoff=args.api_backoff,
+                           api_key_env=args.api_key_env, price_in=args.price_in, price_out=args.price_out)
+    try:
+        note = engine.check()
+    except ConnectionError as error:
+        engine.close()
+        raise SystemExit(f"{error}\nCheck --base-url (it ends in /v1 for most servers) and that the server is up.")
+    if note:
+        print(note)
     return engine
 
 
@@ -270,7 +329,8 @@ def output_path(args: Args, env_name: str, settings: dict) -> Path:
     elif run_config(args.model) is not None:
         out = Path(args.model) / f"eval_{env_name}_{args.split}_k{args.k}_{settings['protocol']}"
     else:
-        out = Path("runs/eval") / f"{env_name}-{Path(args.model).name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        name = Path(args.model.replace(":", "-")).name  # (openai:<name> -> openai-<name>)
+        out = Path("runs/eval") / f"{env_name}-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.parent.mkdir(parents=True, exist_ok=True)
     return out
 
@@ -304,14 +364,22 @@ def code_revision() -> str:
     return commit.stdout.strip() + ("+dirty" if dirty.returncode == 1 else "")
 
 
-def report(results: dict, settings: dict, k: int) -> None:
-    """The console summary: the limits, Avg@k and Pass@k overall and per category, per attempt and per turn cap."""
+def report(results: dict, settings: dict, k: int, trajectories: list) -> None:
+    """The console summary: the limits, Avg@k and Pass@k overall and per category, the first failure, an API
+    model's usage, per attempt and per turn cap."""
     limits = (f"{settings['horizon']} turns, {settings['max_new_tokens']} tokens a turn, {settings['max_tokens']} a trajectory"
-              + (f"; set by flag: {', '.join(settings['overrides'])}" if settings["overrides"] else ""))
+              + (f"; set by flag: {', '.join(settings['overrides'])}" if settings["overrides"] else "")
+              + ("; the server's context window holds the trajectory's" if results["engine"] == "api" else ""))
     print(f"protocol {settings['protocol']} ({limits}), agent {results['agent']}")
     print(f"{settings['env']} {Path(str(results['split'])).name}: {results['tasks']} tasks x {k}  "
           f"Avg@{k} {results['avg@k']:.4f}  Pass@{k} {results['pass@k']:.4f}  turns {results['turns']:.1f}"
-          + (f"  env failures {results['errors']} (scored 0; see the .jsonl)" if results["errors"] else ""))
+          + (f"  failed episodes {results['errors']} (scored 0; see the .jsonl)" if results["errors"] else ""))
+    if results["errors"]:
+        print(f"  first failure: {next(t.error for t in trajectories if t.error is not None)}")
+    if results["engine"] == "api":
+        usage = results["usage"]
+        print(f"{results['base_url']}: {usage['calls']} calls, {usage['prompt_tokens']} prompt and "
+              f"{usage['completion_tokens']} completion tokens, ${usage['cost']:.4f}")
     for name, c in results["categories"].items():
         print(f"  {name:<24} {c['tasks']:>4} tasks  Avg@{k} {c['avg@k']:.4f}  Pass@{k} {c['pass@k']:.4f}")
     for row in results.get("by_attempt", []):

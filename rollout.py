@@ -35,7 +35,10 @@ env reads (react, plan); reflect plays up to agent.attempts attempts a task (`at
 reflecting after each failed one by continuing that attempt's tokens. Every format keeps the token rules
 above.
 
-Engines (rl/engines.py): HFEngine, VLLMEngine and ExpertEngine (the envs' scripted oracles).
+Engines (rl/engines.py): HFEngine, VLLMEngine and ExpertEngine (the envs' scripted oracles). A text
+engine (rl/api.py's APIEngine: a model behind an HTTP API, for eval) returns the reply as text
+(Sample.text): it becomes the assistant message exactly as a decoded turn would, and no tokens are
+appended, so such a trajectory's token_ids stay empty.
 
 Where this differs from upstream's rollout (AgentGym-RL's vLLMRollout.generate_sequences) on purpose:
 - Upstream re-renders the whole message list with the chat template every round and tokenizes it,
@@ -89,6 +92,7 @@ class Trajectory:
     attempt: int = 1  # reflect: which attempt at the task this is (rl/agent.py)
     final: bool = True  # reflect: False when another attempt followed this one
     reflection: str | None = None  # reflect: what the policy wrote after this attempt failed
+    usage: dict[str, float] = field(default_factory=dict)  # an API model's calls, tokens and cost (rl/api.py)
 
     def add(self, ids: list[int], logprobs: list[float] | None = None, trained: bool = False) -> None:
         """Append tokens: sampled ones with their log-probs and trained=True, anything else untrained."""
@@ -132,6 +136,7 @@ class Trajectory:
             # the sampler's log-prob of each of those tokens
             "token_ids": pack(self.token_ids, "i32"), "action_spans": spans(self.loss_mask),
             "sampled_logprobs": pack([p for p, m in zip(self.logprobs, self.loss_mask) if m], "f32"),
+            **({"usage": self.usage} if self.usage else {}),
         }
 
 
@@ -373,8 +378,13 @@ def _generate(engine, fmt: ChatFormat, agent: Agent, environments: list[Env], po
     finished = engine.poll()
     clock["generate_s"] += time.perf_counter() - start
     for traj, sample in finished:
+        for key, value in sample.usage.items():  # a text engine's token counts and cost, summed over the episode
+            traj.usage[key] = traj.usage.get(key, 0) + value
         if sample.error is not None:
             traj.fail(sample.error)
+            continue
+        if sample.finish is not None:  # a text engine's server has no room left in its context window
+            traj.finish = sample.finish
             continue
         _act(fmt, traj, sample)
         clock["sampled_tokens"] += len(sample.token_ids)
@@ -440,18 +450,19 @@ def _start(fmt: ChatFormat, agent: Agent, row: int, env: Env, task_id: int, grou
 
 def _act(fmt: ChatFormat, traj: Trajectory, sample: Sample) -> None:
     """Append a sampled turn, trained on, and the message the env will read."""
-    traj.add(sample.token_ids, sample.logprobs, trained=True)
-    if sample.token_ids[-1:] != [fmt.end_of_turn]:
-        # cut off by the limit, or stopped on another eos: the template needs the end-of-turn token,
-        # which the model did not choose, so it is not trained on
-        traj.add([fmt.end_of_turn])
+    if sample.text is None:  # (a text engine, rl/api.py, has no tokens to append: the reply only)
+        traj.add(sample.token_ids, sample.logprobs, trained=True)
+        if sample.token_ids[-1:] != [fmt.end_of_turn]:
+            # cut off by the limit, or stopped on another eos: the template needs the end-of-turn token,
+            # which the model did not choose, so it is not trained on
+            traj.add([fmt.end_of_turn])
     traj.messages.append({"role": "assistant", "content": _reply(fmt, sample)})
     traj.turns += 1
 
 
 def _reply(fmt: ChatFormat, sample: Sample) -> str:
     """A sampled turn's text as the conversation keeps it (the env reads agent.env_text of it)."""
-    return fmt.text(sample.token_ids)
+    return sample.text if sample.text is not None else fmt.text(sample.token_ids)
 
 
 def _observe(fmt: ChatFormat, traj: Trajectory, result, horizon: int, max_tokens: int) -> None:

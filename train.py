@@ -113,7 +113,7 @@ from rl import plots
 from rl.data import DataError, encode, read_trajectories, to_record
 from rl.dpo import dpo_loss, expert_pairs, make_pairs
 from rl.horizon import describe, horizon_at
-from rl.logprobs import collate, pad, token_logprobs, token_values
+from rl.logprobs import pad, token_logprobs, token_values
 from rl.losses import aggregate, kl, policy_loss, value_loss
 from rl.memory import peak_gib, reset_peak
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, add_lora, full_weights, is_adapter, load_model, load_tokenizer, load_value_model

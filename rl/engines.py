@@ -22,6 +22,8 @@ distribution the trainer scores.
   batching with prefix caching, so turn k+1 reuses turn k's KV cache. `load_weights(model)` copies
   the trainer's weights in after every update and checks them with a probe (see VLLMEngine).
 - ExpertEngine: the envs' scripted experts, for SFT data and tests, with the RL token layout.
+- APIEngine (rl/api.py): a model behind an OpenAI-compatible chat endpoint, for eval. Text in, text out:
+  it sends the trajectory's messages and returns Sample(text=...), with no token ids.
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ class Sample:
     token_ids: list[int]  # what was sampled, ending with a stop token unless the limit cut it off
     logprobs: list[float] = field(default_factory=list)
     error: str | None = None  # this row could not be generated; its trajectory ends with the error
+    # a text engine (rl/api.py: a model behind an HTTP API) has no token ids: the reply as text, the server's
+    # token counts and cost ({"calls", "prompt_tokens", "completion_tokens", "cost"}), and "max_tokens" in
+    # `finish` when the server's context window can take no more (the episode ends as out of room)
+    text: str | None = None
+    usage: dict[str, float] = field(default_factory=dict)
+    finish: str | None = None
 
 
 class RoundEngine:

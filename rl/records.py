@@ -16,6 +16,8 @@ A record (log format 2):
     advantages                             one number where it is constant over the trajectory (GRPO,
                                            RLOO, outcome REINFORCE++), else one per action token
     values, returns                        PPO's critic values and GAE returns, per action token
+    usage                                  API models only (rl/api.py): calls, prompt_tokens, completion_tokens
+                                           and cost (dollars) summed over the episode; token_ids are empty
 
 Number arrays are packed as "<type>:<base64 of little-endian values>" with type i32 or f32: exact,
 and 1.5x (ids) to 4x (log-probs) smaller than JSON's decimals. `unpack` reads them back, and also the

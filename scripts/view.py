@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import collections
 import json
 import math
 import os
@@ -314,9 +313,11 @@ def per_token(value, positions: list[int], length: int) -> list[float | None] | 
 
 def token_view(record: dict, tokenizer) -> dict:
     """The trajectory's tokens with their loss mask and, at the action tokens, what the sampler and the update
-    saw; a reason instead where the log predates token logging."""
+    saw; a reason instead where the log predates token logging or the episode has no tokens (an API model's)."""
     if "token_ids" not in record:
         return {"reason": "this log was written before token ids were logged (log format 0): messages only"}
+    if "usage" in record and not unpack(record["token_ids"]):
+        return {"reason": "a model behind an API (eval.py --model openai:<name>) gives text, no token ids: messages only"}
     ids = unpack(record["token_ids"])
     spans = record.get("action_spans") or []
     positions = action_positions(spans)

@@ -38,7 +38,7 @@ def test_a_sweep_scores_every_turn_budget_and_draws_it(tmp_path, capsys):
         assert set(low["categories"]) == set(written["categories"])
     assert all(row["turns"] <= row["horizon"] for row in sweep)
     table = capsys.readouterr().out
-    assert "turns" in table and f"Avg@2 / Pass@2" in table and len([line for line in table.splitlines()
+    assert "turns" in table and "Avg@2 / Pass@2" in table and len([line for line in table.splitlines()
                                                                    if line.strip().startswith(("1 ", "2 ", "4 "))]) == 3
     done = subprocess.run(["python", str(ROOT / "scripts" / "plot.py"), str(tmp_path / "sweep.json")], capture_output=True,
                           text=True, timeout=120)

@@ -1,0 +1,255 @@
+"""Models behind an OpenAI-compatible chat endpoint (a hosted API, or a served checkpoint) as a rollout engine.
+
+    python eval.py --model openai:gpt-4o --base-url https://api.openai.com/v1 --env babyai   # key: $OPENAI_API_KEY
+    python -m vllm.entrypoints.openai.api_server --model runs/<run>/checkpoints/step_8 --served-model-name step8 \\
+        --port 8000 --max-model-len 32768
+    python eval.py --model openai:step8 --base-url http://127.0.0.1:8000/v1
+
+APIEngine honours rl/engines.py's contract (submit / poll / pending / continuous / abort / close / metrics), so
+an API model plays through rollout.py's own loop, with the same envs, turn caps, splits and scores as a local
+one. It is text in, text out: each turn POSTs the trajectory's messages (the chat so far, which rollout.py
+keeps) to {base_url}/chat/completions and hands the reply's text back as Sample(text=...). The server applies
+its own chat template. There are no token ids: an API trajectory's token_ids, loss mask and log-probs stay
+empty (nothing is trained on it), and APIFormat stands in for ChatFormat, which stays the only place that
+turns messages into tokens.
+
+Limits. A turn's token cap (--max-new-tokens) is the request's max_tokens, counted by the server as a local
+engine counts its own. The trajectory's budget (--max-tokens) cannot be counted here without the model's
+tokenizer, so the server's context window holds it: serve the model with `--max-model-len` set to the
+budget. vLLM then caps a reply at what the window has left (a local engine caps it at the budget's room, one
+token less, kept for an end-of-turn token) and refuses a prompt the window cannot hold (HTTP 400, "maximum
+context length"); such a refusal (or another server's "prompt is too long") ends the episode with finish
+"max_tokens", as a local episode that runs out of room ends, not as an error. So the two agree except within
+a token or two of the budget. A hosted model's window is its own, and usually far above the protocol's
+budget. The server's token counts (`usage`) are summed per episode with their cost (--price-in /
+--price-out, dollars per million tokens).
+
+Failures. Connection errors, timeouts (HTTP 408 too), HTTP 429 and 5xx are retried up to --api-retries
+times after an exponential backoff with jitter (or the server's Retry-After, when longer); another 4xx is
+not retried. A turn that still fails ends its own episode with finish "error" and the reason (scored 0,
+counted under `errors`), never the eval. eval.py checks the server once before any episode (`check`), so
+that a wrong URL or a refused key stops at once with one sentence.
+
+The API key comes from the environment ($OPENAI_API_KEY, or the variable --api-key-env names) and is sent as
+a Bearer header, nowhere else: every message that leaves this module (errors, exceptions) is scrubbed of it.
+
+Seeds. A sampled request carries a seed derived from --seed and the episode's task, group, row and turn, so
+that a seeded server (vLLM) answers the same whatever order the requests arrive in; two episodes of one task
+share seeds only when they also share a row, i.e. with --k above eval's --batch-size. Greedy requests
+(temperature 0) carry none. Hosted APIs treat seeds as best effort.
+
+Where this differs from upstream on purpose: AgentGym-RL's released code evaluates only local models (its
+vLLM rollout); the paper's API models (GPT-4o, Gemini, DeepSeek-R1) were scored by a harness it does not
+ship. Here they run through the very rollout loop and protocol limits the local models use, so the numbers
+compare. Only the reply's `content` reaches the env; a reasoning model's separate `reasoning_content` is
+left out, as the env should parse the answer after the reasoning.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import http.client
+import json
+import os
+import random
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+import zlib
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+
+from rl.engines import Sample
+
+PREFIX = "openai:"  # --model openai:<name> names a served model
+DEFAULT_URL = "https://api.openai.com/v1"
+# what an episode's calls cost: calls answered with a reply, the server's token counts, dollars
+NO_USAGE = {"calls": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost": 0.0}
+MAX_WAIT = 120.0  # seconds: the longest pause before a retry, whatever Retry-After asks
+# how servers word a request past the model's context window: OpenAI's and vLLM's "maximum context length",
+# others' "prompt is too long" / "context_length_exceeded"
+CONTEXT_FULL = re.compile(r"maximum context length|context[ _]length[ _]exceeded|prompt is too long", re.IGNORECASE)
+
+
+class APIFormat:
+    """ChatFormat's part in a rollout for a text engine: the server templates the messages, so the first
+    prompt and the observations add no tokens here."""
+
+    def prompt(self, messages: list[dict]) -> list[int]:
+        return []
+
+    def observation(self, text: str) -> list[int]:
+        return []
+
+
+class APIEngine:
+    """Chat completions from an OpenAI-compatible endpoint, up to `concurrency` requests in flight (a thread
+    each). Continuous: a trajectory's next turn is sent as soon as its env answers and the rollout looks, which
+    is at the next reply (`poll` waits for one); envs answer in milliseconds, API calls in seconds."""
+
+    continuous = True
+    name = "api"
+
+    def __init__(self, base_url: str, model: str, *, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
+                 concurrency: int = 8, retries: int = 4, timeout: float = 120.0, backoff: float = 1.0,
+                 api_key_env: str = "OPENAI_API_KEY", price_in: float = 0.0, price_out: float = 0.0):
+        self.base_url, self.model = base_url.rstrip("/"), model
+        self.temperature, self.top_p, self.seed = temperature, top_p, seed
+        self.retries, self.timeout, self.backoff = retries, timeout, backoff
+        self.prices = (price_in / 1e6, price_out / 1e6)  # dollars a prompt token, a completion token
+        self._key = os.environ.get(api_key_env) or None
+        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="api")
+        self._running: dict[Future, object] = {}
+        self._closed = threading.Event()  # cuts retry pauses short at close()
+        self._lock = threading.Lock()
+        self.counts = {"requests": 0, "retries": 0, "failed_turns": 0}
+
+    # -- the engine contract
+
+    @property
+    def pending(self) -> int:
+        return len(self._running)
+
+    def submit(self, traj, limit: int) -> None:
+        body = {"model": self.model, "messages": [dict(m) for m in traj.messages], "max_tokens": limit,
+                "temperature": self.temperature, "top_p": self.top_p}
+        if self.temperature > 0:
+            body["seed"] = zlib.crc32(f"{self.seed} {traj.task_id} {traj.group} {traj.row} {traj.turns}".encode())
+        self._running[self._pool.submit(self._turn, body)] = traj
+
+    def poll(self) -> list[tuple[object, Sample]]:
+        """The turns that have come back; waits for the first if none has."""
+        if not self._running:
+            return []
+        done = wait(self._running, return_when=FIRST_COMPLETED).done
+        return [(self._running.pop(future), future.result()) for future in list(self._running) if future in done]
+
+    def abort(self) -> None:
+        """Forget every submitted turn (a rollout that stopped half-way); requests already sent run out unread."""
+        for future in self._running:
+            future.cancel()
+        self._running.clear()
+
+    def close(self) -> None:
+        self._closed.set()
+        self.abort()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def metrics(self) -> dict[str, float]:
+        """Requests sent, retries among them and turns that failed for good, since the last call."""
+        with self._lock:
+            counts, self.counts = self.counts, dict.fromkeys(self.counts, 0)
+        return counts
+
+    def check(self) -> str | None:
+        """One GET {base_url}/models before any episode: raises ConnectionError with the reason if the server
+        cannot be reached or refuses the key; returns a note if it answers but does not list the model."""
+        try:
+            listing = self._request("GET", "/models")
+        except urllib.error.HTTPError as error:
+            if error.code in (401, 403):
+                raise ConnectionError(self._scrub(f"{self.base_url} refused the API key: {_describe(error)}")) from None
+            return None  # a server without the listing (404, ...): the chat requests will tell
+        except (OSError, http.client.HTTPException, ValueError) as error:
+            raise ConnectionError(self._scrub(f"cannot reach {self.base_url}: {_describe(error)}")) from None
+        entries = listing.get("data", []) if isinstance(listing, dict) else []
+        served = [entry.get("id") for entry in entries if isinstance(entry, dict)]
+        if served and self.model not in served:
+            return f"{self.base_url} does not list {self.model!r} among its models ({', '.join(map(str, served[:8]))})"
+        return None
+
+    # -- one turn: a request, retried
+
+    def _turn(self, body: dict) -> Sample:
+        """The reply to one request as a Sample: its text and usage; finish "max_tokens" for a full context
+        window; the error, scrubbed of the key, once retries are spent or on a refusal. What the server or the
+        network does never raises here."""
+        for attempt in range(self.retries + 1):
+            with self._lock:
+                self.counts["requests"] += 1
+                self.counts["retries"] += attempt > 0
+            try:
+                return self._sample(self._request("POST", "/chat/completions", body))
+            except urllib.error.HTTPError as error:
+                reason, wait_s = _describe(error), _retry_after(error)
+                if error.code == 400 and CONTEXT_FULL.search(reason):
+                    return Sample([], usage=dict(NO_USAGE), finish="max_tokens")
+                if error.code not in (408, 429) and error.code < 500:  # (408: the server timed out waiting)
+                    return self._failed(reason)
+            except (OSError, http.client.HTTPException, ValueError, KeyError, IndexError, TypeError) as error:
+                # no answer (refused, reset, timed out), or one that is not a chat completion
+                reason, wait_s = _describe(error), None
+            pause = max(wait_s or 0.0, self.backoff * 2 ** attempt * random.uniform(1.0, 1.5))
+            if attempt == self.retries or self._closed.wait(min(pause, MAX_WAIT)):
+                break
+        return self._failed(f"{reason} (after {attempt + 1} attempts)")
+
+    def _failed(self, reason: str) -> Sample:
+        with self._lock:
+            self.counts["failed_turns"] += 1
+        return Sample([], usage=dict(NO_USAGE), error=self._scrub(f"api: {reason}"))
+
+    def _request(self, method: str, path: str, body: dict | None = None) -> dict:
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if self._key:
+            headers["Authorization"] = f"Bearer {self._key}"
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.base_url + path, data=data, headers=headers, method=method)
+        with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            return json.loads(response.read())
+
+    def _sample(self, reply: dict) -> Sample:
+        usage = reply.get("usage") or {}
+        prompt, completion = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+        cost = prompt * self.prices[0] + completion * self.prices[1]
+        text = reply["choices"][0]["message"].get("content") or ""
+        return Sample([], text=text, usage={**NO_USAGE, "calls": 1, "prompt_tokens": prompt,
+                                            "completion_tokens": completion, "cost": cost})
+
+    def _scrub(self, text: str) -> str:
+        return text.replace(self._key, "***") if self._key else text
+
+
+def _describe(error: Exception) -> str:
+    """One line: the HTTP status and the server's own message, or the exception."""
+    if isinstance(error, urllib.error.HTTPError):
+        try:
+            body = error.read().decode("utf-8", "replace")
+        except OSError:
+            body = ""
+        try:
+            detail = json.loads(body)
+            detail = detail.get("error", detail) if isinstance(detail, dict) else detail
+            detail = detail.get("message", detail) if isinstance(detail, dict) else detail
+        except ValueError:
+            detail = body
+        return f"HTTP {error.code} {error.reason}: {' '.join(str(detail).split())[:400]}"
+    if isinstance(error, urllib.error.URLError):
+        error = error.reason if isinstance(error.reason, Exception) else error
+    return f"{type(error).__name__}: {error}"
+
+
+def _retry_after(error: urllib.error.HTTPError) -> float | None:
+    """The server's Retry-After, in seconds (it may be a number or an HTTP date)."""
+    value = error.headers.get("Retry-After") if error.headers else None
+    if not value:
+        return None
+    try:
+        return max(float(value), 0.0)
+    except ValueError:
+        pass
+    try:
+        return max(email.utils.parsedate_to_datetime(value).timestamp() - time.time(), 0.0)
+    except (TypeError, ValueError):
+        return None
+
+
+def total_usage(trajectories) -> dict:
+    """Calls, prompt and completion tokens and cost summed over episodes (anything with a `usage` dict)."""
+    total = dict(NO_USAGE)
+    for traj in trajectories:
+        for key, value in traj.usage.items():
+            total[key] = total.get(key, 0) + value
+    total["cost"] = round(total["cost"], 6)
+    return total

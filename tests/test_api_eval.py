@@ -1,0 +1,285 @@
+"""eval.py --model openai:<name> (rl/api.py), against real HTTP servers on loopback.
+
+- vLLM's own OpenAI-compatible server, started here on the embedded model: greedy episodes score the same
+  tasks as the in-process engine (the same conversations, word for word), and a prompt past its context
+  window ends the episode as out of room.
+- A small server in this file that fails on purpose: every turn answered 503 twice before a reply (retried
+  with backoff, Retry-After honoured), a refusal (4xx) that ends only its episode, a full context window,
+  a server that fails every request after its check, one that refuses the key and one that cannot be
+  reached (both stop the eval before any episode, writing nothing); token usage and cost per episode and
+  summed; the API key in no file and no output, even when the server echoes it back.
+"""
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+import envs
+import eval as eval_script
+from rl.api import APIEngine
+from rl.model import EMBEDDED
+from rl.scores import spread
+from rollout import Trajectory
+
+WINDOW = 4096  # the server's context window, and the trajectory budget of both sides of the comparison
+KEY = "sk-test-never-written-7d1e5a"  # a fake API key: must appear in no file and no output
+REPLY = "Thought: I should look around.\nAction: turn left"
+
+
+# ----------------------------------------------------------------------------------------------
+# vLLM's OpenAI-compatible server on the embedded model, started once for the module
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """A `python -m vllm.entrypoints.openai.api_server` process; `url()` waits until it answers."""
+
+    def __init__(self, log: Path):
+        self.port, self.log = free_port(), log
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        with open(log, "w") as out:  # (the vllm CLI, `vllm serve`, fails on vllm-cpu's package metadata)
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(EMBEDDED["tiny-agent"]),
+                 "--served-model-name", "tiny-agent", "--host", "127.0.0.1", "--port", str(self.port),
+                 "--dtype", "float32", "--max-model-len", str(WINDOW), "--enforce-eager", "--seed", "0"],
+                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.ready = False
+
+    def url(self, timeout: float = 240.0) -> str:
+        url = f"http://127.0.0.1:{self.port}/v1"
+        deadline = time.monotonic() + timeout
+        while not self.ready:
+            if self.process.poll() is not None:
+                pytest.fail(f"the vLLM server exited ({self.process.returncode}):\n{self.log.read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"the vLLM server did not answer in {timeout:.0f} s:\n{self.log.read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(url + "/models", timeout=2).close()
+                self.ready = True
+            except OSError:
+                time.sleep(1)
+        return url
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)  # the server and its engine-core process
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    if importlib.util.find_spec("vllm") is None and not os.environ.get("CI"):
+        pytest.skip("vLLM is not installed here (setup.sh installs it; CI runs these)")
+    server = Served(tmp_path_factory.mktemp("vllm") / "server.log")
+    yield server
+    server.stop()
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
+
+
+def test_greedy_api_episodes_are_the_in_process_engines(served, tmp_path):
+    """The same model behind vLLM's server, greedy, plays 12 BabyAI test tasks exactly as eval.py's own vLLM
+    engine does: per-task success and every reply are identical. The budget is the server's window on both
+    sides, which these episodes never reach, so it does not bind."""
+    common = dict(env="babyai", protocol="tiny", max_tokens=WINDOW, limit=12, temperature=0.0)
+    # (the in-process run first: it overlaps the server's start-up)
+    local = eval_script.main(eval_script.Args(model="tiny-agent", engine="vllm", out=str(tmp_path / "local"), **common))
+    remote = eval_script.main(eval_script.Args(model="openai:tiny-agent", base_url=served.url(),
+                                               out=str(tmp_path / "api"), **common))
+    mine, theirs = records(tmp_path / "local"), records(tmp_path / "api")
+    assert [r["task_id"] for r in mine] == [r["task_id"] for r in theirs]
+    assert [r["success"] for r in theirs] == [r["success"] for r in mine]
+    assert 0 < sum(r["success"] for r in mine) < len(mine)  # a comparison with both outcomes in it
+    assert [r["messages"] for r in theirs] == [r["messages"] for r in mine]
+    assert [r["finish"] for r in theirs] == [r["finish"] for r in mine] and all(r["error"] is None for r in theirs)
+    assert remote["avg@k"] == local["avg@k"] and remote["categories"] == local["categories"]
+    assert remote["engine"] == "api" and remote["base_url"] == served.url() and local["engine"] == "vllm"
+
+    # no tokens on an API episode; the server's counts instead, one call a turn, summed in the results
+    assert all(r["tokens"] == 0 and r["action_spans"] == [] for r in theirs)
+    assert all(r["usage"]["calls"] == r["turns"] and r["usage"]["prompt_tokens"] > r["turns"] * 500 for r in theirs)
+    for key in ("calls", "prompt_tokens", "completion_tokens"):
+        assert remote["usage"][key] == sum(r["usage"][key] for r in theirs)
+    # a one-turn episode's call: the prompt is the in-process engine's first prompt, the reply its sampled turn
+    first = next(i for i, r in enumerate(theirs) if r["turns"] == 1)
+    assert theirs[first]["usage"]["prompt_tokens"] + theirs[first]["usage"]["completion_tokens"] == mine[first]["tokens"]
+
+
+def test_a_prompt_past_the_servers_window_ends_the_episode_as_out_of_room(served):
+    engine = APIEngine(served.url(), "tiny-agent", temperature=0.0, retries=0)
+    traj = Trajectory("babyai", 0, 0, 0, [{"role": "user", "content": "go to the red ball " * 1000}])
+    try:
+        engine.submit(traj, 16)
+        [(same, sample)] = engine.poll()
+    finally:
+        engine.close()
+    assert same is traj and sample.finish == "max_tokens" and sample.error is None and sample.text is None
+
+
+# ----------------------------------------------------------------------------------------------
+# A server that fails on purpose
+
+
+@contextlib.contextmanager
+def fake_api(answer, listing=(200, {"object": "list", "data": [{"id": "fake-model"}]})):
+    """An OpenAI-compatible endpoint on loopback: GET /v1/models answers `listing` (status, payload); each chat
+    request is answered by answer(body, attempt, authorization) -> (status, payload, headers), attempt counting
+    the times this very body has arrived. Yields (base URL, [(authorization, body, time) of every request])."""
+    seen, lock = [], threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send(*listing, {})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            authorization = self.headers.get("Authorization")
+            with lock:
+                seen.append((authorization, body, time.monotonic()))
+                attempt = sum(other == body for _, other, _ in seen)
+            self.send(*answer(body, attempt, authorization))
+
+        def send(self, status, payload, headers):
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            for name, value in {"Content-Type": "application/json", "Content-Length": str(len(data)), **headers}.items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1", seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def reply(text=REPLY, prompt_tokens=100, completion_tokens=10):
+    return 200, {"object": "chat.completion", "choices": [{"index": 0, "finish_reason": "stop",
+                                                           "message": {"role": "assistant", "content": text}}],
+                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}}, {}
+
+
+def api_args(url: str, out: Path, **flags) -> eval_script.Args:
+    return eval_script.Args(model="openai:fake-model", base_url=url, env="babyai", protocol="tiny", limit=4, horizon=2,
+                            api_key_env="AGENTGYM_RL_TEST_KEY", api_backoff=0.01, api_concurrency=3, out=str(out),
+                            **flags)
+
+
+def first_observations(count: int) -> list[str]:
+    """The first observation of each task eval.py plays with --limit count (BabyAI's test split)."""
+    env = envs.make("babyai")
+    try:
+        return [env.reset(task) for task in spread(envs.splits("babyai")["test"], count)]
+    finally:
+        env.close()
+
+
+def test_retries_refusals_usage_and_a_key_that_is_never_written(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("AGENTGYM_RL_TEST_KEY", KEY)
+    refused, full = first_observations(4)[1:3]
+
+    def answer(body, attempt, authorization):
+        if attempt == 1:
+            return 503, {"error": {"message": "overloaded"}}, {"Retry-After": "1"}
+        if attempt == 2:
+            return 503, {"error": {"message": "still overloaded"}}, {}  # backoff only
+        observation, turn = body["messages"][2]["content"], len(body["messages"]) // 2
+        if observation == refused and turn == 2:  # a refusal that echoes the key, as some APIs do
+            return 400, {"error": {"message": f"Invalid request for key {authorization.split()[-1]}"}}, {}
+        if observation == full:  # vLLM's words for a prompt past its window
+            return 400, {"error": {"message": "This model's maximum context length is 4096 tokens. However, your "
+                                              "prompt contains at least 4097 input tokens"}}, {}
+        return reply()
+
+    with fake_api(answer) as (url, seen):
+        results = eval_script.main(api_args(url, tmp_path / "run", price_in=2.0, price_out=8.0))
+    episodes = records(tmp_path / "run")
+
+    # every turn came back after two 503s: the same request three times, the first retry after Retry-After
+    bodies = [json.dumps(body, sort_keys=True) for _, body, _ in seen]
+    assert all(bodies.count(body) == 3 for body in bodies), "every request was sent three times"
+    for body in set(bodies):
+        times = [at for (_, _, at), other in zip(seen, bodies) if other == body]
+        assert times[1] - times[0] >= 1.0  # Retry-After: 1, though the backoff is 0.01 s
+    assert {authorization for authorization, _, _ in seen} == {f"Bearer {KEY}"}
+    assert all(body["model"] == "fake-model" and body["max_tokens"] == 48 for _, body, _ in seen)
+
+    by_observation = {r["messages"][2]["content"]: r for r in episodes}
+    bad, cut = by_observation.pop(refused), by_observation.pop(full)
+    assert bad["finish"] == "error" and bad["turns"] == 1 and "HTTP 400" in bad["error"] and "key ***" in bad["error"]
+    assert cut["finish"] == "max_tokens" and cut["error"] is None and cut["turns"] == 0
+    assert all(r["finish"] == "horizon" and r["turns"] == 2 and r["error"] is None for r in by_observation.values())
+    assert all(r["messages"][3]["content"] == REPLY for r in by_observation.values())
+    assert results["errors"] == 1 and results["tasks"] == 4
+
+    # usage: the server's counts of every answered call, cost at $2 and $8 per million tokens, summed
+    for r in episodes:
+        assert r["usage"] == {"calls": r["turns"], "prompt_tokens": 100 * r["turns"],
+                              "completion_tokens": 10 * r["turns"], "cost": pytest.approx(r["turns"] * 280e-6)}
+    assert results["usage"] == {"calls": 5, "prompt_tokens": 500, "completion_tokens": 50, "cost": 0.0014}
+    assert results["prices"] == {"in": 2.0, "out": 8.0} and results["base_url"] == url
+
+    printed = capsys.readouterr()
+    written = [path.read_text() for path in tmp_path.rglob("*") if path.is_file()]
+    assert len(written) == 2 and "Bearer" not in "".join(written)
+    assert all(KEY not in text for text in [*written, printed.out, printed.err])
+
+
+def test_a_server_that_fails_every_request_fails_every_episode_and_still_writes_results(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("AGENTGYM_RL_TEST_KEY", KEY)
+    def answer(body, attempt, authorization):
+        return 500, {"error": {"message": "the GPU caught fire"}}, {}
+
+    with fake_api(answer) as (url, seen):
+        results = eval_script.main(api_args(url, tmp_path / "down", api_retries=1))
+    assert len(seen) == 4 * 2  # the first turn of each episode, tried twice
+    assert results["errors"] == 4 and results["avg@k"] == 0 and results["usage"]["calls"] == 0
+    assert all(r["finish"] == "error" and r["error"] == "api: HTTP 500 Internal Server Error: the GPU caught fire "
+                                                       "(after 2 attempts)" for r in records(tmp_path / "down"))
+    assert "first failure: api: HTTP 500" in capsys.readouterr().out
+
+
+def test_a_refused_key_stops_the_eval_before_any_episode_and_is_not_repeated(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("AGENTGYM_RL_TEST_KEY", KEY)
+    listing = (401, {"error": {"message": f"Incorrect API key provided: {KEY}"}})
+    with fake_api(reply, listing) as (url, seen), pytest.raises(SystemExit) as stop:
+        eval_script.main(api_args(url, tmp_path / "refused"))
+    assert f"{url} refused the API key: HTTP 401 Unauthorized: Incorrect API key provided: ***" in str(stop.value)
+    assert KEY not in str(stop.value) + "".join(capsys.readouterr()) and not seen and not any(tmp_path.iterdir())
+
+
+def test_a_server_that_cannot_be_reached_stops_the_eval_before_any_episode(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    with pytest.raises(SystemExit, match=f"cannot reach {url}: ConnectionRefusedError"):
+        eval_script.main(api_args(url, tmp_path / "nothing"))
+    assert not any(tmp_path.iterdir())
