@@ -29,7 +29,8 @@ Where this differs from upstream's clients: the timeouts and retries above; SciW
 trailing "</s>" (upstream's slice also eats the character before it, see envs/sciworld.py); SciWorld's
 info["success"] is a completed task (score 100), where upstream has no such notion; a lone surrogate
 in the model's text, which JSON cannot carry, is sent as "?"; an error answer raises RemoteEnvError
-(upstream's clients fail on an assert or a KeyError).
+(upstream's clients fail on an assert or a KeyError); info["valid"] (did the env take the action) comes
+from our server's answers, which carry it, and is absent over upstream's, which do not.
 """
 
 from __future__ import annotations
@@ -92,14 +93,14 @@ class RemoteEnv(Env):
                 return StepResult(REACT_ONLY_ONE, 0.0, False, {"action": None, "valid": False})
             answer = self._post("/step", {"action": action})
             reward = answer["score"] if self.name == "babyai" else answer["reward"]
-            return StepResult(answer["observation"], float(reward), bool(answer["done"]), {"action": action})
+            return StepResult(answer["observation"], float(reward), bool(answer["done"]), {"action": action, **valid(answer)})
         if self.name == "sciworld":
             return self._sciworld_step(self.module.parse_action(text))
         if self.name == "webarena" and not re.findall(r"```(.*?)```", text, re.DOTALL):
             return StepResult(self.module.NO_ACTION, 0.0, False, {"valid": False})
         answer = self._post("/step", {"action": text})
         if self.name == "searchqa":
-            return StepResult(answer["observation"], float(answer["reward"]), bool(answer["done"]), {})
+            return StepResult(answer["observation"], float(answer["reward"]), bool(answer["done"]), valid(answer))
         done = bool(answer["terminated"])
         return StepResult(answer["observation"], float(answer["reward"]) if done else 0.0, done, answer["info"] or {})
 
@@ -141,7 +142,7 @@ class RemoteEnv(Env):
         score, done = answer["score"], bool(answer["done"])
         reward = max(score, 0) / 100 if self.reward_mode == "normalized" else float(score)
         return StepResult(answer["observation"], reward, done,
-                          {"action": action, "score": score, "success": done and score >= 100})
+                          {"action": action, "score": score, "success": done and score >= 100, **valid(answer)})
 
     # -- HTTP
 
@@ -196,3 +197,9 @@ def _reason(response: httpx.Response) -> str:
     if isinstance(answer, dict):
         return str(answer.get("error", answer.get("detail", answer)))[:500]
     return str(answer)[:500]
+
+
+def valid(answer: dict) -> dict:
+    """{"valid": ...} from a /step answer of our server (envs/serve.py adds it); {} from upstream's, which does
+    not say (its invalid actions are then not counted)."""
+    return {"valid": answer["valid"]} if isinstance(answer.get("valid"), bool) else {}

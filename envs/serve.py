@@ -50,6 +50,9 @@ Where this differs from upstream on purpose:
   upstream's client turns into the TimeoutError that AgentGym-RL's rollout catches.
 - Episodes are our ports' (envs/<env>.py lists how they differ), e.g. a step after the end answers
   "The task is already finished." where upstream's server errs.
+- A /step answer also says whether the env took the action: `valid` (WebArena: in its `info`, as the port
+  reports it), which upstream's clients ignore and envs/remote.py passes on, so that a run over a server
+  counts invalid actions as one in process does.
 - TextCraft's /create refuses custom `commands`/`goal` (422; our port has none) and SearchQA's ignores
   the item id that upstream preloads (here GET /observation before the first /reset is a 409).
   WebArena's `seed` is accepted and unused.
@@ -338,7 +341,7 @@ def textcraft_routes(app: FastAPI, pool: Instances) -> None:
         answer = {"observation": result.observation, "reward": result.reward, "done": result.done}
         instance.observation = result.observation
         instance.detail.update(answer)
-        return answer
+        return {**answer, "valid": result.info.get("valid")}
 
     id_observation_routes(app, pool)
     id_close_route(app, pool)
@@ -370,7 +373,7 @@ def babyai_routes(app: FastAPI, pool: Instances) -> None:
                   "score": result.reward, "done": result.done}
         instance.observation = f"Your goal: {instance.detail['goal']}\n{result.observation}"
         instance.detail.update(answer)
-        return answer
+        return {**answer, "valid": result.info.get("valid")}
 
     @app.get("/observation")
     async def observation(id: int):
@@ -425,7 +428,7 @@ def sciworld_routes(app: FastAPI, pool: Instances) -> None:
                   "done": result.done}
         instance.observation = result.observation
         instance.detail.update(answer)
-        return answer
+        return {**answer, "valid": result.info.get("valid")}
 
     id_observation_routes(app, pool)
     def hints(env) -> dict:
@@ -462,7 +465,8 @@ def searchqa_routes(app: FastAPI, pool: Instances) -> None:
     @app.post("/step")
     async def step(body: EnvIdxStep):
         result = await pool.call(pool.get(body.env_idx), lambda env: env.step(body.action), "step")
-        return {"observation": result.observation, "reward": result.reward, "done": result.done, "info": None}
+        return {"observation": result.observation, "reward": result.reward, "done": result.done, "info": None,
+                "valid": result.info.get("valid")}
 
     @app.get("/observation")
     async def observation(env_idx: int):

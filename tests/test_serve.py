@@ -85,10 +85,13 @@ def test_textcraft_endpoints(textcraft_url):
         for action in ["inventory", "get 1 nothing", *plan]:  # the server takes the action already parsed
             answer = http.post("/step", json={"id": env_id, "action": action}).json()
             mine = local.act(action)
-            assert answer == {"observation": mine.observation, "reward": mine.reward, "done": mine.done}
+            # (upstream's answer, and `valid`: did the env take the action, which our remote client passes on)
+            assert answer == {"observation": mine.observation, "reward": mine.reward, "done": mine.done,
+                              "valid": mine.info["valid"]}
             assert http.get("/observation", params={"id": env_id}).json() == mine.observation
         assert answer["reward"] == 1.0 and answer["done"] is True
-        assert http.get("/detail", params={"id": env_id}).json() == {**answer, "deleted": False}
+        detail = {key: value for key, value in answer.items() if key != "valid"}  # (upstream's fields)
+        assert http.get("/detail", params={"id": env_id}).json() == {**detail, "deleted": False}
         assert_refused(http.post("/create", json={"goal": "stick"}), 422)
         assert http.post("/close", json={"id": env_id}).json() is True
         assert http.post("/close", json={"id": env_id}).json() is False  # as upstream: 200 false for an unknown id
@@ -114,7 +117,7 @@ def test_babyai_endpoints(babyai_url):
             mine = local.act(action)
             # our reward is upstream's cumulative score; its per-step reward is 0 until the success
             assert answer == {"observation": mine.observation, "reward": mine.reward if mine.done else 0.0,
-                              "score": mine.reward, "done": mine.done}
+                              "score": mine.reward, "done": mine.done, "valid": mine.info["valid"]}
             assert http.get("/observation", params={"id": env_id}).json() == {
                 "observation": f"Your goal: {local.goal}\n{mine.observation}", "reward": answer["reward"],
                 "score": mine.reward, "done": mine.done, "deleted": False}
@@ -124,7 +127,7 @@ def test_babyai_endpoints(babyai_url):
         assert 0 < answer["score"] <= 1
         after = http.post("/step", json={"id": env_id, "action": "turn left"}).json()
         assert after == {"observation": "The task is already finished.", "reward": 0.0, "score": answer["score"],
-                         "done": True}
+                         "done": True, "valid": False}
 
         image = http.post("/render", json={"id": env_id}).json()
         assert image.startswith("data:image/png;base64,")
@@ -149,7 +152,8 @@ def test_searchqa_endpoints():
         for text in ["no tags at all", act(first), act("")]:
             mine = local.step(text)
             answer = http.post("/step", json={"env_idx": env_idx, "action": text}).json()
-            assert answer == {"observation": mine.observation, "reward": mine.reward, "done": mine.done, "info": None}
+            assert answer == {"observation": mine.observation, "reward": mine.reward, "done": mine.done, "info": None,
+                              "valid": mine.info["valid"]}
             assert http.get("/observation", params={"env_idx": env_idx}).json() == first  # always the question
         assert answer["done"] and answer["reward"] == 1.0
         assert_refused(http.post("/reset", json={"env_idx": env_idx, "id": 5}), 422)  # a real-set id, no qa_path
@@ -178,7 +182,7 @@ def test_sciworld_endpoints():
         score = 0
         for action in gold:  # the client sends the parsed action
             answer = http.post("/step", json={"id": env_id, "action": action}).json()
-            assert set(answer) == {"observation", "reward", "score", "done"}
+            assert set(answer) == {"observation", "reward", "score", "done", "valid"} and answer["valid"] is True
             assert answer["reward"] == answer["score"] - score  # per-step reward, cumulative score
             score = answer["score"]
             if answer["done"]:
