@@ -296,6 +296,20 @@ def test_bad_output_is_an_observation(env):
 
 
 @needs_chromium
+def test_a_search_submitted_with_enter_is_observed_on_its_results_page(env):
+    """The form's navigation starts after Enter's key events return, sometimes after the settle wait; the
+    observation must still be the results page (of 8 long searches, 3 showed the page they left before)."""
+    from envs.webarena.actions import TYPED_KEYS
+
+    for attempt in range(8):
+        observation = env.reset(0)
+        search = element(observation, "textbox 'Search' required: False")
+        query = f"{attempt}{'x' * TYPED_KEYS}"  # typed key by key, its end inserted at once, then Enter
+        result = env.step(act(f"type [{search}] [{query}] [1]"))
+        assert f"URL: http://onestopmarket.com/catalogsearch/result/?q={query}\n" in result.observation
+
+
+@needs_chromium
 def test_every_action_kind_in_the_browser(env):
     observation = env.reset(0)
     search = element(observation, "textbox 'Search' required: False")

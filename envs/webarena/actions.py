@@ -21,6 +21,11 @@ Hostile text is answered in bounded time, with upstream's results for sane actio
   after which every later key on that page waits forever; a reload clears it.
 - A key combination of more than MAX_COMBO_KEYS keys fails as an unknown key does (the step goes
   on); each key is pressed and released in turn, so 100,000 of them would take minutes.
+
+Enter (a `type` that submits, a `press` with Enter) is given up to NAV_START_S for the navigation it may
+start to commit: a form submitted by Enter starts navigating only after the key's events have returned,
+sometimes later than the env's settle wait (measured: 3 of 8 searches observed the page before the
+search), so the observation showed the page the search left. Upstream waits 1.5 s after every action.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ TYPED_KEYS = 500  # characters of a `type` typed key by key; the rest is inserte
 INSERT_TIMEOUT_S = 3.0  # an insertion takes milliseconds (1 MB: a fraction of a second)
 KEYED = r"\x20-\x7e\n\r"  # (a regex class) what Playwright's US layout presses as keys; it inserts the rest
 MAX_COMBO_KEYS = 16  # keys in one `press` combination
+NAV_START_S = 1.0  # seconds an Enter's navigation may take to commit before the page is taken to stay
 NO_TAB = 1 << 62  # the index of a tab_focus whose digits are too many for int()
 
 
@@ -166,7 +172,10 @@ async def execute(action: Action, page, nodes: dict):
                 raise ValueError(f"a key combination of {key.count('+') + 1} keys (at most {MAX_COMBO_KEYS})")
             if "Meta" in key and "Mac" not in await page.evaluate("navigator.platform"):
                 key = key.replace("Meta", "Control")
-            await page.keyboard.press(key)
+            if "Enter" in key.split("+"):
+                await _enter(page, key)
+            else:
+                await page.keyboard.press(key)
         case "scroll":
             sign = "-" if action.direction == "up" else "+"
             await page.evaluate("(document.scrollingElement || document.body).scrollTop = "
@@ -191,8 +200,8 @@ async def execute(action: Action, page, nodes: dict):
 async def _type(page, text: str) -> None:
     """page.keyboard.type(text), event for event: runs of KEYED characters pressed as keys, any other
     character inserted on its own; past TYPED_KEYS characters, the rest inserted at once."""
-    enter = len(text) > TYPED_KEYS and text.endswith("\n")
-    text = text.removesuffix("\n") if enter else text
+    enter = text.endswith("\n")
+    text = text.removesuffix("\n")
     for keys, others in re.findall(rf"([{KEYED}]+)|([^{KEYED}]+)", text[:TYPED_KEYS]):
         if keys:
             await page.keyboard.type(keys)
@@ -201,7 +210,19 @@ async def _type(page, text: str) -> None:
     if text[TYPED_KEYS:]:
         await _insert(page, text[TYPED_KEYS:])
     if enter:
-        await page.keyboard.press("Enter")
+        await _enter(page, "Enter")
+
+
+async def _enter(page, key: str) -> None:
+    """Press `key` (Enter, alone or in a combination) and wait up to NAV_START_S for a navigation it starts to
+    commit; an Enter that starts none (a field outside a form) costs the wait."""
+    from playwright.async_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        async with page.expect_navigation(wait_until="commit", timeout=NAV_START_S * 1000):
+            await page.keyboard.press(key)
+    except PlaywrightTimeout:
+        pass
 
 
 async def _insert(page, text: str) -> None:
