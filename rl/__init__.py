@@ -6,7 +6,17 @@
     sft.py         supervised fine-tuning loss on trajectories (expert data, warm starts)
     horizon.py     ScalingInter-RL: the turn cap as a schedule over training steps
     model.py       which model: a Hugging Face id, a local path, or the embedded tiny agent
-    memory.py      peak memory of a phase of a step (GPU allocated, else resident set)
+    memory.py      peak memory of a phase of a step (GPU allocated, else resident set), and the --dry-run plan
+    agent.py       agent formats: how an episode's messages are laid out (react, plan, reflect)
+    engines.py     generation engines behind one contract: HF, vLLM, the envs' experts
+    api.py         a model behind an OpenAI-compatible endpoint as an engine (eval.py --model openai:<name>)
+    batch.py       a step's trajectories -> micro-batches (token budgets, packing), equal across processes
+    checkpoint.py  saving and resuming: models, optimizer (per-process shards when sharded), RNG, logs
+    data.py        trajectory files (AgentTraj, AgentGym-RL-Data-ID) for SFT, DPO and AgentEvol
+    dpo.py         the DPO loss and its pairs
+    records.py     the rollout log's record format (packed tokens, log-probs, advantages) and its reader
+    scores.py      Avg@k, Pass@k, per category; paired differences with 95% intervals
+    plots.py       the PNGs at the end of a run or an eval (scripts/plot.py in its own process)
 
 Importing this package sets OpenMP's wait policy, so the entry scripts import it before torch.
 """
