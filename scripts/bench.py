@@ -88,7 +88,7 @@ class Args:
     """rollout: the env played"""
     tasks: int = 8
     """rollout: tasks, each played --n times (the embedded model's training step)"""
-    n: int = 4
+    n: int = 8
     horizon: int = 6
     max_new_tokens: int = 48
     max_tokens: int = 3072
