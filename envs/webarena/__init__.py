@@ -70,7 +70,8 @@ make() options (strings are accepted, as they come from the command line):
 
 Where this port deliberately differs from upstream:
 - Upstream sleeps 1.5 s after every action; here the env waits until navigations started by the
-  action have finished and at least `settle_s` has passed.
+  action have finished and at least `settle_s` has passed (an Enter waits up to 1 s for the navigation it
+  starts to commit first: envs/webarena/actions.py).
 - Requests outside the sites and the map's services are blocked (above) and a `goto` outside
   the sites is refused (the PREVIOUS ACTION line says so); upstream requested any URL. A `goto`
   to an allowed URL is visited even if it answers an error status, where upstream first fetched
