@@ -69,6 +69,8 @@ from rl.engines import ExpertEngine, HFEngine, Sample, VLLMEngine  # noqa: F401 
 # ----------------------------------------------------------------------------------------------
 # Data
 
+ATTEMPT_GROUPS = 1 << 20  # reflect: attempt a's group is its task group + (a - 1) x this (see attempts)
+
 
 @dataclass
 class Trajectory:
@@ -242,16 +244,18 @@ def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[in
     """Reflect's episodes: attempt after attempt at each task until it succeeds or agent.attempts are played.
     After a failed attempt the policy writes a reflection (reflect()), and the task's next attempt opens with
     all of its reflections. Returns every attempt's trajectory, attempt 1's first; an attempt's group is
-    its task group's, moved by the attempt (group + (attempt - 1) x (max group + 1)), so that GRPO compares
-    it with the same attempt of the other samples. An attempt that ended in an env failure ends its
+    its task group's, moved by the attempt (group + (attempt - 1) x ATTEMPT_GROUPS), so that GRPO compares
+    it with the same attempt of the other samples, and no attempt's group meets another task's (play's
+    later rollouts number their groups on). An attempt that ended in an env failure ends its
     episode. `progress` counts episodes (a task's attempts together)."""
     reflections: list[list[str]] = [[] for _ in task_ids]
     rows, played, clocks = list(range(len(task_ids))), [], []
-    shift = max(groups, default=0) + 1
+    if max(groups, default=0) >= ATTEMPT_GROUPS:
+        raise ValueError(f"reflect numbers its attempts' groups from {ATTEMPT_GROUPS}: task groups must stay below")
     for attempt in range(1, agent.attempts + 1):
         clocks.append({})
         batch = _episodes(engine, fmt, [environments[r] for r in rows], [task_ids[r] for r in rows],
-                          [groups[r] + (attempt - 1) * shift for r in rows], [reflections[r] for r in rows],
+                          [groups[r] + (attempt - 1) * ATTEMPT_GROUPS for r in rows], [reflections[r] for r in rows],
                           horizon=horizon, max_new_tokens=max_new_tokens, max_tokens=max_tokens, agent=agent, pool=pool,
                           stats=clocks[-1])
         for traj in batch:

@@ -12,7 +12,7 @@ import envs
 from rl.agent import PLAN_GUIDE, REACT, REFLECT_ASK, REFLECTIONS, make_agent
 from rl.engines import ExpertEngine, RoundEngine, Sample
 from rl.model import load_model, load_tokenizer
-from rollout import ChatFormat, HFEngine, rollout
+from rollout import ATTEMPT_GROUPS, ChatFormat, HFEngine, rollout
 from test_token_exactness import Spy, check_exact
 
 PLAN = "<plan>\n1. look around\n2. Action: do the task step by step\n</plan>\n"  # holds "Action:": the env must not see it
@@ -160,7 +160,7 @@ def test_reflect_carries_reflections_into_the_next_attempt_and_stops_at_success(
     for attempt in range(1, played + 1):
         these = [t for t in trajectories if t.attempt == attempt]
         assert [t.task_id for t in these] == [7, 8, 9]
-        assert [t.group for t in these] == [g + 3 * (attempt - 1) for g in range(3)]  # a GRPO group per attempt
+        assert [t.group for t in these] == [g + ATTEMPT_GROUPS * (attempt - 1) for g in range(3)]  # a group per attempt
         for traj in these:
             assert traj.success == (attempt == 3) and traj.final == (attempt == played)
             assert traj.reflection == ("I lost 2 times" if attempt < played else None)
