@@ -408,7 +408,7 @@ def compare(first: str, second: str) -> dict:
             results.append(json.loads(Path(path).read_text()))
         except (OSError, json.JSONDecodeError) as error:
             raise SystemExit(f"--compare: cannot read {path}: {error}") from error
-        if "avg@k" not in results[-1]:
+        if not isinstance(results[-1], dict) or "avg@k" not in results[-1]:
             raise SystemExit(f"--compare: {path} is not an eval result (no avg@k)")
     a, b = results
     keys = ("model", "env", "split", "k", "protocol", "horizon", "max_new_tokens", "max_tokens", "agent", "temperature",
@@ -426,7 +426,8 @@ def compare(first: str, second: str) -> dict:
         cells = []
         for metric in ("avg", "success"):
             d = row[metric]
-            interval = f"{d['gain']:+.3f} ({d['low']:+.3f}, {d['high']:+.3f})" if d["tasks"] else "no paired tasks"
+            interval = ("no paired tasks" if not d["tasks"] else f"{d['gain']:+.3f} (one task)" if d["low"] is None
+                        else f"{d['gain']:+.3f} ({d['low']:+.3f}, {d['high']:+.3f})")
             cells.append(f"{d['before']:>7.3f} {d['after']:>7.3f} {interval:>24}")
         print(f"{row['category'][:24]:<24} {row['tasks']:>5}  " + "  ".join(cells))
     if any(row["tasks"] == 0 for row in rows):

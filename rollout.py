@@ -116,11 +116,11 @@ class Trajectory:
     def cut(self, horizon: int) -> Trajectory:
         """The episode as it would have ended under a lower turn cap: the same turns up to it (nothing an
         episode sees depends on its cap), its reward the one after turn `horizon`; tokens and messages are
-        the whole episode's."""
-        if self.turns <= horizon or self.finish == "error":
+        the whole episode's. An env failure after turn `horizon` is one the lower cap never met."""
+        if self.turns <= horizon or len(self.turn_rewards) < horizon:
             return self
         return replace(self, turns=horizon, reward=self.turn_rewards[horizon - 1], done=False, success=False,
-                       finish="horizon", horizon=horizon)
+                       finish="horizon", error=None, horizon=horizon)
 
     def log_record(self) -> dict:
         """The trajectory as a log record (rl/records.py), without what only training knows."""
@@ -250,6 +250,8 @@ def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[in
     episode. `progress` counts episodes (a task's attempts together)."""
     reflections: list[list[str]] = [[] for _ in task_ids]
     rows, played, clocks = list(range(len(task_ids))), [], []
+    if isinstance(engine, ExpertEngine):  # (it keys its experts by env row, which attempts renumber; and never reflects)
+        raise ValueError("the envs' scripted experts do not reflect: play them with --agent react")
     if max(groups, default=0) >= ATTEMPT_GROUPS:
         raise ValueError(f"reflect numbers its attempts' groups from {ATTEMPT_GROUPS}: task groups must stay below")
     for attempt in range(1, agent.attempts + 1):
@@ -263,8 +265,11 @@ def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[in
         played += batch
         failed = [(r, t) for r, t in zip(rows, batch) if not t.success and t.finish != "error"]
         if attempt < agent.attempts:
-            for (r, traj), text in zip(failed, reflect(engine, fmt, [t for _, t in failed], agent, max_new_tokens,
-                                                       max_tokens)):
+            start = time.perf_counter()
+            written = reflect(engine, fmt, [t for _, t in failed], agent, max_new_tokens, max_tokens)
+            clocks[-1]["rollout_s"] += time.perf_counter() - start  # (reflecting is rollout time spent generating)
+            clocks[-1]["generate_s"] += time.perf_counter() - start
+            for (r, traj), text in zip(failed, written):
                 traj.reflection, traj.final = text, text is None
                 if text is not None:
                     reflections[r].append(text)
@@ -284,7 +289,8 @@ def reflect(engine, fmt: ChatFormat, failed: list[Trajectory], agent: Agent, max
             max_tokens: int) -> list[str | None]:
     """Each failed attempt's reflection: the policy continues the attempt's conversation after a user turn with
     its final observation and the request (agent.reflection_request), for at most max_new_tokens tokens within
-    max_tokens. None where there is no room for one (or the attempt never got to act, or the engine failed)."""
+    max_tokens. None where there is no room for one, the attempt never got to act, the engine failed or the
+    reply was empty. An API model's usage for it counts on the attempt."""
     asks: list[Trajectory | None] = []
     for traj in failed:
         asks.append(None)
@@ -301,8 +307,10 @@ def reflect(engine, fmt: ChatFormat, failed: list[Trajectory], agent: Agent, max
     try:
         while engine.pending:
             for ask, sample in engine.poll():
-                if sample.error is None:
-                    texts[id(ask)] = _reply(fmt, sample)
+                _add_usage(failed[asks.index(ask)], sample)
+                text = _reply(fmt, sample) if sample.error is None and sample.finish is None else ""
+                if text.strip():  # (none for a failed request, a full context window or an empty reply)
+                    texts[id(ask)] = text
     finally:
         engine.abort()
     return [texts.get(id(ask)) if ask is not None else None for ask in asks]
@@ -382,8 +390,7 @@ def _generate(engine, fmt: ChatFormat, agent: Agent, environments: list[Env], po
     finished = engine.poll()
     clock["generate_s"] += time.perf_counter() - start
     for traj, sample in finished:
-        for key, value in sample.usage.items():  # a text engine's token counts and cost, summed over the episode
-            traj.usage[key] = traj.usage.get(key, 0) + value
+        _add_usage(traj, sample)
         if sample.error is not None:
             traj.fail(sample.error)
             continue
@@ -393,6 +400,12 @@ def _generate(engine, fmt: ChatFormat, agent: Agent, environments: list[Env], po
         _act(fmt, traj, sample)
         clock["sampled_tokens"] += len(sample.token_ids)
         stepping[pool.submit(_timed, environments[traj.row].step, agent.env_text(traj.messages[-1]["content"]))] = traj
+
+
+def _add_usage(traj: Trajectory, sample: Sample) -> None:
+    """A text engine's token counts and cost, summed over the episode (its reflections' included)."""
+    for key, value in sample.usage.items():
+        traj.usage[key] = traj.usage.get(key, 0) + value
 
 
 def _collect(engine, fmt: ChatFormat, stepping: dict[Future, Trajectory], clock: dict, horizon: int,

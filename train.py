@@ -1432,9 +1432,10 @@ def held_out_line(run_dir: Path) -> str | None:
         return None
     result = gain(steps[0], steps[last])
     episodes = len(steps[last]) / result["tasks"]
-    return (f"held-out success {result['before']:.3f} -> {result['after']:.3f} ({result['gain']:+.3f}, 95% CI "
-            f"{result['low']:+.3f} to {result['high']:+.3f}; {result['tasks']} test tasks x {episodes:g} episodes, "
-            f"step 0 vs step {last})")
+    interval = (f"95% CI {result['low']:+.3f} to {result['high']:+.3f}" if result["low"] is not None
+                else "no interval from one task")
+    return (f"held-out success {result['before']:.3f} -> {result['after']:.3f} ({result['gain']:+.3f}, {interval}; "
+            f"{result['tasks']} test tasks x {episodes:g} episodes, step 0 vs step {last})")
 
 
 def finish(run_dir: Path, accelerator) -> Path:

@@ -14,7 +14,9 @@ the policy is trained on is still exactly one it sampled.
   change. The plan is the policy's own sampled text in its reply (trained like any action token) and stays
   in the conversation, so every later turn sees it; the env reads the reply with its plan blocks removed,
   i.e. exactly what react would have sent. A reply whose plan is never closed leaves the env nothing to
-  read (an invalid action, as any malformed reply).
+  read (an invalid action, as any malformed reply). Blocks are matched case-insensitively and do not nest:
+  a "<plan>" inside a plan ends at the first "</plan>", and a literal "<plan>" in an action (a WebArena
+  `type` of that text) is taken for a plan.
 - reflect: self-reflection across attempts (Reflexion, Shinn et al., 2023). An attempt is a react
   episode; after a failed one the policy continues that attempt's conversation with a short reflection
   (asked for by a user turn holding the final observation and REFLECT_ASK), and the next attempt on the
@@ -40,7 +42,7 @@ PLAN_GUIDE = ("Before your first action, write a plan for the whole task, its st
 REFLECT_ASK = ("You did not complete the task. In two or three sentences, say what went wrong and what you will do "
                "differently in your next attempt. Do not write an action.")
 REFLECTIONS = "You have tried this task before and failed. What you learned from those attempts:\n"
-_PLAN = re.compile(r"<plan>.*?(?:</plan>|\Z)", re.DOTALL)
+_PLAN = re.compile(r"<plan>.*?(?:</plan>|\Z)", re.DOTALL | re.IGNORECASE)
 FORMATS = ("react", "plan", "reflect")
 
 
@@ -64,7 +66,7 @@ class Agent:
 
     def env_text(self, reply: str) -> str:
         """The part of a reply the env parses."""
-        if self.name == "plan" and "<plan>" in reply:
+        if self.name == "plan" and "<plan>" in reply.lower():
             return _PLAN.sub("", reply).lstrip()
         return reply
 

@@ -82,6 +82,9 @@ class APIFormat:
     def observation(self, text: str) -> list[int]:
         return []
 
+    def text(self, sampled: list[int]) -> str:
+        return ""  # (a text engine's replies come as Sample.text)
+
 
 class APIEngine:
     """Chat completions from an OpenAI-compatible endpoint, up to `concurrency` requests in flight (a thread
@@ -177,7 +180,8 @@ class APIEngine:
                     return Sample([], usage=dict(NO_USAGE), finish="max_tokens")
                 if error.code not in (408, 429) and error.code < 500:  # (408: the server timed out waiting)
                     return self._failed(reason)
-            except (OSError, http.client.HTTPException, ValueError, KeyError, IndexError, TypeError) as error:
+            except (OSError, http.client.HTTPException, ValueError, KeyError, IndexError, TypeError,
+                    AttributeError) as error:
                 # no answer (refused, reset, timed out), or one that is not a chat completion
                 reason, wait_s = _describe(error), None
             pause = max(wait_s or 0.0, self.backoff * 2 ** attempt * random.uniform(1.0, 1.5))

@@ -74,7 +74,8 @@ def gain(before, after) -> dict:
 def paired(before: dict, after: dict) -> dict:
     """The mean of after[task] - before[task] over the tasks both have, with a 95% confidence interval: the
     normal one on the mean of the per-task differences (the tasks are the sample; a task's k episodes are not
-    independent draws of the population). Tasks that only one side has are left out."""
+    independent draws of the population; with few tasks a normal interval is optimistic). Tasks that only one
+    side has are left out; with one task in common there is no interval (low and high are None)."""
     tasks = sorted(set(before) & set(after))
     if not tasks:
         raise ValueError("the two evaluations have no task in common")
@@ -82,5 +83,6 @@ def paired(before: dict, after: dict) -> dict:
     mean = sum(differences) / len(tasks)
     variance = sum((d - mean) ** 2 for d in differences) / max(len(tasks) - 1, 1)
     half = 1.96 * (variance / len(tasks)) ** 0.5
+    low, high = (mean - half, mean + half) if len(tasks) > 1 else (None, None)
     return {"before": sum(before[t] for t in tasks) / len(tasks), "after": sum(after[t] for t in tasks) / len(tasks),
-            "gain": mean, "low": mean - half, "high": mean + half, "tasks": len(tasks)}
+            "gain": mean, "low": low, "high": high, "tasks": len(tasks)}

@@ -48,6 +48,7 @@ def test_plan_text_is_removed_before_the_env_reads_the_reply():
     assert plan.env_text("Thought:\nt\n\nAction:\nturn left") == "Thought:\nt\n\nAction:\nturn left"  # no new plan
     assert plan.env_text("<plan>never closed Action: x") == ""  # a malformed reply: nothing to act on
     assert plan.env_text("<plan>a</plan><plan>b</plan>Action: y") == "Action: y"
+    assert plan.env_text("<PLAN>Action: x</Plan>\nAction: y") == "Action: y"  # any case
     with pytest.raises(ValueError, match="unknown agent format"):
         make_agent("tree-of-thought")
     with pytest.raises(ValueError, match="at least 1"):

@@ -283,3 +283,29 @@ def test_a_server_that_cannot_be_reached_stops_the_eval_before_any_episode(tmp_p
     with pytest.raises(SystemExit, match=f"cannot reach {url}: ConnectionRefusedError"):
         eval_script.main(api_args(url, tmp_path / "nothing"))
     assert not any(tmp_path.iterdir())
+
+
+def test_reflect_through_an_api_counts_its_reflections_and_survives_a_full_window(tmp_path):
+    """--agent reflect on an API model: every reflection call is in the episode's usage, and a reflection request
+    the window refuses (the attempt's whole conversation and one more turn) ends that task's attempts, nothing else."""
+    from rl.agent import REFLECT_ASK
+
+    refuse = {"on": False}
+
+    def answer(body, attempt, authorization):
+        if REFLECT_ASK in body["messages"][-1]["content"]:
+            if refuse["on"]:
+                return 400, {"error": {"message": "This model's maximum context length is 4096 tokens."}}, {}
+            return reply("I kept going the wrong way.", prompt_tokens=300, completion_tokens=7)
+        return reply("Thought:\nx\n\nAction:\nturn left")  # never solves a task
+
+    for refused in (False, True):
+        refuse["on"] = refused
+        with fake_api(answer) as (url, seen):
+            results = eval_script.main(api_args(url, tmp_path / f"r{refused}", agent="reflect", attempts=2))
+        episodes = records(tmp_path / f"r{refused}")
+        assert results["usage"]["calls"] == len(seen) - refused * 4  # (a refused request is no answered call)
+        assert sum(r["usage"]["calls"] for r in episodes) == results["usage"]["calls"]
+        assert [r.get("attempt", 1) for r in episodes] == ([1] * 4 + [2] * 4 if not refused else [1] * 4)
+        if not refused:
+            assert [r["reflection"] for r in episodes[:4]] == ["I kept going the wrong way."] * 4

@@ -46,6 +46,17 @@ def test_a_sweep_scores_every_turn_budget_and_draws_it(tmp_path, capsys):
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
 
 
+def test_an_env_failure_after_the_lower_cap_is_one_it_never_met():
+    from rollout import Trajectory
+
+    failed = Trajectory("babyai", 3, 0, 0, [], turns=5, turn_rewards=[0.0, 0.0, 0.0, 0.0], finish="error", error="boom")
+    assert failed.cut(2).finish == "horizon" and failed.cut(2).error is None and failed.cut(2).turns == 2
+    assert failed.cut(4).finish == "horizon"  # four turns answered before the failure at the fifth
+    assert failed.cut(5) is failed and failed.cut(9) is failed
+    early = Trajectory("babyai", 3, 0, 0, [], turns=2, turn_rewards=[0.0], finish="error", error="boom")
+    assert early.cut(1).finish == "horizon" and early.cut(2) is early
+
+
 @pytest.mark.parametrize("name, tasks", [("babyai", [0, 30, 40, 80, 100]), ("textcraft", [49, 135, 156, 181])])
 def test_an_episode_cut_to_a_lower_cap_is_the_episode_played_under_it(name, tasks):
     """Why one play under the largest cap scores every lower one: nothing an episode sees depends on its cap, so the
@@ -126,6 +137,11 @@ def test_compare_reads_results_without_per_task_scores_and_refuses_bad_input(tmp
     out = eval_script.main(eval_script.Args(compare=(str(tmp_path / "old.json"), str(tmp_path / "new.json"))))
     assert out["categories"][0]["tasks"] == 0 and out["categories"][0]["avg"]["before"] == 0.2
     assert "no intervals" in capsys.readouterr().out
+    one = eval_script.compare(str(tmp_path / "new.json"), str(tmp_path / "new.json"))
+    assert one["categories"][0]["success"]["low"] is None and "(one task)" in capsys.readouterr().out
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(SystemExit, match="not an eval result"):
+        eval_script.compare(str(tmp_path / "old.json"), str(tmp_path / "list.json"))
     (tmp_path / "text.json").write_text(json.dumps(result("textcraft", {0: [[1.0, 1.0]]})))
     (tmp_path / "torn.json").write_text('{"avg@k": 0.')
     for pair, message in [(("old.json", "missing.json"), "cannot read"), (("old.json", "torn.json"), "cannot read"),
