@@ -297,17 +297,19 @@ def reflect(engine, fmt: ChatFormat, failed: list[Trajectory], agent: Agent, max
         if traj.turns < 1 or traj.messages[-1]["role"] != "user":
             continue  # (the final observation of an attempt that acted is never in its tokens: see _observe)
         request = agent.reflection_request(traj.messages[-1]["content"])
-        ask = Trajectory(traj.env, traj.task_id, traj.group, traj.row, [*traj.messages[:-1], {"role": "user", "content": request}],
+        messages = [*traj.messages[:-1], {"role": "user", "content": request}]
+        ask = Trajectory(traj.env, traj.task_id, traj.group, traj.row, messages,
                          token_ids=traj.token_ids + fmt.observation(request), turns=traj.turns)
         limit = min(max_new_tokens, _room(ask, max_tokens))
         if limit >= 1:
             asks[-1] = ask
             engine.submit(ask, limit)
     texts: dict[int, str] = {}
+    row = {id(ask): i for i, ask in enumerate(asks) if ask is not None}  # (by identity, not by comparing trajectories)
     try:
         while engine.pending:
             for ask, sample in engine.poll():
-                _add_usage(failed[asks.index(ask)], sample)
+                _add_usage(failed[row[id(ask)]], sample)
                 text = _reply(fmt, sample) if sample.error is None and sample.finish is None else ""
                 if text.strip():  # (none for a failed request, a full context window or an empty reply)
                     texts[id(ask)] = text
