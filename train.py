@@ -45,8 +45,8 @@ Each process of a multi-GPU run rolls out its own share of tasks, so groups neve
 processes. Launches are Accelerate's (configs/): data-parallel, or FSDP2 with the reference and critic sharded
 as the policy is and the engines fed weights gathered one parameter at a time; --lora-rank trains PEFT adapters
 (the reference is then the policy with its adapters off); --dry-run prints the memory plan (rl/memory.py).
-DeepSpeed is refused: its engine steps the optimizer inside backward after a fixed number of micro-batches,
-which this update (token budgets, NaN skips, up to three models) does not fit; FSDP2 shards as ZeRO-3 does.
+DeepSpeed ZeRO-3 (configs/zero3.yaml) shards them too: its engines step their optimizers themselves, once per
+mini-batch here, however many micro-batches it holds (rl/zero3.py).
 
 Where the loop deliberately differs from upstream's (AgentGym-RL's verl fork), and why:
 - `--ppo-epochs` is honoured: upstream's actor makes one pass whatever its ppo_epochs says, so the
@@ -55,9 +55,9 @@ Where the loop deliberately differs from upstream's (AgentGym-RL's verl fork), a
   over all processes, so every token weighs the same wherever it was played; upstream normalises
   per micro-batch on each GPU, which `--loss-agg seq-mean-token-mean` (the paper preset's) matches
   when micro-batches hold one trajectory, as in its scripts.
-- The reference model is loaded and run exactly as the policy (fp32 under autocast), so the KL is 0
-  while their weights agree; upstream runs it in bf16 with CPU offload (here: --offload-reference, or
-  configs/fsdp2_offload.yaml).
+- The reference model is loaded and run exactly as the policy (fp32 under autocast; both with bf16 weights
+  under DeepSpeed's bf16), so the KL is 0 while their weights agree; upstream runs it in bf16 with CPU offload
+  (here: --offload-reference, or configs/fsdp2_offload.yaml).
 - Resume restores the samplers' random state and takes the run's own settings; upstream re-seeds
   and takes whatever the command line says.
 - SFT packs conversations into rows (block-causal masks, positions restarting per conversation) and
@@ -84,6 +84,7 @@ import argparse
 import collections
 import contextlib
 import copy
+import functools
 import math
 import json
 import os
@@ -110,6 +111,7 @@ from rl.agent import make_agent
 from rl.batch import Batch, attach, count_sequences, make_batch, plan, scatter
 from rl import checkpoint as checkpoint_lib
 from rl import plots
+from rl import zero3
 from rl.data import DataError, encode, read_trajectories, to_record
 from rl.dpo import dpo_loss, expert_pairs, make_pairs
 from rl.horizon import describe, horizon_at
@@ -480,14 +482,10 @@ def resumed_args(argv: list[str], checkpoint: Path) -> Args:
 def check(args: Args, world: int, distributed: str = "NO") -> None:
     """Stop early, with what to do, on settings that cannot work. `distributed`: Accelerate's
     distributed type (NO, MULTI_GPU, FSDP, DEEPSPEED, ...)."""
-    if distributed in ("DEEPSPEED", "MEGATRON_LM"):
-        # (Accelerate's DeepSpeed engine steps the optimizer inside backward after a fixed number of micro-batches and
-        # scales the loss itself; the update here takes a varying number, normalised over the mini-batch, and skips
-        # NaN steps, with up to three models)
-        raise SystemExit(f"train.py does not run under {distributed}: shard with FSDP2, which partitions weights, "
-                         "gradients and optimizer states as ZeRO-3 does (accelerate launch --config_file configs/fsdp2.yaml; "
-                         "configs/fsdp2_offload.yaml offloads them to CPU memory), or launch data-parallel (configs/ddp.yaml)")
-    if distributed == "FSDP" and args.algo == "agentevol":
+    if distributed == "MEGATRON_LM":
+        raise SystemExit("train.py does not run under Megatron-LM: shard with FSDP2 (configs/fsdp2.yaml) or DeepSpeed "
+                         "ZeRO-3 (configs/zero3.yaml), or launch data-parallel (configs/ddp.yaml)")
+    if distributed in ("FSDP", "DEEPSPEED") and args.algo == "agentevol":
         raise SystemExit("agentevol resets the policy in place between iterations, which a sharded model does not "
                          "support here: run it data-parallel (configs/ddp.yaml) or on one GPU")
     for flag in ("steps", "tasks_per_step", "n", "max_new_tokens", "ppo_epochs", "minibatches", "micro_batch_size",
@@ -530,10 +528,10 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
     if args.offload_reference and args.algo == "dpo":
         raise SystemExit("--offload-reference: DPO scores the reference in every micro-batch, which would move it "
                          "each time; use --lora-rank (no copy at all) or configs/fsdp2_offload.yaml")
-    if args.offload_reference and (args.lora_rank or distributed == "FSDP"):
+    if args.offload_reference and (args.lora_rank or distributed in ("FSDP", "DEEPSPEED")):
         raise SystemExit("--offload-reference moves the frozen reference to CPU memory: with --lora-rank there is none "
                          "(the policy with its adapters off is the reference), and a sharded run offloads with "
-                         "configs/fsdp2_offload.yaml")
+                         "configs/fsdp2_offload.yaml (or DeepSpeed's offload_param_device: cpu)")
     if args.lora_rank < 0 or args.lora_alpha <= 0:
         raise SystemExit("--lora-rank takes 0 (full fine-tune) or more, --lora-alpha a positive number")
     if args.eval_every < 0 or args.eval_tasks < 0 or args.eval_k < 1:
@@ -737,15 +735,15 @@ def update(models: Models, batch: Batch, args: Args, accelerator, step: int, pro
         for part in range(args.minibatches):
             minibatch = [batch.micro[i] for i in shuffled[part::args.minibatches]]
             counts = minibatch_counts(minibatch, accelerator)
-            finite = {"policy": True, "critic": True}
+            finite = {"policy": True, "critic": True}  # (the losses so far; update_policy and update_critic keep it)
             for k, micro in enumerate(minibatch):
-                with gradient_sync(accelerator, trained, now=k == len(minibatch) - 1):
-                    terms = update_policy(models, micro, counts, args, accelerator) if train_policy else {}
-                    terms |= update_critic(models, micro, counts, args, accelerator) if models.critic is not None else {}
+                last = k == len(minibatch) - 1
+                with gradient_sync(accelerator, trained, now=last):
+                    terms = update_policy(models, micro, counts, args, accelerator, last, finite) if train_policy else {}
+                    if models.critic is not None:
+                        terms |= update_critic(models, micro, counts, args, accelerator, last, finite)
                 if progress is not None:
                     progress()
-                finite["policy"] &= all(math.isfinite(terms[key]) for key in ("policy", "kl", "entropy") if key in terms)
-                finite["critic"] &= math.isfinite(terms.get("value", 0.0))
                 for key, value in terms.items():
                     sums[key] = max(sums.get(key, 0.0), value) if key.endswith("_max") else sums.get(key, 0.0) + value
             stepped = [("policy", models.policy, models.optimizer, models.scheduler)] if train_policy else []
@@ -805,10 +803,13 @@ def gradient_sync(accelerator, modules: list, now: bool) -> contextlib.ExitStack
     return stack
 
 
-def update_policy(models: Models, batch: dict, counts: dict, args: Args, accelerator) -> dict[str, float]:
+def update_policy(models: Models, batch: dict, counts: dict, args: Args, accelerator, last: bool,
+                  finite: dict) -> dict[str, float]:
     """Forward and backward of one micro-batch for the policy: PPO's clipped loss, minus the entropy
     bonus, plus the KL to the reference (unless it is in the reward), each aggregated over the whole
-    mini-batch (`counts`: its action tokens and sequences). Returns the micro-batch's sums for metrics."""
+    mini-batch (`counts`: its action tokens and sequences). Returns the micro-batch's sums for metrics;
+    finite["policy"] turns False when they are not finite (the mini-batch's `last` micro-batch then
+    makes a DeepSpeed engine skip its step: see backward)."""
     mask = batch["loss_mask"]
     counts = counts | {"segments": batch["segments"]}  # (a packed row holds several trajectories)
     with accelerator.autocast():
@@ -823,9 +824,8 @@ def update_policy(models: Models, batch: dict, counts: dict, args: Args, acceler
         divergence = kl(logprobs, batch["ref_logprobs"], args.kl_estimator)
         if not args.kl_in_reward:
             loss = loss + args.kl_coef * aggregate(divergence, mask, args.loss_agg, **counts)
-    accelerator.backward(loss)
     with torch.no_grad():
-        return {
+        terms = {
             "tokens": float(mask.sum()),
             "policy": float((pg * mask).sum()),
             "kl": float((divergence * mask).sum()),
@@ -835,19 +835,36 @@ def update_policy(models: Models, batch: dict, counts: dict, args: Args, acceler
             "logprob_diff": float(((batch["sampler_logprobs"] - old).abs() * mask).sum()),
             "logprob_diff_max": float(((batch["sampler_logprobs"] - old).abs() * mask).max()),
         }
+    finite["policy"] &= all(math.isfinite(terms[key]) for key in ("policy", "kl", "entropy"))
+    backward(models.policy, loss, accelerator, last, finite["policy"])
+    return terms
 
 
-def update_critic(models: Models, batch: dict, counts: dict, args: Args, accelerator) -> dict[str, float]:
+def update_critic(models: Models, batch: dict, counts: dict, args: Args, accelerator, last: bool,
+                  finite: dict) -> dict[str, float]:
     """Forward and backward of one micro-batch for the critic: the clipped value loss against the GAE
-    returns, on action tokens only, aggregated like the policy loss."""
+    returns, on action tokens only, aggregated like the policy loss (`last`, `finite` as update_policy's)."""
     mask = batch["loss_mask"]
     with accelerator.autocast():
         values = token_values(models.critic, batch["input_ids"], batch["attention_mask"], mask, batch.get("position_ids"))
     terms, clipped = value_loss(values, batch["old_values"], batch["returns"], args.value_clip)
-    accelerator.backward(aggregate(terms, mask, args.loss_agg, **counts, segments=batch["segments"]))
     with torch.no_grad():
-        return {"critic_tokens": float(mask.sum()), "value": float((terms * mask).sum()),
-                "value_clipfrac": float((clipped * mask).sum())}
+        summed = {"critic_tokens": float(mask.sum()), "value": float((terms * mask).sum()),
+                  "value_clipfrac": float((clipped * mask).sum())}
+    finite["critic"] &= math.isfinite(summed["value"])
+    backward(models.critic, aggregate(terms, mask, args.loss_agg, **counts, segments=batch["segments"]), accelerator,
+             last, finite["critic"])
+    return summed
+
+
+def backward(model, loss: torch.Tensor, accelerator, last: bool, finite: bool) -> None:
+    """Accelerate's backward, or under DeepSpeed the model's engine's own (rl/zero3.py: Accelerate drives only
+    the engine it prepared last, and PPO's critic is another), where a loss that was not finite at any
+    micro-batch of the mini-batch (`finite` False at its `last`) has the engine skip the step."""
+    if zero3.is_engine(model):
+        zero3.backward(model, loss, last, finite)
+    else:
+        accelerator.backward(loss)
 
 
 def optimizer_step(model, optimizer, scheduler, args: Args, accelerator, finite: bool) -> tuple[float | None, bool]:
@@ -855,7 +872,10 @@ def optimizer_step(model, optimizer, scheduler, args: Args, accelerator, finite:
     norm (None when no step was taken) and whether the step was skipped for NaN or inf: a loss (`finite`
     False) or gradient that is not finite on any process leaves the weights, the optimizer's moments and
     the schedule as they were. Under fp16 the loss scaler decides on the gradients (it skips a step
-    whose scaled gradients overflowed and lowers its scale, as it should: not a fault)."""
+    whose scaled gradients overflowed and lowers its scale, as it should: not a fault). A DeepSpeed engine
+    does all of it itself (rl/zero3.py; a loss that was not finite already poisoned its gradients)."""
+    if zero3.is_engine(model):
+        return zero3.step(model)
     grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), args.grad_clip))
     flags = torch.tensor([float(not finite), float(not math.isfinite(grad_norm))])
     reduce = reducer(accelerator)
@@ -1146,12 +1166,14 @@ def offline_pass(models: Models, examples: list, args: Args, accelerator, pad_id
     reduce = reducer(accelerator)
     size = float(reduce(torch.tensor([local]))[0] if reduce is not None else local) / accelerator.num_processes
     sums: dict[str, float] = {}
+    finite = True
     for k, micro in enumerate(micros):
         micro = {key: value.to(accelerator.device) for key, value in micro.items()}
         with gradient_sync(accelerator, [models.policy], now=k == len(micros) - 1) if train else torch.no_grad():
             loss, terms = offline_terms(models, micro, args, accelerator)
+            finite &= math.isfinite(terms["nll" if args.algo != "dpo" else "loss"])
             if train:
-                accelerator.backward(loss / max(size, 1e-9))
+                backward(models.policy, loss / max(size, 1e-9), accelerator, k == len(micros) - 1, finite)
         for key, value in terms.items():
             sums[key] = sums.get(key, 0.0) + value
     keys = sorted(sums) or (["nll", "tokens"] if args.algo != "dpo" else ["loss", "pairs", "correct", "margin", "chosen", "rejected"])
@@ -1460,8 +1482,8 @@ def linear_warmup(optimizer, steps: int):
 
 
 def sharded(accelerator) -> bool:
-    """Whether the models are split over processes (FSDP2): no process holds a whole one."""
-    return accelerator.distributed_type == "FSDP"
+    """Whether the models are split over processes (FSDP2, DeepSpeed ZeRO-3): no process holds a whole one."""
+    return accelerator.distributed_type in ("FSDP", "DEEPSPEED")
 
 
 def build_models(args: Args, accelerator, policy_from: str) -> Models:
@@ -1493,27 +1515,32 @@ def build_models(args: Args, accelerator, policy_from: str) -> Models:
     if args.algo == "ppo":
         critic = load_value_model(args.model)
         if critic_from is not None:  # resuming: its weights before Accelerate shards it
-            load_safetensors_model(critic, str(critic_from))
+            (zero3.load_weights if zero3.active(accelerator) else load_safetensors_model)(critic, str(critic_from))
         critic.config.use_cache = False
         if args.gradient_checkpointing:
             critic.gradient_checkpointing_enable()
-        if sharded(accelerator):  # sharded first, so that its optimizer holds the shards
+        fsdp = accelerator.distributed_type == "FSDP"
+        if fsdp:  # sharded first, so that its optimizer holds the shards
             critic = shard(accelerator, critic)
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay)
         critic_scheduler = linear_warmup(critic_optimizer, args.critic_lr_warmup_steps)
-        if sharded(accelerator):
+        if fsdp:
             models.critic = critic
             models.critic_optimizer = accelerator.prepare_optimizer(critic_optimizer)
             models.critic_scheduler = accelerator.prepare_scheduler(critic_scheduler)
         else:
-            models.critic, models.critic_optimizer, models.critic_scheduler = accelerator.prepare(
-                critic, critic_optimizer, critic_scheduler)
+            prepare = functools.partial(zero3.prepare, accelerator) if zero3.active(accelerator) else accelerator.prepare
+            models.critic, models.critic_optimizer, models.critic_scheduler = prepare(critic, critic_optimizer,
+                                                                                      critic_scheduler)
     return models
 
 
 def shard(accelerator, model):
     """A model beside the policy sharded as the policy is: Accelerate's FSDP2 prepares one model (with its optimizer)
-    per prepare(), so the reference and the critic go through its fsdp2_prepare_model, with the same settings."""
+    per prepare(), so the reference and the critic go through its fsdp2_prepare_model, with the same settings; under
+    DeepSpeed the frozen reference is an engine of its own (ZeRO-3 partitions it, with no optimizer)."""
+    if zero3.active(accelerator):
+        return zero3.prepare(accelerator, model)
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
     return fsdp2_prepare_model(accelerator, model)
@@ -1532,13 +1559,14 @@ def build_engine(args: Args, fmt: ChatFormat, models: Models, accelerator, max_t
     """This process's rollout engine (`--engine`): vLLM loads the model itself (its weights are synced
     from the policy before the first rollout); HF samples with the policy, or with a copy when it is sharded."""
     own = sharded(accelerator)  # (the HF engine then samples from a whole copy of its own)
-    return make_engine(args.engine, args.model, fmt, None if own else accelerator.unwrap_model(models.policy),
-                       device=accelerator.device,
-                       temperature=args.temperature, top_p=args.top_p, seed=args.seed + accelerator.process_index,
-                       batch_size=args.gen_batch_size, max_model_len=args.vllm_max_model_len or max_tokens,
-                       gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                       tensor_parallel_size=args.vllm_tensor_parallel_size, sleep=args.vllm_sleep,
-                       tolerance=args.sync_tolerance)
+    with zero3.unpartitioned(accelerator):
+        return make_engine(args.engine, args.model, fmt, None if own else accelerator.unwrap_model(models.policy),
+                           device=accelerator.device,
+                           temperature=args.temperature, top_p=args.top_p, seed=args.seed + accelerator.process_index,
+                           batch_size=args.gen_batch_size, max_model_len=args.vllm_max_model_len or max_tokens,
+                           gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                           tensor_parallel_size=args.vllm_tensor_parallel_size, sleep=args.vllm_sleep,
+                           tolerance=args.sync_tolerance)
 
 
 def run_directory(args: Args, resuming: bool, accelerator) -> Path:
@@ -1671,19 +1699,21 @@ def save_checkpoint(accelerator, models: Models, engine, tokenizer, path: Path, 
         (tmp / "state").mkdir(parents=True)
     accelerator.wait_for_everyone()
     policy = accelerator.unwrap_model(models.policy)
-    weights = accelerator.get_state_dict(models.policy)  # (gathered whole on the main process when sharded)
+    weights = accelerator.get_state_dict(models.policy) or {}  # (gathered whole on the main process when sharded)
     if getattr(policy.config, "tie_word_embeddings", False):
         for name in getattr(policy, "_tied_weights_keys", None) or ():  # a gathered copy of a tied weight: saved once
             weights.pop(name, None)
     policy.save_pretrained(tmp, is_main_process=main_process, save_function=accelerator.save, state_dict=weights,
                            safe_serialization=True)
-    # data parallel: every process holds the same optimizer states, saved once; sharded: each its own shard
+    # data parallel: every process holds the same optimizer states, saved once; sharded: each its own shard (under
+    # ZeRO-3 the torch optimizer inside DeepSpeed's, with the fp32 weights it updates: rl/zero3.py)
     shard = f"_{accelerator.process_index}" if sharded(accelerator) else ""
+    save_optimizer = zero3.save_optimizer if zero3.active(accelerator) else checkpoint_lib.save_optimizer
     for name, optimizer in (("optimizer", models.optimizer), ("critic_optimizer", models.critic_optimizer)):
         if optimizer is not None and (main_process or shard):
-            checkpoint_lib.save_optimizer(optimizer, tmp / "state" / f"{name}{shard}.safetensors")
+            save_optimizer(optimizer, tmp / "state" / f"{name}{shard}.safetensors")
     if models.critic is not None:
-        critic = accelerator.get_state_dict(models.critic)  # (gathered to the main process when sharded)
+        critic = accelerator.get_state_dict(models.critic) or {}  # (gathered to the main process when sharded)
         if main_process:
             save_file({key: value.contiguous() for key, value in critic.items()}, str(tmp / "state" / "critic.safetensors"))
     if main_process:
@@ -1698,7 +1728,8 @@ def save_checkpoint(accelerator, models: Models, engine, tokenizer, path: Path, 
     if main_process:
         (tmp / "README.md").unlink(missing_ok=True)  # PEFT's model card for an adapter: not part of the state
         tokenizer.save_pretrained(tmp)
-        state = {"step": step, "logs": logs.sizes(), "nonfinite_streak": models.nonfinite_streak}
+        state = {"step": step, "logs": logs.sizes(), "nonfinite_streak": models.nonfinite_streak,
+                 "processes": accelerator.num_processes}
         (tmp / checkpoint_lib.STATE).write_text(json.dumps(state) + "\n")
         checkpoint_lib.publish(tmp, path)
         checkpoint_lib.prune(path.parent.parent, keep)
@@ -1710,14 +1741,18 @@ def resume(accelerator, models: Models, engine, checkpoint: Path) -> dict:
     policy's and critic's weights were loaded from it by build_models); returns its trainer_state.json."""
     state = checkpoint / "state"
     shard = f"_{accelerator.process_index}" if sharded(accelerator) else ""
-    if shard and not (state / f"optimizer{shard}.safetensors").is_file():
-        raise SystemExit(f"--resume {checkpoint}: it holds no optimizer shard for process {accelerator.process_index}; "
-                         "a sharded run resumes with the same number of processes and FSDP, as it was saved")
-    checkpoint_lib.load_optimizer(models.optimizer, state / f"optimizer{shard}.safetensors")
+    trainer_state = json.loads((checkpoint / checkpoint_lib.STATE).read_text())
+    saved_by = trainer_state.get("processes", accelerator.num_processes)
+    if shard and (saved_by != accelerator.num_processes or not (state / f"optimizer{shard}.safetensors").is_file()):
+        raise SystemExit(f"--resume {checkpoint}: its optimizer states are {saved_by} processes' shards, and this launch "
+                         f"has {accelerator.num_processes}; a sharded run resumes with the same number of processes and "
+                         "the same launch config (FSDP2 or ZeRO-3), as it was saved")
+    load_optimizer = zero3.load_optimizer if zero3.active(accelerator) else checkpoint_lib.load_optimizer
+    load_optimizer(models.optimizer, state / f"optimizer{shard}.safetensors")
     schedulers = json.loads((state / "schedulers.json").read_text())
     models.scheduler.load_state_dict(schedulers["policy"])
     if models.critic is not None:  # (its weights were loaded by build_models)
-        checkpoint_lib.load_optimizer(models.critic_optimizer, state / f"critic_optimizer{shard}.safetensors")
+        load_optimizer(models.critic_optimizer, state / f"critic_optimizer{shard}.safetensors")
         models.critic_scheduler.load_state_dict(schedulers["critic"])
     if accelerator.scaler is not None and schedulers["scaler"] is not None:
         accelerator.scaler.load_state_dict(schedulers["scaler"])
@@ -1732,7 +1767,6 @@ def resume(accelerator, models: Models, engine, checkpoint: Path) -> dict:
               f"{'sampler' if rng.is_file() else 'random and sampler'} state of the run"
               + (f" ({engine.name} engine)" if engine is not None else "")
               + ": its samples will differ from an uninterrupted run's")
-    trainer_state = json.loads((checkpoint / checkpoint_lib.STATE).read_text())
     models.nonfinite_streak = trainer_state.get("nonfinite_streak", {})
     return trainer_state
 
@@ -1753,10 +1787,12 @@ def print_plan(args: Args, accelerator) -> None:
     if args.launch_config:
         launch = yaml.safe_load(Path(args.launch_config).read_text())
         processes = int(launch.get("num_processes", 1))
-        is_sharded = launch.get("distributed_type") == "FSDP"
+        is_sharded = launch.get("distributed_type") in ("FSDP", "DEEPSPEED")
+        deepspeed_bf16 = launch.get("distributed_type") == "DEEPSPEED" and launch.get("mixed_precision") == "bf16"
         how = f"{args.launch_config}: {launch.get('distributed_type')} over {processes} processes"
     else:
         processes, is_sharded = accelerator.num_processes, sharded(accelerator)
+        deepspeed_bf16 = zero3.active(accelerator) and accelerator.mixed_precision == "bf16"
         how = f"this launch: {accelerator.distributed_type.value} over {processes} processes"
     config = AutoConfig.from_pretrained(adapter_base(args.model) if is_adapter(args.model) else resolve(args.model))
     gpu_gib = args.gpu_gib or (torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0)
@@ -1767,7 +1803,7 @@ def print_plan(args: Args, accelerator) -> None:
                     checkpointing=args.gradient_checkpointing, engine=engine_kind(args.engine),
                     engine_share=args.vllm_gpu_memory_utilization, engine_sleeps=args.vllm_sleep, gpu_gib=gpu_gib,
                     batch=args.gen_batch_size, context=args.max_tokens,
-                    logits_elements=min(CHUNK_ELEMENTS, micro_tokens * config.vocab_size))
+                    logits_elements=min(CHUNK_ELEMENTS, micro_tokens * config.vocab_size), bf16_weights=deepspeed_bf16)
     if not accelerator.is_main_process:
         return None
     print(f"memory plan per GPU: {args.model} ({estimate['parameters']:,} parameters, {estimate['trained']:,} trained), "
@@ -1779,7 +1815,7 @@ def print_plan(args: Args, accelerator) -> None:
     spare = gpu_gib - estimate["peak_gib"]
     print(f"peak {estimate['peak_gib']:.1f} GiB of {gpu_gib:.0f}: " + (f"fits, {spare:.1f} GiB to spare" if spare > 0.05 * gpu_gib else
           "does not fit" + (" (under 5% to spare)" if spare > 0 else "") + "; to need less: --gradient-checkpointing, a smaller "
-          "--max-tokens-per-micro-batch, --lora-rank 16, FSDP2 over more GPUs (configs/fsdp2.yaml), "
+          "--max-tokens-per-micro-batch, --lora-rank 16, FSDP2 or ZeRO-3 over more GPUs (configs/fsdp2.yaml, zero3.yaml), "
           "configs/fsdp2_offload.yaml, --offload-reference, or a smaller --vllm-gpu-memory-utilization"))
     return None
 
@@ -1788,14 +1824,27 @@ def print_plan(args: Args, accelerator) -> None:
 # The training loop
 
 
-def main(args: Args) -> Path | None:
+def make_accelerator(args: Args):
+    """Accelerate's set-up for this launch (configs/), and the mixed precision it trains in. Schedulers step
+    once per optimizer step (by default Accelerate steps them once per process); without a GPU the processes
+    talk over gloo (DeepSpeed would otherwise ask for oneCCL); DeepSpeed's config is settled (rl/zero3.py)."""
     from accelerate import Accelerator
-    from accelerate.utils import gather_object, set_seed
+    from accelerate.utils import InitProcessGroupKwargs
 
     mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
-    # schedulers step once per optimizer step (by default Accelerate steps them once per process)
-    accelerator = Accelerator(mixed_precision=mixed, step_scheduler_with_optimizer=False)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed and not torch.cuda.is_available() else []
+    accelerator = Accelerator(mixed_precision=mixed, step_scheduler_with_optimizer=False, kwargs_handlers=handlers)
     check(args, accelerator.num_processes, accelerator.distributed_type.value)
+    if zero3.active(accelerator):
+        zero3.configure(accelerator, args.grad_clip)
+    return accelerator, mixed
+
+
+def main(args: Args) -> Path | None:
+    from accelerate.utils import gather_object, set_seed
+
+    accelerator, mixed = make_accelerator(args)
     set_seed(args.seed + accelerator.process_index)
     if args.dry_run:  # the memory plan, before anything heavy
         return print_plan(args, accelerator)

@@ -5,7 +5,8 @@ A checkpoint is a directory runs/<run>/checkpoints/step_<k>:
     model.safetensors, config.json, tokenizer   the policy: a Hugging Face model directory (eval.py, vLLM)
     state/critic.safetensors                    PPO's critic
     state/<name>.safetensors                    each optimizer: its tensors, its param groups as JSON metadata
-                                                (<name>_<process>: each process's shard, under FSDP2)
+                                                (<name>_<process>: each process's shard, under FSDP2
+                                                and ZeRO-3, whose shard also holds its fp32 weights)
     state/schedulers.json                       the learning-rate schedulers (and fp16's loss scaler)
     state/rng_<process>.safetensors             Python's, NumPy's and torch's (CPU, CUDA) random state
     state/sampler_<process>.safetensors         the rollout engine's sampler
@@ -114,12 +115,13 @@ def _step(checkpoint: Path) -> int:
 # Optimizers and random state as tensors + JSON
 
 
-def save_optimizer(optimizer, path: Path) -> None:
+def save_optimizer(optimizer, path: Path, extra: dict[str, torch.Tensor] | None = None) -> None:
     """An optimizer's state dict: per-parameter tensors as `state.<param>.<key>`, everything else
     (param groups, non-tensor state such as a step count kept as a number) as JSON metadata. A sharded
-    parameter's state (a DTensor, FSDP2) is saved as this process's shard, and listed in the metadata."""
+    parameter's state (a DTensor, FSDP2) is saved as this process's shard, and listed in the metadata.
+    `extra` tensors (ZeRO-3's fp32 weights) are saved beside, under their own names."""
     state_dict = optimizer.state_dict()
-    tensors, numbers, shards = {}, {}, []
+    tensors, numbers, shards = dict(extra or {}), {}, []
     for param, entries in state_dict["state"].items():
         for key, value in entries.items():
             if hasattr(value, "to_local"):
@@ -133,15 +135,20 @@ def save_optimizer(optimizer, path: Path) -> None:
     save_file(tensors, str(path), metadata={"optimizer": json.dumps(meta)})
 
 
-def load_optimizer(optimizer, path: Path) -> None:
-    """The inverse of save_optimizer; a shard becomes a DTensor again, laid out as its parameter is."""
+def load_optimizer(optimizer, path: Path) -> dict[str, torch.Tensor]:
+    """The inverse of save_optimizer; a shard becomes a DTensor again, laid out as its parameter is. Returns
+    the extra tensors."""
     from torch.distributed.tensor import DTensor
 
     params = [param for group in optimizer.param_groups for param in group["params"]]
+    extra = {}
     with safe_open(str(path), framework="pt") as f:
         meta = json.loads(f.metadata()["optimizer"])
         state: dict[int, dict] = {int(p): dict(v) for p, v in meta["numbers"].items()}
         for name in f.keys():
+            if not name.startswith("state."):
+                extra[name] = f.get_tensor(name)
+                continue
             _, param, key = name.split(".", 2)
             value = f.get_tensor(name)
             if name in meta.get("shards", ()):
@@ -150,6 +157,7 @@ def load_optimizer(optimizer, path: Path) -> None:
                                            shape=like.shape, stride=like.stride())
             state.setdefault(int(param), {})[key] = value
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    return extra
 
 
 def save_rng(path: Path) -> None:

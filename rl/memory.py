@@ -79,22 +79,26 @@ def activation_bytes(config, tokens: int, checkpointing: bool) -> int:
 def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], processes: int, sharded: bool,
          reference: bool, offload_reference: bool, micro_tokens: int, checkpointing: bool, engine: str,
          engine_share: float, engine_sleeps: bool, gpu_gib: float, batch: int, context: int,
-         logits_elements: int) -> dict:
+         logits_elements: int, bf16_weights: bool = False) -> dict:
     """Each phase's estimated peak per GPU, by what holds the memory. The trainer keeps fp32 weights (bf16 only
     under autocast) and AdamW's two fp32 moments per trained parameter; a sharded run (FSDP2) holds 1/processes
     of each, plus one whole layer at a time while it computes. Rollout: the weights and optimizer states stay, the
     gradients are freed, and the engine works (vLLM: its share of the GPU; HF: the KV cache of a batch).
     Update: gradients and activations of one micro-batch, and the chunk of logits being scored; a vLLM engine
-    asleep (--vllm-sleep) holds nothing then."""
+    asleep (--vllm-sleep) holds nothing then. `bf16_weights`: DeepSpeed under bf16 keeps the models' weights in
+    bf16, and the fp32 copy of the trained ones in its optimizer."""
     total, trained = parameters(config, lora_rank, lora_targets)
     shards = processes if sharded else 1
-    layer = 4 * total / config.num_hidden_layers if sharded else 0  # a gathered layer, beyond the shard
-    held = {"policy weights (fp32)": 4 * total / shards + layer,
+    width, dtype = (2, "bf16") if bf16_weights else (4, "fp32")
+    layer = width * total / config.num_hidden_layers if sharded else 0  # a gathered layer, beyond the shard
+    held = {f"policy weights ({dtype})": width * total / shards + layer,
+            **({"fp32 master weights": 4 * trained / shards} if bf16_weights else {}),
             "AdamW moments (fp32)": 8 * trained / shards}
     if reference and not lora_rank:
-        held["reference (fp32)" + (", in CPU memory" if offload_reference else "")] = 0 if offload_reference else 4 * total / shards
+        held[f"reference ({dtype})" + (", in CPU memory" if offload_reference else "")] = \
+            0 if offload_reference else width * total / shards
     if algo == "ppo":
-        held["critic weights and AdamW moments"] = 12 * total / shards
+        held["critic weights and AdamW moments"] = (12 + (width if bf16_weights else 0)) * total / shards
     if engine == "vllm":
         engine_bytes = engine_share * gpu_gib * GiB
     else:  # KV cache of a generation batch: 2 (K, V) x layers x kv heads x head size, 16-bit

@@ -107,21 +107,42 @@ def add_lora(model, rank: int, alpha: float, targets: tuple[str, ...]):
 
 def full_weights(model):
     """(name, tensor) of every weight, in the base model's naming, as an engine loads them: LoRA adapters merged
-    in, and a sharded (FSDP2) parameter gathered whole, one at a time (every process must iterate alike)."""
+    in, and a sharded parameter (FSDP2's DTensor, ZeRO-3's partition) gathered whole, one module's at a time (every
+    process must iterate alike)."""
     from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    from rl.zero3 import gathered
 
     base = model.get_base_model() if isinstance(model, PeftModel) else model
-    for name, tensor in base.state_dict().items():
-        if ".lora_" in name:
-            continue  # merged into its layer's weight below
-        if ".base_layer." in name:
-            layer = base.get_submodule(name.split(".base_layer.")[0])
-            name = name.replace(".base_layer.", ".")
-            if name.endswith(".weight") and not layer.merged:
-                tensor = tensor + sum(layer.get_delta_weight(adapter) for adapter in layer.active_adapters)
-        if hasattr(tensor, "full_tensor"):  # a DTensor: this process holds a shard
-            tensor = tensor.full_tensor()
-        yield name, tensor.detach()
+    done = ()  # the prefixes of LoRA layers: their modules are yielded with the layer
+    for prefix, module in base.named_modules():
+        if prefix.startswith(done):
+            continue
+        adapted = isinstance(module, LoraLayer)
+        with gathered(module.parameters(recurse=adapted)):
+            if adapted:
+                done += (prefix + ".",)
+                layer, merged = module, module.merged
+                module = module.get_base_layer()
+            for key, tensor in _own_state(module):
+                if adapted and key == "weight" and not merged:
+                    tensor = tensor + sum(layer.get_delta_weight(adapter) for adapter in layer.active_adapters)
+                if hasattr(tensor, "full_tensor"):  # a DTensor: this process holds a shard
+                    tensor = tensor.full_tensor()
+                elif hasattr(tensor, "ds_id"):  # a ZeRO-3 partition, whole only inside the gather: copied out
+                    tensor = tensor.clone()
+                yield (f"{prefix}.{key}" if prefix else key), tensor.detach()
+
+
+def _own_state(module):
+    """A module's own entries of its state dict: its parameters and persistent buffers, not its children's."""
+    for key, tensor in module._parameters.items():
+        if tensor is not None:
+            yield key, tensor
+    for key, tensor in module._buffers.items():
+        if tensor is not None and key not in module._non_persistent_buffers_set:
+            yield key, tensor
 
 
 def load_value_model(name: str, dtype: torch.dtype = torch.float32):

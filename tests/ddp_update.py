@@ -3,6 +3,8 @@ or sharded:
     python -m torch.distributed.run --standalone --nproc_per_node N tests/ddp_update.py OUT_DIR
     ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/fsdp2.yaml --num_processes N tests/cpu_fsdp.py \
         tests/ddp_update.py OUT_DIR                                    # FSDP2 (see tests/cpu_fsdp.py)
+    accelerate launch --config_file configs/zero3.yaml --num_processes N --mixed_precision no \
+        tests/ddp_update.py OUT_DIR                                    # DeepSpeed ZeRO-3 (gloo without a GPU)
 Six trajectories in two groups, split contiguously over the processes: three short ones (3 action
 tokens, rewards 1, 0, and an env error, so no outcome) and three long ones (40 action tokens, rewards
 0, 1, 1). Split over two processes, one holds 4 action tokens in 2 sequences and the other 120 in 3.
@@ -20,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import rl  # noqa: F401,E402 - before torch (see rl/__init__.py)
 import torch  # noqa: E402
-from accelerate import Accelerator  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 import train  # noqa: E402
+from rl import zero3  # noqa: E402
 from rl.model import full_weights  # noqa: E402
 from rollout import Trajectory  # noqa: E402
 
@@ -46,17 +48,45 @@ def trajectories() -> list[Trajectory]:
 CASES = {f"{algo}_{aggregation}": ["--algo", algo, "--loss-agg", aggregation]
          for algo in ("grpo", "reinforce_pp") for aggregation in ("token-mean", "seq-mean-token-mean")}
 CASES["packed"] = ["--algo", "grpo", "--loss-agg", "seq-mean-token-mean", "--max-tokens-per-micro-batch", "70", "--pack"]
+# the optimizer step skipped, every process alike, when only the first process's first micro-batch (not the last of
+# the mini-batch: gradients accumulate after it) has a NaN loss ("nan_gradient": its gradient is NaN too) or a NaN
+# statistic ("nan_loss": its gradient stays finite); OUT_DIR/<case>_skipped_<process> holds the count of skipped steps
+NAN_CASES = {"nan_gradient": ["--algo", "grpo"], "nan_loss": ["--algo", "grpo"]}
 
 
-def whole(tensor):
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+def gradient(parameter):
+    """A parameter's whole gradient: gathered when sharded (every process calls this alike)."""
+    if hasattr(parameter, "ds_id"):  # a ZeRO-3 partition
+        return zero3.full_grad(parameter)
+    return parameter.grad.full_tensor() if hasattr(parameter.grad, "full_tensor") else parameter.grad
+
+
+def poison(case: str, rank: int) -> None:
+    """The first process's first micro-batch of the update: its policy loss NaN, or only counted as not finite."""
+    real_update, real_loss, calls = train.update_policy, train.policy_loss, []
+
+    def nan_loss(*args, **kwargs):
+        loss, clipped = real_loss(*args, **kwargs)
+        return loss * float("nan"), clipped
+
+    def update_policy(models, micro, counts, args, accelerator, last, finite):
+        calls.append(micro)
+        first = rank == 0 and len(calls) == 1
+        train.policy_loss = nan_loss if first and case == "nan_gradient" else real_loss
+        terms = real_update(models, micro, counts, args, accelerator, last, finite)
+        train.policy_loss = real_loss
+        if first:
+            finite["policy"] = False  # (for nan_gradient it already is)
+        return terms
+
+    train.update_policy = update_policy
 
 
 def main(out_dir: Path) -> None:
-    accelerator = Accelerator()
+    accelerator, _ = train.make_accelerator(train.parse_args(["--tasks-per-step", "2"]))
     world, rank = accelerator.num_processes, accelerator.process_index
     mine = trajectories()[rank * 6 // world:(rank + 1) * 6 // world]
-    for name, flags in CASES.items():
+    for name, flags in (CASES | NAN_CASES).items():
         args = train.parse_args(["--tasks-per-step", "2", "--n", "3", "--micro-batch-size", "2", "--minibatches", "1",
                                  "--kl-coef", "0", *flags])
         models = train.build_models(args, accelerator, args.model)
@@ -64,7 +94,7 @@ def main(out_dir: Path) -> None:
         original = train.optimizer_step
 
         def recording(model, *rest):  # (a sharded gradient is gathered whole: every process calls this alike)
-            gradients.update({name: whole(p.grad).detach().clone() for name, p in accelerator.unwrap_model(model).named_parameters()})
+            gradients.update({name: gradient(p).detach().clone() for name, p in accelerator.unwrap_model(model).named_parameters()})
             return original(model, *rest)
 
         train.optimizer_step = recording
@@ -73,8 +103,14 @@ def main(out_dir: Path) -> None:
         advantages, returns = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok,
                                                    train.reducer(accelerator))
         train.attach(batch, advantages, returns)
-        train.update(models, batch, args, accelerator, step=1)
-        train.optimizer_step = original
+        plain = train.update_policy
+        if name in NAN_CASES:
+            poison(name, rank)
+        sums, _ = train.update(models, batch, args, accelerator, step=1)
+        train.optimizer_step, train.update_policy = original, plain
+        if name in NAN_CASES:
+            save_file({"skipped": torch.tensor(float(sums.get("nonfinite_updates", 0)))},
+                      str(out_dir / f"{name}_skipped_{rank}.safetensors"))
         weights = {key: value.clone() for key, value in full_weights(accelerator.unwrap_model(models.policy))}
         if accelerator.is_main_process:
             save_file(gradients, str(out_dir / f"{name}.safetensors"))

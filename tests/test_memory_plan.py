@@ -70,3 +70,9 @@ def test_sharding_divides_the_state_and_a_plan_needs_no_weights(monkeypatch, cap
     train.main(train.parse_args(["--dry-run", "--engine", "hf", "--launch-config", "configs/fsdp2.yaml", "--gpu-gib", "80"]))
     printed = capsys.readouterr().out
     assert "configs/fsdp2.yaml: FSDP over 8 processes" in printed and "fits" in printed
+    train.main(train.parse_args(["--dry-run", "--engine", "hf", "--launch-config", "configs/zero3.yaml", "--gpu-gib", "80"]))
+    printed = capsys.readouterr().out  # (DeepSpeed under bf16: bf16 weights, and the fp32 ones in its optimizer)
+    assert "configs/zero3.yaml: DEEPSPEED over 8 processes" in printed and "fp32 master weights" in printed
+    zero3 = plan(config, **SETTINGS | {"processes": 8, "sharded": True, "bf16_weights": True})["phases"]["update"]
+    assert zero3["policy weights (bf16)"] == sharded["policy weights (fp32)"] / 2
+    assert zero3["fp32 master weights"] == alone["policy weights (fp32)"] / 8

@@ -19,6 +19,7 @@ import train
 from envs.babyai import BabyAI
 from rl import advantages as adv_lib
 from rl import plots
+from rl import zero3
 from rl.engines import engine_kind
 from rl.model import EMBEDDED
 from rl.batch import make_batch, plan
@@ -320,12 +321,32 @@ def test_reference_equals_the_policy_at_the_first_update(tmp_path):
 
 
 def test_launches_that_cannot_work_are_refused():
-    for distributed in ("MULTI_GPU", "FSDP"):  # data-parallel and sharded runs
+    for distributed in ("MULTI_GPU", "FSDP", "DEEPSPEED"):  # data-parallel and sharded runs
         train.check(train.parse_args([]), world=2, distributed=distributed)
-    with pytest.raises(SystemExit, match="configs/fsdp2.yaml"):
-        train.check(train.parse_args([]), world=2, distributed="DEEPSPEED")
-    with pytest.raises(SystemExit, match="agentevol resets"):
-        train.check(train.parse_args(["--algo", "agentevol", "--data", "x.jsonl"]), world=2, distributed="FSDP")
+    with pytest.raises(SystemExit, match="configs/zero3.yaml"):
+        train.check(train.parse_args([]), world=2, distributed="MEGATRON_LM")
+    for distributed in ("FSDP", "DEEPSPEED"):
+        with pytest.raises(SystemExit, match="agentevol resets"):
+            train.check(train.parse_args(["--algo", "agentevol", "--data", "x.jsonl"]), world=2, distributed=distributed)
+        with pytest.raises(SystemExit, match="offload"):
+            train.check(train.parse_args(["--offload-reference"]), world=2, distributed=distributed)
+
+
+def test_deepspeed_runs_at_zero3_with_one_micro_batch_per_engine_step():
+    """rl/zero3.py settles DeepSpeed's config: ZeRO-3 only, no fp16 (its loss-scaler skips would pass for NaN
+    steps), the engine stepping once per train.py step (no accumulation or loss scaling of its own), --grad-clip."""
+    def accelerator(config):
+        plugin = types.SimpleNamespace(deepspeed_config=config)
+        return types.SimpleNamespace(state=types.SimpleNamespace(deepspeed_plugin=plugin))
+
+    config = {"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 4, "bf16": {"enabled": True}}
+    zero3.configure(accelerator(config), grad_clip=0.5)
+    assert config["gradient_accumulation_steps"] == 1 and config["train_micro_batch_size_per_gpu"] == 1
+    assert config["gradient_clipping"] == 0.5 and config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
+    with pytest.raises(SystemExit, match="stage 2"):
+        zero3.configure(accelerator({"zero_optimization": {"stage": 2}}), grad_clip=1.0)
+    with pytest.raises(SystemExit, match="bf16"):
+        zero3.configure(accelerator({"zero_optimization": {"stage": 3}, "fp16": {"enabled": True}}), grad_clip=1.0)
 
 
 def test_unknown_flag_is_rejected():
@@ -485,14 +506,18 @@ def test_two_processes_split_the_tasks_and_log_every_episode(tmp_path):
     assert [m["charts/critic_lr"] for m in metrics] == pytest.approx([1e-3 * 2 / 4, 1e-3 * 3 / 4])
 
 
-def launch(processes: int, *argv: str, config: str | None = None) -> subprocess.CompletedProcess:
+def launch(processes: int, *argv: str, config: str | None = None, mixed: str = "no") -> subprocess.CompletedProcess:
     """Run a script in `processes` CPU processes (gloo): data-parallel, or with an Accelerate launch config
-    (configs/fsdp2.yaml: FSDP2, through tests/cpu_fsdp.py)."""
+    (configs/fsdp2.yaml: FSDP2, through tests/cpu_fsdp.py; configs/zero3.yaml: DeepSpeed ZeRO-3, which runs on CPU
+    as it is, unless told to use the CPU: that would drop DeepSpeed)."""
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes), *argv]
     if config is not None:
+        wrapper = ["tests/cpu_fsdp.py"] if "fsdp" in config else []
+        if not wrapper:
+            env.pop("ACCELERATE_USE_CPU")
         command = ["accelerate", "launch", "--config_file", config, "--num_processes", str(processes),
-                   "--mixed_precision", "no", "--main_process_port", "0", "tests/cpu_fsdp.py", *argv]
+                   "--mixed_precision", mixed, "--main_process_port", "0", *wrapper, *argv]
     done = subprocess.run(command, cwd=Path(train.__file__).parent, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
@@ -511,13 +536,15 @@ def test_two_process_update_equals_the_one_process_update(tmp_path):
         assert one.keys() == two.keys()
         for name in one:
             torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-7, msg=f"{case}: {name}")
+    assert_nan_steps_skipped(tmp_path, {"1": 1, "2": 2})
 
 
-def test_fsdp2_update_equals_the_one_process_update(tmp_path):
-    """Two processes under FSDP2 (configs/fsdp2.yaml, gloo), each holding half of every weight, gradient and Adam
+@pytest.mark.parametrize("sharding", ["configs/fsdp2.yaml", "configs/zero3.yaml"])
+def test_sharded_update_equals_the_one_process_update(tmp_path, sharding):
+    """Two processes under FSDP2 or DeepSpeed ZeRO-3 (gloo), each holding half of every weight, gradient and Adam
     moment: the gathered gradient is the one-process gradient, and both processes end with identical whole weights,
     equal to the one-process run's."""
-    for processes, config in ((1, None), (2, "configs/fsdp2.yaml")):
+    for processes, config in ((1, None), (2, sharding)):
         (tmp_path / str(processes)).mkdir()
         launch(processes, "tests/ddp_update.py", str(tmp_path / str(processes)), config=config)
     for case in ddp_update.CASES:
@@ -535,16 +562,28 @@ def test_fsdp2_update_equals_the_one_process_update(tmp_path):
             settled = gradient.abs() > 1e-6
             torch.testing.assert_close(first[name][settled], single[name][settled], rtol=0, atol=1e-6, msg=f"{case}: {name}")
             assert float((first[name] - single[name]).abs().max()) < lr, f"{case}: {name}"
+    assert_nan_steps_skipped(tmp_path, {"1": 1, "2": 2})
 
 
-def test_a_sharded_run_checkpoints_and_resumes_exactly(tmp_path):
-    """train.py under FSDP2 on two processes (PPO: the policy, the reference and the critic sharded; the HF engine
-    samples from a whole copy synced after every update): the checkpoint holds the whole policy and each process's
-    optimizer shards, and a run resumed from step 1 logs what the uninterrupted one did."""
+def assert_nan_steps_skipped(runs: Path, processes: dict[str, int]) -> None:
+    """tests/ddp_update.py's NaN cases: every process skipped the step, and holds the initial weights."""
+    initial = load_file(EMBEDDED["tiny-agent"] / "model.safetensors")
+    for case, run, rank in ((c, r, k) for c in ddp_update.NAN_CASES for r, n in processes.items() for k in range(n)):
+        assert float(load_file(runs / run / f"{case}_skipped_{rank}.safetensors")["skipped"]) == 1, (case, run, rank)
+        weights = load_file(runs / run / f"{case}_weights_{rank}.safetensors")
+        assert all(torch.equal(weights[name], initial[name]) for name in initial), (case, run, rank)
+
+
+@pytest.mark.parametrize("sharding, mixed", [("configs/fsdp2.yaml", "no"), ("configs/zero3.yaml", "bf16")])
+def test_a_sharded_run_checkpoints_and_resumes_exactly(tmp_path, sharding, mixed):
+    """train.py under FSDP2 or ZeRO-3 on two processes (PPO: the policy, the reference and the critic sharded; the HF
+    engine samples from a whole copy synced after every update): the checkpoint holds the whole policy and each
+    process's optimizer shards, and a run resumed from step 1 logs what the uninterrupted one did. (DeepSpeed under
+    bf16 keeps bf16 weights and their fp32 originals in its optimizer, which the shards restore.)"""
     argv = ["train.py", "--algo", "ppo", "--n", "1", "--steps", "2", "--tasks-per-step", "2", "--horizon", "2",
             "--max-new-tokens", "16", "--eval-every", "0", "--engine", "hf", "--save-every", "1", "--out-dir",
-            str(tmp_path), "--run-name", "sharded"]
-    launch(2, *argv, config="configs/fsdp2.yaml")
+            str(tmp_path), "--run-name", "sharded", "--mixed-precision", mixed]
+    launch(2, *argv, config=sharding, mixed=mixed)
     run_dir = tmp_path / "sharded"
     state = run_dir / "checkpoints" / "step_2" / "state"
     assert {p.name for p in state.glob("*optimizer*")} == {"optimizer_0.safetensors", "optimizer_1.safetensors",
@@ -552,7 +591,7 @@ def test_a_sharded_run_checkpoints_and_resumes_exactly(tmp_path):
     whole = load_file(run_dir / "checkpoints" / "step_2" / "model.safetensors")
     assert whole.keys() == load_file(EMBEDDED["tiny-agent"] / "model.safetensors").keys()
     uninterrupted = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    launch(2, "train.py", "--resume", str(run_dir / "checkpoints" / "step_1"), config="configs/fsdp2.yaml")
+    launch(2, "train.py", "--resume", str(run_dir / "checkpoints" / "step_1"), config=sharding, mixed=mixed)
     resumed = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["charts/step"] for m in resumed] == [1, 2]
     for key in ("rollout/reward", "losses/kl", "losses/value", "losses/grad_norm", "critic/value"):
