@@ -875,7 +875,7 @@ def optimizer_step(model, optimizer, scheduler, args: Args, accelerator, finite:
     whose scaled gradients overflowed and lowers its scale, as it should: not a fault). A DeepSpeed engine
     does all of it itself (rl/zero3.py; a loss that was not finite already poisoned its gradients)."""
     if zero3.is_engine(model):
-        return zero3.step(model)
+        return zero3.step(model, scheduler)
     grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), args.grad_clip))
     flags = torch.tensor([float(not finite), float(not math.isfinite(grad_norm))])
     reduce = reducer(accelerator)
@@ -1158,22 +1158,29 @@ def offline_terms(models: Models, micro: dict, args: Args, accelerator) -> tuple
 def offline_pass(models: Models, examples: list, args: Args, accelerator, pad_id: int, train: bool) -> dict[str, float]:
     """Forward (and when `train`, backward) over this process's share of a batch of examples, the loss
     divided by the batch's size over all processes (its action tokens for sft, its pairs for dpo), so
-    that the accumulated gradient is the batch's mean however it is split. Returns the statistics
-    summed over every process."""
+    that the accumulated gradient is the batch's mean however it is split. Every process runs as many
+    micro-batches, the most any needs (blank ones, which weigh nothing, after its own): the passes of a
+    sharded model and the gradient all-reduce are collective. Returns the statistics summed over every
+    process."""
     share = examples[accelerator.process_index::accelerator.num_processes]
     micros = micro_batches(args, share, pad_id) if share else []
     local = sum(float(m["loss_mask"].sum()) if args.algo != "dpo" else m["input_ids"].shape[0] / 2 for m in micros)
-    reduce = reducer(accelerator)
-    size = float(reduce(torch.tensor([local]))[0] if reduce is not None else local) / accelerator.num_processes
+    reduce, most = reducer(accelerator), reducer(accelerator, "max")
+    local = torch.tensor([local], dtype=torch.float64)  # (a process with no share has the int 0: same dtype everywhere)
+    size = float((reduce(local) if reduce is not None else local)[0]) / accelerator.num_processes
+    count = int(most(torch.tensor([len(micros)]))) if most is not None else len(micros)
+    blank = pad([([pad_id], [0])] * (2 if args.algo == "dpo" else 1), pad_id)  # (dpo: a chosen and a rejected row)
     sums: dict[str, float] = {}
     finite = True
-    for k, micro in enumerate(micros):
-        micro = {key: value.to(accelerator.device) for key, value in micro.items()}
-        with gradient_sync(accelerator, [models.policy], now=k == len(micros) - 1) if train else torch.no_grad():
+    for k in range(count):
+        micro = {key: value.to(accelerator.device) for key, value in (micros[k] if k < len(micros) else blank).items()}
+        with gradient_sync(accelerator, [models.policy], now=k == count - 1) if train else torch.no_grad():
             loss, terms = offline_terms(models, micro, args, accelerator)
-            finite &= math.isfinite(terms["nll" if args.algo != "dpo" else "loss"])
+            if k >= len(micros):
+                loss, terms = loss * 0.0, {}
+            finite &= math.isfinite(terms.get("nll", terms.get("loss", 0.0)))
             if train:
-                backward(models.policy, loss / max(size, 1e-9), accelerator, k == len(micros) - 1, finite)
+                backward(models.policy, loss / max(size, 1e-9), accelerator, k == count - 1, finite)
         for key, value in terms.items():
             sums[key] = sums.get(key, 0.0) + value
     keys = sorted(sums) or (["nll", "tokens"] if args.algo != "dpo" else ["loss", "pairs", "correct", "margin", "chosen", "rejected"])
@@ -1729,7 +1736,7 @@ def save_checkpoint(accelerator, models: Models, engine, tokenizer, path: Path, 
         (tmp / "README.md").unlink(missing_ok=True)  # PEFT's model card for an adapter: not part of the state
         tokenizer.save_pretrained(tmp)
         state = {"step": step, "logs": logs.sizes(), "nonfinite_streak": models.nonfinite_streak,
-                 "processes": accelerator.num_processes}
+                 "processes": accelerator.num_processes, "distributed": accelerator.distributed_type.value}
         (tmp / checkpoint_lib.STATE).write_text(json.dumps(state) + "\n")
         checkpoint_lib.publish(tmp, path)
         checkpoint_lib.prune(path.parent.parent, keep)
@@ -1743,10 +1750,13 @@ def resume(accelerator, models: Models, engine, checkpoint: Path) -> dict:
     shard = f"_{accelerator.process_index}" if sharded(accelerator) else ""
     trainer_state = json.loads((checkpoint / checkpoint_lib.STATE).read_text())
     saved_by = trainer_state.get("processes", accelerator.num_processes)
-    if shard and (saved_by != accelerator.num_processes or not (state / f"optimizer{shard}.safetensors").is_file()):
-        raise SystemExit(f"--resume {checkpoint}: its optimizer states are {saved_by} processes' shards, and this launch "
-                         f"has {accelerator.num_processes}; a sharded run resumes with the same number of processes and "
-                         "the same launch config (FSDP2 or ZeRO-3), as it was saved")
+    saved_under = trainer_state.get("distributed", accelerator.distributed_type.value)
+    if shard and (saved_by != accelerator.num_processes or saved_under != accelerator.distributed_type.value
+                  or not (state / f"optimizer{shard}.safetensors").is_file()):
+        raise SystemExit(f"--resume {checkpoint}: its optimizer states are the shards of {saved_by} processes under "
+                         f"{saved_under}, and this launch has {accelerator.num_processes} under "
+                         f"{accelerator.distributed_type.value}; a sharded run resumes with the same number of processes "
+                         "and the same launch config (FSDP2 or ZeRO-3), as it was saved")
     load_optimizer = zero3.load_optimizer if zero3.active(accelerator) else checkpoint_lib.load_optimizer
     load_optimizer(models.optimizer, state / f"optimizer{shard}.safetensors")
     schedulers = json.loads((state / "schedulers.json").read_text())
@@ -1788,7 +1798,8 @@ def print_plan(args: Args, accelerator) -> None:
         launch = yaml.safe_load(Path(args.launch_config).read_text())
         processes = int(launch.get("num_processes", 1))
         is_sharded = launch.get("distributed_type") in ("FSDP", "DEEPSPEED")
-        deepspeed_bf16 = launch.get("distributed_type") == "DEEPSPEED" and launch.get("mixed_precision") == "bf16"
+        precision = args.mixed_precision if args.mixed_precision != "auto" else launch.get("mixed_precision")
+        deepspeed_bf16 = launch.get("distributed_type") == "DEEPSPEED" and precision == "bf16"
         how = f"{args.launch_config}: {launch.get('distributed_type')} over {processes} processes"
     else:
         processes, is_sharded = accelerator.num_processes, sharded(accelerator)
@@ -1826,14 +1837,14 @@ def print_plan(args: Args, accelerator) -> None:
 
 def make_accelerator(args: Args):
     """Accelerate's set-up for this launch (configs/), and the mixed precision it trains in. Schedulers step
-    once per optimizer step (by default Accelerate steps them once per process); without a GPU the processes
-    talk over gloo (DeepSpeed would otherwise ask for oneCCL); DeepSpeed's config is settled (rl/zero3.py)."""
+    once per optimizer step (by default Accelerate steps them once per process); without any accelerator the
+    processes talk over gloo (DeepSpeed would otherwise ask for oneCCL); DeepSpeed's config is settled (rl/zero3.py)."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
     mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed and not torch.cuda.is_available() else []
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed and not torch.accelerator.is_available() else []
     accelerator = Accelerator(mixed_precision=mixed, step_scheduler_with_optimizer=False, kwargs_handlers=handlers)
     check(args, accelerator.num_processes, accelerator.distributed_type.value)
     if zero3.active(accelerator):

@@ -116,7 +116,7 @@ def full_weights(model):
 
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     done = ()  # the prefixes of LoRA layers: their modules are yielded with the layer
-    for prefix, module in base.named_modules():
+    for prefix, module in base.named_modules(remove_duplicate=False):  # (a module under two names: both, as state_dict)
         if prefix.startswith(done):
             continue
         adapted = isinstance(module, LoraLayer)

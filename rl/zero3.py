@@ -4,8 +4,9 @@ Accelerate prepares each model as a DeepSpeed engine that partitions its weights
 over the processes (as FSDP2 does) and gathers a layer's weights for its forward and backward. Three things differ
 from the plain PyTorch path, and they are all here:
 
-- The engine steps the optimizer itself (`engine.step()`: clip to `gradient_clipping`, step, zero the gradients,
-  step the scheduler), and skips a step whose gradients are not finite. train.py's update takes a varying number of
+- The engine steps the optimizer itself (`engine.step()`: clip to `gradient_clipping`, step, zero the gradients),
+  and skips a step whose gradients are not finite. (It would step only a scheduler of DeepSpeed's own kinds; ours,
+  a LambdaLR on the same optimizer, steps after each applied step.) train.py's update takes a varying number of
   micro-batches per optimizer step and normalises the loss over the whole mini-batch itself, so the engine is
   configured with one micro-batch per "accumulation boundary" (`gradient_accumulation_steps` 1: it never rescales
   the loss) and train.py calls `step()` once, after the mini-batch's last backward; ZeRO-3 accumulates the
@@ -51,7 +52,10 @@ def configure(accelerator, grad_clip: float) -> None:
         raise SystemExit("DeepSpeed with fp16 skips steps for its loss scaling, which train.py cannot tell from NaN "
                          "steps: use --mixed-precision bf16 (or mixed_precision: bf16 in the launch config)")
     config.update(REQUIRED)
+    config["train_batch_size"] = accelerator.num_processes  # (one micro-batch of "1" per process and engine step)
     config["gradient_clipping"] = grad_clip
+    # gradients summed over a mini-batch's micro-batches in fp32 (by default ZeRO-3 adds them in the weights' bf16)
+    config.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
     config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True  # (any dtype: the name is old)
     config.setdefault("zero_force_ds_cpu_optimizer", False)  # an offloaded optimizer stays torch's AdamW
 
@@ -113,12 +117,13 @@ def backward(model, loss: torch.Tensor, last: bool, finite: bool) -> None:
     model.backward(loss)
 
 
-def step(model) -> tuple[float | None, bool]:
-    """The engine's optimizer step (clipping, scheduler and zeroing included). Returns the gradient norm before
-    clipping (None when skipped) and whether the step was skipped for NaN or inf."""
+def step(model, scheduler) -> tuple[float | None, bool]:
+    """The engine's optimizer step (clipping and zeroing included), then the scheduler's if it was taken. Returns
+    the gradient norm before clipping (None when skipped) and whether the step was skipped for NaN or inf."""
     model.step()
     if not model.was_step_applied():
         return None, True
+    scheduler.step()
     return float(model.get_global_grad_norm()), False
 
 

@@ -337,11 +337,12 @@ def test_deepspeed_runs_at_zero3_with_one_micro_batch_per_engine_step():
     steps), the engine stepping once per train.py step (no accumulation or loss scaling of its own), --grad-clip."""
     def accelerator(config):
         plugin = types.SimpleNamespace(deepspeed_config=config)
-        return types.SimpleNamespace(state=types.SimpleNamespace(deepspeed_plugin=plugin))
+        return types.SimpleNamespace(state=types.SimpleNamespace(deepspeed_plugin=plugin), num_processes=2)
 
     config = {"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 4, "bf16": {"enabled": True}}
     zero3.configure(accelerator(config), grad_clip=0.5)
     assert config["gradient_accumulation_steps"] == 1 and config["train_micro_batch_size_per_gpu"] == 1
+    assert config["train_batch_size"] == 2 and config["data_types"]["grad_accum_dtype"] == "fp32"
     assert config["gradient_clipping"] == 0.5 and config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
     with pytest.raises(SystemExit, match="stage 2"):
         zero3.configure(accelerator({"zero_optimization": {"stage": 2}}), grad_clip=1.0)
@@ -582,7 +583,8 @@ def test_a_sharded_run_checkpoints_and_resumes_exactly(tmp_path, sharding, mixed
     bf16 keeps bf16 weights and their fp32 originals in its optimizer, which the shards restore.)"""
     argv = ["train.py", "--algo", "ppo", "--n", "1", "--steps", "2", "--tasks-per-step", "2", "--horizon", "2",
             "--max-new-tokens", "16", "--eval-every", "0", "--engine", "hf", "--save-every", "1", "--out-dir",
-            str(tmp_path), "--run-name", "sharded", "--mixed-precision", mixed]
+            str(tmp_path), "--run-name", "sharded", "--mixed-precision", mixed, "--warmup-steps", "4",
+            "--critic-lr-warmup-steps", "4"]
     launch(2, *argv, config=sharding, mixed=mixed)
     run_dir = tmp_path / "sharded"
     state = run_dir / "checkpoints" / "step_2" / "state"
@@ -594,8 +596,31 @@ def test_a_sharded_run_checkpoints_and_resumes_exactly(tmp_path, sharding, mixed
     launch(2, "train.py", "--resume", str(run_dir / "checkpoints" / "step_1"), config=sharding, mixed=mixed)
     resumed = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["charts/step"] for m in resumed] == [1, 2]
-    for key in ("rollout/reward", "losses/kl", "losses/value", "losses/grad_norm", "critic/value"):
+    for key in ("rollout/reward", "losses/kl", "losses/value", "losses/grad_norm", "critic/value", "charts/lr"):
         assert resumed[1][key] == uninterrupted[1][key], key
+    lr = train.PRESETS["tiny"].lr  # the warm-ups step with the optimizers: (k + 1) / 4 after k steps
+    assert [m["charts/lr"] for m in uninterrupted] == pytest.approx([lr * 2 / 4, lr * 3 / 4])
+    assert [m["charts/critic_lr"] for m in uninterrupted] == pytest.approx([1e-3 * 2 / 4, 1e-3 * 3 / 4])
+
+
+def test_sharded_sft_runs_when_the_processes_have_unequal_shares(tmp_path):
+    """SFT under ZeRO-3 on two processes whose shares of the held-out examples differ (an odd number of them): the
+    process with fewer runs a blank micro-batch (every pass of a sharded model is collective: it would otherwise wait
+    forever), which weighs nothing: the validation loss is the mean over all held-out action tokens, as on one
+    process."""
+    data = tmp_path / "expert.jsonl"
+    subprocess.run([sys.executable, "scripts/make_expert_data.py", "--env", "babyai", "--limit", "16", "--horizon", "6",
+                    "--max-tokens", "1536", "--out", str(data)], cwd=Path(train.__file__).parent, check=True,
+                   capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    records = train.read_data((str(data),), "babyai")
+    share = next(v for v in (0.2, 0.3, 0.4, 0.5, 0.6) if len(train.held_out(records, v, 0)[1]) % 2 == 1)
+    argv = ["--algo", "sft", "--data", str(data), "--steps", "1", "--batch-size", "2", "--micro-batch-size", "1",
+            "--validation", str(share), "--eval-every", "0", "--out-dir", str(tmp_path)]
+    launch(1, "train.py", *argv, "--run-name", "one")
+    launch(2, "train.py", *argv, "--run-name", "two", config="configs/zero3.yaml")
+    one, two = (json.loads((tmp_path / run / "metrics.jsonl").read_text()) for run in ("one", "two"))
+    assert two["sft/val_tokens"] == one["sft/val_tokens"] > 0
+    assert two["sft/val_loss"] == pytest.approx(one["sft/val_loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("agent", ["plan", "reflect"])
