@@ -1799,11 +1799,19 @@ def print_plan(args: Args, accelerator) -> None:
         processes = int(launch.get("num_processes", 1))
         is_sharded = launch.get("distributed_type") in ("FSDP", "DEEPSPEED")
         precision = args.mixed_precision if args.mixed_precision != "auto" else launch.get("mixed_precision")
-        deepspeed_bf16 = launch.get("distributed_type") == "DEEPSPEED" and precision == "bf16"
+        deepspeed = launch.get("distributed_type") == "DEEPSPEED"
+        deepspeed_bf16 = deepspeed and precision == "bf16"
+        offload = (launch.get("fsdp_config", {}).get("fsdp_offload_params") is True
+                   or "cpu" in {(launch.get("deepspeed_config") or {}).get(key) for key in
+                                ("offload_param_device", "offload_optimizer_device")})
         how = f"{args.launch_config}: {launch.get('distributed_type')} over {processes} processes"
     else:
         processes, is_sharded = accelerator.num_processes, sharded(accelerator)
-        deepspeed_bf16 = zero3.active(accelerator) and accelerator.mixed_precision == "bf16"
+        deepspeed = zero3.active(accelerator)
+        deepspeed_bf16 = deepspeed and accelerator.mixed_precision == "bf16"
+        policy = accelerator.state.fsdp_plugin.cpu_offload if accelerator.distributed_type == "FSDP" else None
+        offload = zero3.offloaded(accelerator) or type(policy).__name__ == "CPUOffloadPolicy" \
+            or bool(getattr(policy, "offload_params", False))
         how = f"this launch: {accelerator.distributed_type.value} over {processes} processes"
     config = AutoConfig.from_pretrained(adapter_base(args.model) if is_adapter(args.model) else resolve(args.model))
     gpu_gib = args.gpu_gib or (torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0)
@@ -1814,7 +1822,8 @@ def print_plan(args: Args, accelerator) -> None:
                     checkpointing=args.gradient_checkpointing, engine=engine_kind(args.engine),
                     engine_share=args.vllm_gpu_memory_utilization, engine_sleeps=args.vllm_sleep, gpu_gib=gpu_gib,
                     batch=args.gen_batch_size, context=args.max_tokens,
-                    logits_elements=min(CHUNK_ELEMENTS, micro_tokens * config.vocab_size), bf16_weights=deepspeed_bf16)
+                    logits_elements=min(CHUNK_ELEMENTS, micro_tokens * config.vocab_size), bf16_weights=deepspeed_bf16,
+                    offload=offload, persistent_gradients=deepspeed)
     if not accelerator.is_main_process:
         return None
     print(f"memory plan per GPU: {args.model} ({estimate['parameters']:,} parameters, {estimate['trained']:,} trained), "

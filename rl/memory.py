@@ -79,34 +79,41 @@ def activation_bytes(config, tokens: int, checkpointing: bool) -> int:
 def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], processes: int, sharded: bool,
          reference: bool, offload_reference: bool, micro_tokens: int, checkpointing: bool, engine: str,
          engine_share: float, engine_sleeps: bool, gpu_gib: float, batch: int, context: int,
-         logits_elements: int, bf16_weights: bool = False) -> dict:
+         logits_elements: int, bf16_weights: bool = False, offload: bool = False,
+         persistent_gradients: bool = False) -> dict:
     """Each phase's estimated peak per GPU, by what holds the memory. The trainer keeps fp32 weights (bf16 only
     under autocast) and AdamW's two fp32 moments per trained parameter; a sharded run (FSDP2) holds 1/processes
     of each, plus one whole layer at a time while it computes. Rollout: the weights and optimizer states stay, the
     gradients are freed, and the engine works (vLLM: its share of the GPU; HF: the KV cache of a batch).
     Update: gradients and activations of one micro-batch, and the chunk of logits being scored; a vLLM engine
     asleep (--vllm-sleep) holds nothing then. `bf16_weights`: DeepSpeed under bf16 keeps the models' weights in
-    bf16, and the fp32 copy of the trained ones in its optimizer."""
+    bf16, and the fp32 copy of the trained ones in its optimizer. `offload` (configs/*_offload.yaml): the shards of
+    the weights, gradients and optimizer states live in CPU memory, the GPU holds the layer being computed.
+    `persistent_gradients`: DeepSpeed allocates its gradient partitions once, so they are held in every phase."""
     total, trained = parameters(config, lora_rank, lora_targets)
     shards = processes if sharded else 1
     width, dtype = (2, "bf16") if bf16_weights else (4, "fp32")
     layer = width * total / config.num_hidden_layers if sharded else 0  # a gathered layer, beyond the shard
-    held = {f"policy weights ({dtype})": width * total / shards + layer,
-            **({"fp32 master weights": 4 * trained / shards} if bf16_weights else {}),
-            "AdamW moments (fp32)": 8 * trained / shards}
+    gpu, cpu = (0, ", shards in CPU memory") if offload else (1, "")
+    held = {f"policy weights ({dtype}){cpu}": gpu * width * total / shards + layer,
+            **({f"fp32 master weights{cpu}": gpu * 4 * trained / shards} if bf16_weights else {}),
+            f"AdamW moments (fp32){cpu}": gpu * 8 * trained / shards}
     if reference and not lora_rank:
-        held[f"reference ({dtype})" + (", in CPU memory" if offload_reference else "")] = \
-            0 if offload_reference else width * total / shards
+        in_cpu = ", in CPU memory" if offload_reference else cpu
+        held[f"reference ({dtype}){in_cpu}"] = 0 if offload_reference else gpu * width * total / shards
     if algo == "ppo":
-        held["critic weights and AdamW moments"] = (12 + (width if bf16_weights else 0)) * total / shards
+        held[f"critic weights and AdamW moments{cpu}"] = gpu * (12 + (width if bf16_weights else 0)) * total / shards
     if engine == "vllm":
         engine_bytes = engine_share * gpu_gib * GiB
     else:  # KV cache of a generation batch: 2 (K, V) x layers x kv heads x head size, 16-bit
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         engine_bytes = batch * context * 2 * config.num_hidden_layers * heads * head_dim * 2 + (4 * total if sharded else 0)
-    update = {"gradients (fp32)": 4 * trained / shards,
-              **({"critic gradients (fp32)": 4 * total / shards} if algo == "ppo" else {}),
+    gradients = {f"gradients (fp32){cpu}": gpu * 4 * trained / shards,
+                 **({f"critic gradients (fp32){cpu}": gpu * 4 * total / shards} if algo == "ppo" else {})}
+    if persistent_gradients:
+        held |= gradients
+    update = {**({} if persistent_gradients else gradients),
               f"activations ({micro_tokens:,} tokens a micro-batch{', checkpointed' if checkpointing else ''})":
                   activation_bytes(config, micro_tokens, checkpointing),
               "logits being scored (a chunk)": 3 * 4 * logits_elements}

@@ -99,6 +99,14 @@ def load_weights(model, path) -> None:
                 parameter.copy_(tensors[name])
 
 
+def offloaded(accelerator) -> bool:
+    """Whether this launch keeps the shards of the weights or optimizer states in CPU memory."""
+    if not active(accelerator):
+        return False
+    zero = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+    return any((zero.get(key) or {}).get("device") == "cpu" for key in ("offload_param", "offload_optimizer"))
+
+
 def is_engine(model) -> bool:
     """Whether `model` is a DeepSpeed engine (what Accelerate's prepare returns under DeepSpeed)."""
     return hasattr(model, "zero_optimization_stage") and hasattr(model, "was_step_applied")

@@ -76,3 +76,13 @@ def test_sharding_divides_the_state_and_a_plan_needs_no_weights(monkeypatch, cap
     zero3 = plan(config, **SETTINGS | {"processes": 8, "sharded": True, "bf16_weights": True})["phases"]["update"]
     assert zero3["policy weights (bf16)"] == sharded["policy weights (fp32)"] / 2
     assert zero3["fp32 master weights"] == alone["policy weights (fp32)"] / 8
+    # offload configs: the shards in CPU memory, a gathered layer on the GPU; DeepSpeed holds its gradients throughout
+    offloaded = plan(config, **SETTINGS | {"processes": 8, "sharded": True, "offload": True,
+                                          "persistent_gradients": True})["phases"]
+    assert offloaded["update"]["AdamW moments (fp32), shards in CPU memory"] == 0
+    layer = alone["policy weights (fp32)"] / config.num_hidden_layers
+    assert offloaded["update"]["policy weights (fp32), shards in CPU memory"] == layer
+    assert "gradients (fp32), shards in CPU memory" in offloaded["rollout"]
+    for launch in ("configs/fsdp2_offload.yaml", "configs/zero3_offload.yaml"):
+        train.main(train.parse_args(["--dry-run", "--engine", "hf", "--launch-config", launch, "--gpu-gib", "80"]))
+        assert "AdamW moments (fp32), shards in CPU memory" in capsys.readouterr().out, launch
