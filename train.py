@@ -60,7 +60,7 @@ Where the loop deliberately differs from upstream's (AgentGym-RL's verl fork), a
   (here: --offload-reference, or configs/fsdp2_offload.yaml).
 - Resume restores the samplers' random state and takes the run's own settings; upstream re-seeds
   and takes whatever the command line says.
-- SFT packs conversations into rows (block-causal masks, positions restarting per conversation) and
+- SFT packs conversations into rows (rl/batch.py: block-causal masks, positions restarting per conversation) and
   averages the loss over the action tokens of the whole batch however it is split into micro-batches
   and processes; AgentGym pads each conversation and averages per micro-batch, which weighs a token of
   a short conversation more. The log-probs, and so the optimum, are the same (tests/test_sft.py).
@@ -108,7 +108,7 @@ import envs
 from envs.guard import close_envs, make_envs
 from rl import advantages as adv_lib
 from rl.agent import make_agent
-from rl.batch import Batch, attach, count_sequences, make_batch, plan, scatter
+from rl.batch import Batch, arrange, attach, count_sequences, make_batch, pack, scatter
 from rl import checkpoint as checkpoint_lib
 from rl import plots
 from rl import zero3
@@ -122,7 +122,7 @@ from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, add_lora, full_weights, is_adap
 from rl.records import action_positions, per_action
 from rl.engines import SyncError, engine_kind, make_engine
 from rl.scores import gain, score, spread
-from rl.sft import pack
+from rl.sft import nll
 from rollout import ChatFormat, Trajectory, play, rollout
 
 
@@ -596,8 +596,8 @@ def tasks_for(step: int, train_ids: list[int], per_step: int, seed: int) -> list
 def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: int) -> Batch:
     """The step's tensors (rl/batch.py): micro-batches by --micro-batch-size or --max-tokens-per-micro-batch,
     packed with --pack, as many on every process (the most any process needs; the others add empty ones)."""
-    layout = plan([len(t.token_ids) for t in trajectories], args.micro_batch_size, args.max_tokens_per_micro_batch,
-                  args.pack, minimum=args.minibatches)
+    layout = arrange([len(t.token_ids) for t in trajectories], args.micro_batch_size, args.max_tokens_per_micro_batch,
+                     args.pack, minimum=args.minibatches)
     reduce = reducer(accelerator, "max")
     count = int(reduce(torch.tensor([len(layout)]))) if reduce is not None else len(layout)
     return make_batch(trajectories, pad_id, layout, accelerator.device, count=count, pack=args.pack)
@@ -1124,7 +1124,7 @@ def offline_steps(args: Args, examples: int) -> int:
 
 def micro_batches(args: Args, examples: list, pad_id: int) -> list[dict]:
     """This process's examples as micro-batches: sft's conversations packed into rows as long as the
-    longest of them (rl/sft.py: no attention across conversations; longer rows would only add attention
+    longest of them (rl/batch.py: no attention across conversations; longer rows would only add attention
     across the mask), --micro-batch-size rows each; dpo's pairs, --micro-batch-size pairs each, chosen
     rows first, then their rejected ones."""
     size = args.micro_batch_size
@@ -1137,14 +1137,15 @@ def micro_batches(args: Args, examples: list, pad_id: int) -> list[dict]:
 
 
 def offline_terms(models: Models, micro: dict, args: Args, accelerator) -> tuple[torch.Tensor, dict[str, float]]:
-    """One micro-batch's summed loss (sft: NLL of its action tokens; dpo: rl/dpo.py's loss of its pairs)
+    """One micro-batch's summed loss (sft: NLL of its action tokens, rl/sft.py; dpo: rl/dpo.py's loss of its pairs)
     and its summed statistics."""
+    if args.algo != "dpo":
+        with accelerator.autocast():
+            loss = nll(models.policy, micro)
+        return loss, {"nll": float(loss.detach()), "tokens": float(micro["loss_mask"].sum())}
     inputs = (micro["input_ids"], micro["attention_mask"], micro["loss_mask"])
     with accelerator.autocast():
         logprobs, _ = token_logprobs(models.policy, *inputs, position_ids=micro.get("position_ids"))
-    if args.algo != "dpo":
-        nll = -(logprobs * micro["loss_mask"]).sum()
-        return nll, {"nll": float(nll.detach()), "tokens": float(micro["loss_mask"].sum())}
     with torch.no_grad(), accelerator.autocast(), reference(models, accelerator, args.offload_reference) as reference_model:
         ref, _ = token_logprobs(reference_model, *inputs)
     summed, ref_summed = (logprobs * micro["loss_mask"]).sum(1), (ref.float() * micro["loss_mask"]).sum(1)

@@ -59,7 +59,7 @@ def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature: flo
     """log p(token_t | tokens_<t) at every action token, under softmax(logits / temperature).
 
     input_ids, loss_mask: [B, T]; attention_mask [B, T], or [B, 1, T, T] with position_ids [B, T] for
-    packed rows (rl/batch.py, rl/sft.py). Returns logprobs [B, T] (0 where no column of the batch has an
+    packed rows (rl/batch.py). Returns logprobs [B, T] (0 where no column of the batch has an
     action token) and, if asked, the entropy of the same distributions [B, T]. `model` is a model or its
     forward (a bound method).
     """

@@ -1,6 +1,15 @@
 """Supervised fine-tuning on trajectories: cross-entropy on the action tokens (loss_mask 1) only,
-so the model learns what the assistant said and never the prompt or the observations; and packing,
-several conversations per row with no attention across them."""
+so the model learns what the assistant said and never the prompt or the observations.
+
+    loss = sft_loss(model, rows)   # token-mean NLL of a collated or packed batch
+    total = nll(model, micro)      # train.py: summed, then divided by the batch's action tokens over all processes
+
+Where it differs from AgentGym's SFT: several conversations share a row (rl/batch.py's `pack`: block-causal
+masks, positions restarting per conversation) and the loss is averaged over the action tokens of the whole
+batch however it is split into micro-batches and processes; AgentGym pads each conversation and averages per
+micro-batch, which weighs a token of a short conversation more. The log-probs, and so the optimum, are the same
+(tests/test_sft.py).
+"""
 
 from __future__ import annotations
 
@@ -9,47 +18,13 @@ import torch
 from rl.logprobs import token_logprobs
 
 
-def sft_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Token-mean negative log-likelihood of the action tokens of a collated or packed batch."""
+def nll(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The summed negative log-likelihood of the action tokens of a collated or packed batch."""
     logprobs, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
                                  position_ids=batch.get("position_ids"))
-    mask = batch["loss_mask"]
-    return -(logprobs * mask).sum() / mask.sum().clamp(min=1)
+    return -(logprobs * batch["loss_mask"]).sum()
 
 
-def pack(sequences: list[tuple[list[int], list[int]]], max_tokens: int, pad_id: int) -> dict:
-    """(token ids, loss mask) sequences packed into rows of at most `max_tokens`, none split, longest
-    first into the first row with room. Returns input_ids, loss_mask and position_ids [R, L] (positions
-    restart at 0 for every sequence, as if it were alone), attention_mask [R, 1, L, L] (causal within a
-    sequence, blind across sequences; a pad sees only itself, so no row is all masked), and `rows`: the
-    sequence indices of each row, in order."""
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(sequences)), key=lambda i: -len(sequences[i][0])):
-        n = len(sequences[i][0])
-        if n > max_tokens:
-            raise ValueError(f"a sequence of {n} tokens does not fit in rows of {max_tokens}")
-        row = next((r for r, left in enumerate(room) if left >= n), None)
-        if row is None:
-            rows.append([])
-            room.append(max_tokens)
-            row = len(rows) - 1
-        rows[row].append(i)
-        room[row] -= n
-    width = max(max_tokens - left for left in room)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros((len(rows), width))
-    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    segment = -1 - torch.arange(width).repeat(len(rows), 1)  # pads: a segment each
-    for r, members in enumerate(rows):
-        start = 0
-        for k, i in enumerate(members):
-            ids, mask = sequences[i]
-            span = slice(start, start + len(ids))
-            input_ids[r, span], loss_mask[r, span] = torch.tensor(ids), torch.tensor(mask, dtype=torch.float32)
-            position_ids[r, span], segment[r, span] = torch.arange(len(ids)), k
-            start += len(ids)
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    attention_mask = (segment[:, :, None] == segment[:, None, :]) & causal  # [R, L, L]
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "position_ids": position_ids,
-            "attention_mask": attention_mask[:, None], "rows": rows}
+def sft_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Token-mean negative log-likelihood of the action tokens of a collated or packed batch."""
+    return nll(model, batch) / batch["loss_mask"].sum().clamp(min=1)

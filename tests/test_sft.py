@@ -7,8 +7,9 @@ import torch
 import envs
 from rl.data import encode, to_record
 from rl.logprobs import token_logprobs
+from rl.batch import pack
 from rl.model import load_model, load_tokenizer
-from rl.sft import pack, sft_loss
+from rl.sft import sft_loss
 from rollout import ChatFormat, ExpertEngine, rollout
 
 

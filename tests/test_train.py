@@ -22,7 +22,7 @@ from rl import plots
 from rl import zero3
 from rl.engines import engine_kind
 from rl.model import EMBEDDED
-from rl.batch import make_batch, plan
+from rl.batch import arrange, make_batch
 from rl.records import unpack
 from rl.scores import gain
 from rollout import Trajectory
@@ -450,7 +450,7 @@ def test_truncated_trajectories_are_trained_on_their_reward_failed_ones_not_at_a
         return traj
 
     trajectories = [played(1.0, "done"), played(0.5, "max_tokens"), played(0.0, "horizon"), played(0.0, "error", "x")]
-    batch = make_batch(trajectories, 0, plan([len(t.token_ids) for t in trajectories], 4), "cpu")
+    batch = make_batch(trajectories, 0, arrange([len(t.token_ids) for t in trajectories], 4), "cpu")
     args = tiny_args(Path("/tmp/unused"))
     advantages, _ = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, None)
     per_trajectory = advantages[:, 3]  # the first trained token
