@@ -123,7 +123,7 @@ from rl.records import action_positions, per_action
 from rl.engines import SyncError, engine_kind, make_engine
 from rl.scores import gain, score, spread
 from rl.sft import nll
-from rollout import ChatFormat, Trajectory, play, rollout
+from rollout import ChatFormat, RolloutStats, Trajectory, play, rollout
 
 
 @dataclass
@@ -933,7 +933,17 @@ def sync_engine(engine, policy, accelerator, step: int) -> dict[str, float]:
     return {"sync/seconds": synced["sync_s"], "sync/probe_diff": worst, "sync/probe_diff_max": synced["probe_diff_max"]}
 
 
-def step_metrics(records: list[dict], sampled: list[int], stats: dict, sums: dict, grad_norms: dict, batch: Batch,
+@dataclass
+class Costs:
+    """A step's time and peak memory by phase, on this process (its perf/ metrics)."""
+
+    rollout: RolloutStats  # which rollout() fills
+    rollout_peak_gib: float = 0.0  # GPU allocated, else resident set (rl/memory.py)
+    update_s: float = 0.0  # the batch, old/reference log-probs, advantages, every optimizer step
+    update_peak_gib: float = 0.0
+
+
+def step_metrics(records: list[dict], sampled: list[int], costs: Costs, sums: dict, grad_norms: dict, batch: Batch,
                  advantages: torch.Tensor, returns: torch.Tensor | None, models: Models, horizon: int,
                  engine_metrics: dict) -> dict:
     """The step's metrics: trajectory statistics over every process's episodes (`records`), losses per
@@ -945,6 +955,7 @@ def step_metrics(records: list[dict], sampled: list[int], stats: dict, sums: dic
     tokens = [r["tokens"] for r in records]
     action_tokens = [r["action_tokens"] for r in records]
     trained_tokens = max(float(batch.full["loss_mask"].sum()), 1)
+    played = costs.rollout
 
     def mean(values):
         return sum(values) / max(len(values), 1)
@@ -952,7 +963,7 @@ def step_metrics(records: list[dict], sampled: list[int], stats: dict, sums: dic
     def per_token(key, count="tokens"):
         return sums[key] / max(sums[count], 1.0)
 
-    calls = sorted(stats["env_call_s"])
+    calls = sorted(played.env_call_s)
     metrics = {
         "rollout/reward": mean(rewards),
         "rollout/success": mean(success),
@@ -970,19 +981,18 @@ def step_metrics(records: list[dict], sampled: list[int], stats: dict, sums: dic
         "rollout/horizon": horizon,
         "rollout/advantage_mean": float(advantages.sum()) / trained_tokens,
         "rollout/advantage_abs": float(advantages.abs().sum()) / trained_tokens,
-        "perf/tokens_per_s": sum(sampled) / max(stats["generate_s"], 1e-9),
-        "perf/rollout_s": stats["rollout_s"],
-        "perf/generate_s": stats["generate_s"],
+        "perf/tokens_per_s": sum(sampled) / max(played.generate_s, 1e-9),
+        "perf/rollout_s": played.rollout_s,
+        "perf/generate_s": played.generate_s,
         # the share of the rollout's wall time in which the engine waited for envs with nothing to generate
-        "perf/env_wait_share": stats["idle_s"] / max(stats["rollout_s"], 1e-9),
-        "perf/env_call_s": stats["env_s"] / max(stats["env_calls"], 1),  # mean seconds of a reset or step
+        "perf/env_wait_share": played.idle_s / max(played.rollout_s, 1e-9),
+        "perf/env_call_s": played.env_s / max(played.env_calls, 1),  # mean seconds of a reset or step
         "perf/env_call_p95_s": calls[min(len(calls) - 1, int(0.95 * len(calls)))] if calls else 0.0,
-        # the update phase (the batch, old/reference log-probs, advantages, every optimizer step) of this process
-        "perf/update_s": stats["update_s"],
-        "perf/update_tokens_per_s": batch.tokens / max(stats["update_s"], 1e-9),
+        "perf/update_s": costs.update_s,
+        "perf/update_tokens_per_s": batch.tokens / max(costs.update_s, 1e-9),
         "perf/update_padding_share": 1 - batch.tokens / max(batch.positions, 1),  # pad positions of its micro-batches
-        "perf/rollout_peak_gib": stats["rollout_peak_gib"],  # GPU allocated, else resident set (rl/memory.py)
-        "perf/update_peak_gib": stats["update_peak_gib"],
+        "perf/rollout_peak_gib": costs.rollout_peak_gib,
+        "perf/update_peak_gib": costs.update_peak_gib,
         **({"perf/prefix_hit_rate": engine_metrics["prefix_hit_rate"]} if "prefix_hit_rate" in engine_metrics else {}),
         **{key: value for key, value in engine_metrics.items() if key.startswith("sync/")},
         "charts/lr": models.scheduler.get_last_lr()[0],
@@ -1922,14 +1932,14 @@ def main(args: Args) -> Path | None:
             task_ids = [t for t in mine for _ in range(args.n)]
             groups = [g for g in range(len(mine)) for _ in range(args.n)]
             horizon = horizon_at(step, args.horizon, args.horizon_every)  # ScalingInter-RL: this step's turn cap
-            stats: dict = {}
+            costs = Costs(RolloutStats())
             reset_peak()
-            trajectories = rollout(engine, fmt, environments, task_ids, groups, horizon=horizon, pool=pool, stats=stats,
-                                   max_new_tokens=args.max_new_tokens, max_tokens=max_tokens,
+            trajectories = rollout(engine, fmt, environments, task_ids, groups, horizon=horizon, pool=pool,
+                                   stats=costs.rollout, max_new_tokens=args.max_new_tokens, max_tokens=max_tokens,
                                    agent=make_agent(args.agent, args.attempts),
                                    progress=phase(progress, "rollout", len(task_ids)))
             stop_on_env_failures(trajectories, args, accelerator, run_dir, step)
-            stats["rollout_peak_gib"] = peak_gib()
+            costs.rollout_peak_gib = peak_gib()
 
             # -- the batch, its old/reference log-probs and values, advantages, the update, the engine's new weights
             engine.sleep()
@@ -1942,13 +1952,13 @@ def main(args: Args) -> Path | None:
             sums, grad_norms = update(models, batch, args, accelerator, step,
                                       phase(progress, "update", args.ppo_epochs * len(batch.micro)))
             stop_on_nonfinite(models, batch, args, accelerator, run_dir, step)
-            stats |= {"update_s": time.perf_counter() - update_start, "update_peak_gib": peak_gib()}
+            costs.update_s, costs.update_peak_gib = time.perf_counter() - update_start, peak_gib()
             synced = sync_engine(engine, models.policy, accelerator, step)
 
             # -- metrics and logs (trajectory statistics over all processes, losses from this one)
             records = gather_object(rollout_records(trajectories, batch, step))
-            sampled = gather_object([stats["sampled_tokens"]])
-            metrics = step_metrics(records, sampled, stats, sums, grad_norms, batch, advantages, returns, models, horizon,
+            sampled = gather_object([costs.rollout.sampled_tokens])
+            metrics = step_metrics(records, sampled, costs, sums, grad_norms, batch, advantages, returns, models, horizon,
                                    engine.metrics() | synced)
             evaluated = []
             if eval_due(step, args.eval_every, args.steps):
