@@ -113,7 +113,7 @@ from rl import checkpoint as checkpoint_lib
 from rl import plots
 from rl import zero3
 from rl.data import DataError, encode, read_trajectories, to_record
-from rl.dpo import dpo_loss, expert_pairs, make_pairs
+from rl.dpo import DPOSums, dpo_loss, expert_pairs, make_pairs
 from rl.horizon import describe, horizon_at
 from rl.logprobs import pad, token_logprobs, token_values
 from rl.losses import aggregate, kl, policy_loss, value_loss
@@ -122,7 +122,8 @@ from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, add_lora, full_weights, is_adap
 from rl.records import action_positions, per_action
 from rl.engines import SyncError, engine_kind, make_engine
 from rl.scores import gain, score, spread
-from rl.sft import nll
+from rl.optimizer import Sums, accumulate, largest, optimizer_steps, reducer, stop_on_nonfinite
+from rl.sft import SFTSums, sft_terms
 from rollout import ChatFormat, RolloutStats, Trajectory, play, rollout
 
 
@@ -350,7 +351,6 @@ class Args:
     """log to wandb (offline mode when no API key is configured), with a few trajectories a step as a table"""
     wandb_project: str = "agentgym-rl"
     """the wandb project of --track"""
-
 
 
 PRESETS = {
@@ -598,8 +598,7 @@ def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: in
     packed with --pack, as many on every process (the most any process needs; the others add empty ones)."""
     layout = arrange([len(t.token_ids) for t in trajectories], args.micro_batch_size, args.max_tokens_per_micro_batch,
                      args.pack, minimum=args.minibatches)
-    reduce = reducer(accelerator, "max")
-    count = int(reduce(torch.tensor([len(layout)]))) if reduce is not None else len(layout)
+    count = int(reducer(accelerator, "max")(torch.tensor([len(layout)])))
     return make_batch(trajectories, pad_id, layout, accelerator.device, count=count, pack=args.pack)
 
 
@@ -617,6 +616,12 @@ class Models:
     critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     # per model ("policy", "critic"): its optimizer steps skipped in a row for a NaN or infinite loss or gradient
     nonfinite_streak: dict[str, int] = field(default_factory=dict)
+
+    def part(self, name: str) -> tuple:
+        """(model, optimizer, scheduler) of the policy or the critic."""
+        if name == "critic":
+            return self.critic, self.critic_optimizer, self.critic_scheduler
+        return self.policy, self.optimizer, self.scheduler
 
 
 def has_reference(models: Models) -> bool:
@@ -713,21 +718,41 @@ def advantages_for(args: Args, full: dict, scores: torch.Tensor, groups: torch.T
     return adv_lib.gae(rewards, full["old_values"], mask, args.gamma, args.lam, reduce=reduce)
 
 
-def update(models: Models, batch: Batch, args: Args, accelerator, step: int, progress=None) -> tuple[dict, dict]:
+@dataclass
+class UpdateSums(Sums):
+    """What an update's micro-batches add up to on this process, for the step's metrics: the policy's and the
+    critic's statistics summed over their action tokens (step_metrics divides by `tokens`, `critic_tokens`)."""
+
+    tokens: float = 0.0
+    policy: float = 0.0
+    kl: float = 0.0
+    entropy: float = 0.0
+    clipfrac: float = 0.0
+    ppo_kl: float = 0.0
+    logprob_diff: float = 0.0  # |sampler's - trainer's log-prob|
+    logprob_diff_max: float = largest()
+    critic_tokens: float = 0.0
+    value: float = 0.0
+    value_clipfrac: float = 0.0
+
+
+def update(models: Models, batch: Batch, args: Args, accelerator, step: int,
+           progress=None) -> tuple[UpdateSums, dict[str, list[float]]]:
     """PPO's update: `ppo_epochs` passes, each over `minibatches` shuffled mini-batches of the step's
     micro-batches, one optimizer step per mini-batch for the policy (after the critic's warm-up) and
-    the critic. Each mini-batch's loss is aggregated over the whole mini-batch however it is split
-    into micro-batches, and gradients are averaged across processes once, at its last micro-batch.
-    Returns the summed per-token statistics and the gradient norms of every optimizer step, of the
+    the critic (rl/optimizer.py). Each mini-batch's loss is aggregated over the whole mini-batch however it is
+    split into micro-batches and processes. `--ppo-epochs` is honoured (upstream's actor makes one pass whatever its
+    ppo_epochs says). Returns the summed statistics and the gradient norms of every optimizer step, of the
     models that trained. An optimizer step whose loss or gradient is not finite is skipped (counted in
-    sums["nonfinite_updates"] and models.nonfinite_streak, with a warning; fp16's loss scaler skips the
+    sums.nonfinite_updates and models.nonfinite_streak, with a warning; fp16's loss scaler skips the
     steps whose scaled gradients overflow itself, and those are not counted)."""
     train_policy = step >= args.critic_warmup  # as upstream: `critic_warmup <= global_steps`, counted from 1
-    trained = [m for m in (models.policy if train_policy else None, models.critic) if m is not None]
-    for module in trained:
-        module.train()
-    sums: dict[str, float] = {}
-    grad_norms: dict[str, list[float]] = {}
+    trained = [("policy", update_policy)] if train_policy else []
+    if models.critic is not None:
+        trained.append(("critic", update_critic))
+    for name, _ in trained:
+        models.part(name)[0].train()
+    sums, grad_norms = UpdateSums(), {}
     rng = random.Random(f"{args.seed}-{step}-update")
     for _ in range(args.ppo_epochs):
         shuffled = list(range(len(batch.micro)))
@@ -735,39 +760,13 @@ def update(models: Models, batch: Batch, args: Args, accelerator, step: int, pro
         for part in range(args.minibatches):
             minibatch = [batch.micro[i] for i in shuffled[part::args.minibatches]]
             counts = minibatch_counts(minibatch, accelerator)
-            finite = {"policy": True, "critic": True}  # (the losses so far; update_policy and update_critic keep it)
-            for k, micro in enumerate(minibatch):
-                last = k == len(minibatch) - 1
-                with gradient_sync(accelerator, trained, now=last):
-                    terms = update_policy(models, micro, counts, args, accelerator, last, finite) if train_policy else {}
-                    if models.critic is not None:
-                        terms |= update_critic(models, micro, counts, args, accelerator, last, finite)
-                if progress is not None:
-                    progress()
-                for key, value in terms.items():
-                    sums[key] = max(sums.get(key, 0.0), value) if key.endswith("_max") else sums.get(key, 0.0) + value
-            stepped = [("policy", models.policy, models.optimizer, models.scheduler)] if train_policy else []
-            if models.critic is not None:
-                stepped.append(("critic", models.critic, models.critic_optimizer, models.critic_scheduler))
-            for name, model, optimizer, scheduler in stepped:
-                grad_norm, nonfinite = optimizer_step(model, optimizer, scheduler, args, accelerator, finite[name])
-                count_nonfinite(models, sums, name, step, nonfinite, accelerator)
-                if grad_norm is not None:
-                    grad_norms.setdefault(name, []).append(grad_norm)
+            passes = [(name, models.part(name)[0], lambda micro, loss=loss: loss(models, micro, counts, args, accelerator))
+                      for name, loss in trained]
+            finite = accumulate(accelerator, minibatch, passes, sums, progress=progress)
+            for name, grad_norm in optimizer_steps(models, finite, args.grad_clip, accelerator, step, sums).items():
+                grad_norms.setdefault(name, []).append(grad_norm)
     scatter(batch, ("trainer_logprobs",))
     return sums, grad_norms
-
-
-def count_nonfinite(models: Models, sums: dict, name: str, step: int, nonfinite: bool, accelerator) -> None:
-    """Count an optimizer step of `name` skipped for NaN or inf, or end its streak of them."""
-    if not nonfinite:
-        models.nonfinite_streak[name] = 0
-        return
-    models.nonfinite_streak[name] = models.nonfinite_streak.get(name, 0) + 1
-    sums["nonfinite_updates"] = sums.get("nonfinite_updates", 0) + 1
-    if accelerator.is_main_process:
-        tqdm.write(f"warning: step {step}: NaN or infinite {name} loss or gradient, optimizer step skipped "
-                   f"({models.nonfinite_streak[name]} in a row)")
 
 
 def minibatch_counts(minibatch: list[dict], accelerator) -> dict[str, float]:
@@ -779,140 +778,49 @@ def minibatch_counts(minibatch: list[dict], accelerator) -> dict[str, float]:
     a process with 190."""
     local = torch.tensor([sum(float(m["loss_mask"].sum()) for m in minibatch),
                           sum(count_sequences(m) for m in minibatch)], dtype=torch.float64)
-    reduce = reducer(accelerator)
-    total = reduce(local) if reduce is not None else local
-    tokens, sequences = (total / accelerator.num_processes).tolist()
+    tokens, sequences = (reducer(accelerator)(local) / accelerator.num_processes).tolist()
     return {"tokens": tokens, "sequences": sequences}
 
 
-def reducer(accelerator, op: str = "sum"):
-    """A function that sums (or takes the max of) a CPU tensor over processes; None on a single process."""
-    if accelerator.num_processes == 1:
-        return None
-    if op == "max":
-        return lambda t: accelerator.gather(t.to(accelerator.device)).max(0, keepdim=True).values.cpu()
-    return lambda t: accelerator.reduce(t.to(accelerator.device), "sum").cpu()
-
-
-def gradient_sync(accelerator, modules: list, now: bool) -> contextlib.ExitStack:
-    """No all-reduce of these modules' gradients unless `now`: micro-batches accumulate locally."""
-    stack = contextlib.ExitStack()
-    if not now:
-        for module in modules:
-            stack.enter_context(accelerator.no_sync(module))
-    return stack
-
-
-def update_policy(models: Models, batch: dict, counts: dict, args: Args, accelerator, last: bool,
-                  finite: dict) -> dict[str, float]:
-    """Forward and backward of one micro-batch for the policy: PPO's clipped loss, minus the entropy
-    bonus, plus the KL to the reference (unless it is in the reward), each aggregated over the whole
-    mini-batch (`counts`: its action tokens and sequences). Returns the micro-batch's sums for metrics;
-    finite["policy"] turns False when they are not finite (the mini-batch's `last` micro-batch then
-    makes a DeepSpeed engine skip its step: see backward)."""
-    mask = batch["loss_mask"]
-    counts = counts | {"segments": batch["segments"]}  # (a packed row holds several trajectories)
+def update_policy(models: Models, micro: dict, counts: dict, args: Args, accelerator) -> tuple[torch.Tensor, UpdateSums, bool]:
+    """The policy's loss on one micro-batch: PPO's clipped loss, minus the entropy bonus, plus the KL to the
+    reference (unless it is in the reward), each aggregated over the whole mini-batch (`counts`: its action tokens
+    and sequences); the micro-batch's sums for the metrics, and whether they are finite."""
+    mask = micro["loss_mask"]
+    counts = counts | {"segments": micro["segments"]}  # (a packed row holds several trajectories)
     with accelerator.autocast():
-        logprobs, entropy = token_logprobs(models.policy, batch["input_ids"], batch["attention_mask"], mask,
-                                           args.temperature, with_entropy=True, position_ids=batch.get("position_ids"))
-    old = batch["old_logprobs"] if "old_logprobs" in batch else logprobs.detach()
-    batch.setdefault("trainer_logprobs", old.detach())  # the first pass's, for the rollout log
-    pg, clipped = policy_loss(logprobs, old, batch["advantages"], args.clip, args.clip_high, args.dual_clip)
+        logprobs, entropy = token_logprobs(models.policy, micro["input_ids"], micro["attention_mask"], mask,
+                                           args.temperature, with_entropy=True, position_ids=micro.get("position_ids"))
+    old = micro["old_logprobs"] if "old_logprobs" in micro else logprobs.detach()
+    micro.setdefault("trainer_logprobs", old.detach())  # the first pass's, for the rollout log
+    pg, clipped = policy_loss(logprobs, old, micro["advantages"], args.clip, args.clip_high, args.dual_clip)
     loss = aggregate(pg, mask, args.loss_agg, **counts) - args.entropy_coef * aggregate(entropy, mask, args.loss_agg, **counts)
     divergence = torch.zeros_like(logprobs)
     if has_reference(models):
-        divergence = kl(logprobs, batch["ref_logprobs"], args.kl_estimator)
+        divergence = kl(logprobs, micro["ref_logprobs"], args.kl_estimator)
         if not args.kl_in_reward:
             loss = loss + args.kl_coef * aggregate(divergence, mask, args.loss_agg, **counts)
     with torch.no_grad():
-        terms = {
-            "tokens": float(mask.sum()),
-            "policy": float((pg * mask).sum()),
-            "kl": float((divergence * mask).sum()),
-            "entropy": float((entropy * mask).sum()),
-            "clipfrac": float((clipped * mask).sum()),
-            "ppo_kl": float(((old - logprobs) * mask).sum()),
-            "logprob_diff": float(((batch["sampler_logprobs"] - old).abs() * mask).sum()),
-            "logprob_diff_max": float(((batch["sampler_logprobs"] - old).abs() * mask).max()),
-        }
-    finite["policy"] &= all(math.isfinite(terms[key]) for key in ("policy", "kl", "entropy"))
-    backward(models.policy, loss, accelerator, last, finite["policy"])
-    return terms
+        sums = UpdateSums(tokens=float(mask.sum()), policy=float((pg * mask).sum()), kl=float((divergence * mask).sum()),
+                          entropy=float((entropy * mask).sum()), clipfrac=float((clipped * mask).sum()),
+                          ppo_kl=float(((old - logprobs) * mask).sum()),
+                          logprob_diff=float(((micro["sampler_logprobs"] - old).abs() * mask).sum()),
+                          logprob_diff_max=float(((micro["sampler_logprobs"] - old).abs() * mask).max()))
+    return loss, sums, all(math.isfinite(x) for x in (sums.policy, sums.kl, sums.entropy))
 
 
-def update_critic(models: Models, batch: dict, counts: dict, args: Args, accelerator, last: bool,
-                  finite: dict) -> dict[str, float]:
-    """Forward and backward of one micro-batch for the critic: the clipped value loss against the GAE
-    returns, on action tokens only, aggregated like the policy loss (`last`, `finite` as update_policy's)."""
-    mask = batch["loss_mask"]
+def update_critic(models: Models, micro: dict, counts: dict, args: Args, accelerator) -> tuple[torch.Tensor, UpdateSums, bool]:
+    """The critic's loss on one micro-batch: the clipped value loss against the GAE returns, on action tokens only,
+    aggregated like the policy loss; its sums, and whether they are finite."""
+    mask = micro["loss_mask"]
     with accelerator.autocast():
-        values = token_values(models.critic, batch["input_ids"], batch["attention_mask"], mask, batch.get("position_ids"))
-    terms, clipped = value_loss(values, batch["old_values"], batch["returns"], args.value_clip)
+        values = token_values(models.critic, micro["input_ids"], micro["attention_mask"], mask, micro.get("position_ids"))
+    terms, clipped = value_loss(values, micro["old_values"], micro["returns"], args.value_clip)
     with torch.no_grad():
-        summed = {"critic_tokens": float(mask.sum()), "value": float((terms * mask).sum()),
-                  "value_clipfrac": float((clipped * mask).sum())}
-    finite["critic"] &= math.isfinite(summed["value"])
-    backward(models.critic, aggregate(terms, mask, args.loss_agg, **counts, segments=batch["segments"]), accelerator,
-             last, finite["critic"])
-    return summed
-
-
-def backward(model, loss: torch.Tensor, accelerator, last: bool, finite: bool) -> None:
-    """Accelerate's backward, or under DeepSpeed the model's engine's own (rl/zero3.py: Accelerate drives only
-    the engine it prepared last, and PPO's critic is another), where a loss that was not finite at any
-    micro-batch of the mini-batch (`finite` False at its `last`) has the engine skip the step."""
-    if zero3.is_engine(model):
-        zero3.backward(model, loss, last, finite)
-    else:
-        accelerator.backward(loss)
-
-
-def optimizer_step(model, optimizer, scheduler, args: Args, accelerator, finite: bool) -> tuple[float | None, bool]:
-    """Clip the accumulated gradients, step the optimizer and its scheduler, clear. Returns the gradient
-    norm (None when no step was taken) and whether the step was skipped for NaN or inf: a loss (`finite`
-    False) or gradient that is not finite on any process leaves the weights, the optimizer's moments and
-    the schedule as they were. Under fp16 the loss scaler decides on the gradients (it skips a step
-    whose scaled gradients overflowed and lowers its scale, as it should: not a fault). A DeepSpeed engine
-    does all of it itself (rl/zero3.py; a loss that was not finite already poisoned its gradients)."""
-    if zero3.is_engine(model):
-        return zero3.step(model, scheduler)
-    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), args.grad_clip))
-    flags = torch.tensor([float(not finite), float(not math.isfinite(grad_norm))])
-    reduce = reducer(accelerator)
-    bad_loss, bad_gradient = ((reduce(flags) if reduce is not None else flags) > 0).tolist()  # every process alike
-    if accelerator.scaler is not None and not bad_loss:
-        optimizer.step()
-        stepped, nonfinite = not optimizer.step_was_skipped, False
-    else:
-        stepped = not (bad_loss or bad_gradient)
-        nonfinite = not stepped
-        if stepped:
-            optimizer.step()
-        elif accelerator.scaler is not None:  # a NaN loss under fp16: close the scaler's step (it lowers its scale)
-            accelerator.scaler.update()
-    if stepped:
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return (grad_norm if stepped else None), nonfinite
-
-
-def stop_on_nonfinite(models: Models, batch: Batch | None, args: Args, accelerator, run_dir: Path, step: int) -> None:
-    """After --max-nonfinite-updates optimizer steps in a row were skipped for NaN or infinite values,
-    save this step's RL batch (each process's share) and stop: something upstream of the loss is broken."""
-    streak = max(models.nonfinite_streak.values(), default=0)
-    if streak < args.max_nonfinite_updates:
-        return
-    where = run_dir / f"nonfinite_step_{step}"
-    if batch is not None:
-        where.mkdir(parents=True, exist_ok=True)
-        tensors = {key: value.contiguous() for key, value in batch.full.items()} | {"scores": batch.scores}
-        save_file(tensors, str(where / f"batch_{accelerator.process_index}.safetensors"))
-    message = (f"step {step}: {streak} optimizer steps in a row had a NaN or infinite loss or gradient and were "
-               "skipped; " + (f"this step's batch is in {where} (input_ids, loss_mask, sampler_logprobs, advantages, "
-                              "...). Check the rewards and " if batch is not None else "check the data and ")
-               + "the model's dtype, or start a new run with a lower --lr.")
-    accelerator.wait_for_everyone()  # (every process's share is written before any exits)
-    raise SystemExit(message if accelerator.is_main_process else 1)
+        sums = UpdateSums(critic_tokens=float(mask.sum()), value=float((terms * mask).sum()),
+                          value_clipfrac=float((clipped * mask).sum()))
+    loss = aggregate(terms, mask, args.loss_agg, **counts, segments=micro["segments"])
+    return loss, sums, math.isfinite(sums.value)
 
 
 def sync_engine(engine, policy, accelerator, step: int) -> dict[str, float]:
@@ -943,7 +851,7 @@ class Costs:
     update_peak_gib: float = 0.0
 
 
-def step_metrics(records: list[dict], sampled: list[int], costs: Costs, sums: dict, grad_norms: dict, batch: Batch,
+def step_metrics(records: list[dict], sampled: list[int], costs: Costs, sums: UpdateSums, grad_norms: dict, batch: Batch,
                  advantages: torch.Tensor, returns: torch.Tensor | None, models: Models, horizon: int,
                  engine_metrics: dict) -> dict:
     """The step's metrics: trajectory statistics over every process's episodes (`records`), losses per
@@ -960,9 +868,6 @@ def step_metrics(records: list[dict], sampled: list[int], costs: Costs, sums: di
     def mean(values):
         return sum(values) / max(len(values), 1)
 
-    def per_token(key, count="tokens"):
-        return sums[key] / max(sums[count], 1.0)
-
     calls = sorted(played.env_call_s)
     metrics = {
         "rollout/reward": mean(rewards),
@@ -975,7 +880,7 @@ def step_metrics(records: list[dict], sampled: list[int], costs: Costs, sums: di
         "rollout/invalid_action_rate": sum(r["invalid_actions"] for r in records) / max(sum(turns), 1),
         "rollout/zero_variance_groups": zero_variance_share(records),  # groups with no GRPO signal
         **category_metrics(records),
-        "losses/nonfinite_updates": sums.get("nonfinite_updates", 0),  # optimizer steps skipped for NaN or inf
+        "losses/nonfinite_updates": sums.nonfinite_updates,  # optimizer steps skipped for NaN or inf
         "rollout/tokens": mean(tokens),
         "rollout/action_tokens": mean(action_tokens),
         "rollout/horizon": horizon,
@@ -997,21 +902,22 @@ def step_metrics(records: list[dict], sampled: list[int], costs: Costs, sums: di
         **{key: value for key, value in engine_metrics.items() if key.startswith("sync/")},
         "charts/lr": models.scheduler.get_last_lr()[0],
     }
+    per_token, per_critic_token = max(sums.tokens, 1.0), max(sums.critic_tokens, 1.0)
     if "policy" in grad_norms:
         metrics |= {
-            "rollout/logprob_diff": per_token("logprob_diff"),
-            "rollout/logprob_diff_max": sums["logprob_diff_max"],
-            "losses/policy": per_token("policy"),
-            "losses/kl": per_token("kl"),
-            "losses/entropy": per_token("entropy"),
-            "losses/clipfrac": per_token("clipfrac"),
-            "losses/ppo_kl": per_token("ppo_kl"),
+            "rollout/logprob_diff": sums.logprob_diff / per_token,
+            "rollout/logprob_diff_max": sums.logprob_diff_max,
+            "losses/policy": sums.policy / per_token,
+            "losses/kl": sums.kl / per_token,
+            "losses/entropy": sums.entropy / per_token,
+            "losses/clipfrac": sums.clipfrac / per_token,
+            "losses/ppo_kl": sums.ppo_kl / per_token,
             "losses/grad_norm": mean(grad_norms["policy"]),
         }
     if "critic" in grad_norms:
         metrics |= {
-            "losses/value": per_token("value", "critic_tokens"),
-            "losses/value_clipfrac": per_token("value_clipfrac", "critic_tokens"),
+            "losses/value": sums.value / per_critic_token,
+            "losses/value_clipfrac": sums.value_clipfrac / per_critic_token,
             "losses/critic_grad_norm": mean(grad_norms["critic"]),
             "critic/value": float(batch.full["old_values"].sum()) / trained_tokens,
             "critic/return": float(returns.sum()) / trained_tokens,
@@ -1146,83 +1052,16 @@ def micro_batches(args: Args, examples: list, pad_id: int) -> list[dict]:
     return [{key: value[i:i + size] for key, value in packed.items()} for i in range(0, rows, size)]
 
 
-def offline_terms(models: Models, micro: dict, args: Args, accelerator) -> tuple[torch.Tensor, dict[str, float]]:
-    """One micro-batch's summed loss (sft: NLL of its action tokens, rl/sft.py; dpo: rl/dpo.py's loss of its pairs)
-    and its summed statistics."""
-    if args.algo != "dpo":
-        with accelerator.autocast():
-            loss = nll(models.policy, micro)
-        return loss, {"nll": float(loss.detach()), "tokens": float(micro["loss_mask"].sum())}
-    inputs = (micro["input_ids"], micro["attention_mask"], micro["loss_mask"])
-    with accelerator.autocast():
-        logprobs, _ = token_logprobs(models.policy, *inputs, position_ids=micro.get("position_ids"))
-    with torch.no_grad(), accelerator.autocast(), reference(models, accelerator, args.offload_reference) as reference_model:
-        ref, _ = token_logprobs(reference_model, *inputs)
-    summed, ref_summed = (logprobs * micro["loss_mask"]).sum(1), (ref.float() * micro["loss_mask"]).sum(1)
-    half = summed.shape[0] // 2
-    loss, chosen, rejected = dpo_loss(summed[:half], summed[half:], ref_summed[:half], ref_summed[half:], args.beta)
-    return loss.sum(), {"loss": float(loss.detach().sum()), "pairs": float(half), "correct": float((chosen > rejected).sum()),
-                        "margin": float((chosen - rejected).sum()), "chosen": float(chosen.sum()),
-                        "rejected": float(rejected.sum())}
-
-
-def offline_pass(models: Models, examples: list, args: Args, accelerator, pad_id: int, train: bool) -> dict[str, float]:
-    """Forward (and when `train`, backward) over this process's share of a batch of examples, the loss
-    divided by the batch's size over all processes (its action tokens for sft, its pairs for dpo), so
-    that the accumulated gradient is the batch's mean however it is split. Every process runs as many
-    micro-batches, the most any needs (blank ones, which weigh nothing, after its own): the passes of a
-    sharded model and the gradient all-reduce are collective. Returns the statistics summed over every
-    process."""
-    share = examples[accelerator.process_index::accelerator.num_processes]
-    micros = micro_batches(args, share, pad_id) if share else []
-    local = sum(float(m["loss_mask"].sum()) if args.algo != "dpo" else m["input_ids"].shape[0] / 2 for m in micros)
-    reduce, most = reducer(accelerator), reducer(accelerator, "max")
-    local = torch.tensor([local], dtype=torch.float64)  # (a process with no share has the int 0: same dtype everywhere)
-    size = float((reduce(local) if reduce is not None else local)[0]) / accelerator.num_processes
-    count = int(most(torch.tensor([len(micros)]))) if most is not None else len(micros)
-    blank = pad([([pad_id], [0])] * (2 if args.algo == "dpo" else 1), pad_id)  # (dpo: a chosen and a rejected row)
-    sums: dict[str, float] = {}
-    finite = True
-    for k in range(count):
-        micro = {key: value.to(accelerator.device) for key, value in (micros[k] if k < len(micros) else blank).items()}
-        with gradient_sync(accelerator, [models.policy], now=k == count - 1) if train else torch.no_grad():
-            loss, terms = offline_terms(models, micro, args, accelerator)
-            if k >= len(micros):
-                loss, terms = loss * 0.0, {}
-            finite &= math.isfinite(terms.get("nll", terms.get("loss", 0.0)))
-            if train:
-                backward(models.policy, loss / max(size, 1e-9), accelerator, k == count - 1, finite)
-        for key, value in terms.items():
-            sums[key] = sums.get(key, 0.0) + value
-    keys = sorted(sums) or (["nll", "tokens"] if args.algo != "dpo" else ["loss", "pairs", "correct", "margin", "chosen", "rejected"])
-    totals = torch.tensor([sums.get(key, 0.0) for key in keys], dtype=torch.float64)
-    return dict(zip(keys, (reduce(totals) if reduce is not None else totals).tolist()))
-
-
-def offline_metrics(sums: dict[str, float], algo: str, prefix: str = "") -> dict[str, float]:
-    """sft: the mean NLL per action token; dpo: the mean loss, accuracy (the chosen episode's implicit
-    reward above the rejected one's), margin and implicit rewards per pair."""
-    kind = "sft" if algo != "dpo" else "dpo"
-    if kind == "sft":
-        return {f"sft/{prefix}loss": sums["nll"] / max(sums["tokens"], 1.0), f"sft/{prefix}tokens": sums["tokens"]}
-    pairs = max(sums["pairs"], 1.0)
-    return {f"dpo/{prefix}{name}": sums[key] / pairs for name, key in
-            (("loss", "loss"), ("accuracy", "correct"), ("margin", "margin"), ("chosen_reward", "chosen"),
-             ("rejected_reward", "rejected"))}
-
-
 def offline_step(models: Models, examples: list, step: int, args: Args, accelerator, pad_id: int) -> dict[str, float]:
     """One optimizer step on the step's batch (shuffled epochs over the examples, as RL's task order:
     a pure function of the step), and its metrics."""
     batch = [examples[i] for i in tasks_for(step, list(range(len(examples))), args.batch_size, args.seed)]
     models.policy.train()
-    sums = offline_pass(models, batch, args, accelerator, pad_id, train=True)
-    finite = math.isfinite(sums.get("nll", sums.get("loss", 0.0)))
-    grad_norm, nonfinite = optimizer_step(models.policy, models.optimizer, models.scheduler, args, accelerator, finite)
-    count_nonfinite(models, sums, "policy", step, nonfinite, accelerator)
-    metrics = offline_metrics(sums, args.algo) | {"charts/lr": models.scheduler.get_last_lr()[0],
-                                                  "losses/nonfinite_updates": sums.get("nonfinite_updates", 0)}
-    return metrics | ({"losses/grad_norm": grad_norm} if grad_norm is not None else {})
+    sums, finite = offline_pass(models, batch, args, accelerator, pad_id, train=True)
+    grad_norms = optimizer_steps(models, finite, args.grad_clip, accelerator, step, sums)
+    metrics = sums.metrics() | {"charts/lr": models.scheduler.get_last_lr()[0],
+                                "losses/nonfinite_updates": sums.nonfinite_updates}
+    return metrics | ({"losses/grad_norm": grad_norms["policy"]} if "policy" in grad_norms else {})
 
 
 @torch.no_grad()
@@ -1231,8 +1070,51 @@ def validate(models: Models, examples: list, args: Args, accelerator, pad_id: in
     if not examples:
         return {}
     models.policy.eval()
-    return offline_metrics(offline_pass(models, examples, args, accelerator, pad_id, train=False),
-                           args.algo, prefix="val_")
+    sums, _ = offline_pass(models, examples, args, accelerator, pad_id, train=False)
+    return sums.metrics(prefix="val_")
+
+
+def offline_pass(models: Models, examples: list, args: Args, accelerator, pad_id: int,
+                 train: bool) -> tuple[SFTSums | DPOSums, dict[str, bool]]:
+    """Forward (and when `train`, backward) over this process's share of a batch of examples (rl/optimizer.py's
+    accumulate), the loss divided by the batch's size over all processes (its action tokens for sft, its pairs for
+    dpo), so that the accumulated gradient is the batch's mean however it is split. Every process runs as many
+    micro-batches, the most any needs (blank ones after its own). Returns the statistics summed over every
+    process, and whether this process's losses were finite."""
+    share = examples[accelerator.process_index::accelerator.num_processes]
+    micros = micro_batches(args, share, pad_id) if share else []
+    local = sum(float(m["loss_mask"].sum()) if args.algo != "dpo" else m["input_ids"].shape[0] / 2 for m in micros)
+    reduce = reducer(accelerator)
+    local = torch.tensor([local], dtype=torch.float64)  # (a process with no share has the int 0: same dtype everywhere)
+    size = float(reduce(local)[0]) / accelerator.num_processes
+    count = int(reducer(accelerator, "max")(torch.tensor([len(micros)])))
+    blank = pad([([pad_id], [0])] * (2 if args.algo == "dpo" else 1), pad_id)  # (dpo: a chosen and a rejected row)
+    sums = DPOSums() if args.algo == "dpo" else SFTSums()
+    loss_of = functools.partial(offline_terms, models, args=args, accelerator=accelerator, size=size)
+    finite = accumulate(accelerator, micros, [("policy", models.policy, loss_of)], sums, count=count, blank=blank,
+                        train=train)
+    return sums.reduced(reduce), finite
+
+
+def offline_terms(models: Models, micro: dict, args: Args, accelerator,
+                  size: float) -> tuple[torch.Tensor, SFTSums | DPOSums, bool]:
+    """One micro-batch's loss, divided by the batch's `size` (sft: the NLL of its action tokens, rl/sft.py; dpo:
+    rl/dpo.py's loss of its pairs against the reference), its statistics, and whether they are finite."""
+    micro = {key: value.to(accelerator.device) for key, value in micro.items()}
+    if args.algo != "dpo":
+        loss, sums, finite = sft_terms(models.policy, micro, accelerator)
+        return loss / max(size, 1e-9), sums, finite
+    inputs = (micro["input_ids"], micro["attention_mask"], micro["loss_mask"])
+    with accelerator.autocast():
+        logprobs, _ = token_logprobs(models.policy, *inputs, position_ids=micro.get("position_ids"))
+    with torch.no_grad(), accelerator.autocast(), reference(models, accelerator, args.offload_reference) as reference_model:
+        ref, _ = token_logprobs(reference_model, *inputs)
+    summed, ref_summed = (logprobs * micro["loss_mask"]).sum(1), (ref.float() * micro["loss_mask"]).sum(1)
+    half = summed.shape[0] // 2
+    loss, chosen, rejected = dpo_loss(summed[:half], summed[half:], ref_summed[:half], ref_summed[half:], args.beta)
+    sums = DPOSums(loss=float(loss.detach().sum()), pairs=float(half), correct=float((chosen > rejected).sum()),
+                   margin=float((chosen - rejected).sum()), chosen=float(chosen.sum()), rejected=float(rejected.sum()))
+    return loss.sum() / max(size, 1e-9), sums, math.isfinite(sums.loss)
 
 
 def play_share(engine, fmt: ChatFormat, environments: list, task_ids: list[int], n: int, models: Models, args: Args,
@@ -1344,7 +1226,7 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
         for step in progress:
             step_start = time.perf_counter()
             metrics = offline_step(models, examples, step, args, accelerator, fmt.pad_id)
-            stop_on_nonfinite(models, None, args, accelerator, run_dir, step)
+            stop_on_nonfinite(models, None, args.max_nonfinite_updates, accelerator, run_dir, step)
             evaluated = []
             if step == args.steps or eval_due(step, args.eval_every, args.steps):
                 metrics |= validate(models, held, args, accelerator, fmt.pad_id)
@@ -1410,7 +1292,7 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
             for step in tqdm(range(1, steps + 1), desc=f"iteration {iteration}", leave=False, dynamic_ncols=True,
                              disable=not accelerator.is_main_process):
                 metrics = offline_step(models, examples, step, args, accelerator, fmt.pad_id)
-                stop_on_nonfinite(models, None, args, accelerator, run_dir, step)
+                stop_on_nonfinite(models, None, args.max_nonfinite_updates, accelerator, run_dir, step)
             metrics |= validate(models, held, args, accelerator, fmt.pad_id)
             evaluation, evaluated = evaluate(engine, fmt, environments, test_ids, models, args, accelerator,
                                              max_tokens, iteration)
@@ -1951,7 +1833,7 @@ def main(args: Args) -> Path | None:
             attach(batch, advantages, returns)
             sums, grad_norms = update(models, batch, args, accelerator, step,
                                       phase(progress, "update", args.ppo_epochs * len(batch.micro)))
-            stop_on_nonfinite(models, batch, args, accelerator, run_dir, step)
+            stop_on_nonfinite(models, batch, args.max_nonfinite_updates, accelerator, run_dir, step)
             costs.update_s, costs.update_peak_gib = time.perf_counter() - update_start, peak_gib()
             synced = sync_engine(engine, models.policy, accelerator, step)
 

@@ -14,9 +14,12 @@ samples does not outweigh the others quadratically.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from rl.optimizer import Sums
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
@@ -27,6 +30,25 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     chosen_reward = beta * (policy_chosen - ref_chosen)
     rejected_reward = beta * (policy_rejected - ref_rejected)
     return -F.logsigmoid(chosen_reward - rejected_reward), chosen_reward.detach(), rejected_reward.detach()
+
+
+@dataclass
+class DPOSums(Sums):
+    """A DPO pass's statistics, summed over its pairs (and processes)."""
+
+    loss: float = 0.0
+    pairs: float = 0.0
+    correct: float = 0.0  # pairs whose chosen episode's implicit reward is above the rejected one's
+    margin: float = 0.0
+    chosen: float = 0.0
+    rejected: float = 0.0
+
+    def metrics(self, prefix: str = "") -> dict[str, float]:
+        """The mean loss, accuracy, margin and implicit rewards per pair (`prefix` val_: on the held-out tasks)."""
+        pairs = max(self.pairs, 1.0)
+        return {f"dpo/{prefix}{name}": getattr(self, key) / pairs for name, key in
+                (("loss", "loss"), ("accuracy", "correct"), ("margin", "margin"), ("chosen_reward", "chosen"),
+                 ("rejected_reward", "rejected"))}
 
 
 def make_pairs(records: list[dict], margin: float) -> list[tuple[dict, dict]]:

@@ -1,8 +1,9 @@
 """Supervised fine-tuning on trajectories: cross-entropy on the action tokens (loss_mask 1) only,
 so the model learns what the assistant said and never the prompt or the observations.
 
-    loss = sft_loss(model, rows)   # token-mean NLL of a collated or packed batch
-    total = nll(model, micro)      # train.py: summed, then divided by the batch's action tokens over all processes
+    loss = sft_loss(model, rows)                       # token-mean NLL of a collated or packed batch
+    total, sums, finite = sft_terms(model, micro, accelerator)  # train.py: summed, then divided by the batch's
+                                                                # action tokens over all processes
 
 Where it differs from AgentGym's SFT: several conversations share a row (rl/batch.py's `pack`: block-causal
 masks, positions restarting per conversation) and the loss is averaged over the action tokens of the whole
@@ -13,9 +14,13 @@ micro-batch, which weighs a token of a short conversation more. The log-probs, a
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from rl.logprobs import token_logprobs
+from rl.optimizer import Sums
 
 
 def nll(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -28,3 +33,24 @@ def nll(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 def sft_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Token-mean negative log-likelihood of the action tokens of a collated or packed batch."""
     return nll(model, batch) / batch["loss_mask"].sum().clamp(min=1)
+
+
+@dataclass
+class SFTSums(Sums):
+    """An SFT pass's statistics, summed over its micro-batches (and processes)."""
+
+    nll: float = 0.0
+    tokens: float = 0.0  # action tokens
+
+    def metrics(self, prefix: str = "") -> dict[str, float]:
+        """The mean NLL per action token (sft/loss; `prefix` val_: on the held-out tasks) and the tokens."""
+        return {f"sft/{prefix}loss": self.nll / max(self.tokens, 1.0), f"sft/{prefix}tokens": self.tokens}
+
+
+def sft_terms(model, micro: dict[str, torch.Tensor], accelerator) -> tuple[torch.Tensor, SFTSums, bool]:
+    """One micro-batch of train.py's SFT: its summed NLL (under Accelerate's autocast), its statistics, and whether
+    they are finite."""
+    with accelerator.autocast():
+        loss = nll(model, micro)
+    sums = SFTSums(nll=float(loss.detach()), tokens=float(micro["loss_mask"].sum()))
+    return loss, sums, math.isfinite(sums.nll)

@@ -9,6 +9,7 @@ import torch
 from accelerate import Accelerator
 
 import train
+from rl import optimizer as optimizer_lib
 from rl.batch import arrange, attach, make_batch, scatter
 from rl.logprobs import token_logprobs
 from rollout import Trajectory
@@ -100,18 +101,18 @@ def test_the_update_is_the_same_packed_or_padded(aggregation, tmp_path):
         train.score_batch(models, batch, args, accelerator)
         advantages, _ = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, None)
         attach(batch, advantages, None)
-        original = train.optimizer_step
+        original = optimizer_lib.optimizer_step
 
         def recording(model, *rest, name=name):
             gradients[name] = {n: p.grad.clone() for n, p in model.named_parameters()}
             return original(model, *rest)
 
-        train.optimizer_step = recording
+        optimizer_lib.optimizer_step = recording
         try:
             sums, _ = train.update(models, batch, args, accelerator, step=1)
         finally:
-            train.optimizer_step = original
-        losses[name] = sums["policy"]
+            optimizer_lib.optimizer_step = original
+        losses[name] = sums.policy
         accelerator.free_memory()
     assert losses["packed"] == pytest.approx(losses["padded"], rel=1e-5)
     for name, gradient in gradients["padded"].items():  # (float noise: 1e-5 of each tensor's largest entry)

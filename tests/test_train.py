@@ -22,6 +22,7 @@ from rl import plots
 from rl import zero3
 from rl.engines import engine_kind
 from rl.model import EMBEDDED
+from rl.optimizer import count_nonfinite
 from rl.batch import arrange, make_batch
 from rl.records import unpack
 from rl.scores import gain
@@ -473,11 +474,11 @@ def test_each_model_keeps_its_own_nan_streak():
     steps do not end the policy's streak."""
     models = train.Models(None, None, None)
     accelerator = types.SimpleNamespace(is_main_process=False, process_index=0)
-    sums: dict = {}
+    sums = train.UpdateSums()
     for _ in range(3):
-        train.count_nonfinite(models, sums, "policy", 1, True, accelerator)
-        train.count_nonfinite(models, sums, "critic", 1, False, accelerator)
-    assert models.nonfinite_streak == {"policy": 3, "critic": 0} and sums["nonfinite_updates"] == 3
+        count_nonfinite(models, sums, "policy", 1, True, accelerator)
+        count_nonfinite(models, sums, "critic", 1, False, accelerator)
+    assert models.nonfinite_streak == {"policy": 3, "critic": 0} and sums.nonfinite_updates == 3
 
 
 def test_two_processes_split_the_tasks_and_log_every_episode(tmp_path):
