@@ -500,7 +500,7 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
         raise SystemExit("--max-error-rate is a share of a step's trajectories, in [0, 1]")
     if args.env not in envs.ENVS:
         raise SystemExit(f"unknown env {args.env!r}; choose one of: {', '.join(envs.ENVS)}")
-    if args.n < 2 and args.algo in ("grpo", "rloo"):
+    if args.n < 2 and args.algo in adv_lib.GROUPED:
         raise SystemExit(f"{args.algo} compares the samples of a task with each other: use --n 2 or more")
     if not args.horizon or min(args.horizon) < 1 or args.horizon_every < 1:
         raise SystemExit("--horizon takes one or more turn caps of at least 1, --horizon-every at least 1 step")
@@ -698,24 +698,14 @@ def stop_on_env_failures(trajectories: list[Trajectory], args: Args, accelerator
 
 def advantages_for(args: Args, full: dict, scores: torch.Tensor, groups: torch.Tensor, ok: torch.Tensor,
                    reduce) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The step's per-token advantages [B, T] (and GAE's returns for the critic) on the padded batch.
-    A trajectory that ended in an env error has no outcome: its mask is already 0, and it stays out
-    of the group statistics."""
+    """The step's per-token advantages [B, T] (and GAE's returns for the critic) on the padded batch, by --algo
+    (rl/advantages.py); with --kl-in-reward the reward loses beta * KL_t at every action token."""
     mask = full["loss_mask"]
-    penalty = torch.zeros_like(mask)
-    if args.kl_in_reward and "ref_logprobs" in full:  # r_t = outcome - beta * KL_t, per action token
+    penalty = None
+    if args.kl_in_reward and "ref_logprobs" in full:
         penalty = args.kl_coef * kl(full["old_logprobs"], full["ref_logprobs"], args.kl_estimator) * mask
-    if args.algo in ("grpo", "rloo"):
-        totals = scores - penalty.sum(1)  # the trajectory's return: outcome minus its summed KL penalty
-        per_trajectory = torch.zeros_like(scores)
-        if ok.any():
-            estimator = adv_lib.rloo if args.algo == "rloo" else (lambda s, g: adv_lib.grpo(s, g, scale=args.grpo_scale))
-            per_trajectory[ok] = estimator(totals[ok], groups[ok])
-        return adv_lib.per_token(per_trajectory, mask), None
-    rewards = adv_lib.place_reward(scores, mask) - penalty
-    if args.algo == "reinforce_pp":
-        return adv_lib.reinforce_pp(rewards, mask, args.gamma, reduce=reduce), None
-    return adv_lib.gae(rewards, full["old_values"], mask, args.gamma, args.lam, reduce=reduce)
+    return adv_lib.advantages(args.algo, scores, groups, ok, mask, penalty=penalty, values=full.get("old_values"),
+                              gamma=args.gamma, lam=args.lam, grpo_scale=args.grpo_scale, reduce=reduce)
 
 
 @dataclass
