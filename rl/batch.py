@@ -17,6 +17,11 @@ token each).
 The model sees, per micro-batch: input_ids, attention_mask ([R, W], or [R, 1, W, W] when packed), position_ids
 (packed only), loss_mask, sampler_logprobs and `segments` (which trajectory of the step each token belongs to,
 -1 for padding: the per-trajectory means of rl/losses.aggregate). `pieces` say where each trajectory lies.
+
+Under data parallelism the loss of a mini-batch is divided by its token (or sequence) count over all processes
+(minibatch_counts), so every token weighs the same wherever it was played; upstream normalises per micro-batch
+on each GPU, which `--loss-agg seq-mean-token-mean` (the paper preset's) matches when micro-batches hold one
+trajectory, as in its scripts.
 """
 
 from __future__ import annotations
@@ -206,7 +211,32 @@ def attach(batch: Batch, advantages: torch.Tensor, returns: torch.Tensor | None)
             micro[key] = values.to(micro["input_ids"].device)
 
 
+def minibatch_counts(minibatch: list[dict], reduce, processes: int) -> dict[str, float]:
+    """What the losses of a mini-batch are divided by: its action tokens and its sequences with any
+    action token, over every process's share of it (`reduce` sums over processes: rl/optimizer.py's reducer),
+    divided by the number of processes (a fraction when there are fewer than processes), since data-parallel
+    training averages the processes' gradients. So each token (or sequence) weighs the same wherever it was
+    played; with per-process counts a token on a process with 10 action tokens would weigh 19x one on
+    a process with 190."""
+    local = torch.tensor([sum(float(m["loss_mask"].sum()) for m in minibatch),
+                          sum(count_sequences(m) for m in minibatch)], dtype=torch.float64)
+    tokens, sequences = (reduce(local) / processes).tolist()
+    return {"tokens": tokens, "sequences": sequences}
+
+
 def count_sequences(micro: dict) -> int:
     """Trajectories with an action token in a micro-batch (rows, or segments of packed rows)."""
     segments = micro["segments"][micro["loss_mask"] > 0]
     return int(segments.unique().numel())
+
+
+def example_micro_batches(examples: list, size: int, pad_id: int, pairs: bool = False) -> list[dict]:
+    """SFT's and DPO's examples (rl/data.py: examples_of) as micro-batches: conversations packed into rows as long as
+    the longest of them (no attention across conversations; longer rows would only add attention across the
+    mask), `size` rows each; with `pairs` (dpo), `size` pairs each, chosen rows first, then their rejected ones."""
+    if pairs:
+        return [pad([c for c, _ in examples[i:i + size]] + [r for _, r in examples[i:i + size]], pad_id)
+                for i in range(0, len(examples), size)]
+    packed = pack(examples, max(len(ids) for ids, _ in examples), pad_id)
+    rows = len(packed.pop("rows"))
+    return [{key: value[i:i + size] for key, value in packed.items()} for i in range(0, rows, size)]

@@ -27,7 +27,8 @@ from safetensors.torch import save_file  # noqa: E402
 import train  # noqa: E402
 from rl import optimizer as optimizer_lib  # noqa: E402
 from rl import zero3  # noqa: E402
-from rl.model import full_weights  # noqa: E402
+from rl.batch import attach  # noqa: E402
+from rl.model import build_models, full_weights, make_accelerator  # noqa: E402
 from rollout import Trajectory  # noqa: E402
 
 
@@ -82,13 +83,13 @@ def poison(case: str, rank: int) -> None:
 
 
 def main(out_dir: Path) -> None:
-    accelerator, _ = train.make_accelerator(train.parse_args(["--tasks-per-step", "2"]))
+    accelerator, _ = make_accelerator(train.parse_args(["--tasks-per-step", "2"]))
     world, rank = accelerator.num_processes, accelerator.process_index
     mine = trajectories()[rank * 6 // world:(rank + 1) * 6 // world]
     for name, flags in (CASES | NAN_CASES).items():
         args = train.parse_args(["--tasks-per-step", "2", "--n", "3", "--micro-batch-size", "2", "--minibatches", "1",
                                  "--kl-coef", "0", *flags])
-        models = train.build_models(args, accelerator, args.model)
+        models = build_models(args, accelerator, args.model)
         gradients = {}
         original = optimizer_lib.optimizer_step
 
@@ -101,7 +102,7 @@ def main(out_dir: Path) -> None:
         train.score_batch(models, batch, args, accelerator)
         advantages, returns = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok,
                                                    optimizer_lib.reducer(accelerator))
-        train.attach(batch, advantages, returns)
+        attach(batch, advantages, returns)
         plain = train.update_policy
         if name in NAN_CASES:
             poison(name, rank)

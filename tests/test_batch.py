@@ -11,6 +11,7 @@ from accelerate import Accelerator
 import train
 from rl import optimizer as optimizer_lib
 from rl.batch import arrange, attach, make_batch, scatter
+from rl.model import build_models
 from rl.logprobs import token_logprobs
 from rollout import Trajectory
 
@@ -96,7 +97,7 @@ def test_the_update_is_the_same_packed_or_padded(aggregation, tmp_path):
         args = train.parse_args(["--tasks-per-step", "4", "--n", "2", "--minibatches", "1", "--kl-coef", "0",
                                  "--loss-agg", aggregation, "--out-dir", str(tmp_path), *flags])
         torch.manual_seed(0)
-        models = train.build_models(args, accelerator, args.model)
+        models = build_models(args, accelerator, args.model)
         batch = train.batch_of(played, args, accelerator, 0)
         train.score_batch(models, batch, args, accelerator)
         advantages, _ = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, None)

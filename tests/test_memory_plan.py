@@ -6,7 +6,7 @@ from accelerate import Accelerator
 
 import train
 from rl.memory import activation_bytes, parameters, plan
-from rl.model import load_model
+from rl.model import build_models, load_model
 
 SETTINGS = dict(algo="grpo", lora_rank=0, lora_targets=("all-linear",), processes=1, sharded=False, reference=True,
                 offload_reference=False, micro_tokens=4096, checkpointing=False, engine="vllm", engine_share=0.3,
@@ -27,7 +27,7 @@ def test_the_model_state_is_what_training_allocates(tmp_path):
     config = load_model("tiny-agent").config
     for flags, lora in (([], 0), (["--lora-rank", "8"], 8)):
         args = train.parse_args(["--out-dir", str(tmp_path), *flags])
-        models = train.build_models(args, accelerator, args.model)
+        models = build_models(args, accelerator, args.model)
         for p in models.policy.parameters():  # one optimizer step creates the moments
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
