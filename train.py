@@ -410,7 +410,7 @@ def main(args: Args) -> Path | None:
             reset_peak()
             update_start = time.perf_counter()
             batch = batch_of(trajectories, args, accelerator, fmt.pad_id)
-            score_batch(models, batch, args, accelerator)
+            old_logprobs(models, batch, args, accelerator)
             advantages, returns = advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, reduce)
             attach(batch, advantages, returns)
             sums, grad_norms = update(models, batch, args, accelerator, step,
@@ -467,7 +467,7 @@ def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: in
 
 
 @torch.no_grad()
-def score_batch(models: Models, batch: Batch, args: Args, accelerator) -> None:
+def old_logprobs(models: Models, batch: Batch, args: Args, accelerator) -> None:
     """Old and reference log-probs and old values of every micro-batch, also scattered into `full`
     (the advantages need them on the whole batch). Every model runs as the policy does in the update
     and in the sampler (fp32 weights under Accelerate's autocast, which `prepare` also wraps around the

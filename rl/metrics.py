@@ -74,7 +74,7 @@ def step_metrics(records: list[dict], sampled: list[int], costs: Costs, sums: Up
         "rollout/errors": finishes.count("error"),
         "rollout/trajectories": len(records),  # tasks x --n, and under --agent reflect every retried attempt
         # how episodes ended, as shares: the env said done, the horizon cap, out of tokens (budget or context), env failure
-        **{f"finish/{name}": finishes.count(finish) / len(finishes) for finish, name in FINISHES.items()},
+        **{f"finish/{finish}": finishes.count(finish) / len(finishes) for finish in FINISHES},
         "rollout/invalid_action_rate": sum(r["invalid_actions"] for r in records) / max(sum(turns), 1),
         "rollout/zero_variance_groups": zero_variance_share(records),  # groups with no GRPO signal
         **category_metrics(records),
@@ -124,7 +124,9 @@ def step_metrics(records: list[dict], sampled: list[int], costs: Costs, sums: Up
     return metrics
 
 
-FINISHES = {"done": "done", "horizon": "max_turns", "max_tokens": "max_tokens", "error": "error"}
+# How an episode ends (rollout.py): the env said done, the horizon cap, out of tokens (budget or context), an env
+# failure; logged as finish/<name>, the share of the step's episodes
+FINISHES = ("done", "horizon", "max_tokens", "error")
 
 
 def zero_variance_share(records: list[dict]) -> float:

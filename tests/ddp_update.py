@@ -99,7 +99,7 @@ def main(out_dir: Path) -> None:
 
         optimizer_lib.optimizer_step = recording
         batch = train.batch_of(mine, args, accelerator, pad_id=0)
-        train.score_batch(models, batch, args, accelerator)
+        train.old_logprobs(models, batch, args, accelerator)
         advantages, returns = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok,
                                                    optimizer_lib.reducer(accelerator))
         attach(batch, advantages, returns)

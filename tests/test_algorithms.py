@@ -89,7 +89,7 @@ def test_an_update_moves_toward_the_rewarded_action(flags):
             trajectories.append(traj)
     batch = train.batch_of(trajectories, args, accelerator, fmt.pad_id)
     before = response_logprobs(models.policy, batch.full)
-    train.score_batch(models, batch, args, accelerator)
+    train.old_logprobs(models, batch, args, accelerator)
     advantages, returns = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, None)
     attach(batch, advantages, returns)
     train.update(models, batch, args, accelerator, step=1)

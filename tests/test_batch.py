@@ -99,7 +99,7 @@ def test_the_update_is_the_same_packed_or_padded(aggregation, tmp_path):
         torch.manual_seed(0)
         models = build_models(args, accelerator, args.model)
         batch = train.batch_of(played, args, accelerator, 0)
-        train.score_batch(models, batch, args, accelerator)
+        train.old_logprobs(models, batch, args, accelerator)
         advantages, _ = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, None)
         attach(batch, advantages, None)
         original = optimizer_lib.optimizer_step

@@ -36,7 +36,7 @@ from tests import ddp_update
 # every step's metrics (README, "Metrics")
 STEP_METRICS = [
     "rollout/reward", "rollout/success", "rollout/turns", "rollout/horizon", "rollout/errors",
-    "finish/done", "finish/max_turns", "finish/max_tokens", "finish/error", "rollout/invalid_action_rate",
+    "finish/done", "finish/horizon", "finish/max_tokens", "finish/error", "rollout/invalid_action_rate",
     "rollout/zero_variance_groups", "rollout/tokens", "rollout/action_tokens", "rollout/advantage_mean",
     "rollout/advantage_abs", "rollout/logprob_diff", "rollout/logprob_diff_max",
     "perf/env_call_s", "perf/env_call_p95_s", "perf/env_wait_share", "perf/tokens_per_s", "perf/rollout_s",
@@ -103,7 +103,7 @@ def test_rollout_log_has_every_trajectory(trained):
     metrics = metrics[1:]
     for m in metrics:  # every metric the README lists, grouped by name
         assert set(STEP_METRICS) <= set(m), set(STEP_METRICS) - set(m)
-        assert sum(m[f"finish/{name}"] for name in ("done", "max_turns", "max_tokens", "error")) == pytest.approx(1)
+        assert sum(m[f"finish/{name}"] for name in ("done", "horizon", "max_tokens", "error")) == pytest.approx(1)
         categories = {r["category"] for r in lines if r["step"] == m["charts/step"]}
         assert {key.split("/")[1] for key in m if key.startswith("category/")} == categories
         assert 0 <= m["rollout/invalid_action_rate"] <= 1 and 0 <= m["rollout/zero_variance_groups"] <= 1
