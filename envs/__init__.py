@@ -117,13 +117,12 @@ def oracle(env: Env) -> Callable[[str], str]:
     return _module(env.name).oracle(env)
 
 
-def play(env: Env, task_id: int, agent: Callable[[str], str] | None = None, max_steps: int = 100) -> StepResult:
-    """One episode through the text interface: reset to `task_id`, then step with `agent(observation)`
-    (default: the env's oracle) until done or `max_steps`. Returns the last step's result."""
-    observation = env.reset(task_id)
-    agent = agent or oracle(env)
-    result = StepResult(observation, 0.0, False, {})
-    for _ in range(max_steps):
+def oracle_episode(env: Env, task_id: int, horizon: int = 100) -> StepResult:
+    """The env's oracle plays task `task_id` through the text interface (reset, then its response to each
+    observation) until done or `horizon` turns. Returns the last step's result."""
+    result = StepResult(env.reset(task_id), 0.0, False, {})
+    agent = oracle(env)
+    for _ in range(horizon):
         result = env.step(agent(result.observation))
         if result.done:
             break
