@@ -18,9 +18,9 @@ Which limits an episode plays under is a protocol (`--protocol`), recorded with 
 - `run`: the training run's own settings, for a checkpoint inside runs/<run>/ (env, the turn cap of
   the checkpoint's step, token limits, env options): the score the run itself would see;
 - `tiny`: the embedded model's short turns and trajectories;
-- `agentgym`: upstream's evaluation (AgentGym-RL's examples/eval/*.sh): its turn cap per env, 512
-  tokens a turn (200 for SciWorld) and no trajectory budget below the 32k context of its vLLM
-  engine. Use it to compare with the paper's numbers.
+- `agentgym`: upstream's evaluation (AgentGym-RL's examples/eval/*.sh): its horizon per env, 512
+  tokens a turn (200 for SciWorld), both in the env's line of envs.ENVS, and no trajectory budget below
+  the 32k context of its vLLM engine. Use it to compare with the paper's numbers.
 `auto` picks `run` for a run's checkpoint, `tiny` for the embedded model, `agentgym` otherwise;
 --horizon, --max-new-tokens and --max-tokens override single limits. The results go to <out>.json
 (written atomically) and every episode to <out>.jsonl. Episodes run on vLLM when it is installed
@@ -76,9 +76,8 @@ from rl.scores import paired, score, spread
 from rl.engines import engine_kind, make_engine
 from rollout import ChatFormat, category, play
 
-# Upstream's eval scripts: max_rounds per env, max_tokens a turn, and vLLM's max_model_len.
-UPSTREAM_TURNS = {"babyai": 20, "textcraft": 30, "sciworld": 30, "searchqa": 30, "webarena": 15}
-UPSTREAM_TURN_TOKENS = {"sciworld": 200}  # 512 for the others
+# The context of upstream's eval engine (vLLM's max_model_len in its eval scripts); its turn cap and tokens a
+# turn are each env's (envs.ENVS).
 UPSTREAM_CONTEXT = 32768
 
 
@@ -119,7 +118,7 @@ class Args:
     """keyword options for envs.make, added to the run's own, e.g. --env-options reward normalized"""
     env_timeout: float = 0.0
     """seconds an env reset or step may take before its episode ends as failed (counted under `errors`)
-    and the env is replaced; 0: the env's default (envs.CALL_TIMEOUT)"""
+    and the env is replaced; 0: the env's default (its call_timeout in envs.ENVS)"""
     env_url: str | None = None
     """play on an AgentGym env server (ours, `python -m envs.serve`, or upstream's) at this URL instead
     of in process"""
@@ -189,7 +188,8 @@ def resolve_settings(args: Args) -> dict:
     elif protocol == "tiny":
         limits = {key: EMBEDDED_ROLLOUT[key] for key in ("horizon", "max_new_tokens", "max_tokens")}
     else:
-        limits = {"horizon": UPSTREAM_TURNS[env], "max_new_tokens": UPSTREAM_TURN_TOKENS.get(env, 512),
+        upstream = envs.ENVS[env]
+        limits = {"horizon": upstream.upstream_horizon, "max_new_tokens": upstream.upstream_max_new_tokens,
                   "max_tokens": UPSTREAM_CONTEXT}
     overrides = {key: getattr(args, key) for key in limits if getattr(args, key) is not None}
     horizons = (args.horizon,) if isinstance(args.horizon, int) else args.horizon  # (Args(horizon=6) from code)

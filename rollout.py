@@ -143,7 +143,7 @@ class Trajectory:
 
 
 def category(env: str, task_id: int) -> str | None:
-    """The task's eval category, or None for an env outside envs.ENVS (one a test defines)."""
+    """The task's eval category, or None for an env not in envs.ENVS here (a result of one registered elsewhere)."""
     try:
         return envs.category(env, task_id)
     except (ValueError, LookupError):

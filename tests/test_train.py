@@ -392,9 +392,8 @@ def flaky_env(monkeypatch, tmp_path):
     ids = tmp_path / "ids.json"
     envs.save_task_ids(ids, "flaky", list(range(120, 132)))
     module = types.SimpleNamespace(make=lambda **_: Flaky(), category=lambda _: "all", default_split_files=lambda: (ids, ids))
-    monkeypatch.setattr(envs, "ENVS", envs.ENVS + ("flaky",))
-    original = envs._module
-    monkeypatch.setattr(envs, "_module", lambda name: module if name == "flaky" else original(name))
+    monkeypatch.setitem(sys.modules, "flaky_env", module)
+    monkeypatch.setitem(envs.ENVS, "flaky", envs.Registration("flaky_env", call_timeout=60.0, upstream_horizon=2))
 
 
 def test_too_many_env_failures_stop_the_run_before_the_update(monkeypatch, tmp_path):
