@@ -223,7 +223,7 @@ class Args:
     """trajectories per generation call (hf engine)"""
     env_timeout: float = 0.0
     """seconds an env reset or step may take before its trajectory ends as failed and the env is
-    replaced; 0: the env's default (envs.CALL_TIMEOUT)"""
+    replaced; 0: the env's default (its call_timeout in envs.ENVS)"""
     env_url: str | None = None
     """play on an AgentGym env server (ours, `python -m envs.serve`, or upstream's) at this URL instead
     of in process"""
@@ -1010,7 +1010,7 @@ def step_metrics(records: list[dict], sampled: list[int], stats: dict, sums: dic
     return metrics
 
 
-FINISHES = {"done": "done", "horizon": "max_turns", "max_tokens": "max_tokens", "error": "error"}
+FINISHES = {"done": "done", "horizon": "horizon", "max_tokens": "max_tokens", "error": "error"}
 
 
 def zero_variance_share(records: list[dict]) -> float:
