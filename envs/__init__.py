@@ -120,13 +120,6 @@ def call_timeout(name: str) -> float:
     return registration(name).call_timeout
 
 
-def __getattr__(attribute: str):
-    """`envs.CALL_TIMEOUT`, each env's call_timeout by name, as code from before the registry reads it."""
-    if attribute == "CALL_TIMEOUT":
-        return {name: entry.call_timeout for name, entry in ENVS.items()}
-    raise AttributeError(f"module 'envs' has no attribute {attribute!r}")
-
-
 def parse_options(options: dict[str, str]) -> dict:
     """Command-line option strings (--env-options KEY VALUE ...) to Python values where they parse as
     literals (numbers, booleans, lists); anything else stays a string."""
