@@ -653,18 +653,21 @@ def score_batch(models: Models, batch: Batch, args: Args, accelerator) -> None:
     for module in (models.policy, models.critic):
         if module is not None:
             module.eval()
-    scoring = reference(models, accelerator, args.offload_reference) if has_reference(models) else contextlib.nullcontext()
-    with scoring as ref:
-        for micro in batch.micro:
-            inputs = (micro["input_ids"], micro["attention_mask"], micro["loss_mask"])
-            positions = micro.get("position_ids")
-            with accelerator.autocast():
-                if need_old:
-                    micro["old_logprobs"], _ = token_logprobs(models.policy, *inputs, args.temperature, position_ids=positions)
-                if ref is not None:
-                    micro["ref_logprobs"], _ = token_logprobs(ref, *inputs, args.temperature, position_ids=positions)
-                if models.critic is not None:
-                    micro["old_values"] = token_values(models.critic, *inputs, position_ids=positions)
+    for micro in batch.micro:
+        inputs = (micro["input_ids"], micro["attention_mask"], micro["loss_mask"])
+        positions = micro.get("position_ids")
+        with accelerator.autocast():
+            if need_old:
+                micro["old_logprobs"], _ = token_logprobs(models.policy, *inputs, args.temperature, position_ids=positions)
+            if models.critic is not None:
+                micro["old_values"] = token_values(models.critic, *inputs, position_ids=positions)
+    if has_reference(models):  # in a pass of its own: under LoRA the reference is the policy with its adapters off
+        with reference(models, accelerator, args.offload_reference) as ref:
+            for micro in batch.micro:
+                inputs = (micro["input_ids"], micro["attention_mask"], micro["loss_mask"])
+                with accelerator.autocast():
+                    micro["ref_logprobs"], _ = token_logprobs(ref, *inputs, args.temperature,
+                                                              position_ids=micro.get("position_ids"))
     scatter(batch, ("old_logprobs", "ref_logprobs", "old_values"))
 
 
