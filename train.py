@@ -35,7 +35,6 @@ from __future__ import annotations
 import rl  # noqa: F401 - first: sets OpenMP's wait policy before torch loads (see rl/__init__.py)
 
 import argparse
-import contextlib
 import copy
 import functools
 import math
@@ -172,7 +171,7 @@ class Args:
     """trajectories per generation call (hf engine)"""
     env_timeout: float = 0.0
     """seconds an env reset or step may take before its trajectory ends as failed and the env is
-    replaced; 0: the env's default (envs.CALL_TIMEOUT)"""
+    replaced; 0: the env's default (its call_timeout in envs.ENVS)"""
     env_url: str | None = None
     """play on an AgentGym env server (ours, `python -m envs.serve`, or upstream's) at this URL instead
     of in process"""
@@ -380,7 +379,6 @@ def main(args: Args) -> Path | None:
               f"{args.tasks_per_step} tasks x {args.n} samples, {describe(args.horizon, args.horizon_every, args.steps)}"
               f" -> {run_dir}" + (f", resumed at step {start_step}" if resuming else ""))
     logs = Logs(args, run_dir, config, active=accelerator.is_main_process, resume_sizes=trainer_state["logs"])
-    reduce = reducer(accelerator)  # whitening statistics over every process: a distributed batch is whitened as one
 
     # (the step bar shows the phase under way: rollout, update or eval, and how far it got)
     progress = tqdm(range(start_step, args.steps + 1), disable=not accelerator.is_main_process, desc="train",
@@ -411,7 +409,7 @@ def main(args: Args) -> Path | None:
             update_start = time.perf_counter()
             batch = batch_of(trajectories, args, accelerator, fmt.pad_id)
             old_logprobs(models, batch, args, accelerator)
-            advantages, returns = advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, reduce)
+            advantages, returns = advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, reducer(accelerator))
             attach(batch, advantages, returns)
             sums, grad_norms = update(models, batch, args, accelerator, step,
                                       phase(progress, "update", args.ppo_epochs * len(batch.micro)))
@@ -479,25 +477,28 @@ def old_logprobs(models: Models, batch: Batch, args: Args, accelerator) -> None:
     for module in (models.policy, models.critic):
         if module is not None:
             module.eval()
-    scoring = reference(models, accelerator, args.offload_reference) if has_reference(models) else contextlib.nullcontext()
-    with scoring as ref:
-        for micro in batch.micro:
-            inputs = (micro["input_ids"], micro["attention_mask"], micro["loss_mask"])
-            positions = micro.get("position_ids")
-            with accelerator.autocast():
-                if need_old:
-                    micro["old_logprobs"], _ = token_logprobs(models.policy, *inputs, args.temperature, position_ids=positions)
-                if ref is not None:
-                    micro["ref_logprobs"], _ = token_logprobs(ref, *inputs, args.temperature, position_ids=positions)
-                if models.critic is not None:
-                    micro["old_values"] = token_values(models.critic, *inputs, position_ids=positions)
+    for micro in batch.micro:
+        inputs = (micro["input_ids"], micro.get("attention_mask"), micro["loss_mask"])
+        positions = micro.get("position_ids")
+        with accelerator.autocast():
+            if need_old:
+                micro["old_logprobs"], _ = token_logprobs(models.policy, *inputs, args.temperature, position_ids=positions)
+            if models.critic is not None:
+                micro["old_values"] = token_values(models.critic, *inputs, position_ids=positions)
+    if has_reference(models):  # in a pass of its own: under LoRA the reference is the policy with its adapters off
+        with reference(models, accelerator, args.offload_reference) as ref:
+            for micro in batch.micro:
+                inputs = (micro["input_ids"], micro.get("attention_mask"), micro["loss_mask"])
+                with accelerator.autocast():
+                    micro["ref_logprobs"], _ = token_logprobs(ref, *inputs, args.temperature,
+                                                              position_ids=micro.get("position_ids"))
     scatter(batch, ("old_logprobs", "ref_logprobs", "old_values"))
 
 
 def advantages_for(args: Args, full: dict, scores: torch.Tensor, groups: torch.Tensor, ok: torch.Tensor,
                    reduce) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The step's per-token advantages [B, T] (and GAE's returns for the critic) on the padded batch, by --algo
-    (rl/advantages.py); with --kl-in-reward the reward loses beta * KL_t at every action token."""
+    """The step's per-token advantages [B, T] (and GAE's returns for the critic) by --algo (rl/advantages.py); with
+    --kl-in-reward the reward loses beta * KL_t at every action token. `reduce` whitens over all processes, as one."""
     mask = full["loss_mask"]
     penalty = None
     if args.kl_in_reward and "ref_logprobs" in full:
@@ -546,7 +547,7 @@ def update_policy(models: Models, micro: dict, counts: dict, args: Args, acceler
     mask = micro["loss_mask"]
     counts = counts | {"segments": micro["segments"]}  # (a packed row holds several trajectories)
     with accelerator.autocast():
-        logprobs, entropy = token_logprobs(models.policy, micro["input_ids"], micro["attention_mask"], mask,
+        logprobs, entropy = token_logprobs(models.policy, micro["input_ids"], micro.get("attention_mask"), mask,
                                            args.temperature, with_entropy=True, position_ids=micro.get("position_ids"))
     old = micro["old_logprobs"] if "old_logprobs" in micro else logprobs.detach()
     micro.setdefault("trainer_logprobs", old.detach())  # the first pass's, for the rollout log
@@ -571,7 +572,8 @@ def update_critic(models: Models, micro: dict, counts: dict, args: Args, acceler
     aggregated like the policy loss; its sums, and whether they are finite."""
     mask = micro["loss_mask"]
     with accelerator.autocast():
-        values = token_values(models.critic, micro["input_ids"], micro["attention_mask"], mask, micro.get("position_ids"))
+        values = token_values(models.critic, micro["input_ids"], micro.get("attention_mask"), mask,
+                              micro.get("position_ids"))
     terms, clipped = value_loss(values, micro["old_values"], micro["returns"], args.value_clip)
     with torch.no_grad():
         sums = UpdateSums(critic_tokens=float(mask.sum()), value=float((terms * mask).sum()),
@@ -710,8 +712,7 @@ def validate(models: Models, examples: list, args: Args, accelerator, pad_id: in
     if not examples:
         return {}
     models.policy.eval()
-    sums, _ = offline_pass(models, examples, args, accelerator, pad_id, train=False)
-    return sums.metrics(prefix="val_")
+    return offline_pass(models, examples, args, accelerator, pad_id, train=False)[0].metrics(prefix="val_")
 
 
 def offline_pass(models: Models, examples: list, args: Args, accelerator, pad_id: int,
@@ -776,8 +777,7 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
     train_ids = envs.load_task_ids(args.train_tasks, args.env) if args.train_tasks else envs.splits(args.env)["train"]
     explore_ids = spread(train_ids, args.explore_tasks) if args.explore_tasks else train_ids
     test_ids = test_task_ids(args)
-    share = -(-max(len(explore_ids) * args.n, len(test_ids)) // accelerator.num_processes)
-    count = min(args.gen_batch_size, share)
+    count = min(args.gen_batch_size, -(-max(len(explore_ids) * args.n, len(test_ids)) // accelerator.num_processes))
     environments = make_envs(args.env, count, envs.parse_options(args.env_options), args.env_timeout, args.env_url)
     engine = build_engine(args, fmt, models, accelerator, max_tokens)
     config = run_config(args, run_dir, False, accelerator, mixed, engine, environments[0])

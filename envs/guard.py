@@ -94,7 +94,7 @@ class Guarded(envs.Env):
 def make_envs(name: str, count: int, options: dict | None = None, timeout: float = 0.0,
               url: str | None = None) -> list[Guarded]:
     """`count` guarded instances of an env, in process or (`url`) on an AgentGym env server, whose own
-    requests then have the same timeout; `timeout` 0: the env's default (envs.CALL_TIMEOUT)."""
+    requests then have the same timeout; `timeout` 0: the env's default (its call_timeout in envs.ENVS)."""
     timeout = timeout or envs.call_timeout(name)
     options = dict(options or {}) | ({"url": url, "timeout": timeout} if url else {})
     return [Guarded(name, options, timeout) for _ in range(count)]

@@ -9,9 +9,9 @@
                    trains and scores with, prepared by Accelerate (reference, critic, sharding, LoRA)
     memory.py      peak memory of a phase of a step (GPU allocated, else resident set), and the --dry-run plan
     agent.py       agent formats: how an episode's messages are laid out (react, plan, reflect)
-    engines.py     generation engines behind one contract: HF, vLLM, the envs' experts; the trainer's engine and its sync
+    engines.py     generation engines behind one contract: HF, vLLM, the envs' experts; the trainer's, synced
     api.py         a model behind an OpenAI-compatible endpoint as an engine (eval.py --model openai:<name>)
-    batch.py       a step's trajectories -> micro-batches (token budgets, packing), equal across processes; SFT's packing
+    batch.py       a step's trajectories -> micro-batches (token budgets, packing), equal across processes; SFT's rows
     optimizer.py   gradient accumulation over a mini-batch, optimizer steps, NaN/inf skips, the cross-process reducer
     run.py         the run directory: config.json, logs and wandb, checkpoints saved and resumed, the end of a run
     metrics.py     a step's metrics and its printed line, from what its phases measured

@@ -8,15 +8,15 @@ computed per trajectory, and the micro-batches that go through the model, with w
     rows = pack(sequences, max_tokens, pad_id)                        # SFT's conversations, packed the same way
 
 Micro-batches are made of length-sorted trajectories, so a padded one wastes little. With `pack`, several
-trajectories share a row: positions restart at each one and a block-causal mask keeps them from attending to
-each other, so a trajectory's log-probs are those it has alone (tests/test_batch.py, tests/test_sft.py), and a
-row holds no padding but its tail. Every process must run the same number of micro-batches, since a
-data-parallel or sharded backward is collective: `count` pads a layout with empty micro-batches (one masked
-token each).
+trajectories share a row: positions restart at each one, which is what keeps them from attending to each other
+(rl/logprobs.forward_inputs), so a trajectory's log-probs are those it has alone, whatever the model's attention
+implementation (tests/test_batch.py, tests/test_sft.py), and a row holds no padding but its tail. Every process
+must run the same number of micro-batches, since a data-parallel or sharded backward is collective: `count` pads
+a layout with empty micro-batches (one masked token each).
 
-The model sees, per micro-batch: input_ids, attention_mask ([R, W], or [R, 1, W, W] when packed), position_ids
-(packed only), loss_mask, sampler_logprobs and `segments` (which trajectory of the step each token belongs to,
--1 for padding: the per-trajectory means of rl/losses.aggregate). `pieces` say where each trajectory lies.
+The model sees, per micro-batch: input_ids, attention_mask [R, W] (padded) or position_ids [R, W] (packed),
+loss_mask, sampler_logprobs and `segments` (which trajectory of the step each token belongs to, -1 for padding:
+the per-trajectory means of rl/losses.aggregate). `pieces` say where each trajectory lies.
 
 Under data parallelism the loss of a mini-batch is divided by its token (or sequence) count over all processes
 (minibatch_counts), so every token weighs the same wherever it was played; upstream normalises per micro-batch
@@ -113,9 +113,9 @@ def first_fit(lengths: list[int], budget: int, order) -> list[list[int]]:
 def pack(sequences: list[tuple[list[int], list[int]]], max_tokens: int, pad_id: int) -> dict:
     """(token ids, loss mask) sequences (SFT's conversations) packed into rows of at most `max_tokens`, none split,
     longest first into the first row with room. Returns a packed micro-batch's input_ids, loss_mask, position_ids
-    (restarting at 0 for every sequence, as if it were alone), attention_mask [R, 1, L, L] (causal within a
-    sequence, blind across sequences; a pad sees only itself, so no row is all masked) and segments, and `rows`:
-    the sequence indices of each row, in order."""
+    (restarting at 0 for every sequence, as if it were alone, which keeps sequences from attending to each other;
+    a pad is at position 0, a sequence of its own) and segments, and `rows`: the sequence indices of each row, in
+    order."""
     lengths = [len(ids) for ids, _ in sequences]
     if max(lengths) > max_tokens:
         raise ValueError(f"a sequence of {max(lengths)} tokens does not fit in rows of {max_tokens}")
@@ -154,7 +154,8 @@ def make_batch(trajectories, pad_id: int, layout: Layout, device, count: int | N
 
 def _place(rows: list[list[int]], lengths: list[int]) -> list[Piece]:
     """Where each trajectory of these rows lies: one after the other in its row."""
-    return [Piece(i, r, sum(lengths[j] for j in row[:k]), lengths[i]) for r, row in enumerate(rows) for k, i in enumerate(row)]
+    return [Piece(i, r, sum(lengths[j] for j in row[:k]), lengths[i])
+            for r, row in enumerate(rows) for k, i in enumerate(row)]
 
 
 def _micro(full: dict, rows: list[list[int]], pieces: list[Piece], pad_id: int, pack: bool, device) -> dict:
@@ -172,11 +173,7 @@ def _micro(full: dict, rows: list[list[int]], pieces: list[Piece], pad_id: int, 
             micro[key][piece.row, span] = full[key][piece.trajectory, :piece.length]
         micro["segments"][piece.row, span] = piece.trajectory
         position_ids[piece.row, span] = torch.arange(piece.length)
-    if pack:
-        # block-causal: a token sees the earlier tokens of its own trajectory; padding sees only itself
-        ids = torch.where(micro["segments"] >= 0, micro["segments"], -2 - torch.arange(width))
-        causal = torch.ones(width, width, dtype=torch.bool).tril()
-        micro["attention_mask"] = ((ids[:, :, None] == ids[:, None, :]) & causal)[:, None]
+    if pack:  # (the tail's pads at position 0: each a sequence of its own)
         micro["position_ids"] = position_ids
     else:
         micro["attention_mask"] = (micro["segments"] >= 0).long()

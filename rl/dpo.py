@@ -62,7 +62,7 @@ def dpo_terms(models, micro: dict[str, torch.Tensor], beta: float, offloaded: bo
     ([2P, T]; `models`: rl/model.py's Models, `offloaded`: the reference kept in CPU memory): the DPO loss summed
     over its pairs, on summed assistant-token log-probs against the frozen reference, its statistics, and whether
     they are finite."""
-    inputs = (micro["input_ids"], micro["attention_mask"], micro["loss_mask"])
+    inputs = (micro["input_ids"], micro.get("attention_mask"), micro["loss_mask"])
     with accelerator.autocast():
         logprobs, _ = token_logprobs(models.policy, *inputs, position_ids=micro.get("position_ids"))
     with torch.no_grad(), accelerator.autocast(), reference(models, accelerator, offloaded) as reference_model:

@@ -5,11 +5,11 @@ so the model learns what the assistant said and never the prompt or the observat
     total, sums, finite = sft_terms(model, micro, accelerator)  # train.py: summed, then divided by the batch's
                                                                 # action tokens over all processes
 
-Where it differs from AgentGym's SFT: several conversations share a row (rl/batch.py's `pack`: block-causal
-masks, positions restarting per conversation) and the loss is averaged over the action tokens of the whole
-batch however it is split into micro-batches and processes; AgentGym pads each conversation and averages per
-micro-batch, which weighs a token of a short conversation more. The log-probs, and so the optimum, are the same
-(tests/test_sft.py).
+Where it differs from AgentGym's SFT: several conversations share a row (rl/batch.py's `pack`), with no
+attention across them (their positions restart at each: rl/logprobs.forward_inputs), and the loss is averaged
+over the action tokens of the whole batch however it is split into micro-batches and processes; AgentGym pads
+each conversation and averages per micro-batch, which weighs a token of a short conversation more. The
+log-probs, and so the optimum, are the same (tests/test_sft.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from rl.optimizer import Sums
 
 def nll(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The summed negative log-likelihood of the action tokens of a collated or packed batch."""
-    logprobs, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
+    logprobs, _ = token_logprobs(model, batch["input_ids"], batch.get("attention_mask"), batch["loss_mask"],
                                  position_ids=batch.get("position_ids"))
     return -(logprobs * batch["loss_mask"]).sum()
 

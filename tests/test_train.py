@@ -27,7 +27,7 @@ from rl.model import EMBEDDED, Models, context_limit
 from rl.optimizer import count_nonfinite
 from rl.run import Logs, find_checkpoint, held_out_line, sample_table
 from rl.batch import arrange, make_batch
-from rl.records import unpack
+from rl.records import decode_array
 from rl.scores import gain
 from rollout import Trajectory
 from tests import ddp_update
@@ -91,9 +91,9 @@ def test_rollout_log_has_every_trajectory(trained):
         assert record["log_format"] == 2 and record["horizon"] == 2 and record["finish"] in ("done", "horizon")
         assert record["task_id"] == int(record["item_id"].split("_")[1])
         assert record["category"] == envs.category("babyai", record["task_id"])
-        assert len(unpack(record["token_ids"])) == record["tokens"]
+        assert len(decode_array(record["token_ids"])) == record["tokens"]
         assert sum(end - start for start, end in record["action_spans"]) == record["action_tokens"] > 0
-        sampled, trainer = unpack(record["sampled_logprobs"]), unpack(record["trainer_logprobs"])
+        sampled, trainer = decode_array(record["sampled_logprobs"]), decode_array(record["trainer_logprobs"])
         assert len(sampled) == len(trainer) == record["action_tokens"]
         assert max(abs(a - b) for a, b in zip(sampled, trainer)) < 1e-3 and max(sampled) <= 0
         assert isinstance(record["advantages"], float)  # GRPO: one advantage for the whole trajectory
@@ -396,9 +396,8 @@ def flaky_env(monkeypatch, tmp_path):
     ids = tmp_path / "ids.json"
     envs.save_task_ids(ids, "flaky", list(range(120, 132)))
     module = types.SimpleNamespace(make=lambda **_: Flaky(), category=lambda _: "all", default_split_files=lambda: (ids, ids))
-    monkeypatch.setattr(envs, "ENVS", envs.ENVS + ("flaky",))
-    original = envs._module
-    monkeypatch.setattr(envs, "_module", lambda name: module if name == "flaky" else original(name))
+    monkeypatch.setitem(sys.modules, "flaky_env", module)
+    monkeypatch.setitem(envs.ENVS, "flaky", envs.Registration("flaky_env", call_timeout=60.0, upstream_horizon=2))
 
 
 def test_too_many_env_failures_stop_the_run_before_the_update(monkeypatch, tmp_path):
