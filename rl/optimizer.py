@@ -60,7 +60,8 @@ class Sums:
             setattr(self, f.name, max(mine, theirs) if f.metadata.get("largest") else mine + theirs)
 
     def reduced(self, reduce: Reduce) -> Sums:
-        """These sums over every process (fp64 on the way, so that counts stay exact)."""
+        """These sums summed over every process (fp64 on the way, so that counts stay exact; a largest() field would
+        need the maximum: SFT's and DPO's sums, which cross processes, have none)."""
         names = [f.name for f in fields(self)]
         totals = reduce(torch.tensor([float(getattr(self, name)) for name in names], dtype=torch.float64)).tolist()
         return type(self)(**{name: type(getattr(self, name))(total) for name, total in zip(names, totals)})

@@ -3,6 +3,7 @@
     runs/<run>/config.json         every setting, and what it ran on (written once; eval.py reads it too)
     runs/<run>/metrics.jsonl       a line of metrics per step; rollouts.jsonl, evaluations.jsonl: episodes (Logs)
     runs/<run>/checkpoints/step_<k> a model directory with the full training state (rl/checkpoint.py's layout)
+    runs/<run>/failed_step_<k>.jsonl a step's episodes when too many of them ended in an env failure (the run stops)
 
 Resuming restores the samplers' random state and takes the run's own settings; upstream re-seeds and takes
 whatever the command line says. At the end (finish) the held-out comparison of the first and last evaluations
@@ -308,9 +309,9 @@ def resume(accelerator, models, engine, checkpoint: Path) -> dict:
 
 
 def stop_on_env_failures(trajectories: list, max_error_rate: float, accelerator, run_dir: Path, step: int) -> None:
-    """Stop every process, naming the errors, when more than `max_error_rate` (--max-error-rate) of the step's trajectories
-    (over all processes) ended in an env failure: a broken env must not quietly train the model on what
-    is left. The step's episodes are written to failed_step_<k>.jsonl for a look."""
+    """Stop every process, naming the errors, when more than `max_error_rate` (--max-error-rate) of the step's
+    trajectories (over all processes) ended in an env failure: a broken env must not quietly train the model on
+    what is left. The step's episodes are written to failed_step_<k>.jsonl for a look."""
     from accelerate.utils import gather_object
 
     failed = [t.error for t in trajectories if t.error is not None]
