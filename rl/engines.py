@@ -5,6 +5,8 @@ One contract for every engine, driven by rollout.py:
     engine.submit(traj, limit)   ask for traj's next turn: at most `limit` tokens after traj.token_ids
     engine.poll()                generate; returns [(traj, Sample)] for the turns that are complete
     engine.pending               how many submitted turns have not come back yet
+    engine.progress              a count that grows whenever the engine generates (a token, a turn): the
+                                 rollout's watchdog stops an engine that holds turns and generates nothing
     engine.continuous            True: a turn may join while others are being generated (vLLM), so
                                  the rollout submits each trajectory's next turn as soon as its env
                                  answers; False: one batched call per round (HF, the experts)
@@ -63,6 +65,7 @@ class RoundEngine:
 
     def __init__(self):
         self._queue: list[tuple[object, int]] = []
+        self.progress = 0
 
     @property
     def pending(self) -> int:
@@ -78,6 +81,7 @@ class RoundEngine:
     def poll(self) -> list[tuple[object, Sample]]:
         batch, self._queue = self._queue, []
         samples = self.generate([traj for traj, _ in batch], [limit for _, limit in batch])
+        self.progress += len(batch)
         return [(traj, sample) for (traj, _), sample in zip(batch, samples)]
 
     def generate(self, batch: list, limits: list[int]) -> list[Sample]:
@@ -322,6 +326,7 @@ class VLLMEngine:
         self.counter = itertools.count()
         self.probe = fmt.encode(fmt.render(PROBE))
         self.counts = {"prompt_tokens": 0, "cached_tokens": 0}
+        self.progress = 0
 
     # -- generation
 
@@ -337,8 +342,11 @@ class VLLMEngine:
                               stop_token_ids=sorted(self.fmt.stop_ids), detokenize=False, **extra)
 
     def submit(self, traj, limit: int) -> None:
+        """Add the turn's request, waking the engine first if it sleeps: asleep, vLLM's scheduler is paused, and
+        a request added then would wait forever."""
         from vllm.inputs import TokensPrompt
 
+        self.wake()
         request_id = str(next(self.counter))
         self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(traj.token_ids)), self._params(limit))
         self.requests[request_id] = traj
@@ -352,7 +360,9 @@ class VLLMEngine:
 
     def poll(self) -> list[tuple[object, Sample]]:
         done = []
-        for output in self.engine.step():
+        outputs = self.engine.step()
+        self.progress += len(outputs)  # a token for each request that advanced
+        for output in outputs:
             if not output.finished:
                 continue
             traj = self.requests.pop(output.request_id)
@@ -378,7 +388,12 @@ class VLLMEngine:
     # -- colocation: free the GPU for the update
 
     def sleep(self) -> None:
-        """Free the KV cache and offload the weights while the trainer updates (GPU only)."""
+        """Free the KV cache and offload the weights to CPU memory while the trainer updates (GPU only). vLLM
+        starts by pausing its scheduler: whatever is sent afterwards waits for `wake`, which `submit`,
+        `load_weights` and the probe call first. Level 1 keeps the weights: awake again, the engine has the
+        last synced ones."""
+        if self.requests:
+            raise RuntimeError("the engine sleeps between rollouts, not during one")
         if self.sleep_mode and not self.asleep:
             self.llm.sleep(level=1)
             self.asleep = True
@@ -456,6 +471,7 @@ class VLLMEngine:
         from rl.logprobs import token_logprobs
 
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        self.wake()
         output = self.llm.generate([TokensPrompt(prompt_token_ids=self.probe)], params, use_tqdm=False)[0]
         engine = torch.tensor([float(output.prompt_logprobs[k][token].logprob)
                                for k, token in enumerate(self.probe) if k > 0])
