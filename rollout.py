@@ -8,8 +8,11 @@ submitted to the engine; a finished turn's decoded text goes to env.step in a th
 observation extends the trajectory, until the env says done, the turn cap (the horizon) is reached
 or the token budget is spent. The outcome reward is the last step's reward, as upstream. With a
 continuous engine (vLLM) a trajectory is resubmitted the moment its env answers, so a slow env holds
-up only its own trajectory; with a round engine (HF) every live trajectory's turn is generated in one
-batched call and the next round waits for every env of this one.
+up only its own trajectory; with a round engine (HF; vLLM under --deterministic, whose batches must
+repeat) every live trajectory's turn is generated together, submitted in row order, and the next round
+waits for every env of this one. An engine that holds turns and generates nothing for STALL_S seconds
+(a vLLM engine left asleep, say) stops the rollout with EngineStalled instead of leaving it waiting
+forever (Watchdog).
 
 Token-in, token-out: a Trajectory holds exactly the token ids the engine sampled. The model's own
 tokens are never decoded and re-encoded; only new text (the first prompt and each observation,

@@ -57,8 +57,8 @@ def test_training_with_evaluations_never_submits_to_a_sleeping_engine(tmp_path, 
     monkeypatch.setattr(Sleepy, "engines", [])
     monkeypatch.setattr(rollout_module, "STALL_S", 60.0)  # (a hang fails the test in a minute)
     run_dir = train.main(train.parse_args([
-        "--engine", "vllm", "--steps", "2", "--eval-every", "1", "--eval-tasks", "2", "--tasks-per-step", "2", "--n", "2",
-        "--horizon", "2", "--max-new-tokens", "16", "--out-dir", str(tmp_path), "--run-name", "sleepy"]))
+        "--engine", "vllm", "--steps", "2", "--eval-every", "1", "--eval-tasks", "2", "--tasks-per-step", "2",
+        "--n", "2", "--horizon", "2", "--max-new-tokens", "16", "--out-dir", str(tmp_path), "--run-name", "sleepy"]))
     (engine,) = Sleepy.engines
     assert engine.pauses >= 5  # after each evaluation (steps 0, 1, 2) and each rollout (steps 1, 2)
     assert engine.added_asleep == 0
