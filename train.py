@@ -250,7 +250,8 @@ class Args:
     (the run stops past it); 0: by the engine's dtype, 1e-3 for fp32, 0.1 for bf16"""
     deterministic: bool = False
     """the same seed, the same run, on vLLM too (HF sampling always is), resumed or not: vLLM generates in rounds,
-    each request seeded from a stream that every rollout restarts from (seed, step); costs vLLM speed (README)"""
+    each request seeded from a stream that every rollout restarts from (seed, step); vLLM loses 10-20% of its
+    tokens/s on CPU (README)"""
 
     # -- optimisation
     lr: float = 1e-6
@@ -1870,6 +1871,9 @@ def main(args: Args) -> Path | None:
 
     accelerator, mixed = make_accelerator(args)
     set_seed(args.seed + accelerator.process_index)
+    if args.deterministic and torch.cuda.is_available():  # the update's GPU kernels too (CPU ones are; untried here)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     if args.dry_run:  # the memory plan, before anything heavy
         return print_plan(args, accelerator)
     if args.algo in OFFLINE:  # learning from trajectory files: the same models, checkpoints and logs
