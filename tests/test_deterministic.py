@@ -69,8 +69,9 @@ def test_deterministic_vllm_runs_repeat_and_resume_exactly(tmp_path):
 
 def test_an_evaluation_does_not_move_the_training_sampler(tmp_path):
     """HF engine: a 1-step run (which evaluates at its last step) resumed to 2 steps equals a 2-step run (which
-    does not evaluate at step 1) from step 2 on. The evaluation drew from the training sampler's stream, and the
-    checkpoint saved that stream after it (step-2 reward 0.114 against 0.0 on the tiny preset)."""
+    does not evaluate at step 1) from step 2 on. Evaluations used to draw from the training sampler's stream, which
+    the checkpoint then saved as the evaluation left it, so step 2 sampled differently (issue 30 measured a step-2
+    reward of 0.114 against 0.0 on the tiny preset)."""
     flags = ["--engine", "hf", "--eval-every", "2", *SMALL, "--out-dir", str(tmp_path)]
     whole = train.main(train.parse_args([*flags, "--steps", "2", "--run-name", "whole"]))
     train.main(train.parse_args([*flags, "--steps", "1", "--run-name", "ended"]))
