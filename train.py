@@ -120,7 +120,7 @@ from rl.losses import aggregate, kl, policy_loss, value_loss
 from rl.memory import peak_gib, reset_peak
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, add_lora, full_weights, is_adapter, load_model, load_tokenizer, load_value_model
 from rl.records import action_positions, per_action
-from rl.engines import SyncError, engine_kind, make_engine
+from rl.engines import SyncError, engine_kind, make_engine, own_stream, stream_seed
 from rl.scores import gain, score, spread
 from rl.sft import pack
 from rollout import ChatFormat, Trajectory, play, rollout
@@ -248,6 +248,10 @@ class Args:
     sync_tolerance: float = 0.0
     """largest mean engine-vs-trainer log-prob difference on the probe accepted after a weight sync
     (the run stops past it); 0: by the engine's dtype, 1e-3 for fp32, 0.1 for bf16"""
+    deterministic: bool = False
+    """the same seed, the same run, on vLLM too (HF sampling always is), resumed or not: vLLM generates in rounds,
+    each request seeded from a stream that every rollout restarts from (seed, step); vLLM loses 10-20% of its
+    tokens/s on CPU (README)"""
 
     # -- optimisation
     lr: float = 1e-6
@@ -1252,8 +1256,9 @@ def evaluate(engine, fmt: ChatFormat, environments: list, test_ids: list[int], m
     included. Returns eval/ metrics, per category too, and every episode's log record."""
     horizon = args.horizon[-1]
     mine = len(test_ids[accelerator.process_index::accelerator.num_processes]) * args.eval_k
-    episodes = play_share(engine, fmt, environments, test_ids, args.eval_k, models, args, accelerator, max_tokens, step,
-                          horizon, phase(bar, "eval", mine))
+    with own_stream(engine, stream_seed(args.seed + accelerator.process_index, step, "eval")):  # (not the rollouts')
+        episodes = play_share(engine, fmt, environments, test_ids, args.eval_k, models, args, accelerator, max_tokens,
+                              step, horizon, phase(bar, "eval", mine))
     results = score(episodes, args.env)
     metrics = {f"eval/{key}": results[key] for key in ("avg@k", "pass@k", "success", "turns", "errors")}
     metrics |= {f"eval/{name}/avg@k": c["avg@k"] for name, c in results["categories"].items()}
@@ -1577,7 +1582,7 @@ def build_engine(args: Args, fmt: ChatFormat, models: Models, accelerator, max_t
                            batch_size=args.gen_batch_size, max_model_len=args.vllm_max_model_len or max_tokens,
                            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                            tensor_parallel_size=args.vllm_tensor_parallel_size, sleep=args.vllm_sleep,
-                           tolerance=args.sync_tolerance)
+                           tolerance=args.sync_tolerance, deterministic=args.deterministic)
 
 
 def run_directory(args: Args, resuming: bool, accelerator) -> Path:
@@ -1870,6 +1875,9 @@ def main(args: Args) -> Path | None:
 
     accelerator, mixed = make_accelerator(args)
     set_seed(args.seed + accelerator.process_index)
+    if args.deterministic and torch.cuda.is_available():  # the update's GPU kernels too (CPU ones are; untried here)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     if args.dry_run:  # the memory plan, before anything heavy
         return print_plan(args, accelerator)
     if args.algo in OFFLINE:  # learning from trajectory files: the same models, checkpoints and logs
@@ -1927,6 +1935,8 @@ def main(args: Args) -> Path | None:
             horizon = horizon_at(step, args.horizon, args.horizon_every)  # ScalingInter-RL: this step's turn cap
             stats: dict = {}
             reset_peak()
+            if args.deterministic:  # this step's samples depend on (seed, step) and the weights alone
+                engine.reseed(stream_seed(args.seed + accelerator.process_index, step))
             trajectories = rollout(engine, fmt, environments, task_ids, groups, horizon=horizon, pool=pool, stats=stats,
                                    max_new_tokens=args.max_new_tokens, max_tokens=max_tokens,
                                    agent=make_agent(args.agent, args.attempts),
