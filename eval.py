@@ -132,6 +132,9 @@ class Args:
     """share of the GPU's memory vLLM takes (nothing else shares the GPU in eval)"""
     vllm_tensor_parallel_size: int = 1
     """GPUs per vLLM engine (tensor parallel)"""
+    deterministic: bool = False
+    """the same seed, the same episodes on vLLM too (HF sampling always repeats): vLLM generates in rounds, each
+    request seeded from the seed's stream; slower (README)"""
     base_url: str | None = None
     """--model openai:<name>: the OpenAI-compatible endpoint; default $OPENAI_BASE_URL, else OpenAI's"""
     api_key_env: str = "OPENAI_API_KEY"
@@ -284,7 +287,7 @@ def load_engine(args: Args, settings: dict):
     engine = make_engine(kind, args.model, fmt, model, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                          batch_size=args.batch_size, max_model_len=settings["max_tokens"],
                          gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                         tensor_parallel_size=args.vllm_tensor_parallel_size)
+                         tensor_parallel_size=args.vllm_tensor_parallel_size, deterministic=args.deterministic)
     if kind == "vllm" and model is not None:  # a LoRA checkpoint: vLLM loaded its base; the adapter goes in merged
         engine.load_weights(model, weights=full_weights(model))
     return kind, fmt, engine

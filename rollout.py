@@ -9,8 +9,11 @@ submitted to the engine; a finished turn's decoded text goes to env.step in a th
 observation extends the trajectory, until the env says done, the turn cap (the horizon) is reached
 or the token budget is spent. The outcome reward is the last step's reward, as upstream. With a
 continuous engine (vLLM) a trajectory is resubmitted the moment its env answers, so a slow env holds
-up only its own trajectory; with a round engine (HF) every live trajectory's turn is generated in one
-batched call and the next round waits for every env of this one.
+up only its own trajectory; with a round engine (HF; vLLM under --deterministic, whose batches must
+repeat) every live trajectory's turn is generated together, submitted in row order, and the next round
+waits for every env of this one. An engine that holds turns and generates nothing for STALL_S seconds
+(a vLLM engine left asleep, say) stops the rollout with EngineStalled instead of leaving it waiting
+forever (Watchdog).
 
 Token-in, token-out: a Trajectory holds exactly the token ids the engine sampled. The model's own
 tokens are never decoded and re-encoded; only new text (the first prompt and each observation,
@@ -71,6 +74,9 @@ from rl.engines import ExpertEngine, HFEngine, Sample, VLLMEngine  # noqa: F401 
 # Data
 
 ATTEMPT_GROUPS = 1 << 20  # reflect: attempt a's group is its task group + (a - 1) x this (see attempts)
+# A rollout stops when its engine holds submitted turns and generates nothing for this long (Watchdog): longer
+# than any prefill and token of a working engine, however slow
+STALL_S = 600.0
 
 
 @dataclass
@@ -327,8 +333,10 @@ def reflect(engine, fmt: ChatFormat, failed: list[Trajectory], agent: Agent, max
             engine.submit(ask, limit)
     texts: dict[int, str] = {}
     row = {id(ask): i for i, ask in enumerate(asks) if ask is not None}  # (by identity, not by comparing trajectories)
+    watchdog = Watchdog(engine)
     try:
         while engine.pending:
+            watchdog.check()
             for ask, sample in engine.poll():
                 _add_usage(failed[row[id(ask)]], sample)
                 text = _reply(fmt, sample) if sample.error is None and sample.finish is None else ""
@@ -360,7 +368,9 @@ def _episodes(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[i
 
         ready = [t for t in trajectories if t.live]  # waiting to be submitted for their next turn
         ended = 0
+        watchdog = Watchdog(engine)
         while ready or stepping or engine.pending:
+            watchdog.check()
             if progress is not None and (now := sum(not t.live for t in trajectories)) > ended:
                 progress(now - ended)
                 ended = now
@@ -453,6 +463,28 @@ def _collect(engine, fmt: ChatFormat, stepping: dict[Future, Trajectory], clock:
         if traj.live and traj.turns < horizon:
             going_on.append(traj)
     return going_on
+
+
+class EngineStalled(RuntimeError):
+    """The engine held submitted turns and generated nothing for STALL_S seconds."""
+
+
+class Watchdog:
+    """Stops a rollout whose engine holds turns and generates nothing (engine.progress stands still) for STALL_S
+    seconds, e.g. a vLLM engine asleep: its scheduler is paused and what it is sent waits forever. The clock starts
+    at the first check that finds turns waiting, so time spent waiting on envs with nothing submitted never counts."""
+
+    def __init__(self, engine):
+        self.engine, self.progress, self.since = engine, engine.progress, time.perf_counter()
+
+    def check(self) -> None:
+        now = time.perf_counter()
+        if not self.engine.pending or self.engine.progress != self.progress:
+            self.progress, self.since = self.engine.progress, now
+        elif now - self.since > STALL_S:
+            raise EngineStalled(
+                f"the {self.engine.name} engine generated nothing for {STALL_S:g} s while {self.engine.pending} turns "
+                "waited: it is stuck (a vLLM engine that sleeps never schedules what it is sent), so the rollout stops")
 
 
 def _timed(fn, *args):

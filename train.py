@@ -57,7 +57,7 @@ from rl.agent import make_agent
 from rl.batch import Batch, arrange, attach, example_micro_batches, make_batch, minibatch_counts, scatter
 from rl.data import examples_of, held_out, read_data, to_record
 from rl.dpo import DPOSums, dpo_terms
-from rl.engines import build_engine, sync
+from rl.engines import build_engine, own_stream, stream_seed, sync
 from rl.horizon import describe, horizon_at
 from rl.logprobs import pad, token_logprobs, token_values
 from rl.losses import aggregate, kl, policy_loss, value_loss
@@ -196,6 +196,10 @@ class Args:
     sync_tolerance: float = 0.0
     """largest mean engine-vs-trainer log-prob difference on the probe accepted after a weight sync
     (the run stops past it); 0: by the engine's dtype, 1e-3 for fp32, 0.1 for bf16"""
+    deterministic: bool = False
+    """the same seed, the same run, on vLLM too (HF sampling always is), resumed or not: vLLM generates in rounds,
+    each request seeded from a stream that every rollout restarts from (seed, step); vLLM loses 10-20% of its
+    tokens/s on CPU (README)"""
 
     # -- optimisation
     lr: float = 1e-6
@@ -396,6 +400,8 @@ def main(args: Args) -> Path | None:
             horizon = horizon_at(step, args.horizon, args.horizon_every)  # ScalingInter-RL: this step's turn cap
             costs = Costs(RolloutStats())
             reset_peak()
+            if args.deterministic:  # this step's samples depend on (seed, step) and the weights alone
+                engine.reseed(stream_seed(args.seed + accelerator.process_index, step))
             trajectories = rollout(engine, fmt, environments, task_ids, groups, horizon=horizon, pool=pool,
                                    stats=costs.rollout, max_new_tokens=args.max_new_tokens, max_tokens=max_tokens,
                                    agent=make_agent(args.agent, args.attempts),
@@ -466,13 +472,12 @@ def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: in
 
 @torch.no_grad()
 def old_logprobs(models: Models, batch: Batch, args: Args, accelerator) -> None:
-    """Old and reference log-probs and old values of every micro-batch, also scattered into `full`
-    (the advantages need them on the whole batch). Every model runs as the policy does in the update
-    and in the sampler (fp32 weights under Accelerate's autocast, which `prepare` also wraps around the
-    policy's forward), so that policy and reference agree exactly while their weights do. With a
-    single update per rollout the policy has not moved, so the old log-probs are the current ones
-    (detached) and need no extra forward pass, unless the KL goes into the reward, which needs them
-    before the update."""
+    """Old and reference log-probs and old values of every micro-batch, also scattered into `full` (the advantages
+    need them on the whole batch). Every model runs as the policy does in the update and in the sampler (fp32
+    weights under Accelerate's autocast, which `prepare` also wraps around the policy's forward), so that policy and
+    reference agree exactly while their weights do. With a single update per rollout the policy has not moved, so
+    the old log-probs are the current ones (detached) and need no extra forward pass, unless the KL goes into the
+    reward, which needs them before the update."""
     need_old = args.ppo_epochs * args.minibatches > 1 or (args.kl_in_reward and has_reference(models))
     for module in (models.policy, models.critic):
         if module is not None:
@@ -509,14 +514,13 @@ def advantages_for(args: Args, full: dict, scores: torch.Tensor, groups: torch.T
 
 def update(models: Models, batch: Batch, args: Args, accelerator, step: int,
            progress=None) -> tuple[UpdateSums, dict[str, list[float]]]:
-    """PPO's update: `ppo_epochs` passes, each over `minibatches` shuffled mini-batches of the step's
-    micro-batches, one optimizer step per mini-batch for the policy (after the critic's warm-up) and
-    the critic (rl/optimizer.py). Each mini-batch's loss is aggregated over the whole mini-batch however it is
-    split into micro-batches and processes. `--ppo-epochs` is honoured (upstream's actor makes one pass whatever its
-    ppo_epochs says). Returns the summed statistics and the gradient norms of every optimizer step, of the
-    models that trained. An optimizer step whose loss or gradient is not finite is skipped (counted in
-    sums.nonfinite_updates and models.nonfinite_streak, with a warning; fp16's loss scaler skips the
-    steps whose scaled gradients overflow itself, and those are not counted)."""
+    """PPO's update: `ppo_epochs` passes (upstream's actor makes one, whatever its ppo_epochs says), each over
+    `minibatches` shuffled mini-batches of the step's micro-batches, one optimizer step per mini-batch for the policy
+    (after the critic's warm-up) and the critic (rl/optimizer.py), each mini-batch's loss aggregated over all of it
+    however it is split into micro-batches and processes. Returns the summed statistics and the gradient norms of
+    every optimizer step of the models that trained. A step whose loss or gradient is not finite is skipped (counted
+    in sums.nonfinite_updates and models.nonfinite_streak, with a warning; fp16's loss scaler skips the steps whose
+    scaled gradients overflow itself, uncounted)."""
     train_policy = step >= args.critic_warmup  # as upstream: `critic_warmup <= global_steps`, counted from 1
     trained = [("policy", update_policy)] if train_policy else []
     if models.critic is not None:
@@ -594,8 +598,9 @@ def evaluate(engine, fmt: ChatFormat, environments: list, test_ids: list[int], m
     included. Returns eval/ metrics, per category too, and every episode's log record."""
     horizon = args.horizon[-1]
     mine = len(test_ids[accelerator.process_index::accelerator.num_processes]) * args.eval_k
-    episodes = play_share(engine, fmt, environments, test_ids, args.eval_k, models, args, accelerator, max_tokens, step,
-                          horizon, phase(bar, "eval", mine))
+    with own_stream(engine, stream_seed(args.seed + accelerator.process_index, step, "eval")):  # (not the rollouts')
+        episodes = play_share(engine, fmt, environments, test_ids, args.eval_k, models, args, accelerator, max_tokens,
+                              step, horizon, phase(bar, "eval", mine))
     results = score(episodes, args.env)
     metrics = {f"eval/{key}": results[key] for key in ("avg@k", "pass@k", "success", "turns", "errors")}
     metrics |= {f"eval/{name}/avg@k": c["avg@k"] for name, c in results["categories"].items()}
@@ -604,9 +609,8 @@ def evaluate(engine, fmt: ChatFormat, environments: list, test_ids: list[int], m
 
 def play_share(engine, fmt: ChatFormat, environments: list, task_ids: list[int], n: int, models: Models, args: Args,
                accelerator, max_tokens: int, step: int, horizon: int, progress=None) -> list[Trajectory]:
-    """`n` episodes of every task with the policy's current weights (those of `step`), at most `horizon`
-    turns each, each process playing its share of the tasks; every process gets all of them, in the same
-    order."""
+    """`n` episodes of every task with the policy's current weights (those of `step`), at most `horizon` turns each,
+    each process playing its share of the tasks; every process gets all of them, in the same order."""
     from accelerate.utils import gather_object
 
     sync(engine, models.policy, accelerator, step)
@@ -719,9 +723,8 @@ def offline_pass(models: Models, examples: list, args: Args, accelerator, pad_id
                  train: bool) -> tuple[SFTSums | DPOSums, dict[str, bool]]:
     """Forward (and when `train`, backward) over this process's share of a batch of examples (rl/optimizer.py's
     accumulate), the loss divided by the batch's size over all processes (its action tokens for sft, its pairs for
-    dpo), so that the accumulated gradient is the batch's mean however it is split. Every process runs as many
-    micro-batches, the most any needs (blank ones after its own). Returns the statistics summed over every
-    process, and whether this process's losses were finite."""
+    dpo), so that the accumulated gradient is the batch's mean however it is split; every process runs as many
+    micro-batches. Returns the statistics summed over every process, and whether this process's losses were finite."""
     share = examples[accelerator.process_index::accelerator.num_processes]
     micros = example_micro_batches(share, args.micro_batch_size, pad_id, args.algo == "dpo") if share else []
     local = sum(float(m["loss_mask"].sum()) if args.algo != "dpo" else m["input_ids"].shape[0] / 2 for m in micros)
@@ -758,12 +761,9 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
     each later one explores --explore-tasks of the train split (--n episodes each) with the current
     policy, keeps the episodes that reached --threshold, retrains on --data plus those (from --model, or
     going on with --retrain-from continue), and plays the test split. One metrics line per iteration;
-    its model is checkpoints/step_<iteration>, its explored episodes are in rollouts.jsonl.
-
-    Where it differs from AgentGym's: it explores --explore-tasks of the train split (default: all) --n times each
-    at the run's temperature; AgentGym's script explores a set of its own greedily (do_sample False), which would
-    make the samples of a task identical. It can also go on from the last iteration's weights (--retrain-from
-    continue); AgentGym always retrains from the base."""
+    its model is checkpoints/step_<iteration>, its explored episodes are in rollouts.jsonl. Unlike AgentGym's, it
+    explores --n times a task at the run's temperature (AgentGym's script explores greedily, do_sample False, which
+    would make a task's samples identical), and can go on from the last iteration's weights (AgentGym: the base)."""
     run_dir = run_directory(args, False, accelerator)
     expert, validation = held_out(read_data(args.data, args.env), args.validation, args.seed)
     tokenizer = load_tokenizer(args.model)

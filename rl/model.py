@@ -176,12 +176,15 @@ def load_value_model(name: str, dtype: torch.dtype = torch.float32):
 
 def make_accelerator(args):
     """Accelerate's set-up for this launch (configs/; `args`: train.py's Args, which train.py checks against it), and
-    the mixed precision it trains in. Schedulers step
-    once per optimizer step (by default Accelerate steps them once per process); without any accelerator the
-    processes talk over gloo (DeepSpeed would otherwise ask for oneCCL); DeepSpeed's config is settled (rl/zero3.py)."""
+    the mixed precision it trains in. Schedulers step once per optimizer step (by default Accelerate steps them once
+    per process); without any accelerator the processes talk over gloo (DeepSpeed would otherwise ask for oneCCL);
+    DeepSpeed's config is settled (rl/zero3.py); with --deterministic, GPU kernels are deterministic too."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
+    if args.deterministic and torch.cuda.is_available():  # the update's GPU kernels too (CPU ones are; untried here)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed and not torch.accelerator.is_available() else []

@@ -15,8 +15,8 @@ import train
 from rl.run import find_checkpoint, run_directory
 
 CRASH = Path(__file__).parent / "crash_train.py"
-# HF engine: its sampler's random stream is saved (vLLM's is not; see rl/engines.py). Checkpoints every
-# 2 steps, so that a crash also throws away logged steps past the last checkpoint.
+# HF engine: its sampler's random stream is saved (vLLM's too under --deterministic: tests/test_deterministic.py).
+# Checkpoints every 2 steps, so that a crash also throws away logged steps past the last checkpoint.
 FLAGS = ["--engine", "hf", "--steps", "5", "--save-every", "2", "--keep-checkpoints", "2", "--tasks-per-step", "2",
          "--n", "2", "--horizon", "2", "--max-new-tokens", "16", "--lr", "0.01", "--resume", "auto", "--eval-every", "0"]
 

@@ -84,6 +84,14 @@ class Spy:
     def pending(self):
         return self.engine.pending
 
+    @property
+    def progress(self):
+        return self.engine.progress
+
+    @property
+    def name(self):
+        return self.engine.name
+
     def abort(self):
         self.engine.abort()
 
