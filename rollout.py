@@ -170,16 +170,15 @@ class ChatFormat:
     """The three pieces of text a rollout needs from a chat template: the first prompt, the
     scaffolding around an observation (what follows an assistant's end-of-turn token up to the
     next generation prompt), and the end-of-turn token itself. Found once by rendering sentinel
-    messages, so any template that renders history as a prefix works (ChatML/Qwen, Llama 3, ...)."""
+    messages, so any template that renders history as a prefix works (ChatML/Qwen, Llama 3, ...).
+    A tokenizer without a usable template is the user's model: it stops the script with one sentence."""
 
     _USER, _ASSISTANT, _NEXT = "\x02user-sentinel\x03", "\x02assistant-sentinel\x03", "\x02next-sentinel\x03"
 
     def __init__(self, tokenizer):
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                f"{tokenizer.name_or_path} has no chat template; use an instruct/chat model (or set "
-                "tokenizer.chat_template) so that turns can be formatted"
-            )
+            raise SystemExit(f"{tokenizer.name_or_path} has no chat template; use an instruct/chat model (or set "
+                             "tokenizer.chat_template) so that turns can be formatted")
         self.tokenizer = tokenizer
         history = [{"role": "user", "content": self._USER}, {"role": "assistant", "content": self._ASSISTANT}]
         text = self.render(history + [{"role": "user", "content": self._NEXT}], add_generation_prompt=True)
@@ -187,7 +186,8 @@ class ChatFormat:
         specials = sorted(set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab()), key=len, reverse=True)
         eot = next((s for s in specials if s and text.startswith(s, after)), None)
         if eot is None:
-            raise ValueError(f"cannot find the end-of-turn token after an assistant message in {tokenizer.name_or_path}'s chat template")
+            raise SystemExit(f"cannot find the end-of-turn token after an assistant message in {tokenizer.name_or_path}'s "
+                             "chat template: use a model whose template ends each turn with a special token")
         self.end_of_turn = tokenizer.convert_tokens_to_ids(eot)
         start = after + len(eot)
         split = text.index(self._NEXT)

