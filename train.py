@@ -387,6 +387,10 @@ OFFLINE = ("sft", "dpo", "agentevol")
 # whose expert finishes within 6 turns, where the embedded agent learns fastest (held-out success 8-11% at
 # first, 22-40% after the default run); on the others a group rarely differs in reward.
 TINY_TASKS = {"babyai": ("babyai_tiny_train.json", "babyai_tiny_test.json")}
+# Elsewhere its evaluations (at step 0 and at the end) play this many test tasks, spread over the split: 32
+# episodes at --eval-k 2, half a training step's 64, where the whole split would be 200 (TextCraft) to 2,342
+# (SciWorld) episodes each time, for an agent that never learned those envs; --eval-tasks 0 plays it all.
+TINY_EVAL_TASKS = 16
 
 
 RESUMABLE = ("steps", "epochs", "save_every", "keep_checkpoints", "log_rollouts_every", "track", "wandb_project", "gen_batch_size", "resume",
@@ -419,6 +423,8 @@ def parse_args(argv: list[str] | None = None) -> Args:
     if preset == "tiny" and known.env in TINY_TASKS:
         train, test = TINY_TASKS[known.env]
         default = replace(default, train_tasks=str(envs.DATA_DIR / train), test_tasks=str(envs.DATA_DIR / test))
+    elif preset == "tiny":
+        default = replace(default, eval_tasks=TINY_EVAL_TASKS)
     args = tyro.cli(Args, args=argv, default=default, description=__doc__.split("\n\n")[0])
     return replace(args, preset=preset)
 
@@ -1275,6 +1281,17 @@ def eval_due(step: int, every: int, last: int) -> bool:
     return every > 0 and (step % every == 0 or step == last)
 
 
+def evaluation_plan(args: Args, tasks: int, start: int, initial: bool) -> str:
+    """What the run's evaluations will play, for its start line, e.g. "evaluating 16 test tasks x 2 at steps 0 and
+    16": the `initial` policy (step 0, RL only) and --eval-every's steps from `start` on."""
+    steps = [0] * initial + [s for s in range(start, args.steps + 1) if eval_due(s, args.eval_every, args.steps)]
+    if not tasks or not steps:
+        return "no evaluation (--eval-every 0)" if not args.eval_every else "no evaluation left"
+    head = steps[:-1] if len(steps) <= 4 else steps[:3] + ["..."]
+    at = f"s {', '.join(map(str, head))} and {steps[-1]}" if len(steps) > 1 else f" {steps[0]}"
+    return f"evaluating {tasks} test tasks x {args.eval_k} at step{at}"
+
+
 def test_task_ids(args: Args) -> list[int]:
     """The tasks an evaluation plays: --eval-tasks of --test-tasks (the test split), spread over it (0: all)."""
     test_ids = envs.load_task_ids(args.test_tasks, args.env) if args.test_tasks else envs.splits(args.env)["test"]
@@ -1323,7 +1340,8 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
     if accelerator.is_main_process:
         print(f"run {run_dir.name}: {args.algo} on {args.model} ({args.preset} preset), {len(examples)} "
               f"{'pairs' if args.algo == 'dpo' else 'conversations'} of {len(train)} episodes ({len(held)} held out), "
-              f"{args.steps} steps of {args.batch_size} -> {run_dir}"
+              f"{args.steps} steps of {args.batch_size}, "
+              f"{evaluation_plan(args, len(test_ids), trainer_state['step'] + 1, initial=False)} -> {run_dir}"
               + (f", resumed at step {trainer_state['step'] + 1}" if resuming else ""))
     logs = Logs(args, run_dir, config, active=accelerator.is_main_process, resume_sizes=trainer_state["logs"])
 
@@ -1381,7 +1399,7 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
     if accelerator.is_main_process:
         print(f"run {run_dir.name}: agentevol on {args.model} ({args.preset} preset), {args.iterations} iterations "
               f"exploring {len(explore_ids)} tasks x {args.n}, {len(expert)} expert episodes ({len(validation)} held "
-              f"out), testing on {len(test_ids)} tasks -> {run_dir}")
+              f"out), testing on {len(test_ids)} tasks x {args.eval_k} after every iteration -> {run_dir}")
     logs = Logs(args, run_dir, config, active=accelerator.is_main_process, resume_sizes={})
     try:
         for iteration in range(args.iterations + 1):
@@ -1898,7 +1916,8 @@ def main(args: Args) -> Path | None:
     config = run_config(args, run_dir, resuming, accelerator, mixed, engine, environments[0])
     if accelerator.is_main_process:
         print(f"run {run_dir.name}: {args.env}, {args.model} ({args.preset} preset), {args.algo}, {args.steps} steps of "
-              f"{args.tasks_per_step} tasks x {args.n} samples, {describe(args.horizon, args.horizon_every, args.steps)}"
+              f"{args.tasks_per_step} tasks x {args.n} samples, {describe(args.horizon, args.horizon_every, args.steps)}, "
+              f"{evaluation_plan(args, len(test_ids), start_step, initial=start_step == 1)}"
               f" -> {run_dir}" + (f", resumed at step {start_step}" if resuming else ""))
     logs = Logs(args, run_dir, config, active=accelerator.is_main_process, resume_sizes=trainer_state["logs"])
     reduce = reducer(accelerator)  # whitening statistics over every process: a distributed batch is whitened as one

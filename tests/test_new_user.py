@@ -59,6 +59,18 @@ def test_a_model_without_a_chat_template_is_one_line(tmp_path):
         assert message.startswith(f"{model} has no chat template"), message
 
 
+def test_the_tiny_preset_evaluates_all_its_babyai_tasks_and_a_bounded_share_elsewhere():
+    """The default demo keeps its held-out comparison on the 105 tasks of TINY_TASKS; on another env a 1-step
+    smoke run plays 16 test tasks (x --eval-k 2) at step 0 and at the end, not the whole split (SciWorld's 1,171)."""
+    babyai = train.parse_args([])
+    assert babyai.eval_tasks == 0 and len(train.test_task_ids(babyai)) == 105
+    for env in ("sciworld", "textcraft"):
+        args = train.parse_args(["--env", env])
+        assert len(train.test_task_ids(args)) == 16 and args.eval_k == 2
+    assert len(train.test_task_ids(train.parse_args(["--env", "sciworld", "--eval-tasks", "0"]))) == 1171  # asked for
+    assert train.parse_args(["--env", "sciworld", "--model", "Qwen/Qwen2.5-3B-Instruct"]).eval_tasks == 64  # paper's
+
+
 def test_dry_run_says_one_process_not_accelerates_word(capsys):
     train.main(train.parse_args(["--dry-run"]))
     out = capsys.readouterr().out
