@@ -1875,6 +1875,7 @@ def make_accelerator(args: Args):
     check(args, accelerator.num_processes, accelerator.distributed_type.value)
     if zero3.active(accelerator):
         zero3.configure(accelerator, args.grad_clip)
+    zero3.keep_out(accelerator)  # (no DeepSpeed import, and its warning, outside its launches)
     return accelerator, mixed
 
 

@@ -45,6 +45,20 @@ def test_a_hub_id_offline_is_one_sentence_from_every_script(tmp_path):
     assert "does not exist" in stopped(lambda: load_tokenizer(str(tmp_path / "nowhere")))
 
 
+def test_a_run_that_is_not_deepspeed_never_imports_it(tmp_path):
+    """DeepSpeed is imported by ZeRO-3 launches only (rl/zero3.py keep_out): elsewhere its import printed "Setting
+    accelerator to CPU" in every run without a GPU. The run's start line says what it will evaluate."""
+    code = ("import sys, train; train.main(train.parse_args(sys.argv[1:])); "
+            "print('deepspeed was imported' if 'deepspeed' in sys.modules else 'deepspeed was not imported')")
+    done = subprocess.run([sys.executable, "-c", code, *SMALL, "--engine", "hf", "--eval-every", "1", "--eval-tasks", "2",
+                           "--eval-k", "1", "--out-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "AGENTGYM_RL_PLOTS": "0"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "deepspeed was not imported" in done.stdout
+    assert "Setting accelerator to CPU" not in done.stderr
+    assert "evaluating 2 test tasks x 1 at steps 0 and 1" in done.stdout
+
+
 def test_a_model_without_a_chat_template_is_one_line(tmp_path):
     model = tmp_path / "no-template"
     shutil.copytree(EMBEDDED["tiny-agent"], model)
