@@ -59,6 +59,25 @@ def test_a_run_that_is_not_deepspeed_never_imports_it(tmp_path):
     assert "evaluating 2 test tasks x 1 at steps 0 and 1" in done.stdout
 
 
+@pytest.fixture
+def silent_server():
+    """A server that accepts connections and never answers (the kernel accepts them into the backlog)."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(64)
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+
+
+def test_an_env_server_that_never_answers_is_one_sentence(silent_server, tmp_path):
+    for message in (
+        stopped(lambda: train.main(train.parse_args([*SMALL, "--env-url", silent_server, "--env-timeout", "1",
+                                                     "--out-dir", str(tmp_path)]))),
+        stopped(lambda: eval_script.main(eval_script.Args(env_url=silent_server, env_timeout=1, engine="hf", limit=2,
+                                                          out=str(tmp_path / "e")))),
+    ):
+        assert silent_server in message and "no answer within 1 s" in message
+
+
 def test_a_model_without_a_chat_template_is_one_line(tmp_path):
     model = tmp_path / "no-template"
     shutil.copytree(EMBEDDED["tiny-agent"], model)
