@@ -265,7 +265,10 @@ def main(args: Args) -> dict:
 def evaluation_tasks(args: Args, settings: dict) -> list[int]:
     """The task ids to play: --tasks (or a run's own test tasks), else the split; --limit of them, spread."""
     if settings["tasks"]:
-        task_ids = envs.load_task_ids(settings["tasks"], settings["env"])
+        try:
+            task_ids = envs.load_task_ids(settings["tasks"], settings["env"])
+        except envs.TaskFileError as error:
+            raise SystemExit(f"--tasks: {error}" if args.tasks else f"the run's --test-tasks: {error}") from None
     else:
         task_ids = envs.splits(settings["env"])[args.split]
     if args.limit:

@@ -500,12 +500,20 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
     if args.epochs is not None and args.epochs < 1:
         raise SystemExit("--epochs must be at least 1")
+    if args.launch_config and not Path(args.launch_config).is_file():
+        raise SystemExit(f"--launch-config {args.launch_config} does not exist: give one of configs/*.yaml")
     if args.keep_checkpoints < 0 or args.env_timeout < 0:
         raise SystemExit("--keep-checkpoints and --env-timeout take 0 (all, the env's default) or more")
     if not 0 <= args.max_error_rate <= 1:
         raise SystemExit("--max-error-rate is a share of a step's trajectories, in [0, 1]")
     if args.env not in envs.ENVS:
         raise SystemExit(f"unknown env {args.env!r}; choose one of: {', '.join(envs.ENVS)}")
+    for flag in ("train_tasks", "test_tasks"):
+        try:  # (read again where they are played; a bad file stops here, before anything loads)
+            if getattr(args, flag):
+                envs.load_task_ids(getattr(args, flag), args.env)
+        except envs.TaskFileError as error:
+            raise SystemExit(f"--{flag.replace('_', '-')}: {error}") from None
     if args.n < 2 and args.algo in ("grpo", "rloo"):
         raise SystemExit(f"{args.algo} compares the samples of a task with each other: use --n 2 or more")
     if not args.horizon or min(args.horizon) < 1 or args.horizon_every < 1:

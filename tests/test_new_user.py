@@ -78,6 +78,25 @@ def test_an_env_server_that_never_answers_is_one_sentence(silent_server, tmp_pat
         assert silent_server in message and "no answer within 1 s" in message
 
 
+@pytest.mark.parametrize("content, fault", [
+    (None, "does not exist"),
+    ("[{\"item_id\": \"babyai_1\"},", "is not JSON"),
+    ("{\"item_id\": \"babyai_1\"}", "holds a JSON dict, not a list of task ids"),
+    ("[{\"item_id\": \"textcraft_1\"}]", "is not a babyai task"),
+    ("[{\"id\": 1}]", "entry 0 has no item_id"),
+    ("[\"babyai_one\"]", "is not a task id"),
+])
+def test_a_bad_task_file_is_one_line_naming_it(tmp_path, content, fault):
+    path = tmp_path / "tasks.json"
+    if content is not None:
+        path.write_text(content)
+    for flag in ("--train-tasks", "--test-tasks"):
+        message = stopped(lambda: train.check(train.parse_args([flag, str(path)]), world=1))
+        assert message.startswith(f"{flag}: task id file {path}") and fault in message, message
+    message = stopped(lambda: eval_script.main(eval_script.Args(tasks=str(path), engine="hf", out=str(tmp_path / "e"))))
+    assert message.startswith(f"--tasks: task id file {path}") and fault in message, message
+
+
 def test_a_model_without_a_chat_template_is_one_line(tmp_path):
     model = tmp_path / "no-template"
     shutil.copytree(EMBEDDED["tiny-agent"], model)
