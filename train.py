@@ -410,7 +410,12 @@ def parse_args(argv: list[str] | None = None) -> Args:
     peek.add_argument("--resume", default=None)
     peek.add_argument("--run-name", "--run_name", dest="run_name", default=None)  # (tyro takes both spellings)
     peek.add_argument("--out-dir", "--out_dir", dest="out_dir", default=Args.out_dir)
+    peek.add_argument("--steps", default=None)
+    peek.add_argument("--epochs", default=None)
     known, _ = peek.parse_known_args(argv)
+    if known.steps is not None and known.epochs is not None:  # (a preset's or a resumed run's steps are not given)
+        raise SystemExit("--steps and --epochs both set how long the run is (--epochs N: N passes over the train "
+                         "split, or over --data): give one")
     checkpoint = find_checkpoint(known.resume, known.out_dir, known.run_name) if known.resume else None
     if checkpoint is not None:
         return resumed_args(argv, checkpoint)

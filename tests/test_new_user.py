@@ -111,6 +111,23 @@ def test_a_model_without_a_chat_template_is_one_line(tmp_path):
         assert message.startswith(f"{model} has no chat template"), message
 
 
+def test_steps_and_epochs_together_are_refused_but_a_resumed_run_may_change_its_steps(tmp_path):
+    assert "--steps and --epochs" in stopped(lambda: train.parse_args(["--steps", "2", "--epochs", "1"]))
+    assert "--steps and --epochs" in stopped(lambda: train.parse_args(["--epochs=1", "--steps=2"]))
+    assert train.parse_args(["--epochs", "1"]).epochs == 1  # with the preset's steps: --epochs decides
+    # a run that was given --epochs, resumed with --steps: --steps replaces its epochs, as before
+    run = tmp_path / "run"
+    checkpoint = run / "checkpoints" / "step_1"
+    (checkpoint / "state").mkdir(parents=True)
+    (checkpoint / "state" / "schedulers.json").write_text("{}")
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 1}))
+    (run / "config.json").write_text(json.dumps(dataclasses.asdict(train.parse_args(["--epochs", "1"]))))
+    resumed = train.parse_args(["--resume", str(checkpoint), "--steps", "5"])
+    assert (resumed.steps, resumed.epochs) == (5, None)
+    assert "--steps and --epochs" in stopped(lambda: train.parse_args(["--resume", str(checkpoint), "--steps", "5",
+                                                                       "--epochs", "2"]))
+
+
 def test_the_tiny_preset_evaluates_all_its_babyai_tasks_and_a_bounded_share_elsewhere():
     """The default demo keeps its held-out comparison on the 105 tasks of TINY_TASKS; on another env a 1-step
     smoke run plays 16 test tasks (x --eval-k 2) at step 0 and at the end, not the whole split (SciWorld's 1,171)."""
