@@ -72,7 +72,7 @@ from rl.agent import make_agent
 from rl.checkpoint import write_atomic
 from rl.horizon import horizon_at
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, full_weights, is_adapter, load_model, load_tokenizer
-from rl.scores import paired, score, spread
+from rl.scores import endings, paired, score, spread
 from rl.engines import engine_kind, make_engine
 from rollout import ChatFormat, category, play
 
@@ -368,8 +368,8 @@ def code_revision() -> str:
 
 
 def report(results: dict, settings: dict, k: int, trajectories: list) -> None:
-    """The console summary: the limits, Avg@k and Pass@k overall and per category, the first failure, an API
-    model's usage, per attempt and per turn cap."""
+    """The console summary: the limits, Avg@k and Pass@k overall and per category, how the episodes ended (a
+    warning when most ran out of tokens), the first failure, an API model's usage, per attempt and per turn cap."""
     limits = (f"{settings['horizon']} turns, {settings['max_new_tokens']} tokens a turn, {settings['max_tokens']} a trajectory"
               + (f"; set by flag: {', '.join(settings['overrides'])}" if settings["overrides"] else "")
               + ("; the server's context window holds the trajectory's" if results["engine"] == "api" else ""))
@@ -377,6 +377,7 @@ def report(results: dict, settings: dict, k: int, trajectories: list) -> None:
     print(f"{settings['env']} {Path(str(results['split'])).name}: {results['tasks']} tasks x {k}  "
           f"Avg@{k} {results['avg@k']:.4f}  Pass@{k} {results['pass@k']:.4f}  turns {results['turns']:.1f}"
           + (f"  failed episodes {results['errors']} (scored 0; see the .jsonl)" if results["errors"] else ""))
+    print(f"  {endings(results['finish'], settings['max_tokens'])}")
     if results["errors"]:
         print(f"  first failure: {next(t.error for t in trajectories if t.error is not None)}")
     if results["engine"] == "api":

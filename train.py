@@ -121,7 +121,7 @@ from rl.memory import peak_gib, reset_peak
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, add_lora, full_weights, is_adapter, load_model, load_tokenizer, load_value_model
 from rl.records import action_positions, per_action
 from rl.engines import SyncError, engine_kind, make_engine
-from rl.scores import gain, score, spread
+from rl.scores import FINISHES, endings, gain, score, spread
 from rl.sft import pack
 from rollout import ChatFormat, Trajectory, play, rollout
 
@@ -1029,9 +1029,6 @@ def step_metrics(records: list[dict], sampled: list[int], stats: dict, sums: dic
     return metrics
 
 
-FINISHES = {"done": "done", "horizon": "max_turns", "max_tokens": "max_tokens", "error": "error"}
-
-
 def zero_variance_share(records: list[dict]) -> float:
     """The share of task groups (n episodes of one task) whose rewards are all equal: GRPO gives them no advantage."""
     groups = collections.defaultdict(list)
@@ -1272,7 +1269,9 @@ def evaluate(engine, fmt: ChatFormat, environments: list, test_ids: list[int], m
     results = score(episodes, args.env)
     metrics = {f"eval/{key}": results[key] for key in ("avg@k", "pass@k", "success", "turns", "errors")}
     metrics |= {f"eval/{name}/avg@k": c["avg@k"] for name, c in results["categories"].items()}
-    return metrics | {"eval/horizon": horizon}, [{"step": step, **t.log_record()} for t in episodes]
+    metrics |= {f"eval/finish/{name}": share for name, share in results["finish"].items()}  # (how its episodes ended)
+    metrics |= {"eval/horizon": horizon, "eval/max_tokens": max_tokens}
+    return metrics, [{"step": step, **t.log_record()} for t in episodes]
 
 
 def phase(bar, name: str, total: int):
@@ -1474,7 +1473,8 @@ def evol_line(iteration: int, metrics: dict) -> str:
 def eval_line(step: int, metrics: dict) -> str:
     """The printed line of an evaluation outside a training step."""
     return (f"eval {step:>4} | test success {metrics['eval/success']:.3f} | avg@k {metrics['eval/avg@k']:.3f} | "
-            f"pass@k {metrics['eval/pass@k']:.3f} | turns {metrics['eval/turns']:.1f}/{metrics['eval/horizon']}")
+            f"pass@k {metrics['eval/pass@k']:.3f} | turns {metrics['eval/turns']:.1f}/{metrics['eval/horizon']} | "
+            + endings({name: metrics[f"eval/finish/{name}"] for name in FINISHES.values()}, metrics["eval/max_tokens"]))
 
 
 def held_out_line(run_dir: Path) -> str | None:

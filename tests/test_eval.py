@@ -161,3 +161,17 @@ def test_bad_sweep_or_agent_flags_stop_with_a_message(tmp_path, flags, message):
 
 def test_make_agent_names_the_formats():
     assert make_agent("reflect", 4).attempts == 4 and make_agent("plan", 4).attempts == 1
+
+
+def test_every_summary_says_how_episodes_ended_and_warns_when_the_budget_ended_most(tmp_path, capsys):
+    """A budget smaller than the episodes need (BabyAI's first prompt is ~720 tokens) ends them on max_tokens after a
+    turn or two; the summary says so, with a warning, and the result keeps the shares."""
+    results, written = run_eval(tmp_path, "budget", "--limit", "3", "--max-tokens", "800")
+    out = capsys.readouterr().out
+    assert results["finish"]["max_tokens"] == written["finish"]["max_tokens"] == 1.0
+    assert "ended: done 0%, max_turns 0%, max_tokens 100%, error 0%" in out
+    assert "warning: most episodes ran out of their 800-token budget" in out
+    results, _ = run_eval(tmp_path, "roomy", "--limit", "3", "--horizon", "2")
+    out = capsys.readouterr().out
+    assert f"max_turns {results['finish']['max_turns']:.0%}" in out and "warning" not in out
+    assert sum(results["finish"].values()) == pytest.approx(1.0)
