@@ -74,7 +74,7 @@ from rl.horizon import horizon_at
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, full_weights, is_adapter, load_model, load_tokenizer
 from rl.scores import endings, paired, score, spread
 from rl.engines import engine_kind, make_engine
-from rollout import ChatFormat, category, play
+from rollout import ChatFormat, category, on_bar, play
 
 # Upstream's eval scripts: max_rounds per env, max_tokens a turn, and vLLM's max_model_len.
 UPSTREAM_TURNS = {"babyai": 20, "textcraft": 30, "sciworld": 30, "searchqa": 30, "webarena": 15}
@@ -237,7 +237,7 @@ def main(args: Args) -> dict:
                                                                      else ""), unit="episode", dynamic_ncols=True) as bar:
                 played[horizon] = play(engine, fmt, environments, [t for t, _ in episodes], [g for _, g in episodes],
                                        horizon=horizon, max_new_tokens=settings["max_new_tokens"],
-                                       max_tokens=settings["max_tokens"], agent=agent, progress=bar.update)
+                                       max_tokens=settings["max_tokens"], agent=agent, progress=on_bar(bar))
     finally:
         engine.close()
         close_envs(environments)

@@ -1276,14 +1276,14 @@ def evaluate(engine, fmt: ChatFormat, environments: list, test_ids: list[int], m
 
 def phase(bar, name: str, total: int):
     """A progress callback for a phase of a step, shown after the step bar (`bar`; None: nothing shown) as
-    "<name> done/total"."""
-    done = 0
+    "<name> done/total", with the turns played so far in a rollout (rollout.py calls it with both counts)."""
+    done = turns = 0
 
-    def advance(count: int = 1) -> None:
-        nonlocal done
-        done += count
+    def advance(count: int = 1, played: int = 0) -> None:
+        nonlocal done, turns
+        done, turns = done + count, turns + played
         if bar is not None:
-            bar.set_postfix_str(f"{name} {done}/{total}")
+            bar.set_postfix_str(f"{name} {done}/{total}" + (f", {turns} turns" if turns else ""))
 
     return advance
 

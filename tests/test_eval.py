@@ -175,3 +175,15 @@ def test_every_summary_says_how_episodes_ended_and_warns_when_the_budget_ended_m
     out = capsys.readouterr().out
     assert f"max_turns {results['finish']['max_turns']:.0%}" in out and "warning" not in out
     assert sum(results["finish"].values()) == pytest.approx(1.0)
+
+
+def test_progress_counts_turns_before_episodes_end():
+    """play()'s progress callback hears of every turn (eval.py's bar shows them), not only of ended episodes: long
+    episodes (upstream's protocol: up to 30 turns of 512 tokens) would show nothing for minutes."""
+    fmt = ChatFormat(load_tokenizer("tiny-agent"))
+    environments = [envs.make("babyai") for _ in range(3)]
+    calls = []
+    played = rollout(ExpertEngine(fmt, environments), fmt, environments, [3, 40, 81], [0, 1, 2], horizon=6,
+                     max_new_tokens=64, max_tokens=3072, progress=lambda episodes, turns: calls.append((episodes, turns)))
+    assert sum(e for e, _ in calls) == 3 and sum(t for _, t in calls) == sum(t.turns for t in played) > 3
+    assert calls[0][1] == 3  # every episode's first turn, heard with the first call
