@@ -144,3 +144,21 @@ def test_dry_run_says_one_process_not_accelerates_word(capsys):
     train.main(train.parse_args(["--dry-run"]))
     out = capsys.readouterr().out
     assert "this launch: one process, not distributed" in out and "NO over" not in out
+
+
+def test_a_one_step_runs_curves_show_their_points(tmp_path, monkeypatch):
+    """scripts/plot.py draws a series of few points with a marker at each: a 1-step run's single points (a line of
+    one point draws nothing) are seen."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import plot
+
+    step = {"charts/step": 1, "rollout/reward": 0.2, "rollout/success": 0.25, "rollout/turns": 2.0, "rollout/horizon": 2,
+            "finish/done": 0.25, "finish/max_turns": 0.75, "losses/kl": 0.0, "losses/entropy": 0.5,
+            "losses/clipfrac": 0.0, "losses/grad_norm": 0.1, "perf/tokens_per_s": 100.0, "perf/step_s": 3.0,
+            "perf/rollout_peak_gib": 1.0, "eval/success": 0.1}
+    figures = []
+    monkeypatch.setattr(plot, "save", lambda figure, out: figures.append(figure))
+    plot.plot({"run": [step]}, tmp_path / "curves.png")
+    lines = [line for axis in figures[0].axes for line in axis.get_lines() if len(line.get_xdata()) == 1]
+    assert len(lines) >= 10 and all(line.get_marker() not in (None, "None", "") for line in lines), \
+        [line.get_label() for line in lines if line.get_marker() in (None, "None", "")]
