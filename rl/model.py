@@ -47,10 +47,10 @@ def _load(loader, name: str, **kwargs):
     try:
         return loader(source, **kwargs)
     except OSError as error:  # (transformers raises OSError for a missing file, an unknown id, no network)
-        raise SystemExit(cannot_load(name, source, error)) from None
+        raise SystemExit(_cannot_load(name, source, error)) from None
 
 
-def cannot_load(name: str, source: str, error: OSError) -> str:
+def _cannot_load(name: str, source: str, error: OSError) -> str:
     """Why `name` did not load, and what to give instead, in one sentence."""
     from huggingface_hub.constants import is_offline_mode
 
@@ -59,7 +59,7 @@ def cannot_load(name: str, source: str, error: OSError) -> str:
         return f"cannot load the model directory {source} ({reason})"
     if is_offline_mode():
         return (f"{name} is not a local directory, and it is not in the Hugging Face cache while hub downloads are off "
-                f"(HF_HUB_OFFLINE=1): give a local model directory, or go online (unset HF_HUB_OFFLINE) to download it")
+                "(HF_HUB_OFFLINE=1): give a local model directory, or go online (unset HF_HUB_OFFLINE) to download it")
     return (f"cannot load {name} from the Hugging Face hub ({reason}): give a local model directory, or a hub id that "
             "exists and that this machine may download (network access; `huggingface-cli login` for a gated model)")
 
