@@ -103,7 +103,7 @@ def make_envs(name: str, count: int, options: dict | None = None, timeout: float
     try:
         for _ in range(count):
             made.append(Guarded(name, given | ({"url": url, "timeout": timeout} if url else {}), timeout))
-    except Exception as error:  # noqa: BLE001 - whatever the env raised, said in one line
+    except (TypeError, ValueError, OSError, RuntimeError) as error:  # (bad options, a server or backend that fails)
         close_envs(made)
         lines = str(error).strip().splitlines()
         raise SystemExit(f"cannot make a {name} env" + (f" on the env server at {url}" if url else "")
