@@ -2,7 +2,7 @@
 
     python eval.py --model runs/<run>/checkpoints/step_8          # scores a checkpoint as it was trained
     python eval.py --model Qwen/Qwen2.5-7B-Instruct --env textcraft --k 4
-    python eval.py --env textcraft --max-turns 5 10 20 30          # test-time interaction scaling: a table and a PNG
+    python eval.py --env textcraft --horizon 5 10 20 30            # test-time interaction scaling: a table and a PNG
     python eval.py --agent reflect --attempts 3                    # success after each attempt
     python eval.py --compare runs/eval/a.json runs/eval/b.json     # differences per category, 95% CIs
     python eval.py --model openai:gpt-4o --base-url https://api.openai.com/v1 --price-in 2.5 --price-out 10
@@ -18,9 +18,9 @@ Which limits an episode plays under is a protocol (`--protocol`), recorded with 
 - `run`: the training run's own settings, for a checkpoint inside runs/<run>/ (env, the turn cap of
   the checkpoint's step, token limits, env options): the score the run itself would see;
 - `tiny`: the embedded model's short turns and trajectories;
-- `agentgym`: upstream's evaluation (AgentGym-RL's examples/eval/*.sh): its turn cap per env, 512
-  tokens a turn (200 for SciWorld) and no trajectory budget below the 32k context of its vLLM
-  engine. Use it to compare with the paper's numbers.
+- `agentgym`: upstream's evaluation (AgentGym-RL's examples/eval/*.sh): its horizon per env, 512
+  tokens a turn (200 for SciWorld), both in the env's line of envs.ENVS, and no trajectory budget below
+  the 32k context of its vLLM engine. Use it to compare with the paper's numbers.
 `auto` picks `run` for a run's checkpoint, `tiny` for the embedded model, `agentgym` otherwise;
 --horizon, --max-new-tokens and --max-tokens override single limits. The results go to <out>.json
 (written atomically) and every episode to <out>.jsonl. Episodes run on vLLM when it is installed
@@ -39,13 +39,13 @@ temperature, seed, engine, the code's git revision ("+dirty" with uncommitted ch
 episodes ([reward, success] each, `per_task`). `--compare A.json B.json` pairs two results' tasks and prints,
 per category, each one's Avg@k and success and the difference with a 95% interval (rl/scores.paired).
 
-Several turn caps (`--max-turns 5 10 20 30`, the same flag as --horizon) sweep the interaction budget, as
-the paper's figure on scaling test-time interaction: Avg@k and Pass@k per cap, overall and per category, as a
-table, in the result's `sweep` and as its PNG. The episodes are played once, under the largest cap, and each
-lower cap h scores them as they stood after turn h (Trajectory.cut): nothing an episode sees depends on its
-cap (the prompts do not name it), so their first h turns are episodes played under cap h, and the caps are
-compared on the same episodes. Under --agent reflect, where a failed attempt starts the next one, each cap
-is played on its own.
+Several horizons (`--horizon 5 10 20 30`; `--max-turns` is the same flag) sweep the interaction budget, as
+the paper's figure on scaling test-time interaction: Avg@k and Pass@k per horizon, overall and per category, as
+a table, in the result's `sweep` and as its PNG. The episodes are played once, under the largest horizon, and
+each lower horizon h scores them as they stood after turn h (Trajectory.cut): nothing an episode sees depends on
+its horizon (the prompts do not name it), so their first h turns are episodes played under horizon h, and the
+horizons are compared on the same episodes. Under --agent reflect, where a failed attempt starts the next one,
+each horizon is played on its own.
 """
 
 from __future__ import annotations
@@ -76,9 +76,8 @@ from rl.scores import endings, paired, score, spread
 from rl.engines import engine_kind, make_engine
 from rollout import ChatFormat, category, on_bar, play
 
-# Upstream's eval scripts: max_rounds per env, max_tokens a turn, and vLLM's max_model_len.
-UPSTREAM_TURNS = {"babyai": 20, "textcraft": 30, "sciworld": 30, "searchqa": 30, "webarena": 15}
-UPSTREAM_TURN_TOKENS = {"sciworld": 200}  # 512 for the others
+# The context of upstream's eval engine (vLLM's max_model_len in its eval scripts); its turn cap and tokens a
+# turn are each env's (envs.ENVS).
 UPSTREAM_CONTEXT = 32768
 
 
@@ -99,7 +98,7 @@ class Args:
     k: int = 1
     """episodes per task"""
     horizon: Annotated[tuple[int, ...] | None, tyro.conf.arg(aliases=("--max-turns",))] = None
-    """turn cap per episode; default: set by --protocol. Several caps (--max-turns 5 10 20 30) sweep the test-time
+    """turn cap per episode; default: set by --protocol. Several (--horizon 5 10 20 30) sweep the test-time
     interaction budget: a table and a PNG of Avg@k and Pass@k against it, per category"""
     agent: Literal["react", "plan", "reflect"] = "react"
     """how episodes are laid out (rl/agent.py): react (AgentGym's), plan, or reflect (--attempts attempts a task)"""
@@ -119,7 +118,7 @@ class Args:
     """keyword options for envs.make, added to the run's own, e.g. --env-options reward normalized"""
     env_timeout: float = 0.0
     """seconds an env reset or step may take before its episode ends as failed (counted under `errors`)
-    and the env is replaced; 0: the env's default (envs.CALL_TIMEOUT)"""
+    and the env is replaced; 0: the env's default (its call_timeout in envs.ENVS)"""
     env_url: str | None = None
     """play on an AgentGym env server (ours, `python -m envs.serve`, or upstream's) at this URL instead
     of in process"""
@@ -189,21 +188,22 @@ def resolve_settings(args: Args) -> dict:
     elif protocol == "tiny":
         limits = {key: EMBEDDED_ROLLOUT[key] for key in ("horizon", "max_new_tokens", "max_tokens")}
     else:
-        limits = {"horizon": UPSTREAM_TURNS[env], "max_new_tokens": UPSTREAM_TURN_TOKENS.get(env, 512),
+        upstream = envs.ENVS[env]
+        limits = {"horizon": upstream.upstream_horizon, "max_new_tokens": upstream.upstream_max_new_tokens,
                   "max_tokens": UPSTREAM_CONTEXT}
     overrides = {key: getattr(args, key) for key in limits if getattr(args, key) is not None}
-    caps = (args.horizon,) if isinstance(args.horizon, int) else args.horizon  # (Args(horizon=6) from code)
-    if caps is not None:  # a sweep plays up to its largest cap
-        if not caps or min(caps) < 1:
+    horizons = (args.horizon,) if isinstance(args.horizon, int) else args.horizon  # (Args(horizon=6) from code)
+    if horizons is not None:  # a sweep plays up to its largest horizon
+        if not horizons or min(horizons) < 1:
             raise SystemExit("--horizon (--max-turns) takes one or more turn caps of at least 1")
-        overrides["horizon"] = max(caps)
+        overrides["horizon"] = max(horizons)
     if any(value < 1 for value in overrides.values()):
         raise SystemExit(f"--{' --'.join(k.replace('_', '-') for k, v in overrides.items() if v < 1)}: at least 1")
     own_options = config.get("env_options", {}) if config is not None and config["env"] == env else {}
     options = {**envs.parse_options(own_options), **envs.parse_options(args.env_options)}
     # a run's checkpoint plays its run's test tasks (the tiny preset's on BabyAI: the short-horizon levels')
     own_tasks = config.get("test_tasks") if protocol == "run" and config["env"] == env and args.split == "test" else None
-    horizons = sorted(set(caps)) if caps else [overrides.get("horizon", limits["horizon"])]
+    horizons = sorted(set(horizons)) if horizons else [overrides.get("horizon", limits["horizon"])]
     return {"env": env, "protocol": protocol, **limits, **overrides, "overrides": sorted(overrides), "env_options": options,
             "tasks": args.tasks or own_tasks, "horizons": horizons}
 

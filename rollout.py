@@ -63,7 +63,7 @@ from typing import Callable
 import envs
 from envs import Env
 from rl.agent import REACT, Agent
-from rl.records import FORMAT, pack
+from rl.records import FORMAT, encode_array
 from rl.engines import ExpertEngine, HFEngine, Sample, VLLMEngine  # noqa: F401 - the engines rollouts run on
 
 # ----------------------------------------------------------------------------------------------
@@ -136,14 +136,14 @@ class Trajectory:
             "messages": self.messages,
             # the exact tokens, the [start, end) runs of loss-mask 1 (the sampled turns) among them, and
             # the sampler's log-prob of each of those tokens
-            "token_ids": pack(self.token_ids, "i32"), "action_spans": spans(self.loss_mask),
-            "sampled_logprobs": pack([p for p, m in zip(self.logprobs, self.loss_mask) if m], "f32"),
+            "token_ids": encode_array(self.token_ids, "i32"), "action_spans": spans(self.loss_mask),
+            "sampled_logprobs": encode_array([p for p, m in zip(self.logprobs, self.loss_mask) if m], "f32"),
             **({"usage": self.usage} if self.usage else {}),
         }
 
 
 def category(env: str, task_id: int) -> str | None:
-    """The task's eval category, or None for an env outside envs.ENVS (one a test defines)."""
+    """The task's eval category, or None for an env not in envs.ENVS here (a result of one registered elsewhere)."""
     try:
         return envs.category(env, task_id)
     except (ValueError, LookupError):

@@ -223,7 +223,7 @@ class Args:
     """trajectories per generation call (hf engine)"""
     env_timeout: float = 0.0
     """seconds an env reset or step may take before its trajectory ends as failed and the env is
-    replaced; 0: the env's default (envs.CALL_TIMEOUT)"""
+    replaced; 0: the env's default (its call_timeout in envs.ENVS)"""
     env_url: str | None = None
     """play on an AgentGym env server (ours, `python -m envs.serve`, or upstream's) at this URL instead
     of in process"""
@@ -672,18 +672,21 @@ def score_batch(models: Models, batch: Batch, args: Args, accelerator) -> None:
     for module in (models.policy, models.critic):
         if module is not None:
             module.eval()
-    scoring = reference(models, accelerator, args.offload_reference) if has_reference(models) else contextlib.nullcontext()
-    with scoring as ref:
-        for micro in batch.micro:
-            inputs = (micro["input_ids"], micro["attention_mask"], micro["loss_mask"])
-            positions = micro.get("position_ids")
-            with accelerator.autocast():
-                if need_old:
-                    micro["old_logprobs"], _ = token_logprobs(models.policy, *inputs, args.temperature, position_ids=positions)
-                if ref is not None:
-                    micro["ref_logprobs"], _ = token_logprobs(ref, *inputs, args.temperature, position_ids=positions)
-                if models.critic is not None:
-                    micro["old_values"] = token_values(models.critic, *inputs, position_ids=positions)
+    for micro in batch.micro:
+        inputs = (micro["input_ids"], micro.get("attention_mask"), micro["loss_mask"])
+        positions = micro.get("position_ids")
+        with accelerator.autocast():
+            if need_old:
+                micro["old_logprobs"], _ = token_logprobs(models.policy, *inputs, args.temperature, position_ids=positions)
+            if models.critic is not None:
+                micro["old_values"] = token_values(models.critic, *inputs, position_ids=positions)
+    if has_reference(models):  # in a pass of its own: under LoRA the reference is the policy with its adapters off
+        with reference(models, accelerator, args.offload_reference) as ref:
+            for micro in batch.micro:
+                inputs = (micro["input_ids"], micro.get("attention_mask"), micro["loss_mask"])
+                with accelerator.autocast():
+                    micro["ref_logprobs"], _ = token_logprobs(ref, *inputs, args.temperature,
+                                                              position_ids=micro.get("position_ids"))
     scatter(batch, ("old_logprobs", "ref_logprobs", "old_values"))
 
 
@@ -832,7 +835,7 @@ def update_policy(models: Models, batch: dict, counts: dict, args: Args, acceler
     mask = batch["loss_mask"]
     counts = counts | {"segments": batch["segments"]}  # (a packed row holds several trajectories)
     with accelerator.autocast():
-        logprobs, entropy = token_logprobs(models.policy, batch["input_ids"], batch["attention_mask"], mask,
+        logprobs, entropy = token_logprobs(models.policy, batch["input_ids"], batch.get("attention_mask"), mask,
                                            args.temperature, with_entropy=True, position_ids=batch.get("position_ids"))
     old = batch["old_logprobs"] if "old_logprobs" in batch else logprobs.detach()
     batch.setdefault("trainer_logprobs", old.detach())  # the first pass's, for the rollout log
@@ -865,7 +868,8 @@ def update_critic(models: Models, batch: dict, counts: dict, args: Args, acceler
     returns, on action tokens only, aggregated like the policy loss (`last`, `finite` as update_policy's)."""
     mask = batch["loss_mask"]
     with accelerator.autocast():
-        values = token_values(models.critic, batch["input_ids"], batch["attention_mask"], mask, batch.get("position_ids"))
+        values = token_values(models.critic, batch["input_ids"], batch.get("attention_mask"), mask,
+                              batch.get("position_ids"))
     terms, clipped = value_loss(values, batch["old_values"], batch["returns"], args.value_clip)
     with torch.no_grad():
         summed = {"critic_tokens": float(mask.sum()), "value": float((terms * mask).sum()),
@@ -1155,7 +1159,7 @@ def micro_batches(args: Args, examples: list, pad_id: int) -> list[dict]:
 def offline_terms(models: Models, micro: dict, args: Args, accelerator) -> tuple[torch.Tensor, dict[str, float]]:
     """One micro-batch's summed loss (sft: NLL of its action tokens; dpo: rl/dpo.py's loss of its pairs)
     and its summed statistics."""
-    inputs = (micro["input_ids"], micro["attention_mask"], micro["loss_mask"])
+    inputs = (micro["input_ids"], micro.get("attention_mask"), micro["loss_mask"])
     with accelerator.autocast():
         logprobs, _ = token_logprobs(models.policy, *inputs, position_ids=micro.get("position_ids"))
     if args.algo != "dpo":

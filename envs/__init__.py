@@ -14,17 +14,21 @@ An environment never raises on bad model output: a malformed action is an observ
 says what was wrong, as upstream does. It may raise for infrastructure failures (a dead JVM or
 browser); the rollout then ends that one trajectory and records the error.
 
-Every environment module `envs/<name>.py` (or package `envs/<name>/`) defines
+An environment is one module `envs/<name>.py` (or package `envs/<name>/`) and one line in ENVS below,
+which says where the module is and what callers need before they make an env: how long its calls may take
+and the limits of upstream's evaluation (eval.py's `agentgym` protocol). The module defines
 
     make(**options) -> Env                   one instance; many may live in one process
     category(task_id) -> str                 the eval category of a task id
     oracle(env) -> Callable[[str], str]      a scripted expert for the env's current task:
                                              observation in, full response text out
+    INSTRUCTION, ACK                         its Env's instruction and ack (a remote env reads them here)
 
 and ships default splits as `envs/data/<name>_{train,test}.json` in AgentGym-RL-Data-ID's
 format: `[{"item_id": "<name>_<int>"}, ...]` (a module may point elsewhere with
 `default_split_files() -> (train_path, test_path)`). Modules are imported lazily, so one env's
-optional dependencies never break another.
+optional dependencies never break another. train.py, eval.py, envs/serve.py and envs/remote.py need
+nothing else (README: "Add an environment"; tests/test_add_env.py follows the recipe).
 """
 
 from __future__ import annotations
@@ -37,7 +41,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-ENVS = ("babyai", "textcraft", "sciworld", "searchqa", "webarena")
 DATA_DIR = Path(__file__).parent / "data"
 
 
@@ -68,10 +71,38 @@ class Env:
         pass
 
 
-def _module(name: str):
+@dataclass(frozen=True)
+class Registration:
+    """An env's line in ENVS: its module, and what callers need before they make an env."""
+
+    module: str  # where make, category, oracle, INSTRUCTION and ACK are (imported on first use)
+    call_timeout: float  # seconds a reset or step may take before the caller gives up on it
+    upstream_horizon: int  # the turn cap of upstream's evaluation (max_rounds of AgentGym-RL's examples/eval)
+    upstream_max_new_tokens: int = 512  # the tokens a turn of upstream's evaluation (its max_tokens)
+
+
+# The envs by name. call_timeout: the rollout ends a trajectory whose call takes longer, envs/serve.py answers
+# 504. Generous against measured times: BabyAI and TextCraft take milliseconds; a SciWorld reset can start a
+# JVM (about 2 s) and its own simulator calls time out at 60 s; a SearchQA search is milliseconds with bm25 and
+# the remote retriever waits up to 60 s; a WebArena step waits up to its own 120 s browser limit plus page
+# loads, and a `stop` also runs the evaluators. The upstream limits are those of AgentGym-RL's eval scripts.
+ENVS = {
+    "babyai": Registration("envs.babyai", call_timeout=30.0, upstream_horizon=20),
+    "textcraft": Registration("envs.textcraft", call_timeout=30.0, upstream_horizon=30),
+    "sciworld": Registration("envs.sciworld", call_timeout=120.0, upstream_horizon=30, upstream_max_new_tokens=200),
+    "searchqa": Registration("envs.searchqa", call_timeout=120.0, upstream_horizon=30),
+    "webarena": Registration("envs.webarena", call_timeout=600.0, upstream_horizon=15),
+}
+
+
+def registration(name: str) -> Registration:
     if name not in ENVS:
         raise ValueError(f"unknown env {name!r}; choose one of: {', '.join(ENVS)}")
-    return importlib.import_module(f"envs.{name}")
+    return ENVS[name]
+
+
+def _module(name: str):
+    return importlib.import_module(registration(name).module)
 
 
 def make(name: str, url: str | None = None, **options) -> Env:
@@ -84,17 +115,9 @@ def make(name: str, url: str | None = None, **options) -> Env:
     return _module(name).make(**options)
 
 
-# Seconds a reset or step may take before the caller gives up on it (the rollout ends that trajectory;
-# envs/serve.py answers 504). Generous against measured times: BabyAI and TextCraft take milliseconds;
-# a SciWorld reset can start a JVM (about 2 s) and its own simulator calls time out at 60 s; a SearchQA
-# search is milliseconds with bm25 and the remote retriever waits up to 60 s; a WebArena step waits up
-# to its own 120 s browser limit plus page loads, and a `stop` also runs the evaluators.
-CALL_TIMEOUT = {"babyai": 30.0, "textcraft": 30.0, "sciworld": 120.0, "searchqa": 120.0, "webarena": 600.0}
-
-
 def call_timeout(name: str) -> float:
-    """The default timeout of an env's calls (60 s for an env outside the table, e.g. one a test adds)."""
-    return CALL_TIMEOUT.get(name, 60.0)
+    """Seconds a reset or step of env `name` may take by default (its registration's call_timeout)."""
+    return registration(name).call_timeout
 
 
 def parse_options(options: dict[str, str]) -> dict:
@@ -117,13 +140,12 @@ def oracle(env: Env) -> Callable[[str], str]:
     return _module(env.name).oracle(env)
 
 
-def play(env: Env, task_id: int, agent: Callable[[str], str] | None = None, max_steps: int = 100) -> StepResult:
-    """One episode through the text interface: reset to `task_id`, then step with `agent(observation)`
-    (default: the env's oracle) until done or `max_steps`. Returns the last step's result."""
-    observation = env.reset(task_id)
-    agent = agent or oracle(env)
-    result = StepResult(observation, 0.0, False, {})
-    for _ in range(max_steps):
+def oracle_episode(env: Env, task_id: int, horizon: int = 100) -> StepResult:
+    """The env's oracle plays task `task_id` through the text interface (reset, then its response to each
+    observation) until done or `horizon` turns. Returns the last step's result."""
+    result = StepResult(env.reset(task_id), 0.0, False, {})
+    agent = oracle(env)
+    for _ in range(horizon):
         result = env.step(agent(result.observation))
         if result.done:
             break

@@ -94,8 +94,8 @@ class Guarded(envs.Env):
 def make_envs(name: str, count: int, options: dict | None = None, timeout: float = 0.0,
               url: str | None = None) -> list[Guarded]:
     """`count` guarded instances of an env, in process or (`url`) on an AgentGym env server, whose own
-    requests then have the same timeout; `timeout` 0: the env's default (envs.CALL_TIMEOUT). What cannot
-    be made at all (options the env does not take, a server that is down or never answers) stops the
+    requests then have the same timeout; `timeout` 0: the env's default (its call_timeout in envs.ENVS). What
+    cannot be made at all (options the env does not take, a server that is down or never answers) stops the
     script (train.py, eval.py) with one line that says why, before any episode."""
     timeout = timeout or envs.call_timeout(name)
     given = dict(options or {})

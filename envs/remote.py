@@ -11,7 +11,8 @@ returns the reward that client returns (BabyAI and SciWorld: the server's cumula
 the reward of a terminated step, else 0). The parsing and the instruction come from the env's own
 module (envs/<env>.py), so over our own server a remote env gives exactly the observations, rewards
 and done of the in-process one; that module must be importable here, its backend (JVM, browser, index)
-need not be.
+need not be. An env AgentGym has no server for (one added to envs.ENVS) speaks envs/serve.py's own
+endpoints: the raw text to /step, the env's StepResult back, info included.
 
 Every request has a timeout (`timeout`, default envs.call_timeout(name)). A request that never reached
 the server (connection refused, connect timeout) is tried again with exponential backoff, `retries`
@@ -101,8 +102,11 @@ class RemoteEnv(Env):
         answer = self._post("/step", {"action": text})
         if self.name == "searchqa":
             return StepResult(answer["observation"], float(answer["reward"]), bool(answer["done"]), valid(answer))
-        done = bool(answer["terminated"])
-        return StepResult(answer["observation"], float(answer["reward"]) if done else 0.0, done, answer["info"] or {})
+        if self.name == "webarena":
+            done = bool(answer["terminated"])
+            reward = float(answer["reward"]) if done else 0.0
+            return StepResult(answer["observation"], reward, done, answer["info"] or {})
+        return StepResult(answer["observation"], float(answer["reward"]), bool(answer["done"]), answer["info"])
 
     def close(self) -> None:
         try:  # best effort: a server that is gone drops the instance itself (idle expiry)

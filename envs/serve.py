@@ -25,6 +25,10 @@ JSON body of a POST and the query string of a GET:
     webarena   /create -> {env_idx}; /reset {env_idx, seed, idx} -> {observation, sites, object};
                /step {env_idx, action} -> {observation, reward, terminated, truncated, info};
                GET /observation -> str; GET /list_envs -> [env_idx, ...]; /close -> {closed}
+    others     an env AgentGym has no server for (one added to envs.ENVS) has endpoints of ours: /create -> {id};
+               /reset {id, data_idx} -> {observation}; /step {id, action} -> {observation, reward, done, info}
+               (the model's raw text in, the env's StepResult out; its info must be JSON); GET /observation
+               -> str, /detail -> the last answer
 
 AgentGym's TextCraft, BabyAI and SciWorld clients parse the model's ReAct text themselves and POST only
 the action, which the server applies as upstream's does (the env's `act`); the SearchQA and WebArena
@@ -531,8 +535,39 @@ def webarena_routes(app: FastAPI, pool: Instances) -> None:
         return {"closed": "closed"}
 
 
+def own_routes(app: FastAPI, pool: Instances) -> None:
+    """An env AgentGym has no server for (one added to envs.ENVS): TextCraft's and BabyAI's ids, the model's raw
+    text to the env's `step`, and its StepResult as it is, which envs/remote.py reads back."""
+    @app.get("/")
+    async def hello():
+        return f"This is environment {pool.name}."
+
+    @app.post("/create")
+    async def create():
+        return {"id": (await pool.create()).id}
+
+    @app.post("/reset")
+    async def reset(body: IdReset):
+        instance = pool.get(body.id)
+        instance.observation = await pool.reset(instance, lambda env: env.reset(body.data_idx))
+        instance.detail = {"observation": instance.observation, "reward": 0.0, "done": False, "info": {}}
+        return {"observation": instance.observation}
+
+    @app.post("/step")
+    async def step(body: IdStep):
+        instance = pool.get(body.id)
+        result = await pool.call(instance, lambda env: env.step(body.action), "step")
+        instance.observation = result.observation
+        instance.detail = {"observation": result.observation, "reward": result.reward, "done": result.done,
+                           "info": result.info}
+        return instance.detail
+
+    id_observation_routes(app, pool)
+    id_close_route(app, pool)
+
+
 def id_observation_routes(app: FastAPI, pool: Instances) -> None:
-    """TextCraft's and SciWorld's GET /observation (the last observation) and /detail (the last answer)."""
+    """GET /observation (the last observation) and /detail (the last answer) of TextCraft, SciWorld and our own."""
     @app.get("/observation")
     async def observation(id: int):
         return pool.get(id).observation
@@ -549,7 +584,7 @@ def id_close_route(app: FastAPI, pool: Instances) -> None:
 
 
 ROUTES = {"textcraft": textcraft_routes, "babyai": babyai_routes, "sciworld": sciworld_routes,
-          "searchqa": searchqa_routes, "webarena": webarena_routes}
+          "searchqa": searchqa_routes, "webarena": webarena_routes}  # AgentGym's servers; any other env: own_routes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -612,7 +647,7 @@ def build_app(name: str, options: dict | None = None, max_envs: int = 512, idle_
     app = FastAPI(title=f"AgentGym {name} env server", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.instances = pool
-    ROUTES[name](app, pool)
+    ROUTES.get(name, own_routes)(app, pool)
 
     @app.exception_handler(Refused)
     async def refused(request: Request, error: Refused):

@@ -7,14 +7,15 @@ computed per trajectory, and the micro-batches that go through the model, with w
     batch = make_batch(trajectories, pad_id, layout, device, count=n)  # n micro-batches (equal on every process)
 
 Micro-batches are made of length-sorted trajectories, so a padded one wastes little. With `pack`, several
-trajectories share a row: positions restart at each one and a block-causal mask keeps them from attending to
-each other, so a trajectory's log-probs are those it has alone (tests/test_batch.py), and a row holds no
-padding but its tail. Every process must run the same number of micro-batches, since a data-parallel or
-sharded backward is collective: `count` pads a layout with empty micro-batches (one masked token each).
+trajectories share a row: positions restart at each one, which is what keeps them from attending to each other
+(rl/logprobs.forward_inputs), so a trajectory's log-probs are those it has alone, whatever the model's attention
+implementation (tests/test_batch.py), and a row holds no padding but its tail. Every process must run the same
+number of micro-batches, since a data-parallel or sharded backward is collective: `count` pads a layout with
+empty micro-batches (one masked token each).
 
-The model sees, per micro-batch: input_ids, attention_mask ([R, W], or [R, 1, W, W] when packed), position_ids
-(packed only), loss_mask, sampler_logprobs and `segments` (which trajectory of the step each token belongs to,
--1 for padding: the per-trajectory means of rl/losses.aggregate). `pieces` say where each trajectory lies.
+The model sees, per micro-batch: input_ids, attention_mask [R, W] (padded) or position_ids [R, W] (packed),
+loss_mask, sampler_logprobs and `segments` (which trajectory of the step each token belongs to, -1 for padding:
+the per-trajectory means of rl/losses.aggregate). `pieces` say where each trajectory lies.
 """
 
 from __future__ import annotations
@@ -137,11 +138,7 @@ def _micro(full: dict, rows: list[list[int]], pieces: list[Piece], pad_id: int, 
             micro[key][piece.row, span] = full[key][piece.trajectory, :piece.length]
         micro["segments"][piece.row, span] = piece.trajectory
         position_ids[piece.row, span] = torch.arange(piece.length)
-    if pack:
-        # block-causal: a token sees the earlier tokens of its own trajectory; padding sees only itself
-        ids = torch.where(micro["segments"] >= 0, micro["segments"], -2 - torch.arange(width))
-        causal = torch.ones(width, width, dtype=torch.bool).tril()
-        micro["attention_mask"] = ((ids[:, :, None] == ids[:, None, :]) & causal)[:, None]
+    if pack:  # (the tail's pads at position 0: each a sequence of its own)
         micro["position_ids"] = position_ids
     else:
         micro["attention_mask"] = (micro["segments"] >= 0).long()

@@ -8,6 +8,12 @@ under autograd each chunk's logits are recomputed in the backward pass instead o
 chunk's logits at a time. The chunking happens inside the model's forward (its output layer returns
 [log-prob, entropy] pairs instead of logits while scoring), so that a sharded model (FSDP2, ZeRO-3) has its
 output layer's weights gathered, and its backward hooks fire, as in any forward.
+
+Packed rows (several sequences a row, rl/batch.py and rl/sft.py) carry no attention mask of ours: positions that
+restart at 0 mark where a sequence begins, and transformers builds the block-causal mask from them in the form
+that the model's attention implementation needs (`forward_inputs`). A boolean mask of ours was right under SDPA
+only: eager attention adds the mask to the scores, so True/False added 1/0 and masked nothing (log-probs 1.7 nats
+off those of each sequence alone).
 """
 
 from __future__ import annotations
@@ -53,15 +59,36 @@ def pad(sequences: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, 
     return batch
 
 
+def forward_inputs(model, input_ids, attention_mask, position_ids) -> dict:
+    """The keyword arguments of a scoring forward: for a padded batch, its attention_mask [B, T]; for packed rows,
+    attention_mask None and position_ids [B, T], restarting at 0 at each sequence (padding sits at position 0,
+    each pad a sequence of its own). Transformers then finds the sequences from the positions
+    (masking_utils.find_packed_sequence_indices) and masks across them as the model's attention implementation
+    needs: a boolean mask for SDPA, an additive one (finfo.min) for eager, a BlockMask for flex attention, the
+    sequences' boundaries (varlen) for flash attention, which finds them in a single row only. It looks at the
+    positions only without a KV cache, so the forward never makes one (a config's use_cache would)."""
+    if attention_mask is None and position_ids is not None:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+        implementation = _module(model).config._attn_implementation
+        masking = ALL_MASK_ATTENTION_FUNCTIONS.get(implementation)
+        if masking is None:
+            raise SystemExit(f"packed rows need an attention implementation that transformers masks by position ids "
+                             f"(sdpa, eager, flex_attention, flash_attention_2), not this model's {implementation!r}")
+        if masking is flash_attention_mask and input_ids.shape[0] > 1:
+            raise SystemExit(f"{implementation} keeps packed sequences apart in one row a forward only, and this "
+                             f"micro-batch has {input_ids.shape[0]}: give --micro-batch-size 1")
+    return {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
+
+
 def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature: float = 1.0,
                    with_entropy: bool = False, position_ids=None,
                    chunk_elements: int = CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(token_t | tokens_<t) at every action token, under softmax(logits / temperature).
 
-    input_ids, loss_mask: [B, T]; attention_mask [B, T], or [B, 1, T, T] with position_ids [B, T] for
-    packed rows (rl/batch.py, rl/sft.py). Returns logprobs [B, T] (0 where no column of the batch has an
-    action token) and, if asked, the entropy of the same distributions [B, T]. `model` is a model or its
-    forward (a bound method).
+    input_ids, loss_mask: [B, T]; attention_mask [B, T], or None with position_ids [B, T] for packed rows
+    (`forward_inputs`). Returns logprobs [B, T] (0 where no column of the batch has an action token) and, if
+    asked, the entropy of the same distributions [B, T]. `model` is a model or its forward (a bound method).
     """
     columns = loss_mask.any(0).nonzero().squeeze(1)  # token positions with an action token in any row
     columns = columns[columns > 0]  # position 0 has no prediction (it is always prompt anyway)
@@ -71,7 +98,7 @@ def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature: flo
         columns = torch.full((1,), input_ids.shape[1] - 1, device=input_ids.device)
     targets = input_ids[:, columns]  # [B, K]
     with scoring_head(model, targets, temperature, with_entropy, chunk_elements) as head:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        out = model(input_ids=input_ids, **forward_inputs(model, input_ids, attention_mask, position_ids),
                     logits_to_keep=(columns - 1).clamp(min=0)).logits
         scores = head.scores(out)  # [B, K, 2]: log-prob, entropy
     logprobs = torch.zeros(input_ids.shape, dtype=scores.dtype, device=scores.device)
@@ -125,8 +152,7 @@ def _score_logits(logits, targets, temperature: float, with_entropy: bool):
 @contextlib.contextmanager
 def scoring_head(model, targets, temperature: float, with_entropy: bool, chunk_elements: int = CHUNK_ELEMENTS):
     """For the duration of one forward, `model`'s output layer scores `targets` instead of returning logits."""
-    module = getattr(model, "__self__", model)  # a bound forward
-    module = getattr(module, "module", module)  # inside DistributedDataParallel
+    module = _module(model)
     layer = module.get_output_embeddings()
     config = getattr(module, "config", None)
     chunked = layer is not None and not getattr(config, "final_logit_softcapping", None)
@@ -140,10 +166,18 @@ def scoring_head(model, targets, temperature: float, with_entropy: bool, chunk_e
             del layer.forward
 
 
+def _module(model):
+    """The model behind a bound forward or a DistributedDataParallel wrapper."""
+    module = getattr(model, "__self__", model)  # a bound forward
+    return getattr(module, "module", module)  # inside DistributedDataParallel
+
+
 def token_values(critic, input_ids, attention_mask, loss_mask, position_ids=None) -> torch.Tensor:
     """The critic's value of the state before every action token: values[t] = V(tokens_<t), read off the
-    hidden state at t - 1 (the position whose output also predicts token t). [B, T], 0 off the mask."""
-    out = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[..., 0].float()
+    hidden state at t - 1 (the position whose output also predicts token t). [B, T], 0 off the mask; the inputs
+    as token_logprobs'."""
+    inputs = forward_inputs(critic, input_ids, attention_mask, position_ids)
+    out = critic(input_ids=input_ids, **inputs).logits[..., 0].float()
     values = torch.zeros_like(out)
     values[:, 1:] = out[:, :-1]
     return values * loss_mask

@@ -9,7 +9,7 @@ A record (log format 2):
     invalid_actions                        turns the env answered as not a valid action
     tokens, action_tokens                  trajectory length and how many of its tokens were sampled
     messages                               the conversation as text (instruction, ack, observations, replies)
-    token_ids                              the exact ids, packed (below)
+    token_ids                              the exact ids, encoded (below)
     action_spans                           [start, end) of each sampled turn among the ids: loss mask 1
     sampled_logprobs                       the sampler's log-prob of each action token, in span order
     trainer_logprobs                       the trainer's (before the update), RL steps only
@@ -19,12 +19,12 @@ A record (log format 2):
     usage                                  API models only (rl/api.py): calls, prompt_tokens, completion_tokens
                                            and cost (dollars) summed over the episode; token_ids are empty
 
-Number arrays are packed as "<type>:<base64 of little-endian values>" with type i32 or f32: exact,
-and 1.5x (ids) to 4x (log-probs) smaller than JSON's decimals. `unpack` reads them back, and also the
+Number arrays are encoded as "<type>:<base64 of little-endian values>" with type i32 or f32: exact,
+and 1.5x (ids) to 4x (log-probs) smaller than JSON's decimals. `decode_array` reads them back, and also the
 plain lists of log format 1 (token_ids and action_spans only), so every older log still opens:
 
-    from rl.records import unpack
-    ids = unpack(record["token_ids"])
+    from rl.records import decode_array
+    ids = decode_array(record["token_ids"])
 """
 
 from __future__ import annotations
@@ -39,20 +39,20 @@ FORMAT = 2
 _TYPES = {"i32": "<i4", "f32": "<f4"}
 
 
-def pack(values, kind: str) -> str:
+def encode_array(values, kind: str) -> str:
     """Numbers as "<kind>:<base64>", kind i32 or f32."""
     return f"{kind}:" + base64.b64encode(np.asarray(values, dtype=_TYPES[kind]).tobytes()).decode("ascii")
 
 
-def unpack(value) -> list:
-    """A packed array (or a plain list, or a number, as older logs and constant advantages hold) as a list."""
+def decode_array(value) -> list:
+    """An encoded array (or a plain list, or a number, as older logs and constant advantages hold) as a list."""
     if value is None or isinstance(value, list):
         return value
     if isinstance(value, (int, float)):
         return [value]
     kind, _, data = value.partition(":")
     if kind not in _TYPES:
-        raise ValueError(f"not a packed array: {value[:20]!r}")
+        raise ValueError(f"not an encoded array: {value[:20]!r}")
     return np.frombuffer(base64.b64decode(data), dtype=_TYPES[kind]).tolist()
 
 
@@ -62,11 +62,21 @@ def action_positions(spans: list[list[int]]) -> list[int]:
 
 
 def per_action(row, positions: list[int]):
-    """A [T] tensor's values at the action positions: one number when they are all equal, else packed."""
+    """A [T] tensor's values at the action positions: one number when they are all equal, else encoded."""
     values = row[positions].float()
     if values.numel() and bool((values == values[0]).all()):
         return round(float(values[0]), 7)
-    return pack(values.tolist(), "f32")
+    return encode_array(values.tolist(), "f32")
+
+
+# Metrics that older runs logged under another name, read under today's: how many episodes the horizon ended
+# was `finish/max_turns` before the horizon had one name.
+RENAMED_METRICS = {"finish/max_turns": "finish/horizon"}
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """A run's metrics.jsonl (read_log), older runs' metric names read as today's (RENAMED_METRICS)."""
+    return [{RENAMED_METRICS.get(key, key): value for key, value in row.items()} for row in read_log(path)]
 
 
 def read_log(path: Path) -> list[dict]:

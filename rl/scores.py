@@ -30,7 +30,7 @@ def spread(task_ids: list[int], n: int) -> list[int]:
 
 # How an episode ended (rollout.Trajectory's finish) -> its name in metrics (finish/<name>, eval/finish/<name>) and
 # summaries
-FINISHES = {"done": "done", "horizon": "max_turns", "max_tokens": "max_tokens", "error": "error"}
+FINISHES = {"done": "done", "horizon": "horizon", "max_tokens": "max_tokens", "error": "error"}
 
 
 def score(trajectories, env_name: str) -> dict:

@@ -1,6 +1,7 @@
 """Supervised fine-tuning on trajectories: cross-entropy on the action tokens (loss_mask 1) only,
 so the model learns what the assistant said and never the prompt or the observations; and packing,
-several conversations per row with no attention across them."""
+several conversations per row with no attention across them (their positions restart at each:
+rl/logprobs.forward_inputs)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from rl.logprobs import token_logprobs
 
 def sft_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Token-mean negative log-likelihood of the action tokens of a collated or packed batch."""
-    logprobs, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
+    logprobs, _ = token_logprobs(model, batch["input_ids"], batch.get("attention_mask"), batch["loss_mask"],
                                  position_ids=batch.get("position_ids"))
     mask = batch["loss_mask"]
     return -(logprobs * mask).sum() / mask.sum().clamp(min=1)
@@ -20,9 +21,8 @@ def sft_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 def pack(sequences: list[tuple[list[int], list[int]]], max_tokens: int, pad_id: int) -> dict:
     """(token ids, loss mask) sequences packed into rows of at most `max_tokens`, none split, longest
     first into the first row with room. Returns input_ids, loss_mask and position_ids [R, L] (positions
-    restart at 0 for every sequence, as if it were alone), attention_mask [R, 1, L, L] (causal within a
-    sequence, blind across sequences; a pad sees only itself, so no row is all masked), and `rows`: the
-    sequence indices of each row, in order."""
+    restart at 0 for every sequence, as if it were alone, which keeps sequences from attending to each other;
+    a pad is at position 0, a sequence of its own), and `rows`: the sequence indices of each row, in order."""
     rows: list[list[int]] = []
     room: list[int] = []
     for i in sorted(range(len(sequences)), key=lambda i: -len(sequences[i][0])):
@@ -40,16 +40,12 @@ def pack(sequences: list[tuple[list[int], list[int]]], max_tokens: int, pad_id: 
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     loss_mask = torch.zeros((len(rows), width))
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    segment = -1 - torch.arange(width).repeat(len(rows), 1)  # pads: a segment each
     for r, members in enumerate(rows):
         start = 0
-        for k, i in enumerate(members):
+        for i in members:
             ids, mask = sequences[i]
             span = slice(start, start + len(ids))
             input_ids[r, span], loss_mask[r, span] = torch.tensor(ids), torch.tensor(mask, dtype=torch.float32)
-            position_ids[r, span], segment[r, span] = torch.arange(len(ids)), k
+            position_ids[r, span] = torch.arange(len(ids))
             start += len(ids)
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    attention_mask = (segment[:, :, None] == segment[:, None, :]) & causal  # [R, L, L]
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "position_ids": position_ids,
-            "attention_mask": attention_mask[:, None], "rows": rows}
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "position_ids": position_ids, "rows": rows}

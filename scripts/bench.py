@@ -506,10 +506,11 @@ LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-tok
 def step_batches(run_dir: Path) -> tuple[dict, list[dict]]:
     """The run's config and its trajectories, in the order they were played."""
     config = json.loads((run_dir / "config.json").read_text())
-    from rl.records import unpack
+    from rl.records import decode_array
 
     records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines() if line.strip()]
-    return config, [r | {"token_ids": unpack(r["token_ids"])} for r in records if "token_ids" in r and r.get("action_spans")]
+    return config, [r | {"token_ids": decode_array(r["token_ids"])} for r in records
+                    if "token_ids" in r and r.get("action_spans")]
 
 
 def phase_trl(args: Args) -> dict:

@@ -3,7 +3,7 @@ per step (and their running mean) and per task category, the test success of eve
 the initial policy), turns against the horizon cap with ScalingInter-RL's stages shaded, how episodes
 ended (finish reasons, invalid actions, groups without reward variance), KL and entropy, clipping and
 gradient norm, throughput, time and peak memory. An eval result (eval.py's .json) is drawn as Avg@k and
-Pass@k per category, a turn-budget sweep's (eval.py --max-turns 5 10 20) as both against the budget.
+Pass@k per category, a sweep of horizons' (eval.py --horizon 5 10 20) as both against the horizon.
 train.py and eval.py run this at their end.
 
     python scripts/plot.py runs/<run>                                  # -> runs/<run>/curves.png
@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MultipleLocator  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from rl.records import read_log  # noqa: E402
+from rl.records import read_metrics  # noqa: E402
 
 FEW_POINTS = 20  # a series with at most this many points gets a marker at each
 
@@ -48,11 +48,11 @@ PANELS = [  # (title, [(metric or pattern, label)], y limits or None); a "*" pat
 ]
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
+def run_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise SystemExit(f"{path} does not exist: give a run directory (runs/<run>)")
-    return read_log(path)
+    return read_metrics(path)
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -66,13 +66,13 @@ def running_mean(values: list[float], width: int) -> list[float]:
 
 def shade_stages(axis, rows: list[dict]) -> None:
     """Alternate shading for each stretch of steps under one horizon cap (ScalingInter-RL's stages)."""
-    steps, caps = series(rows, "rollout/horizon")
+    steps, horizons = series(rows, "rollout/horizon")
     start = 0
     for i in range(1, len(steps) + 1):
-        if i == len(steps) or caps[i] != caps[start]:
-            if len(set(caps)) > 1:
-                axis.axvspan(steps[start] - 0.5, steps[i - 1] + 0.5, alpha=0.06 if caps[start] % 2 else 0.12, color="grey")
-                axis.text(steps[start], axis.get_ylim()[1], f" {caps[start]} turns", va="top", fontsize=7, color="grey")
+        if i == len(steps) or horizons[i] != horizons[start]:
+            if len(set(horizons)) > 1:
+                axis.axvspan(steps[start] - 0.5, steps[i - 1] + 0.5, alpha=0.06 if horizons[start] % 2 else 0.12, color="grey")
+                axis.text(steps[start], axis.get_ylim()[1], f" {horizons[start]} turns", va="top", fontsize=7, color="grey")
             start = i
 
 
@@ -156,18 +156,18 @@ def plot_eval(path: Path, out: Path) -> None:
 
 
 def plot_sweep(result: dict, out: Path) -> None:
-    """A turn-budget sweep (eval.py --max-turns 5 10 20 ...): Avg@k and Pass@k against the turn cap, overall and
+    """A sweep of horizons (eval.py --horizon 5 10 20 ...): Avg@k and Pass@k against the horizon, overall and
     per category, as the paper's figure on scaling test-time interaction."""
     k, sweep = result.get("k", "k"), result["sweep"]
-    caps = [row["horizon"] for row in sweep]
+    horizons = [row["horizon"] for row in sweep]
     figure, axes = plt.subplots(1, 2, figsize=(11, 4))
     for axis, key, label in ((axes[0], "avg@k", f"Avg@{k}"), (axes[1], "pass@k", f"Pass@{k}")):
-        axis.plot(caps, [row[key] for row in sweep], marker="o", color="black", linewidth=2, label="overall")
+        axis.plot(horizons, [row[key] for row in sweep], marker="o", color="black", linewidth=2, label="overall")
         for name in sweep[0].get("categories", {}):
-            axis.plot(caps, [row["categories"][name][key] for row in sweep], marker=".", alpha=0.7, label=name)
-        axis.set_xlabel("turn budget (max turns)")
+            axis.plot(horizons, [row["categories"][name][key] for row in sweep], marker=".", alpha=0.7, label=name)
+        axis.set_xlabel("horizon (turns)")
         axis.set_ylabel(label)
-        axis.set_xticks(caps)
+        axis.set_xticks(horizons)
         axis.grid(alpha=0.3)
     axes[1].legend(fontsize=7, loc="best")
     figure.suptitle(f"{result.get('model', '')}: {result.get('env', '')} {Path(str(result.get('split', ''))).name}, "
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> Path:
         return out
     names = [run.name if [r.name for r in args.runs].count(run.name) == 1 else f"{run.parent.name}/{run.name}"
              for run in args.runs]
-    runs = {name: read_metrics(run) for name, run in zip(names, args.runs)}
+    runs = {name: run_metrics(run) for name, run in zip(names, args.runs)}
     out = args.out or args.runs[0] / "curves.png"
     plot(runs, out)
     print(f"wrote {out}")

@@ -45,7 +45,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import envs  # noqa: E402
-from rl.records import action_positions, read_log, unpack  # noqa: E402
+from rl.records import action_positions, decode_array, read_metrics  # noqa: E402
 
 PAGE = Path(__file__).with_name("view.html")
 # the fields a listing needs; a record holds them before its messages (rl/records.py), so they are read
@@ -204,7 +204,7 @@ class Runs:
         for file in sorted(f for f in files if f.startswith("failed_step_") and f.endswith(".jsonl")):
             self.log(here / file, name, "failed", f"failed step {file[len('failed_step_'):-len('.jsonl')]}")
         config = read_json(here / "config.json") or {}
-        metrics = read_log(here / "metrics.jsonl") if (here / "metrics.jsonl").is_file() else []
+        metrics = read_metrics(here / "metrics.jsonl") if (here / "metrics.jsonl").is_file() else []
         return {"name": name, "config": {key: config.get(key) for key in ("env", "model", "algo", "horizon",
                                                                           "horizon_every", "steps", "n", "tasks_per_step")},
                 "curves": (here / "curves.png").relative_to(self.root).as_posix() if (here / "curves.png").is_file() else None,
@@ -300,7 +300,7 @@ def token_texts(tokenizer, ids: list[int]) -> list[str]:
 
 def per_token(value, positions: list[int], length: int) -> list[float | None] | None:
     """A per-action-token array (or one number for all of them) spread over the trajectory's positions."""
-    values = unpack(value)
+    values = decode_array(value)
     if values is None:
         return None
     if len(values) == 1 and len(positions) != 1:
@@ -316,9 +316,9 @@ def token_view(record: dict, tokenizer) -> dict:
     saw; a reason instead where the log predates token logging or the episode has no tokens (an API model's)."""
     if "token_ids" not in record:
         return {"reason": "this log was written before token ids were logged (log format 0): messages only"}
-    if "usage" in record and not unpack(record["token_ids"]):
+    if "usage" in record and not decode_array(record["token_ids"]):
         return {"reason": "a model behind an API (eval.py --model openai:<name>) gives text, no token ids: messages only"}
-    ids = unpack(record["token_ids"])
+    ids = decode_array(record["token_ids"])
     spans = record.get("action_spans") or []
     positions = action_positions(spans)
     mask = [0] * len(ids)

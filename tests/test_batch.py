@@ -1,5 +1,6 @@
 """How a step's trajectories are laid out for the update (rl/batch.py) changes nothing it computes: micro-batches by
-count or token budget, packed or padded, give the same log-probs, loss and gradients; values move between the
+count or token budget, packed or padded, give the same log-probs, entropies, values, loss and gradients (packed:
+under eager and SDPA attention; flash attention with several packed rows is refused); values move between the
 padded batch and the micro-batches exactly."""
 
 import random
@@ -10,7 +11,7 @@ from accelerate import Accelerator
 
 import train
 from rl.batch import attach, make_batch, plan, scatter
-from rl.logprobs import token_logprobs
+from rl.logprobs import token_logprobs, token_values
 from rollout import Trajectory
 
 
@@ -64,10 +65,15 @@ def test_values_move_between_the_batch_and_its_micro_batches_exactly():
                     (values[piece.trajectory, :piece.length] * 2).tolist()
 
 
-def test_packed_rows_score_each_trajectory_as_if_alone():
-    from rl.model import load_model
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_packed_rows_score_each_trajectory_as_if_alone(attention):
+    """Log-probs, entropies and the critic's values of packed rows equal those of padded rows, under each attention
+    implementation (eager adds a mask to the scores, where a boolean one would add 0 or 1 and mask nothing)."""
+    from rl.model import load_model, load_value_model
 
-    model = load_model("tiny-agent").eval()
+    model = load_model("tiny-agent", attn_implementation=attention).eval()
+    critic = load_value_model("tiny-agent").eval()
+    critic.set_attn_implementation(attention)
     played = trajectories()
     lengths = [len(t.token_ids) for t in played]
     padded = make_batch(played, 0, plan(lengths, 7), "cpu")
@@ -75,12 +81,29 @@ def test_packed_rows_score_each_trajectory_as_if_alone():
     assert len(packed.micro) > 1 and any(len(pieces) > 1 for pieces in packed.pieces)
     for batch in (padded, packed):
         for micro in batch.micro:
+            inputs = (micro["input_ids"], micro.get("attention_mask"), micro["loss_mask"])
             with torch.no_grad():
-                micro["scored"], _ = token_logprobs(model, micro["input_ids"], micro["attention_mask"], micro["loss_mask"],
-                                                    position_ids=micro.get("position_ids"))
-        scatter(batch, ("scored",))
+                micro["scored"], micro["entropy"] = token_logprobs(model, *inputs, with_entropy=True,
+                                                                   position_ids=micro.get("position_ids"))
+                micro["values"] = token_values(critic, *inputs, position_ids=micro.get("position_ids"))
+        scatter(batch, ("scored", "entropy", "values"))
     mask = padded.full["loss_mask"] > 0
-    torch.testing.assert_close(packed.full["scored"][mask], padded.full["scored"][mask], rtol=0, atol=2e-5)
+    for key in ("scored", "entropy", "values"):
+        torch.testing.assert_close(packed.full[key][mask], padded.full[key][mask], rtol=0, atol=1e-5,
+                                   msg=lambda message, key=key: f"{attention}, {key}: {message}")
+
+
+@pytest.mark.parametrize("attention, rows", [("flash_attention_2", 2), ("paged|eager", 1)])
+def test_packing_refuses_attention_that_would_mix_sequences(attention, rows):
+    """Flash attention finds packed sequences in a single row only; an implementation without transformers' masks
+    would get no mask at all: packed rows then stop with a sentence instead of scoring across sequences."""
+    from rl.model import load_model
+
+    model = load_model("tiny-agent")
+    model.config._attn_implementation = attention  # (set, not loaded: flash-attn needs a GPU)
+    batch = make_batch(trajectories(4), 0, [[[0, 1], [2, 3]][:rows]], "cpu", pack=True).micro[0]  # two a row
+    with pytest.raises(SystemExit, match="--micro-batch-size 1" if rows > 1 else "sdpa, eager"):
+        token_logprobs(model, batch["input_ids"], None, batch["loss_mask"], position_ids=batch["position_ids"])
 
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])

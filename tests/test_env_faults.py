@@ -2,6 +2,7 @@
 error, and is replaced by a fresh instance for the next episode; a hung env holds the rollout up for its
 timeout, never longer (envs/guard.py)."""
 
+import sys
 import threading
 import time
 
@@ -40,9 +41,8 @@ class Hangs(BabyAI):
 @pytest.fixture
 def hangs(monkeypatch):
     module = type("Module", (), {"make": staticmethod(Hangs), "category": staticmethod(lambda _: "all")})
-    monkeypatch.setattr(envs, "ENVS", envs.ENVS + ("hangs",))
-    original = envs._module
-    monkeypatch.setattr(envs, "_module", lambda name: module if name == "hangs" else original(name))
+    monkeypatch.setitem(sys.modules, "hangs_env", module)
+    monkeypatch.setitem(envs.ENVS, "hangs", envs.Registration("hangs_env", call_timeout=60.0, upstream_horizon=20))
 
 
 class Says(RoundEngine):

@@ -169,11 +169,11 @@ def test_every_summary_says_how_episodes_ended_and_warns_when_the_budget_ended_m
     results, written = run_eval(tmp_path, "budget", "--limit", "3", "--max-tokens", "800")
     out = capsys.readouterr().out
     assert results["finish"]["max_tokens"] == written["finish"]["max_tokens"] == 1.0
-    assert "ended: done 0%, max_turns 0%, max_tokens 100%, error 0%" in out
+    assert "ended: done 0%, horizon 0%, max_tokens 100%, error 0%" in out
     assert "warning: most episodes ran out of their 800-token budget" in out
     results, _ = run_eval(tmp_path, "roomy", "--limit", "3", "--horizon", "2")
     out = capsys.readouterr().out
-    assert f"max_turns {results['finish']['max_turns']:.0%}" in out and "warning" not in out
+    assert f"horizon {results['finish']['horizon']:.0%}" in out and "warning" not in out
     assert sum(results["finish"].values()) == pytest.approx(1.0)
 
 

@@ -3,6 +3,7 @@ few steps of train.py, with each algorithm, make the tiny model choose it far mo
 advantages on the wrong tokens, masks that hide the actions, and updates that never reach the
 sampler."""
 
+import sys
 import types
 
 import pytest
@@ -40,9 +41,8 @@ def bandit(monkeypatch, tmp_path):
     envs.save_task_ids(ids, "bandit", list(range(121, 521)))
     module = types.SimpleNamespace(make=lambda **_: TurnLeftBandit(), category=lambda _: "all",
                                    default_split_files=lambda: (ids, ids))
-    monkeypatch.setattr(envs, "ENVS", envs.ENVS + ("bandit",))
-    original = envs._module
-    monkeypatch.setattr(envs, "_module", lambda name: module if name == "bandit" else original(name))
+    monkeypatch.setitem(sys.modules, "bandit_env", module)
+    monkeypatch.setitem(envs.ENVS, "bandit", envs.Registration("bandit_env", call_timeout=60.0, upstream_horizon=1))
 
 
 @pytest.fixture(scope="module")

@@ -1,18 +1,22 @@
 """LoRA (--lora-rank): only the adapters train, the reference is the base model (the policy with its adapters
-off), and a saved adapter reloads into eval.py's loader and into the vLLM engine with the trained policy's
-log-probs."""
+off) while the old log-probs are the adapted policy's, and a saved adapter reloads into eval.py's loader and into
+the vLLM engine with the trained policy's log-probs."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
+from accelerate import Accelerator
 from safetensors.torch import load_file
 
 import eval as eval_script
 import train
 from rl.engines import engine_kind
+from rl.losses import kl
 from rl.logprobs import token_logprobs
 from rl.model import EMBEDDED, full_weights, is_adapter, load_model
+from test_batch import trajectories
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +60,41 @@ def test_the_reference_is_the_base_model(run):
         on, _ = token_logprobs(trained, ids, mask, loss_mask)
         expected, _ = token_logprobs(base, ids, mask, loss_mask)
     assert torch.equal(off, expected) and not torch.allclose(on, expected)
+
+
+def test_old_log_probs_are_the_adapted_policys(tmp_path):
+    """Paper-like settings (--minibatches 2, so old log-probs are scored before the update; the KL in the reward):
+    the old log-probs are the policy's with its adapters on, only the reference's come with them off, so once the
+    adapters have moved the KL penalty is not 0."""
+    accelerator = Accelerator(cpu=True)
+    args = train.parse_args(["--lora-rank", "8", "--minibatches", "2", "--kl-in-reward", "--tasks-per-step", "4",
+                             "--n", "2", "--out-dir", str(tmp_path)])
+    torch.manual_seed(0)
+    models = train.build_models(args, accelerator, args.model)
+    policy = accelerator.unwrap_model(models.policy)
+    for name, parameter in policy.named_parameters():
+        if "lora_B" in name:  # adapters that have moved (B starts at 0: the adapted model is the base model)
+            torch.nn.init.normal_(parameter, std=0.05)
+    played = trajectories()
+    for trajectory in played:
+        trajectory.group = trajectory.row // 3  # groups of three (in twos, GRPO gives +-0.71 whatever the penalty)
+    batch = train.batch_of(played, args, accelerator, 0)
+    train.score_batch(models, batch, args, accelerator)
+    for micro in batch.micro:
+        inputs = (micro["input_ids"], micro.get("attention_mask"), micro["loss_mask"], args.temperature)
+        with torch.no_grad():
+            adapted, _ = token_logprobs(policy, *inputs, position_ids=micro.get("position_ids"))
+            with policy.disable_adapter():
+                base, _ = token_logprobs(policy, *inputs, position_ids=micro.get("position_ids"))
+        torch.testing.assert_close(micro["old_logprobs"], adapted, rtol=0, atol=1e-6)
+        torch.testing.assert_close(micro["ref_logprobs"], base, rtol=0, atol=1e-6)
+    full, mask = batch.full, batch.full["loss_mask"] > 0
+    penalty = kl(full["old_logprobs"], full["ref_logprobs"], args.kl_estimator)[mask]
+    assert float(penalty.abs().max()) > 1e-4, f"KL penalty {float(penalty.abs().max())}"
+    with_kl, _ = train.advantages_for(args, full, batch.scores, batch.groups, batch.ok, None)
+    without, _ = train.advantages_for(dataclasses.replace(args, kl_in_reward=False), full, batch.scores, batch.groups,
+                                      batch.ok, None)
+    assert not torch.allclose(with_kl, without)  # the penalty reaches the advantages
 
 
 def test_merged_weights_are_the_adapted_model(run):

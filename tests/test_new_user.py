@@ -153,7 +153,7 @@ def test_a_one_step_runs_curves_show_their_points(tmp_path, monkeypatch):
     import plot
 
     step = {"charts/step": 1, "rollout/reward": 0.2, "rollout/success": 0.25, "rollout/turns": 2.0, "rollout/horizon": 2,
-            "finish/done": 0.25, "finish/max_turns": 0.75, "losses/kl": 0.0, "losses/entropy": 0.5,
+            "finish/done": 0.25, "finish/horizon": 0.75, "losses/kl": 0.0, "losses/entropy": 0.5,
             "losses/clipfrac": 0.0, "losses/grad_norm": 0.1, "perf/tokens_per_s": 100.0, "perf/step_s": 3.0,
             "perf/rollout_peak_gib": 1.0, "eval/success": 0.1}
     figures = []

@@ -52,7 +52,7 @@ def env():
 
 
 def play_gold(env, task_id):
-    result = envs.play(env, task_id, max_steps=200)
+    result = envs.oracle_episode(env, task_id, horizon=200)
     assert result.done, "the gold path did not end the episode"
     return result
 

@@ -1,13 +1,14 @@
 """rl/sft.py: packing several conversations into a row changes nothing about any of them (their
-log-probs equal those of each alone), and the SFT loss is the mean NLL of the action tokens."""
+log-probs, entropies and values equal those of each alone, under eager and SDPA attention), and the
+SFT loss is the mean NLL of the action tokens."""
 
 import pytest
 import torch
 
 import envs
 from rl.data import encode, to_record
-from rl.logprobs import token_logprobs
-from rl.model import load_model, load_tokenizer
+from rl.logprobs import token_logprobs, token_values
+from rl.model import load_model, load_tokenizer, load_value_model
 from rl.sft import pack, sft_loss
 from rollout import ChatFormat, ExpertEngine, rollout
 
@@ -27,22 +28,37 @@ def alone(model, ids, mask):
     return logprobs[0]
 
 
-def test_packed_log_probs_equal_each_conversation_alone(conversations):
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_packed_rows_score_each_conversation_as_if_alone(conversations, attention):
+    """Log-probs, entropies and a critic's values of packed rows equal those of each conversation alone, under
+    each attention implementation."""
     fmt, sequences = conversations
-    model = load_model("tiny-agent").eval()
+    model = load_model("tiny-agent", attn_implementation=attention).eval()
+    critic = load_value_model("tiny-agent").eval()
+    critic.set_attn_implementation(attention)
     longest = max(len(ids) for ids, _ in sequences)
     packed = pack(sequences, max_tokens=2 * longest, pad_id=fmt.pad_id)
     assert len(packed["rows"]) < len(sequences)  # some rows hold several conversations
+
+    def scores(input_ids, attention_mask, loss_mask, position_ids=None):
+        logprobs, entropy = token_logprobs(model, input_ids, attention_mask, loss_mask, with_entropy=True,
+                                           position_ids=position_ids)
+        return {"log-probs": logprobs, "entropies": entropy,
+                "values": token_values(critic, input_ids, attention_mask, loss_mask, position_ids)}
+
     with torch.no_grad():
-        logprobs, _ = token_logprobs(model, packed["input_ids"], packed["attention_mask"], packed["loss_mask"],
-                                     position_ids=packed["position_ids"])
+        together = scores(packed["input_ids"], None, packed["loss_mask"], packed["position_ids"])
         for r, members in enumerate(packed["rows"]):
             start = 0
             for i in members:
                 ids, mask = sequences[i]
                 assert packed["input_ids"][r, start:start + len(ids)].tolist() == ids
                 trained = torch.tensor(mask, dtype=torch.float32)  # (other rows' action columns are scored too)
-                assert torch.allclose(logprobs[r, start:start + len(ids)] * trained, alone(model, ids, mask), atol=1e-5)
+                single = scores(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), trained[None])
+                for key, expected in single.items():
+                    in_row = together[key][r, start:start + len(ids)]
+                    torch.testing.assert_close(in_row * trained, expected[0] * trained, rtol=0, atol=1e-5,
+                                               msg=lambda m, key=key: f"{attention}, {key}: {m}")
                 start += len(ids)
 
 

@@ -23,7 +23,7 @@ from rl import zero3
 from rl.engines import engine_kind
 from rl.model import EMBEDDED
 from rl.batch import make_batch, plan
-from rl.records import unpack
+from rl.records import decode_array
 from rl.scores import gain
 from rollout import Trajectory
 from tests import ddp_update
@@ -32,7 +32,7 @@ from tests import ddp_update
 # every step's metrics (README, "Metrics")
 STEP_METRICS = [
     "rollout/reward", "rollout/success", "rollout/turns", "rollout/horizon", "rollout/errors",
-    "finish/done", "finish/max_turns", "finish/max_tokens", "finish/error", "rollout/invalid_action_rate",
+    "finish/done", "finish/horizon", "finish/max_tokens", "finish/error", "rollout/invalid_action_rate",
     "rollout/zero_variance_groups", "rollout/tokens", "rollout/action_tokens", "rollout/advantage_mean",
     "rollout/advantage_abs", "rollout/logprob_diff", "rollout/logprob_diff_max",
     "perf/env_call_s", "perf/env_call_p95_s", "perf/env_wait_share", "perf/tokens_per_s", "perf/rollout_s",
@@ -87,9 +87,9 @@ def test_rollout_log_has_every_trajectory(trained):
         assert record["log_format"] == 2 and record["horizon"] == 2 and record["finish"] in ("done", "horizon")
         assert record["task_id"] == int(record["item_id"].split("_")[1])
         assert record["category"] == envs.category("babyai", record["task_id"])
-        assert len(unpack(record["token_ids"])) == record["tokens"]
+        assert len(decode_array(record["token_ids"])) == record["tokens"]
         assert sum(end - start for start, end in record["action_spans"]) == record["action_tokens"] > 0
-        sampled, trainer = unpack(record["sampled_logprobs"]), unpack(record["trainer_logprobs"])
+        sampled, trainer = decode_array(record["sampled_logprobs"]), decode_array(record["trainer_logprobs"])
         assert len(sampled) == len(trainer) == record["action_tokens"]
         assert max(abs(a - b) for a, b in zip(sampled, trainer)) < 1e-3 and max(sampled) <= 0
         assert isinstance(record["advantages"], float)  # GRPO: one advantage for the whole trajectory
@@ -99,7 +99,7 @@ def test_rollout_log_has_every_trajectory(trained):
     metrics = metrics[1:]
     for m in metrics:  # every metric the README lists, grouped by name
         assert set(STEP_METRICS) <= set(m), set(STEP_METRICS) - set(m)
-        assert sum(m[f"finish/{name}"] for name in ("done", "max_turns", "max_tokens", "error")) == pytest.approx(1)
+        assert sum(m[f"finish/{name}"] for name in ("done", "horizon", "max_tokens", "error")) == pytest.approx(1)
         categories = {r["category"] for r in lines if r["step"] == m["charts/step"]}
         assert {key.split("/")[1] for key in m if key.startswith("category/")} == categories
         assert 0 <= m["rollout/invalid_action_rate"] <= 1 and 0 <= m["rollout/zero_variance_groups"] <= 1
@@ -392,9 +392,8 @@ def flaky_env(monkeypatch, tmp_path):
     ids = tmp_path / "ids.json"
     envs.save_task_ids(ids, "flaky", list(range(120, 132)))
     module = types.SimpleNamespace(make=lambda **_: Flaky(), category=lambda _: "all", default_split_files=lambda: (ids, ids))
-    monkeypatch.setattr(envs, "ENVS", envs.ENVS + ("flaky",))
-    original = envs._module
-    monkeypatch.setattr(envs, "_module", lambda name: module if name == "flaky" else original(name))
+    monkeypatch.setitem(sys.modules, "flaky_env", module)
+    monkeypatch.setitem(envs.ENVS, "flaky", envs.Registration("flaky_env", call_timeout=60.0, upstream_horizon=2))
 
 
 def test_too_many_env_failures_stop_the_run_before_the_update(monkeypatch, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 import envs
 import train
 from rl.model import load_tokenizer
-from rl.records import unpack
+from rl.records import decode_array
 from rollout import ChatFormat, ExpertEngine, play
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +46,7 @@ def older(record: dict, log_format: int) -> dict:
             "messages"] + (["token_ids", "action_spans"] if log_format == 1 else [])
     out = {key: record[key] for key in kept}
     if log_format == 1:
-        out["token_ids"] = unpack(record["token_ids"])
+        out["token_ids"] = decode_array(record["token_ids"])
     return out
 
 
@@ -154,14 +154,14 @@ def test_token_view_is_the_logged_tokens_with_what_the_update_saw(root, server):
         body = api(server, f"/api/trajectory?log={log}&line={line}")
         assert body["summary"]["item_id"] == record["item_id"] and body["messages"] == record["messages"]
         tokens = body["tokens"]
-        ids = unpack(record["token_ids"])
+        ids = decode_array(record["token_ids"])
         assert tokens["ids"] == ids and len(tokens["text"]) == len(ids)
         # exact boundaries: the pieces, one per token, join into the whole decoded trajectory
         assert "".join(tokens["text"]) == tokenizer.decode(ids, skip_special_tokens=False)
         positions = [i for start, end in record["action_spans"] for i in range(start, end)]
         assert [i for i, m in enumerate(tokens["mask"]) if m] == positions and len(positions) == record["action_tokens"]
-        assert [tokens["sampled"][i] for i in positions] == unpack(record["sampled_logprobs"])
-        assert [tokens["trainer"][i] for i in positions] == unpack(record["trainer_logprobs"])
+        assert [tokens["sampled"][i] for i in positions] == decode_array(record["sampled_logprobs"])
+        assert [tokens["trainer"][i] for i in positions] == decode_array(record["trainer_logprobs"])
         assert {tokens["advantage"][i] for i in positions} == {record["advantages"]}  # GRPO: one per trajectory
         assert all(tokens[key][i] is None for key in ("sampled", "trainer", "advantage") for i in range(len(ids))
                    if i not in set(positions))
@@ -236,6 +236,23 @@ def test_a_growing_log_is_followed(tmp_path):
     write_jsonl(path, [record | {"step": 7}])  # cut back (a resume): read again from the start
     log.refresh()
     assert [r["step"] for r in log.rows] == [7]
+
+
+def test_an_older_runs_finish_metric_is_read_under_its_new_name(tmp_path):
+    """A run from before the horizon had one name logged `finish/max_turns`; the plots read it as `finish/horizon`,
+    so old and new runs draw the same line."""
+    spec = importlib.util.spec_from_file_location("plot", ROOT / "scripts" / "plot.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    step = {"charts/step": 1, "rollout/reward": 0.5, "rollout/horizon": 2, "finish/done": 0.25, "finish/max_tokens": 0.0,
+            "finish/error": 0.0}
+    write_jsonl(tmp_path / "old" / "metrics.jsonl", [step | {"finish/max_turns": 0.75}])
+    write_jsonl(tmp_path / "new" / "metrics.jsonl", [step | {"finish/horizon": 0.75}])
+    runs = {name: plot.run_metrics(tmp_path / name) for name in ("old", "new")}
+    assert runs["old"] == runs["new"]
+    assert plot.expand([("finish/*", "*")], runs["old"]) == [("finish/done", "done"), ("finish/error", "error"),
+                                                             ("finish/horizon", "horizon"), ("finish/max_tokens", "max_tokens")]
+    assert plot.main([str(tmp_path / "old"), str(tmp_path / "new"), "--out", str(tmp_path / "both.png")]).is_file()
 
 
 def test_the_page_in_chromium(root):

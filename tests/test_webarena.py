@@ -49,7 +49,7 @@ def on(kind: str, observation: str, line: str, *args) -> str:
 
 
 def play(env, task_id: int) -> envs.StepResult:
-    result = envs.play(env, task_id, max_steps=25)
+    result = envs.oracle_episode(env, task_id, horizon=25)
     assert result.done, "the oracle did not finish"
     return result
 
