@@ -121,7 +121,7 @@ from rl.memory import peak_gib, reset_peak
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, add_lora, full_weights, is_adapter, load_model, load_tokenizer, load_value_model
 from rl.records import action_positions, per_action
 from rl.engines import SyncError, engine_kind, make_engine, own_stream, stream_seed
-from rl.scores import gain, score, spread
+from rl.scores import FINISHES, endings, gain, score, spread
 from rl.sft import pack
 from rollout import ChatFormat, Trajectory, play, rollout
 
@@ -391,6 +391,10 @@ OFFLINE = ("sft", "dpo", "agentevol")
 # whose expert finishes within 6 turns, where the embedded agent learns fastest (held-out success 8-11% at
 # first, 22-40% after the default run); on the others a group rarely differs in reward.
 TINY_TASKS = {"babyai": ("babyai_tiny_train.json", "babyai_tiny_test.json")}
+# Elsewhere its evaluations (at step 0 and at the end) play this many test tasks, spread over the split: 32
+# episodes at --eval-k 2, half a training step's 64, where the whole split would be 200 (TextCraft) to 2,342
+# (SciWorld) episodes each time, for an agent that never learned those envs; --eval-tasks 0 plays it all.
+TINY_EVAL_TASKS = 16
 
 
 RESUMABLE = ("steps", "epochs", "save_every", "keep_checkpoints", "log_rollouts_every", "track", "wandb_project", "gen_batch_size", "resume",
@@ -410,7 +414,12 @@ def parse_args(argv: list[str] | None = None) -> Args:
     peek.add_argument("--resume", default=None)
     peek.add_argument("--run-name", "--run_name", dest="run_name", default=None)  # (tyro takes both spellings)
     peek.add_argument("--out-dir", "--out_dir", dest="out_dir", default=Args.out_dir)
+    peek.add_argument("--steps", default=None)
+    peek.add_argument("--epochs", default=None)
     known, _ = peek.parse_known_args(argv)
+    if known.steps is not None and known.epochs is not None:  # (a preset's or a resumed run's steps are not given)
+        raise SystemExit("--steps and --epochs both set how long the run is (--epochs N: N passes over the train "
+                         "split, or over --data): give one")
     checkpoint = find_checkpoint(known.resume, known.out_dir, known.run_name) if known.resume else None
     if checkpoint is not None:
         return resumed_args(argv, checkpoint)
@@ -423,6 +432,8 @@ def parse_args(argv: list[str] | None = None) -> Args:
     if preset == "tiny" and known.env in TINY_TASKS:
         train, test = TINY_TASKS[known.env]
         default = replace(default, train_tasks=str(envs.DATA_DIR / train), test_tasks=str(envs.DATA_DIR / test))
+    elif preset == "tiny":
+        default = replace(default, eval_tasks=TINY_EVAL_TASKS)
     args = tyro.cli(Args, args=argv, default=default, description=__doc__.split("\n\n")[0])
     return replace(args, preset=preset)
 
@@ -498,12 +509,20 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
     if args.epochs is not None and args.epochs < 1:
         raise SystemExit("--epochs must be at least 1")
+    if args.launch_config and not Path(args.launch_config).is_file():
+        raise SystemExit(f"--launch-config {args.launch_config} does not exist: give one of configs/*.yaml")
     if args.keep_checkpoints < 0 or args.env_timeout < 0:
         raise SystemExit("--keep-checkpoints and --env-timeout take 0 (all, the env's default) or more")
     if not 0 <= args.max_error_rate <= 1:
         raise SystemExit("--max-error-rate is a share of a step's trajectories, in [0, 1]")
     if args.env not in envs.ENVS:
         raise SystemExit(f"unknown env {args.env!r}; choose one of: {', '.join(envs.ENVS)}")
+    for flag in ("train_tasks", "test_tasks"):
+        try:  # (read again where they are played; a bad file stops here, before anything loads)
+            if getattr(args, flag):
+                envs.load_task_ids(getattr(args, flag), args.env)
+        except envs.TaskFileError as error:
+            raise SystemExit(f"--{flag.replace('_', '-')}: {error}") from None
     if args.n < 2 and args.algo in ("grpo", "rloo"):
         raise SystemExit(f"{args.algo} compares the samples of a task with each other: use --n 2 or more")
     if not args.horizon or min(args.horizon) < 1 or args.horizon_every < 1:
@@ -1018,9 +1037,6 @@ def step_metrics(records: list[dict], sampled: list[int], stats: dict, sums: dic
     return metrics
 
 
-FINISHES = {"done": "done", "horizon": "horizon", "max_tokens": "max_tokens", "error": "error"}
-
-
 def zero_variance_share(records: list[dict]) -> float:
     """The share of task groups (n episodes of one task) whose rewards are all equal: GRPO gives them no advantage."""
     groups = collections.defaultdict(list)
@@ -1262,19 +1278,21 @@ def evaluate(engine, fmt: ChatFormat, environments: list, test_ids: list[int], m
     results = score(episodes, args.env)
     metrics = {f"eval/{key}": results[key] for key in ("avg@k", "pass@k", "success", "turns", "errors")}
     metrics |= {f"eval/{name}/avg@k": c["avg@k"] for name, c in results["categories"].items()}
-    return metrics | {"eval/horizon": horizon}, [{"step": step, **t.log_record()} for t in episodes]
+    metrics |= {f"eval/finish/{name}": share for name, share in results["finish"].items()}  # (how its episodes ended)
+    metrics |= {"eval/horizon": horizon, "eval/max_tokens": max_tokens}
+    return metrics, [{"step": step, **t.log_record()} for t in episodes]
 
 
 def phase(bar, name: str, total: int):
     """A progress callback for a phase of a step, shown after the step bar (`bar`; None: nothing shown) as
-    "<name> done/total"."""
-    done = 0
+    "<name> done/total", with the turns played so far in a rollout (rollout.py calls it with both counts)."""
+    done = turns = 0
 
-    def advance(count: int = 1) -> None:
-        nonlocal done
-        done += count
+    def advance(count: int = 1, played: int = 0) -> None:
+        nonlocal done, turns
+        done, turns = done + count, turns + played
         if bar is not None:
-            bar.set_postfix_str(f"{name} {done}/{total}")
+            bar.set_postfix_str(f"{name} {done}/{total}" + (f", {turns} turns" if turns else ""))
 
     return advance
 
@@ -1282,6 +1300,17 @@ def phase(bar, name: str, total: int):
 def eval_due(step: int, every: int, last: int) -> bool:
     """--eval-every's steps: every k-th, and the last."""
     return every > 0 and (step % every == 0 or step == last)
+
+
+def evaluation_plan(args: Args, tasks: int, start: int, initial: bool) -> str:
+    """What the run's evaluations will play, for its start line, e.g. "evaluating 16 test tasks x 2 at steps 0 and
+    16": the `initial` policy (step 0, RL only) and --eval-every's steps from `start` on."""
+    steps = [0] * initial + [s for s in range(start, args.steps + 1) if eval_due(s, args.eval_every, args.steps)]
+    if not tasks or not steps:
+        return "no evaluation (--eval-every 0)" if not args.eval_every else "no evaluation left"
+    head = steps[:-1] if len(steps) <= 4 else steps[:3] + ["..."]
+    at = f"s {', '.join(map(str, head))} and {steps[-1]}" if len(steps) > 1 else f" {steps[0]}"
+    return f"evaluating {tasks} test tasks x {args.eval_k} at step{at}"
 
 
 def test_task_ids(args: Args) -> list[int]:
@@ -1332,7 +1361,8 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
     if accelerator.is_main_process:
         print(f"run {run_dir.name}: {args.algo} on {args.model} ({args.preset} preset), {len(examples)} "
               f"{'pairs' if args.algo == 'dpo' else 'conversations'} of {len(train)} episodes ({len(held)} held out), "
-              f"{args.steps} steps of {args.batch_size} -> {run_dir}"
+              f"{args.steps} steps of {args.batch_size}, "
+              f"{evaluation_plan(args, len(test_ids), trainer_state['step'] + 1, initial=False)} -> {run_dir}"
               + (f", resumed at step {trainer_state['step'] + 1}" if resuming else ""))
     logs = Logs(args, run_dir, config, active=accelerator.is_main_process, resume_sizes=trainer_state["logs"])
 
@@ -1390,7 +1420,7 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
     if accelerator.is_main_process:
         print(f"run {run_dir.name}: agentevol on {args.model} ({args.preset} preset), {args.iterations} iterations "
               f"exploring {len(explore_ids)} tasks x {args.n}, {len(expert)} expert episodes ({len(validation)} held "
-              f"out), testing on {len(test_ids)} tasks -> {run_dir}")
+              f"out), testing on {len(test_ids)} tasks x {args.eval_k} after every iteration -> {run_dir}")
     logs = Logs(args, run_dir, config, active=accelerator.is_main_process, resume_sizes={})
     try:
         for iteration in range(args.iterations + 1):
@@ -1452,7 +1482,8 @@ def evol_line(iteration: int, metrics: dict) -> str:
 def eval_line(step: int, metrics: dict) -> str:
     """The printed line of an evaluation outside a training step."""
     return (f"eval {step:>4} | test success {metrics['eval/success']:.3f} | avg@k {metrics['eval/avg@k']:.3f} | "
-            f"pass@k {metrics['eval/pass@k']:.3f} | turns {metrics['eval/turns']:.1f}/{metrics['eval/horizon']}")
+            f"pass@k {metrics['eval/pass@k']:.3f} | turns {metrics['eval/turns']:.1f}/{metrics['eval/horizon']} | "
+            + endings({name: metrics[f"eval/finish/{name}"] for name in FINISHES.values()}, metrics["eval/max_tokens"]))
 
 
 def held_out_line(run_dir: Path) -> str | None:
@@ -1797,11 +1828,10 @@ def resume(accelerator, models: Models, engine, checkpoint: Path) -> dict:
 def print_plan(args: Args, accelerator) -> None:
     """The run's estimated peak memory per GPU, by phase and by what holds it, and whether it fits."""
     import yaml
-    from transformers import AutoConfig
 
     from rl.logprobs import CHUNK_ELEMENTS
     from rl.memory import plan
-    from rl.model import adapter_base, resolve
+    from rl.model import load_config
 
     if args.launch_config:
         launch = yaml.safe_load(Path(args.launch_config).read_text())
@@ -1813,7 +1843,7 @@ def print_plan(args: Args, accelerator) -> None:
         offload = (launch.get("fsdp_config", {}).get("fsdp_offload_params") is True
                    or "cpu" in {(launch.get("deepspeed_config") or {}).get(key) for key in
                                 ("offload_param_device", "offload_optimizer_device")})
-        how = f"{args.launch_config}: {launch.get('distributed_type')} over {processes} processes"
+        how, kind = args.launch_config, launch.get("distributed_type", "NO")
     else:
         processes, is_sharded = accelerator.num_processes, sharded(accelerator)
         deepspeed = zero3.active(accelerator)
@@ -1821,8 +1851,8 @@ def print_plan(args: Args, accelerator) -> None:
         policy = accelerator.state.fsdp_plugin.cpu_offload if accelerator.distributed_type == "FSDP" else None
         offload = zero3.offloaded(accelerator) or type(policy).__name__ == "CPUOffloadPolicy" \
             or bool(getattr(policy, "offload_params", False))
-        how = f"this launch: {accelerator.distributed_type.value} over {processes} processes"
-    config = AutoConfig.from_pretrained(adapter_base(args.model) if is_adapter(args.model) else resolve(args.model))
+        how, kind = "this launch", accelerator.distributed_type.value
+    config = load_config(args.model)  # (a LoRA checkpoint's: its base's)
     gpu_gib = args.gpu_gib or (torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0)
     micro_tokens = args.max_tokens_per_micro_batch or args.micro_batch_size * args.max_tokens
     estimate = plan(config, algo=args.algo, lora_rank=args.lora_rank, lora_targets=args.lora_target_modules,
@@ -1836,7 +1866,7 @@ def print_plan(args: Args, accelerator) -> None:
     if not accelerator.is_main_process:
         return None
     print(f"memory plan per GPU: {args.model} ({estimate['parameters']:,} parameters, {estimate['trained']:,} trained), "
-          f"{args.algo}, {how}")
+          f"{args.algo}, {how}: " + (f"{kind} over {processes} processes" if kind != "NO" else "one process, not distributed"))
     for phase, held in estimate["phases"].items():
         print(f"  {phase}: {sum(held.values()) / 2**30:.1f} GiB")
         for what, size in held.items():
@@ -1867,6 +1897,7 @@ def make_accelerator(args: Args):
     check(args, accelerator.num_processes, accelerator.distributed_type.value)
     if zero3.active(accelerator):
         zero3.configure(accelerator, args.grad_clip)
+    zero3.keep_out(accelerator)  # (no DeepSpeed import, and its warning, outside its launches)
     return accelerator, mixed
 
 
@@ -1911,7 +1942,8 @@ def main(args: Args) -> Path | None:
     config = run_config(args, run_dir, resuming, accelerator, mixed, engine, environments[0])
     if accelerator.is_main_process:
         print(f"run {run_dir.name}: {args.env}, {args.model} ({args.preset} preset), {args.algo}, {args.steps} steps of "
-              f"{args.tasks_per_step} tasks x {args.n} samples, {describe(args.horizon, args.horizon_every, args.steps)}"
+              f"{args.tasks_per_step} tasks x {args.n} samples, {describe(args.horizon, args.horizon_every, args.steps)}, "
+              f"{evaluation_plan(args, len(test_ids), start_step, initial=start_step == 1)}"
               f" -> {run_dir}" + (f", resumed at step {start_step}" if resuming else ""))
     logs = Logs(args, run_dir, config, active=accelerator.is_main_process, resume_sizes=trainer_state["logs"])
     reduce = reducer(accelerator)  # whitening statistics over every process: a distributed batch is whitened as one
