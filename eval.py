@@ -73,9 +73,9 @@ from rl.checkpoint import write_atomic
 from rl.horizon import horizon_at
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, full_weights, is_adapter, load_model, load_tokenizer
 from rl.run import run_of
-from rl.scores import paired, score, spread
+from rl.scores import endings, paired, score, spread
 from rl.engines import engine_kind, make_engine
-from rollout import ChatFormat, category, play
+from rollout import ChatFormat, category, on_bar, play
 
 # The context of upstream's eval engine (vLLM's max_model_len in its eval scripts); its turn cap and tokens a
 # turn are each env's (envs.ENVS).
@@ -232,7 +232,7 @@ def main(args: Args) -> dict:
                                                                      else ""), unit="episode", dynamic_ncols=True) as bar:
                 played[horizon] = play(engine, fmt, environments, [t for t, _ in episodes], [g for _, g in episodes],
                                        horizon=horizon, max_new_tokens=settings["max_new_tokens"],
-                                       max_tokens=settings["max_tokens"], agent=agent, progress=bar.update)
+                                       max_tokens=settings["max_tokens"], agent=agent, progress=on_bar(bar))
     finally:
         engine.close()
         close_envs(environments)
@@ -260,7 +260,10 @@ def main(args: Args) -> dict:
 def evaluation_tasks(args: Args, settings: dict) -> list[int]:
     """The task ids to play: --tasks (or a run's own test tasks), else the split; --limit of them, spread."""
     if settings["tasks"]:
-        task_ids = envs.load_task_ids(settings["tasks"], settings["env"])
+        try:
+            task_ids = envs.load_task_ids(settings["tasks"], settings["env"])
+        except envs.TaskFileError as error:
+            raise SystemExit(f"--tasks: {error}" if args.tasks else f"the run's --test-tasks: {error}") from None
     else:
         task_ids = envs.splits(settings["env"])[args.split]
     if args.limit:
@@ -360,8 +363,8 @@ def code_revision() -> str:
 
 
 def report(results: dict, settings: dict, k: int, trajectories: list) -> None:
-    """The console summary: the limits, Avg@k and Pass@k overall and per category, the first failure, an API
-    model's usage, per attempt and per turn cap."""
+    """The console summary: the limits, Avg@k and Pass@k overall and per category, how the episodes ended (a
+    warning when most ran out of tokens), the first failure, an API model's usage, per attempt and per turn cap."""
     limits = (f"{settings['horizon']} turns, {settings['max_new_tokens']} tokens a turn, {settings['max_tokens']} a trajectory"
               + (f"; set by flag: {', '.join(settings['overrides'])}" if settings["overrides"] else "")
               + ("; the server's context window holds the trajectory's" if results["engine"] == "api" else ""))
@@ -369,6 +372,7 @@ def report(results: dict, settings: dict, k: int, trajectories: list) -> None:
     print(f"{settings['env']} {Path(str(results['split'])).name}: {results['tasks']} tasks x {k}  "
           f"Avg@{k} {results['avg@k']:.4f}  Pass@{k} {results['pass@k']:.4f}  turns {results['turns']:.1f}"
           + (f"  failed episodes {results['errors']} (scored 0; see the .jsonl)" if results["errors"] else ""))
+    print(f"  {endings(results['finish'], settings['max_tokens'])}")
     if results["errors"]:
         print(f"  first failure: {next(t.error for t in trajectories if t.error is not None)}")
     if results["engine"] == "api":

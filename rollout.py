@@ -200,16 +200,15 @@ class ChatFormat:
     """The three pieces of text a rollout needs from a chat template: the first prompt, the
     scaffolding around an observation (what follows an assistant's end-of-turn token up to the
     next generation prompt), and the end-of-turn token itself. Found once by rendering sentinel
-    messages, so any template that renders history as a prefix works (ChatML/Qwen, Llama 3, ...)."""
+    messages, so any template that renders history as a prefix works (ChatML/Qwen, Llama 3, ...).
+    A tokenizer without a usable template is the user's model: it stops the script with one sentence."""
 
     _USER, _ASSISTANT, _NEXT = "\x02user-sentinel\x03", "\x02assistant-sentinel\x03", "\x02next-sentinel\x03"
 
     def __init__(self, tokenizer):
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                f"{tokenizer.name_or_path} has no chat template; use an instruct/chat model (or set "
-                "tokenizer.chat_template) so that turns can be formatted"
-            )
+            raise SystemExit(f"{tokenizer.name_or_path} has no chat template; use an instruct/chat model (or set "
+                             "tokenizer.chat_template) so that turns can be formatted")
         self.tokenizer = tokenizer
         history = [{"role": "user", "content": self._USER}, {"role": "assistant", "content": self._ASSISTANT}]
         text = self.render(history + [{"role": "user", "content": self._NEXT}], add_generation_prompt=True)
@@ -217,7 +216,8 @@ class ChatFormat:
         specials = sorted(set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab()), key=len, reverse=True)
         eot = next((s for s in specials if s and text.startswith(s, after)), None)
         if eot is None:
-            raise ValueError(f"cannot find the end-of-turn token after an assistant message in {tokenizer.name_or_path}'s chat template")
+            raise SystemExit(f"cannot find the end-of-turn token after an assistant message in {tokenizer.name_or_path}'s "
+                             "chat template: use a model whose template ends each turn with a special token")
         self.end_of_turn = tokenizer.convert_tokens_to_ids(eot)
         start = after + len(eot)
         split = text.index(self._NEXT)
@@ -251,11 +251,12 @@ class ChatFormat:
 def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int], *,
             horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent = REACT,
             pool: ThreadPoolExecutor | None = None, stats: RolloutStats | None = None,
-            progress: Callable[[int], None] | None = None) -> list[Trajectory]:
+            progress: Callable[[int, int], None] | None = None) -> list[Trajectory]:
     """Play one episode per env: environments[i] plays task_ids[i], in group groups[i], for at most
     `horizon` turns, laid out by `agent` (rl/agent.py; reflect plays up to agent.attempts attempts, each a
-    trajectory, see attempts()). `progress`, when given, is called with the count of episodes that ended since
-    its last call. `stats`, when given, receives the rollout's timing and token counts (RolloutStats)."""
+    trajectory, see attempts()). `progress`, when given, is called with the counts of episodes that ended and of
+    turns played since its last call (a long episode shows as turns before it ends). `stats`, when given,
+    receives the rollout's timing and token counts (RolloutStats)."""
     assert len(environments) == len(task_ids) == len(groups)
     if agent.attempts > 1:
         return attempts(engine, fmt, environments, task_ids, groups, horizon=horizon, max_new_tokens=max_new_tokens,
@@ -267,14 +268,14 @@ def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int
 
 def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int], *,
              horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent, pool: ThreadPoolExecutor | None = None,
-             stats: RolloutStats | None = None, progress: Callable[[int], None] | None = None) -> list[Trajectory]:
+             stats: RolloutStats | None = None, progress: Callable[[int, int], None] | None = None) -> list[Trajectory]:
     """Reflect's episodes: attempt after attempt at each task until it succeeds or agent.attempts are played.
     After a failed attempt the policy writes a reflection (reflect()), and the task's next attempt opens with
     all of its reflections. Returns every attempt's trajectory, attempt 1's first; an attempt's group is
     its task group's, moved by the attempt (group + (attempt - 1) x ATTEMPT_GROUPS), so that GRPO compares
     it with the same attempt of the other samples, and no attempt's group meets another task's (play's
     later rollouts number their groups on). An attempt that ended in an env failure ends its
-    episode. `progress` counts episodes (a task's attempts together)."""
+    episode. `progress` counts episodes (a task's attempts together) and every attempt's turns."""
     reflections: list[list[str]] = [[] for _ in task_ids]
     rows, played, clock = list(range(len(task_ids))), [], RolloutStats()
     if isinstance(engine, ExpertEngine):  # (it keys its experts by env row, which attempts renumber; and never reflects)
@@ -286,7 +287,7 @@ def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[in
         batch = _episodes(engine, fmt, [environments[r] for r in rows], [task_ids[r] for r in rows],
                           [groups[r] + (attempt - 1) * ATTEMPT_GROUPS for r in rows], [reflections[r] for r in rows],
                           horizon=horizon, max_new_tokens=max_new_tokens, max_tokens=max_tokens, agent=agent, pool=pool,
-                          stats=attempt_clock)
+                          stats=attempt_clock, progress=(lambda _, turns: progress(0, turns)) if progress else None)
         for traj in batch:
             traj.attempt = attempt
         played += batch
@@ -303,7 +304,7 @@ def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[in
         clock.add(attempt_clock)
         going_on = [r for r, t in failed if not t.final]
         if progress is not None:
-            progress(len(rows) - len(going_on))
+            progress(len(rows) - len(going_on), 0)
         rows = going_on
         if not rows:
             break
@@ -350,7 +351,7 @@ def reflect(engine, fmt: ChatFormat, failed: list[Trajectory], agent: Agent, max
 def _episodes(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int],
               reflections: list[list[str]], *, horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent,
               pool: ThreadPoolExecutor | None, stats: RolloutStats | None,
-              progress: Callable[[int], None] | None = None) -> list[Trajectory]:
+              progress: Callable[[int, int], None] | None = None) -> list[Trajectory]:
     """One episode per env (see rollout), each opening with its past reflections (reflect's; else none)."""
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(max_workers=min(32, len(environments)))
@@ -367,13 +368,15 @@ def _episodes(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[i
         clock.idle_s += time.perf_counter() - begin
 
         ready = [t for t in trajectories if t.live]  # waiting to be submitted for their next turn
-        ended = 0
+        ended = played = 0
         watchdog = Watchdog(engine)
         while ready or stepping or engine.pending:
             watchdog.check()
-            if progress is not None and (now := sum(not t.live for t in trajectories)) > ended:
-                progress(now - ended)
-                ended = now
+            if progress is not None:
+                now, turns = sum(not t.live for t in trajectories), sum(t.turns for t in trajectories)
+                if (now, turns) != (ended, played):
+                    progress(now - ended, turns - played)
+                    ended, played = now, turns
             for traj in ready:
                 limit = min(max_new_tokens, _room(traj, max_tokens))
                 if limit < 1:  # a first prompt that leaves no room for a reply
@@ -387,7 +390,7 @@ def _episodes(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[i
             if traj.live:
                 traj.finish = "horizon"
         if progress is not None and len(trajectories) > ended:
-            progress(len(trajectories) - ended)
+            progress(len(trajectories) - ended, sum(t.turns for t in trajectories) - played)
         return trajectories
     finally:  # stopped half-way (an exception), nothing may spill into the next rollout
         engine.abort()
@@ -401,10 +404,10 @@ def _episodes(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[i
 
 def play(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int] | None = None, *,
          horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent = REACT, pool: ThreadPoolExecutor | None = None,
-         progress: Callable[[int], None] | None = None) -> list[Trajectory]:
+         progress: Callable[[int, int], None] | None = None) -> list[Trajectory]:
     """Any number of episodes on a fixed set of envs: rollouts of as many at once as there are envs,
-    in order, until every task id is played. `progress` is called as episodes end (see rollout).
-    Groups default to one per episode."""
+    in order, until every task id is played. `progress` is called as turns are played and episodes end
+    (see rollout; on_bar shows them on a tqdm bar). Groups default to one per episode."""
     groups = list(range(len(task_ids))) if groups is None else groups
     trajectories: list[Trajectory] = []
     for start in range(0, len(task_ids), len(environments)):
@@ -413,6 +416,21 @@ def play(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], 
                                 groups[start:start + count], horizon=horizon, max_new_tokens=max_new_tokens,
                                 max_tokens=max_tokens, agent=agent, pool=pool, progress=progress)
     return trajectories
+
+
+def on_bar(bar) -> Callable[[int, int], None]:
+    """A progress callback for play() and rollout() that shows on a tqdm bar: episodes as its count, the turns
+    played so far beside it (long episodes, such as upstream's 20-30 turns of 512 tokens, move it before the
+    first one ends)."""
+    turns = 0
+
+    def advance(episodes: int, played: int) -> None:
+        nonlocal turns
+        turns += played
+        bar.set_postfix_str(f"{turns} turns", refresh=False)
+        bar.update(episodes)
+
+    return advance
 
 
 def _generate(engine, fmt: ChatFormat, agent: Agent, environments: list[Env], pool: ThreadPoolExecutor,

@@ -11,23 +11,19 @@ at most the turns the horizon schedule allows at this step (rl/horizon.py), scor
 scores into advantages (rl/advantages.py: `--algo` grpo, rloo, reinforce_pp, or ppo with a critic and GAE), update
 the policy with PPO's clipped loss, a KL penalty to the frozen initial model and an entropy bonus (update_policy),
 and copy the new weights into the rollout engine (rl/engines.py: sync). Each process rolls out its own share of the
-tasks, so groups never straddle processes. The run directory (rl/run.py) gets every trajectory (rollouts.jsonl),
-the metrics (metrics.jsonl; wandb with --track) and checkpoints. The same models, accumulation, logs and
-checkpoints learn from trajectory files (--data), so that each one's checkpoint is the next one's --model:
+tasks. The run directory (rl/run.py) gets every trajectory, the metrics (wandb with --track) and checkpoints. The
+same models, accumulation, logs and checkpoints learn from trajectory files (--data: learn, evolve):
 
-    python scripts/make_expert_data.py --env babyai --split train --horizon 6      # the oracle's episodes
-    python train.py --algo sft --data data/babyai_train_expert.jsonl --epochs 2   # behaviour cloning (rl/sft.py)
-    python train.py --algo dpo --data expert.jsonl --experience runs/<run>/rollouts.jsonl    # rl/dpo.py
+    python train.py --algo sft --data data/babyai_train_expert.jsonl --epochs 2   # (scripts/make_expert_data.py)
+    python train.py --algo dpo --data expert.jsonl --experience runs/<run>/rollouts.jsonl
     python train.py --algo agentevol --data data/babyai_train_expert.jsonl --iterations 3 --n 4
 
 Flags default to the paper's recipe for a real model and to the `tiny` preset (two CPU cores, minutes) for the
-embedded one; any flag given overrides the preset. --eval-every plays the test split during any run, scored as
-eval.py scores; --dry-run prints the memory plan (rl/memory.py).
-
-Where the loop deliberately differs from upstream's (AgentGym-RL's verl fork): `--ppo-epochs` is honoured (upstream
-makes one pass whatever it says: the recipes pass 1); a mini-batch's loss is normalised by its tokens over all
-processes (rl/batch.py); the reference runs exactly as the policy (rl/model.py); resuming restores the samplers'
-random state (rl/run.py); reward placement, GAE over action tokens, groups of one: rl/advantages.py.
+embedded one. --eval-every plays the test split during any run; --dry-run prints the memory plan (rl/memory.py).
+Where the loop differs from upstream's (AgentGym-RL's verl fork): `--ppo-epochs` is honoured (upstream makes one
+pass whatever it says: the recipes pass 1); a mini-batch's loss is normalised by its tokens over all processes
+(rl/batch.py); the reference runs exactly as the policy (rl/model.py); resuming restores the samplers' random state
+(rl/run.py); reward placement, GAE over action tokens, groups of one: rl/advantages.py.
 """
 
 from __future__ import annotations
@@ -55,20 +51,20 @@ from envs.guard import make_envs
 from rl import advantages as adv_lib
 from rl.agent import make_agent
 from rl.batch import Batch, arrange, attach, example_micro_batches, make_batch, minibatch_counts, scatter
-from rl.data import examples_of, held_out, read_data, to_record
+from rl.data import examples_of, held_out, offline_steps, read_data, to_record
 from rl.dpo import DPOSums, dpo_terms
 from rl.engines import build_engine, own_stream, stream_seed, sync
 from rl.horizon import describe, horizon_at
 from rl.logprobs import pad, token_logprobs, token_values
 from rl.losses import aggregate, kl, policy_loss, value_loss
-from rl.memory import peak_gib, print_plan, reset_peak
+from rl.memory import print_plan
 from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, Models, build_models, context_limit, has_reference, load_tokenizer,
                       make_accelerator, reference, restart)
-from rl.metrics import Costs, UpdateSums, eval_line, evol_line, offline_line, rl_line, step_metrics
+from rl.metrics import Costs, UpdateSums, eval_line, eval_metrics, evol_line, offline_line, rl_line, step_metrics
 from rl.optimizer import accumulate, optimizer_steps, reducer, stop_on_nonfinite
 from rl.records import rollout_records
-from rl.run import (Logs, close, find_checkpoint, finish, phase, resumable_config, resume, run_config, run_directory, run_of,
-                    save_checkpoint, stop_on_env_failures)
+from rl.run import (Logs, close, eval_due, evaluation_plan, find_checkpoint, finish, phase, resumable_config, resume, run_config,
+                    run_directory, run_of, save_checkpoint, stop_on_env_failures)
 from rl.scores import score, spread
 from rl.sft import SFTSums, sft_terms
 from rollout import ChatFormat, RolloutStats, Trajectory, play, rollout
@@ -335,6 +331,10 @@ OFFLINE = ("sft", "dpo", "agentevol")
 # whose expert finishes within 6 turns, where the embedded agent learns fastest (held-out success 8-11% at
 # first, 22-40% after the default run); on the others a group rarely differs in reward.
 TINY_TASKS = {"babyai": ("babyai_tiny_train.json", "babyai_tiny_test.json")}
+# Elsewhere its evaluations (at step 0 and at the end) play this many test tasks, spread over the split: 32
+# episodes at --eval-k 2, half a training step's 64, where the whole split would be 200 (TextCraft) to 2,342
+# (SciWorld) episodes each time, for an agent that never learned those envs; --eval-tasks 0 plays it all.
+TINY_EVAL_TASKS = 16
 
 
 # ----------------------------------------------------------------------------------------------
@@ -380,7 +380,8 @@ def main(args: Args) -> Path | None:
     config = run_config(args, run_dir, resuming, accelerator, mixed, engine, environments[0])
     if accelerator.is_main_process:
         print(f"run {run_dir.name}: {args.env}, {args.model} ({args.preset} preset), {args.algo}, {args.steps} steps of "
-              f"{args.tasks_per_step} tasks x {args.n} samples, {describe(args.horizon, args.horizon_every, args.steps)}"
+              f"{args.tasks_per_step} tasks x {args.n} samples, {describe(args.horizon, args.horizon_every, args.steps)}, "
+              f"{evaluation_plan(args, len(test_ids), start_step, initial=start_step == 1)}"
               f" -> {run_dir}" + (f", resumed at step {start_step}" if resuming else ""))
     logs = Logs(args, run_dir, config, active=accelerator.is_main_process, resume_sizes=trainer_state["logs"])
 
@@ -399,28 +400,26 @@ def main(args: Args) -> Path | None:
             task_ids, groups = my_tasks(tasks_for(step, train_ids, args.tasks_per_step, args.seed), args.n, accelerator)
             horizon = horizon_at(step, args.horizon, args.horizon_every)  # ScalingInter-RL: this step's turn cap
             costs = Costs(RolloutStats())
-            reset_peak()
-            if args.deterministic:  # this step's samples depend on (seed, step) and the weights alone
-                engine.reseed(stream_seed(args.seed + accelerator.process_index, step))
-            trajectories = rollout(engine, fmt, environments, task_ids, groups, horizon=horizon, pool=pool,
-                                   stats=costs.rollout, max_new_tokens=args.max_new_tokens, max_tokens=max_tokens,
-                                   agent=make_agent(args.agent, args.attempts),
-                                   progress=phase(progress, "rollout", len(task_ids)))
-            stop_on_env_failures(trajectories, args.max_error_rate, accelerator, run_dir, step)
-            costs.rollout_peak_gib = peak_gib()
+            with costs.measure("rollout"):
+                if args.deterministic:  # this step's samples depend on (seed, step) and the weights alone
+                    engine.reseed(stream_seed(args.seed + accelerator.process_index, step))
+                trajectories = rollout(engine, fmt, environments, task_ids, groups, horizon=horizon, pool=pool,
+                                       stats=costs.rollout, max_new_tokens=args.max_new_tokens, max_tokens=max_tokens,
+                                       agent=make_agent(args.agent, args.attempts),
+                                       progress=phase(progress, "rollout", len(task_ids)))
+                stop_on_env_failures(trajectories, args.max_error_rate, accelerator, run_dir, step)
 
             # -- the batch, its old/reference log-probs and values, advantages, the update, the engine's new weights
             engine.sleep()
-            reset_peak()
-            update_start = time.perf_counter()
-            batch = batch_of(trajectories, args, accelerator, fmt.pad_id)
-            old_logprobs(models, batch, args, accelerator)
-            advantages, returns = advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, reducer(accelerator))
-            attach(batch, advantages, returns)
-            sums, grad_norms = update(models, batch, args, accelerator, step,
-                                      phase(progress, "update", args.ppo_epochs * len(batch.micro)))
-            stop_on_nonfinite(models, batch, args.max_nonfinite_updates, accelerator, run_dir, step)
-            costs.update_s, costs.update_peak_gib = time.perf_counter() - update_start, peak_gib()
+            with costs.measure("update"):
+                batch = batch_of(trajectories, args, accelerator, fmt.pad_id)
+                old_logprobs(models, batch, args, accelerator)
+                advantages, returns = advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok,
+                                                     reducer(accelerator))
+                attach(batch, advantages, returns)
+                sums, grad_norms = update(models, batch, args, accelerator, step,
+                                          phase(progress, "update", args.ppo_epochs * len(batch.micro)))
+                stop_on_nonfinite(models, batch, args.max_nonfinite_updates, accelerator, run_dir, step)
             synced = sync(engine, models.policy, accelerator, step)
 
             # -- metrics and logs (trajectory statistics over all processes, losses from this one)
@@ -601,10 +600,7 @@ def evaluate(engine, fmt: ChatFormat, environments: list, test_ids: list[int], m
     with own_stream(engine, stream_seed(args.seed + accelerator.process_index, step, "eval")):  # (not the rollouts')
         episodes = play_share(engine, fmt, environments, test_ids, args.eval_k, models, args, accelerator, max_tokens,
                               step, horizon, phase(bar, "eval", mine))
-    results = score(episodes, args.env)
-    metrics = {f"eval/{key}": results[key] for key in ("avg@k", "pass@k", "success", "turns", "errors")}
-    metrics |= {f"eval/{name}/avg@k": c["avg@k"] for name, c in results["categories"].items()}
-    return metrics | {"eval/horizon": horizon}, [{"step": step, **t.log_record()} for t in episodes]
+    return eval_metrics(score(episodes, args.env), horizon, max_tokens), [{"step": step, **t.log_record()} for t in episodes]
 
 
 def play_share(engine, fmt: ChatFormat, environments: list, task_ids: list[int], n: int, models: Models, args: Args,
@@ -619,11 +615,6 @@ def play_share(engine, fmt: ChatFormat, environments: list, task_ids: list[int],
                   max_tokens=max_tokens, agent=make_agent(args.agent, args.attempts), progress=progress) if mine else []
     engine.sleep()
     return gather_object(played)
-
-
-def eval_due(step: int, every: int, last: int) -> bool:
-    """--eval-every's steps: every k-th, and the last."""
-    return every > 0 and (step % every == 0 or step == last)
 
 
 def test_task_ids(args: Args) -> list[int]:
@@ -663,7 +654,8 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
     if accelerator.is_main_process:
         print(f"run {run_dir.name}: {args.algo} on {args.model} ({args.preset} preset), {len(examples)} "
               f"{'pairs' if args.algo == 'dpo' else 'conversations'} of {len(train)} episodes ({len(held)} held out), "
-              f"{args.steps} steps of {args.batch_size} -> {run_dir}"
+              f"{args.steps} steps of {args.batch_size}, "
+              f"{evaluation_plan(args, len(test_ids), trainer_state['step'] + 1, initial=False)} -> {run_dir}"
               + (f", resumed at step {trainer_state['step'] + 1}" if resuming else ""))
     logs = Logs(args, run_dir, config, active=accelerator.is_main_process, resume_sizes=trainer_state["logs"])
 
@@ -686,16 +678,6 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
     finally:
         close(engine, environments, logs)
     return finish(run_dir, accelerator)
-
-
-def offline_steps(args: Args, examples: int) -> int:
-    """Optimizer steps of an sft or dpo run (agentevol: of each iteration): --epochs passes over the
-    examples (the last incomplete batch dropped, as the RL task order), else --steps."""
-    if examples < args.batch_size:
-        raise SystemExit(f"{examples} training {'pairs' if args.algo == 'dpo' else 'conversations'} are fewer than "
-                         f"--batch-size {args.batch_size}: lower it, or give more --data"
-                         + (" (or a lower --margin)" if args.algo == "dpo" else ""))
-    return args.epochs * (examples // args.batch_size) if args.epochs is not None else args.steps
 
 
 def offline_step(models: Models, examples: list, step: int, args: Args, accelerator, pad_id: int) -> dict[str, float]:
@@ -784,7 +766,7 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
     if accelerator.is_main_process:
         print(f"run {run_dir.name}: agentevol on {args.model} ({args.preset} preset), {args.iterations} iterations "
               f"exploring {len(explore_ids)} tasks x {args.n}, {len(expert)} expert episodes ({len(validation)} held "
-              f"out), testing on {len(test_ids)} tasks -> {run_dir}")
+              f"out), testing on {len(test_ids)} tasks x {args.eval_k} after every iteration -> {run_dir}")
     logs = Logs(args, run_dir, config, active=accelerator.is_main_process, resume_sizes={})
     try:
         for iteration in range(args.iterations + 1):
@@ -845,7 +827,12 @@ def parse_args(argv: list[str] | None = None) -> Args:
     peek.add_argument("--resume", default=None)
     peek.add_argument("--run-name", "--run_name", dest="run_name", default=None)  # (tyro takes both spellings)
     peek.add_argument("--out-dir", "--out_dir", dest="out_dir", default=Args.out_dir)
+    peek.add_argument("--steps", default=None)
+    peek.add_argument("--epochs", default=None)
     known, _ = peek.parse_known_args(argv)
+    if known.steps is not None and known.epochs is not None:  # (a preset's or a resumed run's steps are not given)
+        raise SystemExit("--steps and --epochs both set how long the run is (--epochs N: N passes over the train "
+                         "split, or over --data): give one")
     checkpoint = find_checkpoint(known.resume, known.out_dir, known.run_name) if known.resume else None
     if checkpoint is not None:
         return resumed_args(argv, checkpoint)
@@ -858,6 +845,8 @@ def parse_args(argv: list[str] | None = None) -> Args:
     if preset == "tiny" and known.env in TINY_TASKS:
         train, test = TINY_TASKS[known.env]
         default = replace(default, train_tasks=str(envs.DATA_DIR / train), test_tasks=str(envs.DATA_DIR / test))
+    elif preset == "tiny":
+        default = replace(default, eval_tasks=TINY_EVAL_TASKS)
     args = tyro.cli(Args, args=argv, default=default, description=__doc__.split("\n\n")[0])
     return replace(args, preset=preset)
 
@@ -908,12 +897,20 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
     if args.epochs is not None and args.epochs < 1:
         raise SystemExit("--epochs must be at least 1")
+    if args.launch_config and not Path(args.launch_config).is_file():
+        raise SystemExit(f"--launch-config {args.launch_config} does not exist: give one of configs/*.yaml")
     if args.keep_checkpoints < 0 or args.env_timeout < 0:
         raise SystemExit("--keep-checkpoints and --env-timeout take 0 (all, the env's default) or more")
     if not 0 <= args.max_error_rate <= 1:
         raise SystemExit("--max-error-rate is a share of a step's trajectories, in [0, 1]")
     if args.env not in envs.ENVS:
         raise SystemExit(f"unknown env {args.env!r}; choose one of: {', '.join(envs.ENVS)}")
+    for flag in ("train_tasks", "test_tasks"):
+        try:  # (read again where they are played; a bad file stops here, before anything loads)
+            if getattr(args, flag):
+                envs.load_task_ids(getattr(args, flag), args.env)
+        except envs.TaskFileError as error:
+            raise SystemExit(f"--{flag.replace('_', '-')}: {error}") from None
     if args.n < 2 and args.algo in adv_lib.GROUPED:
         raise SystemExit(f"{args.algo} compares the samples of a task with each other: use --n 2 or more")
     if not args.horizon or min(args.horizon) < 1 or args.horizon_every < 1:

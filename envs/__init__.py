@@ -152,20 +152,36 @@ def oracle_episode(env: Env, task_id: int, horizon: int = 100) -> StepResult:
     return result
 
 
+class TaskFileError(ValueError):
+    """A task id file that is missing or malformed; the message names the file and the fault."""
+
+
 def load_task_ids(path: str | Path, name: str) -> list[int]:
     """Task ids from an AgentGym-RL-Data-ID file (`[{"item_id": "babyai_12"}, ...]`).
-    As upstream, the id is the integer after the last underscore."""
+    As upstream, the id is the integer after the last underscore. A file that is missing, not JSON,
+    not a list or holds another env's tasks raises TaskFileError."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"task id file {path} does not exist")
-    rows = json.loads(path.read_text())
+        raise TaskFileError(f"task id file {path} does not exist")
+    try:
+        rows = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise TaskFileError(f"task id file {path} is not JSON ({error})") from None
+    if not isinstance(rows, list):
+        raise TaskFileError(f"task id file {path} holds a JSON {type(rows).__name__}, not a list of task ids "
+                            f'([{{"item_id": "{name}_12"}}, ...])')
     ids = []
     for row in rows:
+        if isinstance(row, dict) and "item_id" not in row:
+            raise TaskFileError(f"task id file {path}: entry {len(ids)} has no item_id")
         item = row["item_id"] if isinstance(row, dict) else row
         prefix, _, number = str(item).rpartition("_")
         if prefix and prefix != name:
-            raise ValueError(f"{path}: item {item!r} is not a {name} task")
-        ids.append(int(number))
+            raise TaskFileError(f"task id file {path}: item {item!r} is not a {name} task")
+        try:
+            ids.append(int(number))
+        except ValueError:
+            raise TaskFileError(f"task id file {path}: item {item!r} is not a task id ({name}_<number>)") from None
     return ids
 
 

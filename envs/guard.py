@@ -94,10 +94,22 @@ class Guarded(envs.Env):
 def make_envs(name: str, count: int, options: dict | None = None, timeout: float = 0.0,
               url: str | None = None) -> list[Guarded]:
     """`count` guarded instances of an env, in process or (`url`) on an AgentGym env server, whose own
-    requests then have the same timeout; `timeout` 0: the env's default (its call_timeout in envs.ENVS)."""
+    requests then have the same timeout; `timeout` 0: the env's default (its call_timeout in envs.ENVS). What
+    cannot be made at all (options the env does not take, a server that is down or never answers) stops the
+    script (train.py, eval.py) with one line that says why, before any episode."""
     timeout = timeout or envs.call_timeout(name)
-    options = dict(options or {}) | ({"url": url, "timeout": timeout} if url else {})
-    return [Guarded(name, options, timeout) for _ in range(count)]
+    given = dict(options or {})
+    made: list[Guarded] = []
+    try:
+        for _ in range(count):
+            made.append(Guarded(name, given | ({"url": url, "timeout": timeout} if url else {}), timeout))
+    except (TypeError, ValueError, OSError, RuntimeError) as error:  # (bad options, a server or backend that fails)
+        close_envs(made)
+        lines = str(error).strip().splitlines()
+        raise SystemExit(f"cannot make a {name} env" + (f" on the env server at {url}" if url else "")
+                         + (f" with options {given}" if given else "")
+                         + f": {type(error).__name__}: {lines[0] if lines else ''}") from None
+    return made
 
 
 def close_envs(environments: list[Guarded]) -> None:

@@ -162,6 +162,16 @@ def examples_of(fmt, records: list[dict], max_tokens: int, pairs: bool = False, 
     return [(encoded(fmt, chosen, max_tokens), encoded(fmt, rejected, max_tokens)) for chosen, rejected in pairs]
 
 
+def offline_steps(args, examples: int) -> int:
+    """Optimizer steps of train.py's sft or dpo run (agentevol: of each iteration; `args`: its Args) over `examples`
+    conversations or pairs: --epochs passes (the last incomplete batch dropped, as RL's task order), else --steps."""
+    if examples < args.batch_size:
+        raise SystemExit(f"{examples} training {'pairs' if args.algo == 'dpo' else 'conversations'} are fewer than "
+                         f"--batch-size {args.batch_size}: lower it, or give more --data"
+                         + (" (or a lower --margin)" if args.algo == "dpo" else ""))
+    return args.epochs * (examples // args.batch_size) if args.epochs is not None else args.steps
+
+
 def encoded(fmt, record: dict, max_tokens: int) -> tuple[list[int], list[int]]:
     """A record as RL's token ids and loss mask (rl/data.py: encode), cut to --max-tokens as a rollout
     would be: what does not fit is not learned."""

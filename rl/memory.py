@@ -134,12 +134,11 @@ def print_plan(args, accelerator) -> None:
     """`train.py --dry-run` (`args`: its Args): the run's estimated peak memory per GPU, by phase and by what holds
     it, and whether it fits."""
     import yaml
-    from transformers import AutoConfig
 
     from rl import zero3
     from rl.engines import engine_kind
     from rl.logprobs import CHUNK_ELEMENTS
-    from rl.model import adapter_base, is_adapter, resolve, sharded
+    from rl.model import load_config, sharded
 
     if args.launch_config:
         launch = yaml.safe_load(Path(args.launch_config).read_text())
@@ -151,7 +150,7 @@ def print_plan(args, accelerator) -> None:
         offload = (launch.get("fsdp_config", {}).get("fsdp_offload_params") is True
                    or "cpu" in {(launch.get("deepspeed_config") or {}).get(key) for key in
                                 ("offload_param_device", "offload_optimizer_device")})
-        how = f"{args.launch_config}: {launch.get('distributed_type')} over {processes} processes"
+        how, kind = args.launch_config, launch.get("distributed_type", "NO")
     else:
         processes, is_sharded = accelerator.num_processes, sharded(accelerator)
         deepspeed = zero3.active(accelerator)
@@ -159,8 +158,8 @@ def print_plan(args, accelerator) -> None:
         policy = accelerator.state.fsdp_plugin.cpu_offload if accelerator.distributed_type == "FSDP" else None
         offload = zero3.offloaded(accelerator) or type(policy).__name__ == "CPUOffloadPolicy" \
             or bool(getattr(policy, "offload_params", False))
-        how = f"this launch: {accelerator.distributed_type.value} over {processes} processes"
-    config = AutoConfig.from_pretrained(adapter_base(args.model) if is_adapter(args.model) else resolve(args.model))
+        how, kind = "this launch", accelerator.distributed_type.value
+    config = load_config(args.model)  # (a LoRA checkpoint's: its base's)
     gpu_gib = args.gpu_gib or (torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0)
     micro_tokens = args.max_tokens_per_micro_batch or args.micro_batch_size * args.max_tokens
     estimate = plan(config, algo=args.algo, lora_rank=args.lora_rank, lora_targets=args.lora_target_modules,
@@ -174,7 +173,7 @@ def print_plan(args, accelerator) -> None:
     if not accelerator.is_main_process:
         return None
     print(f"memory plan per GPU: {args.model} ({estimate['parameters']:,} parameters, {estimate['trained']:,} trained), "
-          f"{args.algo}, {how}")
+          f"{args.algo}, {how}: " + (f"{kind} over {processes} processes" if kind != "NO" else "one process, not distributed"))
     for phase, held in estimate["phases"].items():
         print(f"  {phase}: {sum(held.values()) / 2**30:.1f} GiB")
         for what, size in held.items():

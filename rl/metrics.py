@@ -13,11 +13,15 @@ process's episodes (their log records).
 from __future__ import annotations
 
 import collections
+import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
 
+from rl.memory import peak_gib, reset_peak
 from rl.optimizer import Sums, largest
+from rl.scores import FINISHES, endings
 
 
 @dataclass
@@ -28,6 +32,18 @@ class Costs:
     rollout_peak_gib: float = 0.0  # GPU allocated, else resident set (rl/memory.py)
     update_s: float = 0.0  # the batch, old/reference log-probs, advantages, every optimizer step
     update_peak_gib: float = 0.0
+
+    @contextlib.contextmanager
+    def measure(self, phase: str):
+        """A phase of the step, "rollout" or "update": its peak memory, and the update's seconds (the rollout times
+        itself: RolloutStats)."""
+        reset_peak()
+        start = time.perf_counter()
+        yield
+        if phase == "rollout":
+            self.rollout_peak_gib = peak_gib()
+        else:
+            self.update_s, self.update_peak_gib = time.perf_counter() - start, peak_gib()
 
 
 @dataclass
@@ -74,7 +90,7 @@ def step_metrics(records: list[dict], sampled: list[int], costs: Costs, sums: Up
         "rollout/errors": finishes.count("error"),
         "rollout/trajectories": len(records),  # tasks x --n, and under --agent reflect every retried attempt
         # how episodes ended, as shares: the env said done, the horizon cap, out of tokens (budget or context), env failure
-        **{f"finish/{finish}": finishes.count(finish) / len(finishes) for finish in FINISHES},
+        **{f"finish/{name}": finishes.count(finish) / len(finishes) for finish, name in FINISHES.items()},
         "rollout/invalid_action_rate": sum(r["invalid_actions"] for r in records) / max(sum(turns), 1),
         "rollout/zero_variance_groups": zero_variance_share(records),  # groups with no GRPO signal
         **category_metrics(records),
@@ -124,11 +140,6 @@ def step_metrics(records: list[dict], sampled: list[int], costs: Costs, sums: Up
     return metrics
 
 
-# How an episode ends (rollout.py): the env said done, the horizon cap, out of tokens (budget or context), an env
-# failure; logged as finish/<name>, the share of the step's episodes
-FINISHES = ("done", "horizon", "max_tokens", "error")
-
-
 def zero_variance_share(records: list[dict]) -> float:
     """The share of task groups (n episodes of one task) whose rewards are all equal: GRPO gives them no advantage."""
     groups = collections.defaultdict(list)
@@ -145,6 +156,15 @@ def category_metrics(records: list[dict]) -> dict[str, float]:
         by_category[r.get("category")].append(r)
     return {f"category/{name}/{key}": sum(float(r[key]) for r in rs) / len(rs)
             for name, rs in by_category.items() if name is not None for key in ("reward", "success")}
+
+
+def eval_metrics(results: dict, horizon: int, max_tokens: int) -> dict[str, float]:
+    """An evaluation's metrics (eval/) from rl/scores.py's score: Avg@k, Pass@k, success, turns and errors, Avg@k per
+    category, how its episodes ended, and the limits they played under."""
+    metrics = {f"eval/{key}": results[key] for key in ("avg@k", "pass@k", "success", "turns", "errors")}
+    metrics |= {f"eval/{name}/avg@k": c["avg@k"] for name, c in results["categories"].items()}
+    metrics |= {f"eval/finish/{name}": share for name, share in results["finish"].items()}
+    return metrics | {"eval/horizon": horizon, "eval/max_tokens": max_tokens}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,4 +215,5 @@ def evol_line(iteration: int, metrics: dict) -> str:
 def eval_line(step: int, metrics: dict) -> str:
     """The printed line of an evaluation outside a training step."""
     return (f"eval {step:>4} | test success {metrics['eval/success']:.3f} | avg@k {metrics['eval/avg@k']:.3f} | "
-            f"pass@k {metrics['eval/pass@k']:.3f} | turns {metrics['eval/turns']:.1f}/{metrics['eval/horizon']}")
+            f"pass@k {metrics['eval/pass@k']:.3f} | turns {metrics['eval/turns']:.1f}/{metrics['eval/horizon']} | "
+            + endings({name: metrics[f"eval/finish/{name}"] for name in FINISHES.values()}, metrics["eval/max_tokens"]))

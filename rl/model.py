@@ -3,7 +3,10 @@
 `--model tiny-agent` (the default) is a small Qwen2-architecture model that ships with the repo
 (assets/tiny-agent, built by scripts/build_tiny_model.py): it needs no network and runs on a CPU.
 Anything else is handed to transformers' from_pretrained, so `--model Qwen/Qwen2.5-3B-Instruct`
-downloads as usual (set HF_HUB_OFFLINE=1 to forbid that).
+downloads as usual (set HF_HUB_OFFLINE=1 to forbid that). What cannot load (a directory that does not
+exist, a hub id offline and not in the cache, an id the hub does not have) stops the script with one
+sentence that says what to give instead: every model, tokenizer and config that train.py, eval.py and
+--dry-run read comes through here, so they all say the same.
 
 LoRA (PEFT): `add_lora` puts adapters on a model; a checkpoint of a LoRA run holds only the adapter
 (adapter_config.json names its base), and `load_model` loads the base and the adapter on it. `full_weights`
@@ -32,15 +35,16 @@ EMBEDDED_ROLLOUT = {"env": "babyai", "horizon": 6, "max_new_tokens": 48, "max_to
 
 
 def resolve(name: str) -> str:
+    """The local directory of `name`, or `name` itself for a hub id."""
     if Path(name).exists():
         return adapter_base(name) if is_adapter(name) else str(name)  # (an adapter: the model it adapts)
     if name in EMBEDDED:
         path = EMBEDDED[name]
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"the embedded model {name} is missing from {path}; run `python scripts/build_tiny_model.py`")
+            raise SystemExit(f"the embedded model {name} is missing from {path}; run `python scripts/build_tiny_model.py`")
         return str(path)
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise FileNotFoundError(f"model directory {name} does not exist")
+        raise SystemExit(f"model directory {name} does not exist")
     return name  # a hub id
 
 
@@ -49,11 +53,22 @@ def _load(loader, name: str, **kwargs):
     _quiet_bars()
     try:
         return loader(source, **kwargs)
-    except OSError as error:
-        raise OSError(
-            f"could not load {name!r}: {error}\nPass a local model directory or a Hugging Face id; "
-            "hub downloads need network access (HF_HUB_OFFLINE=1 turns them off)."
-        ) from error
+    except OSError as error:  # (transformers raises OSError for a missing file, an unknown id, no network)
+        raise SystemExit(_cannot_load(name, source, error)) from None
+
+
+def _cannot_load(name: str, source: str, error: OSError) -> str:
+    """Why `name` did not load, and what to give instead, in one sentence."""
+    from huggingface_hub.constants import is_offline_mode
+
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if Path(source).is_dir():
+        return f"cannot load the model directory {source} ({reason})"
+    if is_offline_mode():
+        return (f"{name} is not a local directory, and it is not in the Hugging Face cache while hub downloads are off "
+                "(HF_HUB_OFFLINE=1): give a local model directory, or go online (unset HF_HUB_OFFLINE) to download it")
+    return (f"cannot load {name} from the Hugging Face hub ({reason}): give a local model directory, or a hub id that "
+            "exists and that this machine may download (network access; `huggingface-cli login` for a gated model)")
 
 
 def _quiet_bars() -> None:
@@ -67,6 +82,13 @@ def _quiet_bars() -> None:
         transformers_logging.disable_progress_bar()  # (which also turns the hub's off)
         if downloads_shown:
             hub.enable_progress_bars()
+
+
+def load_config(name: str):
+    """A model's config alone (--dry-run plans from it); for a LoRA checkpoint, its base's."""
+    from transformers import AutoConfig
+
+    return _load(AutoConfig.from_pretrained, name)
 
 
 def load_tokenizer(name: str):
@@ -155,11 +177,11 @@ def load_value_model(name: str, dtype: torch.dtype = torch.float32):
     one-output linear head on the last hidden state in place of the LM head (a token-classification
     model with one label; no dropout, so that values are deterministic). Loaded from a policy
     checkpoint, the head starts fresh; from a critic checkpoint, it is restored."""
-    from transformers import AutoConfig, AutoModelForTokenClassification
+    from transformers import AutoModelForTokenClassification
 
     from transformers.utils import logging as transformers_logging
 
-    config = _load(AutoConfig.from_pretrained, name)
+    config = load_config(name)
     config.num_labels = 1
     config.classifier_dropout = 0.0
     verbosity = transformers_logging.get_verbosity()
@@ -191,6 +213,7 @@ def make_accelerator(args):
     accelerator = Accelerator(mixed_precision=mixed, step_scheduler_with_optimizer=False, kwargs_handlers=handlers)
     if zero3.active(accelerator):
         zero3.configure(accelerator, args.grad_clip)
+    zero3.keep_out(accelerator)  # (no DeepSpeed import, and its warning, outside its launches)
     return accelerator, mixed
 
 

@@ -118,21 +118,37 @@ def find_checkpoint(resume: str, out_dir: str, run_name: str | None) -> Path | N
 
 
 # ----------------------------------------------------------------------------------------------
-# Logs, and the progress shown while a step runs
+# Logs, the start line's evaluations, and the progress shown while a step runs
 
 
 def phase(bar, name: str, total: int):
     """A progress callback for a phase of a step, shown after the step bar (`bar`; None: nothing shown) as
-    "<name> done/total"."""
-    done = 0
+    "<name> done/total", with the turns played so far in a rollout (rollout.py calls it with both counts)."""
+    done = turns = 0
 
-    def advance(count: int = 1) -> None:
-        nonlocal done
-        done += count
+    def advance(count: int = 1, played: int = 0) -> None:
+        nonlocal done, turns
+        done, turns = done + count, turns + played
         if bar is not None:
-            bar.set_postfix_str(f"{name} {done}/{total}")
+            bar.set_postfix_str(f"{name} {done}/{total}" + (f", {turns} turns" if turns else ""))
 
     return advance
+
+
+def eval_due(step: int, every: int, last: int) -> bool:
+    """--eval-every's steps: every k-th, and the last."""
+    return every > 0 and (step % every == 0 or step == last)
+
+
+def evaluation_plan(args, tasks: int, start: int, initial: bool) -> str:
+    """What the run's evaluations will play, for its start line, e.g. "evaluating 16 test tasks x 2 at steps 0 and
+    16": the `initial` policy (step 0, RL only) and --eval-every's steps from `start` on (`args`: train.py's Args)."""
+    steps = [0] * initial + [s for s in range(start, args.steps + 1) if eval_due(s, args.eval_every, args.steps)]
+    if not tasks or not steps:
+        return "no evaluation (--eval-every 0)" if not args.eval_every else "no evaluation left"
+    head = steps[:-1] if len(steps) <= 4 else steps[:3] + ["..."]
+    at = f"s {', '.join(map(str, head))} and {steps[-1]}" if len(steps) > 1 else f" {steps[0]}"
+    return f"evaluating {tasks} test tasks x {args.eval_k} at step{at}"
 
 
 class Logs:

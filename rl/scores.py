@@ -5,7 +5,10 @@ the periodic evaluations of train.py.
 
 Avg@k is the mean final score over every episode (the raw env score: BabyAI's fractional reward,
 SciWorld's 0-100 progress); Pass@k is the share of tasks where at least one of its k episodes scored
-above 0. An episode that ended in an env failure is scored 0 and counted under `errors`.
+above 0. An episode that ended in an env failure is scored 0 and counted under `errors`. How the episodes
+ended (`finish`: the env said done, the turn cap, the token budget, an env failure) goes with every score,
+and every summary says it (`endings`): episodes cut by the token budget score what the budget allowed, not
+what the agent can do.
 
 Under --agent reflect an episode is a task's series of attempts, scored by its last attempt (the one that
 succeeded, or the last one played); `by_attempt` then gives, for each attempt a, the success rate of the
@@ -25,9 +28,15 @@ def spread(task_ids: list[int], n: int) -> list[int]:
     return task_ids if n >= len(task_ids) else [task_ids[i * len(task_ids) // n] for i in range(n)]
 
 
+# How an episode ended (rollout.Trajectory's finish) -> its name in metrics (finish/<name>, eval/finish/<name>) and
+# summaries
+FINISHES = {"done": "done", "horizon": "horizon", "max_tokens": "max_tokens", "error": "error"}
+
+
 def score(trajectories, env_name: str) -> dict:
     """Avg@k and Pass@k overall and per category, from one list of episodes (anything with task_id,
-    reward, success, turns and error, as rollout.Trajectory; reflect's also attempt and final)."""
+    reward, success, turns, finish and error, as rollout.Trajectory; reflect's also attempt and final), and
+    the shares of the episodes by how they ended (`finish`, by FINISHES' names)."""
     finals = [t for t in trajectories if getattr(t, "final", True)]
     by_task = defaultdict(list)
     for t in finals:
@@ -47,7 +56,9 @@ def score(trajectories, env_name: str) -> dict:
     categories = defaultdict(list)
     for task in by_task:
         categories[envs.category(env_name, task)].append(task)
-    results = {**summary(list(by_task)), "categories": {c: summary(ids) for c, ids in sorted(categories.items())}}
+    results = {**summary(list(by_task)),
+               "finish": {name: sum(t.finish == finish for t in finals) / max(len(finals), 1) for finish, name in FINISHES.items()},
+               "categories": {c: summary(ids) for c, ids in sorted(categories.items())}}
     played = max((getattr(t, "attempt", 1) for t in finals), default=1)
     if played > 1:  # reflect: where the episodes stood after each attempt
         won = {task: [t.attempt if t.success else None for t in episodes] for task, episodes in by_task.items()}
@@ -56,6 +67,16 @@ def score(trajectories, env_name: str) -> dict:
                                 "solved": sum(any(w is not None and w <= a for w in ws) for ws in won.values()) / len(won)}
                                for a in range(1, played + 1)]
     return results
+
+
+def endings(finish: dict[str, float], max_tokens: int) -> str:
+    """A summary's line on how its episodes ended (score's `finish`), with a warning when most of them ran out of
+    their `max_tokens` budget."""
+    line = "ended: " + ", ".join(f"{name} {finish[name]:.0%}" for name in FINISHES.values())
+    if finish["max_tokens"] > 0.5:
+        line += (f" - warning: most episodes ran out of their {max_tokens}-token budget before the env or the turn cap "
+                 "ended them, so the scores say more about the budget than the agent: raise --max-tokens")
+    return line
 
 
 def gain(before, after) -> dict:

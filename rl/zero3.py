@@ -21,6 +21,9 @@ from the plain PyTorch path, and they are all here:
 - The optimizer's state is per process (the flat fp32 partition of the weights it updates and Adam's moments of
   that partition): checkpoints save and restore it as each process's shard (`save_optimizer`, `load_optimizer`),
   in safetensors like the rest of our checkpoints (DeepSpeed's own checkpoints are pickles).
+
+Every other launch never imports DeepSpeed (`keep_out`): on a machine without a GPU its import prints a warning
+about its accelerator, in every run of the CPU demo.
 """
 
 from __future__ import annotations
@@ -37,6 +40,17 @@ REQUIRED = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 
 
 def active(accelerator) -> bool:
     return accelerator.distributed_type == "DEEPSPEED"
+
+
+def keep_out(accelerator) -> None:
+    """Outside a DeepSpeed launch, keep Accelerate from importing DeepSpeed. Its unwrap_model (which its prepare and
+    get_state_dict call, and train.py) imports deepspeed whenever the package is installed, only to recognise a
+    DeepSpeed engine, of which such a launch has none; the import prints "Setting accelerator to CPU" on a machine
+    without a GPU (every CPU run). Accelerate asks is_deepspeed_available() there first: answered no."""
+    if not active(accelerator):
+        import accelerate.utils.other
+
+        accelerate.utils.other.is_deepspeed_available = lambda: False
 
 
 def configure(accelerator, grad_clip: float) -> None:

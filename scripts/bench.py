@@ -76,6 +76,7 @@ class Args:
 
     # -- env
     envs: tuple[str, ...] = ("babyai", "textcraft", "sciworld", "searchqa", "webarena")
+    """env: the envs timed in process and over HTTP"""
     episodes: int = 40
     """oracle episodes per env (SciWorld and WebArena: a quarter, their episodes are long and slow)"""
     clients: int = 0
@@ -89,10 +90,15 @@ class Args:
     tasks: int = 8
     """rollout: tasks, each played --n times (the embedded model's training step)"""
     n: int = 8
+    """rollout: episodes per task"""
     horizon: int = 6
+    """rollout: turn cap per episode"""
     max_new_tokens: int = 48
+    """rollout: tokens per turn"""
     max_tokens: int = 3072
+    """rollout: tokens per trajectory"""
     temperature: float = 1.0
+    """rollout: sampling temperature"""
     env_delay: float = 0.0
     """rollout: seconds added to every env step (a stand-in for slow simulators, browsers or search APIs)"""
     engines: tuple[str, ...] = ("hf", "vllm-rounds", "vllm")
@@ -110,8 +116,11 @@ class Args:
 
     # -- internal: one section in a process of its own
     phase: Literal["env", "rollout", "trl"] | None = None
+    """internal: the section this process runs (bench.py starts one process per section)"""
     phase_out: str | None = None
+    """internal: where that section's process writes its figures"""
     run_dir: str | None = None
+    """internal: the update section's run, whose batches the trl section replays"""
 
 
 # ----------------------------------------------------------------------------------------------

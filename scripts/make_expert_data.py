@@ -25,7 +25,7 @@ import envs  # noqa: E402
 from rl.checkpoint import write_atomic  # noqa: E402
 from rl.data import to_record  # noqa: E402
 from rl.model import load_tokenizer  # noqa: E402
-from rollout import ChatFormat, ExpertEngine, play  # noqa: E402
+from rollout import ChatFormat, ExpertEngine, on_bar, play  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -58,7 +58,7 @@ def main(argv=None) -> dict:
     progress = tqdm(total=len(task_ids), desc=f"{args.env} experts", unit="episode")
     try:
         played = play(ExpertEngine(fmt, environments), fmt, environments, task_ids, horizon=args.horizon,
-                      max_new_tokens=4096, max_tokens=args.max_tokens, progress=progress.update)
+                      max_new_tokens=4096, max_tokens=args.max_tokens, progress=on_bar(progress))
         for trajectory in played:
             if trajectory.error is None and trajectory.success:
                 solved.append(to_record(trajectory))

@@ -10,7 +10,8 @@ train.py and eval.py run this at their end.
     python scripts/plot.py runs/a runs/b runs/c --out curves.png       # several runs (e.g. seeds) overlaid
     python scripts/plot.py runs/eval/babyai-tiny-agent-....json        # -> the same name, .png
 
-A run that is still going is plotted as far as it got; a line torn by a crash is skipped.
+A run that is still going is plotted as far as it got; a line torn by a crash is skipped. A series of few
+points (a short run, the evaluations) is drawn with a marker at each, so that a 1-step run's single points show.
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MultipleLocator  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rl.records import read_metrics  # noqa: E402
+
+FEW_POINTS = 20  # a series with at most this many points gets a marker at each
 
 PANELS = [  # (title, [(metric or pattern, label)], y limits or None); a "*" pattern is one line per match
     ("training episodes", [("rollout/success", "success"), ("rollout/reward", "reward")], (0, 1)),
@@ -97,15 +101,20 @@ def plot(runs: dict[str, list[dict]], out: Path) -> None:
                 color = f"C{(k * len(keys) + j) % 10}"
                 tag = f"{label} ({name})" if len(runs) > 1 else label
                 smooth = key.startswith("rollout/") and key != "rollout/horizon" and len(values) > 4
-                axis.plot(steps, values, color=color, alpha=0.3 if smooth else 1.0, marker="o" if key.startswith("eval/") else None,
-                          label=None if smooth else tag)
+                few = len(values) <= FEW_POINTS or key.startswith("eval/")
+                axis.plot(steps, values, color=color, alpha=0.3 if smooth else 1.0, marker="o" if few else None,
+                          markersize=4, label=None if smooth else tag)
                 if smooth:
                     axis.plot(steps, running_mean(values, 5), color=color, label=f"{tag}, mean of 5")
-        if limits:
-            axis.set_ylim(*limits)
+        if limits:  # (a little beyond, so that a point at 0 or 1 shows whole)
+            axis.set_ylim(limits[0] - 0.03, limits[1] + 0.03)
         shade_stages(axis, next(iter(runs.values())))
         axis.set_title(title)
         axis.set_xlabel("step")
+        steps = [row["charts/step"] for rows in runs.values() for row in rows if "charts/step" in row]
+        if steps and max(steps) - min(steps) < 10:  # a short run: whole steps, and room around a single one
+            axis.set_xlim(min(steps) - 0.5, max(steps) + 0.5)
+            axis.xaxis.set_major_locator(MultipleLocator(1))
         if axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=7)
     figure.tight_layout()

@@ -161,3 +161,29 @@ def test_bad_sweep_or_agent_flags_stop_with_a_message(tmp_path, flags, message):
 
 def test_make_agent_names_the_formats():
     assert make_agent("reflect", 4).attempts == 4 and make_agent("plan", 4).attempts == 1
+
+
+def test_every_summary_says_how_episodes_ended_and_warns_when_the_budget_ended_most(tmp_path, capsys):
+    """A budget smaller than the episodes need (BabyAI's first prompt is ~720 tokens) ends them on max_tokens after a
+    turn or two; the summary says so, with a warning, and the result keeps the shares."""
+    results, written = run_eval(tmp_path, "budget", "--limit", "3", "--max-tokens", "800")
+    out = capsys.readouterr().out
+    assert results["finish"]["max_tokens"] == written["finish"]["max_tokens"] == 1.0
+    assert "ended: done 0%, horizon 0%, max_tokens 100%, error 0%" in out
+    assert "warning: most episodes ran out of their 800-token budget" in out
+    results, _ = run_eval(tmp_path, "roomy", "--limit", "3", "--horizon", "2")
+    out = capsys.readouterr().out
+    assert f"horizon {results['finish']['horizon']:.0%}" in out and "warning" not in out
+    assert sum(results["finish"].values()) == pytest.approx(1.0)
+
+
+def test_progress_counts_turns_before_episodes_end():
+    """play()'s progress callback hears of every turn (eval.py's bar shows them), not only of ended episodes: long
+    episodes (upstream's protocol: up to 30 turns of 512 tokens) would show nothing for minutes."""
+    fmt = ChatFormat(load_tokenizer("tiny-agent"))
+    environments = [envs.make("babyai") for _ in range(3)]
+    calls = []
+    played = rollout(ExpertEngine(fmt, environments), fmt, environments, [3, 40, 81], [0, 1, 2], horizon=6,
+                     max_new_tokens=64, max_tokens=3072, progress=lambda episodes, turns: calls.append((episodes, turns)))
+    assert sum(e for e, _ in calls) == 3 and sum(t for _, t in calls) == sum(t.turns for t in played) > 3
+    assert calls[0][1] == 3  # every episode's first turn, heard with the first call

@@ -193,7 +193,7 @@ def test_avg_and_pass_at_k_by_hand():
     """Three tasks, k = 3, raw scores as the env gives them: Avg@k is the mean of all nine, Pass@k the
     share of tasks with a score above 0 in any episode; per category the same over its tasks."""
     scores = {0: [0.0, 0.5, 0.0], 1: [0.0, 0.0, 0.0], 11: [1.0, 0.9, 0.8]}  # GoTo, GoTo, Open
-    episodes = [types.SimpleNamespace(task_id=task, reward=r, success=r > 0, turns=2, error=None)
+    episodes = [types.SimpleNamespace(task_id=task, reward=r, success=r > 0, turns=2, finish="done", error=None)
                 for task, rewards in scores.items() for r in rewards]
     results = eval_script.score(episodes, "babyai")
     assert results["tasks"] == 3
