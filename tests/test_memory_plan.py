@@ -6,6 +6,7 @@ from accelerate import Accelerator
 
 import train
 from rl.memory import activation_bytes, parameters, plan
+from rl import model as model_lib
 from rl.model import build_models, load_model
 
 SETTINGS = dict(algo="grpo", lora_rank=0, lora_targets=("all-linear",), processes=1, sharded=False, reference=True,
@@ -63,7 +64,7 @@ def test_sharding_divides_the_state_and_a_plan_needs_no_weights(monkeypatch, cap
     sharded = plan(config, **SETTINGS | {"processes": 8, "sharded": True})["phases"]["update"]
     assert sharded["AdamW moments (fp32)"] == alone["AdamW moments (fp32)"] / 8
     assert alone["policy weights (fp32)"] / 8 < sharded["policy weights (fp32)"] < alone["policy weights (fp32)"] / 2
-    monkeypatch.setattr(train, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("weights loaded")))
+    monkeypatch.setattr(model_lib, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("weights loaded")))
     assert train.main(train.parse_args(["--dry-run", "--engine", "hf", "--gpu-gib", "0.01"])) is None
     printed = capsys.readouterr().out
     assert "memory plan per GPU: tiny-agent" in printed and "does not fit" in printed
