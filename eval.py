@@ -72,6 +72,7 @@ from rl.agent import make_agent
 from rl.checkpoint import write_atomic
 from rl.horizon import horizon_at
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, full_weights, is_adapter, load_model, load_tokenizer
+from rl.run import run_of
 from rl.scores import endings, paired, score, spread
 from rl.engines import engine_kind, make_engine
 from rollout import ChatFormat, category, on_bar, play
@@ -156,15 +157,6 @@ class Args:
     """output path without extension; default: next to the checkpoint, else runs/eval/"""
 
 
-def run_config(model: str) -> dict | None:
-    """The training config of a checkpoint inside runs/<run>/checkpoints/step_<k>, if it is one."""
-    path = Path(model)
-    config = path.parent.parent / "config.json"
-    if path.is_dir() and path.parent.name == "checkpoints" and config.is_file():
-        return json.loads(config.read_text())
-    return None
-
-
 def checkpoint_horizon(model: str, config: dict) -> int:
     """The turn cap the run trained with at this checkpoint's step (ScalingInter-RL's stage then)."""
     if "horizon" not in config:
@@ -176,7 +168,7 @@ def checkpoint_horizon(model: str, config: dict) -> int:
 
 def resolve_settings(args: Args) -> dict:
     """The env, its options, the protocol and its limits (horizon, max_new_tokens, max_tokens)."""
-    config = run_config(args.model)
+    config = run_of(args.model)
     protocol = args.protocol
     if protocol == "auto":
         protocol = "run" if config is not None else "tiny" if args.model in EMBEDDED else "agentgym"
@@ -332,7 +324,7 @@ def output_path(args: Args, env_name: str, settings: dict) -> Path:
     """<out> (without extension): --out, else beside the checkpoint, else runs/eval/."""
     if args.out:
         out = Path(args.out)
-    elif run_config(args.model) is not None:
+    elif run_of(args.model) is not None:
         out = Path(args.model) / f"eval_{env_name}_{args.split}_k{args.k}_{settings['protocol']}"
     else:
         name = Path(args.model.replace(":", "-")).name  # (openai:<name> -> openai-<name>)

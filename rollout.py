@@ -1,6 +1,7 @@
 """Multi-turn rollout: batched generation for every live trajectory, environments stepped in parallel.
 
     trajectories = rollout(engine, fmt, envs, task_ids, groups, horizon=..., max_new_tokens=..., max_tokens=...)
+    trajectories = rollout(..., stats=RolloutStats())                 # where the time went, for throughput metrics
     trajectories = play(engine, fmt, envs, task_ids, horizon=..., ...)   # more tasks than envs: in turn
 
 One env per trajectory (the caller repeats each task n times). Each trajectory's next turn is
@@ -168,6 +169,29 @@ def spans(mask: list[int]) -> list[list[int]]:
     return runs
 
 
+@dataclass
+class RolloutStats:
+    """Where a rollout's time went and what it sampled, for throughput metrics: rollout(stats=...) adds its own."""
+
+    rollout_s: float = 0.0  # wall
+    generate_s: float = 0.0  # inside the engine
+    idle_s: float = 0.0  # waiting for envs with nothing to generate
+    env_s: float = 0.0  # env time summed over calls, resets and steps
+    env_calls: int = 0
+    env_call_s: list[float] = field(default_factory=list)  # each call's seconds
+    sampled_tokens: int = 0
+
+    def add(self, other: RolloutStats) -> None:
+        for name in vars(self):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def count(self, timed: list) -> None:
+        """Env calls, each as (its result, its seconds)."""
+        self.env_s += sum(seconds for _, seconds in timed)
+        self.env_calls += len(timed)
+        self.env_call_s += [seconds for _, seconds in timed]
+
+
 # ----------------------------------------------------------------------------------------------
 # Chat format: how messages become tokens, read off the tokenizer's own chat template
 
@@ -226,15 +250,13 @@ class ChatFormat:
 
 def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int], *,
             horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent = REACT,
-            pool: ThreadPoolExecutor | None = None, stats: dict | None = None,
+            pool: ThreadPoolExecutor | None = None, stats: RolloutStats | None = None,
             progress: Callable[[int, int], None] | None = None) -> list[Trajectory]:
     """Play one episode per env: environments[i] plays task_ids[i], in group groups[i], for at most
     `horizon` turns, laid out by `agent` (rl/agent.py; reflect plays up to agent.attempts attempts, each a
     trajectory, see attempts()). `progress`, when given, is called with the counts of episodes that ended and of
     turns played since its last call (a long episode shows as turns before it ends). `stats`, when given,
-    receives timing and token counts for throughput metrics: rollout_s (wall), generate_s (inside the
-    engine), idle_s (waiting for envs with nothing to generate), env_s (env time summed over calls, resets
-    and steps), env_calls and env_call_s (each call's seconds), sampled_tokens."""
+    receives the rollout's timing and token counts (RolloutStats)."""
     assert len(environments) == len(task_ids) == len(groups)
     if agent.attempts > 1:
         return attempts(engine, fmt, environments, task_ids, groups, horizon=horizon, max_new_tokens=max_new_tokens,
@@ -246,7 +268,7 @@ def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int
 
 def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int], *,
              horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent, pool: ThreadPoolExecutor | None = None,
-             stats: dict | None = None, progress: Callable[[int, int], None] | None = None) -> list[Trajectory]:
+             stats: RolloutStats | None = None, progress: Callable[[int, int], None] | None = None) -> list[Trajectory]:
     """Reflect's episodes: attempt after attempt at each task until it succeeds or agent.attempts are played.
     After a failed attempt the policy writes a reflection (reflect()), and the task's next attempt opens with
     all of its reflections. Returns every attempt's trajectory, attempt 1's first; an attempt's group is
@@ -255,17 +277,17 @@ def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[in
     later rollouts number their groups on). An attempt that ended in an env failure ends its
     episode. `progress` counts episodes (a task's attempts together) and every attempt's turns."""
     reflections: list[list[str]] = [[] for _ in task_ids]
-    rows, played, clocks = list(range(len(task_ids))), [], []
+    rows, played, clock = list(range(len(task_ids))), [], RolloutStats()
     if isinstance(engine, ExpertEngine):  # (it keys its experts by env row, which attempts renumber; and never reflects)
         raise ValueError("the envs' scripted experts do not reflect: play them with --agent react")
     if max(groups, default=0) >= ATTEMPT_GROUPS:
         raise ValueError(f"reflect numbers its attempts' groups from {ATTEMPT_GROUPS}: task groups must stay below")
     for attempt in range(1, agent.attempts + 1):
-        clocks.append({})
+        attempt_clock = RolloutStats()
         batch = _episodes(engine, fmt, [environments[r] for r in rows], [task_ids[r] for r in rows],
                           [groups[r] + (attempt - 1) * ATTEMPT_GROUPS for r in rows], [reflections[r] for r in rows],
                           horizon=horizon, max_new_tokens=max_new_tokens, max_tokens=max_tokens, agent=agent, pool=pool,
-                          stats=clocks[-1], progress=(lambda _, turns: progress(0, turns)) if progress else None)
+                          stats=attempt_clock, progress=(lambda _, turns: progress(0, turns)) if progress else None)
         for traj in batch:
             traj.attempt = attempt
         played += batch
@@ -273,12 +295,13 @@ def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[in
         if attempt < agent.attempts:
             start = time.perf_counter()
             written = reflect(engine, fmt, [t for _, t in failed], agent, max_new_tokens, max_tokens)
-            clocks[-1]["rollout_s"] += time.perf_counter() - start  # (reflecting is rollout time spent generating)
-            clocks[-1]["generate_s"] += time.perf_counter() - start
+            attempt_clock.rollout_s += time.perf_counter() - start  # (reflecting is rollout time spent generating)
+            attempt_clock.generate_s += time.perf_counter() - start
             for (r, traj), text in zip(failed, written):
                 traj.reflection, traj.final = text, text is None
                 if text is not None:
                     reflections[r].append(text)
+        clock.add(attempt_clock)
         going_on = [r for r, t in failed if not t.final]
         if progress is not None:
             progress(len(rows) - len(going_on), 0)
@@ -286,8 +309,7 @@ def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[in
         if not rows:
             break
     if stats is not None:
-        stats.update({key: sum(c[key] for c in clocks) if key != "env_call_s" else [s for c in clocks for s in c[key]]
-                      for key in clocks[0]})
+        stats.add(clock)
     return played
 
 
@@ -328,23 +350,22 @@ def reflect(engine, fmt: ChatFormat, failed: list[Trajectory], agent: Agent, max
 
 def _episodes(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int],
               reflections: list[list[str]], *, horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent,
-              pool: ThreadPoolExecutor | None, stats: dict | None,
+              pool: ThreadPoolExecutor | None, stats: RolloutStats | None,
               progress: Callable[[int, int], None] | None = None) -> list[Trajectory]:
     """One episode per env (see rollout), each opening with its past reflections (reflect's; else none)."""
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(max_workers=min(32, len(environments)))
-    clock = {"rollout_s": 0.0, "generate_s": 0.0, "idle_s": 0.0, "env_s": 0.0, "env_calls": 0, "env_call_s": [],
-             "sampled_tokens": 0}
+    clock = RolloutStats()
     begin = time.perf_counter()
     stepping: dict[Future, Trajectory] = {}  # env steps under way
     try:
         # -- reset every env in parallel; the first observation completes each prompt
         firsts = list(pool.map(_timed, [env.reset for env in environments], task_ids))
-        _count(clock, firsts)
+        clock.count(firsts)
         trajectories = [_start(fmt, agent, row, env, task, group, first, horizon, past)
                         for row, (env, task, group, (first, _), past)
                         in enumerate(zip(environments, task_ids, groups, firsts, reflections))]
-        clock["idle_s"] += time.perf_counter() - begin
+        clock.idle_s += time.perf_counter() - begin
 
         ready = [t for t in trajectories if t.live]  # waiting to be submitted for their next turn
         ended = played = 0
@@ -376,9 +397,9 @@ def _episodes(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[i
         wait(stepping)
         if own_pool:
             pool.shutdown(wait=True)
-        clock["rollout_s"] = time.perf_counter() - begin
+        clock.rollout_s = time.perf_counter() - begin
         if stats is not None:
-            stats.update(clock)
+            stats.add(clock)
 
 
 def play(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int] | None = None, *,
@@ -413,11 +434,11 @@ def on_bar(bar) -> Callable[[int, int], None]:
 
 
 def _generate(engine, fmt: ChatFormat, agent: Agent, environments: list[Env], pool: ThreadPoolExecutor,
-              stepping: dict[Future, Trajectory], clock: dict) -> None:
+              stepping: dict[Future, Trajectory], clock: RolloutStats) -> None:
     """One engine poll; every finished turn is appended and its env step started."""
     start = time.perf_counter()
     finished = engine.poll()
-    clock["generate_s"] += time.perf_counter() - start
+    clock.generate_s += time.perf_counter() - start
     for traj, sample in finished:
         _add_usage(traj, sample)
         if sample.error is not None:
@@ -427,7 +448,7 @@ def _generate(engine, fmt: ChatFormat, agent: Agent, environments: list[Env], po
             traj.finish = sample.finish
             continue
         _act(fmt, traj, sample)
-        clock["sampled_tokens"] += len(sample.token_ids)
+        clock.sampled_tokens += len(sample.token_ids)
         stepping[pool.submit(_timed, environments[traj.row].step, agent.env_text(traj.messages[-1]["content"]))] = traj
 
 
@@ -437,7 +458,7 @@ def _add_usage(traj: Trajectory, sample: Sample) -> None:
         traj.usage[key] = traj.usage.get(key, 0) + value
 
 
-def _collect(engine, fmt: ChatFormat, stepping: dict[Future, Trajectory], clock: dict, horizon: int,
+def _collect(engine, fmt: ChatFormat, stepping: dict[Future, Trajectory], clock: RolloutStats, horizon: int,
              max_tokens: int) -> list[Trajectory]:
     """The env answers to take in now, observed; returns the trajectories that go on to another turn.
     While the engine has work, whatever has answered (none for a round engine, which finishes its round
@@ -450,12 +471,12 @@ def _collect(engine, fmt: ChatFormat, stepping: dict[Future, Trajectory], clock:
     else:
         start = time.perf_counter()
         answered = wait(stepping, return_when=FIRST_COMPLETED if engine.continuous else ALL_COMPLETED).done
-        clock["idle_s"] += time.perf_counter() - start
+        clock.idle_s += time.perf_counter() - start
     going_on = []
     for future in sorted(answered, key=lambda f: stepping[f].row):  # row order: a round engine's batch order
         traj = stepping.pop(future)
         result, seconds = future.result()
-        _count(clock, [(result, seconds)])
+        clock.count([(result, seconds)])
         _observe(fmt, traj, result, horizon, max_tokens)
         if traj.live and traj.turns < horizon:
             going_on.append(traj)
@@ -493,12 +514,6 @@ def _timed(fn, *args):
     except Exception as error:  # noqa: BLE001 - any env failure ends one trajectory, not the run
         result = error
     return result, time.perf_counter() - start
-
-
-def _count(clock: dict, timed: list) -> None:
-    clock["env_s"] += sum(seconds for _, seconds in timed)
-    clock["env_calls"] += len(timed)
-    clock["env_call_s"] += [seconds for _, seconds in timed]
 
 
 def _start(fmt: ChatFormat, agent: Agent, row: int, env: Env, task_id: int, group: int, first, horizon: int,

@@ -1,17 +1,21 @@
 """The learning side: one idea per file.
 
     logprobs.py    trajectories -> padded tensors; per-token log-probs and entropy under a model
-    advantages.py  outcome rewards -> per-token advantages (GRPO, ...)
+    advantages.py  outcome rewards -> per-token advantages (GRPO, ...), one dispatch by --algo
     losses.py      PPO clipped policy loss, KL estimators, entropy, aggregation
-    sft.py         supervised fine-tuning loss on trajectories (expert data, warm starts)
+    sft.py         the supervised fine-tuning loss on trajectories (expert data, warm starts)
     horizon.py     ScalingInter-RL: the turn cap as a schedule over training steps
-    model.py       which model: a Hugging Face id, a local path, or the embedded tiny agent
+    model.py       which model (a Hugging Face id, a local path, the embedded tiny agent); the models a run
+                   trains and scores with, prepared by Accelerate (reference, critic, sharding, LoRA)
     memory.py      peak memory of a phase of a step (GPU allocated, else resident set), and the --dry-run plan
     agent.py       agent formats: how an episode's messages are laid out (react, plan, reflect)
-    engines.py     generation engines behind one contract: HF, vLLM, the envs' experts
+    engines.py     generation engines behind one contract: HF, vLLM, the envs' experts; the trainer's, synced
     api.py         a model behind an OpenAI-compatible endpoint as an engine (eval.py --model openai:<name>)
-    batch.py       a step's trajectories -> micro-batches (token budgets, packing), equal across processes
-    checkpoint.py  saving and resuming: models, optimizer (per-process shards when sharded), RNG, logs
+    batch.py       a step's trajectories -> micro-batches (token budgets, packing), equal across processes; SFT's rows
+    optimizer.py   gradient accumulation over a mini-batch, optimizer steps, NaN/inf skips, the cross-process reducer
+    run.py         the run directory: config.json, logs and wandb, checkpoints saved and resumed, the end of a run
+    metrics.py     a step's metrics and its printed line, from what its phases measured
+    checkpoint.py  the checkpoint layout, atomic writes, optimizer states (per-process shards when sharded), RNG
     data.py        trajectory files (AgentTraj, AgentGym-RL-Data-ID) for SFT, DPO and AgentEvol
     dpo.py         the DPO loss and its pairs
     records.py     the rollout log's record format (packed tokens, log-probs, advantages) and its reader

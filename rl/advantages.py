@@ -1,5 +1,7 @@
 """Rewards -> advantages, for multi-turn trajectories.
 
+    adv, returns = advantages("grpo", scores, groups, ok, mask)   # train.py's --algo names the estimator
+
 Shapes: trajectory-level estimators (GRPO, RLOO) take one score per trajectory, [B]; token-level
 estimators (REINFORCE++, GAE) take padded [B, T] tensors and a loss mask that is 1 on action tokens
 (the assistant's tokens and their end-of-turn token) and 0 on everything else (prompt, env
@@ -11,10 +13,15 @@ token, which the mask then zeroes; its GAE bootstraps from values of observation
 - token-level estimators run over the action-token subsequence: observation tokens are transparent,
   they neither discount nor receive anything, and the value that an action token bootstraps from is
   the value of the next action token, in this turn or the next one.
+
+Adding an estimator that compares the samples of a task (like GRPO, RLOO): a function
+(scores [B], groups [B]) -> advantages [B], its name in GROUPED, and the name in train.py's --algo choices
+(README: "Add an advantage estimator"; tests/test_advantages.py follows the recipe).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -112,3 +119,37 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
         advantages[:, t] = advantage * mask[:, t]
     returns = (advantages + values) * mask
     return (masked_whiten(advantages, mask, reduce) if whiten else advantages), returns
+
+
+# ----------------------------------------------------------------------------------------------
+# One dispatch for train.py
+
+
+# The estimators that compare the samples of a task, by their --algo name: a trajectory's score [B] and its group
+# [B] (the n samples of one task) -> its advantage [B], broadcast onto its action tokens.
+GROUPED: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"grpo": grpo, "rloo": rloo}
+
+
+def advantages(algo: str, scores: torch.Tensor, groups: torch.Tensor, ok: torch.Tensor, mask: torch.Tensor,
+               penalty: torch.Tensor | None = None, values: torch.Tensor | None = None, gamma: float = 1.0,
+               lam: float = 1.0, grpo_scale: bool = True,
+               reduce: Reduce | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The step's per-token advantages [B, T] by `algo` (a GROUPED estimator, reinforce_pp, or ppo's GAE on the
+    critic's `values`), and GAE's returns for the critic (None for the others). scores, groups, ok [B]: outcome
+    rewards, task groups, False where the env failed (no outcome: its mask is already 0, and it stays out of the
+    group statistics); mask [B, T]: action tokens; penalty [B, T]: a per-token KL penalty taken from the reward
+    (train.py's --kl-in-reward; a grouped estimator sees each trajectory's outcome minus its summed penalty)."""
+    penalty = torch.zeros_like(mask) if penalty is None else penalty
+    if algo in GROUPED:
+        totals = scores - penalty.sum(1)  # the trajectory's return: outcome minus its summed KL penalty
+        per_trajectory = torch.zeros_like(scores)
+        if ok.any():
+            estimator = functools.partial(grpo, scale=grpo_scale) if algo == "grpo" else GROUPED[algo]
+            per_trajectory[ok] = estimator(totals[ok], groups[ok])
+        return per_token(per_trajectory, mask), None
+    rewards = place_reward(scores, mask) - penalty
+    if algo == "reinforce_pp":
+        return reinforce_pp(rewards, mask, gamma, reduce=reduce), None
+    if algo == "ppo":
+        return gae(rewards, values, mask, gamma, lam, reduce=reduce)
+    raise ValueError(f"unknown advantage estimator {algo!r}; choose one of: {', '.join(GROUPED)}, reinforce_pp, ppo")

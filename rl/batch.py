@@ -1,21 +1,27 @@
 """A step's trajectories as tensors for the update: the padded batch [B, T] on the CPU, where advantages are
 computed per trajectory, and the micro-batches that go through the model, with what moves values between them.
 
-    layout = plan(lengths, micro_batch_size=4)                        # 4 trajectories a micro-batch
-    layout = plan(lengths, token_budget=16384)                        # padded rows x width <= 16k tokens
-    layout = plan(lengths, token_budget=16384, pack=True)             # rows of <= 16k tokens, no padding
+    layout = arrange(lengths, micro_batch_size=4)                     # 4 trajectories a micro-batch
+    layout = arrange(lengths, token_budget=16384)                     # padded rows x width <= 16k tokens
+    layout = arrange(lengths, token_budget=16384, pack=True)          # rows of <= 16k tokens, no padding
     batch = make_batch(trajectories, pad_id, layout, device, count=n)  # n micro-batches (equal on every process)
+    rows = pack(sequences, max_tokens, pad_id)                        # SFT's conversations, packed the same way
 
 Micro-batches are made of length-sorted trajectories, so a padded one wastes little. With `pack`, several
 trajectories share a row: positions restart at each one, which is what keeps them from attending to each other
 (rl/logprobs.forward_inputs), so a trajectory's log-probs are those it has alone, whatever the model's attention
-implementation (tests/test_batch.py), and a row holds no padding but its tail. Every process must run the same
-number of micro-batches, since a data-parallel or sharded backward is collective: `count` pads a layout with
-empty micro-batches (one masked token each).
+implementation (tests/test_batch.py, tests/test_sft.py), and a row holds no padding but its tail. Every process
+must run the same number of micro-batches, since a data-parallel or sharded backward is collective: `count` pads
+a layout with empty micro-batches (one masked token each).
 
 The model sees, per micro-batch: input_ids, attention_mask [R, W] (padded) or position_ids [R, W] (packed),
 loss_mask, sampler_logprobs and `segments` (which trajectory of the step each token belongs to, -1 for padding:
 the per-trajectory means of rl/losses.aggregate). `pieces` say where each trajectory lies.
+
+Under data parallelism the loss of a mini-batch is divided by its token (or sequence) count over all processes
+(minibatch_counts), so every token weighs the same wherever it was played; upstream normalises per micro-batch
+on each GPU, which `--loss-agg seq-mean-token-mean` (the paper preset's) matches when micro-batches hold one
+trajectory, as in its scripts.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl.logprobs import collate
+from rl.logprobs import collate, pad
 
 Layout = list[list[list[int]]]  # micro-batches -> rows -> the trajectories (indices) in each row, in order
 
@@ -63,22 +69,15 @@ class Batch:
         return sum(micro["input_ids"].numel() for micro in self.micro)
 
 
-def plan(lengths: list[int], micro_batch_size: int = 4, token_budget: int = 0, pack: bool = False,
-         minimum: int = 1) -> Layout:
+def arrange(lengths: list[int], micro_batch_size: int = 4, token_budget: int = 0, pack: bool = False,
+            minimum: int = 1) -> Layout:
     """Which trajectories go into which micro-batch (and row). Without a token budget, `micro_batch_size`
     trajectories each; with one, as many as fit in it (padded: rows x the longest row; packed: one row of at most
     that many tokens, first fit, longest first; a trajectory longer than the budget goes alone). Micro-batches
     are split further, the largest first, until there are at least `minimum` (optimizer steps need one each)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     if pack:
-        rows: list[list[int]] = []
-        for i in reversed(order):  # longest first, into the first row with room
-            room = next((row for row in rows if sum(lengths[j] for j in row) + lengths[i] <= token_budget), None)
-            if room is None:
-                rows.append([i])
-            else:
-                room.append(i)
-        layout = [[row] for row in rows]
+        layout = [[row] for row in first_fit(lengths, token_budget, reversed(order))]
     elif token_budget:
         layout, current = [], []
         for i in order:  # ascending: the newest is the longest of its micro-batch
@@ -93,6 +92,35 @@ def plan(lengths: list[int], micro_batch_size: int = 4, token_budget: int = 0, p
         largest = max(range(len(layout)), key=lambda k: len(_members(layout[k])))
         layout[largest:largest + 1] = _halves(layout[largest])
     return layout
+
+
+def first_fit(lengths: list[int], budget: int, order) -> list[list[int]]:
+    """Rows of at most `budget` tokens: each index of `order` in turn into the first row with room for it, else
+    into a new row (alone, if it is longer than the budget)."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        row = next((r for r, left in enumerate(room) if left >= lengths[i]), None)
+        if row is None:
+            rows.append([])
+            room.append(budget)
+            row = len(rows) - 1
+        rows[row].append(i)
+        room[row] -= lengths[i]
+    return rows
+
+
+def pack(sequences: list[tuple[list[int], list[int]]], max_tokens: int, pad_id: int) -> dict:
+    """(token ids, loss mask) sequences (SFT's conversations) packed into rows of at most `max_tokens`, none split,
+    longest first into the first row with room. Returns a packed micro-batch's input_ids, loss_mask, position_ids
+    (restarting at 0 for every sequence, as if it were alone, which keeps sequences from attending to each other;
+    a pad is at position 0, a sequence of its own) and segments, and `rows`: the sequence indices of each row, in
+    order."""
+    lengths = [len(ids) for ids, _ in sequences]
+    if max(lengths) > max_tokens:
+        raise ValueError(f"a sequence of {max(lengths)} tokens does not fit in rows of {max_tokens}")
+    rows = first_fit(lengths, max_tokens, sorted(range(len(sequences)), key=lambda i: -lengths[i]))
+    return _micro(pad(sequences, pad_id), rows, _place(rows, lengths), pad_id, True, "cpu") | {"rows": rows}
 
 
 def _members(micro: list[list[int]]) -> list[int]:
@@ -117,24 +145,31 @@ def make_batch(trajectories, pad_id: int, layout: Layout, device, count: int | N
     lengths = [len(t.token_ids) for t in trajectories]
     micro, pieces = [], []
     for rows in layout + [[[]] for _ in range(max(0, (count or 0) - len(layout)))]:
-        placed = [Piece(i, r, sum(lengths[j] for j in row[:k]), lengths[i])
-                  for r, row in enumerate(rows) for k, i in enumerate(row)]
+        placed = _place(rows, lengths)
         micro.append(_micro(full, rows, placed, pad_id, pack, device))
         pieces.append(placed)
     return Batch(full, micro, pieces, scores=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
                  groups=torch.tensor([t.group for t in trajectories], dtype=torch.long), ok=ok)
 
 
+def _place(rows: list[list[int]], lengths: list[int]) -> list[Piece]:
+    """Where each trajectory of these rows lies: one after the other in its row."""
+    return [Piece(i, r, sum(lengths[j] for j in row[:k]), lengths[i])
+            for r, row in enumerate(rows) for k, i in enumerate(row)]
+
+
 def _micro(full: dict, rows: list[list[int]], pieces: list[Piece], pad_id: int, pack: bool, device) -> dict:
-    """One micro-batch's tensors. An empty one holds a single masked pad token."""
+    """One micro-batch's tensors (those of `full` it has: input_ids, loss_mask, sampler_logprobs). An empty one
+    holds a single masked pad token."""
     width = max([1] + [piece.offset + piece.length for piece in pieces])
-    micro = {"input_ids": torch.full((len(rows), width), pad_id, dtype=torch.long),
-             "loss_mask": torch.zeros((len(rows), width)), "sampler_logprobs": torch.zeros((len(rows), width)),
-             "segments": torch.full((len(rows), width), -1, dtype=torch.long)}
+    micro = {"input_ids": torch.full((len(rows), width), pad_id, dtype=torch.long)}
+    micro |= {key: torch.zeros((len(rows), width)) for key in ("loss_mask", "sampler_logprobs") if key in full}
+    copied = list(micro)
+    micro["segments"] = torch.full((len(rows), width), -1, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
     for piece in pieces:
         span = slice(piece.offset, piece.offset + piece.length)
-        for key in ("input_ids", "loss_mask", "sampler_logprobs"):
+        for key in copied:
             micro[key][piece.row, span] = full[key][piece.trajectory, :piece.length]
         micro["segments"][piece.row, span] = piece.trajectory
         position_ids[piece.row, span] = torch.arange(piece.length)
@@ -173,7 +208,32 @@ def attach(batch: Batch, advantages: torch.Tensor, returns: torch.Tensor | None)
             micro[key] = values.to(micro["input_ids"].device)
 
 
+def minibatch_counts(minibatch: list[dict], reduce, processes: int) -> dict[str, float]:
+    """What the losses of a mini-batch are divided by: its action tokens and its sequences with any
+    action token, over every process's share of it (`reduce` sums over processes: rl/optimizer.py's reducer),
+    divided by the number of processes (a fraction when there are fewer than processes), since data-parallel
+    training averages the processes' gradients. So each token (or sequence) weighs the same wherever it was
+    played; with per-process counts a token on a process with 10 action tokens would weigh 19x one on
+    a process with 190."""
+    local = torch.tensor([sum(float(m["loss_mask"].sum()) for m in minibatch),
+                          sum(count_sequences(m) for m in minibatch)], dtype=torch.float64)
+    tokens, sequences = (reduce(local) / processes).tolist()
+    return {"tokens": tokens, "sequences": sequences}
+
+
 def count_sequences(micro: dict) -> int:
     """Trajectories with an action token in a micro-batch (rows, or segments of packed rows)."""
     segments = micro["segments"][micro["loss_mask"] > 0]
     return int(segments.unique().numel())
+
+
+def example_micro_batches(examples: list, size: int, pad_id: int, pairs: bool = False) -> list[dict]:
+    """SFT's and DPO's examples (rl/data.py: examples_of) as micro-batches: conversations packed into rows as long as
+    the longest of them (no attention across conversations; longer rows would only add attention across the
+    mask), `size` rows each; with `pairs` (dpo), `size` pairs each, chosen rows first, then their rejected ones."""
+    if pairs:
+        return [pad([c for c, _ in examples[i:i + size]] + [r for _, r in examples[i:i + size]], pad_id)
+                for i in range(0, len(examples), size)]
+    packed = pack(examples, max(len(ids) for ids, _ in examples), pad_id)
+    rows = len(packed.pop("rows"))
+    return [{key: value[i:i + size] for key, value in packed.items()} for i in range(0, rows, size)]

@@ -23,12 +23,18 @@ observation wrapped in the template's scaffolding (ChatFormat.observation); a fi
 dropped, as a rollout does. The loss mask is 1 on a "gpt" turn after the ack unless its "loss" is
 false (null counts as trained, as AgentGym's trainer treats every agent turn after the first), and 0
 everywhere else: so an expert episode and the same episode sampled in RL give identical ids and mask.
+
+train.py reads --data with `read_data` and holds out a seeded share of its tasks (`held_out`) for a validation
+loss; AgentGym trains on every record and only evaluates by playing.
 """
 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
+
+from rl.dpo import expert_pairs, make_pairs
 
 ROLES = {"human": "user", "gpt": "assistant"}
 
@@ -119,3 +125,55 @@ def from_log(entry: dict) -> dict:
         conversations.append({"from": "gpt" if agent else "human", "loss": (k > 1) if agent else None,
                               "value": message.get("content")})
     return {"item_id": entry.get("item_id"), "conversations": conversations, "reward": entry.get("reward")}
+
+
+def read_data(paths: tuple[str, ...], env: str) -> list[dict]:
+    """Every record of the trajectory files, which must all be `env`'s episodes."""
+    records = []
+    for path in paths:
+        try:
+            records += read_trajectories(path)
+        except DataError as error:
+            raise SystemExit(f"--data: {error}") from None
+    others = sorted({r["item_id"].rpartition("_")[0] for r in records} - {env})
+    if others:
+        raise SystemExit(f"{', '.join(paths)} hold episodes of {', '.join(others)}, and the run's env is {env}: "
+                         f"pass --env {others[0]}, or give {env}'s episodes")
+    return records
+
+
+def held_out(records: list[dict], share: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train, validation): a seeded `share` of the tasks, with every episode of each, held out, so that
+    the validation loss is on tasks the model never learned from."""
+    tasks = sorted({r["item_id"] for r in records})
+    chosen = set(random.Random(f"{seed}-validation").sample(tasks, round(share * len(tasks))))
+    return [r for r in records if r["item_id"] not in chosen], [r for r in records if r["item_id"] in chosen]
+
+
+def examples_of(fmt, records: list[dict], max_tokens: int, pairs: bool = False, margin: float = 0.0,
+                experience: list[dict] | None = None) -> list:
+    """What an optimizer step of train.py draws from: (ids, mask) conversations with a trained token (sft,
+    agentevol), or with `pairs` (dpo) (chosen, rejected) pairs of them, their rewards at least `margin` apart
+    (rl/dpo.py: within --data's tasks, or --data's expert episodes against the model's own `experience`)."""
+    if not pairs:
+        sequences = [encoded(fmt, r, max_tokens) for r in records]
+        return [s for s in sequences if any(s[1])]
+    pairs = expert_pairs(records, experience, margin) if experience is not None else make_pairs(records, margin)
+    return [(encoded(fmt, chosen, max_tokens), encoded(fmt, rejected, max_tokens)) for chosen, rejected in pairs]
+
+
+def offline_steps(args, examples: int) -> int:
+    """Optimizer steps of train.py's sft or dpo run (agentevol: of each iteration; `args`: its Args) over `examples`
+    conversations or pairs: --epochs passes (the last incomplete batch dropped, as RL's task order), else --steps."""
+    if examples < args.batch_size:
+        raise SystemExit(f"{examples} training {'pairs' if args.algo == 'dpo' else 'conversations'} are fewer than "
+                         f"--batch-size {args.batch_size}: lower it, or give more --data"
+                         + (" (or a lower --margin)" if args.algo == "dpo" else ""))
+    return args.epochs * (examples // args.batch_size) if args.epochs is not None else args.steps
+
+
+def encoded(fmt, record: dict, max_tokens: int) -> tuple[list[int], list[int]]:
+    """A record as RL's token ids and loss mask (rl/data.py: encode), cut to --max-tokens as a rollout
+    would be: what does not fit is not learned."""
+    ids, mask = encode(fmt, record)
+    return ids[:max_tokens], mask[:max_tokens]

@@ -650,3 +650,45 @@ def make_engine(kind: str, model: str, fmt, policy=None, *, temperature: float, 
     return VLLMEngine(resolve(model), fmt, temperature=temperature, top_p=top_p, seed=seed, max_model_len=max_model_len,
                       gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                       sleep=sleep, tolerance=tolerance, deterministic=deterministic)
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer's engine: made from train.py's flags, fed the policy's weights after every update
+
+
+def build_engine(args, fmt, models, accelerator, max_tokens: int):
+    """This process's rollout engine (`--engine`; `args`: train.py's Args, `models`: rl/model.py's Models): vLLM
+    loads the model itself (its weights are synced from the policy before the first rollout); HF samples with the
+    policy, or with a copy when it is sharded."""
+    from rl import zero3
+    from rl.model import sharded
+
+    own = sharded(accelerator)  # (the HF engine then samples from a whole copy of its own)
+    with zero3.unpartitioned(accelerator):
+        return make_engine(args.engine, args.model, fmt, None if own else accelerator.unwrap_model(models.policy),
+                           device=accelerator.device,
+                           temperature=args.temperature, top_p=args.top_p, seed=args.seed + accelerator.process_index,
+                           batch_size=args.gen_batch_size, max_model_len=args.vllm_max_model_len or max_tokens,
+                           gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                           tensor_parallel_size=args.vllm_tensor_parallel_size, sleep=args.vllm_sleep,
+                           tolerance=args.sync_tolerance, deterministic=args.deterministic)
+
+
+def sync(engine, policy, accelerator, step: int) -> dict[str, float]:
+    """Copy the policy's new weights into the engine and check them (a no-op for the HF engine, which
+    samples with the policy itself). Every process checks its own engine; the worst difference over
+    all of them decides, so that all stop together rather than leave the others waiting."""
+    from accelerate.utils import gather_object
+
+    from rl.model import full_weights
+
+    model = accelerator.unwrap_model(policy)
+    synced = engine.load_weights(model, weights=full_weights(model), verify=False)
+    if "probe_diff" not in synced:  # the HF engine: its own model, or an exact copy of the weights
+        return {"sync/seconds": synced["sync_s"]} if synced else {}
+    worst = max(gather_object([synced["probe_diff"]]), key=lambda d: d if d == d else float("inf"))  # NaN is worst
+    try:
+        engine.verify(worst)
+    except SyncError as error:
+        raise SystemExit(f"after step {step}: {error}") from error
+    return {"sync/seconds": synced["sync_s"], "sync/probe_diff": worst, "sync/probe_diff_max": synced["probe_diff_max"]}

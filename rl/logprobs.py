@@ -9,9 +9,9 @@ chunk's logits at a time. The chunking happens inside the model's forward (its o
 [log-prob, entropy] pairs instead of logits while scoring), so that a sharded model (FSDP2, ZeRO-3) has its
 output layer's weights gathered, and its backward hooks fire, as in any forward.
 
-Packed rows (several sequences a row, rl/batch.py and rl/sft.py) carry no attention mask of ours: positions that
-restart at 0 mark where a sequence begins, and transformers builds the block-causal mask from them in the form
-that the model's attention implementation needs (`forward_inputs`). A boolean mask of ours was right under SDPA
+Packed rows (several sequences a row, rl/batch.py: RL's trajectories, SFT's conversations) carry no attention
+mask of ours: positions that restart at 0 mark where a sequence begins, and transformers builds the block-causal
+mask from them in the form that the model's attention implementation needs (`forward_inputs`). A boolean mask of ours was right under SDPA
 only: eager attention adds the mask to the scores, so True/False added 1/0 and masked nothing (log-probs 1.7 nats
 off those of each sequence alone).
 """

@@ -7,6 +7,9 @@ the process's resident set (which holds the in-process vLLM engine too).
 
 On the CPU the peak is the kernel's high-water mark of the resident set (VmHWM), which writing "5" to
 /proc/self/clear_refs resets (Linux 4.0 and later); where that is refused, peaks are since the process began.
+
+And the memory plan of `train.py --dry-run`: `plan` estimates each phase's peak per GPU from the model's config
+alone, `print_plan` prints it for a run's flags and launch config.
 """
 
 from __future__ import annotations
@@ -125,3 +128,59 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
     return {"parameters": total, "trained": trained, "gpu_gib": gpu_gib,
             "phases": {"rollout": rollout, "update": updating},
             "peak_gib": max(sum(rollout.values()), sum(updating.values())) / GiB}
+
+
+def print_plan(args, accelerator) -> None:
+    """`train.py --dry-run` (`args`: its Args): the run's estimated peak memory per GPU, by phase and by what holds
+    it, and whether it fits."""
+    import yaml
+
+    from rl import zero3
+    from rl.engines import engine_kind
+    from rl.logprobs import CHUNK_ELEMENTS
+    from rl.model import load_config, sharded
+
+    if args.launch_config:
+        launch = yaml.safe_load(Path(args.launch_config).read_text())
+        processes = int(launch.get("num_processes", 1))
+        is_sharded = launch.get("distributed_type") in ("FSDP", "DEEPSPEED")
+        precision = args.mixed_precision if args.mixed_precision != "auto" else launch.get("mixed_precision")
+        deepspeed = launch.get("distributed_type") == "DEEPSPEED"
+        deepspeed_bf16 = deepspeed and precision == "bf16"
+        offload = (launch.get("fsdp_config", {}).get("fsdp_offload_params") is True
+                   or "cpu" in {(launch.get("deepspeed_config") or {}).get(key) for key in
+                                ("offload_param_device", "offload_optimizer_device")})
+        how, kind = args.launch_config, launch.get("distributed_type", "NO")
+    else:
+        processes, is_sharded = accelerator.num_processes, sharded(accelerator)
+        deepspeed = zero3.active(accelerator)
+        deepspeed_bf16 = deepspeed and accelerator.mixed_precision == "bf16"
+        policy = accelerator.state.fsdp_plugin.cpu_offload if accelerator.distributed_type == "FSDP" else None
+        offload = zero3.offloaded(accelerator) or type(policy).__name__ == "CPUOffloadPolicy" \
+            or bool(getattr(policy, "offload_params", False))
+        how, kind = "this launch", accelerator.distributed_type.value
+    config = load_config(args.model)  # (a LoRA checkpoint's: its base's)
+    gpu_gib = args.gpu_gib or (torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0)
+    micro_tokens = args.max_tokens_per_micro_batch or args.micro_batch_size * args.max_tokens
+    estimate = plan(config, algo=args.algo, lora_rank=args.lora_rank, lora_targets=args.lora_target_modules,
+                    processes=processes, sharded=is_sharded, reference=args.algo == "dpo" or args.kl_coef > 0,
+                    offload_reference=args.offload_reference, micro_tokens=micro_tokens,
+                    checkpointing=args.gradient_checkpointing, engine=engine_kind(args.engine),
+                    engine_share=args.vllm_gpu_memory_utilization, engine_sleeps=args.vllm_sleep, gpu_gib=gpu_gib,
+                    batch=args.gen_batch_size, context=args.max_tokens,
+                    logits_elements=min(CHUNK_ELEMENTS, micro_tokens * config.vocab_size), bf16_weights=deepspeed_bf16,
+                    offload=offload, persistent_gradients=deepspeed)
+    if not accelerator.is_main_process:
+        return None
+    print(f"memory plan per GPU: {args.model} ({estimate['parameters']:,} parameters, {estimate['trained']:,} trained), "
+          f"{args.algo}, {how}: " + (f"{kind} over {processes} processes" if kind != "NO" else "one process, not distributed"))
+    for phase, held in estimate["phases"].items():
+        print(f"  {phase}: {sum(held.values()) / 2**30:.1f} GiB")
+        for what, size in held.items():
+            print(f"    {what:<58} {size / 2**30:8.2f} GiB")
+    spare = gpu_gib - estimate["peak_gib"]
+    print(f"peak {estimate['peak_gib']:.1f} GiB of {gpu_gib:.0f}: " + (f"fits, {spare:.1f} GiB to spare" if spare > 0.05 * gpu_gib else
+          "does not fit" + (" (under 5% to spare)" if spare > 0 else "") + "; to need less: --gradient-checkpointing, a smaller "
+          "--max-tokens-per-micro-batch, --lora-rank 16, FSDP2 or ZeRO-3 over more GPUs (configs/fsdp2.yaml, zero3.yaml), "
+          "configs/fsdp2_offload.yaml, --offload-reference, or a smaller --vllm-gpu-memory-utilization"))
+    return None

@@ -16,9 +16,16 @@ computed out of place, so the base weights never drift), sharded parameters gath
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from rl import zero3
 
 ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED = {"tiny-agent": ROOT / "assets" / "tiny-agent"}
@@ -134,15 +141,13 @@ def full_weights(model):
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
 
-    from rl.zero3 import gathered
-
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     done = ()  # the prefixes of LoRA layers: their modules are yielded with the layer
     for prefix, module in base.named_modules(remove_duplicate=False):  # (a module under two names: both, as state_dict)
         if prefix.startswith(done):
             continue
         adapted = isinstance(module, LoraLayer)
-        with gathered(module.parameters(recurse=adapted)):
+        with zero3.gathered(module.parameters(recurse=adapted)):
             if adapted:
                 done += (prefix + ".",)
                 layer, merged = module, module.merged
@@ -185,3 +190,173 @@ def load_value_model(name: str, dtype: torch.dtype = torch.float32):
         return _load(AutoModelForTokenClassification.from_pretrained, name, config=config, dtype=dtype)
     finally:
         transformers_logging.set_verbosity(verbosity)
+
+
+# ----------------------------------------------------------------------------------------------
+# The models a run trains and scores with, prepared by Accelerate (one process, data-parallel or sharded)
+
+
+def make_accelerator(args):
+    """Accelerate's set-up for this launch (configs/; `args`: train.py's Args, which train.py checks against it), and
+    the mixed precision it trains in. Schedulers step once per optimizer step (by default Accelerate steps them once
+    per process); without any accelerator the processes talk over gloo (DeepSpeed would otherwise ask for oneCCL);
+    DeepSpeed's config is settled (rl/zero3.py); with --deterministic, GPU kernels are deterministic too."""
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    if args.deterministic and torch.cuda.is_available():  # the update's GPU kernels too (CPU ones are; untried here)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed and not torch.accelerator.is_available() else []
+    accelerator = Accelerator(mixed_precision=mixed, step_scheduler_with_optimizer=False, kwargs_handlers=handlers)
+    if zero3.active(accelerator):
+        zero3.configure(accelerator, args.grad_clip)
+    zero3.keep_out(accelerator)  # (no DeepSpeed import, and its warning, outside its launches)
+    return accelerator, mixed
+
+
+@dataclass
+class Models:
+    """What the update trains and scores with; `policy` and `critic` are wrapped by Accelerate."""
+
+    policy: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    ref: torch.nn.Module | None = None  # the frozen initial policy, for the KL
+    adapter_reference: bool = False  # LoRA: the reference is the policy with its adapters off
+    critic: torch.nn.Module | None = None  # PPO's value model
+    critic_optimizer: torch.optim.Optimizer | None = None
+    critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    # per model ("policy", "critic"): its optimizer steps skipped in a row for a NaN or infinite loss or gradient
+    nonfinite_streak: dict[str, int] = field(default_factory=dict)
+
+    def part(self, name: str) -> tuple:
+        """(model, optimizer, scheduler) of the policy or the critic."""
+        if name == "critic":
+            return self.critic, self.critic_optimizer, self.critic_scheduler
+        return self.policy, self.optimizer, self.scheduler
+
+
+def has_reference(models: Models) -> bool:
+    return models.ref is not None or models.adapter_reference
+
+
+@contextlib.contextmanager
+def reference(models: Models, accelerator, offloaded: bool = False):
+    """The model that scores the reference log-probs: the frozen initial policy (brought from CPU memory for the
+    duration when `offloaded`), or under LoRA the policy itself with its adapters off for the duration."""
+    if models.ref is None:
+        with accelerator.unwrap_model(models.policy).disable_adapter():
+            yield models.policy
+        return
+    if offloaded:
+        models.ref.to(accelerator.device)
+    try:
+        yield models.ref
+    finally:
+        if offloaded:
+            models.ref.to("cpu")
+
+
+def linear_warmup(optimizer, steps: int):
+    """Learning rate rising linearly over the first `steps` optimizer steps, then constant (upstream's
+    `constant` warm-up style)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(steps, 1)))
+
+
+def sharded(accelerator) -> bool:
+    """Whether the models are split over processes (FSDP2, DeepSpeed ZeRO-3): no process holds a whole one."""
+    return accelerator.distributed_type in ("FSDP", "DEEPSPEED")
+
+
+def build_models(args, accelerator, policy_from: str) -> Models:
+    """The policy (from `policy_from`: the model, or the checkpoint when resuming), the frozen reference,
+    PPO's critic (same architecture, own weights, a value head; its weights from the checkpoint when resuming),
+    their optimizers. `args`: train.py's Args.
+
+    The reference is loaded and run exactly as the policy (fp32 under autocast; both with bf16 weights under
+    DeepSpeed's bf16), so the KL is 0 while their weights agree; upstream runs it in bf16 with CPU offload (here:
+    --offload-reference, or configs/fsdp2_offload.yaml)."""
+    from safetensors.torch import load_model as load_safetensors_model
+
+    critic_from = Path(policy_from) / "state" / "critic.safetensors"
+    critic_from = critic_from if critic_from.is_file() else None
+    policy = load_model(policy_from, trainable=True)  # (a LoRA run's checkpoint: its base, the adapter on it)
+    if args.lora_rank and not is_adapter(policy_from):
+        policy = add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_target_modules)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        policy.config.use_cache = False
+        if args.lora_rank:
+            policy.enable_input_require_grads()  # (the frozen embeddings would cut the recomputed graph)
+    # DPO's loss and RL's KL penalty score against the reference; behaviour cloning needs none
+    wanted = args.algo == "dpo" or (args.kl_coef > 0 and args.algo not in ("sft", "agentevol"))
+    ref = None
+    if wanted and not args.lora_rank:
+        # loaded and run exactly as the policy (fp32 under autocast): at step 0 the KL is 0 (DPO's margins too),
+        # and sharded as the policy is
+        ref = load_model(args.model)
+        ref.requires_grad_(False).eval()
+        ref = shard(accelerator, ref) if sharded(accelerator) else ref.to("cpu" if args.offload_reference else accelerator.device)
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay)
+    policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, linear_warmup(optimizer, args.warmup_steps))
+    models = Models(policy, optimizer, scheduler, ref, adapter_reference=wanted and bool(args.lora_rank))
+    if args.algo == "ppo":
+        critic = load_value_model(args.model)
+        if critic_from is not None:  # resuming: its weights before Accelerate shards it
+            (zero3.load_weights if zero3.active(accelerator) else load_safetensors_model)(critic, str(critic_from))
+        critic.config.use_cache = False
+        if args.gradient_checkpointing:
+            critic.gradient_checkpointing_enable()
+        fsdp = accelerator.distributed_type == "FSDP"
+        if fsdp:  # sharded first, so that its optimizer holds the shards
+            critic = shard(accelerator, critic)
+        critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay)
+        critic_scheduler = linear_warmup(critic_optimizer, args.critic_lr_warmup_steps)
+        if fsdp:
+            models.critic = critic
+            models.critic_optimizer = accelerator.prepare_optimizer(critic_optimizer)
+            models.critic_scheduler = accelerator.prepare_scheduler(critic_scheduler)
+        else:
+            prepare = functools.partial(zero3.prepare, accelerator) if zero3.active(accelerator) else accelerator.prepare
+            models.critic, models.critic_optimizer, models.critic_scheduler = prepare(critic, critic_optimizer,
+                                                                                      critic_scheduler)
+    return models
+
+
+def shard(accelerator, model):
+    """A model beside the policy sharded as the policy is: Accelerate's FSDP2 prepares one model (with its optimizer)
+    per prepare(), so the reference and the critic go through its fsdp2_prepare_model, with the same settings; under
+    DeepSpeed the frozen reference is an engine of its own (ZeRO-3 partitions it, with no optimizer)."""
+    if zero3.active(accelerator):
+        return zero3.prepare(accelerator, model)
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    return fsdp2_prepare_model(accelerator, model)
+
+
+def context_limit(args, policy, say: bool = True) -> int:
+    """Tokens a trajectory may hold: --max-tokens, or the model's context window if that is shorter. A
+    trajectory that would outgrow it ends as truncated (finish "max_tokens", see rollout.py)."""
+    window = getattr(policy.config, "max_position_embeddings", None) or args.max_tokens
+    if window < args.max_tokens and say:
+        print(f"--max-tokens {args.max_tokens} is more than {args.model}'s context window: trajectories end at {window} tokens")
+    return min(args.max_tokens, window)
+
+
+def restart(models: Models, args, accelerator, initial: tuple[dict, dict]) -> None:
+    """Back to --model's weights with the optimizer and schedule as they started (`initial`: their state dicts), in
+    place: the engine and Accelerate keep the same modules (train.py's agentevol, retraining from the base)."""
+    policy = accelerator.unwrap_model(models.policy)
+    if args.lora_rank:  # fresh adapters: the base model again
+        for layer in policy.modules():
+            if hasattr(layer, "reset_lora_parameters"):
+                for adapter in layer.active_adapters:
+                    layer.reset_lora_parameters(adapter, init_lora_weights=True)
+    else:
+        policy.load_state_dict(load_model(args.model).state_dict())
+    models.optimizer.load_state_dict(copy.deepcopy(initial[0]))
+    models.scheduler.load_state_dict(copy.deepcopy(initial[1]))

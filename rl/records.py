@@ -89,3 +89,18 @@ def read_log(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return records
+
+
+def rollout_records(trajectories: list, batch, step: int) -> list[dict]:
+    """A training step's trajectories as log records, with what the update saw of each (`batch`: rl/batch.py's
+    Batch): the trainer's log-probs, the advantages, and PPO's values and returns, at its action tokens."""
+    records = []
+    for row, traj in enumerate(trajectories):
+        record = {"step": step, **traj.log_record()}
+        positions = action_positions(record["action_spans"])
+        for key, name in (("trainer_logprobs", "trainer_logprobs"), ("advantages", "advantages"),
+                          ("old_values", "values"), ("returns", "returns")):
+            if traj.error is None and positions and key in batch.full:
+                record[name] = per_action(batch.full[key][row], positions)
+        records.append(record)
+    return records

@@ -1,51 +1,56 @@
 """Supervised fine-tuning on trajectories: cross-entropy on the action tokens (loss_mask 1) only,
-so the model learns what the assistant said and never the prompt or the observations; and packing,
-several conversations per row with no attention across them (their positions restart at each:
-rl/logprobs.forward_inputs)."""
+so the model learns what the assistant said and never the prompt or the observations.
+
+    loss = sft_loss(model, rows)                       # token-mean NLL of a collated or packed batch
+    total, sums, finite = sft_terms(model, micro, accelerator)  # train.py: summed, then divided by the batch's
+                                                                # action tokens over all processes
+
+Where it differs from AgentGym's SFT: several conversations share a row (rl/batch.py's `pack`), with no
+attention across them (their positions restart at each: rl/logprobs.forward_inputs), and the loss is averaged
+over the action tokens of the whole batch however it is split into micro-batches and processes; AgentGym pads
+each conversation and averages per micro-batch, which weighs a token of a short conversation more. The
+log-probs, and so the optimum, are the same (tests/test_sft.py).
+"""
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 
 from rl.logprobs import token_logprobs
+from rl.optimizer import Sums
+
+
+def nll(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The summed negative log-likelihood of the action tokens of a collated or packed batch."""
+    logprobs, _ = token_logprobs(model, batch["input_ids"], batch.get("attention_mask"), batch["loss_mask"],
+                                 position_ids=batch.get("position_ids"))
+    return -(logprobs * batch["loss_mask"]).sum()
 
 
 def sft_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Token-mean negative log-likelihood of the action tokens of a collated or packed batch."""
-    logprobs, _ = token_logprobs(model, batch["input_ids"], batch.get("attention_mask"), batch["loss_mask"],
-                                 position_ids=batch.get("position_ids"))
-    mask = batch["loss_mask"]
-    return -(logprobs * mask).sum() / mask.sum().clamp(min=1)
+    return nll(model, batch) / batch["loss_mask"].sum().clamp(min=1)
 
 
-def pack(sequences: list[tuple[list[int], list[int]]], max_tokens: int, pad_id: int) -> dict:
-    """(token ids, loss mask) sequences packed into rows of at most `max_tokens`, none split, longest
-    first into the first row with room. Returns input_ids, loss_mask and position_ids [R, L] (positions
-    restart at 0 for every sequence, as if it were alone, which keeps sequences from attending to each other;
-    a pad is at position 0, a sequence of its own), and `rows`: the sequence indices of each row, in order."""
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(sequences)), key=lambda i: -len(sequences[i][0])):
-        n = len(sequences[i][0])
-        if n > max_tokens:
-            raise ValueError(f"a sequence of {n} tokens does not fit in rows of {max_tokens}")
-        row = next((r for r, left in enumerate(room) if left >= n), None)
-        if row is None:
-            rows.append([])
-            room.append(max_tokens)
-            row = len(rows) - 1
-        rows[row].append(i)
-        room[row] -= n
-    width = max(max_tokens - left for left in room)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros((len(rows), width))
-    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    for r, members in enumerate(rows):
-        start = 0
-        for i in members:
-            ids, mask = sequences[i]
-            span = slice(start, start + len(ids))
-            input_ids[r, span], loss_mask[r, span] = torch.tensor(ids), torch.tensor(mask, dtype=torch.float32)
-            position_ids[r, span] = torch.arange(len(ids))
-            start += len(ids)
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "position_ids": position_ids, "rows": rows}
+@dataclass
+class SFTSums(Sums):
+    """An SFT pass's statistics, summed over its micro-batches (and processes)."""
+
+    nll: float = 0.0
+    tokens: float = 0.0  # action tokens
+
+    def metrics(self, prefix: str = "") -> dict[str, float]:
+        """The mean NLL per action token (sft/loss; `prefix` val_: on the held-out tasks) and the tokens."""
+        return {f"sft/{prefix}loss": self.nll / max(self.tokens, 1.0), f"sft/{prefix}tokens": self.tokens}
+
+
+def sft_terms(model, micro: dict[str, torch.Tensor], accelerator) -> tuple[torch.Tensor, SFTSums, bool]:
+    """One micro-batch of train.py's SFT: its summed NLL (under Accelerate's autocast), its statistics, and whether
+    they are finite."""
+    with accelerator.autocast():
+        loss = nll(model, micro)
+    sums = SFTSums(nll=float(loss.detach()), tokens=float(micro["loss_mask"].sum()))
+    return loss, sums, math.isfinite(sums.nll)

@@ -408,7 +408,7 @@ def phase_rollout(args: Args) -> dict:
     from rl.engines import HFEngine, VLLMEngine
     from rl.memory import peak_gib, reset_peak
     from rl.model import load_model, load_tokenizer, resolve
-    from rollout import ChatFormat, rollout
+    from rollout import ChatFormat, RolloutStats, rollout
 
     tokenizer = load_tokenizer(args.model)
     fmt = ChatFormat(tokenizer)
@@ -431,15 +431,15 @@ def phase_rollout(args: Args) -> dict:
                                   max_model_len=args.max_tokens, gpu_memory_utilization=0.5)
             vllm.continuous = name == "vllm"
             engine = vllm
-        stats: dict = {}
+        stats = RolloutStats()
         trajectories = rollout(engine, fmt, environments, rows, groups, horizon=args.horizon,
                                max_new_tokens=args.max_new_tokens, max_tokens=args.max_tokens, stats=stats)
         mean_diff, max_diff = mismatch(model, trajectories)
         results[name] = {
-            "tokens": stats["sampled_tokens"], "rollout_s": stats["rollout_s"], "generate_s": stats["generate_s"],
-            "env_s": stats.get("env_s"), "tokens_per_s": stats["sampled_tokens"] / stats["rollout_s"],
-            "wall_over_generation": stats["rollout_s"] / max(stats["generate_s"], 1e-9),
-            "idle_share": stats["idle_s"] / stats["rollout_s"], "prefix_hit_rate": engine.metrics().get("prefix_hit_rate"),
+            "tokens": stats.sampled_tokens, "rollout_s": stats.rollout_s, "generate_s": stats.generate_s,
+            "env_s": stats.env_s, "tokens_per_s": stats.sampled_tokens / stats.rollout_s,
+            "wall_over_generation": stats.rollout_s / max(stats.generate_s, 1e-9),
+            "idle_share": stats.idle_s / stats.rollout_s, "prefix_hit_rate": engine.metrics().get("prefix_hit_rate"),
             "logprob_diff_mean": mean_diff, "logprob_diff_max": max_diff, "peak_gib": peak_gib(),
         }
         print(f"rollout {name}: {results[name]}", flush=True)

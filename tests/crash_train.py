@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import train  # noqa: E402
 from envs.babyai import BabyAI  # noqa: E402
 from rl import checkpoint as checkpoint_lib  # noqa: E402
+from rl.run import Logs  # noqa: E402
 
 
 def die() -> None:
@@ -46,7 +47,7 @@ def kill_at(owner, name: str, n: int, half_file=None) -> None:
 
 
 def torn_append(n: int) -> None:
-    original, calls = train.Logs._append, [0]
+    original, calls = Logs._append, [0]
 
     def append(file, text):
         calls[0] += 1
@@ -57,7 +58,7 @@ def torn_append(n: int) -> None:
             die()
         original(file, text)
 
-    train.Logs._append = staticmethod(append)
+    Logs._append = staticmethod(append)
 
 
 if __name__ == "__main__":

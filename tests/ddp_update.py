@@ -25,8 +25,10 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 import train  # noqa: E402
+from rl import optimizer as optimizer_lib  # noqa: E402
 from rl import zero3  # noqa: E402
-from rl.model import full_weights  # noqa: E402
+from rl.batch import attach  # noqa: E402
+from rl.model import build_models, full_weights, make_accelerator  # noqa: E402
 from rollout import Trajectory  # noqa: E402
 
 
@@ -69,47 +71,45 @@ def poison(case: str, rank: int) -> None:
         loss, clipped = real_loss(*args, **kwargs)
         return loss * float("nan"), clipped
 
-    def update_policy(models, micro, counts, args, accelerator, last, finite):
+    def update_policy(models, micro, counts, args, accelerator):
         calls.append(micro)
         first = rank == 0 and len(calls) == 1
         train.policy_loss = nan_loss if first and case == "nan_gradient" else real_loss
-        terms = real_update(models, micro, counts, args, accelerator, last, finite)
+        loss, sums, finite = real_update(models, micro, counts, args, accelerator)
         train.policy_loss = real_loss
-        if first:
-            finite["policy"] = False  # (for nan_gradient it already is)
-        return terms
+        return loss, sums, finite and not first  # (for nan_gradient it already is not)
 
     train.update_policy = update_policy
 
 
 def main(out_dir: Path) -> None:
-    accelerator, _ = train.make_accelerator(train.parse_args(["--tasks-per-step", "2"]))
+    accelerator, _ = make_accelerator(train.parse_args(["--tasks-per-step", "2"]))
     world, rank = accelerator.num_processes, accelerator.process_index
     mine = trajectories()[rank * 6 // world:(rank + 1) * 6 // world]
     for name, flags in (CASES | NAN_CASES).items():
         args = train.parse_args(["--tasks-per-step", "2", "--n", "3", "--micro-batch-size", "2", "--minibatches", "1",
                                  "--kl-coef", "0", *flags])
-        models = train.build_models(args, accelerator, args.model)
+        models = build_models(args, accelerator, args.model)
         gradients = {}
-        original = train.optimizer_step
+        original = optimizer_lib.optimizer_step
 
         def recording(model, *rest):  # (a sharded gradient is gathered whole: every process calls this alike)
             gradients.update({name: gradient(p).detach().clone() for name, p in accelerator.unwrap_model(model).named_parameters()})
             return original(model, *rest)
 
-        train.optimizer_step = recording
+        optimizer_lib.optimizer_step = recording
         batch = train.batch_of(mine, args, accelerator, pad_id=0)
-        train.score_batch(models, batch, args, accelerator)
+        train.old_logprobs(models, batch, args, accelerator)
         advantages, returns = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok,
-                                                   train.reducer(accelerator))
-        train.attach(batch, advantages, returns)
+                                                   optimizer_lib.reducer(accelerator))
+        attach(batch, advantages, returns)
         plain = train.update_policy
         if name in NAN_CASES:
             poison(name, rank)
         sums, _ = train.update(models, batch, args, accelerator, step=1)
-        train.optimizer_step, train.update_policy = original, plain
+        optimizer_lib.optimizer_step, train.update_policy = original, plain
         if name in NAN_CASES:
-            save_file({"skipped": torch.tensor(float(sums.get("nonfinite_updates", 0)))},
+            save_file({"skipped": torch.tensor(float(sums.nonfinite_updates))},
                       str(out_dir / f"{name}_skipped_{rank}.safetensors"))
         weights = {key: value.clone() for key, value in full_weights(accelerator.unwrap_model(models.policy))}
         if accelerator.is_main_process:

@@ -18,7 +18,8 @@ import eval as eval_script
 import train
 from rl import advantages as adv_lib
 from rl.logprobs import token_logprobs, token_values
-from rl.model import EMBEDDED, load_tokenizer
+from rl.batch import attach
+from rl.model import EMBEDDED, build_models, load_tokenizer
 from rollout import ChatFormat, Trajectory
 
 
@@ -73,7 +74,7 @@ def test_an_update_moves_toward_the_rewarded_action(flags):
     args = train.parse_args([*flags, "--tasks-per-step", "2", "--n", "2", "--lr", "1e-3", "--micro-batch-size", "2",
                              "--minibatches", "1"])
     accelerator = Accelerator()
-    models = train.build_models(args, accelerator, args.model)
+    models = build_models(args, accelerator, args.model)
     tokenizer = load_tokenizer("tiny-agent")
     fmt = ChatFormat(tokenizer)
     env = envs.make("babyai")
@@ -88,9 +89,9 @@ def test_an_update_moves_toward_the_rewarded_action(flags):
             trajectories.append(traj)
     batch = train.batch_of(trajectories, args, accelerator, fmt.pad_id)
     before = response_logprobs(models.policy, batch.full)
-    train.score_batch(models, batch, args, accelerator)
+    train.old_logprobs(models, batch, args, accelerator)
     advantages, returns = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, None)
-    train.attach(batch, advantages, returns)
+    attach(batch, advantages, returns)
     train.update(models, batch, args, accelerator, step=1)
     change = response_logprobs(models.policy, batch.full) - before
     rewarded = batch.scores == 1

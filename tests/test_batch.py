@@ -10,8 +10,10 @@ import torch
 from accelerate import Accelerator
 
 import train
-from rl.batch import attach, make_batch, plan, scatter
+from rl import optimizer as optimizer_lib
+from rl.batch import arrange, attach, make_batch, scatter
 from rl.logprobs import token_logprobs, token_values
+from rl.model import build_models
 from rollout import Trajectory
 
 
@@ -32,21 +34,21 @@ def trajectories(count: int = 7, seed: int = 0) -> list[Trajectory]:
 
 def test_layouts_respect_their_limits():
     lengths = [10, 50, 20, 30, 5, 45, 60]
-    assert plan(lengths, micro_batch_size=3) == [[[4], [0], [2]], [[3], [5], [1]], [[6]]]  # length-sorted
-    for micro in plan(lengths, token_budget=100):  # rows x the longest row
+    assert arrange(lengths, micro_batch_size=3) == [[[4], [0], [2]], [[3], [5], [1]], [[6]]]  # length-sorted
+    for micro in arrange(lengths, token_budget=100):  # rows x the longest row
         assert len(micro) * max(lengths[row[0]] for row in micro) <= 100
-    packed = plan(lengths, token_budget=100, pack=True)
+    packed = arrange(lengths, token_budget=100, pack=True)
     assert sorted(i for micro in packed for row in micro for i in row) == list(range(7))
     assert all(len(micro) == 1 and sum(lengths[i] for i in micro[0]) <= 100 for micro in packed)
     assert len(packed) == 3  # 220 tokens in rows of 100, first fit from the longest
-    assert plan([120, 5], token_budget=100) == [[[1]], [[0]]]  # a trajectory over the budget goes alone
-    assert len(plan(lengths, token_budget=1000, pack=True, minimum=4)) == 4  # split until every optimizer step has one
+    assert arrange([120, 5], token_budget=100) == [[[1]], [[0]]]  # a trajectory over the budget goes alone
+    assert len(arrange(lengths, token_budget=1000, pack=True, minimum=4)) == 4  # split until every optimizer step has one
 
 
 def test_values_move_between_the_batch_and_its_micro_batches_exactly():
     played = trajectories()
     lengths = [len(t.token_ids) for t in played]
-    for layout, pack in ((plan(lengths, 2), False), (plan(lengths, token_budget=64, pack=True), True)):
+    for layout, pack in ((arrange(lengths, 2), False), (arrange(lengths, token_budget=64, pack=True), True)):
         batch = make_batch(played, 0, layout, "cpu", count=len(layout) + 1, pack=pack)
         assert len(batch.micro) == len(layout) + 1 and batch.micro[-1]["loss_mask"].sum() == 0  # an empty one
         assert batch.tokens == sum(lengths)
@@ -76,8 +78,8 @@ def test_packed_rows_score_each_trajectory_as_if_alone(attention):
     critic.set_attn_implementation(attention)
     played = trajectories()
     lengths = [len(t.token_ids) for t in played]
-    padded = make_batch(played, 0, plan(lengths, 7), "cpu")
-    packed = make_batch(played, 0, plan(lengths, token_budget=90, pack=True), "cpu", pack=True)
+    padded = make_batch(played, 0, arrange(lengths, 7), "cpu")
+    packed = make_batch(played, 0, arrange(lengths, token_budget=90, pack=True), "cpu", pack=True)
     assert len(packed.micro) > 1 and any(len(pieces) > 1 for pieces in packed.pieces)
     for batch in (padded, packed):
         for micro in batch.micro:
@@ -118,23 +120,23 @@ def test_the_update_is_the_same_packed_or_padded(aggregation, tmp_path):
         args = train.parse_args(["--tasks-per-step", "4", "--n", "2", "--minibatches", "1", "--kl-coef", "0",
                                  "--loss-agg", aggregation, "--out-dir", str(tmp_path), *flags])
         torch.manual_seed(0)
-        models = train.build_models(args, accelerator, args.model)
+        models = build_models(args, accelerator, args.model)
         batch = train.batch_of(played, args, accelerator, 0)
-        train.score_batch(models, batch, args, accelerator)
+        train.old_logprobs(models, batch, args, accelerator)
         advantages, _ = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, None)
         attach(batch, advantages, None)
-        original = train.optimizer_step
+        original = optimizer_lib.optimizer_step
 
         def recording(model, *rest, name=name):
             gradients[name] = {n: p.grad.clone() for n, p in model.named_parameters()}
             return original(model, *rest)
 
-        train.optimizer_step = recording
+        optimizer_lib.optimizer_step = recording
         try:
             sums, _ = train.update(models, batch, args, accelerator, step=1)
         finally:
-            train.optimizer_step = original
-        losses[name] = sums["policy"]
+            optimizer_lib.optimizer_step = original
+        losses[name] = sums.policy
         accelerator.free_memory()
     assert losses["packed"] == pytest.approx(losses["padded"], rel=1e-5)
     for name, gradient in gradients["padded"].items():  # (float noise: 1e-5 of each tensor's largest entry)

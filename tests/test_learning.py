@@ -12,7 +12,7 @@ import envs
 import train
 from envs import StepResult, react_action
 from envs.babyai import BabyAI
-from rl.model import load_model, load_tokenizer
+from rl.model import EMBEDDED, load_model, load_tokenizer
 from rollout import ChatFormat, HFEngine, rollout
 
 
@@ -47,7 +47,7 @@ def bandit(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def before():
-    rate = left_rate(train.EMBEDDED["tiny-agent"])
+    rate = left_rate(EMBEDDED["tiny-agent"])
     assert 0.05 < rate < 0.7  # the task is neither impossible nor solved to begin with
     return rate
 

@@ -15,7 +15,7 @@ import train
 from rl.engines import engine_kind
 from rl.losses import kl
 from rl.logprobs import token_logprobs
-from rl.model import EMBEDDED, full_weights, is_adapter, load_model
+from rl.model import EMBEDDED, build_models, full_weights, is_adapter, load_model
 from test_batch import trajectories
 
 
@@ -70,7 +70,7 @@ def test_old_log_probs_are_the_adapted_policys(tmp_path):
     args = train.parse_args(["--lora-rank", "8", "--minibatches", "2", "--kl-in-reward", "--tasks-per-step", "4",
                              "--n", "2", "--out-dir", str(tmp_path)])
     torch.manual_seed(0)
-    models = train.build_models(args, accelerator, args.model)
+    models = build_models(args, accelerator, args.model)
     policy = accelerator.unwrap_model(models.policy)
     for name, parameter in policy.named_parameters():
         if "lora_B" in name:  # adapters that have moved (B starts at 0: the adapted model is the base model)
@@ -79,7 +79,7 @@ def test_old_log_probs_are_the_adapted_policys(tmp_path):
     for trajectory in played:
         trajectory.group = trajectory.row // 3  # groups of three (in twos, GRPO gives +-0.71 whatever the penalty)
     batch = train.batch_of(played, args, accelerator, 0)
-    train.score_batch(models, batch, args, accelerator)
+    train.old_logprobs(models, batch, args, accelerator)
     for micro in batch.micro:
         inputs = (micro["input_ids"], micro.get("attention_mask"), micro["loss_mask"], args.temperature)
         with torch.no_grad():

@@ -6,7 +6,8 @@ from accelerate import Accelerator
 
 import train
 from rl.memory import activation_bytes, parameters, plan
-from rl.model import load_model
+from rl import model as model_lib
+from rl.model import build_models, load_model
 
 SETTINGS = dict(algo="grpo", lora_rank=0, lora_targets=("all-linear",), processes=1, sharded=False, reference=True,
                 offload_reference=False, micro_tokens=4096, checkpointing=False, engine="vllm", engine_share=0.3,
@@ -27,7 +28,7 @@ def test_the_model_state_is_what_training_allocates(tmp_path):
     config = load_model("tiny-agent").config
     for flags, lora in (([], 0), (["--lora-rank", "8"], 8)):
         args = train.parse_args(["--out-dir", str(tmp_path), *flags])
-        models = train.build_models(args, accelerator, args.model)
+        models = build_models(args, accelerator, args.model)
         for p in models.policy.parameters():  # one optimizer step creates the moments
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
@@ -63,7 +64,7 @@ def test_sharding_divides_the_state_and_a_plan_needs_no_weights(monkeypatch, cap
     sharded = plan(config, **SETTINGS | {"processes": 8, "sharded": True})["phases"]["update"]
     assert sharded["AdamW moments (fp32)"] == alone["AdamW moments (fp32)"] / 8
     assert alone["policy weights (fp32)"] / 8 < sharded["policy weights (fp32)"] < alone["policy weights (fp32)"] / 2
-    monkeypatch.setattr(train, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("weights loaded")))
+    monkeypatch.setattr(model_lib, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("weights loaded")))
     assert train.main(train.parse_args(["--dry-run", "--engine", "hf", "--gpu-gib", "0.01"])) is None
     printed = capsys.readouterr().out
     assert "memory plan per GPU: tiny-agent" in printed and "does not fit" in printed

@@ -18,7 +18,8 @@ import train
 from rl.data import encode, read_trajectories
 from rl.engines import HFEngine
 from rl.model import load_model, load_tokenizer
-from rl.sft import pack, sft_loss
+from rl.batch import pack
+from rl.sft import sft_loss
 from rollout import ChatFormat, play
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

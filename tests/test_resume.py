@@ -12,6 +12,7 @@ import pytest
 from accelerate import Accelerator
 
 import train
+from rl.run import find_checkpoint, run_directory
 
 CRASH = Path(__file__).parent / "crash_train.py"
 # HF engine: its sampler's random stream is saved (vLLM's too under --deterministic: tests/test_deterministic.py).
@@ -58,15 +59,15 @@ def test_killed_anywhere_and_resumed_the_run_logs_what_an_uninterrupted_run_logs
 
 def test_resume_auto_and_run_directories(tmp_path):
     run_dir = tmp_path / "r"
-    assert train.find_checkpoint("auto", str(tmp_path), "r") is None  # nothing yet: a new run
+    assert find_checkpoint("auto", str(tmp_path), "r") is None  # nothing yet: a new run
     (run_dir / "checkpoints" / "step_3.tmp").mkdir(parents=True)  # a crash while writing step 3
     (run_dir / "checkpoints" / "step_2").mkdir()
     (run_dir / "checkpoints" / "step_2" / "trainer_state.json").write_text('{"step": 2}')
     (run_dir / "checkpoints" / "step_10").mkdir()  # numbers, not names, order checkpoints
     (run_dir / "checkpoints" / "step_10" / "trainer_state.json").write_text('{"step": 10}')
-    assert train.find_checkpoint("auto", str(tmp_path), "r") == run_dir / "checkpoints" / "step_10"
+    assert find_checkpoint("auto", str(tmp_path), "r") == run_dir / "checkpoints" / "step_10"
     (run_dir / "config.json").write_text("{}")
-    assert train.find_checkpoint(str(run_dir), "runs", None) == run_dir / "checkpoints" / "step_10"
+    assert find_checkpoint(str(run_dir), "runs", None) == run_dir / "checkpoints" / "step_10"
     # a new run (no --resume auto) does not write into a directory that holds another run
     with pytest.raises(SystemExit, match="already holds a run: continue it with --resume auto --run-name r"):
-        train.run_directory(train.parse_args(["--out-dir", str(tmp_path), "--run-name", "r"]), False, Accelerator())
+        run_directory(train.parse_args(["--out-dir", str(tmp_path), "--run-name", "r"]), False, Accelerator())

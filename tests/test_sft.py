@@ -7,9 +7,10 @@ import torch
 
 import envs
 from rl.data import encode, to_record
+from rl.batch import pack
 from rl.logprobs import token_logprobs, token_values
 from rl.model import load_model, load_tokenizer, load_value_model
-from rl.sft import pack, sft_loss
+from rl.sft import sft_loss
 from rollout import ChatFormat, ExpertEngine, rollout
 
 

@@ -21,8 +21,12 @@ from rl import advantages as adv_lib
 from rl import plots
 from rl import zero3
 from rl.engines import engine_kind
-from rl.model import EMBEDDED
-from rl.batch import make_batch, plan
+from rl.data import held_out, read_data
+from rl.metrics import UpdateSums
+from rl.model import EMBEDDED, Models, context_limit
+from rl.optimizer import count_nonfinite
+from rl.run import Logs, find_checkpoint, held_out_line, sample_table
+from rl.batch import arrange, make_batch
 from rl.records import decode_array
 from rl.scores import gain
 from rollout import Trajectory
@@ -65,7 +69,7 @@ def test_training_changes_weights_and_writes_a_checkpoint(trained):
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["nonfinite_streak"] == {"policy": 0}
     # how far the logs got, for a resume to cut them back to: here, all of them
-    assert state["logs"] == {name: (trained / name).stat().st_size for name in train.Logs.FILES}
+    assert state["logs"] == {name: (trained / name).stat().st_size for name in Logs.FILES}
     # nothing a resume would unpickle: weights and state in safetensors, the rest JSON
     assert {p.suffix for p in ckpt.rglob("*") if p.is_file()} <= {".safetensors", ".json", ".jinja"}
     before = load_file(EMBEDDED["tiny-agent"] / "model.safetensors")
@@ -125,7 +129,7 @@ def test_eval_every_plays_the_test_tasks(trained):
     assert [e["step"] for e in episodes] == [0] * 8 + [2] * 8 and all(1 <= e["turns"] <= 2 for e in episodes)
     assert metrics[2]["eval/avg@k"] == pytest.approx(sum(e["reward"] for e in episodes[8:]) / 8)  # --eval-k 2
     assert metrics[0]["eval/horizon"] == metrics[2]["eval/horizon"] == 2
-    line = train.held_out_line(trained)
+    line = held_out_line(trained)
     assert line.startswith("held-out success ") and "4 test tasks x 2 episodes, step 0 vs step 2" in line
 
 
@@ -150,11 +154,11 @@ def test_wandb_samples_are_the_best_and_worst_trajectories():
     records = [{"step": 3, "item_id": f"babyai_{i}", "category": "GoTo", "reward": r, "success": r > 0, "turns": 2,
                 "finish": "done", "messages": [{"role": "user", "content": "go"}, {"role": "assistant", "content": "ok"}]}
                for i, r in enumerate([0.0, 0.9, 0.2, 0.5, 0.0, 0.7])]
-    columns, rows = train.sample_table(records, count=4)
+    columns, rows = sample_table(records, count=4)
     assert columns[:4] == ["step", "item_id", "category", "reward"] and len(rows) == 4
     assert [row[3] for row in rows] == [0.9, 0.7, 0.0, 0.0]
     assert rows[0][-1] == "[user] go\n\n[assistant] ok"
-    assert len(train.sample_table(records[:2])[1]) == 2
+    assert len(sample_table(records[:2])[1]) == 2
 
 
 def test_gain_is_paired_by_task():
@@ -262,7 +266,7 @@ def test_resume_keeps_the_runs_settings(trained):
             train.parse_args(["--resume", ckpt, flag, value])
     with pytest.raises(SystemExit, match="not a checkpoint of a run"):
         train.parse_args(["--resume", str(trained / "checkpoints")])
-    newest = train.find_checkpoint(str(trained), "runs", None)  # a run directory: its newest complete checkpoint
+    newest = find_checkpoint(str(trained), "runs", None)  # a run directory: its newest complete checkpoint
     assert newest == max(trained.glob("checkpoints/step_*"), key=lambda p: int(p.name.split("_")[1]))
     with pytest.raises(SystemExit, match="--resume auto continues the run named by --run-name"):
         train.parse_args(["--resume", "auto"])
@@ -449,7 +453,7 @@ def test_truncated_trajectories_are_trained_on_their_reward_failed_ones_not_at_a
         return traj
 
     trajectories = [played(1.0, "done"), played(0.5, "max_tokens"), played(0.0, "horizon"), played(0.0, "error", "x")]
-    batch = make_batch(trajectories, 0, plan([len(t.token_ids) for t in trajectories], 4), "cpu")
+    batch = make_batch(trajectories, 0, arrange([len(t.token_ids) for t in trajectories], 4), "cpu")
     args = tiny_args(Path("/tmp/unused"))
     advantages, _ = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, None)
     per_trajectory = advantages[:, 3]  # the first trained token
@@ -462,21 +466,21 @@ def test_truncated_trajectories_are_trained_on_their_reward_failed_ones_not_at_a
 def test_the_token_budget_stays_within_the_models_context_window():
     args = tiny_args(Path("/tmp/unused"), max_tokens=4096)
     policy = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=1024))
-    assert train.context_limit(args, policy) == 1024
+    assert context_limit(args, policy) == 1024
     policy.config.max_position_embeddings = 32768
-    assert train.context_limit(args, policy) == 4096
+    assert context_limit(args, policy) == 4096
 
 
 def test_each_model_keeps_its_own_nan_streak():
     """PPO with a policy whose loss is NaN every step and a healthy critic still stops: the critic's good
     steps do not end the policy's streak."""
-    models = train.Models(None, None, None)
+    models = Models(None, None, None)
     accelerator = types.SimpleNamespace(is_main_process=False, process_index=0)
-    sums: dict = {}
+    sums = UpdateSums()
     for _ in range(3):
-        train.count_nonfinite(models, sums, "policy", 1, True, accelerator)
-        train.count_nonfinite(models, sums, "critic", 1, False, accelerator)
-    assert models.nonfinite_streak == {"policy": 3, "critic": 0} and sums["nonfinite_updates"] == 3
+        count_nonfinite(models, sums, "policy", 1, True, accelerator)
+        count_nonfinite(models, sums, "critic", 1, False, accelerator)
+    assert models.nonfinite_streak == {"policy": 3, "critic": 0} and sums.nonfinite_updates == 3
 
 
 def test_two_processes_split_the_tasks_and_log_every_episode(tmp_path):
@@ -611,8 +615,8 @@ def test_sharded_sft_runs_when_the_processes_have_unequal_shares(tmp_path):
     subprocess.run([sys.executable, "scripts/make_expert_data.py", "--env", "babyai", "--limit", "16", "--horizon", "6",
                     "--max-tokens", "1536", "--out", str(data)], cwd=Path(train.__file__).parent, check=True,
                    capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    records = train.read_data((str(data),), "babyai")
-    share = next(v for v in (0.2, 0.3, 0.4, 0.5, 0.6) if len(train.held_out(records, v, 0)[1]) % 2 == 1)
+    records = read_data((str(data),), "babyai")
+    share = next(v for v in (0.2, 0.3, 0.4, 0.5, 0.6) if len(held_out(records, v, 0)[1]) % 2 == 1)
     argv = ["--algo", "sft", "--data", str(data), "--steps", "1", "--batch-size", "2", "--micro-batch-size", "1",
             "--validation", str(share), "--eval-every", "0", "--out-dir", str(tmp_path)]
     launch(1, "train.py", *argv, "--run-name", "one")

@@ -20,7 +20,7 @@ from rl.agent import REACT  # noqa: E402
 from rl.engines import HFEngine, SyncError, VLLMEngine  # noqa: E402
 from rl.logprobs import token_logprobs  # noqa: E402
 from rl.model import load_model, load_tokenizer, resolve  # noqa: E402
-from rollout import ChatFormat, Trajectory, rollout  # noqa: E402
+from rollout import ChatFormat, RolloutStats, Trajectory, rollout  # noqa: E402
 from test_token_exactness import Spy, check_exact  # noqa: E402
 
 
@@ -173,14 +173,14 @@ def test_continuous_batching_does_not_wait_for_the_slowest_env(tiny):
     shares = {}
     for continuous in (False, True):
         engine.continuous = continuous
-        stats = {}
+        stats = RolloutStats()
         try:
             trajectories = rollout(engine, fmt, [Slow(row) for row in range(16)], [0] * 16, list(range(16)),
                                    horizon=6, max_new_tokens=16, max_tokens=4096, stats=stats)
         finally:
             engine.continuous = True
         assert all(t.turns == 6 and t.finish == "horizon" for t in trajectories)
-        shares[continuous] = stats["idle_s"] / stats["rollout_s"]
+        shares[continuous] = stats.idle_s / stats.rollout_s
     # with a barrier every round waits 0.4 s for its slow env with nothing to generate
     assert shares[True] < 0.5 * shares[False], shares
 

@@ -1,0 +1,219 @@
+"""A step's metrics (metrics.jsonl, wandb) and its printed line, from what its phases measured:
+
+    rollout/   the step's episodes, over every process    finish/   how they ended, as shares
+    losses/    the update's, per action token              critic/   PPO's values and returns
+    perf/      time, throughput and peak memory            sync/     the engine's weight sync
+    category/  reward and success per task category        charts/   learning rates, the step
+    eval/      the test split (--eval-every)               sft/, dpo/, evol/: learning from trajectory files
+
+The losses are this process's (its update's micro-batches, UpdateSums); the rollout statistics are over every
+process's episodes (their log records).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+from rl.memory import peak_gib, reset_peak
+from rl.optimizer import Sums, largest
+from rl.scores import FINISHES, endings
+
+
+@dataclass
+class Costs:
+    """A step's time and peak memory by phase, on this process (its perf/ metrics)."""
+
+    rollout: object  # rollout.py's RolloutStats, which rollout() fills
+    rollout_peak_gib: float = 0.0  # GPU allocated, else resident set (rl/memory.py)
+    update_s: float = 0.0  # the batch, old/reference log-probs, advantages, every optimizer step
+    update_peak_gib: float = 0.0
+
+    @contextlib.contextmanager
+    def measure(self, phase: str):
+        """A phase of the step, "rollout" or "update": its peak memory, and the update's seconds (the rollout times
+        itself: RolloutStats)."""
+        reset_peak()
+        start = time.perf_counter()
+        yield
+        if phase == "rollout":
+            self.rollout_peak_gib = peak_gib()
+        else:
+            self.update_s, self.update_peak_gib = time.perf_counter() - start, peak_gib()
+
+
+@dataclass
+class UpdateSums(Sums):
+    """What an update's micro-batches add up to on this process, for the step's metrics: the policy's and the
+    critic's statistics summed over their action tokens (step_metrics divides by `tokens`, `critic_tokens`)."""
+
+    tokens: float = 0.0
+    policy: float = 0.0
+    kl: float = 0.0
+    entropy: float = 0.0
+    clipfrac: float = 0.0
+    ppo_kl: float = 0.0
+    logprob_diff: float = 0.0  # |sampler's - trainer's log-prob|
+    logprob_diff_max: float = largest()
+    critic_tokens: float = 0.0
+    value: float = 0.0
+    value_clipfrac: float = 0.0
+
+
+def step_metrics(records: list[dict], sampled: list[int], costs: Costs, sums: UpdateSums,
+                 grad_norms: dict[str, list[float]], batch, advantages: torch.Tensor, returns: torch.Tensor | None,
+                 models, horizon: int, engine_metrics: dict) -> dict:
+    """The step's metrics: trajectory statistics over every process's episodes (`records`), losses per
+    action token from this process's update (none for a model that did not train this step). `batch`: the step's
+    rl/batch.py Batch, `models`: rl/model.py's Models."""
+    rewards = [r["reward"] for r in records]
+    success = [r["success"] for r in records]
+    turns = [r["turns"] for r in records]
+    finishes = [r["finish"] for r in records]
+    tokens = [r["tokens"] for r in records]
+    action_tokens = [r["action_tokens"] for r in records]
+    trained_tokens = max(float(batch.full["loss_mask"].sum()), 1)
+    played = costs.rollout
+
+    def mean(values):
+        return sum(values) / max(len(values), 1)
+
+    calls = sorted(played.env_call_s)
+    metrics = {
+        "rollout/reward": mean(rewards),
+        "rollout/success": mean(success),
+        "rollout/turns": mean(turns),
+        "rollout/errors": finishes.count("error"),
+        "rollout/trajectories": len(records),  # tasks x --n, and under --agent reflect every retried attempt
+        # how episodes ended, as shares: the env said done, the horizon cap, out of tokens (budget or context), env failure
+        **{f"finish/{name}": finishes.count(finish) / len(finishes) for finish, name in FINISHES.items()},
+        "rollout/invalid_action_rate": sum(r["invalid_actions"] for r in records) / max(sum(turns), 1),
+        "rollout/zero_variance_groups": zero_variance_share(records),  # groups with no GRPO signal
+        **category_metrics(records),
+        "losses/nonfinite_updates": sums.nonfinite_updates,  # optimizer steps skipped for NaN or inf
+        "rollout/tokens": mean(tokens),
+        "rollout/action_tokens": mean(action_tokens),
+        "rollout/horizon": horizon,
+        "rollout/advantage_mean": float(advantages.sum()) / trained_tokens,
+        "rollout/advantage_abs": float(advantages.abs().sum()) / trained_tokens,
+        "perf/tokens_per_s": sum(sampled) / max(played.generate_s, 1e-9),
+        "perf/rollout_s": played.rollout_s,
+        "perf/generate_s": played.generate_s,
+        # the share of the rollout's wall time in which the engine waited for envs with nothing to generate
+        "perf/env_wait_share": played.idle_s / max(played.rollout_s, 1e-9),
+        "perf/env_call_s": played.env_s / max(played.env_calls, 1),  # mean seconds of a reset or step
+        "perf/env_call_p95_s": calls[min(len(calls) - 1, int(0.95 * len(calls)))] if calls else 0.0,
+        "perf/update_s": costs.update_s,
+        "perf/update_tokens_per_s": batch.tokens / max(costs.update_s, 1e-9),
+        "perf/update_padding_share": 1 - batch.tokens / max(batch.positions, 1),  # pad positions of its micro-batches
+        "perf/rollout_peak_gib": costs.rollout_peak_gib,
+        "perf/update_peak_gib": costs.update_peak_gib,
+        **({"perf/prefix_hit_rate": engine_metrics["prefix_hit_rate"]} if "prefix_hit_rate" in engine_metrics else {}),
+        **{key: value for key, value in engine_metrics.items() if key.startswith("sync/")},
+        "charts/lr": models.scheduler.get_last_lr()[0],
+    }
+    per_token, per_critic_token = max(sums.tokens, 1.0), max(sums.critic_tokens, 1.0)
+    if "policy" in grad_norms:
+        metrics |= {
+            "rollout/logprob_diff": sums.logprob_diff / per_token,
+            "rollout/logprob_diff_max": sums.logprob_diff_max,
+            "losses/policy": sums.policy / per_token,
+            "losses/kl": sums.kl / per_token,
+            "losses/entropy": sums.entropy / per_token,
+            "losses/clipfrac": sums.clipfrac / per_token,
+            "losses/ppo_kl": sums.ppo_kl / per_token,
+            "losses/grad_norm": mean(grad_norms["policy"]),
+        }
+    if "critic" in grad_norms:
+        metrics |= {
+            "losses/value": sums.value / per_critic_token,
+            "losses/value_clipfrac": sums.value_clipfrac / per_critic_token,
+            "losses/critic_grad_norm": mean(grad_norms["critic"]),
+            "critic/value": float(batch.full["old_values"].sum()) / trained_tokens,
+            "critic/return": float(returns.sum()) / trained_tokens,
+            "charts/critic_lr": models.critic_scheduler.get_last_lr()[0],
+        }
+    return metrics
+
+
+def zero_variance_share(records: list[dict]) -> float:
+    """The share of task groups (n episodes of one task) whose rewards are all equal: GRPO gives them no advantage."""
+    groups = collections.defaultdict(list)
+    for r in records:
+        if r["finish"] != "error":
+            groups[(r["item_id"], r["group"])].append(r["reward"])
+    return sum(len(set(rewards)) == 1 for rewards in groups.values()) / max(len(groups), 1)
+
+
+def category_metrics(records: list[dict]) -> dict[str, float]:
+    """Reward and success per task category (category/<name>/reward, .../success)."""
+    by_category = collections.defaultdict(list)
+    for r in records:
+        by_category[r.get("category")].append(r)
+    return {f"category/{name}/{key}": sum(float(r[key]) for r in rs) / len(rs)
+            for name, rs in by_category.items() if name is not None for key in ("reward", "success")}
+
+
+def eval_metrics(results: dict, horizon: int, max_tokens: int) -> dict[str, float]:
+    """An evaluation's metrics (eval/) from rl/scores.py's score: Avg@k, Pass@k, success, turns and errors, Avg@k per
+    category, how its episodes ended, and the limits they played under."""
+    metrics = {f"eval/{key}": results[key] for key in ("avg@k", "pass@k", "success", "turns", "errors")}
+    metrics |= {f"eval/{name}/avg@k": c["avg@k"] for name, c in results["categories"].items()}
+    metrics |= {f"eval/finish/{name}": share for name, share in results["finish"].items()}
+    return metrics | {"eval/horizon": horizon, "eval/max_tokens": max_tokens}
+
+
+# ----------------------------------------------------------------------------------------------
+# The printed lines
+
+
+def rl_line(step: int, metrics: dict) -> str:
+    """The printed line of an RL step."""
+    return (
+        f"step {step:>4} | reward {metrics['rollout/reward']:.3f} | success {metrics['rollout/success']:.2f} | "
+        f"turns {metrics['rollout/turns']:.1f}/{metrics['rollout/horizon']} | "
+        f"tokens/s {metrics['perf/tokens_per_s']:.0f} | "
+        + (f"kl {metrics['losses/kl']:.4f} | entropy {metrics['losses/entropy']:.3f} | "
+           f"grad {metrics['losses/grad_norm']:.3f} | " if "losses/kl" in metrics
+           else "update skipped: NaN/inf | " if metrics["losses/nonfinite_updates"] else "critic warm-up | ")
+        + (f"value loss {metrics['losses/value']:.4f} | " if "losses/value" in metrics else "")
+        + (f"test success {metrics['eval/success']:.3f} | " if "eval/success" in metrics else "")
+        + (f"prefix hits {metrics['perf/prefix_hit_rate']:.2f} | " if "perf/prefix_hit_rate" in metrics else "")
+        + f"env wait {metrics['perf/env_wait_share']:.0%} | "
+        + (f"logp diff {metrics['rollout/logprob_diff']:.0e} | " if "rollout/logprob_diff" in metrics else "")
+        + (f"sync {metrics['sync/seconds']:.2f}s, probe {metrics['sync/probe_diff']:.0e} | "
+           if "sync/probe_diff" in metrics else f"sync {metrics['sync/seconds']:.2f}s | " if "sync/seconds" in metrics else "")
+        + f"{metrics['perf/step_s']:.1f}s"
+    )
+
+
+def offline_line(step: int, metrics: dict) -> str:
+    """The printed line of an sft or dpo step."""
+    kind = "dpo" if "dpo/loss" in metrics else "sft"
+    return (f"step {step:>4} | {kind} loss {metrics[f'{kind}/loss']:.4f} | "
+            + (f"accuracy {metrics['dpo/accuracy']:.2f} | margin {metrics['dpo/margin']:.3f} | " if kind == "dpo" else "")
+            + (f"val loss {metrics[f'{kind}/val_loss']:.4f} | " if f"{kind}/val_loss" in metrics else "")
+            + (f"test success {metrics['eval/success']:.3f} | " if "eval/success" in metrics else "")
+            + (f"grad {metrics['losses/grad_norm']:.3f} | " if "losses/grad_norm" in metrics else "update skipped: NaN/inf | ")
+            + f"{metrics['perf/step_s']:.1f}s")
+
+
+def evol_line(iteration: int, metrics: dict) -> str:
+    """The printed line of an agentevol iteration."""
+    return (f"iteration {iteration} | explored {metrics['evol/explored']}, kept {metrics['evol/buffer']} "
+            f"(success {metrics['evol/explore_success']:.3f}) | {metrics['evol/conversations']} conversations, "
+            f"{metrics['sft/steps']} steps, loss {metrics['sft/loss']:.4f}"
+            + (f", val loss {metrics['sft/val_loss']:.4f}" if "sft/val_loss" in metrics else "")
+            + f" | test success {metrics['eval/success']:.3f}, avg@1 {metrics['eval/avg@k']:.3f} | "
+            f"{metrics['perf/step_s']:.0f}s")
+
+
+def eval_line(step: int, metrics: dict) -> str:
+    """The printed line of an evaluation outside a training step."""
+    return (f"eval {step:>4} | test success {metrics['eval/success']:.3f} | avg@k {metrics['eval/avg@k']:.3f} | "
+            f"pass@k {metrics['eval/pass@k']:.3f} | turns {metrics['eval/turns']:.1f}/{metrics['eval/horizon']} | "
+            + endings({name: metrics[f"eval/finish/{name}"] for name in FINISHES.values()}, metrics["eval/max_tokens"]))
