@@ -26,7 +26,8 @@ from rollout import ChatFormat, Trajectory
 def run(tmp_path, *flags):
     # the HF engine: these tests are about the algorithms, and it starts at once (vLLM runs in test_vllm.py,
     # test_train.py and every env's training test)
-    args = train.parse_args(["--engine", "hf", "--steps", "2", "--tasks-per-step", "2", "--n", "2", "--horizon", "2",
+    steps = [] if "--epochs" in flags else ["--steps", "2"]  # (--epochs sets the steps; both at once are refused)
+    args = train.parse_args(["--engine", "hf", *steps, "--tasks-per-step", "2", "--n", "2", "--horizon", "2",
                              "--max-new-tokens", "16", "--lr", "0.01", "--out-dir", str(tmp_path), "--run-name", "r", *flags])
     run_dir = train.main(args)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -203,7 +204,7 @@ def test_recipes_launch_valid_commands(recipe, tmp_path):
 class Ramp(torch.nn.Module):
     """A stand-in critic whose output at position i is i."""
 
-    def forward(self, input_ids, attention_mask, position_ids=None):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None):
         positions = torch.arange(input_ids.shape[1], dtype=torch.float32)
         return types.SimpleNamespace(logits=positions.expand(input_ids.shape)[..., None])
 
