@@ -75,7 +75,7 @@ from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, full_weights, is_adapter, load_
 from rl.run import run_of
 from rl.scores import endings, paired, score, spread
 from rl.engines import engine_kind, make_engine
-from rollout import ChatFormat, category, on_bar, play
+from rollout import ChatFormat, EngineStalled, category, on_bar, play
 
 # The context of upstream's eval engine (vLLM's max_model_len in its eval scripts); its turn cap and tokens a
 # turn are each env's (envs.ENVS).
@@ -461,4 +461,7 @@ def compare_rows(a: dict, b: dict) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, description=__doc__.split("\n\n")[0]))
+    try:
+        main(tyro.cli(Args, description=__doc__.split("\n\n")[0]))
+    except EngineStalled as error:  # one sentence, not a traceback
+        raise SystemExit(str(error)) from None

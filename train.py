@@ -67,7 +67,7 @@ from rl.run import (Logs, close, eval_due, evaluation_plan, find_checkpoint, fin
                     run_directory, run_of, save_checkpoint, stop_on_env_failures)
 from rl.scores import score, spread
 from rl.sft import SFTSums, sft_terms
-from rollout import ChatFormat, RolloutStats, Trajectory, play, rollout
+from rollout import ChatFormat, EngineStalled, RolloutStats, Trajectory, play, rollout
 
 
 @dataclass
@@ -993,4 +993,7 @@ def check_offline(args: Args, world: int) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    main(parse_args())
+    try:
+        main(parse_args())
+    except EngineStalled as error:  # one sentence, not a traceback
+        raise SystemExit(str(error)) from None
