@@ -4,6 +4,7 @@ rollout log; eval.py scores the checkpoint; bad settings stop early with a messa
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -49,13 +50,6 @@ def tiny_args(tmp_path, **overrides):
     for key, value in overrides.items():
         argv += [f"--{key.replace('_', '-')}", *([str(value)] if not isinstance(value, list) else map(str, value))]
     return train.parse_args(argv)
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("run")
-    run_dir = train.main(tiny_args(tmp, lr=0.01, eval_every=2, eval_tasks=4))
-    return run_dir
 
 
 def test_training_changes_weights_and_writes_a_checkpoint(trained):
@@ -132,6 +126,7 @@ def test_eval_every_plays_the_test_tasks(trained):
 def test_plots_of_a_run_and_an_eval(trained, tmp_path, monkeypatch):
     """The PNGs train.py and eval.py draw at their end (rl/plots.py runs scripts/plot.py): a run's curves, with a
     panel per metric group, and an eval result's Avg@k / Pass@k per category."""
+    trained = shutil.copytree(trained, tmp_path / "run")  # (the shared run stays as train.py left it)
     monkeypatch.setenv("AGENTGYM_RL_PLOTS", "1")
     curves = plots.draw(trained)
     assert curves == trained / "curves.png" and curves.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -219,6 +214,7 @@ def test_eval_protocols(trained):
 
 
 def test_resume_continues_from_the_checkpoint(trained, tmp_path):
+    trained = shutil.copytree(trained, tmp_path / "run")  # (the shared run stays as train.py left it)
     ckpt = trained / "checkpoints" / "step_2"
     args = train.parse_args(["--resume", str(ckpt), "--steps", "3"])
     run_dir = train.main(args)
@@ -255,7 +251,7 @@ def test_a_resumed_run_equals_the_uninterrupted_run(tmp_path, algo):
 def test_resume_keeps_the_runs_settings(trained):
     ckpt = str(trained / "checkpoints" / "step_2")
     args = train.parse_args(["--resume", ckpt, "--steps", "5"])  # the flags RESUMABLE allows
-    assert args.steps == 5 and args.lr == 0.01 and args.model == "tiny-agent" and args.tasks_per_step == 2
+    assert args.steps == 5 and args.lr == 1e-4 and args.model == "tiny-agent" and args.tasks_per_step == 2
     for flag, value in (["--lr", "0.5"], ["--algo", "rloo"], ["--model", "Qwen/Qwen2.5-3B-Instruct"], ["--seed", "7"],
                         ["--n", "4"], ["--run-name", "another"]):
         with pytest.raises(SystemExit, match=f"changes {flag} "):

@@ -6,6 +6,7 @@ import http.client
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -14,7 +15,6 @@ from pathlib import Path
 import pytest
 
 import envs
-import train
 from rl.model import load_tokenizer
 from rl.records import decode_array
 from rollout import ChatFormat, ExpertEngine, play
@@ -56,14 +56,13 @@ def write_jsonl(path: Path, records: list[dict], torn: str = "") -> None:
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    """runs/: a 2-step GRPO run with evaluations at steps 0 and 2, an eval.py result of TextCraft's expert, and a run
-    whose logs are in the two earlier formats (with a torn last line); beside it, a secret the viewer must not serve."""
+def root(trained, tmp_path_factory):
+    """runs/: a 2-step GRPO run with evaluations at steps 0 and 2 (a copy of tests/conftest.py's), an eval.py result of
+    TextCraft's expert, and a run whose logs are in the two earlier formats (with a torn last line); beside it, a
+    secret the viewer must not serve."""
     base = tmp_path_factory.mktemp("view")
     runs = base / "runs"
-    argv = ["--steps", "2", "--tasks-per-step", "2", "--n", "2", "--horizon", "2", "--max-new-tokens", "16",
-            "--eval-every", "2", "--eval-tasks", "2", "--out-dir", str(runs), "--run-name", "grpo"]
-    run = train.main(train.parse_args(argv))
+    run = shutil.copytree(trained, runs / "grpo")
     textcraft = expert_records("textcraft", envs.splits("textcraft")["test"][:2])
     write_jsonl(runs / "eval" / "textcraft-expert.jsonl", textcraft)
     (runs / "eval" / "textcraft-expert.json").write_text(json.dumps(
@@ -119,7 +118,7 @@ def test_runs_list_training_steps_and_evaluations(root, server):
     assert set(labels) == {"grpo: training rollouts", "grpo: evaluations during training", "old: training rollouts",
                            next(label for label in labels if label.startswith("eval: eval textcraft-expert"))}
     episodes = {f"{log['run']}: {log['label']}": log["episodes"] for log in body["logs"]}
-    assert episodes["grpo: training rollouts"] == 8 and episodes["grpo: evaluations during training"] == 8
+    assert episodes["grpo: training rollouts"] == 8 and episodes["grpo: evaluations during training"] == 16
     assert episodes["old: training rollouts"] == 2  # the torn last line is left out
 
 
@@ -128,7 +127,7 @@ def test_runs_list_training_steps_and_evaluations(root, server):
                                    "success=no&env=babyai&min_turns=2"])
 def test_filters_pick_exactly_the_matching_trajectories(root, server, query):
     rows = api(server, "/api/trajectories?log=all")["rows"]
-    assert len(rows) == 8 + 8 + 2 + 2
+    assert len(rows) == 8 + 16 + 2 + 2
     wanted = dict(pair.split("=") for pair in query.split("&"))
 
     def keep(row):
