@@ -29,6 +29,9 @@ from rl.scores import gain
 from rollout import Trajectory
 from tests import ddp_update
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import make_expert_data  # noqa: E402
+
 
 # every step's metrics (README, "Metrics")
 STEP_METRICS = [
@@ -519,36 +522,41 @@ def launch(processes: int, *argv: str, config: str | None = None, mixed: str = "
     return done
 
 
-def test_two_process_update_equals_the_one_process_update(tmp_path):
+@pytest.fixture(scope="module")
+def one_process_update(tmp_path_factory) -> Path:
+    """tests/ddp_update.py on one process: the update that each two-process launch below must equal."""
+    out = tmp_path_factory.mktemp("one_process")
+    launch(1, "tests/ddp_update.py", str(out))
+    return out
+
+
+def test_two_process_update_equals_the_one_process_update(tmp_path, one_process_update):
     """The same mini-batch, played by one process or split over two (short trajectories on one, long
     ones on the other, and different numbers of sequences), gives the same gradient: the token and
     sequence means and the whitening run over the whole mini-batch, not per process; packed rows too, where one
     process pads with empty micro-batches to run as many as the other."""
-    for processes in (1, 2):
-        (tmp_path / str(processes)).mkdir()
-        launch(processes, "tests/ddp_update.py", str(tmp_path / str(processes)))
+    launch(2, "tests/ddp_update.py", str(tmp_path))
     for case in ddp_update.CASES:
-        one, two = (load_file(tmp_path / str(p) / f"{case}.safetensors") for p in (1, 2))
+        one, two = (load_file(out / f"{case}.safetensors") for out in (one_process_update, tmp_path))
         assert one.keys() == two.keys()
         for name in one:
             torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-7, msg=f"{case}: {name}")
-    assert_nan_steps_skipped(tmp_path, {"1": 1, "2": 2})
+    assert_nan_steps_skipped({one_process_update: 1, tmp_path: 2})
 
 
 @pytest.mark.parametrize("sharding", ["configs/fsdp2.yaml", "configs/zero3.yaml"])
-def test_sharded_update_equals_the_one_process_update(tmp_path, sharding):
+def test_sharded_update_equals_the_one_process_update(tmp_path, one_process_update, sharding):
     """Two processes under FSDP2 or DeepSpeed ZeRO-3 (gloo), each holding half of every weight, gradient and Adam
     moment: the gathered gradient is the one-process gradient, and both processes end with identical whole weights,
     equal to the one-process run's."""
-    for processes, config in ((1, None), (2, sharding)):
-        (tmp_path / str(processes)).mkdir()
-        launch(processes, "tests/ddp_update.py", str(tmp_path / str(processes)), config=config)
+    launch(2, "tests/ddp_update.py", str(tmp_path), config=sharding)
     for case in ddp_update.CASES:
-        one, two = (load_file(tmp_path / str(p) / f"{case}.safetensors") for p in (1, 2))
+        one, two = (load_file(out / f"{case}.safetensors") for out in (one_process_update, tmp_path))
         assert one.keys() == two.keys()
         for name in one:
             torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-7, msg=f"{case}: {name}")
-        single, first, second = (load_file(tmp_path / p / f"{case}_weights_{r}.safetensors") for p, r in (("1", 0), ("2", 0), ("2", 1)))
+        single, first, second = (load_file(out / f"{case}_weights_{r}.safetensors")
+                                 for out, r in ((one_process_update, 0), (tmp_path, 0), (tmp_path, 1)))
         assert all(torch.equal(first[name], second[name]) for name in first), case  # one model, sharded
         # Adam's first step moves a weight by lr g / (|g| + eps), about lr whatever |g|: where |g| is within a few eps
         # (1e-8) of 0, the gradients' float noise (within atol above) changes that step visibly (measured: 1-3 of
@@ -558,15 +566,16 @@ def test_sharded_update_equals_the_one_process_update(tmp_path, sharding):
             settled = gradient.abs() > 1e-6
             torch.testing.assert_close(first[name][settled], single[name][settled], rtol=0, atol=1e-6, msg=f"{case}: {name}")
             assert float((first[name] - single[name]).abs().max()) < lr, f"{case}: {name}"
-    assert_nan_steps_skipped(tmp_path, {"1": 1, "2": 2})
+    assert_nan_steps_skipped({one_process_update: 1, tmp_path: 2})
 
 
-def assert_nan_steps_skipped(runs: Path, processes: dict[str, int]) -> None:
-    """tests/ddp_update.py's NaN cases: every process skipped the step, and holds the initial weights."""
+def assert_nan_steps_skipped(processes: dict[Path, int]) -> None:
+    """tests/ddp_update.py's NaN cases, in each output directory of a launch on that many processes: every process
+    skipped the step, and holds the initial weights."""
     initial = load_file(EMBEDDED["tiny-agent"] / "model.safetensors")
     for case, run, rank in ((c, r, k) for c in ddp_update.NAN_CASES for r, n in processes.items() for k in range(n)):
-        assert float(load_file(runs / run / f"{case}_skipped_{rank}.safetensors")["skipped"]) == 1, (case, run, rank)
-        weights = load_file(runs / run / f"{case}_weights_{rank}.safetensors")
+        assert float(load_file(run / f"{case}_skipped_{rank}.safetensors")["skipped"]) == 1, (case, run, rank)
+        weights = load_file(run / f"{case}_weights_{rank}.safetensors")
         assert all(torch.equal(weights[name], initial[name]) for name in initial), (case, run, rank)
 
 
@@ -604,14 +613,12 @@ def test_sharded_sft_runs_when_the_processes_have_unequal_shares(tmp_path):
     forever), which weighs nothing: the validation loss is the mean over all held-out action tokens, as on one
     process."""
     data = tmp_path / "expert.jsonl"
-    subprocess.run([sys.executable, "scripts/make_expert_data.py", "--env", "babyai", "--limit", "16", "--horizon", "6",
-                    "--max-tokens", "1536", "--out", str(data)], cwd=Path(train.__file__).parent, check=True,
-                   capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    make_expert_data.main(["--env", "babyai", "--limit", "16", "--horizon", "6", "--max-tokens", "1536", "--out", str(data)])
     records = train.read_data((str(data),), "babyai")
     share = next(v for v in (0.2, 0.3, 0.4, 0.5, 0.6) if len(train.held_out(records, v, 0)[1]) % 2 == 1)
     argv = ["--algo", "sft", "--data", str(data), "--steps", "1", "--batch-size", "2", "--micro-batch-size", "1",
             "--validation", str(share), "--eval-every", "0", "--out-dir", str(tmp_path)]
-    launch(1, "train.py", *argv, "--run-name", "one")
+    train.main(train.parse_args([*argv, "--run-name", "one"]))  # one process: this one
     launch(2, "train.py", *argv, "--run-name", "two", config="configs/zero3.yaml")
     one, two = (json.loads((tmp_path / run / "metrics.jsonl").read_text()) for run in ("one", "two"))
     assert two["sft/val_tokens"] == one["sft/val_tokens"] > 0
