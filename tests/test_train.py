@@ -55,6 +55,7 @@ def tiny_args(tmp_path, **overrides):
     return train.parse_args(argv)
 
 
+@pytest.mark.slow
 def test_training_changes_weights_and_writes_a_checkpoint(trained):
     ckpt = trained / "checkpoints" / "step_2"
     assert (ckpt / "model.safetensors").is_file() and (ckpt / "config.json").is_file()
@@ -72,6 +73,7 @@ def test_training_changes_weights_and_writes_a_checkpoint(trained):
     assert not list(trained.glob("checkpoints/*.tmp"))
 
 
+@pytest.mark.slow
 def test_rollout_log_has_every_trajectory(trained):
     lines = [json.loads(line) for line in (trained / "rollouts.jsonl").read_text().splitlines()]
     assert len(lines) == 2 * 2 * 2  # steps x tasks x samples
@@ -111,6 +113,7 @@ def test_rollout_log_has_every_trajectory(trained):
     assert config["preset"] == "tiny" and config["env"] == "babyai"
 
 
+@pytest.mark.slow
 def test_eval_every_plays_the_test_tasks(trained):
     """--eval-every 2 of 2 steps: the initial policy (step 0) and step 2 play the same test tasks (the tiny
     preset's on BabyAI), and the run ends on the held-out comparison of the two."""
@@ -126,6 +129,7 @@ def test_eval_every_plays_the_test_tasks(trained):
     assert line.startswith("held-out success ") and "4 test tasks x 2 episodes, step 0 vs step 2" in line
 
 
+@pytest.mark.slow
 def test_plots_of_a_run_and_an_eval(trained, tmp_path, monkeypatch):
     """The PNGs train.py and eval.py draw at their end (rl/plots.py runs scripts/plot.py): a run's curves, with a
     panel per metric group, and an eval result's Avg@k / Pass@k per category."""
@@ -171,6 +175,7 @@ def test_gain_is_paired_by_task():
         gain(episodes({1: [1]}), episodes({2: [1]}))
 
 
+@pytest.mark.slow
 def test_eval_scores_the_checkpoint(trained, tmp_path):
     ckpt = trained / "checkpoints" / "step_2"
     out = tmp_path / "result"
@@ -198,6 +203,7 @@ def test_avg_and_pass_at_k_by_hand():
     assert (open_["tasks"], open_["avg@k"], open_["pass@k"]) == (1, pytest.approx(0.9), pytest.approx(1.0))
 
 
+@pytest.mark.slow
 def test_eval_protocols(trained):
     """A checkpoint plays by its run's limits unless told to play by upstream's evaluation, which
     has its own turn cap per env, 512 tokens a turn (200 for SciWorld) and a 32k context."""
@@ -216,6 +222,7 @@ def test_eval_protocols(trained):
         resolve(eval_script.Args(model="Qwen/Qwen2.5-7B-Instruct", protocol="run"))
 
 
+@pytest.mark.slow
 def test_resume_continues_from_the_checkpoint(trained, tmp_path):
     trained = shutil.copytree(trained, tmp_path / "run")  # (the shared run stays as train.py left it)
     ckpt = trained / "checkpoints" / "step_2"
@@ -227,6 +234,7 @@ def test_resume_continues_from_the_checkpoint(trained, tmp_path):
     assert (trained / "checkpoints" / "step_3" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_a_resumed_run_equals_the_uninterrupted_run(tmp_path, algo):
     """Stopped after step 1 and resumed, a run logs the same metrics, step for step, as one that never
@@ -251,6 +259,7 @@ def test_a_resumed_run_equals_the_uninterrupted_run(tmp_path, algo):
     assert rollouts[0] == rollouts[1]
 
 
+@pytest.mark.slow
 def test_resume_keeps_the_runs_settings(trained):
     ckpt = str(trained / "checkpoints" / "step_2")
     args = train.parse_args(["--resume", ckpt, "--steps", "5"])  # the flags RESUMABLE allows
@@ -305,6 +314,7 @@ def test_bad_settings_stop_early(argv, message, capsys):
     assert message in str(stop.value)
 
 
+@pytest.mark.slow
 def test_reference_equals_the_policy_at_the_first_update(tmp_path):
     """Policy and reference start from the same weights and run the same way (fp32 under bf16 autocast
     here), so the KL of the first update, before any optimizer step, is exactly 0."""
@@ -370,6 +380,7 @@ class Flaky(BabyAI):
         return super().step(text)
 
 
+@pytest.mark.slow
 def test_env_failures_end_one_trajectory_not_the_run(monkeypatch, tmp_path):
     flaky_env(monkeypatch, tmp_path)
     run_dir = train.main(tiny_args(tmp_path, env="flaky", tasks_per_step=6, steps=1, env_timeout=30, max_error_rate=1))
@@ -395,6 +406,7 @@ def flaky_env(monkeypatch, tmp_path):
     monkeypatch.setitem(envs.ENVS, "flaky", envs.Registration("flaky_env", call_timeout=60.0, upstream_horizon=2))
 
 
+@pytest.mark.slow
 def test_too_many_env_failures_stop_the_run_before_the_update(monkeypatch, tmp_path):
     flaky_env(monkeypatch, tmp_path)
     with pytest.raises(SystemExit, match=r"step 1: \d+ of 12 trajectories ended in an env failure, more than "
@@ -416,6 +428,7 @@ def nan_policy_loss(monkeypatch):
     monkeypatch.setattr(train, "policy_loss", poisoned)
 
 
+@pytest.mark.slow
 def test_a_nan_loss_skips_the_update(monkeypatch, tmp_path, capsys):
     nan_policy_loss(monkeypatch)
     run_dir = train.main(tiny_args(tmp_path, lr=0.01, engine="hf"))
@@ -427,6 +440,7 @@ def test_a_nan_loss_skips_the_update(monkeypatch, tmp_path, capsys):
     assert all(torch.equal(before[k], after[k]) for k in before)  # no step was taken
 
 
+@pytest.mark.slow
 def test_repeated_nan_updates_stop_the_run_and_keep_the_batch(monkeypatch, tmp_path):
     nan_policy_loss(monkeypatch)
     with pytest.raises(SystemExit, match="step 2: 2 optimizer steps in a row had a NaN or infinite loss"):
@@ -478,6 +492,7 @@ def test_each_model_keeps_its_own_nan_streak():
     assert models.nonfinite_streak == {"policy": 3, "critic": 0} and sums["nonfinite_updates"] == 3
 
 
+@pytest.mark.slow
 def test_two_processes_split_the_tasks_and_log_every_episode(tmp_path):
     """Data-parallel training (DDP over gloo on the CPU) with PPO, so a critic and whitening statistics
     summed over processes: each process plays its share of a step's tasks, gradients are averaged,
@@ -530,6 +545,7 @@ def one_process_update(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_two_process_update_equals_the_one_process_update(tmp_path, one_process_update):
     """The same mini-batch, played by one process or split over two (short trajectories on one, long
     ones on the other, and different numbers of sequences), gives the same gradient: the token and
@@ -544,6 +560,7 @@ def test_two_process_update_equals_the_one_process_update(tmp_path, one_process_
     assert_nan_steps_skipped({one_process_update: 1, tmp_path: 2})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["configs/fsdp2.yaml", "configs/zero3.yaml"])
 def test_sharded_update_equals_the_one_process_update(tmp_path, one_process_update, sharding):
     """Two processes under FSDP2 or DeepSpeed ZeRO-3 (gloo), each holding half of every weight, gradient and Adam
@@ -579,6 +596,7 @@ def assert_nan_steps_skipped(processes: dict[Path, int]) -> None:
         assert all(torch.equal(weights[name], initial[name]) for name in initial), (case, run, rank)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sharding, mixed", [("configs/fsdp2.yaml", "no"), ("configs/zero3.yaml", "bf16")])
 def test_a_sharded_run_checkpoints_and_resumes_exactly(tmp_path, sharding, mixed):
     """train.py under FSDP2 or ZeRO-3 on two processes (PPO: the policy, the reference and the critic sharded; the HF
@@ -607,6 +625,7 @@ def test_a_sharded_run_checkpoints_and_resumes_exactly(tmp_path, sharding, mixed
     assert [m["charts/critic_lr"] for m in uninterrupted] == pytest.approx([1e-3 * 2 / 4, 1e-3 * 3 / 4])
 
 
+@pytest.mark.slow
 def test_sharded_sft_runs_when_the_processes_have_unequal_shares(tmp_path):
     """SFT under ZeRO-3 on two processes whose shares of the held-out examples differ (an odd number of them): the
     process with fewer runs a blank micro-batch (every pass of a sharded model is collective: it would otherwise wait
@@ -625,6 +644,7 @@ def test_sharded_sft_runs_when_the_processes_have_unequal_shares(tmp_path):
     assert two["sft/val_loss"] == pytest.approx(one["sft/val_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("agent", ["plan", "reflect"])
 def test_training_lays_rollouts_out_by_the_agent_format(tiny_run, agent):
     """--agent reaches the rollouts: plan's instruction asks for a plan, reflect's failed attempts are retried with

@@ -168,6 +168,7 @@ class Slow(Env):
         return StepResult("You see a wall.", 0.0, False, {})
 
 
+@pytest.mark.slow
 def test_continuous_batching_does_not_wait_for_the_slowest_env(tiny):
     fmt, _, engine = tiny
     shares = {}
@@ -204,6 +205,7 @@ def test_vllm_rollouts_are_token_exact_for_every_env(tiny, name):
     assert check_exact(fmt, spy, trajectories) >= 1
 
 
+@pytest.mark.slow
 def test_train_and_eval_run_on_vllm(trained, tmp_path):
     """train.py on vLLM (tests/conftest.py's run, on the default engine: vLLM, where it is installed) logs the engine's
     metrics at every step, and every sync passes its probe check; `python eval.py --engine vllm` on its checkpoint, as
