@@ -208,13 +208,13 @@ def test_vllm_rollouts_are_token_exact_for_every_env(tiny, name):
 @pytest.mark.slow
 def test_train_and_eval_run_on_vllm(trained, tmp_path):
     """train.py on vLLM (tests/conftest.py's run, on the default engine: vLLM, where it is installed) logs the engine's
-    metrics at every step, and every sync passes its probe check; `python eval.py --engine vllm` on its checkpoint, as
-    a user runs it. (`python train.py` on vLLM, in two processes: tests/test_train.py.)"""
+    metrics at every step, and every sync passes its probe check; `eval.py --engine vllm` scores its checkpoint (its
+    command line parsed as eval.py parses it; `python train.py` as a command on vLLM: tests/test_train.py's
+    two-process run)."""
     import json
-    import subprocess
-    import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    import eval as eval_script
+
     assert json.loads((trained / "config.json").read_text())["engine_used"] == "vllm"
     metrics = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
     assert [m["charts/step"] for m in metrics] == [0, 1, 2]  # (step 0: the initial policy's evaluation)
@@ -224,7 +224,7 @@ def test_train_and_eval_run_on_vllm(trained, tmp_path):
         assert m["perf/tokens_per_s"] > 0 and 0 <= m["perf/env_wait_share"] < 1
         assert 0 < m["perf/prefix_hit_rate"] < 1  # turn 2 reuses turn 1's KV cache
     out = tmp_path / "eval"
-    subprocess.run([sys.executable, "eval.py", "--engine", "vllm", "--model", str(trained / "checkpoints" / "step_2"),
-                    "--limit", "4", "--out", str(out)], cwd=root, check=True, timeout=600)
+    argv = ["--engine", "vllm", "--model", str(trained / "checkpoints" / "step_2"), "--limit", "4", "--out", str(out)]
+    eval_script.main(eval_script.tyro.cli(eval_script.Args, args=argv))
     results = json.loads(out.with_suffix(".json").read_text())
     assert results["engine"] == "vllm" and results["tasks"] == 4
