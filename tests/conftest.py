@@ -1,7 +1,6 @@
 """Test settings: never touch the network, never wait on wandb, two CPU threads; the runs that tests share (one
 short training run for every test that only reads a run's outputs) and the short run of each env's training test.
-Tests marked `slow` (pytest.ini) train, evaluate, launch processes or a browser: `python -m pytest -q -m "not slow"`
-leaves them out."""
+Tests marked `slow` (pytest.ini) take more than a few seconds: `python -m pytest -q -m "not slow"` leaves them out."""
 
 import os
 
