@@ -1,4 +1,6 @@
-"""Test settings: never touch the network, never wait on wandb, two CPU threads."""
+"""Test settings: never touch the network, never wait on wandb, two CPU threads; the runs that tests share (one
+short training run for every test that only reads a run's outputs) and the short run of each env's training test.
+Tests marked `slow` (pytest.ini) take more than a few seconds: `python -m pytest -q -m "not slow"` leaves them out."""
 
 import os
 
@@ -24,6 +26,20 @@ import train  # noqa: E402
 # run): the tests' short runs do without, unless they ask for it (--eval-every; tests/test_train.py does).
 # Tests that run train.py in a subprocess pass --eval-every 0 themselves.
 train.PRESETS["tiny"] = dataclasses.replace(train.PRESETS["tiny"], eval_every=0)
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """One short GRPO run of the embedded model on BabyAI, shared by every test that only reads what a run writes
+    (tests/test_train.py, test_view.py, test_vllm.py): 2 steps of 2 tasks x 2 samples, 2 turns of 16 tokens, and
+    evaluations of 4 test tasks x 2 at steps 0 and 2, on the default engine (vLLM where it is installed). Its lr,
+    1e-4, is not the preset's (a resumed run must keep the run's own) and small enough that the policy still writes
+    whole characters at step 2 (at 0.01 it samples stray bytes, which the viewer shows as raw pieces). A test that
+    writes into a run (resumes it, draws its curves) works on a copy."""
+    argv = ["--steps", "2", "--tasks-per-step", "2", "--n", "2", "--horizon", "2", "--max-new-tokens", "16",
+            "--lr", "1e-4", "--eval-every", "2", "--eval-tasks", "4",
+            "--out-dir", str(tmp_path_factory.mktemp("trained")), "--run-name", "grpo"]
+    return train.main(train.parse_args(argv))
 
 
 @pytest.fixture

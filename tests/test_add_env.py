@@ -37,6 +37,7 @@ def outcome(task_id: int, horizon: int) -> dict:
             "finish": "done" if solved else "horizon", "reward": float(solved), "success": solved}
 
 
+@pytest.mark.slow
 def test_training_on_the_new_env_in_process_and_over_http(countdown_url, tmp_path):
     def run(name, *flags):
         argv = ["--env", "countdown", "--engine", "hf", "--steps", "1", "--tasks-per-step", "6", "--n", "2",
@@ -59,6 +60,7 @@ def test_training_on_the_new_env_in_process_and_over_http(countdown_url, tmp_pat
     assert remote_rollouts == local_rollouts and remote_metrics == local_metrics
 
 
+@pytest.mark.slow
 def test_eval_scores_the_new_env_under_the_default_protocol(countdown_url, tmp_path):
     """A model that is neither the embedded one (by name) nor a run's checkpoint is scored under upstream's limits
     (--protocol auto: agentgym), which for a new env are those of its registry line."""

@@ -74,6 +74,7 @@ class Planning(ExpertEngine):
         return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", envs.ENVS)
 def test_plan_rollouts_are_token_exact_and_the_env_acts_as_under_react(fmt, name):
     """The experts' plays with a plan in their replies: the same actions reach the env (same rewards, turns

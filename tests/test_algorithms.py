@@ -49,6 +49,7 @@ FLAG_SETS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", list(FLAG_SETS.values())[:3], ids=list(FLAG_SETS)[:3])
 def test_algorithm_runs_from_the_command_line(tmp_path, flags):
     run_dir, metrics = run(tmp_path, *flags)
@@ -101,6 +102,7 @@ def test_an_update_moves_toward_the_rewarded_action(flags):
         assert (change[rewarded] > 0).all() and (change[~rewarded] < 0).all(), change
 
 
+@pytest.mark.slow
 def test_ppo_trains_policy_and_critic(tmp_path):
     run_dir, metrics = run(tmp_path, "--algo", "ppo", "--n", "1", "--gamma", "0.99", "--lam", "0.95",
                            "--critic-lr", "0.01", "--critic-warmup", "2")
@@ -119,6 +121,7 @@ def test_ppo_trains_policy_and_critic(tmp_path):
     assert critic["score.weight"].shape[0] == 1
 
 
+@pytest.mark.slow
 def test_a_resumed_ppo_run_gets_its_critic_back(tmp_path, monkeypatch):
     run_dir, _ = run(tmp_path, "--algo", "ppo", "--steps", "1", "--critic-lr", "0.01")
     saved = load_file(run_dir / "checkpoints" / "step_1" / "state" / "critic.safetensors")["score.weight"]
@@ -134,6 +137,7 @@ def test_a_resumed_ppo_run_gets_its_critic_back(tmp_path, monkeypatch):
     assert torch.equal(seen[0], saved)  # the critic the resumed run trains is the saved one, not a fresh head
 
 
+@pytest.mark.slow
 def test_horizon_schedule_in_the_loop_survives_a_resume(tmp_path):
     schedule = ["--horizon", "1", "2", "3", "--horizon-every", "1", "--save-every", "1"]
     run_dir, _ = run(tmp_path, *schedule, "--steps", "1")
@@ -163,6 +167,7 @@ def test_steps_walk_shuffled_epochs_over_the_train_split():
     assert train.tasks_for(5, ids, 3, seed=1) == steps[4]  # a function of the step alone
 
 
+@pytest.mark.slow
 def test_epochs_set_the_number_of_steps(tmp_path):
     ids = tmp_path / "ids.json"
     envs.save_task_ids(ids, "babyai", list(range(120, 125)))  # 5 tasks, 2 per step: 2 steps per epoch

@@ -100,6 +100,7 @@ def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_greedy_api_episodes_are_the_in_process_engines(served, tmp_path):
     """The same model behind vLLM's server, greedy, plays 12 BabyAI test tasks exactly as eval.py's own vLLM
     engine does: per-task success and every reply are identical. The budget is the server's window on both
@@ -128,6 +129,7 @@ def test_greedy_api_episodes_are_the_in_process_engines(served, tmp_path):
     assert theirs[first]["usage"]["prompt_tokens"] + theirs[first]["usage"]["completion_tokens"] == mine[first]["tokens"]
 
 
+@pytest.mark.slow
 def test_a_prompt_past_the_servers_window_ends_the_episode_as_out_of_room(served):
     engine = APIEngine(served.url(), "tiny-agent", temperature=0.0, retries=0)
     traj = Trajectory("babyai", 0, 0, 0, [{"role": "user", "content": "go to the red ball " * 1000}])

@@ -6,11 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench  # noqa: E402
 
 
+@pytest.mark.slow
 def test_env_section_replays_the_same_episodes_in_process_and_over_http(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run([sys.executable, "scripts/bench.py", "--sections", "env", "--envs", "babyai", "textcraft",

@@ -31,6 +31,7 @@ def logged(run_dir: Path) -> dict:
     return record
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_deterministic_vllm_runs_repeat_and_resume_exactly(tmp_path):
     """Two 3-step runs with the same seed, and a 1-step run resumed to 3 steps, on vLLM with reflect (whose
@@ -67,6 +68,7 @@ def test_deterministic_vllm_runs_repeat_and_resume_exactly(tmp_path):
     assert resumed == a
 
 
+@pytest.mark.slow
 def test_an_evaluation_does_not_move_the_training_sampler(tmp_path):
     """HF engine: a 1-step run (which evaluates at its last step) resumed to 2 steps equals a 2-step run (which
     does not evaluate at step 1) from step 2 on. Evaluations used to draw from the training sampler's stream, which

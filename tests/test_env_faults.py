@@ -128,6 +128,7 @@ def test_an_instance_that_starts_after_its_call_timed_out_is_closed_not_used(mon
     assert len(SlowStart.made) == 4 and SlowStart.closed == SlowStart.made and env.env is None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_killed_sciworld_jvm_ends_the_episode_and_the_next_one_starts_a_new_jvm():
     env = Guarded("sciworld", {}, timeout=120)

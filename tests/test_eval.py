@@ -25,6 +25,7 @@ def run_eval(tmp_path, name, *flags):
     return results, json.loads((tmp_path / f"{name}.json").read_text())
 
 
+@pytest.mark.slow
 def test_a_sweep_scores_every_turn_budget_and_draws_it(tmp_path, capsys):
     results, written = run_eval(tmp_path, "sweep", "--tasks", str(envs.DATA_DIR / "babyai_tiny_test.json"), "--limit", "12",
                                 "--k", "2", "--max-turns", "4", "1", "2")
@@ -82,6 +83,7 @@ def test_an_episode_cut_to_a_lower_cap_is_the_episode_played_under_it(name, task
             assert cut.turn_rewards[:cut.turns] == direct.turn_rewards
 
 
+@pytest.mark.slow
 def test_results_record_what_was_run_and_reflect_reports_every_attempt(tmp_path, capsys):
     results, written = run_eval(tmp_path, "reflect", "--limit", "6", "--k", "2", "--horizon", "2", "--agent", "reflect",
                                 "--attempts", "2", "--seed", "3")

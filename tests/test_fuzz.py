@@ -57,6 +57,7 @@ def make():
         env.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", [pytest.param(name, marks=needs_chromium if name == "webarena" else ())
                                   for name in envs.ENVS])
@@ -165,6 +166,7 @@ def test_webarena_urls_urllib_cannot_split_are_not_allowed(url):
     assert not tasks.Sites({"shopping": "http://127.0.0.1:7770"}).allows(url)
 
 
+@pytest.mark.slow
 @needs_chromium
 @pytest.mark.timeout(180)
 def test_webarena_huge_type_and_key_combination_take_bounded_time(make):
@@ -188,6 +190,7 @@ def test_webarena_huge_type_and_key_combination_take_bounded_time(make):
                                        "you can visit")
 
 
+@pytest.mark.slow
 @needs_chromium
 @pytest.mark.timeout(120)
 def test_webarena_typing_off_the_keyboard_into_a_link_leaves_the_page_usable(make):

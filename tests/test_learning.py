@@ -15,6 +15,8 @@ from envs.babyai import BabyAI
 from rl.model import EMBEDDED, load_model, load_tokenizer
 from rollout import ChatFormat, HFEngine, rollout
 
+pytestmark = pytest.mark.slow  # six training steps an algorithm
+
 
 class TurnLeftBandit(BabyAI):
     """A BabyAI first observation; one turn; reward 1 for "turn left", 0 for anything else."""

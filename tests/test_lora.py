@@ -33,6 +33,7 @@ def probe():
     return ids, mask, mask.float()
 
 
+@pytest.mark.slow
 def test_only_the_adapters_change_and_the_checkpoint_is_the_adapter(run):
     checkpoint = run / "checkpoints" / "step_2"
     assert is_adapter(str(checkpoint)) and not (checkpoint / "model.safetensors").exists()
@@ -50,6 +51,7 @@ def test_only_the_adapters_change_and_the_checkpoint_is_the_adapter(run):
     assert metrics[0]["losses/kl"] == 0 and metrics[-1]["losses/kl"] > 0  # KL to the base, 0 until the adapters move
 
 
+@pytest.mark.slow
 def test_the_reference_is_the_base_model(run):
     trained = load_model(str(run / "checkpoints" / "step_2"))
     base = load_model("tiny-agent")
@@ -97,6 +99,7 @@ def test_old_log_probs_are_the_adapted_policys(tmp_path):
     assert not torch.allclose(with_kl, without)  # the penalty reaches the advantages
 
 
+@pytest.mark.slow
 def test_merged_weights_are_the_adapted_model(run):
     """What an engine receives (rl/model.full_weights: base naming, adapters merged) is the adapted model."""
     trained = load_model(str(run / "checkpoints" / "step_2"))
@@ -114,6 +117,7 @@ def test_merged_weights_are_the_adapted_model(run):
                if ".base_layer." in n)  # merging never wrote into the base weights
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(engine_kind("auto") != "vllm", reason="vLLM is not installed")
 def test_the_adapter_reloads_into_eval_and_the_engine(run, tmp_path):
     """eval.py on the adapter checkpoint: its vLLM engine loads the base, gets the merged adapter, and its probe

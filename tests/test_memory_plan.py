@@ -1,6 +1,7 @@
 """train.py --dry-run (rl/memory.py): the plan's model state is what training allocates, its activations what a
 forward keeps, sharding divides them, and the plan needs no weights."""
 
+import pytest
 import torch
 from accelerate import Accelerator
 
@@ -23,6 +24,7 @@ def state_bytes(models) -> dict[str, int]:
                            for key, t in state.items() if key in ("exp_avg", "exp_avg_sq"))}
 
 
+@pytest.mark.slow
 def test_the_model_state_is_what_training_allocates(tmp_path):
     accelerator = Accelerator(cpu=True)
     config = load_model("tiny-agent").config

@@ -45,6 +45,7 @@ def test_a_hub_id_offline_is_one_sentence_from_every_script(tmp_path):
     assert "does not exist" in stopped(lambda: load_tokenizer(str(tmp_path / "nowhere")))
 
 
+@pytest.mark.slow
 def test_a_run_that_is_not_deepspeed_never_imports_it(tmp_path):
     """DeepSpeed is imported by ZeRO-3 launches only (rl/zero3.py keep_out): elsewhere its import printed "Setting
     accelerator to CPU" in every run without a GPU. The run's start line says what it will evaluate."""

@@ -70,6 +70,7 @@ def nll(model_dir, fmt, records) -> float:
         return float(sft_loss(load_model(str(model_dir)).eval(), pack([encode(fmt, r) for r in records], 3072, fmt.pad_id)))
 
 
+@pytest.mark.slow
 def test_sft_learns_the_expert_and_its_checkpoint_chains_into_eval_and_grpo(tmp_path, expert, fmt):
     run_dir, metrics = run(tmp_path, "sft", "--algo", "sft", "--data", str(expert), "--epochs", "2",
                            "--batch-size", "8", "--eval-every", "4", "--eval-tasks", "2")
@@ -100,6 +101,7 @@ def test_sft_learns_the_expert_and_its_checkpoint_chains_into_eval_and_grpo(tmp_
     assert (train.main(grpo) / "checkpoints" / "step_1" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_dpo_raises_the_chosen_episodes_over_the_rejected(tmp_path, expert, fmt):
     """AgentGym's pairs: the oracle's episode of a task (chosen) against the embedded model's own
     (rejected), which mostly fails."""
@@ -121,6 +123,7 @@ def test_dpo_raises_the_chosen_episodes_over_the_rejected(tmp_path, expert, fmt)
     assert all(m["dpo/chosen_reward"] - m["dpo/rejected_reward"] == pytest.approx(m["dpo/margin"]) for m in metrics)
 
 
+@pytest.mark.slow
 def test_pairs_from_a_run_log_within_tasks(tmp_path):
     """--data without --experience: pairs within each task of a rollout log, by reward."""
     log = tmp_path / "rollouts.jsonl"
@@ -137,6 +140,7 @@ def test_pairs_from_a_run_log_within_tasks(tmp_path):
     assert "dpo/val_accuracy" in metrics[-1]  # 2 of the 8 tasks held out
 
 
+@pytest.mark.slow
 def test_sft_resumes_exactly(tmp_path, expert):
     flags = ("--algo", "sft", "--data", str(expert), "--batch-size", "4", "--save-every", "2")
     _, whole = run(tmp_path, "whole", *flags, "--steps", "4")
@@ -147,6 +151,7 @@ def test_sft_resumes_exactly(tmp_path, expert):
     assert [strip(m) for m in parts] == [strip(m) for m in whole]
 
 
+@pytest.mark.slow
 def test_one_agentevol_iteration_grows_its_buffer_and_keeps_test_success(tmp_path, expert):
     # explored: the GoTo tasks the oracle solved within the horizon, which the embedded model solves 1 time in 5
     solved = [int(r["item_id"].rpartition("_")[2]) for r in read_trajectories(expert)]

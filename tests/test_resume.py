@@ -33,6 +33,7 @@ def logged(run_dir: Path) -> tuple[list[dict], list[dict]]:
     return [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in metrics], rollouts
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_killed_anywhere_and_resumed_the_run_logs_what_an_uninterrupted_run_logs(tmp_path):
     assert launch(tmp_path / "whole") == 0

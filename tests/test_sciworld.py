@@ -108,6 +108,7 @@ def test_first_observation_is_the_task_description_and_a_look_around(env):
     assert observation.endswith("\tA door to the workshop (that is closed)")
 
 
+@pytest.mark.slow
 def test_steps_match_the_upstream_servers_wrapper_path(env):
     """Upstream's server resets and steps through ScienceWorldEnv (its own JVM); here the
     simulator is called directly. Same observations, scores and done flags."""
@@ -198,6 +199,7 @@ def test_valid_actions_only_when_asked(env):
 # Many envs, one JVM
 
 
+@pytest.mark.slow
 def test_concurrent_envs_on_one_jvm_stay_independent(env):
     """Envs stepped from threads, as the rollout does, see exactly what each sees alone.
     (Without the per-JVM lock the simulator hands envs each other's rooms.) Only task families
@@ -250,6 +252,7 @@ def test_killing_the_jvm_mid_episode_is_survived(env):
     second.close()
 
 
+@pytest.mark.slow
 def test_a_hung_jvm_is_killed_after_the_timeout():
     env = envs.make("sciworld", timeout=5)  # a pool of its own; its first load takes a second or two
     env.reset(FIND_NON_LIVING_0)
@@ -276,6 +279,7 @@ def test_a_jvm_out_of_heap_says_so():
         envs.make("sciworld", heap="lots")
 
 
+@pytest.mark.slow
 def test_no_jvm_survives_the_process():
     """A child that makes envs, then exits normally or is killed, leaves no JVM behind."""
     code = ("import envs, os, sys; e = envs.make('sciworld'); e.reset(0); print(e.jvm.process.pid, flush=True); "
@@ -297,6 +301,7 @@ def test_no_jvm_survives_the_process():
 # Splits
 
 
+@pytest.mark.slow
 def test_default_splits_are_the_simulators_train_and_test_variations(env):
     split = envs.splits("sciworld")
     env.reset(0)
@@ -310,6 +315,7 @@ def test_default_splits_are_the_simulators_train_and_test_variations(env):
 # The training loop and eval on SciWorld (the embedded model, tiny settings)
 
 
+@pytest.mark.slow
 def test_training_loop_and_eval_run_on_sciworld(tiny_run):
     import eval as eval_script
 

@@ -211,6 +211,7 @@ def test_flashrag_folder_with_agentgym_ids(tmp_path):
         envs.make("searchqa", qa_path=str(tmp_path / "missing"))
 
 
+@pytest.mark.slow
 def test_merged_upstream_files_cover_the_train_range(tmp_path):
     rows = ({"question": f"train {i}", "reward_model": {"ground_truth": {"target": [f"t{i}"]}}} for i in range(169615))
     _write_jsonl(tmp_path / "train.jsonl", rows)
@@ -454,6 +455,7 @@ def test_envs_stepped_from_many_threads_share_one_retriever():
 # The training loop and eval on SearchQA (the embedded model, tiny settings)
 
 
+@pytest.mark.slow
 def test_training_loop_and_eval_run_on_searchqa(tiny_run):
     import eval as eval_script
 

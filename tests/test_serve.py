@@ -207,6 +207,7 @@ needs_chromium = pytest.mark.skipif(
     reason="Chromium is not installed here (CI installs it: apt-get install -y chromium)")
 
 
+@pytest.mark.slow
 @needs_chromium
 def test_webarena_endpoints(monkeypatch):
     local = envs.make("webarena")
@@ -323,6 +324,7 @@ def malformed_requests(http: httpx.Client) -> list[httpx.Response]:
     ]
 
 
+@pytest.mark.slow
 def test_fifty_concurrent_clients_with_malformed_requests():
     """25 clients play oracle episodes through RemoteEnv while 25 send malformed requests: every bad one
     gets a one-line 4xx, no answer is a 5xx, and every good episode equals the in-process one."""
@@ -448,6 +450,7 @@ def test_command_line():
     assert all(envs.call_timeout(n) > 0 for n in envs.ENVS)
 
 
+@pytest.mark.slow
 def test_training_and_eval_over_env_url_equal_in_process(babyai_url, tmp_path):
     """train.py and eval.py on our own server (--env-url) play, log and score exactly as in process."""
     import eval as eval_script

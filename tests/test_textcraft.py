@@ -222,6 +222,7 @@ def test_oracle_solves_every_goal_through_text():
     assert max(lengths) < 100 and sum(lengths) / len(lengths) < 10
 
 
+@pytest.mark.slow
 def test_memory_stays_flat_over_ten_thousand_resets():
     tree = crafting_tree()
     env = envs.make("textcraft")
@@ -279,6 +280,7 @@ def test_default_splits_are_upstreams_sizes_stratified_by_depth(tmp_path):
 # the training loop and eval on TextCraft (the embedded model, tiny settings)
 
 
+@pytest.mark.slow
 def test_training_loop_and_eval_run_on_textcraft(tiny_run):
     import eval as eval_script
 

@@ -139,6 +139,7 @@ def check_exact(fmt, spy, trajectories):
     return checked_text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("template", ["chatml", "llama3", "qwen3"])
 def test_sampled_rollouts_are_token_exact(tiny, template):
     tokenizer, model = with_template(*tiny, template)
@@ -248,6 +249,7 @@ def test_an_observation_or_prompt_past_the_budget_ends_the_episode_as_truncated(
     assert flooded.reward == 0.5 and len(flooded.token_ids) <= 1000 and sum(flooded.loss_mask) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", envs.ENVS)
 def test_expert_rollouts_are_token_exact_for_every_env(tiny, name):
     if importlib.util.find_spec(f"envs.{name}") is None:

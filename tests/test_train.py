@@ -4,6 +4,7 @@ rollout log; eval.py scores the checkpoint; bad settings stop early with a messa
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -32,6 +33,9 @@ from rl.scores import gain
 from rollout import Trajectory
 from tests import ddp_update
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import make_expert_data  # noqa: E402
+
 
 # every step's metrics (README, "Metrics")
 STEP_METRICS = [
@@ -55,13 +59,7 @@ def tiny_args(tmp_path, **overrides):
     return train.parse_args(argv)
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("run")
-    run_dir = train.main(tiny_args(tmp, lr=0.01, eval_every=2, eval_tasks=4))
-    return run_dir
-
-
+@pytest.mark.slow
 def test_training_changes_weights_and_writes_a_checkpoint(trained):
     ckpt = trained / "checkpoints" / "step_2"
     assert (ckpt / "model.safetensors").is_file() and (ckpt / "config.json").is_file()
@@ -79,6 +77,7 @@ def test_training_changes_weights_and_writes_a_checkpoint(trained):
     assert not list(trained.glob("checkpoints/*.tmp"))
 
 
+@pytest.mark.slow
 def test_rollout_log_has_every_trajectory(trained):
     lines = [json.loads(line) for line in (trained / "rollouts.jsonl").read_text().splitlines()]
     assert len(lines) == 2 * 2 * 2  # steps x tasks x samples
@@ -118,6 +117,7 @@ def test_rollout_log_has_every_trajectory(trained):
     assert config["preset"] == "tiny" and config["env"] == "babyai"
 
 
+@pytest.mark.slow
 def test_eval_every_plays_the_test_tasks(trained):
     """--eval-every 2 of 2 steps: the initial policy (step 0) and step 2 play the same test tasks (the tiny
     preset's on BabyAI), and the run ends on the held-out comparison of the two."""
@@ -133,9 +133,11 @@ def test_eval_every_plays_the_test_tasks(trained):
     assert line.startswith("held-out success ") and "4 test tasks x 2 episodes, step 0 vs step 2" in line
 
 
+@pytest.mark.slow
 def test_plots_of_a_run_and_an_eval(trained, tmp_path, monkeypatch):
     """The PNGs train.py and eval.py draw at their end (rl/plots.py runs scripts/plot.py): a run's curves, with a
     panel per metric group, and an eval result's Avg@k / Pass@k per category."""
+    trained = shutil.copytree(trained, tmp_path / "run")  # (the shared run stays as train.py left it)
     monkeypatch.setenv("AGENTGYM_RL_PLOTS", "1")
     curves = plots.draw(trained)
     assert curves == trained / "curves.png" and curves.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -177,6 +179,7 @@ def test_gain_is_paired_by_task():
         gain(episodes({1: [1]}), episodes({2: [1]}))
 
 
+@pytest.mark.slow
 def test_eval_scores_the_checkpoint(trained, tmp_path):
     ckpt = trained / "checkpoints" / "step_2"
     out = tmp_path / "result"
@@ -204,6 +207,7 @@ def test_avg_and_pass_at_k_by_hand():
     assert (open_["tasks"], open_["avg@k"], open_["pass@k"]) == (1, pytest.approx(0.9), pytest.approx(1.0))
 
 
+@pytest.mark.slow
 def test_eval_protocols(trained):
     """A checkpoint plays by its run's limits unless told to play by upstream's evaluation, which
     has its own turn cap per env, 512 tokens a turn (200 for SciWorld) and a 32k context."""
@@ -222,7 +226,9 @@ def test_eval_protocols(trained):
         resolve(eval_script.Args(model="Qwen/Qwen2.5-7B-Instruct", protocol="run"))
 
 
+@pytest.mark.slow
 def test_resume_continues_from_the_checkpoint(trained, tmp_path):
+    trained = shutil.copytree(trained, tmp_path / "run")  # (the shared run stays as train.py left it)
     ckpt = trained / "checkpoints" / "step_2"
     args = train.parse_args(["--resume", str(ckpt), "--steps", "3"])
     run_dir = train.main(args)
@@ -232,6 +238,7 @@ def test_resume_continues_from_the_checkpoint(trained, tmp_path):
     assert (trained / "checkpoints" / "step_3" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_a_resumed_run_equals_the_uninterrupted_run(tmp_path, algo):
     """Stopped after step 1 and resumed, a run logs the same metrics, step for step, as one that never
@@ -256,10 +263,11 @@ def test_a_resumed_run_equals_the_uninterrupted_run(tmp_path, algo):
     assert rollouts[0] == rollouts[1]
 
 
+@pytest.mark.slow
 def test_resume_keeps_the_runs_settings(trained):
     ckpt = str(trained / "checkpoints" / "step_2")
     args = train.parse_args(["--resume", ckpt, "--steps", "5"])  # the flags RESUMABLE allows
-    assert args.steps == 5 and args.lr == 0.01 and args.model == "tiny-agent" and args.tasks_per_step == 2
+    assert args.steps == 5 and args.lr == 1e-4 and args.model == "tiny-agent" and args.tasks_per_step == 2
     for flag, value in (["--lr", "0.5"], ["--algo", "rloo"], ["--model", "Qwen/Qwen2.5-3B-Instruct"], ["--seed", "7"],
                         ["--n", "4"], ["--run-name", "another"]):
         with pytest.raises(SystemExit, match=f"changes {flag} "):
@@ -310,6 +318,7 @@ def test_bad_settings_stop_early(argv, message, capsys):
     assert message in str(stop.value)
 
 
+@pytest.mark.slow
 def test_reference_equals_the_policy_at_the_first_update(tmp_path):
     """Policy and reference start from the same weights and run the same way (fp32 under bf16 autocast
     here), so the KL of the first update, before any optimizer step, is exactly 0."""
@@ -375,6 +384,7 @@ class Flaky(BabyAI):
         return super().step(text)
 
 
+@pytest.mark.slow
 def test_env_failures_end_one_trajectory_not_the_run(monkeypatch, tmp_path):
     flaky_env(monkeypatch, tmp_path)
     run_dir = train.main(tiny_args(tmp_path, env="flaky", tasks_per_step=6, steps=1, env_timeout=30, max_error_rate=1))
@@ -400,6 +410,7 @@ def flaky_env(monkeypatch, tmp_path):
     monkeypatch.setitem(envs.ENVS, "flaky", envs.Registration("flaky_env", call_timeout=60.0, upstream_horizon=2))
 
 
+@pytest.mark.slow
 def test_too_many_env_failures_stop_the_run_before_the_update(monkeypatch, tmp_path):
     flaky_env(monkeypatch, tmp_path)
     with pytest.raises(SystemExit, match=r"step 1: \d+ of 12 trajectories ended in an env failure, more than "
@@ -421,6 +432,7 @@ def nan_policy_loss(monkeypatch):
     monkeypatch.setattr(train, "policy_loss", poisoned)
 
 
+@pytest.mark.slow
 def test_a_nan_loss_skips_the_update(monkeypatch, tmp_path, capsys):
     nan_policy_loss(monkeypatch)
     run_dir = train.main(tiny_args(tmp_path, lr=0.01, engine="hf"))
@@ -432,6 +444,7 @@ def test_a_nan_loss_skips_the_update(monkeypatch, tmp_path, capsys):
     assert all(torch.equal(before[k], after[k]) for k in before)  # no step was taken
 
 
+@pytest.mark.slow
 def test_repeated_nan_updates_stop_the_run_and_keep_the_batch(monkeypatch, tmp_path):
     nan_policy_loss(monkeypatch)
     with pytest.raises(SystemExit, match="step 2: 2 optimizer steps in a row had a NaN or infinite loss"):
@@ -483,6 +496,7 @@ def test_each_model_keeps_its_own_nan_streak():
     assert models.nonfinite_streak == {"policy": 3, "critic": 0} and sums.nonfinite_updates == 3
 
 
+@pytest.mark.slow
 def test_two_processes_split_the_tasks_and_log_every_episode(tmp_path):
     """Data-parallel training (DDP over gloo on the CPU) with PPO, so a critic and whitening statistics
     summed over processes: each process plays its share of a step's tasks, gradients are averaged,
@@ -527,36 +541,43 @@ def launch(processes: int, *argv: str, config: str | None = None, mixed: str = "
     return done
 
 
-def test_two_process_update_equals_the_one_process_update(tmp_path):
+@pytest.fixture(scope="module")
+def one_process_update(tmp_path_factory) -> Path:
+    """tests/ddp_update.py on one process: the update that each two-process launch below must equal."""
+    out = tmp_path_factory.mktemp("one_process")
+    launch(1, "tests/ddp_update.py", str(out))
+    return out
+
+
+@pytest.mark.slow
+def test_two_process_update_equals_the_one_process_update(tmp_path, one_process_update):
     """The same mini-batch, played by one process or split over two (short trajectories on one, long
     ones on the other, and different numbers of sequences), gives the same gradient: the token and
     sequence means and the whitening run over the whole mini-batch, not per process; packed rows too, where one
     process pads with empty micro-batches to run as many as the other."""
-    for processes in (1, 2):
-        (tmp_path / str(processes)).mkdir()
-        launch(processes, "tests/ddp_update.py", str(tmp_path / str(processes)))
+    launch(2, "tests/ddp_update.py", str(tmp_path))
     for case in ddp_update.CASES:
-        one, two = (load_file(tmp_path / str(p) / f"{case}.safetensors") for p in (1, 2))
+        one, two = (load_file(out / f"{case}.safetensors") for out in (one_process_update, tmp_path))
         assert one.keys() == two.keys()
         for name in one:
             torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-7, msg=f"{case}: {name}")
-    assert_nan_steps_skipped(tmp_path, {"1": 1, "2": 2})
+    assert_nan_steps_skipped({one_process_update: 1, tmp_path: 2})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["configs/fsdp2.yaml", "configs/zero3.yaml"])
-def test_sharded_update_equals_the_one_process_update(tmp_path, sharding):
+def test_sharded_update_equals_the_one_process_update(tmp_path, one_process_update, sharding):
     """Two processes under FSDP2 or DeepSpeed ZeRO-3 (gloo), each holding half of every weight, gradient and Adam
     moment: the gathered gradient is the one-process gradient, and both processes end with identical whole weights,
     equal to the one-process run's."""
-    for processes, config in ((1, None), (2, sharding)):
-        (tmp_path / str(processes)).mkdir()
-        launch(processes, "tests/ddp_update.py", str(tmp_path / str(processes)), config=config)
+    launch(2, "tests/ddp_update.py", str(tmp_path), config=sharding)
     for case in ddp_update.CASES:
-        one, two = (load_file(tmp_path / str(p) / f"{case}.safetensors") for p in (1, 2))
+        one, two = (load_file(out / f"{case}.safetensors") for out in (one_process_update, tmp_path))
         assert one.keys() == two.keys()
         for name in one:
             torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-7, msg=f"{case}: {name}")
-        single, first, second = (load_file(tmp_path / p / f"{case}_weights_{r}.safetensors") for p, r in (("1", 0), ("2", 0), ("2", 1)))
+        single, first, second = (load_file(out / f"{case}_weights_{r}.safetensors")
+                                 for out, r in ((one_process_update, 0), (tmp_path, 0), (tmp_path, 1)))
         assert all(torch.equal(first[name], second[name]) for name in first), case  # one model, sharded
         # Adam's first step moves a weight by lr g / (|g| + eps), about lr whatever |g|: where |g| is within a few eps
         # (1e-8) of 0, the gradients' float noise (within atol above) changes that step visibly (measured: 1-3 of
@@ -566,18 +587,20 @@ def test_sharded_update_equals_the_one_process_update(tmp_path, sharding):
             settled = gradient.abs() > 1e-6
             torch.testing.assert_close(first[name][settled], single[name][settled], rtol=0, atol=1e-6, msg=f"{case}: {name}")
             assert float((first[name] - single[name]).abs().max()) < lr, f"{case}: {name}"
-    assert_nan_steps_skipped(tmp_path, {"1": 1, "2": 2})
+    assert_nan_steps_skipped({one_process_update: 1, tmp_path: 2})
 
 
-def assert_nan_steps_skipped(runs: Path, processes: dict[str, int]) -> None:
-    """tests/ddp_update.py's NaN cases: every process skipped the step, and holds the initial weights."""
+def assert_nan_steps_skipped(processes: dict[Path, int]) -> None:
+    """tests/ddp_update.py's NaN cases, in each output directory of a launch on that many processes: every process
+    skipped the step, and holds the initial weights."""
     initial = load_file(EMBEDDED["tiny-agent"] / "model.safetensors")
     for case, run, rank in ((c, r, k) for c in ddp_update.NAN_CASES for r, n in processes.items() for k in range(n)):
-        assert float(load_file(runs / run / f"{case}_skipped_{rank}.safetensors")["skipped"]) == 1, (case, run, rank)
-        weights = load_file(runs / run / f"{case}_weights_{rank}.safetensors")
+        assert float(load_file(run / f"{case}_skipped_{rank}.safetensors")["skipped"]) == 1, (case, run, rank)
+        weights = load_file(run / f"{case}_weights_{rank}.safetensors")
         assert all(torch.equal(weights[name], initial[name]) for name in initial), (case, run, rank)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sharding, mixed", [("configs/fsdp2.yaml", "no"), ("configs/zero3.yaml", "bf16")])
 def test_a_sharded_run_checkpoints_and_resumes_exactly(tmp_path, sharding, mixed):
     """train.py under FSDP2 or ZeRO-3 on two processes (PPO: the policy, the reference and the critic sharded; the HF
@@ -606,26 +629,26 @@ def test_a_sharded_run_checkpoints_and_resumes_exactly(tmp_path, sharding, mixed
     assert [m["charts/critic_lr"] for m in uninterrupted] == pytest.approx([1e-3 * 2 / 4, 1e-3 * 3 / 4])
 
 
+@pytest.mark.slow
 def test_sharded_sft_runs_when_the_processes_have_unequal_shares(tmp_path):
     """SFT under ZeRO-3 on two processes whose shares of the held-out examples differ (an odd number of them): the
     process with fewer runs a blank micro-batch (every pass of a sharded model is collective: it would otherwise wait
     forever), which weighs nothing: the validation loss is the mean over all held-out action tokens, as on one
     process."""
     data = tmp_path / "expert.jsonl"
-    subprocess.run([sys.executable, "scripts/make_expert_data.py", "--env", "babyai", "--limit", "16", "--horizon", "6",
-                    "--max-tokens", "1536", "--out", str(data)], cwd=Path(train.__file__).parent, check=True,
-                   capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    make_expert_data.main(["--env", "babyai", "--limit", "16", "--horizon", "6", "--max-tokens", "1536", "--out", str(data)])
     records = read_data((str(data),), "babyai")
     share = next(v for v in (0.2, 0.3, 0.4, 0.5, 0.6) if len(held_out(records, v, 0)[1]) % 2 == 1)
     argv = ["--algo", "sft", "--data", str(data), "--steps", "1", "--batch-size", "2", "--micro-batch-size", "1",
             "--validation", str(share), "--eval-every", "0", "--out-dir", str(tmp_path)]
-    launch(1, "train.py", *argv, "--run-name", "one")
+    train.main(train.parse_args([*argv, "--run-name", "one"]))  # one process: this one
     launch(2, "train.py", *argv, "--run-name", "two", config="configs/zero3.yaml")
     one, two = (json.loads((tmp_path / run / "metrics.jsonl").read_text()) for run in ("one", "two"))
     assert two["sft/val_tokens"] == one["sft/val_tokens"] > 0
     assert two["sft/val_loss"] == pytest.approx(one["sft/val_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("agent", ["plan", "reflect"])
 def test_training_lays_rollouts_out_by_the_agent_format(tiny_run, agent):
     """--agent reaches the rollouts: plan's instruction asks for a plan, reflect's failed attempts are retried with

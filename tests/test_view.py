@@ -6,6 +6,7 @@ import http.client
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -14,7 +15,6 @@ from pathlib import Path
 import pytest
 
 import envs
-import train
 from rl.model import load_tokenizer
 from rl.records import decode_array
 from rollout import ChatFormat, ExpertEngine, play
@@ -56,14 +56,13 @@ def write_jsonl(path: Path, records: list[dict], torn: str = "") -> None:
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    """runs/: a 2-step GRPO run with evaluations at steps 0 and 2, an eval.py result of TextCraft's expert, and a run
-    whose logs are in the two earlier formats (with a torn last line); beside it, a secret the viewer must not serve."""
+def root(trained, tmp_path_factory):
+    """runs/: a 2-step GRPO run with evaluations at steps 0 and 2 (a copy of tests/conftest.py's), an eval.py result of
+    TextCraft's expert, and a run whose logs are in the two earlier formats (with a torn last line); beside it, a
+    secret the viewer must not serve."""
     base = tmp_path_factory.mktemp("view")
     runs = base / "runs"
-    argv = ["--steps", "2", "--tasks-per-step", "2", "--n", "2", "--horizon", "2", "--max-new-tokens", "16",
-            "--eval-every", "2", "--eval-tasks", "2", "--out-dir", str(runs), "--run-name", "grpo"]
-    run = train.main(train.parse_args(argv))
+    run = shutil.copytree(trained, runs / "grpo")
     textcraft = expert_records("textcraft", envs.splits("textcraft")["test"][:2])
     write_jsonl(runs / "eval" / "textcraft-expert.jsonl", textcraft)
     (runs / "eval" / "textcraft-expert.json").write_text(json.dumps(
@@ -104,6 +103,7 @@ def logs_by_label(port: int) -> dict[str, int]:
     return {f"{log['run']}: {log['label']}": log["log"] for log in api(port, "/api/runs")["logs"]}
 
 
+@pytest.mark.slow
 def test_runs_list_training_steps_and_evaluations(root, server):
     body = api(server, "/api/runs")
     runs = {run["name"]: run for run in body["runs"]}
@@ -119,16 +119,17 @@ def test_runs_list_training_steps_and_evaluations(root, server):
     assert set(labels) == {"grpo: training rollouts", "grpo: evaluations during training", "old: training rollouts",
                            next(label for label in labels if label.startswith("eval: eval textcraft-expert"))}
     episodes = {f"{log['run']}: {log['label']}": log["episodes"] for log in body["logs"]}
-    assert episodes["grpo: training rollouts"] == 8 and episodes["grpo: evaluations during training"] == 8
+    assert episodes["grpo: training rollouts"] == 8 and episodes["grpo: evaluations during training"] == 16
     assert episodes["old: training rollouts"] == 2  # the torn last line is left out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("query", ["success=no", "success=yes", "finish=horizon", "env=textcraft", "category=GoTo",
                                    "min_reward=0.5", "max_turns=1&min_turns=1", "min_step=2&max_step=2", "task=3",
                                    "success=no&env=babyai&min_turns=2"])
 def test_filters_pick_exactly_the_matching_trajectories(root, server, query):
     rows = api(server, "/api/trajectories?log=all")["rows"]
-    assert len(rows) == 8 + 8 + 2 + 2
+    assert len(rows) == 8 + 16 + 2 + 2
     wanted = dict(pair.split("=") for pair in query.split("&"))
 
     def keep(row):
@@ -146,6 +147,7 @@ def test_filters_pick_exactly_the_matching_trajectories(root, server, query):
     assert set(found["facets"]["env"]) == {"babyai", "textcraft"}
 
 
+@pytest.mark.slow
 def test_token_view_is_the_logged_tokens_with_what_the_update_saw(root, server):
     records = [json.loads(line) for line in (root / "grpo" / "rollouts.jsonl").read_text().splitlines()]
     log = logs_by_label(server)["grpo: training rollouts"]
@@ -168,6 +170,7 @@ def test_token_view_is_the_logged_tokens_with_what_the_update_saw(root, server):
         assert tokens["value"] is None  # PPO only
 
 
+@pytest.mark.slow
 def test_env_state_replays_the_logged_episode(root, server):
     log = logs_by_label(server)["grpo: training rollouts"]
     rows = api(server, f"/api/trajectories?log={log}")["rows"]
@@ -190,6 +193,7 @@ def test_env_state_replays_the_logged_episode(root, server):
     assert view.replay(record, {})["diverged"] == 1 and len(view.replay(record, {})["states"]) == 1
 
 
+@pytest.mark.slow
 def test_older_logs_open(server):
     log = logs_by_label(server)["old: training rollouts"]
     rows = api(server, f"/api/trajectories?log={log}")["rows"]
@@ -203,6 +207,7 @@ def test_older_logs_open(server):
     assert api(server, f"/api/state?log={log}&line=0")["kind"] == "babyai"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["/files/../secret.txt", "/files/%2e%2e/secret.txt", "/files/%2E%2E%2Fsecret.txt",
                                   "/files/grpo/../../secret.txt", "/files//etc/passwd", "/files/%2Fetc%2Fpasswd",
                                   "/files/grpo/link.txt", "/files/outside/secret.txt", "/files/grpo/%00x"])
@@ -211,6 +216,7 @@ def test_paths_outside_the_run_directory_are_refused(server, path):
     assert status == 403 and b"not for the viewer" not in body
 
 
+@pytest.mark.slow
 def test_files_under_the_run_directory_are_served_and_bad_requests_answered(server):
     status, body = get(server, "/files/grpo/config.json")
     assert status == 200 and json.loads(body)["algo"] == "grpo"
@@ -255,6 +261,7 @@ def test_an_older_runs_finish_metric_is_read_under_its_new_name(tmp_path):
     assert plot.main([str(tmp_path / "old"), str(tmp_path / "new"), "--out", str(tmp_path / "both.png")]).is_file()
 
 
+@pytest.mark.slow
 def test_the_page_in_chromium(root):
     """The real command serves the page; Chromium lists the steps, applies a filter, opens a trajectory, shows its
     tokens and a second one side by side."""

@@ -168,6 +168,7 @@ class Slow(Env):
         return StepResult("You see a wall.", 0.0, False, {})
 
 
+@pytest.mark.slow
 def test_continuous_batching_does_not_wait_for_the_slowest_env(tiny):
     fmt, _, engine = tiny
     shares = {}
@@ -204,26 +205,26 @@ def test_vllm_rollouts_are_token_exact_for_every_env(tiny, name):
     assert check_exact(fmt, spy, trajectories) >= 1
 
 
-def test_train_and_eval_run_on_vllm_from_the_command_line(tmp_path):
-    """`python train.py --engine vllm` and `python eval.py --engine vllm`, as a user runs them: every
-    step logs the engine's metrics, every sync passes its probe check."""
+@pytest.mark.slow
+def test_train_and_eval_run_on_vllm(trained, tmp_path):
+    """train.py on vLLM (tests/conftest.py's run, on the default engine: vLLM, where it is installed) logs the engine's
+    metrics at every step, and every sync passes its probe check; `eval.py --engine vllm` scores its checkpoint (its
+    command line parsed as eval.py parses it; `python train.py` as a command on vLLM: tests/test_train.py's
+    two-process run)."""
     import json
-    import subprocess
-    import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run([sys.executable, "train.py", "--engine", "vllm", "--steps", "2", "--tasks-per-step", "2", "--n", "2",
-                    "--horizon", "2", "--max-new-tokens", "16", "--eval-every", "0", "--out-dir", str(tmp_path), "--run-name", "cli"],
-                   cwd=root, check=True, timeout=600)
-    metrics = [json.loads(line) for line in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 2
-    for m in metrics:
+    import eval as eval_script
+
+    assert json.loads((trained / "config.json").read_text())["engine_used"] == "vllm"
+    metrics = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
+    assert [m["charts/step"] for m in metrics] == [0, 1, 2]  # (step 0: the initial policy's evaluation)
+    for m in metrics[1:]:
         assert m["sync/probe_diff"] < 1e-3 and 0 < m["sync/seconds"] < 5
         assert m["rollout/logprob_diff"] < 1e-4 and m["rollout/logprob_diff_max"] < 1e-2
         assert m["perf/tokens_per_s"] > 0 and 0 <= m["perf/env_wait_share"] < 1
         assert 0 < m["perf/prefix_hit_rate"] < 1  # turn 2 reuses turn 1's KV cache
     out = tmp_path / "eval"
-    subprocess.run([sys.executable, "eval.py", "--engine", "vllm", "--model", str(tmp_path / "cli" / "checkpoints" / "step_2"),
-                    "--limit", "4", "--out", str(out)], cwd=root, check=True, timeout=600)
+    argv = ["--engine", "vllm", "--model", str(trained / "checkpoints" / "step_2"), "--limit", "4", "--out", str(out)]
+    eval_script.main(eval_script.tyro.cli(eval_script.Args, args=argv))
     results = json.loads(out.with_suffix(".json").read_text())
     assert results["engine"] == "vllm" and results["tasks"] == 4

@@ -45,6 +45,7 @@ class Sleepy(rl.engines.VLLMEngine if rl.engines.vllm_available() else object):
         Sleepy.engines.append(self)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_training_with_evaluations_never_submits_to_a_sleeping_engine(tmp_path, monkeypatch):
     """train.py --engine vllm --eval-every 1: the step-0 evaluation ends with the engine asleep and step 1's
@@ -108,6 +109,7 @@ class Room(Env):
         return StepResult("You see a wall.", 0.0, False, {})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_rollout_whose_engine_generates_nothing_fails_in_bounded_time(monkeypatch):
     fmt = ChatFormat(load_tokenizer("tiny-agent"))

@@ -295,6 +295,7 @@ def test_bad_output_is_an_observation(env):
     assert "Tab 0 (current)" in result.observation and result.info["fail_error"].startswith("IndexError")
 
 
+@pytest.mark.slow
 @needs_chromium
 def test_a_search_submitted_with_enter_is_observed_on_its_results_page(env):
     """The form's navigation starts after Enter's key events return, sometimes after the settle wait; the
@@ -369,6 +370,7 @@ def test_ids_are_stable_and_clickable(env):
         env.step(act("go_back"))
 
 
+@pytest.mark.slow
 @needs_chromium
 @pytest.mark.parametrize("task_id", [i for i in range(len(LOCAL)) if i not in JUDGED])
 def test_oracle_solves_each_local_task(env, task_id):
@@ -428,6 +430,7 @@ def _send(handler: BaseHTTPRequestHandler, data: bytes, headers: dict[str, str])
     handler.wfile.write(data)
 
 
+@pytest.mark.slow
 @needs_chromium
 def test_fuzzy_match_asks_the_judge_endpoint_or_says_it_was_skipped(env):
     fuzzy, not_available = JUDGED
@@ -529,6 +532,7 @@ def test_login_is_made_once_and_shared_by_new_contexts(env):
     assert "link 'Log in'" in env.reset(7)  # a task without require_login starts logged out
 
 
+@pytest.mark.slow
 @needs_chromium
 def test_parallel_envs_from_a_thread_pool_are_isolated():
     pool_envs = [envs.make("webarena", sites="local") for _ in range(4)]
@@ -561,6 +565,7 @@ async def _cart_text(env):
 # Faults
 
 
+@pytest.mark.slow
 @needs_chromium
 def test_hung_crashed_and_killed_browser_end_one_trajectory_and_recover(monkeypatch):
     env = envs.make("webarena", sites="local", timeout_s=8, nav_timeout_s=2)
@@ -612,6 +617,7 @@ async def _crash(env):
         pass
 
 
+@pytest.mark.slow
 @needs_chromium
 def test_no_browser_process_survives_the_run():
     script = ("import envs; from envs.webarena.browser import chromium_pids; e = envs.make('webarena', sites='local');"
@@ -631,6 +637,7 @@ def test_no_browser_process_survives_the_run():
 # The training loop
 
 
+@pytest.mark.slow
 @needs_chromium
 def test_training_loop_runs_on_the_local_sites(tiny_run):
     run_dir, records, _ = tiny_run("webarena", evaluate=False)
