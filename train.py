@@ -365,34 +365,34 @@ def main(args: Args) -> Path | None:
                              envs.parse_options(args.env_options), args.env_timeout, args.env_url)
     pool = ThreadPoolExecutor(max_workers=min(32, len(environments)))
     test_ids = test_task_ids(args) if args.eval_every else []  # played on the same envs every --eval-every steps
+    engine = logs = None
+    try:  # (everything from here on closes what it opened, also on a stop or an error)
+        # -- models, the sampler, and the training state when resuming
+        tokenizer = load_tokenizer(args.model)
+        fmt = ChatFormat(tokenizer)
+        models = build_models(args, accelerator, policy_from=args.resume if resuming else args.model)
+        max_tokens = context_limit(args, accelerator.unwrap_model(models.policy), say=accelerator.is_main_process)
+        engine = build_engine(args, fmt, models, accelerator, max_tokens)
+        trainer_state = resume(accelerator, models, engine, Path(args.resume)) if resuming else {"step": 0, "logs": {}}
+        start_step = trainer_state["step"] + 1
+        sync(engine, models.policy, accelerator, start_step - 1)  # from the first step on: the trainer's weights
 
-    # -- models, the sampler, and the training state when resuming
-    tokenizer = load_tokenizer(args.model)
-    fmt = ChatFormat(tokenizer)
-    models = build_models(args, accelerator, policy_from=args.resume if resuming else args.model)
-    max_tokens = context_limit(args, accelerator.unwrap_model(models.policy), say=accelerator.is_main_process)
-    engine = build_engine(args, fmt, models, accelerator, max_tokens)
-    trainer_state = resume(accelerator, models, engine, Path(args.resume)) if resuming else {"step": 0, "logs": {}}
-    start_step = trainer_state["step"] + 1
-    sync(engine, models.policy, accelerator, start_step - 1)  # from the first step on, the engine samples the trainer's weights
+        # -- the run's record (logs cut back to the checkpoint's when resuming)
+        config = run_config(args, run_dir, resuming, accelerator, mixed, engine, environments[0])
+        if accelerator.is_main_process:
+            print(f"run {run_dir.name}: {args.env}, {args.model} ({args.preset} preset), {args.algo}, {args.steps} steps of "
+                  f"{args.tasks_per_step} tasks x {args.n} samples, {describe(args.horizon, args.horizon_every, args.steps)}, "
+                  f"{evaluation_plan(args, len(test_ids), start_step, initial=start_step == 1)}"
+                  f" -> {run_dir}" + (f", resumed at step {start_step}" if resuming else ""))
+        logs = Logs(args, run_dir, config, active=accelerator.is_main_process, resume_sizes=trainer_state["logs"])
 
-    # -- the run's record (logs cut back to the checkpoint's when resuming)
-    config = run_config(args, run_dir, resuming, accelerator, mixed, engine, environments[0])
-    if accelerator.is_main_process:
-        print(f"run {run_dir.name}: {args.env}, {args.model} ({args.preset} preset), {args.algo}, {args.steps} steps of "
-              f"{args.tasks_per_step} tasks x {args.n} samples, {describe(args.horizon, args.horizon_every, args.steps)}, "
-              f"{evaluation_plan(args, len(test_ids), start_step, initial=start_step == 1)}"
-              f" -> {run_dir}" + (f", resumed at step {start_step}" if resuming else ""))
-    logs = Logs(args, run_dir, config, active=accelerator.is_main_process, resume_sizes=trainer_state["logs"])
-
-    # (the step bar shows the phase under way: rollout, update or eval, and how far it got)
-    progress = tqdm(range(start_step, args.steps + 1), disable=not accelerator.is_main_process, desc="train",
-                    dynamic_ncols=True, initial=start_step - 1, total=args.steps)
-    if test_ids and start_step == 1:  # the initial policy, for the held-out comparison at the end (finish)
-        evaluation, evaluated = evaluate(engine, fmt, environments, test_ids, models, args, accelerator, max_tokens, 0,
-                                         progress)
-        logs.write(0, evaluation | {"charts/step": 0}, eval_line(0, evaluation), evaluations=evaluated)
-    try:
+        # (the step bar shows the phase under way: rollout, update or eval, and how far it got)
+        progress = tqdm(range(start_step, args.steps + 1), disable=not accelerator.is_main_process, desc="train",
+                        dynamic_ncols=True, initial=start_step - 1, total=args.steps)
+        if test_ids and start_step == 1:  # the initial policy, for the held-out comparison at the end (finish)
+            evaluation, evaluated = evaluate(engine, fmt, environments, test_ids, models, args, accelerator, max_tokens, 0,
+                                             progress)
+            logs.write(0, evaluation | {"charts/step": 0}, eval_line(0, evaluation), evaluations=evaluated)
         for step in progress:
             step_start = time.perf_counter()
 
@@ -436,7 +436,7 @@ def main(args: Args) -> Path | None:
             if step == args.steps or (args.save_every and step % args.save_every == 0):
                 save_checkpoint(accelerator, models, engine, tokenizer, run_dir / "checkpoints" / f"step_{step}", step, logs,
                                 args.keep_checkpoints)
-    finally:  # also when a stop (env failures, NaN) or an error ends the run: no JVM or browser left behind
+    finally:  # also when a stop (env failures, NaN, a stalled engine) or an error ends the run: no JVM or browser left behind
         close(engine, environments, logs, pool)
     return finish(run_dir, accelerator)
 

@@ -207,6 +207,8 @@ def make_accelerator(args):
     if args.deterministic and torch.cuda.is_available():  # the update's GPU kernels too (CPU ones are; untried here)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
+        # (the mode would also fill every new tensor with NaN, in vLLM's forwards too, which run in this process)
+        torch.utils.deterministic.fill_uninitialized_memory = False
     mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed and not torch.accelerator.is_available() else []

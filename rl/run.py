@@ -309,7 +309,8 @@ def resume(accelerator, models, engine, checkpoint: Path) -> dict:
     sampler = state / f"sampler_{accelerator.process_index}.safetensors"
     if rng.is_file():
         checkpoint_lib.load_rng(rng)
-    # none from fewer processes, or from another engine; vLLM keeps none (sft and dpo may have no engine)
+    # none from fewer processes, or from another engine; vLLM keeps one only under --deterministic (sft and dpo may
+    # have no engine)
     restored = engine is None or engine.load_state_dict(load_file(str(sampler)) if sampler.is_file() else {})
     if not rng.is_file() or not restored:
         print(f"{checkpoint}: process {accelerator.process_index} continues without the "
@@ -372,14 +373,15 @@ def held_out_line(run_dir: Path) -> str | None:
             f"{result['tasks']} test tasks x {episodes:g} episodes, step 0 vs step {last})")
 
 
-def close(engine, environments: list, logs: Logs, pool=None) -> None:
+def close(engine, environments: list, logs: Logs | None, pool=None) -> None:
     """What a program opened, closed, also when a stop or an error ends it: no JVM or browser left behind."""
     if pool is not None:
         pool.shutdown()
     if engine is not None:  # (sft and dpo without --eval-every sample nothing)
         engine.close()
     close_envs(environments)
-    logs.close()
+    if logs is not None:  # (a stop before the logs were opened)
+        logs.close()
 
 
 def finish(run_dir: Path, accelerator) -> Path:

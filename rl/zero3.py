@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-3 under Accelerate (configs/zero3.yaml): what train.py does differently there.
+"""DeepSpeed ZeRO-3 under Accelerate (configs/zero3.yaml): what training does differently there.
 
 Accelerate prepares each model as a DeepSpeed engine that partitions its weights, gradients and optimizer states
 over the processes (as FSDP2 does) and gathers a layer's weights for its forward and backward. Three things differ
@@ -9,9 +9,9 @@ from the plain PyTorch path, and they are all here:
   a LambdaLR on the same optimizer, steps after each applied step.) train.py's update takes a varying number of
   micro-batches per optimizer step and normalises the loss over the whole mini-batch itself, so the engine is
   configured with one micro-batch per "accumulation boundary" (`gradient_accumulation_steps` 1: it never rescales
-  the loss) and train.py calls `step()` once, after the mini-batch's last backward; ZeRO-3 accumulates the
+  the loss) and rl/optimizer.py calls `step()` once, after the mini-batch's last backward; ZeRO-3 accumulates the
   partitioned gradients across the backwards in between. Accelerate drives only the engine it prepared last, and
-  PPO has two (policy and critic), so train.py calls each engine's backward and step itself.
+  PPO has two (policy and critic), so rl/optimizer.py calls each engine's backward and step itself.
 - Models are loaded partitioned: once DeepSpeed's config is set, transformers' from_pretrained builds every model
   under ZeRO-3's partitioning (no process ever holds a whole copy of the policy, the reference or the critic). The
   HF engine's own copy, which must be whole, is loaded `unpartitioned`; a critic's weights from a checkpoint go into
@@ -36,6 +36,7 @@ from safetensors import safe_open
 from rl import checkpoint
 
 REQUIRED = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
+_ACCELERATE = {}  # Accelerate's own functions that keep_out replaces, to put back
 
 
 def active(accelerator) -> bool:
@@ -46,11 +47,12 @@ def keep_out(accelerator) -> None:
     """Outside a DeepSpeed launch, keep Accelerate from importing DeepSpeed. Its unwrap_model (which its prepare and
     get_state_dict call, and train.py) imports deepspeed whenever the package is installed, only to recognise a
     DeepSpeed engine, of which such a launch has none; the import prints "Setting accelerator to CPU" on a machine
-    without a GPU (every CPU run). Accelerate asks is_deepspeed_available() there first: answered no."""
-    if not active(accelerator):
-        import accelerate.utils.other
+    without a GPU (every CPU run). Accelerate asks is_deepspeed_available() there first: answered no, and as
+    before again for a DeepSpeed launch later in the same process."""
+    import accelerate.utils.other as other
 
-        accelerate.utils.other.is_deepspeed_available = lambda: False
+    original = _ACCELERATE.setdefault("is_deepspeed_available", other.is_deepspeed_available)
+    other.is_deepspeed_available = original if active(accelerator) else (lambda: False)
 
 
 def configure(accelerator, grad_clip: float) -> None:
@@ -91,7 +93,7 @@ def unpartitioned(accelerator):
 
 def prepare(accelerator, *objects):
     """accelerator.prepare for a model beside the policy (the reference, PPO's critic): an engine of its own.
-    (Accelerate would warn that its backward drives only the first engine: train.py calls each engine's own.)"""
+    (Accelerate would warn that its backward drives only the first engine: rl/optimizer.py calls each engine's own.)"""
     accelerator.deepspeed_engine_wrapped = None
     return accelerator.prepare(*objects)
 
@@ -129,7 +131,7 @@ def is_engine(model) -> bool:
 def backward(model, loss: torch.Tensor, last: bool, finite: bool) -> None:
     """The engine's backward of one micro-batch. A loss that was not finite, on any process and at any micro-batch
     of the mini-batch (`finite` False here), poisons the last backward, so that the engine's step finds NaN
-    gradients and skips, as train.py skips such steps everywhere else (the processes agree first: each calls this
+    gradients and skips, as rl/optimizer.py skips such steps everywhere else (the processes agree first: each calls this
     alike)."""
     if last:
         flag = torch.tensor([float(not finite)], device=loss.device)
