@@ -57,6 +57,10 @@ class Sample:
     text: str | None = None
     usage: dict[str, float] = field(default_factory=dict)
     finish: str | None = None
+    # a text engine's native tool calls ([{"name": str, "arguments": str of JSON}], as the server returned them)
+    # and the reasoning it returned apart from the reply (a server's reasoning_content): logged, never sent to an env
+    tool_calls: list[dict] | None = None
+    reasoning: str | None = None
 
 
 class Seeded:
