@@ -69,13 +69,14 @@ import envs
 from envs.guard import close_envs, make_envs
 from rl import api, plots
 from rl.agent import make_agent
+from rl.chat import chat_format
 from rl.checkpoint import write_atomic
 from rl.horizon import horizon_at
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, full_weights, is_adapter, load_model, load_tokenizer
 from rl.run import run_of
 from rl.scores import endings, paired, score, spread
 from rl.engines import engine_kind, make_engine
-from rollout import ChatFormat, EngineStalled, category, on_bar, play
+from rollout import EngineStalled, category, on_bar, play
 
 # The context of upstream's eval engine (vLLM's max_model_len in its eval scripts); its turn cap and tokens a
 # turn are each env's (envs.ENVS).
@@ -101,8 +102,15 @@ class Args:
     horizon: Annotated[tuple[int, ...] | None, tyro.conf.arg(aliases=("--max-turns",))] = None
     """turn cap per episode; default: set by --protocol. Several (--horizon 5 10 20 30) sweep the test-time
     interaction budget: a table and a PNG of Avg@k and Pass@k against it, per category"""
-    agent: Literal["react", "plan", "reflect"] = "react"
-    """how episodes are laid out (rl/agent.py): react (AgentGym's), plan, or reflect (--attempts attempts a task)"""
+    agent: Literal["react", "plan", "reflect", "tools"] | None = None
+    """how episodes are laid out (rl/agent.py): react (AgentGym's), plan, reflect (--attempts attempts a task) or
+    tools (native tool calls); default: a run's checkpoint plays its run's (--protocol run), anything else react"""
+    reasoning_tags: tuple[str, str] | None = None
+    """a reasoning model's block (e.g. --reasoning-tags '<think>' '</think>'); default: a run's own, else the tags the
+    chat template names (an API model: <think> </think>). The env reads the reply after the block"""
+    chat_template_kwargs: dict[str, str] = field(default_factory=dict)
+    """options for the chat template, e.g. --chat-template-kwargs enable_thinking false (Qwen3), added to a run's own;
+    an API model's server gets them as its request's chat_template_kwargs"""
     attempts: int = 3
     """--agent reflect: attempts a task gets (it stops at its first success); success is reported per attempt"""
     compare: tuple[str, str] | None = None
@@ -199,8 +207,13 @@ def resolve_settings(args: Args) -> dict:
     # a run's checkpoint plays its run's test tasks (the tiny preset's on BabyAI: the short-horizon levels')
     own_tasks = config.get("test_tasks") if protocol == "run" and config["env"] == env and args.split == "test" else None
     horizons = sorted(set(horizons)) if horizons else [overrides.get("horizon", limits["horizon"])]
+    # the layout: a run's checkpoint plays as its run was trained (agent format, template options, reasoning tags)
+    own = config if protocol == "run" else {}
+    layout = {"agent": args.agent or own.get("agent", "react"),
+              "chat_template_kwargs": {**own.get("chat_template_kwargs", {}), **args.chat_template_kwargs},
+              "reasoning_tags": args.reasoning_tags or (tuple(own["reasoning_tags"]) if own.get("reasoning_tags") else None)}
     return {"env": env, "protocol": protocol, **limits, **overrides, "overrides": sorted(overrides), "env_options": options,
-            "tasks": args.tasks or own_tasks, "horizons": horizons}
+            "tasks": args.tasks or own_tasks, "horizons": horizons, **layout}
 
 
 def main(args: Args) -> dict:
@@ -210,7 +223,7 @@ def main(args: Args) -> dict:
     env_name = settings["env"]
     task_ids = evaluation_tasks(args, settings)
     try:
-        agent = make_agent(args.agent, args.attempts)
+        agent = make_agent(settings["agent"], args.attempts)
     except ValueError as error:
         raise SystemExit(str(error)) from error
 
@@ -281,7 +294,7 @@ def load_engine(args: Args, settings: dict):
     if args.base_url is not None:
         raise SystemExit(f"--base-url is for --model {api.PREFIX}<name>: a model on a server, by the name it serves it under")
     tokenizer = load_tokenizer(args.model)
-    fmt = ChatFormat(tokenizer)
+    fmt = chat_format(tokenizer, settings["agent"], settings["chat_template_kwargs"], settings["reasoning_tags"])
     kind = engine_kind(args.engine)
     model = None
     if kind == "hf" or is_adapter(args.model):

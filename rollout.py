@@ -65,8 +65,9 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import envs
-from envs import Env
+from envs import Env, StepResult
 from rl.agent import REACT, Agent
+from rl.chat import ChatFormat, openai_calls  # (ChatFormat: rollout's callers import it from here too)
 from rl.records import FORMAT, encode_array
 from rl.engines import ExpertEngine, HFEngine, Sample, VLLMEngine  # noqa: F401 - the engines rollouts run on
 
@@ -102,6 +103,7 @@ class Trajectory:
     final: bool = True  # reflect: False when another attempt followed this one
     reflection: str | None = None  # reflect: what the policy wrote after this attempt failed
     usage: dict[str, float] = field(default_factory=dict)  # an API model's calls, tokens and cost (rl/api.py)
+    tools: list[dict] | None = None  # --agent tools: the tools the model was given (OpenAI function schemas)
 
     def add(self, ids: list[int], logprobs: list[float] | None = None, trained: bool = False) -> None:
         """Append tokens: sampled ones with their log-probs and trained=True, anything else untrained."""
@@ -190,58 +192,6 @@ class RolloutStats:
         self.env_s += sum(seconds for _, seconds in timed)
         self.env_calls += len(timed)
         self.env_call_s += [seconds for _, seconds in timed]
-
-
-# ----------------------------------------------------------------------------------------------
-# Chat format: how messages become tokens, read off the tokenizer's own chat template
-
-
-class ChatFormat:
-    """The three pieces of text a rollout needs from a chat template: the first prompt, the
-    scaffolding around an observation (what follows an assistant's end-of-turn token up to the
-    next generation prompt), and the end-of-turn token itself. Found once by rendering sentinel
-    messages, so any template that renders history as a prefix works (ChatML/Qwen, Llama 3, ...).
-    A tokenizer without a usable template is the user's model: it stops the script with one sentence."""
-
-    _USER, _ASSISTANT, _NEXT = "\x02user-sentinel\x03", "\x02assistant-sentinel\x03", "\x02next-sentinel\x03"
-
-    def __init__(self, tokenizer):
-        if not getattr(tokenizer, "chat_template", None):
-            raise SystemExit(f"{tokenizer.name_or_path} has no chat template; use an instruct/chat model (or set "
-                             "tokenizer.chat_template) so that turns can be formatted")
-        self.tokenizer = tokenizer
-        history = [{"role": "user", "content": self._USER}, {"role": "assistant", "content": self._ASSISTANT}]
-        text = self.render(history + [{"role": "user", "content": self._NEXT}], add_generation_prompt=True)
-        after = text.index(self._ASSISTANT) + len(self._ASSISTANT)
-        specials = sorted(set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab()), key=len, reverse=True)
-        eot = next((s for s in specials if s and text.startswith(s, after)), None)
-        if eot is None:
-            raise SystemExit(f"cannot find the end-of-turn token after an assistant message in {tokenizer.name_or_path}'s "
-                             "chat template: use a model whose template ends each turn with a special token")
-        self.end_of_turn = tokenizer.convert_tokens_to_ids(eot)
-        start = after + len(eot)
-        split = text.index(self._NEXT)
-        self.observation_prefix, self.observation_suffix = text[start:split], text[split + len(self._NEXT):]
-        eos = tokenizer.eos_token_id
-        self.stop_ids = {self.end_of_turn} | set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.end_of_turn
-
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def prompt(self, messages: list[dict]) -> list[int]:
-        """An episode's first prompt: its opening messages (rl/agent.py) and the generation prompt."""
-        return self.encode(self.render(messages, add_generation_prompt=True))
-
-    def observation(self, text: str) -> list[int]:
-        return self.encode(self.observation_prefix + text + self.observation_suffix)
-
-    def text(self, sampled: list[int]) -> str:
-        """The assistant's text as the env sees it (special tokens such as end-of-turn dropped)."""
-        return self.tokenizer.decode(sampled, skip_special_tokens=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -449,7 +399,20 @@ def _generate(engine, fmt: ChatFormat, agent: Agent, environments: list[Env], po
             continue
         _act(fmt, traj, sample)
         clock.sampled_tokens += len(sample.token_ids)
-        stepping[pool.submit(_timed, environments[traj.row].step, agent.env_text(traj.messages[-1]["content"]))] = traj
+        action = agent.read(fmt, traj.env, traj.messages[-1]["content"], sample.tool_calls)
+        if action.calls:
+            traj.messages[-1]["tool_calls"] = openai_calls(action.calls, traj.turns)
+        if action.problem is not None:  # a reply the env never sees: answered here, as an invalid action
+            stepping[_answered(StepResult(action.problem, traj.reward, False, {"valid": False}))] = traj
+        else:
+            stepping[pool.submit(_timed, environments[traj.row].step, action.text)] = traj
+
+
+def _answered(result: StepResult) -> Future:
+    """An env step already answered, as the rollout waits for one: (result, no env seconds)."""
+    future = Future()
+    future.set_result((result, 0.0))
+    return future
 
 
 def _add_usage(traj: Trajectory, sample: Sample) -> None:
@@ -526,8 +489,8 @@ def _start(fmt: ChatFormat, agent: Agent, row: int, env: Env, task_id: int, grou
         traj.fail(f"reset failed: {type(first).__name__}: {first}")
         return traj
     messages = agent.opening(env, first, reflections)
-    traj = Trajectory(env.name, task_id, group, row, messages, horizon=horizon)
-    traj.add(fmt.prompt(messages))
+    traj = Trajectory(env.name, task_id, group, row, messages, horizon=horizon, tools=agent.tools(env))
+    traj.add(fmt.prompt(messages, tools=traj.tools))
     return traj
 
 
@@ -540,11 +503,13 @@ def _act(fmt: ChatFormat, traj: Trajectory, sample: Sample) -> None:
             # which the model did not choose, so it is not trained on
             traj.add([fmt.end_of_turn])
     traj.messages.append({"role": "assistant", "content": _reply(fmt, sample)})
+    if sample.reasoning:  # (a text engine's reasoning, returned apart from its reply: logged, never sent back)
+        traj.messages[-1]["reasoning_content"] = sample.reasoning
     traj.turns += 1
 
 
 def _reply(fmt: ChatFormat, sample: Sample) -> str:
-    """A sampled turn's text as the conversation keeps it (the env reads agent.env_text of it)."""
+    """A sampled turn's text as the conversation keeps it (the env is asked what agent.read finds in it)."""
     return sample.text if sample.text is not None else fmt.text(sample.token_ids)
 
 
@@ -557,11 +522,13 @@ def _observe(fmt: ChatFormat, traj: Trajectory, result, horizon: int, max_tokens
     traj.turn_rewards.append(traj.reward)
     traj.invalid_actions += result.info.get("valid") is False
     traj.success = bool(result.info.get("success", result.reward > 0)) if result.done else False
-    traj.messages.append({"role": "user", "content": result.observation})
+    calls = traj.messages[-1].get("tool_calls")  # an answer to a tool call is the call's result
+    traj.messages.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": result.observation} if calls
+                         else {"role": "user", "content": result.observation})
     if traj.done:
         traj.finish = "done"
     elif traj.turns < horizon:
-        observation = fmt.observation(result.observation)
+        observation = fmt.observation(result.observation, traj.messages[-1]["role"])
         if _room(traj, max_tokens) - len(observation) < 1:  # no room left for a reply
             traj.finish = "max_tokens"
         else:

@@ -51,6 +51,7 @@ from envs.guard import make_envs
 from rl import advantages as adv_lib
 from rl.agent import make_agent
 from rl.batch import Batch, arrange, attach, example_micro_batches, make_batch, minibatch_counts, scatter
+from rl.chat import chat_format
 from rl.data import examples_of, held_out, offline_steps, read_data, to_record
 from rl.dpo import DPOSums, dpo_terms
 from rl.engines import build_engine, own_stream, stream_seed, sync
@@ -153,10 +154,16 @@ class Args:
     """tokens per assistant turn"""
     max_tokens: int = 8192
     """tokens per trajectory (prompt + every turn); an episode ends when it is spent"""
-    agent: Literal["react", "plan", "reflect"] = "react"
+    agent: Literal["react", "plan", "reflect", "tools"] = "react"
     """how episodes are laid out (rl/agent.py): react, AgentGym's Thought/Action; plan, a plan written before the
     first action and revised when needed (trained like any action); reflect, up to --attempts attempts a task,
-    each after a reflection on the failed ones (each attempt its own trajectory and reward)"""
+    each after a reflection on the failed ones (each attempt its own trajectory and reward); tools, the env's
+    actions as native tool calls in the chat template's own format (rl/chat.py)"""
+    reasoning_tags: tuple[str, str] | None = None
+    """a reasoning model's block (e.g. --reasoning-tags '<think>' '</think>'); default: the tags the chat template
+    names. The env reads the reply after the block; the tokens stay as sampled"""
+    chat_template_kwargs: dict[str, str] = field(default_factory=dict)
+    """options for the chat template's every rendering, e.g. --chat-template-kwargs enable_thinking false (Qwen3)"""
     attempts: int = 3
     """--agent reflect: attempts a task gets (it stops at its first success)"""
     temperature: float = 1.0
@@ -369,7 +376,7 @@ def main(args: Args) -> Path | None:
     try:  # (everything from here on closes what it opened, also on a stop or an error)
         # -- models, the sampler, and the training state when resuming
         tokenizer = load_tokenizer(args.model)
-        fmt = ChatFormat(tokenizer)
+        fmt = chat_format(tokenizer, args.agent, args.chat_template_kwargs, args.reasoning_tags)
         models = build_models(args, accelerator, policy_from=args.resume if resuming else args.model)
         max_tokens = context_limit(args, accelerator.unwrap_model(models.policy), say=accelerator.is_main_process)
         engine = build_engine(args, fmt, models, accelerator, max_tokens)
@@ -635,7 +642,7 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
     train, validation = held_out(read_data(args.data, args.env), args.validation, args.seed)
     experience = read_data(args.experience, args.env) if args.experience else None
     tokenizer = load_tokenizer(args.model)
-    fmt = ChatFormat(tokenizer)
+    fmt = chat_format(tokenizer, args.agent, args.chat_template_kwargs, args.reasoning_tags)
     models = build_models(args, accelerator, policy_from=args.resume if resuming else args.model)
     max_tokens = context_limit(args, accelerator.unwrap_model(models.policy), say=accelerator.is_main_process)
 
@@ -749,7 +756,7 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
     run_dir = run_directory(args, False, accelerator)
     expert, validation = held_out(read_data(args.data, args.env), args.validation, args.seed)
     tokenizer = load_tokenizer(args.model)
-    fmt = ChatFormat(tokenizer)
+    fmt = chat_format(tokenizer, args.agent, args.chat_template_kwargs, args.reasoning_tags)
     models = build_models(args, accelerator, policy_from=args.model)
     initial = copy.deepcopy(models.optimizer.state_dict()), copy.deepcopy(models.scheduler.state_dict())
     max_tokens = context_limit(args, accelerator.unwrap_model(models.policy), say=accelerator.is_main_process)

@@ -5,7 +5,7 @@ the policy is trained on is still exactly one it sampled.
 
     agent = make_agent("plan")
     messages = agent.opening(env, first_observation)     # instruction, ack, observation
-    env.step(agent.env_text(reply))                       # the part of a reply the env parses
+    action = agent.read(fmt, env.name, reply)             # what the env is asked: action.text for env.step
 
 - react (default): AgentGym's layout, "Thought: ... Action: ...": the env's instruction, its ack, the first
   observation; the env reads the whole reply. Byte-identical to the layout before formats existed.
@@ -27,14 +27,27 @@ the policy is trained on is still exactly one it sampled.
   trained: the reward that would judge one is the next attempt's, earned in another context than the one
   the reflection was sampled in, so its log-probs would not be the sampler's.
 
-Upstream's released code lays its conversations out as ReAct only; the planning and reflection prompts
-here are this project's.
+- tools: native tool calling. The env's actions are tools (envs/tools.py, OpenAI's function format) that the
+  chat template renders into the first prompt; the instruction is followed by TOOLS_GUIDE; the model acts by
+  calling one tool a turn, in its template's call format (rl/chat.py), and the env's answer comes back as a tool
+  result. A reply the env cannot take as one call (no call, bad JSON, an unknown tool, a missing or mistyped
+  argument, several calls) is answered with an observation that says what was wrong, without touching the env,
+  and counts as an invalid action.
+
+Every format reads a reply after its reasoning block (ChatFormat.answer): a reply cut off inside its reasoning
+is answered as an invalid action, as a malformed one is, and the env never sees the reasoning.
+
+Upstream's released code lays its conversations out as ReAct only; the planning, reflection and tool-calling
+prompts here are this project's.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from envs import tools as env_tools
+from rl.chat import CallError, read_call
 
 PLAN_GUIDE = ("Before your first action, write a plan for the whole task, its steps in order, between <plan> and "
               "</plan>; then reply as instructed above. In a later turn, write a new <plan>...</plan> first only "
@@ -42,8 +55,20 @@ PLAN_GUIDE = ("Before your first action, write a plan for the whole task, its st
 REFLECT_ASK = ("You did not complete the task. In two or three sentences, say what went wrong and what you will do "
                "differently in your next attempt. Do not write an action.")
 REFLECTIONS = "You have tried this task before and failed. What you learned from those attempts:\n"
+TOOLS_GUIDE = ("Do not write an Action line: act by calling exactly one of the tools you are given in each reply. You "
+               "may think before the call.")
 _PLAN = re.compile(r"<plan>.*?(?:</plan>|\Z)", re.DOTALL | re.IGNORECASE)
-FORMATS = ("react", "plan", "reflect")
+FORMATS = ("react", "plan", "reflect", "tools")
+
+
+@dataclass(frozen=True)
+class Action:
+    """What a reply asks of the env: `text` for env.step, or `problem`, the observation that answers a reply the env
+    never sees (an invalid action); `calls`, the one tool call the reply made (name, arguments), if it made one."""
+
+    text: str | None = None
+    problem: str | None = None
+    calls: list[tuple[str, dict]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -57,6 +82,8 @@ class Agent:
                 {"role": "assistant", "content": env.ack}, {"role": "user", "content": observation}]
 
     def instruction(self, env, reflections: list[str] = ()) -> str:
+        if self.name == "tools":
+            return _after(env.instruction, TOOLS_GUIDE)
         if self.name == "plan":
             return _after(env.instruction, PLAN_GUIDE)
         if self.name == "reflect" and reflections:
@@ -64,8 +91,37 @@ class Agent:
             return _after(env.instruction, REFLECTIONS + lines)
         return env.instruction
 
+    def tools(self, env) -> list[dict] | None:
+        """The tools the model is given (OpenAI function schemas), None but for the tools format."""
+        return env_tools.schemas(env.name) if self.name == "tools" else None
+
+    def read(self, fmt, env_name: str, reply: str, native_calls: list[dict] | None = None) -> Action:
+        """What the env is asked to do by a reply: its answer after the reasoning block (fmt.answer), as text (react,
+        plan, reflect) or as the one tool call in it (tools: parsed by fmt in the template's format, or a text
+        engine's native calls, [{"name", "arguments"}])."""
+        answer = fmt.answer(reply)
+        if answer is None:
+            return Action(problem=f"Your reply ended inside its reasoning, before {fmt.reasoning.close}: no action was "
+                                  "taken. Close your reasoning sooner, then act.")
+        if self.name != "tools":
+            return Action(text=self.env_text(answer))
+        try:
+            calls = ([read_call(call.get("name"), call.get("arguments")) for call in native_calls]
+                     if native_calls else fmt.parse_calls(answer))
+        except CallError as error:
+            return Action(problem=f"Invalid tool call: {_sentence(error)} No action was taken.")
+        if not calls:
+            return Action(problem="Your reply calls no tool: call one of the tools to act.")
+        if len(calls) > 1:
+            return Action(problem=f"Your reply calls {len(calls)} tools, and this environment takes one action a turn: "
+                                  "call one tool. No action was taken.")
+        try:
+            return Action(text=env_tools.action_text(env_name, *calls[0]), calls=calls)
+        except env_tools.ToolCallError as error:
+            return Action(problem=f"Invalid tool call: {_sentence(error)} No action was taken.", calls=calls)
+
     def env_text(self, reply: str) -> str:
-        """The part of a reply the env parses."""
+        """The part of a reply's answer the env parses."""
         if self.name == "plan" and "<plan>" in reply.lower():
             return _PLAN.sub("", reply).lstrip()
         return reply
@@ -90,3 +146,8 @@ def make_agent(name: str, attempts: int = 1) -> Agent:
 def _after(instruction: str, text: str) -> str:
     """text as a paragraph of its own after the instruction (some instructions end with blank lines)."""
     return instruction.rstrip("\n") + "\n\n" + text
+
+
+def _sentence(error: Exception) -> str:
+    text = str(error).strip()
+    return text if text.endswith((".", "!", "?")) else text + "."

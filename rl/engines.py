@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 import envs as envs_lib
+import envs.tools  # noqa: F401 - envs_lib.tools: the experts' calls under --agent tools
 
 
 @dataclass
@@ -251,7 +252,8 @@ class HFEngine(RoundEngine):
 
 class ExpertEngine(RoundEngine):
     """The envs' scripted experts (envs.oracle) behind the engine interface: each "sample" is the
-    expert's response to the latest observation, tokenized, plus the end-of-turn token. Makes SFT
+    expert's response to the latest observation (under --agent tools, the tool call that stands for
+    it, written as the chat template writes calls), tokenized, plus the end-of-turn token. Makes SFT
     data, and test rollouts, with exactly the token layout of RL rollouts."""
 
     name = "expert"
@@ -270,6 +272,8 @@ class ExpertEngine(RoundEngine):
             except RuntimeError as error:  # a task this expert cannot play
                 samples.append(Sample([], error=f"expert failed: {error}"))
                 continue
+            if traj.tools:  # --agent tools: the expert's action as the one call that stands for it
+                text = self.fmt.call_text(*envs_lib.tools.call_of(traj.env, text))
             ids = (self.fmt.encode(text) + [self.fmt.end_of_turn])[:max(limit, 0)]
             samples.append(Sample(ids, [0.0] * len(ids)))
         return samples

@@ -106,7 +106,9 @@ class Spy:
         return finished
 
 
-def check_exact(fmt, spy, trajectories):
+def check_exact(fmt, spy, trajectories, renders=True):
+    """renders: the whole sequence is also what the chat template renders for the conversation (False for a template
+    that drops earlier reasoning, whose rendering the appended tokens do not follow by design)."""
     checked_text = 0
     for traj in trajectories:
         prompts, samples = spy.prompts.get(traj.row, []), spy.samples.get(traj.row, [])
@@ -114,10 +116,11 @@ def check_exact(fmt, spy, trajectories):
         # the loss mask marks exactly the sampled tokens, in order
         assert [t for t, m in zip(traj.token_ids, traj.loss_mask) if m] == [t for s in samples for t in s]
         # every prompt extends the previous one by the sampled tokens and the observation
-        observations = [m["content"] for m in traj.messages[4::2]]
+        observations = traj.messages[4::2]  # (user turns, or tool results under --agent tools)
         for k in range(1, len(prompts)):
             closed = samples[k - 1] if samples[k - 1][-1:] == [fmt.end_of_turn] else samples[k - 1] + [fmt.end_of_turn]
-            assert prompts[k] == prompts[k - 1] + closed + fmt.observation(observations[k - 1])
+            observation = fmt.observation(observations[k - 1]["content"], observations[k - 1]["role"])
+            assert prompts[k] == prompts[k - 1] + closed + observation
         if prompts:
             assert traj.token_ids[:len(prompts[-1])] == prompts[-1]
             assert traj.token_ids[len(prompts[-1]):len(prompts[-1]) + len(samples[-1])] == samples[-1]
@@ -126,15 +129,18 @@ def check_exact(fmt, spy, trajectories):
         # model sampled no special token inside a turn (the env sees text without those)
         specials = {i for i, token in fmt.tokenizer.added_tokens_decoder.items() if token.special}
         inner = [s[:-1] if s[-1:] == [fmt.end_of_turn] else s for s in samples]
-        if traj.error is None and traj.turns and not any(specials & set(s) for s in inner):
+        if renders and traj.error is None and traj.turns and not traj.tools and not any(specials & set(s) for s in inner):
             text = fmt.tokenizer.decode(traj.token_ids)
             if traj.finish in ("done", "horizon", "max_tokens"):  # the final observation is logged, not tokenized
                 text += fmt.observation_prefix + traj.messages[-1]["content"] + fmt.observation_suffix
             assert text == fmt.render(traj.messages, add_generation_prompt=True)
             checked_text += 1
     # the model's text is never tokenized: only the first prompts and the observations are
-    firsts = {fmt.render(t.messages[:3], add_generation_prompt=True) for t in trajectories}
-    wrapped = {fmt.observation_prefix + m["content"] + fmt.observation_suffix for t in trajectories for m in t.messages[4::2]}
+    firsts = {fmt.render(t.messages[:3], add_generation_prompt=True, tools=t.tools) for t in trajectories}
+    layouts = {"user": (fmt.observation_prefix, fmt.observation_suffix)}
+    if any(t.tools for t in trajectories):
+        layouts["tool"] = fmt.tool_layout()
+    wrapped = {layouts[m["role"]][0] + m["content"] + layouts[m["role"]][1] for t in trajectories for m in t.messages[4::2]}
     assert set(spy.encoded) <= firsts | wrapped | set(getattr(spy.engine, "expert_texts", []))
     return checked_text
 

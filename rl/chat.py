@@ -1,0 +1,298 @@
+"""The chat layout: how messages (and tool schemas) become tokens, the reasoning block of a reply, and the tool
+calls in it. ChatFormat is the only place that turns messages into tokens; rollout.py appends what it returns.
+
+    fmt = ChatFormat(tokenizer)                                   # read off the tokenizer's own chat template
+    ids = fmt.prompt(messages, tools=schemas)                    # an episode's first prompt
+    ids = fmt.observation(text, role="tool")                      # the scaffolding around an env's answer
+    answer = fmt.answer(reply)                                    # the reply after its reasoning (None: cut inside)
+    calls = fmt.parse_calls(answer)                               # [(name, arguments)], or CallError
+
+Reasoning. Models that think before they act (Qwen3, R1 distills, QwQ) open their reply with a block between two
+tags; what an env parses is the reply after that block, and the tokens stay exactly as sampled. The tags are read
+off the chat template where it names them (`</think>` in Qwen3's and R1's), are `<think>` and `</think>` where
+there is no template to read (a model behind an API whose server returns its reasoning inline; APIFormat), and
+come from --reasoning-tags otherwise. A template whose generation prompt opens the block itself (R1 distills,
+Qwen3-Thinking: "<|im_start|>assistant\\n<think>\\n") makes every reply start inside it, so the reply holds only
+the closing tag. A reply that never closes its block (cut off by --max-new-tokens) has no answer: the rollout
+answers it as an invalid action and the episode goes on.
+
+Earlier reasoning. Such templates drop the reasoning of earlier turns when they render a conversation, so a new
+turn's rendering is no longer the last one's plus the reply. Here the trajectory's own tokens are the context
+(--reasoning keep, the only layout there is today): every turn's reasoning stays in what the model sees. That is
+on-policy and exact, and it differs from what the template would render at inference by the earlier turns'
+reasoning (rendered_difference counts it; README gives it per env).
+
+Tool calls. `--agent tools` gives the model the env's actions as tools (OpenAI's function format, envs/tools.py),
+rendered by the template (`tools=`), and reads the calls in the reply in the template's own format: Hermes'
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Qwen3 and most open models) or Llama 3.1's
+bare JSON object `{"name": ..., "parameters": {...}}` (after an optional <|python_tag|>). The env's answer to a
+call comes back as a `tool` message, wrapped in what the template renders around one. A template that renders
+neither format is refused with one sentence.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from dataclasses import dataclass
+
+DEFAULT_REASONING = ("<think>", "</think>")
+# reasoning tags known in open models' templates: (opening, closing)
+KNOWN_REASONING = (("<think>", "</think>"), ("<thinking>", "</thinking>"), ("<reasoning>", "</reasoning>"))
+CALL_STYLES = ("hermes", "llama")
+
+
+class CallError(ValueError):
+    """A reply whose tool calls cannot be read; the message, one sentence, is the observation the model gets."""
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """A reasoning block between `open` and `close` at the start of a reply."""
+
+    open: str
+    close: str
+
+    def split(self, reply: str, opened: bool = False) -> tuple[str, str | None]:
+        """(reasoning, answer): the block's text and what follows it; answer None when the reply ends inside the
+        block. `opened`: the generation prompt already opened it, so the reply starts inside."""
+        if not opened:
+            stripped = reply.lstrip()
+            if not stripped.startswith(self.open):
+                return "", reply
+            reply = stripped[len(self.open):]
+        end = reply.find(self.close)
+        if end < 0:
+            return reply, None
+        return reply[:end], reply[end + len(self.close):].lstrip()
+
+
+def reasoning_of(template: str | None, tags: tuple[str, str] | None = None) -> Reasoning | None:
+    """The reasoning tags: `tags` when given, else the first known pair whose closing tag the template names, else
+    the default pair where there is no template (None: the template names none, and replies are read whole)."""
+    if tags:
+        return Reasoning(*tags)
+    if template is None:
+        return Reasoning(*DEFAULT_REASONING)
+    return next((Reasoning(*pair) for pair in KNOWN_REASONING if pair[1] in template), None)
+
+
+def call_style(template: str) -> str | None:
+    """How a template writes tool calls: "hermes" (<tool_call> blocks), "llama" (Llama 3.1's JSON with
+    "parameters", results in the ipython role), or None."""
+    if "<tool_call>" in template:
+        return "hermes"
+    if "ipython" in template or "<|python_tag|>" in template:
+        return "llama"
+    return None
+
+
+def parse_calls(style: str, text: str) -> list[tuple[str, dict]]:
+    """The tool calls in a reply (after its reasoning) as (name, arguments); [] when it makes none. Raises CallError
+    for a call that is not a JSON object with a name and object arguments."""
+    if style == "hermes":
+        blocks = re.findall(r"<tool_call>(.*?)(?:</tool_call>|\Z)", text, re.DOTALL)
+        return [_call(block, "arguments") for block in blocks]
+    text = text.strip().removeprefix("<|python_tag|>").strip()
+    if not text.startswith("{"):
+        return []
+    calls, decoder, at = [], json.JSONDecoder(), 0
+    while at < len(text):  # one object, or several separated by ";" as Llama 3.1 may write them
+        try:
+            value, end = decoder.raw_decode(text, at)
+        except json.JSONDecodeError as error:
+            raise CallError(f"your tool call is not valid JSON ({error.msg} at character {error.pos})") from None
+        calls.append(_call(value, "parameters"))
+        at = end
+        while at < len(text) and text[at] in " \n\t;":
+            at += 1
+    return calls
+
+
+def read_call(name, arguments) -> tuple[str, dict]:
+    """A text engine's native call (its name, and its arguments as the server sent them: a JSON string) as (name,
+    arguments); CallError as parse_calls raises it."""
+    return _call({"name": name, "arguments": arguments if arguments is not None else {}}, "arguments")
+
+
+def _call(block, arguments_key: str) -> tuple[str, dict]:
+    """One call's (name, arguments) from its JSON text (or already decoded value)."""
+    if isinstance(block, str):
+        try:
+            block = json.loads(block)
+        except json.JSONDecodeError as error:
+            raise CallError(f"your tool call is not valid JSON ({error.msg} at character {error.pos})") from None
+    if not isinstance(block, dict) or not isinstance(block.get("name"), str) or not block["name"]:
+        raise CallError('your tool call must be a JSON object with a "name" and its arguments')
+    arguments = block.get(arguments_key, block.get("arguments", block.get("parameters", {})))
+    if isinstance(arguments, str):  # arguments as a JSON string, as OpenAI's API writes them
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as error:
+            raise CallError(f"the arguments of {block['name']} are not valid JSON ({error.msg})") from None
+    if not isinstance(arguments, dict):
+        raise CallError(f"the arguments of {block['name']} must be a JSON object")
+    return block["name"], arguments
+
+
+def openai_calls(calls: list[tuple[str, dict]], turn: int) -> list[dict]:
+    """Calls as an assistant message's `tool_calls` (OpenAI's format: arguments as a JSON string)."""
+    return [{"id": f"call_{turn}_{i}", "type": "function",
+             "function": {"name": name, "arguments": json.dumps(arguments)}} for i, (name, arguments) in enumerate(calls)]
+
+
+def _for_template(messages: list[dict]) -> list[dict]:
+    """Messages as chat templates take them: tool-call arguments as objects (OpenAI's API sends JSON strings, which
+    templates such as Qwen2.5's would encode a second time)."""
+    out = []
+    for message in messages:
+        if message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                function = dict(call.get("function", call))
+                if isinstance(function.get("arguments"), str):
+                    try:
+                        function["arguments"] = json.loads(function["arguments"])
+                    except json.JSONDecodeError:
+                        pass
+                calls.append({**call, "function": function})
+            message = {**message, "tool_calls": calls}
+        out.append(message)
+    return out
+
+
+def chat_format(tokenizer, agent: str, template_kwargs: dict[str, str], reasoning_tags: tuple[str, str] | None) -> ChatFormat:
+    """The format of a script's flags (--agent, --chat-template-kwargs, --reasoning-tags): under --agent tools, a
+    template whose calls this module reads, else one sentence."""
+    fmt = ChatFormat(tokenizer, template_options(template_kwargs), reasoning_tags)
+    if agent == "tools":
+        fmt.check_tools()
+    return fmt
+
+
+def template_options(options: dict[str, str]) -> dict:
+    """--chat-template-kwargs KEY VALUE ... as the template's variables: true/false/none in any case, numbers and
+    other literals as Python values, anything else a string."""
+    words = {"true": True, "false": False, "none": None, "null": None}
+    out = {}
+    for key, value in options.items():
+        if not isinstance(value, str):
+            out[key] = value
+        elif value.strip().lower() in words:
+            out[key] = words[value.strip().lower()]
+        else:
+            try:
+                out[key] = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                out[key] = value
+    return out
+
+
+class ChatFormat:
+    """The pieces of text a rollout needs from a chat template: the first prompt, the scaffolding around an
+    observation (what follows an assistant's end-of-turn token up to the next generation prompt; a tool result's
+    too, for --agent tools), the end-of-turn token, how a tool call is written, and the reasoning tags. Found once
+    by rendering sentinel messages, so any template that renders history as a prefix works (ChatML/Qwen, Llama 3,
+    ...). `template_kwargs` go to every rendering (Qwen3's enable_thinking). A tokenizer without a usable template
+    is the user's model: it stops the script with one sentence."""
+
+    _USER, _ASSISTANT, _NEXT = "\x02user-sentinel\x03", "\x02assistant-sentinel\x03", "\x02next-sentinel\x03"
+
+    def __init__(self, tokenizer, template_kwargs: dict | None = None, reasoning_tags: tuple[str, str] | None = None):
+        if not getattr(tokenizer, "chat_template", None):
+            raise SystemExit(f"{tokenizer.name_or_path} has no chat template; use an instruct/chat model (or set "
+                             "tokenizer.chat_template) so that turns can be formatted")
+        self.tokenizer, self.template_kwargs = tokenizer, dict(template_kwargs or {})
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else str(tokenizer.chat_template)
+        history = [{"role": "user", "content": self._USER}, {"role": "assistant", "content": self._ASSISTANT}]
+        text = self.render(history + [{"role": "user", "content": self._NEXT}], add_generation_prompt=True)
+        specials = sorted(set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab()), key=len, reverse=True)
+        after = text.index(self._ASSISTANT) + len(self._ASSISTANT)
+        eot = next((s for s in specials if s and text.startswith(s, after)), None)
+        if eot is None:
+            raise SystemExit(f"cannot find the end-of-turn token after an assistant message in {tokenizer.name_or_path}'s "
+                             "chat template: use a model whose template ends each turn with a special token")
+        self._eot_text = eot
+        self.end_of_turn = tokenizer.convert_tokens_to_ids(eot)
+        self.observation_prefix, self.observation_suffix = self._around(text, after)
+        eos = tokenizer.eos_token_id
+        self.stop_ids = {self.end_of_turn} | set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.end_of_turn
+        self.reasoning = reasoning_of(template, reasoning_tags)
+        generation = self.observation_suffix  # (the generation prompt ends it)
+        self.opens_reasoning = self.reasoning is not None and \
+            generation.rfind(self.reasoning.open) > generation.rfind(self.reasoning.close)
+        self.call_style = call_style(template)
+        self._tool_layout: tuple[str, str] | None = None
+
+    def _around(self, text: str, after: int) -> tuple[str, str]:
+        """The text between the end-of-turn token at `after` and the next message's sentinel, and after it."""
+        start = after + len(self._eot_text)
+        split = text.index(self._NEXT)
+        return text[start:split], text[split + len(self._NEXT):]
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
+        return self.tokenizer.apply_chat_template(_for_template(messages), tools=tools or None, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, **self.template_kwargs)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """An episode's first prompt: its opening messages (rl/agent.py), the tools when given, and the generation
+        prompt."""
+        return self.encode(self.render(messages, add_generation_prompt=True, tools=tools))
+
+    def observation(self, text: str, role: str = "user") -> list[int]:
+        """An env's answer wrapped in the template's scaffolding: a user turn, or (role "tool") a tool result."""
+        prefix, suffix = self.tool_layout() if role == "tool" else (self.observation_prefix, self.observation_suffix)
+        return self.encode(prefix + text + suffix)
+
+    def text(self, sampled: list[int]) -> str:
+        """The assistant's text as the env sees it (special tokens such as end-of-turn dropped)."""
+        return self.tokenizer.decode(sampled, skip_special_tokens=True)
+
+    def answer(self, reply: str) -> str | None:
+        """The part of a reply after its reasoning block (the whole reply without one); None when the reply ends
+        inside the block."""
+        return reply if self.reasoning is None else self.reasoning.split(reply, self.opens_reasoning)[1]
+
+    # -- tool calls (--agent tools)
+
+    def check_tools(self) -> None:
+        """Stops the script with one sentence when the template renders no tool calls this module can read."""
+        if self.call_style is None:
+            raise SystemExit(f"{self.tokenizer.name_or_path}'s chat template renders no tool calls in a format this "
+                             f"project reads ({' or '.join(CALL_STYLES)}: Qwen2.5/Qwen3's <tool_call> blocks, Llama 3.1's "
+                             "JSON calls): use --agent react, or a model whose template supports tools")
+
+    def parse_calls(self, answer: str) -> list[tuple[str, dict]]:
+        self.check_tools()
+        return parse_calls(self.call_style, answer)
+
+    def call_text(self, name: str, arguments: dict) -> str:
+        """The reply that makes this one call, as the template writes it (the experts' replies under --agent tools)."""
+        user = [{"role": "user", "content": self._USER}]
+        call = {"role": "assistant", "content": "", "tool_calls": openai_calls([(name, arguments)], 0)}
+        opened = self.render(user, add_generation_prompt=True)
+        text = self.render([*user, call])
+        if not text.startswith(opened) or self._eot_text not in text[len(opened):]:
+            raise SystemExit(f"{self.tokenizer.name_or_path}'s chat template does not render a tool call after its "
+                             "generation prompt; use a model whose template supports tools")
+        return text[len(opened):text.index(self._eot_text, len(opened))]
+
+    def tool_layout(self) -> tuple[str, str]:
+        """The scaffolding around a tool result: (what follows the calling turn's end-of-turn token, what follows the
+        result up to the next generation prompt)."""
+        if self._tool_layout is None:
+            self.check_tools()
+            calls = openai_calls([("sentinel", {})], 0)
+            history = [{"role": "user", "content": self._USER},
+                       {"role": "assistant", "content": self._ASSISTANT, "tool_calls": calls},
+                       {"role": "tool", "tool_call_id": calls[0]["id"], "name": "sentinel", "content": self._NEXT}]
+            text = self.render(history, add_generation_prompt=True)
+            # (the calling turn's end-of-turn token is the last before the result: some templates render a calling
+            # turn without its content, so the assistant sentinel may be absent)
+            self._tool_layout = self._around(text, text.rindex(self._eot_text, 0, text.index(self._NEXT)))
+        return self._tool_layout

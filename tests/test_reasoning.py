@@ -1,0 +1,160 @@
+"""Reasoning models (rl/chat.py: Reasoning, ChatFormat.answer): the env receives only the reply after its reasoning
+block, a decoy "Action:" inside the block changes nothing, a reply cut off inside its block is an invalid action
+with an observation that says so, the tags come from the template (or the default pair, or the flag), template
+options reach every rendering, and a whole episode of a model that thinks stays token-exact (--reasoning keep)."""
+
+import copy
+import re
+from pathlib import Path
+
+import pytest
+
+import envs
+from rl.agent import REACT, make_agent
+from rl.chat import DEFAULT_REASONING, ChatFormat, Reasoning, reasoning_of
+from rl.engines import ExpertEngine, Sample
+from rl.model import load_tokenizer
+from rollout import rollout
+from test_token_exactness import Spy, check_exact
+
+TEMPLATES = Path(__file__).parent / "templates"
+DECOY = "<think>\nThe goal is near. Action: turn left would be wrong here.\n</think>\n\n"
+
+
+def formatted(template: str, **kwargs) -> ChatFormat:
+    tokenizer = copy.deepcopy(load_tokenizer("tiny-agent"))
+    tokenizer.chat_template = (TEMPLATES / template).read_text()
+    return ChatFormat(tokenizer, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def thinking():
+    return formatted("reasoning.jinja")
+
+
+def test_the_answer_is_what_follows_the_reasoning_block():
+    tags = Reasoning(*DEFAULT_REASONING)
+    assert tags.split(DECOY + "Action: go forward") == (DECOY[len("<think>"):DECOY.index("</think>")],
+                                                        "Action: go forward")
+    assert tags.split("  <think>a</think>Action: x") == ("a", "Action: x")  # leading space before the block
+    assert tags.split("Action: x <think>not a block at the start</think>") == \
+        ("", "Action: x <think>not a block at the start</think>")
+    assert tags.split("<think>cut off before the end Action: y") == ("cut off before the end Action: y", None)
+    # a generation prompt that opened the block: the reply starts inside it
+    assert tags.split("a thought</think>\nAction: z", opened=True) == ("a thought", "Action: z")
+    assert tags.split("no end", opened=True) == ("no end", None)
+    assert tags.split("<think>a</think>b</think>c") == ("a", "b</think>c")  # the first closing tag ends it
+
+
+def test_tags_come_from_the_template_the_default_pair_or_the_flag(thinking):
+    assert thinking.reasoning == Reasoning("<think>", "</think>")
+    assert formatted("hermes_tools.jinja").reasoning is None  # a template that names no tags: replies read whole
+    assert ChatFormat(load_tokenizer("tiny-agent")).answer("<think>x</think>y") == "<think>x</think>y"
+    assert reasoning_of(None) == Reasoning(*DEFAULT_REASONING)  # no template to read: an API model
+    assert reasoning_of("{{ '</thinking>' }}") == Reasoning("<thinking>", "</thinking>")
+    flagged = formatted("hermes_tools.jinja", reasoning_tags=("<reason>", "</reason>"))
+    assert flagged.answer("<reason>r</reason>Action: a") == "Action: a"
+
+
+def test_template_options_reach_every_rendering():
+    """enable_thinking=false (Qwen3): the generation prompt closes an empty block, so replies carry no reasoning,
+    and the first prompt and every observation's scaffolding end with it."""
+    plain, closed = formatted("reasoning.jinja"), formatted("reasoning.jinja", template_kwargs={"enable_thinking": False})
+    empty = "<think>\n\n</think>\n\n"
+    assert not plain.observation_suffix.endswith(empty) and closed.observation_suffix.endswith(empty)
+    messages = [{"role": "user", "content": "hello"}]
+    assert closed.tokenizer.decode(closed.prompt(messages)).endswith("assistant\n" + empty)
+    assert not plain.opens_reasoning and not closed.opens_reasoning
+    assert closed.answer("Action: go") == "Action: go"
+
+
+def test_a_template_that_opens_the_block_makes_replies_start_inside_it():
+    tokenizer = copy.deepcopy(load_tokenizer("tiny-agent"))
+    tokenizer.chat_template = (TEMPLATES / "reasoning.jinja").read_text().replace(
+        "{{- '<|im_start|>assistant\\n' }}\n    {%- if enable_thinking", "{{- '<|im_start|>assistant\\n<think>\\n' }}\n    {%- if enable_thinking")
+    fmt = ChatFormat(tokenizer)
+    assert fmt.observation_suffix.endswith("<think>\n") and fmt.opens_reasoning
+    assert fmt.answer("thinking about it\n</think>\n\nAction: go forward") == "Action: go forward"
+    assert fmt.answer("Action: not yet closed") is None
+
+
+class Thinking(ExpertEngine):
+    """The envs' experts, thinking before every reply, with a decoy "Action:" inside their reasoning; `cut` turns
+    never close their block (as if --max-new-tokens ran out)."""
+
+    def __init__(self, fmt, environments, cut=()):
+        super().__init__(fmt, environments)
+        self.cut, self.expert_texts = set(cut), []
+
+    def generate(self, batch, limits):
+        out = []
+        for traj, sample in zip(batch, super().generate(batch, limits)):
+            if sample.error is None:
+                self.expert_texts.append(self.fmt.text(sample.token_ids[:-1]))  # (the expert's own text, tokenized once)
+                text = DECOY + self.fmt.text(sample.token_ids)
+                if traj.turns in self.cut:
+                    text = DECOY[:DECOY.index("</think>")] + "still thinking"
+                ids = self.fmt.encode(text) + [self.fmt.end_of_turn]
+                self.expert_texts.append(text)
+                sample = Sample(ids, [0.0] * len(ids))
+            out.append(sample)
+        return out
+
+
+def play(fmt, engine_of, name="babyai", count=3, horizon=5, agent=REACT):
+    environments = [envs.make(name) for _ in range(count)]
+    engine = engine_of(environments)
+    engine.expert_texts = getattr(engine, "expert_texts", [])
+    spy = Spy(engine, fmt)
+    try:
+        trajectories = rollout(spy, fmt, environments, envs.splits(name)["test"][:count], list(range(count)),
+                               horizon=horizon, max_new_tokens=512, max_tokens=16384, agent=agent)
+    finally:
+        for env in environments:
+            env.close()
+    return spy, trajectories
+
+
+@pytest.mark.parametrize("agent", ["react", "plan"])
+def test_the_env_never_sees_the_reasoning_and_a_thinking_episode_is_token_exact(thinking, agent):
+    """The experts play with a decoy "Action:" in their reasoning: the env acts exactly as without it (same rewards,
+    turns, finishes, no invalid actions), the reasoning tokens are trained as sampled, and every turn's prompt is
+    the last one's plus the sampled tokens plus the observation (keep)."""
+    formats = make_agent(agent)
+    _, plain = play(thinking, lambda environments: ExpertEngine(thinking, environments), agent=formats)
+    spy, thought = play(thinking, lambda environments: Thinking(thinking, environments), agent=formats)
+    assert [(t.reward, t.turns, t.finish, t.invalid_actions) for t in thought] == \
+        [(t.reward, t.turns, t.finish, t.invalid_actions) for t in plain]
+    assert any(t.success for t in thought)
+    check_exact(thinking, spy, thought, renders=False)
+    for traj in thought:
+        # what the template renders for the conversation at the last turn is the trajectory's own context without the
+        # earlier turns' reasoning: the difference `keep` makes, on purpose
+        last = spy.prompts[traj.row][-1]
+        shown = thinking.render(traj.messages[:3 + 2 * (traj.turns - 1)], add_generation_prompt=True)
+        assert re.sub(r"<think>.*?</think>\n\n", "", thinking.tokenizer.decode(last), flags=re.DOTALL) == shown
+        assert len(last) - len(thinking.encode(shown)) == (traj.turns - 1) * len(thinking.encode(DECOY))
+    for traj in thought:
+        trained = thinking.tokenizer.decode([i for i, m in zip(traj.token_ids, traj.loss_mask) if m])
+        assert trained.count("Action: turn left would be wrong") == traj.turns
+
+
+def test_a_reply_cut_off_inside_its_reasoning_is_an_invalid_action(thinking):
+    """Turn 0 never closes its block: the env is not stepped, the observation says why, the turn counts as invalid,
+    and the episode goes on to the expert's next action, token-exact."""
+    stepped = []
+
+    def engine_of(environments):
+        for env in environments:
+            original = env.step
+            env.step = lambda text, original=original: stepped.append(text) or original(text)
+        return Thinking(thinking, environments, cut={0})
+
+    spy, trajectories = play(thinking, engine_of, count=2, horizon=3)
+    for traj in trajectories:
+        assert traj.invalid_actions >= 1 and traj.finish in ("done", "horizon") and traj.error is None
+        assert "ended inside its reasoning, before </think>" in traj.messages[4]["content"]
+        assert traj.turn_rewards[0] == 0.0
+    assert len(stepped) == sum(t.turns - 1 for t in trajectories)  # the cut turns never reached an env
+    assert not any("still thinking" in text or "would be wrong" in text for text in stepped)
+    check_exact(thinking, spy, trajectories, renders=False)
