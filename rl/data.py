@@ -13,6 +13,9 @@ A record is one episode, as in AgentGym's AgentTraj files:
                        {"from": "gpt", "loss": true, "value": <the agent's reply>}, ...],
      "reward": 0.95}
 
+An episode played with native tool calls (--agent tools) also holds the tools it was given ("tools": OpenAI
+function schemas, rendered into its first prompt) and its env's answers as "tool" turns (tool results).
+
 Fields beyond these are ignored; "reward" may be missing (AgentTraj-L has none). Our own rollout logs
 and eval outputs (rollouts.jsonl, eval_*.jsonl: "messages" with roles) read as records too. Task-id files
 (AgentGym-RL-Data-ID, `[{"item_id": "babyai_12"}, ...]`) are read by envs.load_task_ids.
@@ -36,7 +39,7 @@ from pathlib import Path
 
 from rl.dpo import expert_pairs, make_pairs
 
-ROLES = {"human": "user", "gpt": "assistant"}
+ROLES = {"human": "user", "gpt": "assistant", "tool": "tool"}  # ("tool": an env's answer to a native tool call)
 
 
 class DataError(ValueError):
@@ -83,7 +86,7 @@ def _problem(record) -> str | None:
         return 'needs "conversations": the instruction, the ack and at least one observation'
     for k, turn in enumerate(turns):
         expected = "human" if k % 2 == 0 else "gpt"
-        if not isinstance(turn, dict) or turn.get("from") != expected:
+        if not isinstance(turn, dict) or turn.get("from") not in ((expected, "tool") if k > 2 and k % 2 == 0 else (expected,)):
             return f'conversations[{k}] must be a "{expected}" turn (turns alternate, starting with "human")'
         if not isinstance(turn.get("value"), str):
             return f'conversations[{k}] needs a string "value"'
@@ -98,7 +101,7 @@ def encode(fmt, record: dict) -> tuple[list[int], list[int]]:
     """A record's token ids and loss mask, laid out exactly as an RL rollout of the same episode."""
     turns = record["conversations"]
     messages = [{"role": ROLES[t["from"]], "content": t["value"]} for t in turns[:3]]
-    ids = fmt.encode(fmt.render(messages, add_generation_prompt=True))
+    ids = fmt.prompt(messages, tools=record.get("tools"))
     mask = [0] * len(ids)
     for k, turn in enumerate(turns[3:], start=3):
         if turn["from"] == "gpt":
@@ -106,7 +109,7 @@ def encode(fmt, record: dict) -> tuple[list[int], list[int]]:
             ids += reply
             mask += [int(turn.get("loss") is not False)] * len(reply)
         elif k < len(turns) - 1:  # an observation the agent answered (a final one is not tokenized)
-            observation = fmt.observation(turn["value"])
+            observation = fmt.observation(turn["value"], ROLES[turn["from"]])
             ids += observation
             mask += [0] * len(observation)
     return ids, mask
@@ -114,7 +117,8 @@ def encode(fmt, record: dict) -> tuple[list[int], list[int]]:
 
 def to_record(trajectory) -> dict:
     """A rollout's episode as an AgentTraj record (its messages: instruction, ack, then turns)."""
-    return from_log({"item_id": trajectory.item_id, "messages": trajectory.messages, "reward": trajectory.reward})
+    return from_log({"item_id": trajectory.item_id, "messages": trajectory.messages, "reward": trajectory.reward,
+                     "tools": trajectory.tools})
 
 
 def from_log(entry: dict) -> dict:
@@ -122,9 +126,10 @@ def from_log(entry: dict) -> dict:
     conversations = []
     for k, message in enumerate(entry["messages"]):
         agent = message.get("role") == "assistant"
-        conversations.append({"from": "gpt" if agent else "human", "loss": (k > 1) if agent else None,
-                              "value": message.get("content")})
-    return {"item_id": entry.get("item_id"), "conversations": conversations, "reward": entry.get("reward")}
+        conversations.append({"from": "gpt" if agent else "tool" if message.get("role") == "tool" else "human",
+                              "loss": (k > 1) if agent else None, "value": message.get("content")})
+    return {"item_id": entry.get("item_id"), "conversations": conversations, "reward": entry.get("reward"),
+            **({"tools": entry["tools"]} if entry.get("tools") else {})}
 
 
 def read_data(paths: tuple[str, ...], env: str) -> list[dict]:

@@ -48,11 +48,11 @@ def test_the_answer_is_what_follows_the_reasoning_block():
 
 def test_tags_come_from_the_template_the_default_pair_or_the_flag(thinking):
     assert thinking.reasoning == Reasoning("<think>", "</think>")
-    assert formatted("hermes_tools.jinja").reasoning is None  # a template that names no tags: replies read whole
+    assert ChatFormat(load_tokenizer("tiny-agent")).reasoning is None  # a template that names no tags: replies read whole
     assert ChatFormat(load_tokenizer("tiny-agent")).answer("<think>x</think>y") == "<think>x</think>y"
     assert reasoning_of(None) == Reasoning(*DEFAULT_REASONING)  # no template to read: an API model
     assert reasoning_of("{{ '</thinking>' }}") == Reasoning("<thinking>", "</thinking>")
-    flagged = formatted("hermes_tools.jinja", reasoning_tags=("<reason>", "</reason>"))
+    flagged = ChatFormat(load_tokenizer("tiny-agent"), reasoning_tags=("<reason>", "</reason>"))
     assert flagged.answer("<reason>r</reason>Action: a") == "Action: a"
 
 

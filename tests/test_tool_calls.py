@@ -1,0 +1,191 @@
+"""Native tool calling (--agent tools; rl/chat.py, rl/agent.py, envs/tools.py): calls are read in the chat template's
+own format (Hermes' <tool_call> blocks, Llama 3.1's JSON), every malformed call is an observation that says what was
+wrong and counts as an invalid action without touching the env, the experts play every env through tool calls
+exactly as through text, and those episodes are token-exact; a template that renders no calls is refused."""
+
+import copy
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+import envs
+from envs import tools as env_tools
+from rl.agent import REACT, TOOLS_GUIDE, make_agent
+from rl.chat import CallError, ChatFormat, chat_format, parse_calls, read_call
+from rl.engines import ExpertEngine, RoundEngine, Sample
+from rl.model import load_tokenizer
+from rollout import rollout
+from test_token_exactness import Spy, check_exact
+
+TEMPLATES = Path(__file__).parent / "templates"
+TOOLS = make_agent("tools")
+
+
+@pytest.fixture(scope="module")
+def hermes():
+    return ChatFormat(load_tokenizer("tiny-agent"))  # the embedded agent's template renders tools as Qwen2.5's does
+
+
+@pytest.fixture(scope="module")
+def llama():
+    tokenizer = copy.deepcopy(load_tokenizer("tiny-agent"))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|begin_of_text|>", "<|start_header_id|>",
+                                                                "<|end_header_id|>", "<|eot_id|>"]})
+    tokenizer.chat_template = (TEMPLATES / "llama_tools.jinja").read_text()
+    return ChatFormat(tokenizer)
+
+
+def test_calls_are_read_in_the_templates_own_format(hermes, llama):
+    assert hermes.call_style == "hermes" and llama.call_style == "llama"
+    call = ("go_to", {"object": "red ball 1"})
+    assert hermes.call_text(*call) == '<tool_call>\n{"name": "go_to", "arguments": {"object": "red ball 1"}}\n</tool_call>'
+    assert llama.call_text(*call) == '{"name": "go_to", "parameters": {"object": "red ball 1"}}'
+    for fmt in (hermes, llama):
+        assert fmt.parse_calls(fmt.call_text(*call)) == [call]
+    assert parse_calls("hermes", 'I will go.\n<tool_call>\n{"name": "toggle", "arguments": {}}\n</tool_call>') == \
+        [("toggle", {})]
+    assert parse_calls("hermes", '<tool_call>{"name": "toggle", "arguments": "{}"}') == [("toggle", {})]  # unclosed
+    assert parse_calls("hermes", "Thought: no call here") == []
+    assert parse_calls("llama", '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {}}') \
+        == [("a", {"x": 1}), ("b", {})]
+    assert parse_calls("llama", "I would rather talk.") == []
+    assert read_call("get", '{"count": 2, "item": "oak log"}') == ("get", {"count": 2, "item": "oak log"})
+
+
+@pytest.mark.parametrize("style, text, problem", [
+    ("hermes", "<tool_call>{name: go_to}</tool_call>", "not valid JSON"),
+    ("hermes", '<tool_call>{"arguments": {}}</tool_call>', 'must be a JSON object with a "name"'),
+    ("hermes", '<tool_call>["go_to"]</tool_call>', 'must be a JSON object with a "name"'),
+    ("hermes", '<tool_call>{"name": "go_to", "arguments": "{broken"}</tool_call>', "arguments of go_to are not valid JSON"),
+    ("hermes", '<tool_call>{"name": "go_to", "arguments": [1]}</tool_call>', "must be a JSON object"),
+    ("llama", '{"name": "go_to", "parameters": {"object": }', "not valid JSON"),
+])
+def test_a_call_that_cannot_be_read_says_why(style, text, problem):
+    with pytest.raises(CallError, match=problem):
+        parse_calls(style, text)
+
+
+@pytest.mark.parametrize("reply, problem", [
+    ("Thought: I will move.\n\nAction:\nmove forward", "Your reply calls no tool"),
+    ("<tool_call>{not json}</tool_call>", "Invalid tool call: your tool call is not valid JSON"),
+    ('<tool_call>{"name": "fly", "arguments": {}}</tool_call>', "fly"),
+    ('<tool_call>{"name": "go_to", "arguments": {}}</tool_call>', "object"),
+    ('<tool_call>{"name": "go_to", "arguments": {"object": 3}}</tool_call>', "object"),
+    ('<tool_call>{"name": "turn_left", "arguments": {}}</tool_call>\n'
+     '<tool_call>{"name": "turn_left", "arguments": {}}</tool_call>', "calls 2 tools"),
+])
+def test_every_malformed_call_is_an_observation_and_no_action(hermes, reply, problem):
+    action = TOOLS.read(hermes, "babyai", reply)
+    assert action.text is None and problem in action.problem and action.problem.endswith(".")
+
+
+def test_a_valid_call_is_the_action_the_env_takes_and_reasoning_stays_out(hermes):
+    action = TOOLS.read(hermes, "babyai", hermes.call_text("go_to", {"object": "red ball 1"}))
+    assert action.problem is None and action.calls == [("go_to", {"object": "red ball 1"})]
+    assert action.text == env_tools.action_text("babyai", "go_to", {"object": "red ball 1"})
+    native = TOOLS.read(hermes, "babyai", "", [{"id": "c", "name": "turn_left", "arguments": "{}"}])  # a text engine's
+    assert native.text == env_tools.action_text("babyai", "turn_left", {})
+    thinking = copy.deepcopy(hermes)
+    thinking.reasoning = type(thinking.reasoning or object)  # placeholder replaced below
+    thinking = ChatFormat(hermes.tokenizer, reasoning_tags=("<think>", "</think>"))
+    decoy = '<think><tool_call>{"name": "turn_left", "arguments": {}}</tool_call></think>'
+    assert TOOLS.read(thinking, "babyai", decoy + hermes.call_text("turn_right", {})).calls == [("turn_right", {})]
+
+
+def test_a_template_without_tool_calls_is_refused_in_one_sentence():
+    tokenizer = copy.deepcopy(load_tokenizer("tiny-agent"))
+    tokenizer.chat_template = (TEMPLATES / "reasoning.jinja").read_text().replace("<tool_call>", "<call>")
+    chat_format(tokenizer, "react", {}, None)  # other formats do not need tool calls
+    with pytest.raises(SystemExit, match="renders no tool calls in a format this project reads"):
+        chat_format(tokenizer, "tools", {}, None)
+
+
+class Malformed(ExpertEngine):
+    """The experts, but turn 0's reply is `bad` (a malformed call)."""
+
+    def __init__(self, fmt, environments, bad):
+        super().__init__(fmt, environments)
+        self.bad, self.expert_texts = bad, [bad]
+
+    def generate(self, batch, limits):
+        out = super().generate(batch, limits)
+        for k, traj in enumerate(batch):
+            if traj.turns == 0 and out[k].error is None:
+                ids = self.fmt.encode(self.bad) + [self.fmt.end_of_turn]
+                out[k] = Sample(ids, [0.0] * len(ids))
+        return out
+
+
+def play(fmt, name, agent, engine_of, count=2, horizon=6):
+    environments = [envs.make(name) for _ in range(count)]
+    stepped = []
+    for env in environments:
+        original = env.step
+        env.step = lambda text, original=original: stepped.append(text) or original(text)
+    engine = engine_of(environments)
+    if not hasattr(engine, "expert_texts"):
+        engine.expert_texts = []
+    spy = Spy(engine, fmt)
+    original_experts = engine.experts
+
+    class Recording(dict):  # the expert's own text (a call under tools) is new text, tokenized once
+        def __setitem__(self, row, expert):
+            def act(observation):
+                text = expert(observation)
+                engine.expert_texts.append(fmt.call_text(*env_tools.call_of(name, text)) if agent.name == "tools" else text)
+                return text
+            super().__setitem__(row, act)
+
+    engine.experts = Recording(original_experts)
+    try:
+        trajectories = rollout(spy, fmt, environments, envs.splits(name)["test"][:count], list(range(count)),
+                               horizon=horizon, max_new_tokens=512, max_tokens=32768, agent=agent)
+    finally:
+        for env in environments:
+            env.close()
+    return spy, trajectories, stepped
+
+
+def test_a_malformed_call_is_answered_without_the_env_and_the_episode_goes_on(hermes):
+    bad = '<tool_call>{"name": "fly", "arguments": {}}</tool_call>'
+    spy, trajectories, stepped = play(hermes, "babyai", TOOLS, lambda e: Malformed(hermes, e, bad))
+    for traj in trajectories:
+        assert traj.invalid_actions == 1 and traj.error is None and traj.turns >= 2
+        assert traj.messages[4]["role"] == "tool" and "fly" in traj.messages[4]["content"]
+    assert len(stepped) == sum(t.turns - 1 for t in trajectories)
+    check_exact(hermes, spy, trajectories)
+
+
+def ported(name):
+    if importlib.util.find_spec(f"envs.{name}") is None:
+        pytest.skip(f"envs.{name} is not ported yet")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("sciworld", "webarena") else n
+                                  for n in envs.ENVS])
+def test_the_experts_play_every_env_through_tool_calls_as_through_text(hermes, name):
+    """The same rewards, turns, finishes and observations; the tool episode's first prompt lists the env's tools, every
+    later observation is a tool result, and its tokens are exactly the sampled calls and the wrapped results."""
+    ported(name)
+    _, text, _ = play(hermes, name, REACT, lambda e: ExpertEngine(hermes, e))
+    spy, called, stepped = play(hermes, name, TOOLS, lambda e: ExpertEngine(hermes, e))
+    assert [(t.reward, t.turns, t.finish, t.success) for t in called] == [(t.reward, t.turns, t.finish, t.success) for t in text]
+    assert [[m["content"] for m in t.messages[4::2]] for t in called] == [[m["content"] for m in t.messages[4::2]] for t in text]
+    assert sum(t.turns for t in called) >= 2 and all(t.invalid_actions == 0 for t in called)
+    check_exact(hermes, spy, called)
+    for traj in called:
+        assert TOOLS_GUIDE in traj.messages[0]["content"] and traj.tools == env_tools.schemas(name)
+        prompt = hermes.tokenizer.decode(spy.prompts[traj.row][0])
+        assert all(json.dumps(tool) in prompt for tool in traj.tools)
+        assert all(m["role"] == "tool" for m in traj.messages[4::2])
+        assert all(m.get("tool_calls") for m in traj.messages[3::2])
+
+
+def test_llama_style_calls_play_token_exact(llama):
+    _, text, _ = play(llama, "babyai", REACT, lambda e: ExpertEngine(llama, e))
+    spy, called, _ = play(llama, "babyai", TOOLS, lambda e: ExpertEngine(llama, e))
+    assert [(t.reward, t.turns, t.finish) for t in called] == [(t.reward, t.turns, t.finish) for t in text]
+    check_exact(llama, spy, called)
+    assert "<|start_header_id|>ipython<|end_header_id|>" in llama.tokenizer.decode(called[0].token_ids)
