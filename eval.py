@@ -378,7 +378,9 @@ def report(results: dict, settings: dict, k: int, trajectories: list) -> None:
     if results["engine"] == "api":
         usage = results["usage"]
         print(f"{results['base_url']}: {usage['calls']} calls, {usage['prompt_tokens']} prompt and "
-              f"{usage['completion_tokens']} completion tokens, ${usage['cost']:.4f}")
+              f"{usage['completion_tokens']} completion tokens"
+              + (f" ({usage['reasoning_tokens']} of them reasoning)" if usage["reasoning_tokens"] else "")
+              + f", ${usage['cost']:.4f}")
     for name, c in results["categories"].items():
         print(f"  {name:<24} {c['tasks']:>4} tasks  Avg@{k} {c['avg@k']:.4f}  Pass@{k} {c['pass@k']:.4f}")
     for row in results.get("by_attempt", []):

@@ -13,16 +13,27 @@ its own chat template. There are no token ids: an API trajectory's token_ids, lo
 empty (nothing is trained on it), and APIFormat stands in for ChatFormat, which stays the only place that
 turns messages into tokens.
 
+Tools and reasoning. A trajectory that carries tools (`traj.tools`: OpenAI function schemas) sends them with
+every request, and its messages go as the rollout keeps them, an assistant's `tool_calls` and the `tool`
+answers included. A reply's tool calls come back in Sample.tool_calls ({"id", "name", "arguments"}, the
+arguments the JSON text exactly as the server sent it, "" for what an entry lacks), unparsed and never refused
+here: the rollout parses them and answers a malformed one. Only the reply's `content` is its text (Sample.text,
+"" when a reply holds only tool calls), so only that can reach the env. A reasoning model's separate reasoning
+(`reasoning_content`, or `reasoning` as some servers name it) is Sample.reasoning: the rollout logs it with the
+episode and keeps it out of the env and out of the messages sent back in later turns, since the env should read
+the answer after the reasoning. The server's count of reasoning tokens (`completion_tokens_details`, where it
+reports one; they are among the completion tokens) goes to the usage as `reasoning_tokens`.
+
 Limits. A turn's token cap (--max-new-tokens) is the request's max_tokens, counted by the server as a local
-engine counts its own. The trajectory's budget (--max-tokens) cannot be counted here without the model's
-tokenizer, so the server's context window holds it: serve the model with `--max-model-len` set to the
-budget. vLLM then caps a reply at what the window has left (a local engine caps it at the budget's room, one
-token less, kept for an end-of-turn token) and refuses a prompt the window cannot hold (HTTP 400, "maximum
-context length"); such a refusal (or another server's "prompt is too long") ends the episode with finish
-"max_tokens", as a local episode that runs out of room ends, not as an error. So the two agree except within
-a token or two of the budget. A hosted model's window is its own, and usually far above the protocol's
-budget. The server's token counts (`usage`) are summed per episode with their cost (--price-in /
---price-out, dollars per million tokens).
+engine counts its own. The trajectory's budget (--max-tokens) cannot be
+counted here without the model's tokenizer, so the server's context window holds it: serve the model with
+`--max-model-len` set to the budget. vLLM then caps a reply at what the window has left (a local engine caps
+it at the budget's room, one token less, kept for an end-of-turn token) and refuses a prompt the window cannot
+hold (HTTP 400, "maximum context length"); such a refusal (or another server's "prompt is too long") ends the
+episode with finish "max_tokens", as a local episode that runs out of room ends, not as an error. So the two
+agree except within a token or two of the budget. A hosted model's window is its own, and usually far above
+the protocol's budget. The server's token counts (`usage`) are summed per episode with their cost
+(--price-in / --price-out, dollars per million tokens).
 
 Failures. Connection errors, timeouts (HTTP 408 too), HTTP 429 and 5xx are retried up to --api-retries
 times after an exponential backoff with jitter (or the server's Retry-After, when longer); another 4xx is
@@ -41,8 +52,7 @@ share seeds only when they also share a row, i.e. with --k above eval's --batch-
 Where this differs from upstream on purpose: AgentGym-RL's released code evaluates only local models (its
 vLLM rollout); the paper's API models (GPT-4o, Gemini, DeepSeek-R1) were scored by a harness it does not
 ship. Here they run through the very rollout loop and protocol limits the local models use, so the numbers
-compare. Only the reply's `content` reaches the env; a reasoning model's separate `reasoning_content` is
-left out, as the env should parse the answer after the reasoning.
+compare.
 """
 
 from __future__ import annotations
@@ -64,8 +74,9 @@ from rl.engines import Sample
 
 PREFIX = "openai:"  # --model openai:<name> names a served model
 DEFAULT_URL = "https://api.openai.com/v1"
-# what an episode's calls cost: calls answered with a reply, the server's token counts, dollars
-NO_USAGE = {"calls": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost": 0.0}
+# what an episode's calls cost: calls answered with a reply, the server's token counts (reasoning_tokens: those of
+# the completion tokens the model reasoned with, where the server reports them), dollars
+NO_USAGE = {"calls": 0, "prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0, "cost": 0.0}
 MAX_WAIT = 120.0  # seconds: the longest pause before a retry, whatever Retry-After asks
 # how servers word a request past the model's context window: OpenAI's and vLLM's "maximum context length",
 # others' "prompt is too long" / "context_length_exceeded"
@@ -120,6 +131,9 @@ class APIEngine:
                 "temperature": self.temperature, "top_p": self.top_p}
         if self.temperature > 0:
             body["seed"] = zlib.crc32(f"{self.seed} {traj.task_id} {traj.group} {traj.row} {traj.turns}".encode())
+        tools = getattr(traj, "tools", None)  # a tool-calling agent's function schemas; a text agent has none
+        if tools:
+            body["tools"] = tools
         self._running[self._pool.submit(self._turn, body)] = traj
 
     def poll(self) -> list[tuple[object, Sample]]:
@@ -167,9 +181,9 @@ class APIEngine:
     # -- one turn: a request, retried
 
     def _turn(self, body: dict) -> Sample:
-        """The reply to one request as a Sample: its text and usage; finish "max_tokens" for a full context
-        window; the error, scrubbed of the key, once retries are spent or on a refusal. What the server or the
-        network does never raises here."""
+        """The reply to one request as a Sample: its text, tool calls, reasoning and usage; finish "max_tokens" for
+        a full context window; the error, scrubbed of the key, once retries are spent or on a refusal. What the
+        server or the network does never raises here."""
         for attempt in range(self.retries + 1):
             with self._lock:
                 self.counts["requests"] += 1
@@ -208,13 +222,38 @@ class APIEngine:
     def _sample(self, reply: dict) -> Sample:
         usage = reply.get("usage") or {}
         prompt, completion = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+        reasoning_tokens = int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0)
         cost = prompt * self.prices[0] + completion * self.prices[1]
-        text = reply["choices"][0]["message"].get("content") or ""
-        return Sample([], text=text, usage={**NO_USAGE, "calls": 1, "prompt_tokens": prompt,
-                                            "completion_tokens": completion, "cost": cost})
+        message = reply["choices"][0]["message"]
+        reasoning = message.get("reasoning_content") or message.get("reasoning")  # (vLLM and others name it so)
+        return Sample([], text=message.get("content") or "", tool_calls=_tool_calls(message),
+                      reasoning=_as_text(reasoning) if reasoning else None,
+                      usage={**NO_USAGE, "calls": 1, "prompt_tokens": prompt, "completion_tokens": completion,
+                             "reasoning_tokens": reasoning_tokens, "cost": cost})
 
     def _scrub(self, text: str) -> str:
         return text.replace(self._key, "***") if self._key else text
+
+
+def _tool_calls(message: dict) -> list[dict] | None:
+    """A reply's tool calls as Sample carries them, {"id", "name", "arguments"} each, the arguments' JSON text
+    exactly as the server sent it; whatever an entry lacks is "". A malformed entry is kept, never refused: the
+    rollout validates the calls and answers a malformed one."""
+    calls = message.get("tool_calls") or []
+    calls = calls if isinstance(calls, list) else [calls]
+    kept = []
+    for call in calls:
+        call = call if isinstance(call, dict) else {}
+        function = call.get("function") if isinstance(call.get("function"), dict) else {}
+        kept.append({"id": _as_text(call.get("id")), "name": _as_text(function.get("name")),
+                     "arguments": _as_text(function.get("arguments"))})
+    return kept or None
+
+
+def _as_text(value) -> str:
+    """A reply field as text: a string as it is, nothing as "", anything else (a server that sent JSON where the
+    protocol has a string) as its JSON."""
+    return value if isinstance(value, str) else "" if value is None else json.dumps(value)
 
 
 def _describe(error: Exception) -> str:
@@ -252,7 +291,8 @@ def _retry_after(error: urllib.error.HTTPError) -> float | None:
 
 
 def total_usage(trajectories) -> dict:
-    """Calls, prompt and completion tokens and cost summed over episodes (anything with a `usage` dict)."""
+    """Calls, prompt, completion and reasoning tokens and cost summed over episodes (anything with a `usage`
+    dict)."""
     total = dict(NO_USAGE)
     for traj in trajectories:
         for key, value in traj.usage.items():

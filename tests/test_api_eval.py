@@ -8,6 +8,9 @@
   a server that fails every request after its check, one that refuses the key and one that cannot be
   reached (both stop the eval before any episode, writing nothing); token usage and cost per episode and
   summed; the API key in no file and no output, even when the server echoes it back.
+- Servers with a model that thinks and calls tools: the trajectory's tools go out (only when it has some), the
+  reply's tool calls come back unparsed, malformed ones too; its separate reasoning and reasoning tokens are read
+  and summed.
 """
 
 import contextlib
@@ -23,12 +26,13 @@ import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 import envs
 import eval as eval_script
-from rl.api import APIEngine
+from rl.api import APIEngine, total_usage
 from rl.model import EMBEDDED
 from rl.scores import spread
 from rollout import Trajectory
@@ -247,8 +251,10 @@ def test_retries_refusals_usage_and_a_key_that_is_never_written(tmp_path, monkey
     # usage: the server's counts of every answered call, cost at $2 and $8 per million tokens, summed
     for r in episodes:
         assert r["usage"] == {"calls": r["turns"], "prompt_tokens": 100 * r["turns"],
-                              "completion_tokens": 10 * r["turns"], "cost": pytest.approx(r["turns"] * 280e-6)}
-    assert results["usage"] == {"calls": 5, "prompt_tokens": 500, "completion_tokens": 50, "cost": 0.0014}
+                              "completion_tokens": 10 * r["turns"], "reasoning_tokens": 0,
+                              "cost": pytest.approx(r["turns"] * 280e-6)}
+    assert results["usage"] == {"calls": 5, "prompt_tokens": 500, "completion_tokens": 50, "reasoning_tokens": 0,
+                                "cost": 0.0014}
     assert results["prices"] == {"in": 2.0, "out": 8.0} and results["base_url"] == url
 
     printed = capsys.readouterr()
@@ -311,3 +317,92 @@ def test_reflect_through_an_api_counts_its_reflections_and_survives_a_full_windo
         assert [r.get("attempt", 1) for r in episodes] == ([1] * 4 + [2] * 4 if not refused else [1] * 4)
         if not refused:
             assert [r["reflection"] for r in episodes[:4]] == ["I kept going the wrong way."] * 4
+
+
+# ----------------------------------------------------------------------------------------------
+# A model that thinks and calls tools
+
+
+TOOLS = [{"type": "function", "function": {"name": "go", "description": "Walk to an object.",
+                                            "parameters": {"type": "object", "properties": {"to": {"type": "string"}},
+                                                           "required": ["to"]}}}]
+def turns(engine: APIEngine, trajectories: list, limit: int = 32) -> list:
+    """Each trajectory's next turn, submitted together: the Samples in the trajectories' order."""
+    for traj in trajectories:
+        engine.submit(traj, limit)
+    samples = {}
+    while engine.pending:
+        samples |= {id(traj): sample for traj, sample in engine.poll()}
+    return [samples[id(traj)] for traj in trajectories]
+
+
+def test_tools_go_out_with_the_trajectory_and_tool_calls_come_back_unparsed():
+    """A trajectory with tools sends them (and its assistant tool calls and tool answers as they are); one without
+    sends none. The reply's tool calls come back as the server wrote them, the malformed ones too."""
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "go", "arguments": '{"to": "red ball"}'}},
+             {"id": "call_2", "type": "function", "function": {"name": "go", "arguments": '{"to": "red'}},  # bad JSON
+             {"id": "call_3", "type": "function", "function": {"arguments": "{}"}},  # no name
+             {"type": "function", "function": {"name": "go", "arguments": None}}]  # no id, null arguments
+
+    def answer(body, attempt, authorization):
+        if "tools" not in body:
+            return reply()
+        return 200, {"choices": [{"index": 0, "finish_reason": "tool_calls",
+                                  "message": {"role": "assistant", "content": None, "tool_calls": calls}}],
+                     "usage": {"prompt_tokens": 120, "completion_tokens": 30}}, {}
+
+    earlier = {"id": "call_0", "type": "function", "function": {"name": "go", "arguments": '{"to": "door"}'}}
+    with_tools = Trajectory("babyai", 0, 0, 0, [{"role": "user", "content": "Go to the red ball."},
+                                                {"role": "assistant", "content": None, "tool_calls": [earlier]},
+                                                {"role": "tool", "tool_call_id": "call_0", "content": "At the door."}])
+    with_tools.tools = TOOLS
+    plain = Trajectory("babyai", 1, 1, 1, [{"role": "user", "content": "Go to the red ball."}])
+    with fake_api(answer) as (url, seen):
+        engine = APIEngine(url, "fake-model", retries=0)
+        try:
+            called, replied = turns(engine, [with_tools, plain])
+        finally:
+            engine.close()
+
+    sent = {len(body["messages"]): body for _, body, _ in seen}
+    assert len(seen) == 2 and sent[3]["tools"] == TOOLS and sent[3]["messages"] == with_tools.messages
+    assert "tools" not in sent[1] and not {"tool_choice"} & (sent[1].keys() | sent[3].keys())
+    assert called.error is None and called.text == "" and called.tool_calls == [
+        {"id": "call_1", "name": "go", "arguments": '{"to": "red ball"}'},
+        {"id": "call_2", "name": "go", "arguments": '{"to": "red'},
+        {"id": "call_3", "name": "", "arguments": "{}"},
+        {"id": "", "name": "go", "arguments": ""}]
+    assert replied.error is None and replied.text == REPLY and replied.tool_calls is None
+
+
+def test_reasoning_and_its_tokens_are_read_and_summed():
+    """reasoning_content (or `reasoning`, as vLLM's newer servers name it) is Sample.reasoning, never its text; the
+    reasoning tokens the server counts go to the usage, 0 where it counts none, and total_usage sums them."""
+    def answer(body, attempt, authorization):
+        status, payload, headers = reply()
+        message, usage = payload["choices"][0]["message"], payload["usage"]
+        asked = body["messages"][-1]["content"]
+        if asked == "reasoning_content":
+            message["reasoning_content"] = "The ball is left of me."
+            usage["completion_tokens_details"] = {"reasoning_tokens": 7}
+        elif asked == "reasoning":
+            message["reasoning"] = "The ball is behind me."
+            usage["completion_tokens_details"] = {"reasoning_tokens": None, "accepted_prediction_tokens": 0}
+        return status, payload, headers
+
+    trajectories = [Trajectory("babyai", i, i, i, [{"role": "user", "content": name}])
+                    for i, name in enumerate(("reasoning_content", "reasoning", "neither"))]
+    with fake_api(answer) as (url, seen):
+        engine = APIEngine(url, "fake-model", retries=0)
+        try:
+            samples = turns(engine, trajectories)
+        finally:
+            engine.close()
+
+    assert [s.reasoning for s in samples] == ["The ball is left of me.", "The ball is behind me.", None]
+    assert [s.text for s in samples] == [REPLY] * 3
+    assert [s.usage["reasoning_tokens"] for s in samples] == [7, 0, 0]
+    episodes = [SimpleNamespace(usage=s.usage) for s in samples]
+    assert total_usage(episodes) == {"calls": 3, "prompt_tokens": 300, "completion_tokens": 30, "reasoning_tokens": 7,
+                                     "cost": 0.0}
+    assert total_usage([])["reasoning_tokens"] == 0
