@@ -24,8 +24,8 @@ episode and keeps it out of the env and out of the messages sent back in later t
 the answer after the reasoning. The server's count of reasoning tokens (`completion_tokens_details`, where it
 reports one; they are among the completion tokens) goes to the usage as `reasoning_tokens`.
 
-Limits. A turn's token cap (--max-new-tokens) is the request's max_tokens, counted by the server as a local
-engine counts its own. The trajectory's budget (--max-tokens) cannot be
+Limits. A turn's token cap (--max-new-tokens) is the request's max_tokens (or max_completion_tokens, below),
+counted by the server as a local engine counts its own. The trajectory's budget (--max-tokens) cannot be
 counted here without the model's tokenizer, so the server's context window holds it: serve the model with
 `--max-model-len` set to the budget. vLLM then caps a reply at what the window has left (a local engine caps
 it at the budget's room, one token less, kept for an end-of-turn token) and refuses a prompt the window cannot
@@ -41,13 +41,22 @@ not retried. A turn that still fails ends its own episode with finish "error" an
 counted under `errors`), never the eval. eval.py checks the server once before any episode (`check`), so
 that a wrong URL or a refused key stops at once with one sentence.
 
+Hosted reasoning models (OpenAI's o-series and GPT-5) refuse max_tokens, and any temperature or top_p but 1,
+with an HTTP 400 that names the parameter ("Unsupported parameter: 'max_tokens' ...", "Unsupported value:
+'temperature' does not support 0 ..."). The engine learns each such refusal once, for the rest of its life and
+for every thread: max_tokens becomes max_completion_tokens with the same value, temperature and top_p are left
+out (the server samples at its default, 1), and the refused turn is resent at once (counted as `adapted`, not as
+a retry). Since that changes what is measured, `sampling` says the temperature and top_p the replies were
+really sampled at, and eval.py records those and warns.
+
 The API key comes from the environment ($OPENAI_API_KEY, or the variable --api-key-env names) and is sent as
 a Bearer header, nowhere else: every message that leaves this module (errors, exceptions) is scrubbed of it.
 
 Seeds. A sampled request carries a seed derived from --seed and the episode's task, group, row and turn, so
 that a seeded server (vLLM) answers the same whatever order the requests arrive in; two episodes of one task
 share seeds only when they also share a row, i.e. with --k above eval's --batch-size. Greedy requests
-(temperature 0) carry none. Hosted APIs treat seeds as best effort.
+(temperature 0) carry none, even where the server refused the temperature and samples at 1. Hosted APIs treat
+seeds as best effort.
 
 Where this differs from upstream on purpose: AgentGym-RL's released code evaluates only local models (its
 vLLM rollout); the paper's API models (GPT-4o, Gemini, DeepSeek-R1) were scored by a harness it does not
@@ -81,6 +90,12 @@ MAX_WAIT = 120.0  # seconds: the longest pause before a retry, whatever Retry-Af
 # how servers word a request past the model's context window: OpenAI's and vLLM's "maximum context length",
 # others' "prompt is too long" / "context_length_exceeded"
 CONTEXT_FULL = re.compile(r"maximum context length|context[ _]length[ _]exceeded|prompt is too long", re.IGNORECASE)
+# what a hosted reasoning model takes instead of a request parameter it refuses: the parameter's new name, or None
+# to leave it out (the server then samples at its default, 1); OpenAI's refusals read "Unsupported parameter:
+# 'max_tokens' is not supported with this model. Use 'max_completion_tokens' instead." and "Unsupported value:
+# 'temperature' does not support 0 with this model. Only the default (1) value is supported."
+ADAPTABLE = {"max_tokens": "max_completion_tokens", "temperature": None, "top_p": None}
+UNSUPPORTED = re.compile(r"unsupported|not supported|does not support", re.IGNORECASE)
 
 
 class APIFormat:
@@ -117,7 +132,8 @@ class APIEngine:
         self._running: dict[Future, object] = {}
         self._closed = threading.Event()  # cuts retry pauses short at close()
         self._lock = threading.Lock()
-        self.counts = {"requests": 0, "retries": 0, "failed_turns": 0}
+        self.refused: set[str] = set()  # parameters of ADAPTABLE the server refused: adapted in every later request
+        self.counts = {"requests": 0, "retries": 0, "adapted": 0, "failed_turns": 0}
         self.progress = 0
 
     # -- the engine contract
@@ -156,7 +172,8 @@ class APIEngine:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def metrics(self) -> dict[str, float]:
-        """Requests sent, retries among them and turns that failed for good, since the last call."""
+        """Requests sent, retries among them, resends adapted to a refused parameter (`adapted`) and turns that
+        failed for good, since the last call."""
         with self._lock:
             counts, self.counts = self.counts, dict.fromkeys(self.counts, 0)
         return counts
@@ -178,22 +195,33 @@ class APIEngine:
             return f"{self.base_url} does not list {self.model!r} among its models ({', '.join(map(str, served[:8]))})"
         return None
 
+    @property
+    def sampling(self) -> dict[str, float]:
+        """The temperature and top_p the replies were sampled at: the asked ones, or the server's default, 1, for
+        one it refused."""
+        with self._lock:
+            return {name: 1.0 if name in self.refused else getattr(self, name) for name in ("temperature", "top_p")}
+
     # -- one turn: a request, retried
 
     def _turn(self, body: dict) -> Sample:
         """The reply to one request as a Sample: its text, tool calls, reasoning and usage; finish "max_tokens" for
-        a full context window; the error, scrubbed of the key, once retries are spent or on a refusal. What the
-        server or the network does never raises here."""
-        for attempt in range(self.retries + 1):
+        a full context window; the error, scrubbed of the key, once retries are spent or on a refusal. A refused
+        parameter the engine can adapt (ADAPTABLE) is adapted and the request resent at once, which is no retry.
+        What the server or the network does never raises here."""
+        attempt = 0  # failed sends retried so far
+        while True:
+            sent = self._adapted(body)
             with self._lock:
                 self.counts["requests"] += 1
-                self.counts["retries"] += attempt > 0
             try:
-                return self._sample(self._request("POST", "/chat/completions", body))
+                return self._sample(self._request("POST", "/chat/completions", sent))
             except urllib.error.HTTPError as error:
                 reason, wait_s = _describe(error), _retry_after(error)
                 if error.code == 400 and CONTEXT_FULL.search(reason):
                     return Sample([], usage=dict(NO_USAGE), finish="max_tokens")
+                if error.code == 400 and self._learn(reason, sent):
+                    continue
                 if error.code not in (408, 429) and error.code < 500:  # (408: the server timed out waiting)
                     return self._failed(reason)
             except (OSError, http.client.HTTPException, ValueError, KeyError, IndexError, TypeError,
@@ -202,8 +230,30 @@ class APIEngine:
                 reason, wait_s = _describe(error), None
             pause = max(wait_s or 0.0, self.backoff * 2 ** attempt * random.uniform(1.0, 1.5))
             if attempt == self.retries or self._closed.wait(min(pause, MAX_WAIT)):
-                break
-        return self._failed(f"{reason} (after {attempt + 1} attempts)")
+                return self._failed(f"{reason} (after {attempt + 1} attempts)")
+            attempt += 1
+            with self._lock:
+                self.counts["retries"] += 1
+
+    def _adapted(self, body: dict) -> dict:
+        """The request as this server takes it: each parameter it has refused renamed or left out (ADAPTABLE)."""
+        with self._lock:
+            refused = self.refused & body.keys()
+        sent = {key: value for key, value in body.items() if key not in refused}
+        sent |= {ADAPTABLE[name]: body[name] for name in refused if ADAPTABLE[name]}
+        return sent
+
+    def _learn(self, reason: str, sent: dict) -> bool:
+        """Whether a 400's message refuses parameters of ADAPTABLE that `sent` carries; they are adapted from now
+        on, in every request of every thread. (Each is learnt from a request that carried it, so a turn resends
+        at most once a parameter.)"""
+        named = {name for name in ADAPTABLE if name in sent and re.search(rf"\b{name}\b", reason)}
+        if not named or not UNSUPPORTED.search(reason):
+            return False
+        with self._lock:
+            self.refused |= named
+            self.counts["adapted"] += 1
+        return True
 
     def _failed(self, reason: str) -> Sample:
         with self._lock:

@@ -10,7 +10,8 @@
   summed; the API key in no file and no output, even when the server echoes it back.
 - Servers with a model that thinks and calls tools: the trajectory's tools go out (only when it has some), the
   reply's tool calls come back unparsed, malformed ones too; its separate reasoning and reasoning tokens are read
-  and summed.
+  and summed; a hosted reasoning model's refusals of max_tokens, temperature and top_p are learnt once and every
+  turn still plays, and eval.py records the temperature it really played at.
 """
 
 import contextlib
@@ -326,6 +327,18 @@ def test_reflect_through_an_api_counts_its_reflections_and_survives_a_full_windo
 TOOLS = [{"type": "function", "function": {"name": "go", "description": "Walk to an object.",
                                             "parameters": {"type": "object", "properties": {"to": {"type": "string"}},
                                                            "required": ["to"]}}}]
+MAX_TOKENS_REFUSED = ("Unsupported parameter: 'max_tokens' is not supported with this model. "
+                      "Use 'max_completion_tokens' instead.")  # OpenAI's words, for o1 to GPT-5
+TEMPERATURE_REFUSED = ("Unsupported value: 'temperature' does not support {} with this model. "
+                       "Only the default (1) value is supported.")
+TOP_P_REFUSED = "Unsupported parameter: 'top_p' is not supported with this model."
+
+
+def refusal(message: str, param: str):
+    return 400, {"error": {"message": message, "type": "invalid_request_error", "param": param,
+                           "code": "unsupported_parameter"}}, {}
+
+
 def turns(engine: APIEngine, trajectories: list, limit: int = 32) -> list:
     """Each trajectory's next turn, submitted together: the Samples in the trajectories' order."""
     for traj in trajectories:
@@ -406,3 +419,94 @@ def test_reasoning_and_its_tokens_are_read_and_summed():
     assert total_usage(episodes) == {"calls": 3, "prompt_tokens": 300, "completion_tokens": 30, "reasoning_tokens": 7,
                                      "cost": 0.0}
     assert total_usage([])["reasoning_tokens"] == 0
+
+
+def openai_reasoning_model(body, attempt, authorization):
+    """OpenAI's o-series and GPT-5 on chat completions: no max_tokens, no top_p, temperature 1 only."""
+    if "max_tokens" in body:
+        return refusal(MAX_TOKENS_REFUSED, "max_tokens")
+    if body.get("temperature", 1) != 1:
+        return refusal(TEMPERATURE_REFUSED.format(body["temperature"]), "temperature")
+    if "top_p" in body:
+        return refusal(TOP_P_REFUSED, "top_p")
+    return reply()
+
+
+def test_a_reasoning_model_that_refuses_max_tokens_and_temperature_is_adapted_to_once():
+    """One refusal per parameter, each resent at once (no retry, no failure), and every later request goes out as the
+    server takes it: max_completion_tokens in place of max_tokens, no temperature or top_p; the seed stays."""
+    traj = Trajectory("babyai", 0, 0, 0, [{"role": "user", "content": "Go to the red ball."}])
+    with fake_api(openai_reasoning_model) as (url, seen):
+        engine = APIEngine(url, "fake-model", temperature=0.7, concurrency=1, retries=0)
+        try:
+            samples = []
+            for turn in range(3):
+                traj.turns = turn
+                samples += turns(engine, [traj], limit=48)
+            counts, sampling, refused = engine.metrics(), engine.sampling, engine.refused
+        finally:
+            engine.close()
+
+    assert all(s.error is None and s.text == REPLY for s in samples)
+    sent = [{key for key in body if key in ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed")}
+            for _, body, _ in seen]
+    assert sent == [{"max_tokens", "temperature", "top_p", "seed"},  # refused for max_tokens
+                    {"max_completion_tokens", "temperature", "top_p", "seed"},  # for temperature
+                    {"max_completion_tokens", "top_p", "seed"},  # for top_p
+                    *[{"max_completion_tokens", "seed"}] * 3]  # answered: the first turn, then the next two at once
+    assert all(body.get("max_completion_tokens", body.get("max_tokens")) == 48 for _, body, _ in seen)
+    assert len({body["seed"] for _, body, _ in seen[3:]}) == 3  # one seed a turn, as before the refusals
+    assert counts == {"requests": 6, "retries": 0, "adapted": 3, "failed_turns": 0}
+    assert sampling == {"temperature": 1.0, "top_p": 1.0} and refused == {"max_tokens", "temperature", "top_p"}
+
+
+def test_a_refusal_of_anything_else_is_neither_adapted_to_nor_retried():
+    refusals = {"developer": ("Unsupported value: 'messages[0].role' does not support 'developer' with this model.",
+                              "messages[0].role"),
+                "zero": ("Invalid 'max_tokens': integer below minimum value. Expected a value >= 1, but got 0 instead.",
+                         "max_tokens")}
+
+    def answer(body, attempt, authorization):
+        return refusal(*refusals[body["messages"][-1]["content"]])
+
+    trajectories = [Trajectory("babyai", i, i, i, [{"role": "user", "content": name}])
+                    for i, name in enumerate(refusals)]
+    with fake_api(answer) as (url, seen):
+        engine = APIEngine(url, "fake-model", temperature=0.0, retries=2, backoff=0.01)
+        try:
+            samples = turns(engine, trajectories)
+            counts, sampling = engine.metrics(), engine.sampling
+        finally:
+            engine.close()
+    assert len(seen) == 2 and all(s.error.startswith("api: HTTP 400 Bad Request: ") for s in samples)
+    assert counts == {"requests": 2, "retries": 0, "adapted": 0, "failed_turns": 2}
+    assert sampling == {"temperature": 0.0, "top_p": 1.0} and not engine.refused
+
+
+def test_eval_records_the_temperature_a_reasoning_model_really_played_at(tmp_path, capsys):
+    """Asked for greedy episodes, a model that takes only temperature 1 plays every turn at 1 (three requests in
+    flight, each of which may meet a refusal first); the result says 1, what was asked, and what the server refused,
+    and the summary warns. Its reasoning tokens are summed."""
+    def answer(body, attempt, authorization):
+        status, payload, headers = openai_reasoning_model(body, attempt, authorization)
+        if status == 200:
+            payload["usage"]["completion_tokens_details"] = {"reasoning_tokens": 6}
+        return status, payload, headers
+
+    with fake_api(answer) as (url, seen):
+        results = eval_script.main(api_args(url, tmp_path / "o", temperature=0.0))
+    episodes = records(tmp_path / "o")
+    assert all(r["finish"] == "horizon" and r["turns"] == 2 and r["error"] is None for r in episodes)
+    first_turns = [body for _, body, _ in seen if len(body["messages"]) == 3]
+    assert 1 <= sum("max_tokens" in body for body in first_turns) <= 3  # (one a thread at most)
+    assert all("max_completion_tokens" in body and "temperature" not in body and "top_p" not in body
+               for _, body, _ in seen if len(body["messages"]) > 3)  # second turns go out adapted
+    written = json.loads((tmp_path / "o.json").read_text())
+    for result in (results, written):
+        assert result["temperature"] == 1.0 and result["top_p"] == 1.0
+        assert result["asked"] == {"temperature": 0.0, "top_p": 1.0}
+        assert result["refused"] == ["max_tokens", "temperature", "top_p"]
+        assert result["usage"]["reasoning_tokens"] == 6 * 8 and result["usage"]["calls"] == 8
+    out = capsys.readouterr().out
+    assert "80 completion tokens (48 of them reasoning)" in out
+    assert "played at temperature 1.0 and top_p 1.0, not the asked 0.0 and 1.0" in out
