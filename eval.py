@@ -32,7 +32,9 @@ limits and scores, text in, text out (rl/api.py: retries, --api-concurrency, how
 No local model or tokenizer is loaded. The key comes from $OPENAI_API_KEY (or --api-key-env) and is never
 written; each episode's token usage and cost (--price-in/--price-out) go to the .jsonl, their sums and the
 base URL to the .json. A server that cannot be reached stops the eval before any episode; one that fails
-later fails only the episodes it does not answer (counted under `errors`).
+later fails only the episodes it does not answer (counted under `errors`). A hosted reasoning model that takes
+only temperature 1 is played at 1: the result's temperature and top_p are those the replies were sampled at,
+with the asked ones under `asked` and a warning in the summary.
 
 A result holds what was run, so that two can be compared: model, env, split, k, the limits, the agent format,
 temperature, seed, engine, the code's git revision ("+dirty" with uncommitted changes), and each task's
@@ -255,9 +257,14 @@ def main(args: Args) -> dict:
                "top_p": args.top_p, "seed": args.seed, "engine": kind, "code": code_revision(), **settings,
                "env_settings": env_settings, "env_url": args.env_url, **score(trajectories, env_name),
                "per_task": per_task(trajectories), "seconds": round(time.perf_counter() - start, 1)}
-    if kind == "api":  # where the model was served (never the key) and what its calls cost
+    if kind == "api":  # where the model was served (never the key), what its calls cost, what it was sampled at
         results |= {"base_url": engine.base_url, "usage": api.total_usage(trajectories),
-                    "prices": {"in": args.price_in, "out": args.price_out}}
+                    "prices": {"in": args.price_in, "out": args.price_out}, **engine.sampling}
+        if engine.refused:  # a hosted reasoning model's rules (rl/api.py): the parameters it refused
+            results["refused"] = sorted(engine.refused)
+        asked = {"temperature": args.temperature, "top_p": args.top_p}
+        if engine.sampling != asked:
+            results["asked"] = asked
     if len(settings["horizons"]) > 1:
         results["sweep"] = [{"horizon": h, **score([t.cut(h) for t in played.get(h, trajectories)], env_name)}
                             for h in settings["horizons"]]
@@ -391,7 +398,13 @@ def report(results: dict, settings: dict, k: int, trajectories: list) -> None:
     if results["engine"] == "api":
         usage = results["usage"]
         print(f"{results['base_url']}: {usage['calls']} calls, {usage['prompt_tokens']} prompt and "
-              f"{usage['completion_tokens']} completion tokens, ${usage['cost']:.4f}")
+              f"{usage['completion_tokens']} completion tokens"
+              + (f" ({usage['reasoning_tokens']} of them reasoning)" if usage["reasoning_tokens"] else "")
+              + f", ${usage['cost']:.4f}")
+        if "asked" in results:
+            print(f"warning: the server takes only its default sampling for {results['model']}: played at temperature "
+                  f"{results['temperature']} and top_p {results['top_p']}, not the asked {results['asked']['temperature']} "
+                  f"and {results['asked']['top_p']}")
     for name, c in results["categories"].items():
         print(f"  {name:<24} {c['tasks']:>4} tasks  Avg@{k} {c['avg@k']:.4f}  Pass@{k} {c['pass@k']:.4f}")
     for row in results.get("by_attempt", []):

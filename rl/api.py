@@ -13,16 +13,27 @@ its own chat template. There are no token ids: an API trajectory's token_ids, lo
 empty (nothing is trained on it), and APIFormat stands in for ChatFormat, which stays the only place that
 turns messages into tokens.
 
-Limits. A turn's token cap (--max-new-tokens) is the request's max_tokens, counted by the server as a local
-engine counts its own. The trajectory's budget (--max-tokens) cannot be counted here without the model's
-tokenizer, so the server's context window holds it: serve the model with `--max-model-len` set to the
-budget. vLLM then caps a reply at what the window has left (a local engine caps it at the budget's room, one
-token less, kept for an end-of-turn token) and refuses a prompt the window cannot hold (HTTP 400, "maximum
-context length"); such a refusal (or another server's "prompt is too long") ends the episode with finish
-"max_tokens", as a local episode that runs out of room ends, not as an error. So the two agree except within
-a token or two of the budget. A hosted model's window is its own, and usually far above the protocol's
-budget. The server's token counts (`usage`) are summed per episode with their cost (--price-in /
---price-out, dollars per million tokens).
+Tools and reasoning. A trajectory that carries tools (`traj.tools`: OpenAI function schemas) sends them with
+every request, and its messages go as the rollout keeps them, an assistant's `tool_calls` and the `tool`
+answers included. A reply's tool calls come back in Sample.tool_calls ({"id", "name", "arguments"}, the
+arguments the JSON text exactly as the server sent it, "" for what an entry lacks), unparsed and never refused
+here: the rollout parses them and answers a malformed one. Only the reply's `content` is its text (Sample.text,
+"" when a reply holds only tool calls), so only that can reach the env. A reasoning model's separate reasoning
+(`reasoning_content`, or `reasoning` as some servers name it) is Sample.reasoning: the rollout logs it with the
+episode and keeps it out of the env and out of the messages sent back in later turns, since the env should read
+the answer after the reasoning. The server's count of reasoning tokens (`completion_tokens_details`, where it
+reports one; they are among the completion tokens) goes to the usage as `reasoning_tokens`.
+
+Limits. A turn's token cap (--max-new-tokens) is the request's max_tokens (or max_completion_tokens, below),
+counted by the server as a local engine counts its own. The trajectory's budget (--max-tokens) cannot be
+counted here without the model's tokenizer, so the server's context window holds it: serve the model with
+`--max-model-len` set to the budget. vLLM then caps a reply at what the window has left (a local engine caps
+it at the budget's room, one token less, kept for an end-of-turn token) and refuses a prompt the window cannot
+hold (HTTP 400, "maximum context length"); such a refusal (or another server's "prompt is too long") ends the
+episode with finish "max_tokens", as a local episode that runs out of room ends, not as an error. So the two
+agree except within a token or two of the budget. A hosted model's window is its own, and usually far above
+the protocol's budget. The server's token counts (`usage`) are summed per episode with their cost
+(--price-in / --price-out, dollars per million tokens).
 
 Failures. Connection errors, timeouts (HTTP 408 too), HTTP 429 and 5xx are retried up to --api-retries
 times after an exponential backoff with jitter (or the server's Retry-After, when longer); another 4xx is
@@ -30,19 +41,27 @@ not retried. A turn that still fails ends its own episode with finish "error" an
 counted under `errors`), never the eval. eval.py checks the server once before any episode (`check`), so
 that a wrong URL or a refused key stops at once with one sentence.
 
+Hosted reasoning models (OpenAI's o-series and GPT-5) refuse max_tokens, and any temperature or top_p but 1,
+with an HTTP 400 that names the parameter ("Unsupported parameter: 'max_tokens' ...", "Unsupported value:
+'temperature' does not support 0 ..."). The engine learns each such refusal once, for the rest of its life and
+for every thread: max_tokens becomes max_completion_tokens with the same value, temperature and top_p are left
+out (the server samples at its default, 1), and the refused turn is resent at once (counted as `adapted`, not as
+a retry). Since that changes what is measured, `sampling` says the temperature and top_p the replies were
+really sampled at, and eval.py records those and warns.
+
 The API key comes from the environment ($OPENAI_API_KEY, or the variable --api-key-env names) and is sent as
 a Bearer header, nowhere else: every message that leaves this module (errors, exceptions) is scrubbed of it.
 
 Seeds. A sampled request carries a seed derived from --seed and the episode's task, group, row and turn, so
 that a seeded server (vLLM) answers the same whatever order the requests arrive in; two episodes of one task
 share seeds only when they also share a row, i.e. with --k above eval's --batch-size. Greedy requests
-(temperature 0) carry none. Hosted APIs treat seeds as best effort.
+(temperature 0) carry none, even where the server refused the temperature and samples at 1. Hosted APIs treat
+seeds as best effort.
 
 Where this differs from upstream on purpose: AgentGym-RL's released code evaluates only local models (its
 vLLM rollout); the paper's API models (GPT-4o, Gemini, DeepSeek-R1) were scored by a harness it does not
 ship. Here they run through the very rollout loop and protocol limits the local models use, so the numbers
-compare. Only the reply's `content` reaches the env; a reasoning model's separate `reasoning_content` is
-left out, as the env should parse the answer after the reasoning.
+compare.
 """
 
 from __future__ import annotations
@@ -64,12 +83,19 @@ from rl.engines import Sample
 
 PREFIX = "openai:"  # --model openai:<name> names a served model
 DEFAULT_URL = "https://api.openai.com/v1"
-# what an episode's calls cost: calls answered with a reply, the server's token counts, dollars
-NO_USAGE = {"calls": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost": 0.0}
+# what an episode's calls cost: calls answered with a reply, the server's token counts (reasoning_tokens: those of
+# the completion tokens the model reasoned with, where the server reports them), dollars
+NO_USAGE = {"calls": 0, "prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0, "cost": 0.0}
 MAX_WAIT = 120.0  # seconds: the longest pause before a retry, whatever Retry-After asks
 # how servers word a request past the model's context window: OpenAI's and vLLM's "maximum context length",
 # others' "prompt is too long" / "context_length_exceeded"
 CONTEXT_FULL = re.compile(r"maximum context length|context[ _]length[ _]exceeded|prompt is too long", re.IGNORECASE)
+# what a hosted reasoning model takes instead of a request parameter it refuses: the parameter's new name, or None
+# to leave it out (the server then samples at its default, 1); OpenAI's refusals read "Unsupported parameter:
+# 'max_tokens' is not supported with this model. Use 'max_completion_tokens' instead." and "Unsupported value:
+# 'temperature' does not support 0 with this model. Only the default (1) value is supported."
+ADAPTABLE = {"max_tokens": "max_completion_tokens", "temperature": None, "top_p": None}
+UNSUPPORTED = re.compile(r"unsupported|not supported|does not support", re.IGNORECASE)
 
 
 class APIFormat:
@@ -106,7 +132,8 @@ class APIEngine:
         self._running: dict[Future, object] = {}
         self._closed = threading.Event()  # cuts retry pauses short at close()
         self._lock = threading.Lock()
-        self.counts = {"requests": 0, "retries": 0, "failed_turns": 0}
+        self.refused: set[str] = set()  # parameters of ADAPTABLE the server refused: adapted in every later request
+        self.counts = {"requests": 0, "retries": 0, "adapted": 0, "failed_turns": 0}
         self.progress = 0
 
     # -- the engine contract
@@ -120,6 +147,9 @@ class APIEngine:
                 "temperature": self.temperature, "top_p": self.top_p}
         if self.temperature > 0:
             body["seed"] = zlib.crc32(f"{self.seed} {traj.task_id} {traj.group} {traj.row} {traj.turns}".encode())
+        tools = getattr(traj, "tools", None)  # a tool-calling agent's function schemas; a text agent has none
+        if tools:
+            body["tools"] = tools
         self._running[self._pool.submit(self._turn, body)] = traj
 
     def poll(self) -> list[tuple[object, Sample]]:
@@ -142,7 +172,8 @@ class APIEngine:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def metrics(self) -> dict[str, float]:
-        """Requests sent, retries among them and turns that failed for good, since the last call."""
+        """Requests sent, retries among them, resends adapted to a refused parameter (`adapted`) and turns that
+        failed for good, since the last call."""
         with self._lock:
             counts, self.counts = self.counts, dict.fromkeys(self.counts, 0)
         return counts
@@ -164,22 +195,33 @@ class APIEngine:
             return f"{self.base_url} does not list {self.model!r} among its models ({', '.join(map(str, served[:8]))})"
         return None
 
+    @property
+    def sampling(self) -> dict[str, float]:
+        """The temperature and top_p the replies were sampled at: the asked ones, or the server's default, 1, for
+        one it refused."""
+        with self._lock:
+            return {name: 1.0 if name in self.refused else getattr(self, name) for name in ("temperature", "top_p")}
+
     # -- one turn: a request, retried
 
     def _turn(self, body: dict) -> Sample:
-        """The reply to one request as a Sample: its text and usage; finish "max_tokens" for a full context
-        window; the error, scrubbed of the key, once retries are spent or on a refusal. What the server or the
-        network does never raises here."""
-        for attempt in range(self.retries + 1):
+        """The reply to one request as a Sample: its text, tool calls, reasoning and usage; finish "max_tokens" for
+        a full context window; the error, scrubbed of the key, once retries are spent or on a refusal. A refused
+        parameter the engine can adapt (ADAPTABLE) is adapted and the request resent at once, which is no retry.
+        What the server or the network does never raises here."""
+        attempt = 0  # failed sends retried so far
+        while True:
+            sent = self._adapted(body)
             with self._lock:
                 self.counts["requests"] += 1
-                self.counts["retries"] += attempt > 0
             try:
-                return self._sample(self._request("POST", "/chat/completions", body))
+                return self._sample(self._request("POST", "/chat/completions", sent))
             except urllib.error.HTTPError as error:
                 reason, wait_s = _describe(error), _retry_after(error)
                 if error.code == 400 and CONTEXT_FULL.search(reason):
                     return Sample([], usage=dict(NO_USAGE), finish="max_tokens")
+                if error.code == 400 and self._learn(reason, sent):
+                    continue
                 if error.code not in (408, 429) and error.code < 500:  # (408: the server timed out waiting)
                     return self._failed(reason)
             except (OSError, http.client.HTTPException, ValueError, KeyError, IndexError, TypeError,
@@ -188,8 +230,30 @@ class APIEngine:
                 reason, wait_s = _describe(error), None
             pause = max(wait_s or 0.0, self.backoff * 2 ** attempt * random.uniform(1.0, 1.5))
             if attempt == self.retries or self._closed.wait(min(pause, MAX_WAIT)):
-                break
-        return self._failed(f"{reason} (after {attempt + 1} attempts)")
+                return self._failed(f"{reason} (after {attempt + 1} attempts)")
+            attempt += 1
+            with self._lock:
+                self.counts["retries"] += 1
+
+    def _adapted(self, body: dict) -> dict:
+        """The request as this server takes it: each parameter it has refused renamed or left out (ADAPTABLE)."""
+        with self._lock:
+            refused = self.refused & body.keys()
+        sent = {key: value for key, value in body.items() if key not in refused}
+        sent |= {ADAPTABLE[name]: body[name] for name in refused if ADAPTABLE[name]}
+        return sent
+
+    def _learn(self, reason: str, sent: dict) -> bool:
+        """Whether a 400's message refuses parameters of ADAPTABLE that `sent` carries; they are adapted from now
+        on, in every request of every thread. (Each is learnt from a request that carried it, so a turn resends
+        at most once a parameter.)"""
+        named = {name for name in ADAPTABLE if name in sent and re.search(rf"\b{name}\b", reason)}
+        if not named or not UNSUPPORTED.search(reason):
+            return False
+        with self._lock:
+            self.refused |= named
+            self.counts["adapted"] += 1
+        return True
 
     def _failed(self, reason: str) -> Sample:
         with self._lock:
@@ -208,13 +272,38 @@ class APIEngine:
     def _sample(self, reply: dict) -> Sample:
         usage = reply.get("usage") or {}
         prompt, completion = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+        reasoning_tokens = int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0)
         cost = prompt * self.prices[0] + completion * self.prices[1]
-        text = reply["choices"][0]["message"].get("content") or ""
-        return Sample([], text=text, usage={**NO_USAGE, "calls": 1, "prompt_tokens": prompt,
-                                            "completion_tokens": completion, "cost": cost})
+        message = reply["choices"][0]["message"]
+        reasoning = message.get("reasoning_content") or message.get("reasoning")  # (vLLM and others name it so)
+        return Sample([], text=message.get("content") or "", tool_calls=_tool_calls(message),
+                      reasoning=_as_text(reasoning) if reasoning else None,
+                      usage={**NO_USAGE, "calls": 1, "prompt_tokens": prompt, "completion_tokens": completion,
+                             "reasoning_tokens": reasoning_tokens, "cost": cost})
 
     def _scrub(self, text: str) -> str:
         return text.replace(self._key, "***") if self._key else text
+
+
+def _tool_calls(message: dict) -> list[dict] | None:
+    """A reply's tool calls as Sample carries them, {"id", "name", "arguments"} each, the arguments' JSON text
+    exactly as the server sent it; whatever an entry lacks is "". A malformed entry is kept, never refused: the
+    rollout validates the calls and answers a malformed one."""
+    calls = message.get("tool_calls") or []
+    calls = calls if isinstance(calls, list) else [calls]
+    kept = []
+    for call in calls:
+        call = call if isinstance(call, dict) else {}
+        function = call.get("function") if isinstance(call.get("function"), dict) else {}
+        kept.append({"id": _as_text(call.get("id")), "name": _as_text(function.get("name")),
+                     "arguments": _as_text(function.get("arguments"))})
+    return kept or None
+
+
+def _as_text(value) -> str:
+    """A reply field as text: a string as it is, nothing as "", anything else (a server that sent JSON where the
+    protocol has a string) as its JSON."""
+    return value if isinstance(value, str) else "" if value is None else json.dumps(value)
 
 
 def _describe(error: Exception) -> str:
@@ -252,7 +341,8 @@ def _retry_after(error: urllib.error.HTTPError) -> float | None:
 
 
 def total_usage(trajectories) -> dict:
-    """Calls, prompt and completion tokens and cost summed over episodes (anything with a `usage` dict)."""
+    """Calls, prompt, completion and reasoning tokens and cost summed over episodes (anything with a `usage`
+    dict)."""
     total = dict(NO_USAGE)
     for traj in trajectories:
         for key, value in traj.usage.items():

@@ -53,13 +53,14 @@ class Sample:
     logprobs: list[float] = field(default_factory=list)
     error: str | None = None  # this row could not be generated; its trajectory ends with the error
     # a text engine (rl/api.py: a model behind an HTTP API) has no token ids: the reply as text, the server's
-    # token counts and cost ({"calls", "prompt_tokens", "completion_tokens", "cost"}), and "max_tokens" in
-    # `finish` when the server's context window can take no more (the episode ends as out of room)
+    # token counts and cost ({"calls", "prompt_tokens", "completion_tokens", "reasoning_tokens", "cost"}), and
+    # "max_tokens" in `finish` when the server's context window can take no more (the episode ends as out of room)
     text: str | None = None
     usage: dict[str, float] = field(default_factory=dict)
     finish: str | None = None
-    # a text engine's native tool calls ([{"name": str, "arguments": str of JSON}], as the server returned them)
-    # and the reasoning it returned apart from the reply (a server's reasoning_content): logged, never sent to an env
+    # a text engine's native tool calls ([{"id": str, "name": str, "arguments": str of JSON}], as the server
+    # returned them) and the reasoning it returned apart from the reply (a server's reasoning_content): logged,
+    # never sent to an env
     tool_calls: list[dict] | None = None
     reasoning: str | None = None
 

@@ -16,8 +16,9 @@ A record (log format 2):
     advantages                             one number where it is constant over the trajectory (GRPO,
                                            RLOO, outcome REINFORCE++), else one per action token
     values, returns                        PPO's critic values and GAE returns, per action token
-    usage                                  API models only (rl/api.py): calls, prompt_tokens, completion_tokens
-                                           and cost (dollars) summed over the episode; token_ids are empty
+    usage                                  API models only (rl/api.py): calls, prompt_tokens, completion_tokens,
+                                           reasoning_tokens (of the completion tokens) and cost (dollars) summed
+                                           over the episode; token_ids are empty
 
 Number arrays are encoded as "<type>:<base64 of little-endian values>" with type i32 or f32: exact,
 and 1.5x (ids) to 4x (log-probs) smaller than JSON's decimals. `decode_array` reads them back, and also the

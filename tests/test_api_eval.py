@@ -8,6 +8,10 @@
   a server that fails every request after its check, one that refuses the key and one that cannot be
   reached (both stop the eval before any episode, writing nothing); token usage and cost per episode and
   summed; the API key in no file and no output, even when the server echoes it back.
+- Servers with a model that thinks and calls tools: the trajectory's tools go out (only when it has some), the
+  reply's tool calls come back unparsed, malformed ones too; its separate reasoning and reasoning tokens are read
+  and summed; a hosted reasoning model's refusals of max_tokens, temperature and top_p are learnt once and every
+  turn still plays, and eval.py records the temperature it really played at.
 """
 
 import contextlib
@@ -23,12 +27,13 @@ import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 import envs
 import eval as eval_script
-from rl.api import APIEngine
+from rl.api import APIEngine, total_usage
 from rl.model import EMBEDDED
 from rl.scores import spread
 from rollout import Trajectory
@@ -247,8 +252,10 @@ def test_retries_refusals_usage_and_a_key_that_is_never_written(tmp_path, monkey
     # usage: the server's counts of every answered call, cost at $2 and $8 per million tokens, summed
     for r in episodes:
         assert r["usage"] == {"calls": r["turns"], "prompt_tokens": 100 * r["turns"],
-                              "completion_tokens": 10 * r["turns"], "cost": pytest.approx(r["turns"] * 280e-6)}
-    assert results["usage"] == {"calls": 5, "prompt_tokens": 500, "completion_tokens": 50, "cost": 0.0014}
+                              "completion_tokens": 10 * r["turns"], "reasoning_tokens": 0,
+                              "cost": pytest.approx(r["turns"] * 280e-6)}
+    assert results["usage"] == {"calls": 5, "prompt_tokens": 500, "completion_tokens": 50, "reasoning_tokens": 0,
+                                "cost": 0.0014}
     assert results["prices"] == {"in": 2.0, "out": 8.0} and results["base_url"] == url
 
     printed = capsys.readouterr()
@@ -311,3 +318,195 @@ def test_reflect_through_an_api_counts_its_reflections_and_survives_a_full_windo
         assert [r.get("attempt", 1) for r in episodes] == ([1] * 4 + [2] * 4 if not refused else [1] * 4)
         if not refused:
             assert [r["reflection"] for r in episodes[:4]] == ["I kept going the wrong way."] * 4
+
+
+# ----------------------------------------------------------------------------------------------
+# A model that thinks and calls tools
+
+
+TOOLS = [{"type": "function", "function": {"name": "go", "description": "Walk to an object.",
+                                            "parameters": {"type": "object", "properties": {"to": {"type": "string"}},
+                                                           "required": ["to"]}}}]
+MAX_TOKENS_REFUSED = ("Unsupported parameter: 'max_tokens' is not supported with this model. "
+                      "Use 'max_completion_tokens' instead.")  # OpenAI's words, for o1 to GPT-5
+TEMPERATURE_REFUSED = ("Unsupported value: 'temperature' does not support {} with this model. "
+                       "Only the default (1) value is supported.")
+TOP_P_REFUSED = "Unsupported parameter: 'top_p' is not supported with this model."
+
+
+def refusal(message: str, param: str):
+    return 400, {"error": {"message": message, "type": "invalid_request_error", "param": param,
+                           "code": "unsupported_parameter"}}, {}
+
+
+def turns(engine: APIEngine, trajectories: list, limit: int = 32) -> list:
+    """Each trajectory's next turn, submitted together: the Samples in the trajectories' order."""
+    for traj in trajectories:
+        engine.submit(traj, limit)
+    samples = {}
+    while engine.pending:
+        samples |= {id(traj): sample for traj, sample in engine.poll()}
+    return [samples[id(traj)] for traj in trajectories]
+
+
+def test_tools_go_out_with_the_trajectory_and_tool_calls_come_back_unparsed():
+    """A trajectory with tools sends them (and its assistant tool calls and tool answers as they are); one without
+    sends none. The reply's tool calls come back as the server wrote them, the malformed ones too."""
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "go", "arguments": '{"to": "red ball"}'}},
+             {"id": "call_2", "type": "function", "function": {"name": "go", "arguments": '{"to": "red'}},  # bad JSON
+             {"id": "call_3", "type": "function", "function": {"arguments": "{}"}},  # no name
+             {"type": "function", "function": {"name": "go", "arguments": None}}]  # no id, null arguments
+
+    def answer(body, attempt, authorization):
+        if "tools" not in body:
+            return reply()
+        return 200, {"choices": [{"index": 0, "finish_reason": "tool_calls",
+                                  "message": {"role": "assistant", "content": None, "tool_calls": calls}}],
+                     "usage": {"prompt_tokens": 120, "completion_tokens": 30}}, {}
+
+    earlier = {"id": "call_0", "type": "function", "function": {"name": "go", "arguments": '{"to": "door"}'}}
+    with_tools = Trajectory("babyai", 0, 0, 0, [{"role": "user", "content": "Go to the red ball."},
+                                                {"role": "assistant", "content": None, "tool_calls": [earlier]},
+                                                {"role": "tool", "tool_call_id": "call_0", "content": "At the door."}])
+    with_tools.tools = TOOLS
+    plain = Trajectory("babyai", 1, 1, 1, [{"role": "user", "content": "Go to the red ball."}])
+    with fake_api(answer) as (url, seen):
+        engine = APIEngine(url, "fake-model", retries=0)
+        try:
+            called, replied = turns(engine, [with_tools, plain])
+        finally:
+            engine.close()
+
+    sent = {len(body["messages"]): body for _, body, _ in seen}
+    assert len(seen) == 2 and sent[3]["tools"] == TOOLS and sent[3]["messages"] == with_tools.messages
+    assert "tools" not in sent[1] and not {"tool_choice"} & (sent[1].keys() | sent[3].keys())
+    assert called.error is None and called.text == "" and called.tool_calls == [
+        {"id": "call_1", "name": "go", "arguments": '{"to": "red ball"}'},
+        {"id": "call_2", "name": "go", "arguments": '{"to": "red'},
+        {"id": "call_3", "name": "", "arguments": "{}"},
+        {"id": "", "name": "go", "arguments": ""}]
+    assert replied.error is None and replied.text == REPLY and replied.tool_calls is None
+
+
+def test_reasoning_and_its_tokens_are_read_and_summed():
+    """reasoning_content (or `reasoning`, as vLLM's newer servers name it) is Sample.reasoning, never its text; the
+    reasoning tokens the server counts go to the usage, 0 where it counts none, and total_usage sums them."""
+    def answer(body, attempt, authorization):
+        status, payload, headers = reply()
+        message, usage = payload["choices"][0]["message"], payload["usage"]
+        asked = body["messages"][-1]["content"]
+        if asked == "reasoning_content":
+            message["reasoning_content"] = "The ball is left of me."
+            usage["completion_tokens_details"] = {"reasoning_tokens": 7}
+        elif asked == "reasoning":
+            message["reasoning"] = "The ball is behind me."
+            usage["completion_tokens_details"] = {"reasoning_tokens": None, "accepted_prediction_tokens": 0}
+        return status, payload, headers
+
+    trajectories = [Trajectory("babyai", i, i, i, [{"role": "user", "content": name}])
+                    for i, name in enumerate(("reasoning_content", "reasoning", "neither"))]
+    with fake_api(answer) as (url, seen):
+        engine = APIEngine(url, "fake-model", retries=0)
+        try:
+            samples = turns(engine, trajectories)
+        finally:
+            engine.close()
+
+    assert [s.reasoning for s in samples] == ["The ball is left of me.", "The ball is behind me.", None]
+    assert [s.text for s in samples] == [REPLY] * 3
+    assert [s.usage["reasoning_tokens"] for s in samples] == [7, 0, 0]
+    episodes = [SimpleNamespace(usage=s.usage) for s in samples]
+    assert total_usage(episodes) == {"calls": 3, "prompt_tokens": 300, "completion_tokens": 30, "reasoning_tokens": 7,
+                                     "cost": 0.0}
+    assert total_usage([])["reasoning_tokens"] == 0
+
+
+def openai_reasoning_model(body, attempt, authorization):
+    """OpenAI's o-series and GPT-5 on chat completions: no max_tokens, no top_p, temperature 1 only."""
+    if "max_tokens" in body:
+        return refusal(MAX_TOKENS_REFUSED, "max_tokens")
+    if body.get("temperature", 1) != 1:
+        return refusal(TEMPERATURE_REFUSED.format(body["temperature"]), "temperature")
+    if "top_p" in body:
+        return refusal(TOP_P_REFUSED, "top_p")
+    return reply()
+
+
+def test_a_reasoning_model_that_refuses_max_tokens_and_temperature_is_adapted_to_once():
+    """One refusal per parameter, each resent at once (no retry, no failure), and every later request goes out as the
+    server takes it: max_completion_tokens in place of max_tokens, no temperature or top_p; the seed stays."""
+    traj = Trajectory("babyai", 0, 0, 0, [{"role": "user", "content": "Go to the red ball."}])
+    with fake_api(openai_reasoning_model) as (url, seen):
+        engine = APIEngine(url, "fake-model", temperature=0.7, concurrency=1, retries=0)
+        try:
+            samples = []
+            for turn in range(3):
+                traj.turns = turn
+                samples += turns(engine, [traj], limit=48)
+            counts, sampling, refused = engine.metrics(), engine.sampling, engine.refused
+        finally:
+            engine.close()
+
+    assert all(s.error is None and s.text == REPLY for s in samples)
+    sent = [{key for key in body if key in ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed")}
+            for _, body, _ in seen]
+    assert sent == [{"max_tokens", "temperature", "top_p", "seed"},  # refused for max_tokens
+                    {"max_completion_tokens", "temperature", "top_p", "seed"},  # for temperature
+                    {"max_completion_tokens", "top_p", "seed"},  # for top_p
+                    *[{"max_completion_tokens", "seed"}] * 3]  # answered: the first turn, then the next two at once
+    assert all(body.get("max_completion_tokens", body.get("max_tokens")) == 48 for _, body, _ in seen)
+    assert len({body["seed"] for _, body, _ in seen[3:]}) == 3  # one seed a turn, as before the refusals
+    assert counts == {"requests": 6, "retries": 0, "adapted": 3, "failed_turns": 0}
+    assert sampling == {"temperature": 1.0, "top_p": 1.0} and refused == {"max_tokens", "temperature", "top_p"}
+
+
+def test_a_refusal_of_anything_else_is_neither_adapted_to_nor_retried():
+    refusals = {"developer": ("Unsupported value: 'messages[0].role' does not support 'developer' with this model.",
+                              "messages[0].role"),
+                "zero": ("Invalid 'max_tokens': integer below minimum value. Expected a value >= 1, but got 0 instead.",
+                         "max_tokens")}
+
+    def answer(body, attempt, authorization):
+        return refusal(*refusals[body["messages"][-1]["content"]])
+
+    trajectories = [Trajectory("babyai", i, i, i, [{"role": "user", "content": name}])
+                    for i, name in enumerate(refusals)]
+    with fake_api(answer) as (url, seen):
+        engine = APIEngine(url, "fake-model", temperature=0.0, retries=2, backoff=0.01)
+        try:
+            samples = turns(engine, trajectories)
+            counts, sampling = engine.metrics(), engine.sampling
+        finally:
+            engine.close()
+    assert len(seen) == 2 and all(s.error.startswith("api: HTTP 400 Bad Request: ") for s in samples)
+    assert counts == {"requests": 2, "retries": 0, "adapted": 0, "failed_turns": 2}
+    assert sampling == {"temperature": 0.0, "top_p": 1.0} and not engine.refused
+
+
+def test_eval_records_the_temperature_a_reasoning_model_really_played_at(tmp_path, capsys):
+    """Asked for greedy episodes, a model that takes only temperature 1 plays every turn at 1 (three requests in
+    flight, each of which may meet a refusal first); the result says 1, what was asked, and what the server refused,
+    and the summary warns. Its reasoning tokens are summed."""
+    def answer(body, attempt, authorization):
+        status, payload, headers = openai_reasoning_model(body, attempt, authorization)
+        if status == 200:
+            payload["usage"]["completion_tokens_details"] = {"reasoning_tokens": 6}
+        return status, payload, headers
+
+    with fake_api(answer) as (url, seen):
+        results = eval_script.main(api_args(url, tmp_path / "o", temperature=0.0))
+    episodes = records(tmp_path / "o")
+    assert all(r["finish"] == "horizon" and r["turns"] == 2 and r["error"] is None for r in episodes)
+    first_turns = [body for _, body, _ in seen if len(body["messages"]) == 3]
+    assert 1 <= sum("max_tokens" in body for body in first_turns) <= 3  # (one a thread at most)
+    assert all("max_completion_tokens" in body and "temperature" not in body and "top_p" not in body
+               for _, body, _ in seen if len(body["messages"]) > 3)  # second turns go out adapted
+    written = json.loads((tmp_path / "o.json").read_text())
+    for result in (results, written):
+        assert result["temperature"] == 1.0 and result["top_p"] == 1.0
+        assert result["asked"] == {"temperature": 0.0, "top_p": 1.0}
+        assert result["refused"] == ["max_tokens", "temperature", "top_p"]
+        assert result["usage"]["reasoning_tokens"] == 6 * 8 and result["usage"]["calls"] == 8
+    out = capsys.readouterr().out
+    assert "80 completion tokens (48 of them reasoning)" in out
+    assert "played at temperature 1.0 and top_p 1.0, not the asked 0.0 and 1.0" in out
