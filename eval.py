@@ -71,7 +71,7 @@ import envs
 from envs.guard import close_envs, make_envs
 from rl import api, plots
 from rl.agent import make_agent
-from rl.chat import chat_format
+from rl.chat import chat_format, template_options
 from rl.checkpoint import write_atomic
 from rl.horizon import horizon_at
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, full_weights, is_adapter, load_model, load_tokenizer
@@ -297,7 +297,7 @@ def load_engine(args: Args, settings: dict):
     """(kind, format, engine) that episodes play on: the local model on vLLM or HF sampling, or for --model
     openai:<name> the server at --base-url (no local model or tokenizer is loaded then)."""
     if args.model.startswith(api.PREFIX):
-        return "api", api.APIFormat(), api_engine(args)
+        return "api", api.APIFormat(settings["reasoning_tags"]), api_engine(args)
     if args.base_url is not None:
         raise SystemExit(f"--base-url is for --model {api.PREFIX}<name>: a model on a server, by the name it serves it under")
     tokenizer = load_tokenizer(args.model)
@@ -329,7 +329,8 @@ def api_engine(args: Args) -> api.APIEngine:
     engine = api.APIEngine(base_url, args.model.removeprefix(api.PREFIX), temperature=args.temperature,
                            top_p=args.top_p, seed=args.seed, concurrency=args.api_concurrency,
                            retries=args.api_retries, timeout=args.api_timeout, backoff=args.api_backoff,
-                           api_key_env=args.api_key_env, price_in=args.price_in, price_out=args.price_out)
+                           api_key_env=args.api_key_env, price_in=args.price_in, price_out=args.price_out,
+                           template_kwargs=template_options(args.chat_template_kwargs))
     try:
         note = engine.check()
     except ConnectionError as error:

@@ -79,6 +79,7 @@ import urllib.request
 import zlib
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
+from rl.chat import parse_calls, reasoning_of
 from rl.engines import Sample
 
 PREFIX = "openai:"  # --model openai:<name> names a served model
@@ -100,16 +101,30 @@ UNSUPPORTED = re.compile(r"unsupported|not supported|does not support", re.IGNOR
 
 class APIFormat:
     """ChatFormat's part in a rollout for a text engine: the server templates the messages, so the first
-    prompt and the observations add no tokens here."""
+    prompt and the observations add no tokens here. A reply's reasoning, when the server returns it inline in
+    `content` (no reasoning parser), is read with the default <think> tags (rl/chat.py), and tool calls the server
+    leaves in `content` (no tool parser) are read as Hermes <tool_call> blocks."""
 
-    def prompt(self, messages: list[dict]) -> list[int]:
+    opens_reasoning = False
+    call_style = "hermes"
+
+    def __init__(self, reasoning_tags: tuple[str, str] | None = None):
+        self.reasoning = reasoning_of(None, reasoning_tags)
+
+    def prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return []
 
-    def observation(self, text: str) -> list[int]:
+    def observation(self, text: str, role: str = "user") -> list[int]:
         return []
 
     def text(self, sampled: list[int]) -> str:
         return ""  # (a text engine's replies come as Sample.text)
+
+    def answer(self, reply: str) -> str | None:
+        return self.reasoning.split(reply)[1]
+
+    def parse_calls(self, answer: str) -> list[tuple[str, dict]]:
+        return parse_calls(self.call_style, answer)
 
 
 class APIEngine:
@@ -122,8 +137,10 @@ class APIEngine:
 
     def __init__(self, base_url: str, model: str, *, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
                  concurrency: int = 8, retries: int = 4, timeout: float = 120.0, backoff: float = 1.0,
-                 api_key_env: str = "OPENAI_API_KEY", price_in: float = 0.0, price_out: float = 0.0):
+                 api_key_env: str = "OPENAI_API_KEY", price_in: float = 0.0, price_out: float = 0.0,
+                 template_kwargs: dict | None = None):
         self.base_url, self.model = base_url.rstrip("/"), model
+        self.template_kwargs = dict(template_kwargs or {})  # the server's chat template options (vLLM's chat_template_kwargs)
         self.temperature, self.top_p, self.seed = temperature, top_p, seed
         self.retries, self.timeout, self.backoff = retries, timeout, backoff
         self.prices = (price_in / 1e6, price_out / 1e6)  # dollars a prompt token, a completion token
@@ -143,8 +160,10 @@ class APIEngine:
         return len(self._running)
 
     def submit(self, traj, limit: int) -> None:
-        body = {"model": self.model, "messages": [dict(m) for m in traj.messages], "max_tokens": limit,
-                "temperature": self.temperature, "top_p": self.top_p}
+        # (a reply's reasoning, kept with the episode as reasoning_content, never goes back to the server)
+        messages = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in traj.messages]
+        body = {"model": self.model, "messages": messages, "max_tokens": limit, "temperature": self.temperature,
+                "top_p": self.top_p, **({"chat_template_kwargs": self.template_kwargs} if self.template_kwargs else {})}
         if self.temperature > 0:
             body["seed"] = zlib.crc32(f"{self.seed} {traj.task_id} {traj.group} {traj.row} {traj.turns}".encode())
         tools = getattr(traj, "tools", None)  # a tool-calling agent's function schemas; a text agent has none
