@@ -394,6 +394,9 @@ def report(results: dict, settings: dict, k: int, trajectories: list) -> None:
           f"Avg@{k} {results['avg@k']:.4f}  Pass@{k} {results['pass@k']:.4f}  turns {results['turns']:.1f}"
           + (f"  failed episodes {results['errors']} (scored 0; see the .jsonl)" if results["errors"] else ""))
     print(f"  {endings(results['finish'], settings['max_tokens'])}")
+    if results["agent"] == "tools" or results["malformed"]:
+        print(f"  valid replies {1 - results['malformed']:.1%} of turns (the rest held no action: "
+              + ("no call or a malformed one, or " if results["agent"] == "tools" else "") + "cut inside the reasoning)")
     if results["errors"]:
         print(f"  first failure: {next(t.error for t in trajectories if t.error is not None)}")
     if results["engine"] == "api":

@@ -93,6 +93,7 @@ class Trajectory:
     horizon: int = 0  # the turn cap it played under
     turns: int = 0
     invalid_actions: int = 0  # turns whose action the env reported as not valid (info["valid"] False)
+    malformed: int = 0  # of those, turns whose reply held no action to take (no call, a bad call, cut inside reasoning)
     reward: float = 0.0
     turn_rewards: list[float] = field(default_factory=list)  # the env's reward after each turn (its last is `reward`)
     done: bool = False
@@ -137,7 +138,7 @@ class Trajectory:
             "log_format": FORMAT, "item_id": self.item_id, "task_id": self.task_id,
             "category": category(self.env, self.task_id), "group": self.group, "horizon": self.horizon,
             "reward": self.reward, "success": self.success, "turns": self.turns, "finish": self.finish,
-            "error": self.error, "invalid_actions": self.invalid_actions, "turn_rewards": self.turn_rewards,
+            "error": self.error, "invalid_actions": self.invalid_actions, "malformed": self.malformed, "turn_rewards": self.turn_rewards,
             "tokens": len(self.token_ids),
             "action_tokens": sum(self.loss_mask),
             **({"attempt": self.attempt, "final": self.final, "reflection": self.reflection} if self.attempt > 1 or
@@ -403,6 +404,7 @@ def _generate(engine, fmt: ChatFormat, agent: Agent, environments: list[Env], po
         if action.calls:
             traj.messages[-1]["tool_calls"] = openai_calls(action.calls, traj.turns)
         if action.problem is not None:  # a reply the env never sees: answered here, as an invalid action
+            traj.malformed += 1
             stepping[_answered(StepResult(action.problem, traj.reward, False, {"valid": False}))] = traj
         else:
             stepping[pool.submit(_timed, environments[traj.row].step, action.text)] = traj

@@ -954,9 +954,10 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
         raise SystemExit("--lora-rank takes 0 (full fine-tune) or more, --lora-alpha a positive number")
     if args.eval_every < 0 or args.eval_tasks < 0 or args.eval_k < 1:
         raise SystemExit("--eval-every and --eval-tasks take 0 (never, all) or more, --eval-k 1 or more")
-    if args.algo in OFFLINE and args.agent != "react":
+    if args.algo in OFFLINE and args.agent not in ("react", "tools"):
         raise SystemExit(f"--agent {args.agent} lays out the rollouts of RL (grpo, rloo, reinforce_pp, ppo); {args.algo} "
-                         "learns AgentGym's ReAct conversations (--data), so it plays them as react too")
+                         "learns --data's conversations as they are laid out (ReAct, or tool calls), and plays as react "
+                         "or tools")
     if args.algo in OFFLINE:
         return check_offline(args, world)
     if args.data or args.experience:

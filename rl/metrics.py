@@ -92,6 +92,8 @@ def step_metrics(records: list[dict], sampled: list[int], costs: Costs, sums: Up
         # how episodes ended, as shares: the env said done, the horizon cap, out of tokens (budget or context), env failure
         **{f"finish/{name}": finishes.count(finish) / len(finishes) for finish, name in FINISHES.items()},
         "rollout/invalid_action_rate": sum(r["invalid_actions"] for r in records) / max(sum(turns), 1),
+        # of those, the replies with no action to take (no or a bad tool call, cut inside the reasoning)
+        "rollout/malformed_rate": sum(r.get("malformed", 0) for r in records) / max(sum(turns), 1),
         "rollout/zero_variance_groups": zero_variance_share(records),  # groups with no GRPO signal
         **category_metrics(records),
         "losses/nonfinite_updates": sums.nonfinite_updates,  # optimizer steps skipped for NaN or inf
@@ -161,7 +163,7 @@ def category_metrics(records: list[dict]) -> dict[str, float]:
 def eval_metrics(results: dict, horizon: int, max_tokens: int) -> dict[str, float]:
     """An evaluation's metrics (eval/) from rl/scores.py's score: Avg@k, Pass@k, success, turns and errors, Avg@k per
     category, how its episodes ended, and the limits they played under."""
-    metrics = {f"eval/{key}": results[key] for key in ("avg@k", "pass@k", "success", "turns", "errors")}
+    metrics = {f"eval/{key}": results[key] for key in ("avg@k", "pass@k", "success", "turns", "errors", "malformed")}
     metrics |= {f"eval/{name}/avg@k": c["avg@k"] for name, c in results["categories"].items()}
     metrics |= {f"eval/finish/{name}": share for name, share in results["finish"].items()}
     return metrics | {"eval/horizon": horizon, "eval/max_tokens": max_tokens}

@@ -51,6 +51,9 @@ def score(trajectories, env_name: str) -> dict:
             "success": sum(t.success for t in episodes) / len(episodes),
             "turns": sum(t.turns for t in episodes) / len(episodes),
             "errors": sum(t.error is not None for t in episodes),
+            # turns whose reply held no action the env could take (no or a malformed tool call, a reply cut inside
+            # its reasoning): 1 - this is --agent tools' valid-call rate
+            "malformed": sum(getattr(t, "malformed", 0) for t in episodes) / max(sum(t.turns for t in episodes), 1),
         }
 
     categories = defaultdict(list)

@@ -3,6 +3,7 @@ through the text interface with exactly the token layout of RL rollouts (rollout
 
     python scripts/make_expert_data.py --env babyai --split train              # -> data/babyai_train_expert.jsonl
     python scripts/make_expert_data.py --env textcraft --split train --limit 100 --out tc.jsonl
+    python scripts/make_expert_data.py --env babyai --agent tools   # each action as a native tool call (SFT for --agent tools)
 
 One JSON line per episode the oracle solved (rl/data.py: item_id, conversations, reward); an episode
 it could not solve (the oracle gave up, the env failed, or the horizon or token budget ran out first)
@@ -25,7 +26,9 @@ import envs  # noqa: E402
 from rl.checkpoint import write_atomic  # noqa: E402
 from rl.data import to_record  # noqa: E402
 from rl.model import load_tokenizer  # noqa: E402
-from rollout import ChatFormat, ExpertEngine, on_bar, play  # noqa: E402
+from rl.agent import make_agent  # noqa: E402
+from rl.chat import chat_format  # noqa: E402
+from rollout import ExpertEngine, on_bar, play  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -38,7 +41,10 @@ def parse_args(argv=None):
     parser.add_argument("--max-tokens", type=int, default=16384, help="tokens an episode may take")
     parser.add_argument("--model", default="tiny-agent", help="whose chat template lays out the tokens")
     parser.add_argument("--batch-size", type=int, default=32, help="episodes played at once")
-    parser.add_argument("--out", help="default: data/<env>_<split>_expert.jsonl")
+    parser.add_argument("--agent", default="react", choices=("react", "tools"),
+                        help="react: AgentGym's Thought/Action replies; tools: each action as the tool call that stands "
+                             "for it, in the chat template's format, with the env's tools in the first prompt")
+    parser.add_argument("--out", help="default: data/<env>_<split>_expert.jsonl (_expert_tools.jsonl with --agent tools)")
     return parser.parse_args(argv)
 
 
@@ -52,13 +58,14 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     task_ids = envs.load_task_ids(args.tasks, args.env) if args.tasks else envs.splits(args.env)[args.split]
     task_ids = task_ids[:args.limit] if args.limit else task_ids
-    fmt = ChatFormat(load_tokenizer(args.model))
+    fmt = chat_format(load_tokenizer(args.model), args.agent, {}, None)
     environments = [envs.make(args.env) for _ in range(min(args.batch_size, len(task_ids)))]
     solved, skipped, tokens = [], collections.Counter(), 0
     progress = tqdm(total=len(task_ids), desc=f"{args.env} experts", unit="episode")
     try:
         played = play(ExpertEngine(fmt, environments), fmt, environments, task_ids, horizon=args.horizon,
-                      max_new_tokens=4096, max_tokens=args.max_tokens, progress=on_bar(progress))
+                      max_new_tokens=4096, max_tokens=args.max_tokens, agent=make_agent(args.agent),
+                      progress=on_bar(progress))
         for trajectory in played:
             if trajectory.error is None and trajectory.success:
                 solved.append(to_record(trajectory))
@@ -69,7 +76,7 @@ def main(argv=None) -> dict:
         progress.close()
         for env in environments:
             env.close()
-    out = Path(args.out or f"data/{args.env}_{args.split}_expert.jsonl")
+    out = Path(args.out or f"data/{args.env}_{args.split}_expert{'_tools' if args.agent == 'tools' else ''}.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, "".join(json.dumps(record) + "\n" for record in solved))
     summary = {"episodes": len(solved), "skipped": dict(skipped), "success_rate": len(solved) / max(len(task_ids), 1),
