@@ -110,6 +110,9 @@ class Args:
     reasoning_tags: tuple[str, str] | None = None
     """a reasoning model's block (e.g. --reasoning-tags '<think>' '</think>'); default: a run's own, else the tags the
     chat template names (an API model: <think> </think>). The env reads the reply after the block"""
+    reasoning: Literal["keep", "drop"] | None = None
+    """the layout of an episode's turns (train.py's --reasoning): keep, the trajectory's own tokens; drop, each turn
+    the chat template's rendering so far; default: a run's own, else keep"""
     chat_template_kwargs: dict[str, str] = field(default_factory=dict)
     """options for the chat template, e.g. --chat-template-kwargs enable_thinking false (Qwen3), added to a run's own;
     an API model's server gets them as its request's chat_template_kwargs"""
@@ -213,7 +216,8 @@ def resolve_settings(args: Args) -> dict:
     own = config if protocol == "run" else {}
     layout = {"agent": args.agent or own.get("agent", "react"),
               "chat_template_kwargs": {**own.get("chat_template_kwargs", {}), **args.chat_template_kwargs},
-              "reasoning_tags": args.reasoning_tags or (tuple(own["reasoning_tags"]) if own.get("reasoning_tags") else None)}
+              "reasoning_tags": args.reasoning_tags or (tuple(own["reasoning_tags"]) if own.get("reasoning_tags") else None),
+              "reasoning": args.reasoning or own.get("reasoning", "keep")}
     return {"env": env, "protocol": protocol, **limits, **overrides, "overrides": sorted(overrides), "env_options": options,
             "tasks": args.tasks or own_tasks, "horizons": horizons, **layout}
 
@@ -301,7 +305,8 @@ def load_engine(args: Args, settings: dict):
     if args.base_url is not None:
         raise SystemExit(f"--base-url is for --model {api.PREFIX}<name>: a model on a server, by the name it serves it under")
     tokenizer = load_tokenizer(args.model)
-    fmt = chat_format(tokenizer, settings["agent"], settings["chat_template_kwargs"], settings["reasoning_tags"])
+    fmt = chat_format(tokenizer, settings["agent"], settings["chat_template_kwargs"], settings["reasoning_tags"],
+                      settings["reasoning"])
     kind = engine_kind(args.engine)
     model = None
     if kind == "hf" or is_adapter(args.model):

@@ -105,6 +105,9 @@ class Trajectory:
     reflection: str | None = None  # reflect: what the policy wrote after this attempt failed
     usage: dict[str, float] = field(default_factory=dict)  # an API model's calls, tokens and cost (rl/api.py)
     tools: list[dict] | None = None  # --agent tools: the tools the model was given (OpenAI function schemas)
+    # --reasoning drop: each turn's own sequence (the template's rendering of the conversation before it, then the
+    # turn's sampled tokens), as (token ids, loss mask, log-probs); token_ids & co. then hold the latest turn's
+    sequences: list[tuple[list[int], list[int], list[float]]] = field(default_factory=list)
 
     def add(self, ids: list[int], logprobs: list[float] | None = None, trained: bool = False) -> None:
         """Append tokens: sampled ones with their log-probs and trained=True, anything else untrained."""
@@ -139,8 +142,10 @@ class Trajectory:
             "category": category(self.env, self.task_id), "group": self.group, "horizon": self.horizon,
             "reward": self.reward, "success": self.success, "turns": self.turns, "finish": self.finish,
             "error": self.error, "invalid_actions": self.invalid_actions, "malformed": self.malformed, "turn_rewards": self.turn_rewards,
-            "tokens": len(self.token_ids),
-            "action_tokens": sum(self.loss_mask),
+            # (--reasoning drop: over every turn's sequence; token_ids below are the last turn's, `turn_sequences` says so)
+            "tokens": sum(len(ids) for ids, _, _ in self.sequences) if self.sequences else len(self.token_ids),
+            "action_tokens": sum(sum(mask) for _, mask, _ in self.sequences) if self.sequences else sum(self.loss_mask),
+            **({"turn_sequences": len(self.sequences)} if self.sequences else {}),
             **({"attempt": self.attempt, "final": self.final, "reflection": self.reflection} if self.attempt > 1 or
                not self.final else {}),  # (reflect's; before the messages, where the viewer's index reads)
             "messages": self.messages,
@@ -504,6 +509,8 @@ def _act(fmt: ChatFormat, traj: Trajectory, sample: Sample) -> None:
             # cut off by the limit, or stopped on another eos: the template needs the end-of-turn token,
             # which the model did not choose, so it is not trained on
             traj.add([fmt.end_of_turn])
+        if fmt.history == "drop":
+            traj.sequences.append((list(traj.token_ids), list(traj.loss_mask), list(traj.logprobs)))
     traj.messages.append({"role": "assistant", "content": _reply(fmt, sample)})
     if sample.reasoning:  # (a text engine's reasoning, returned apart from its reply: logged, never sent back)
         traj.messages[-1]["reasoning_content"] = sample.reasoning
@@ -529,6 +536,13 @@ def _observe(fmt: ChatFormat, traj: Trajectory, result, horizon: int, max_tokens
                          else {"role": "user", "content": result.observation})
     if traj.done:
         traj.finish = "done"
+    elif traj.turns < horizon and fmt.history == "drop":  # the next turn's prompt: the template's rendering so far
+        prompt = fmt.prompt(traj.messages, tools=traj.tools)
+        if max_tokens - len(prompt) - 1 < 1:
+            traj.finish = "max_tokens"
+        else:
+            traj.token_ids, traj.loss_mask, traj.logprobs = [], [], []
+            traj.add(prompt)
     elif traj.turns < horizon:
         observation = fmt.observation(result.observation, traj.messages[-1]["role"])
         if _room(traj, max_tokens) - len(observation) < 1:  # no room left for a reply

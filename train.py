@@ -50,7 +50,7 @@ import envs
 from envs.guard import make_envs
 from rl import advantages as adv_lib
 from rl.agent import make_agent
-from rl.batch import Batch, arrange, attach, example_micro_batches, make_batch, minibatch_counts, scatter
+from rl.batch import Batch, arrange, attach, example_micro_batches, make_batch, minibatch_counts, rows_of, scatter
 from rl.chat import chat_format
 from rl.data import examples_of, held_out, offline_steps, read_data, to_record
 from rl.dpo import DPOSums, dpo_terms
@@ -164,6 +164,10 @@ class Args:
     names. The env reads the reply after the block; the tokens stay as sampled"""
     chat_template_kwargs: dict[str, str] = field(default_factory=dict)
     """options for the chat template's every rendering, e.g. --chat-template-kwargs enable_thinking false (Qwen3)"""
+    reasoning: Literal["keep", "drop"] = "keep"
+    """keep: one sequence an episode, every turn appended (earlier reasoning stays in the context); drop: each turn's
+    prompt is the chat template's rendering so far (which may drop earlier reasoning), each turn trained as its own
+    sequence with its episode's advantage (grpo, rloo), an episode weighing the same whatever its turns (rl/batch.py)"""
     attempts: int = 3
     """--agent reflect: attempts a task gets (it stops at its first success)"""
     temperature: float = 1.0
@@ -376,7 +380,7 @@ def main(args: Args) -> Path | None:
     try:  # (everything from here on closes what it opened, also on a stop or an error)
         # -- models, the sampler, and the training state when resuming
         tokenizer = load_tokenizer(args.model)
-        fmt = chat_format(tokenizer, args.agent, args.chat_template_kwargs, args.reasoning_tags)
+        fmt = chat_format(tokenizer, args.agent, args.chat_template_kwargs, args.reasoning_tags, args.reasoning)
         models = build_models(args, accelerator, policy_from=args.resume if resuming else args.model)
         max_tokens = context_limit(args, accelerator.unwrap_model(models.policy), say=accelerator.is_main_process)
         engine = build_engine(args, fmt, models, accelerator, max_tokens)
@@ -422,7 +426,7 @@ def main(args: Args) -> Path | None:
                 batch = batch_of(trajectories, args, accelerator, fmt.pad_id)
                 old_logprobs(models, batch, args, accelerator)
                 advantages, returns = advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok,
-                                                     reducer(accelerator))
+                                                     reducer(accelerator), batch.episodes)
                 attach(batch, advantages, returns)
                 sums, grad_norms = update(models, batch, args, accelerator, step,
                                           phase(progress, "update", args.ppo_epochs * len(batch.micro)))
@@ -470,10 +474,11 @@ def my_tasks(tasks: list[int], n: int, accelerator) -> tuple[list[int], list[int
 def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: int) -> Batch:
     """The step's tensors (rl/batch.py): micro-batches by --micro-batch-size or --max-tokens-per-micro-batch,
     packed with --pack, as many on every process (the most any process needs; the others add empty ones)."""
-    layout = arrange([len(t.token_ids) for t in trajectories], args.micro_batch_size, args.max_tokens_per_micro_batch,
+    rows, episodes = rows_of(trajectories)  # (--reasoning drop: a row per turn)
+    layout = arrange([len(t.token_ids) for t in rows], args.micro_batch_size, args.max_tokens_per_micro_batch,
                      args.pack, minimum=args.minibatches)
     count = int(reducer(accelerator, "max")(torch.tensor([len(layout)])))
-    return make_batch(trajectories, pad_id, layout, accelerator.device, count=count, pack=args.pack)
+    return make_batch(rows, pad_id, layout, accelerator.device, count=count, pack=args.pack, episodes=episodes)
 
 
 @torch.no_grad()
@@ -507,15 +512,16 @@ def old_logprobs(models: Models, batch: Batch, args: Args, accelerator) -> None:
 
 
 def advantages_for(args: Args, full: dict, scores: torch.Tensor, groups: torch.Tensor, ok: torch.Tensor,
-                   reduce) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   reduce, episodes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The step's per-token advantages [B, T] (and GAE's returns for the critic) by --algo (rl/advantages.py); with
-    --kl-in-reward the reward loses beta * KL_t at every action token. `reduce` whitens over all processes, as one."""
+    --kl-in-reward the reward loses beta * KL_t at every action token. `reduce` whitens over all processes, as one;
+    `episodes`: the episode of each row (--reasoning drop: a row per turn)."""
     mask = full["loss_mask"]
     penalty = None
     if args.kl_in_reward and "ref_logprobs" in full:
         penalty = args.kl_coef * kl(full["old_logprobs"], full["ref_logprobs"], args.kl_estimator) * mask
     return adv_lib.advantages(args.algo, scores, groups, ok, mask, penalty=penalty, values=full.get("old_values"),
-                              gamma=args.gamma, lam=args.lam, grpo_scale=args.grpo_scale, reduce=reduce)
+                              gamma=args.gamma, lam=args.lam, grpo_scale=args.grpo_scale, reduce=reduce, episodes=episodes)
 
 
 def update(models: Models, batch: Batch, args: Args, accelerator, step: int,
@@ -555,7 +561,7 @@ def update_policy(models: Models, micro: dict, counts: dict, args: Args, acceler
     reference (unless it is in the reward), each aggregated over the whole mini-batch (`counts`: its action tokens
     and sequences); the micro-batch's sums for the metrics, and whether they are finite."""
     mask = micro["loss_mask"]
-    counts = counts | {"segments": micro["segments"]}  # (a packed row holds several trajectories)
+    counts = counts | {"segments": micro["segments"], "weights": micro.get("weights")}  # (see rl/batch.py)
     with accelerator.autocast():
         logprobs, entropy = token_logprobs(models.policy, micro["input_ids"], micro.get("attention_mask"), mask,
                                            args.temperature, with_entropy=True, position_ids=micro.get("position_ids"))
@@ -588,7 +594,7 @@ def update_critic(models: Models, micro: dict, counts: dict, args: Args, acceler
     with torch.no_grad():
         sums = UpdateSums(critic_tokens=float(mask.sum()), value=float((terms * mask).sum()),
                           value_clipfrac=float((clipped * mask).sum()))
-    loss = aggregate(terms, mask, args.loss_agg, **counts, segments=micro["segments"])
+    loss = aggregate(terms, mask, args.loss_agg, **counts, segments=micro["segments"], weights=micro.get("weights"))
     return loss, sums, math.isfinite(sums.value)
 
 
@@ -642,7 +648,7 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
     train, validation = held_out(read_data(args.data, args.env), args.validation, args.seed)
     experience = read_data(args.experience, args.env) if args.experience else None
     tokenizer = load_tokenizer(args.model)
-    fmt = chat_format(tokenizer, args.agent, args.chat_template_kwargs, args.reasoning_tags)
+    fmt = chat_format(tokenizer, args.agent, args.chat_template_kwargs, args.reasoning_tags, args.reasoning)
     models = build_models(args, accelerator, policy_from=args.resume if resuming else args.model)
     max_tokens = context_limit(args, accelerator.unwrap_model(models.policy), say=accelerator.is_main_process)
 
@@ -756,7 +762,7 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
     run_dir = run_directory(args, False, accelerator)
     expert, validation = held_out(read_data(args.data, args.env), args.validation, args.seed)
     tokenizer = load_tokenizer(args.model)
-    fmt = chat_format(tokenizer, args.agent, args.chat_template_kwargs, args.reasoning_tags)
+    fmt = chat_format(tokenizer, args.agent, args.chat_template_kwargs, args.reasoning_tags, args.reasoning)
     models = build_models(args, accelerator, policy_from=args.model)
     initial = copy.deepcopy(models.optimizer.state_dict()), copy.deepcopy(models.scheduler.state_dict())
     max_tokens = context_limit(args, accelerator.unwrap_model(models.policy), say=accelerator.is_main_process)
@@ -954,6 +960,10 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
         raise SystemExit("--lora-rank takes 0 (full fine-tune) or more, --lora-alpha a positive number")
     if args.eval_every < 0 or args.eval_tasks < 0 or args.eval_k < 1:
         raise SystemExit("--eval-every and --eval-tasks take 0 (never, all) or more, --eval-k 1 or more")
+    if args.reasoning == "drop" and (args.algo not in adv_lib.GROUPED or args.agent == "reflect"):
+        raise SystemExit(f"--reasoning drop trains each turn as its own sequence with its episode's advantage: a grouped "
+                         f"estimator ({', '.join(adv_lib.GROUPED)}) and one attempt an episode; --algo {args.algo} "
+                         f"--agent {args.agent} needs --reasoning keep")
     if args.algo in OFFLINE and args.agent not in ("react", "tools"):
         raise SystemExit(f"--agent {args.agent} lays out the rollouts of RL (grpo, rloo, reinforce_pp, ppo); {args.algo} "
                          "learns --data's conversations as they are laid out (ReAct, or tool calls), and plays as react "

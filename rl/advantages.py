@@ -132,21 +132,30 @@ GROUPED: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"grp
 
 def advantages(algo: str, scores: torch.Tensor, groups: torch.Tensor, ok: torch.Tensor, mask: torch.Tensor,
                penalty: torch.Tensor | None = None, values: torch.Tensor | None = None, gamma: float = 1.0,
-               lam: float = 1.0, grpo_scale: bool = True,
-               reduce: Reduce | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               lam: float = 1.0, grpo_scale: bool = True, reduce: Reduce | None = None,
+               episodes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The step's per-token advantages [B, T] by `algo` (a GROUPED estimator, reinforce_pp, or ppo's GAE on the
     critic's `values`), and GAE's returns for the critic (None for the others). scores, groups, ok [B]: outcome
     rewards, task groups, False where the env failed (no outcome: its mask is already 0, and it stays out of the
     group statistics); mask [B, T]: action tokens; penalty [B, T]: a per-token KL penalty taken from the reward
-    (train.py's --kl-in-reward; a grouped estimator sees each trajectory's outcome minus its summed penalty)."""
+    (train.py's --kl-in-reward; a grouped estimator sees each trajectory's outcome minus its summed penalty).
+    episodes [B]: the episode each row is of, when an episode is several rows (--reasoning drop: one a turn, each with
+    the episode's score, group and ok): a grouped estimator compares episodes, and each row gets its episode's
+    advantage; the token-level estimators need an episode in one row."""
     penalty = torch.zeros_like(mask) if penalty is None else penalty
     if algo in GROUPED:
-        totals = scores - penalty.sum(1)  # the trajectory's return: outcome minus its summed KL penalty
-        per_trajectory = torch.zeros_like(scores)
-        if ok.any():
+        episodes = torch.arange(len(scores)) if episodes is None else episodes
+        first = torch.full((int(episodes.max()) + 1 if len(episodes) else 0,), len(episodes)).scatter_reduce(
+            0, episodes, torch.arange(len(episodes)), "amin")  # an episode's first row: its score, group and ok
+        # the episode's return: outcome minus its KL penalty summed over all its rows
+        totals = scores[first] - torch.zeros(len(first)).index_add(0, episodes, penalty.sum(1).float())
+        per_episode = torch.zeros(len(first))
+        if ok[first].any():
             estimator = functools.partial(grpo, scale=grpo_scale) if algo == "grpo" else GROUPED[algo]
-            per_trajectory[ok] = estimator(totals[ok], groups[ok])
-        return per_token(per_trajectory, mask), None
+            per_episode[ok[first]] = estimator(totals[ok[first]], groups[first][ok[first]])
+        return per_token(per_episode[episodes], mask), None
+    if episodes is not None and len(episodes.unique()) < len(episodes):
+        raise ValueError(f"{algo} runs over an episode's action tokens in one row; --reasoning drop trains a row per turn")
     rewards = place_reward(scores, mask) - penalty
     if algo == "reinforce_pp":
         return reinforce_pp(rewards, mask, gamma, reduce=reduce), None

@@ -26,7 +26,7 @@ trajectory, as in its scripts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -57,6 +57,7 @@ class Batch:
     scores: torch.Tensor  # [B] outcome rewards
     groups: torch.Tensor  # [B] which task's group
     ok: torch.Tensor  # [B] False where the env failed
+    episodes: torch.Tensor  # [B] which episode each row is of (--reasoning drop: a row per turn; else a row per episode)
 
     @property
     def tokens(self) -> int:
@@ -135,21 +136,44 @@ def _halves(micro: list[list[int]]) -> list[list[list[int]]]:
     return [[row[:len(row) // 2]], [row[len(row) // 2:]]]
 
 
+def rows_of(trajectories) -> tuple[list, list[int]]:
+    """The rows an update trains on, and the episode (index in `trajectories`) of each: a trajectory is one row, or
+    under --reasoning drop (rollout.py: Trajectory.sequences) one row per turn, each its turn's own sequence with
+    the episode's outcome."""
+    rows, episodes = [], []
+    for k, traj in enumerate(trajectories):
+        for ids, mask, logprobs in traj.sequences or [(traj.token_ids, traj.loss_mask, traj.logprobs)]:
+            rows.append(replace(traj, token_ids=ids, loss_mask=mask, logprobs=logprobs, sequences=[]))
+            episodes.append(k)
+    return rows, episodes
+
+
 def make_batch(trajectories, pad_id: int, layout: Layout, device, count: int | None = None,
-               pack: bool = False) -> Batch:
-    """The step's tensors: `full` from every trajectory, and a micro-batch per entry of `layout`, padded with
-    empty micro-batches up to `count`."""
+               pack: bool = False, episodes: list[int] | None = None) -> Batch:
+    """The step's tensors: `full` from every trajectory (a row each; `episodes`: the episode each row is of, by
+    default its own), and a micro-batch per entry of `layout`, padded with empty micro-batches up to `count`."""
     ok = torch.tensor([t.error is None for t in trajectories])
     full = collate(trajectories, pad_id)
     full["loss_mask"] *= ok[:, None]
+    episodes = torch.tensor(range(len(trajectories)) if episodes is None else episodes, dtype=torch.long)
+    if len(episodes.unique()) < len(episodes):  # rows of one episode: it weighs as one sequence (see `weights`)
+        full["weights"] = weights(full["loss_mask"], episodes)
     lengths = [len(t.token_ids) for t in trajectories]
     micro, pieces = [], []
     for rows in layout + [[[]] for _ in range(max(0, (count or 0) - len(layout)))]:
         placed = _place(rows, lengths)
-        micro.append(_micro(full, rows, placed, pad_id, pack, device))
+        micro.append(_micro(full, rows, placed, pad_id, pack, device, episodes))
         pieces.append(placed)
     return Batch(full, micro, pieces, scores=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
-                 groups=torch.tensor([t.group for t in trajectories], dtype=torch.long), ok=ok)
+                 groups=torch.tensor([t.group for t in trajectories], dtype=torch.long), ok=ok, episodes=episodes)
+
+
+def weights(mask: torch.Tensor, episodes: torch.Tensor) -> torch.Tensor:
+    """[B, T]: 1 / the action tokens of the row's episode, on every token. A sequence-mean loss sums terms x weights
+    per episode (rl/losses.aggregate): each episode's token mean, however its rows fall into micro-batches, so that
+    an episode played as one row per turn (--reasoning drop) weighs what it weighs as one row."""
+    per_episode = torch.zeros(int(episodes.max()) + 1).index_add(0, episodes, mask.float().sum(1))
+    return (1.0 / per_episode.clamp(min=1))[episodes][:, None].expand_as(mask).clone()
 
 
 def _place(rows: list[list[int]], lengths: list[int]) -> list[Piece]:
@@ -158,12 +182,13 @@ def _place(rows: list[list[int]], lengths: list[int]) -> list[Piece]:
             for r, row in enumerate(rows) for k, i in enumerate(row)]
 
 
-def _micro(full: dict, rows: list[list[int]], pieces: list[Piece], pad_id: int, pack: bool, device) -> dict:
-    """One micro-batch's tensors (those of `full` it has: input_ids, loss_mask, sampler_logprobs). An empty one
-    holds a single masked pad token."""
+def _micro(full: dict, rows: list[list[int]], pieces: list[Piece], pad_id: int, pack: bool, device,
+           episodes: torch.Tensor | None = None) -> dict:
+    """One micro-batch's tensors (those of `full` it has: input_ids, loss_mask, sampler_logprobs, weights), and
+    `segments`, the episode of each token (-1: padding). An empty one holds a single masked pad token."""
     width = max([1] + [piece.offset + piece.length for piece in pieces])
     micro = {"input_ids": torch.full((len(rows), width), pad_id, dtype=torch.long)}
-    micro |= {key: torch.zeros((len(rows), width)) for key in ("loss_mask", "sampler_logprobs") if key in full}
+    micro |= {key: torch.zeros((len(rows), width)) for key in ("loss_mask", "sampler_logprobs", "weights") if key in full}
     copied = list(micro)
     micro["segments"] = torch.full((len(rows), width), -1, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
@@ -171,7 +196,7 @@ def _micro(full: dict, rows: list[list[int]], pieces: list[Piece], pad_id: int, 
         span = slice(piece.offset, piece.offset + piece.length)
         for key in copied:
             micro[key][piece.row, span] = full[key][piece.trajectory, :piece.length]
-        micro["segments"][piece.row, span] = piece.trajectory
+        micro["segments"][piece.row, span] = piece.trajectory if episodes is None else int(episodes[piece.trajectory])
         position_ids[piece.row, span] = torch.arange(piece.length)
     if pack:  # (the tail's pads at position 0: each a sequence of its own)
         micro["position_ids"] = position_ids
@@ -215,16 +240,16 @@ def minibatch_counts(minibatch: list[dict], reduce, processes: int) -> dict[str,
     training averages the processes' gradients. So each token (or sequence) weighs the same wherever it was
     played; with per-process counts a token on a process with 10 action tokens would weigh 19x one on
     a process with 190."""
-    local = torch.tensor([sum(float(m["loss_mask"].sum()) for m in minibatch),
-                          sum(count_sequences(m) for m in minibatch)], dtype=torch.float64)
+    local = torch.tensor([sum(float(m["loss_mask"].sum()) for m in minibatch), count_sequences(minibatch)],
+                         dtype=torch.float64)
     tokens, sequences = (reduce(local) / processes).tolist()
     return {"tokens": tokens, "sequences": sequences}
 
 
-def count_sequences(micro: dict) -> int:
-    """Trajectories with an action token in a micro-batch (rows, or segments of packed rows)."""
-    segments = micro["segments"][micro["loss_mask"] > 0]
-    return int(segments.unique().numel())
+def count_sequences(minibatch: list[dict]) -> int:
+    """Episodes with an action token in a mini-batch's micro-batches (rows, segments of packed rows, or under
+    --reasoning drop the turns of an episode, which may lie in several micro-batches)."""
+    return len(set().union(*(micro["segments"][micro["loss_mask"] > 0].unique().tolist() for micro in minibatch)))
 
 
 def example_micro_batches(examples: list, size: int, pad_id: int, pairs: bool = False) -> list[dict]:

@@ -41,6 +41,9 @@ DEFAULT_REASONING = ("<think>", "</think>")
 # reasoning tags known in open models' templates: (opening, closing)
 KNOWN_REASONING = (("<think>", "</think>"), ("<thinking>", "</thinking>"), ("<reasoning>", "</reasoning>"))
 CALL_STYLES = ("hermes", "llama")
+# how a turn's context is laid out (--reasoning): keep, the trajectory's own tokens, strictly appended; drop, the
+# template's rendering of the conversation so far (which may drop earlier reasoning), each turn its own sequence
+HISTORIES = ("keep", "drop")
 
 
 class CallError(ValueError):
@@ -142,12 +145,19 @@ def openai_calls(calls: list[tuple[str, dict]], turn: int) -> list[dict]:
              "function": {"name": name, "arguments": json.dumps(arguments)}} for i, (name, arguments) in enumerate(calls)]
 
 
-def _for_template(messages: list[dict]) -> list[dict]:
-    """Messages as chat templates take them: tool-call arguments as objects (OpenAI's API sends JSON strings, which
-    templates such as Qwen2.5's would encode a second time)."""
+def _for_template(messages: list[dict], style: str | None) -> list[dict]:
+    """Messages as chat templates take them: a calling turn's content without the calls' own text (a sampled reply
+    holds its calls as text; the template writes them from tool_calls), its arguments as objects (OpenAI's API sends
+    JSON strings, which templates such as Qwen2.5's would encode a second time)."""
     out = []
     for message in messages:
         if message.get("tool_calls"):
+            content = message.get("content") or ""
+            if style == "hermes":
+                content = re.sub(r"\s*<tool_call>.*?(?:</tool_call>|\Z)", "", content, flags=re.DOTALL)
+            elif style == "llama" and content.strip().removeprefix("<|python_tag|>").lstrip().startswith("{"):
+                content = ""
+            message = {**message, "content": content.rstrip()}
             calls = []
             for call in message["tool_calls"]:
                 function = dict(call.get("function", call))
@@ -162,10 +172,11 @@ def _for_template(messages: list[dict]) -> list[dict]:
     return out
 
 
-def chat_format(tokenizer, agent: str, template_kwargs: dict[str, str], reasoning_tags: tuple[str, str] | None) -> ChatFormat:
-    """The format of a script's flags (--agent, --chat-template-kwargs, --reasoning-tags): under --agent tools, a
-    template whose calls this module reads, else one sentence."""
-    fmt = ChatFormat(tokenizer, template_options(template_kwargs), reasoning_tags)
+def chat_format(tokenizer, agent: str, template_kwargs: dict[str, str], reasoning_tags: tuple[str, str] | None,
+                history: str = "keep") -> ChatFormat:
+    """The format of a script's flags (--agent, --chat-template-kwargs, --reasoning-tags, --reasoning): under --agent
+    tools, a template whose calls this module reads, else one sentence."""
+    fmt = ChatFormat(tokenizer, template_options(template_kwargs), reasoning_tags, history)
     if agent == "tools":
         fmt.check_tools()
     return fmt
@@ -199,12 +210,16 @@ class ChatFormat:
 
     _USER, _ASSISTANT, _NEXT = "\x02user-sentinel\x03", "\x02assistant-sentinel\x03", "\x02next-sentinel\x03"
 
-    def __init__(self, tokenizer, template_kwargs: dict | None = None, reasoning_tags: tuple[str, str] | None = None):
+    def __init__(self, tokenizer, template_kwargs: dict | None = None, reasoning_tags: tuple[str, str] | None = None,
+                 history: str = "keep"):
         if not getattr(tokenizer, "chat_template", None):
             raise SystemExit(f"{tokenizer.name_or_path} has no chat template; use an instruct/chat model (or set "
                              "tokenizer.chat_template) so that turns can be formatted")
-        self.tokenizer, self.template_kwargs = tokenizer, dict(template_kwargs or {})
+        if history not in HISTORIES:
+            raise ValueError(f"--reasoning takes {' or '.join(HISTORIES)}, not {history!r}")
+        self.tokenizer, self.template_kwargs, self.history = tokenizer, dict(template_kwargs or {}), history
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else str(tokenizer.chat_template)
+        self.call_style = call_style(template)
         history = [{"role": "user", "content": self._USER}, {"role": "assistant", "content": self._ASSISTANT}]
         text = self.render(history + [{"role": "user", "content": self._NEXT}], add_generation_prompt=True)
         specials = sorted(set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab()), key=len, reverse=True)
@@ -223,7 +238,6 @@ class ChatFormat:
         generation = self.observation_suffix  # (the generation prompt ends it)
         self.opens_reasoning = self.reasoning is not None and \
             generation.rfind(self.reasoning.open) > generation.rfind(self.reasoning.close)
-        self.call_style = call_style(template)
         self._tool_layout: tuple[str, str] | None = None
 
     def _around(self, text: str, after: int) -> tuple[str, str]:
@@ -233,7 +247,7 @@ class ChatFormat:
         return text[start:split], text[split + len(self._NEXT):]
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
-        return self.tokenizer.apply_chat_template(_for_template(messages), tools=tools or None, tokenize=False,
+        return self.tokenizer.apply_chat_template(_for_template(messages, self.call_style), tools=tools or None, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt, **self.template_kwargs)
 
     def encode(self, text: str) -> list[int]:

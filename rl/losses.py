@@ -63,7 +63,7 @@ def kl(logprobs, ref_logprobs, estimator: KLEstimator = "k3"):
 
 
 def aggregate(terms, mask, mode: Aggregation = "token-mean", tokens: float | None = None,
-              sequences: float | None = None, segments=None):
+              sequences: float | None = None, segments=None, weights=None):
     """Reduce [B, T] terms over the action tokens to one scalar.
 
     token-mean: sum over all action tokens / their number (every token weighs the same);
@@ -75,7 +75,9 @@ def aggregate(terms, mask, mode: Aggregation = "token-mean", tokens: float | Non
     processes divided by their number, since data-parallel training averages their gradients: a
     fraction when there are fewer than processes). A count of 0 means nothing to average: the sum is 0.
     `segments` [B, T], when given, says which sequence each token belongs to (rows that pack several
-    trajectories, rl/batch.py); otherwise a row is a sequence.
+    trajectories, rl/batch.py); otherwise a row is a sequence. `weights` [B, T], when given (an episode in several
+    rows: --reasoning drop), are 1 / its sequence's action tokens, for seq-mean-token-mean to sum instead of dividing
+    within the micro-batch, which may hold only some of the sequence's tokens.
     """
     mask = mask.float()
     if mode == "token-mean":
@@ -88,7 +90,9 @@ def aggregate(terms, mask, mode: Aggregation = "token-mean", tokens: float | Non
         ids, which = torch.where(mask > 0, segments, -1).flatten().unique(return_inverse=True)
         per_sequence = terms.new_zeros(len(ids)).index_add(0, which, (terms * mask).flatten())
         lengths = mask.new_zeros(len(ids)).index_add(0, which, mask.flatten())
-    if mode == "seq-mean-token-mean":
+    if mode == "seq-mean-token-mean" and weights is not None:
+        per_sequence = (terms * mask * weights).sum()  # (each sequence's part of its mean; summed over sequences)
+    elif mode == "seq-mean-token-mean":
         per_sequence = per_sequence / lengths.clamp(min=1)
     elif mode != "seq-mean-token-sum":
         raise ValueError(f"unknown aggregation {mode!r}")

@@ -96,7 +96,9 @@ def rollout_records(trajectories: list, batch, step: int) -> list[dict]:
     """A training step's trajectories as log records, with what the update saw of each (`batch`: rl/batch.py's
     Batch): the trainer's log-probs, the advantages, and PPO's values and returns, at its action tokens."""
     records = []
-    for row, traj in enumerate(trajectories):
+    last = {int(episode): row for row, episode in enumerate(batch.episodes)}  # (--reasoning drop: an episode's rows)
+    for k, traj in enumerate(trajectories):
+        row = last[k]  # the row of the sequence the record holds (its last turn's, under --reasoning drop)
         record = {"step": step, **traj.log_record()}
         positions = action_positions(record["action_spans"])
         for key, name in (("trainer_logprobs", "trainer_logprobs"), ("advantages", "advantages"),

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import envs
 from rl.agent import REACT, make_agent
@@ -101,13 +102,17 @@ class Thinking(ExpertEngine):
         return out
 
 
+MULTI_TURN = [21, 34, 30, 0]  # BabyAI test tasks whose expert takes 4, 3, 2 and 1 turns
+
+
 def play(fmt, engine_of, name="babyai", count=3, horizon=5, agent=REACT):
+    task_ids = MULTI_TURN[:count] if name == "babyai" else envs.splits(name)["test"][:count]
     environments = [envs.make(name) for _ in range(count)]
     engine = engine_of(environments)
     engine.expert_texts = getattr(engine, "expert_texts", [])
     spy = Spy(engine, fmt)
     try:
-        trajectories = rollout(spy, fmt, environments, envs.splits(name)["test"][:count], list(range(count)),
+        trajectories = rollout(spy, fmt, environments, task_ids, list(range(count)),
                                horizon=horizon, max_new_tokens=512, max_tokens=16384, agent=agent)
     finally:
         for env in environments:
@@ -125,7 +130,7 @@ def test_the_env_never_sees_the_reasoning_and_a_thinking_episode_is_token_exact(
     spy, thought = play(thinking, lambda environments: Thinking(thinking, environments), agent=formats)
     assert [(t.reward, t.turns, t.finish, t.invalid_actions) for t in thought] == \
         [(t.reward, t.turns, t.finish, t.invalid_actions) for t in plain]
-    assert any(t.success for t in thought)
+    assert sum(t.success for t in thought) == 3 and [t.turns for t in thought] == [4, 3, 2]
     check_exact(thinking, spy, thought, renders=False)
     for traj in thought:
         # what the template renders for the conversation at the last turn is the trajectory's own context without the
@@ -158,3 +163,73 @@ def test_a_reply_cut_off_inside_its_reasoning_is_an_invalid_action(thinking):
     assert len(stepped) == sum(t.turns - 1 for t in trajectories)  # the cut turns never reached an env
     assert not any("still thinking" in text or "would be wrong" in text for text in stepped)
     check_exact(thinking, spy, trajectories, renders=False)
+
+
+def test_drop_lays_each_turn_out_as_the_template_renders_it_token_exact(thinking):
+    """--reasoning drop: every turn's prompt is the template's rendering of the conversation before it (earlier
+    reasoning gone), followed by exactly the sampled tokens, trained on alone; the episode's sequences are its turns."""
+    dropping = ChatFormat(thinking.tokenizer, history="drop")
+    spy, trajectories = play(dropping, lambda environments: Thinking(dropping, environments), agent=REACT)
+    assert any(t.turns >= 2 for t in trajectories)
+    for traj in trajectories:
+        assert len(traj.sequences) == traj.turns == len(spy.prompts[traj.row])
+        for k, (ids, mask, _) in enumerate(traj.sequences):
+            prompt, sample = spy.prompts[traj.row][k], spy.samples[traj.row][k]
+            assert prompt == dropping.prompt(traj.messages[:3 + 2 * k])  # what the template renders, earlier reasoning gone
+            assert ids[:len(prompt)] == prompt and ids[len(prompt):len(prompt) + len(sample)] == sample
+            assert [t for t, m in zip(ids, mask) if m] == sample and not any(mask[:len(prompt)])
+            assert dropping.tokenizer.decode(prompt).count("<think>") == 0  # (the template shows reasoning after the last user turn only)
+        assert traj.token_ids == traj.sequences[-1][0]
+        record = traj.log_record()
+        assert record["turn_sequences"] == traj.turns and record["action_tokens"] == sum(map(len, spy.samples[traj.row]))
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_drop_trains_an_episode_as_keep_does_where_the_template_drops_nothing(aggregation, tmp_path):
+    """On a template that renders history as it was sampled (the embedded agent's) the two layouts score every action
+    token in the same context, so one GRPO optimizer step must be the same: advantages per episode, not per turn row,
+    and each episode weighing the same whether it is one row or one row a turn, however the rows fall into
+    micro-batches (2 rows each here, so an episode's turns are split)."""
+    from accelerate import Accelerator
+
+    import train
+    from rl import optimizer as optimizer_lib
+    from rl.batch import attach
+    from rl.model import build_models
+
+    accelerator = Accelerator(cpu=True)
+    gradients, losses, counts = {}, {}, {}
+    for history in ("keep", "drop"):
+        fmt = ChatFormat(load_tokenizer("tiny-agent"), history=history)
+        _, played = play(fmt, lambda environments: ExpertEngine(fmt, environments), count=4, horizon=3)
+        for k, traj in enumerate(played):  # outcomes that differ within each group of two
+            traj.reward, traj.group = [0.0, 1.0, 0.3, 0.9][k], k // 2
+        counts[history] = [t.turns for t in played]
+        args = train.parse_args(["--tasks-per-step", "2", "--n", "2", "--minibatches", "1", "--kl-coef", "0",
+                                 "--micro-batch-size", "2", "--loss-agg", aggregation, "--reasoning", history,
+                                 "--out-dir", str(tmp_path)])
+        torch.manual_seed(0)
+        models = build_models(args, accelerator, args.model)
+        batch = train.batch_of(played, args, accelerator, fmt.pad_id)
+        assert len(batch.full["loss_mask"]) == (sum(counts[history]) if history == "drop" else len(played))
+        train.old_logprobs(models, batch, args, accelerator)
+        advantages, _ = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, None, batch.episodes)
+        attach(batch, advantages, None)
+        original = optimizer_lib.optimizer_step
+
+        def recording(model, *rest, history=history):
+            gradients[history] = {n: p.grad.clone() for n, p in model.named_parameters()}
+            return original(model, *rest)
+
+        optimizer_lib.optimizer_step = recording
+        try:
+            sums, _ = train.update(models, batch, args, accelerator, step=1)
+        finally:
+            optimizer_lib.optimizer_step = original
+        losses[history] = sums.policy
+        accelerator.free_memory()
+    assert counts["drop"] == counts["keep"] and max(counts["keep"]) >= 2  # (an episode of several turns, split in rows)
+    assert losses["drop"] == pytest.approx(losses["keep"], rel=1e-5)
+    for name, gradient in gradients["keep"].items():
+        torch.testing.assert_close(gradients["drop"][name], gradient, rtol=1e-3, atol=1e-5 * float(gradient.abs().max()),
+                                   msg=lambda message, name=name: f"{name}: {message}")
