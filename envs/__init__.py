@@ -23,6 +23,9 @@ and the limits of upstream's evaluation (eval.py's `agentgym` protocol). The mod
     oracle(env) -> Callable[[str], str]      a scripted expert for the env's current task:
                                              observation in, full response text out
     INSTRUCTION, ACK                         its Env's instruction and ack (a remote env reads them here)
+    TOOLS, REPLY, read_action(text)          optional: its actions as native tools, how a reply carries one
+                                             action, and the action a reply sends (envs/tools.py); an env
+                                             without them cannot be played with --agent tools
 
 and ships default splits as `envs/data/<name>_{train,test}.json` in AgentGym-RL-Data-ID's
 format: `[{"item_id": "<name>_<int>"}, ...]` (a module may point elsewhere with

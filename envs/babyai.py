@@ -55,6 +55,7 @@ from minigrid.envs.babyai.core.verifier import GoToInstr, OpenInstr, PickupInstr
 from minigrid.utils.baby_ai_bot import BabyAIBot
 
 from envs import REACT_ONLY_ONE, Env, StepResult, react_action
+from envs.tools import Param, Tool
 
 # MiniGrid prints "Sampling rejected: ..." to stdout for every rejected level layout. Silence that
 # module's print itself: redirecting sys.stdout is not safe while envs reset in parallel threads.
@@ -94,6 +95,39 @@ INSTRUCTION = (
     "Thought:\n<Your Thought>\n\nAction:\n<Your Action>"
 )
 ACK = "OK. I'll follow your instructions and try my best to solve the task."
+
+# The same actions as native tools (envs/tools.py), each call the `Action:` line a reply would write. Also
+# "drop", which the instruction leaves out but upstream offers and the expert uses.
+OBJECT = Param("string", "An object and its number, e.g. red ball 1")
+DOOR = Param("string", "A door and its number, e.g. red locked door 1")
+TOOLS = (
+    Tool("turn_left", "Turn left.", {}, "turn left"),
+    Tool("turn_right", "Turn right.", {}, "turn right"),
+    Tool("move_forward", "Move one step forward.", {}, "move forward"),
+    Tool("go_to", "Go to an object.", {"object": OBJECT}, "go to {object}"),
+    Tool("pick_up", "Pick up an object.", {"object": OBJECT}, "pick up {object}", reads="pickup (?P<object>.*)"),
+    Tool("drop", "Drop what you carry in front of you.", {}, "drop"),
+    Tool("go_through", "Go through an open door.", {"door": DOOR}, "go through {door}"),
+    Tool("toggle_and_go_through", "Open a closed or locked door and go through it.", {"door": DOOR},
+         "toggle and go through {door}"),
+    Tool("toggle", "Toggle the door right in front of you.", {}, "toggle"),
+    Tool("check_available_actions", "List the actions you can take.", {}, "check available actions",
+         reads=".*check.*"),  # step() lists them for any action that mentions "check"
+)
+REPLY = "Action: {action}"
+
+
+def read_action(text: str) -> str | None:
+    """The action a reply sends, as step() reads it: upstream's ReAct parsing, then spelled()."""
+    action = react_action(text)
+    return None if action is None else spelled(action)
+
+
+def spelled(action: str) -> str:
+    """An action as step() reads it: in lower case, and the instruction's "pick up <obj> <id>" as upstream's
+    "pickup <obj> <id>" (see above: upstream does not recognise the instruction's spelling)."""
+    action = action.lower().strip()
+    return "pickup " + action[len("pick up "):] if action.startswith("pick up ") else action
 
 LEFT, RIGHT, FORWARD, PICKUP, DROP, TOGGLE = range(6)
 DOOR_STATES = {0: "open", 1: "closed", 2: "locked"}
@@ -330,12 +364,7 @@ class BabyAI(Env):
             raise RuntimeError("call reset(task_id) before step()")
         if self.done:
             return StepResult("The task is already finished.", self.score, True, {"valid": False})
-        action = action.lower().strip()
-        # The instruction says "pick up <obj> <id>" but upstream's action is "pickup <obj> <id>";
-        # accept both spellings.
-        if action.startswith("pick up "):
-            action = "pickup " + action[len("pick up "):]
-
+        action = spelled(action)
         info = {"action": action, "valid": True, "primitives": []}
         if "check" in action:
             observation = "You can take the following actions: " + ", ".join(self.actions)

@@ -71,6 +71,7 @@ from py4j.protocol import Py4JError, Py4JJavaError
 from scienceworld.constants import BASEPATH, JAR_PATH
 
 from envs import Env, StepResult
+from envs.tools import Param, Tool
 
 # (task name, number of variations) in the simulator's task order, without AgentGym's exclusions
 # {5-1, 5-2, 9-1, 9-2, 9-3, 10-1, 10-2}; scienceworld 1.2.3.
@@ -118,6 +119,51 @@ ACK = "OK. I'll follow your instructions and try my best to solve the task."
 REWARDS = ("score", "normalized")
 NO_MATCH = "No known action matches that input."  # the simulator's answer to an action it cannot parse
 
+# The instruction's actions as native tools (envs/tools.py), each call the `Action:` line a reply would write.
+# Pour and dunk are written with "in", the simulator's own template, and read with "in" or "into", which it
+# takes alike. The expert writes both, and an object's name may hold "in" ("cup containing red paint in art
+# studio in jug"): no reading can tell where such a name ends, but written back with "in" the reply is the same
+# text whatever the split. "drop" reads as put down, the same action.
+OBJECT = Param("string", "An object")
+TARGET = Param("string", "The other object")
+TOOLS = (
+    Tool("open", "Open a container.", {"object": OBJECT}, "open {object}"),
+    Tool("close", "Close a container.", {"object": OBJECT}, "close {object}"),
+    Tool("activate", "Activate a device.", {"object": OBJECT}, "activate {object}"),
+    Tool("deactivate", "Deactivate a device.", {"object": OBJECT}, "deactivate {object}"),
+    Tool("connect", "Connect electrical components.", {"object": OBJECT, "target": TARGET},
+         "connect {object} to {target}"),
+    Tool("disconnect", "Disconnect electrical components.", {"object": OBJECT}, "disconnect {object}"),
+    Tool("use", "Use a device or item, on another object if given.",
+         {"object": OBJECT, "target": Param("string", "What to use it on", required=False)},
+         lambda a: f"use {a['object']}" + (f" on {a['target']}" if "target" in a else ""),
+         reads="use (?P<object>.*?)(?: on (?P<target>.*))?"),
+    Tool("look_around", "Describe the current room.", {}, "look around"),
+    Tool("look_at", "Describe an object in detail.", {"object": OBJECT}, "look at {object}"),
+    Tool("look_in", "Describe a container's contents.", {"object": OBJECT}, "look in {object}"),
+    Tool("read", "Read a note or book.", {"object": OBJECT}, "read {object}"),
+    Tool("move", "Move an object to a container.", {"object": OBJECT, "target": TARGET}, "move {object} to {target}"),
+    Tool("pick_up", "Move an object to the inventory.", {"object": OBJECT}, "pick up {object}"),
+    Tool("put_down", "Drop an inventory item.", {"object": OBJECT}, "put down {object}",
+         reads="(?:put down|drop) (?P<object>.*)"),
+    Tool("pour", "Pour a liquid into a container.", {"object": OBJECT, "target": TARGET}, "pour {object} in {target}",
+         reads="pour (?P<object>(?:(?! into ).)*) in(?:to)? (?P<target>.*)"),  # at " into " where there is one
+    Tool("dunk", "Dunk a container into a liquid.", {"object": OBJECT, "target": TARGET}, "dunk {object} in {target}",
+         reads="dunk (?P<object>(?:(?! into ).)*) in(?:to)? (?P<target>.*)"),
+    Tool("mix", "Chemically mix a container.", {"object": OBJECT}, "mix {object}"),
+    Tool("go_to", "Move to a new location.", {"location": Param("string", "A room, e.g. kitchen")},
+         "go to {location}"),
+    Tool("eat", "Eat a food.", {"object": OBJECT}, "eat {object}"),
+    Tool("flush", "Flush a toilet.", {"object": OBJECT}, "flush {object}"),
+    Tool("focus_on", "Signal intent on a task object.", {"object": OBJECT}, "focus on {object}"),
+    Tool("wait", "Take no action for 10 iterations.", {}, "wait"),
+    Tool("wait1", "Take no action for 1 iteration.", {}, "wait1"),
+    Tool("examine", "Describe the objects on or in a receptacle.", {"object": OBJECT}, "examine {object}"),
+    Tool("task", "Describe the current task.", {}, "task"),
+    Tool("inventory", "List your inventory.", {}, "inventory"),
+)
+REPLY = "Action: {action}"
+
 
 def task_and_variation(task_id: int) -> tuple[str, int]:
     if not 0 <= task_id < NUM_TASK_IDS:
@@ -136,6 +182,11 @@ def parse_action(text: str) -> str:
         text = text[: -len("</s>")]
     _, found, action = text.rpartition("Action:")
     return action.strip() if found else ""
+
+
+def read_action(text: str) -> str:
+    """The action a reply sends, as the simulator reads it: it ignores case and repeated spaces."""
+    return re.sub(" +", " ", parse_action(text).lower())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -65,6 +65,7 @@ from importlib.resources import files
 from typing import Callable
 
 from envs import REACT_ONLY_ONE, Env, StepResult, react_action
+from envs.tools import Param, Tool
 
 INSTRUCTION = (
     'You are given few useful crafting recipes to craft items in Minecraft. Crafting commands are '
@@ -82,6 +83,23 @@ INSTRUCTION = (
     'ingredient e.g. "dark oak planks" in the command instead.\n\n'
 )
 ACK = "OK. I'll follow your instructions and try my best to solve the task."
+
+# The same actions as native tools (envs/tools.py), each call the `Action:` line a reply would write.
+HOW_MANY = Param("integer", "How many")
+ITEM = Param("string", "An item, e.g. dark oak planks")
+TOOLS = (
+    Tool("get", "Get a base item.", {"count": HOW_MANY, "item": ITEM}, "get {count} {item}"),
+    Tool("craft", "Craft an item by one of the crafting commands.",
+         {"count": HOW_MANY, "item": ITEM, "ingredients": Param("string", "Counted inputs, e.g. 1 stick, 2 coal")},
+         "craft {count} {item} using {ingredients}"),
+    Tool("inventory", "Look up your inventory.", {}, "inventory", reads="inventory.*"),  # step() reads a prefix
+)
+REPLY = "Action: {action}"
+
+
+def read_action(text: str) -> str | None:
+    """The action a reply sends, as step() reads it (upstream's ReAct parsing)."""
+    return react_action(text)
 
 MAX_DISTRACTORS = 10  # in the recipe list, and drawn per input item
 SHUFFLE_SEED = 42

@@ -57,6 +57,7 @@ from envs import Env, StepResult
 from envs.searchqa import data
 from envs.searchqa.data import EMBEDDED_BASE, EMBEDDED_CORPUS, RealQA, Task, category  # noqa: F401
 from envs.searchqa.retrievers import QUERY_PREFIX, get_retriever
+from envs.tools import Param, Tool
 
 INSTRUCTION = (
     "You must always reason inside <think>...</think> first; if you lack knowledge, issue a "
@@ -84,6 +85,15 @@ INVALID = (
 TAGS = ("search", "answer")
 PUNCTUATION = set(string.punctuation)
 
+# The two actions as native tools (envs/tools.py), each call the tag a reply would write.
+TOOLS = (
+    Tool("search", "Search for documents.", {"query": Param("string", "What to search for")},
+         "<search>{query}</search>"),
+    Tool("answer", "Give the final answer.", {"answer": Param("string", "The answer, in a few words")},
+         "<answer>{answer}</answer>"),
+)
+REPLY = "{action}"
+
 
 def parse_action(text: str) -> tuple[str, str] | None:
     """The first complete <search>...</search> or <answer>...</answer> of a response, as upstream's
@@ -102,6 +112,16 @@ def parse_action(text: str) -> tuple[str, str] | None:
     tag, start = best
     begin = start + len(tag) + 2
     return tag, text[begin:text.find(f"</{tag}>", begin)]
+
+
+def read_action(text: str) -> str | None:
+    """The action a reply sends, as step() reads it: the first complete tag, and for an answer the last
+    <answer> of the reply, stripped."""
+    parsed = parse_action(text)
+    if parsed is None:
+        return None
+    tag, content = parsed
+    return f"<{tag}>{(content if tag == 'search' else last_answer(text)).strip()}</{tag}>"
 
 
 def last_answer(text: str) -> str | None:

@@ -105,8 +105,9 @@ from pathlib import Path
 from typing import Callable
 
 from envs import DATA_DIR, Env, StepResult
+from envs.tools import Param, Tool
 from envs.webarena import tasks
-from envs.webarena.actions import ActionParsingError, describe, execute, first_block, parse
+from envs.webarena.actions import ActionParsingError, describe, execute, first_block, parse, spelled
 from envs.webarena.browser import BROWSER, BrowserError, chromium_path
 from envs.webarena.evaluators import Judge, JudgeMissing, program_html, string_match, url_match
 from envs.webarena.observation import VIEWPORT, observe
@@ -161,6 +162,29 @@ INSTRUCTION = (
 ACK = "Ok."
 NO_ACTION = ("Cannot parse action from response. Your action should be inside triple backticks (```). "
              "Please adjust accordingly.")
+# The grammar's actions as native tools (envs/tools.py), each call the action block a reply would write.
+ELEMENT = Param("integer", "The element's id, e.g. 12 for [12]")
+TOOLS = (
+    Tool("click", "Click an element.", {"element": ELEMENT}, "click [{element}]"),
+    Tool("type", "Type text into a field.",
+         {"element": ELEMENT, "text": Param("string", "What to type"),
+          "press_enter": Param("boolean", "Press Enter after it (default true)", required=False)},
+         lambda a: f"type [{a['element']}] [{a['text']}] [{int(a.get('press_enter', True))}]",
+         reads=r"type \[(?P<element>0|[1-9][0-9]*)\] \[(?P<text>.*)\] \[(?P<press_enter>[01])\]"),
+    Tool("hover", "Hover over an element.", {"element": ELEMENT}, "hover [{element}]"),
+    Tool("press", "Press a key combination.", {"keys": Param("string", "E.g. Enter or Control+a")}, "press [{keys}]"),
+    Tool("scroll", "Scroll the page.", {"direction": Param("string", "Which way", enum=("up", "down"))},
+         "scroll [{direction}]"),
+    Tool("goto", "Go to a URL.", {"url": Param("string", "The URL")}, "goto [{url}]"),
+    Tool("new_tab", "Open a new tab.", {}, "new_tab"),
+    Tool("tab_focus", "Switch to a tab.", {"index": Param("integer", "The tab's index")}, "tab_focus [{index}]"),
+    Tool("close_tab", "Close the current tab.", {}, "close_tab"),
+    Tool("go_back", "Go to the previous page.", {}, "go_back"),
+    Tool("go_forward", "Go to the next page.", {}, "go_forward"),
+    Tool("stop", "End the task.", {"answer": Param("string", "The answer if one is asked, or N/A if impossible")},
+         "stop [{answer}]"),
+)
+REPLY = "```{action}```"
 TEMPLATE = "OBSERVATION:\n{observation}\nURL: {url}\nOBJECTIVE: {objective}\nPREVIOUS ACTION: {previous_action}"
 LOGIN_TTL_S = 30 * 60
 
@@ -427,6 +451,15 @@ class WebArena(Env):
                 await asyncio.wait_for(context.close(), 10)
             except Exception:
                 pass
+
+
+def read_action(text: str) -> str | None:
+    """The action a reply sends, as step() reads it: its first action block, parsed, in plain spelling."""
+    block = first_block(text)
+    try:
+        return None if block is None else spelled(parse(block))
+    except ActionParsingError:
+        return None
 
 
 def _product(values) -> float:

@@ -6,7 +6,8 @@
 Parsing is upstream's `create_id_based_action` (the keyword is what comes before the first "[",
 `type` presses Enter unless it ends in [0]); the history text is upstream's
 `get_action_description`; execution is upstream's `execute_action` for the id-based actions:
-clicks and typing go to the centre of the element's box with the mouse and keyboard.
+clicks and typing go to the centre of the element's box with the mouse and keyboard. `spelled` writes
+a parsed action back in plain spelling (for envs/tools.py).
 
 Hostile text is answered in bounded time, with upstream's results for sane actions:
 - The bracket patterns (`stop ?\[(.+)\]`, ...) match as upstream's `re.search`, in linear time
@@ -129,6 +130,27 @@ def parse(action_str: str) -> Action:
             match = _search(r"stop ?\[", r"(.+)\]", action_str)
             return Action("stop", answer=match.group(1) if match else "")
     raise ActionParsingError(f"Invalid action {action_str}")
+
+
+def spelled(action: Action) -> str:
+    """The action in the grammar's plain spelling, which parse() reads back as the same action."""
+    match action.kind:
+        case "click" | "hover":
+            return f"{action.kind} [{action.element_id}]"
+        case "type":
+            text, enter = action.text.removesuffix("\n"), action.text.endswith("\n")
+            return f"type [{action.element_id}] [{text}] [{int(enter)}]"
+        case "press":
+            return f"press [{action.key_comb}]"
+        case "scroll":
+            return f"scroll [{action.direction}]"
+        case "goto":
+            return f"goto [{action.url}]"
+        case "tab_focus":
+            return f"tab_focus [{action.tab}]"
+        case "stop":
+            return f"stop [{action.answer}]"
+    return action.kind
 
 
 def describe(action: Action, nodes: dict, url_alias=lambda url: url) -> str:
