@@ -6,6 +6,7 @@ exactly as through text, and those episodes are token-exact; a template that ren
 import copy
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -87,8 +88,6 @@ def test_a_valid_call_is_the_action_the_env_takes_and_reasoning_stays_out(hermes
     assert action.text == env_tools.action_text("babyai", "go_to", {"object": "red ball 1"})
     native = TOOLS.read(hermes, "babyai", "", [{"id": "c", "name": "turn_left", "arguments": "{}"}])  # a text engine's
     assert native.text == env_tools.action_text("babyai", "turn_left", {})
-    thinking = copy.deepcopy(hermes)
-    thinking.reasoning = type(thinking.reasoning or object)  # placeholder replaced below
     thinking = ChatFormat(hermes.tokenizer, reasoning_tags=("<think>", "</think>"))
     decoy = '<think><tool_call>{"name": "turn_left", "arguments": {}}</tool_call></think>'
     assert TOOLS.read(thinking, "babyai", decoy + hermes.call_text("turn_right", {})).calls == [("turn_right", {})]
@@ -140,7 +139,8 @@ def play(fmt, name, agent, engine_of, count=2, horizon=6):
 
     engine.experts = Recording(original_experts)
     try:
-        trajectories = rollout(spy, fmt, environments, envs.splits(name)["test"][:count], list(range(count)),
+        task_ids = [21, 34][:count] if name == "babyai" else envs.splits(name)["test"][:count]  # (babyai: 4 and 3 turns)
+        trajectories = rollout(spy, fmt, environments, task_ids, list(range(count)),
                                horizon=horizon, max_new_tokens=512, max_tokens=32768, agent=agent)
     finally:
         for env in environments:
@@ -172,7 +172,11 @@ def test_the_experts_play_every_env_through_tool_calls_as_through_text(hermes, n
     _, text, _ = play(hermes, name, REACT, lambda e: ExpertEngine(hermes, e))
     spy, called, stepped = play(hermes, name, TOOLS, lambda e: ExpertEngine(hermes, e))
     assert [(t.reward, t.turns, t.finish, t.success) for t in called] == [(t.reward, t.turns, t.finish, t.success) for t in text]
-    assert [[m["content"] for m in t.messages[4::2]] for t in called] == [[m["content"] for m in t.messages[4::2]] for t in text]
+    def seen(trajectories):  # (Chromium numbers a page's elements anew at every load: WebArena's ids are hidden)
+        return [[re.sub(r"\[\d+\]", "[#]", m["content"]) if name == "webarena" else m["content"] for m in t.messages[4::2]]
+                for t in trajectories]
+
+    assert seen(called) == seen(text)
     assert sum(t.turns for t in called) >= 2 and all(t.invalid_actions == 0 for t in called)
     check_exact(hermes, spy, called)
     for traj in called:
