@@ -70,11 +70,11 @@ from tqdm import tqdm
 import envs
 from envs.guard import close_envs, make_envs
 from rl import api, plots
-from rl.agent import make_agent
+from rl.agent import check_env, make_agent
 from rl.chat import chat_format, template_options
 from rl.checkpoint import write_atomic
 from rl.horizon import horizon_at
-from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, full_weights, is_adapter, load_model, load_tokenizer
+from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, full_weights, is_adapter, load_model, load_tokenizer
 from rl.run import run_of
 from rl.scores import endings, paired, score, spread
 from rl.engines import engine_kind, make_engine
@@ -195,6 +195,8 @@ def resolve_settings(args: Args) -> dict:
                   "max_tokens": config["max_tokens"]}
     elif protocol == "tiny":
         limits = {key: EMBEDDED_ROLLOUT[key] for key in ("horizon", "max_new_tokens", "max_tokens")}
+        if args.agent == "tools":
+            limits |= EMBEDDED_TOOLS
     else:
         upstream = envs.ENVS[env]
         limits = {"horizon": upstream.upstream_horizon, "max_new_tokens": upstream.upstream_max_new_tokens,
@@ -230,6 +232,7 @@ def main(args: Args) -> dict:
     task_ids = evaluation_tasks(args, settings)
     try:
         agent = make_agent(settings["agent"], args.attempts)
+        check_env(agent.name, env_name)
     except ValueError as error:
         raise SystemExit(str(error)) from error
 

@@ -34,10 +34,17 @@ upstream keeps the env's reward for a response cut at max_response_length. An en
 or hangs (envs/guard.py bounds each one) ends only its trajectory, with finish "error": it has no
 outcome, and train.py leaves it out of the update.
 
-Agent formats (rl/agent.py, `agent=`): the messages an episode opens with and the part of each reply the
-env reads (react, plan); reflect plays up to agent.attempts attempts a task (`attempts`), the policy
-reflecting after each failed one by continuing that attempt's tokens. Every format keeps the token rules
-above.
+Agent formats (rl/agent.py, `agent=`): the messages an episode opens with and what the env is asked by
+each reply (react, plan; tools, the one tool call in it, answered as a tool result); reflect plays up to
+agent.attempts attempts a task (`attempts`), the policy reflecting after each failed one by continuing that
+attempt's tokens. The env reads a reply after its reasoning block (rl/chat.py); a reply with no action to
+take (cut off inside its reasoning, no or a malformed tool call) is answered here, without the env, as an
+invalid action. Every format keeps the token rules above.
+
+--reasoning drop (ChatFormat.history) is the one layout that does not append: each turn's prompt is the
+chat template's rendering of the conversation so far (a template that drops earlier reasoning is
+followed), and each turn's prompt and sampled tokens are kept as a sequence of their own
+(Trajectory.sequences), which train.py trains as a row each.
 
 Engines (rl/engines.py): HFEngine, VLLMEngine and ExpertEngine (the envs' scripted oracles). A text
 engine (rl/api.py's APIEngine: a model behind an HTTP API, for eval) returns the reply as text

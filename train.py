@@ -49,7 +49,7 @@ from tqdm import tqdm
 import envs
 from envs.guard import make_envs
 from rl import advantages as adv_lib
-from rl.agent import make_agent
+from rl.agent import check_env, make_agent
 from rl.batch import Batch, arrange, attach, example_micro_batches, make_batch, minibatch_counts, rows_of, scatter
 from rl.chat import chat_format
 from rl.data import examples_of, held_out, offline_steps, read_data, to_record
@@ -59,8 +59,8 @@ from rl.horizon import describe, horizon_at
 from rl.logprobs import pad, token_logprobs, token_values
 from rl.losses import aggregate, kl, policy_loss, value_loss
 from rl.memory import print_plan
-from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, Models, build_models, context_limit, has_reference, load_tokenizer,
-                      make_accelerator, reference, restart)
+from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, Models, build_models, context_limit, has_reference,
+                      load_tokenizer, make_accelerator, reference, restart)
 from rl.metrics import Costs, UpdateSums, eval_line, eval_metrics, evol_line, offline_line, rl_line, step_metrics
 from rl.optimizer import accumulate, optimizer_steps, reducer, stop_on_nonfinite
 from rl.records import rollout_records
@@ -837,6 +837,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
     peek.add_argument("--preset", default="auto")
     peek.add_argument("--algo", default=Args.algo)
     peek.add_argument("--env", default=PRESETS["tiny"].env)
+    peek.add_argument("--agent", default=Args.agent)
     peek.add_argument("--resume", default=None)
     peek.add_argument("--run-name", "--run_name", dest="run_name", default=None)  # (tyro takes both spellings)
     peek.add_argument("--out-dir", "--out_dir", dest="out_dir", default=Args.out_dir)
@@ -860,6 +861,8 @@ def parse_args(argv: list[str] | None = None) -> Args:
         default = replace(default, train_tasks=str(envs.DATA_DIR / train), test_tasks=str(envs.DATA_DIR / test))
     elif preset == "tiny":
         default = replace(default, eval_tasks=TINY_EVAL_TASKS)
+    if preset == "tiny" and known.agent == "tools":
+        default = replace(default, **EMBEDDED_TOOLS)
     args = tyro.cli(Args, args=argv, default=default, description=__doc__.split("\n\n")[0])
     return replace(args, preset=preset)
 
@@ -904,6 +907,7 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
     if distributed in ("FSDP", "DEEPSPEED") and args.algo == "agentevol":
         raise SystemExit("agentevol resets the policy in place between iterations, which a sharded model does not "
                          "support here: run it data-parallel (configs/ddp.yaml) or on one GPU")
+    check_env(args.agent, args.env)
     for flag in ("steps", "tasks_per_step", "n", "max_new_tokens", "ppo_epochs", "minibatches", "micro_batch_size",
                  "max_nonfinite_updates", "log_rollouts_every", "attempts"):
         if getattr(args, flag) < 1:  # 0 would silently skip every rollout or update

@@ -134,6 +134,16 @@ class Agent:
 REACT = Agent()
 
 
+def check_env(name: str, env_name: str) -> None:
+    """Stops the script with one sentence when env `env_name` cannot be played in format `name` (tools: an env that
+    declares no tools)."""
+    if name == "tools":
+        try:
+            env_tools.tools(env_name)
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
+
+
 def make_agent(name: str, attempts: int = 1) -> Agent:
     """The format `name` (one of FORMATS); `attempts` counts for reflect only."""
     if name not in FORMATS:

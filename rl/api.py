@@ -107,6 +107,7 @@ class APIFormat:
 
     opens_reasoning = False
     call_style = "hermes"
+    history = "keep"  # (nothing is laid out here: the server renders the whole conversation every turn)
 
     def __init__(self, reasoning_tags: tuple[str, str] | None = None):
         self.reasoning = reasoning_of(None, reasoning_tags)

@@ -32,6 +32,9 @@ EMBEDDED = {"tiny-agent": ROOT / "assets" / "tiny-agent"}
 # How the embedded model plays (its preset in train.py, and eval.py's settings for it): short turns
 # and trajectories, sized to run on two CPU cores in minutes.
 EMBEDDED_ROLLOUT = {"env": "babyai", "horizon": 6, "max_new_tokens": 48, "max_tokens": 3072}
+# ... under --agent tools: a call is 50-70 tokens of the embedded agent's vocabulary (made for ReAct text, it spells
+# JSON nearly a byte a token), and an env's tools add about 1,700 tokens to the first prompt
+EMBEDDED_TOOLS = {"max_new_tokens": 96, "max_tokens": 4096}
 
 
 def resolve(name: str) -> str:

@@ -193,3 +193,35 @@ def test_llama_style_calls_play_token_exact(llama):
     assert [(t.reward, t.turns, t.finish) for t in called] == [(t.reward, t.turns, t.finish) for t in text]
     check_exact(llama, spy, called)
     assert "<|start_header_id|>ipython<|end_header_id|>" in llama.tokenizer.decode(called[0].token_ids)
+
+
+def test_an_env_without_tools_is_refused_in_one_sentence(tmp_path, monkeypatch):
+    import train
+    from test_add_env import COUNTDOWN
+
+    monkeypatch.setitem(envs.ENVS, "countdown", COUNTDOWN)  # (the README's recipe env, which declares no tools)
+    with pytest.raises(SystemExit, match="the countdown env declares no TOOLS, so it cannot be played with --agent tools"):
+        train.main(train.parse_args(["--env", "countdown", "--agent", "tools", "--out-dir", str(tmp_path)]))
+
+
+@pytest.mark.slow
+def test_training_and_eval_play_through_tool_calls(tmp_path):
+    """train.py --agent tools on the embedded agent (the tiny preset's tool limits), then eval.py on its checkpoint,
+    which plays the run's own layout: every episode opens with the tools, every reply is read as calls, and a run's
+    malformed replies are counted."""
+    import eval as eval_script
+    import train
+
+    args = train.parse_args(["--agent", "tools", "--steps", "1", "--tasks-per-step", "2", "--n", "2", "--horizon", "2",
+                             "--out-dir", str(tmp_path), "--run-name", "tools"])
+    assert (args.max_new_tokens, args.max_tokens) == (96, 4096)
+    run_dir = train.main(args)
+    records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and all(TOOLS_GUIDE in r["messages"][0]["content"] for r in records)
+    metrics = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert 0 <= metrics["rollout/malformed_rate"] <= metrics["rollout/invalid_action_rate"] + 1e-9
+    results = eval_script.main(eval_script.Args(model=str(run_dir / "checkpoints" / "step_1"), limit=2, k=1,
+                                                out=str(tmp_path / "eval")))
+    assert results["agent"] == "tools" and results["max_new_tokens"] == 96 and 0 <= results["malformed"] <= 1
+    episodes = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert all(TOOLS_GUIDE in e["messages"][0]["content"] for e in episodes)
