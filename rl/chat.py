@@ -16,11 +16,12 @@ Qwen3-Thinking: "<|im_start|>assistant\\n<think>\\n") makes every reply start in
 the closing tag. A reply that never closes its block (cut off by --max-new-tokens) has no answer: the rollout
 answers it as an invalid action and the episode goes on.
 
-Earlier reasoning. Such templates drop the reasoning of earlier turns when they render a conversation, so a new
-turn's rendering is no longer the last one's plus the reply. Here the trajectory's own tokens are the context
-(--reasoning keep, the only layout there is today): every turn's reasoning stays in what the model sees. That is
-on-policy and exact, and it differs from what the template would render at inference by the earlier turns'
-reasoning (rendered_difference counts it; README gives it per env).
+Earlier reasoning (`history`, --reasoning). Such templates drop the reasoning of earlier turns when they render a
+conversation, so a new turn's rendering is no longer the last one's plus the reply. `keep` (the default): the
+trajectory's own tokens are the context, every turn's reasoning stays in what the model sees; on-policy and exact,
+and longer than what the template renders at inference by the earlier turns' reasoning (README: "Reasoning models
+and tool calling"). `drop`: each turn's prompt is the template's rendering of the conversation so far, what an
+inference server would show; rollout.py keeps each turn as a sequence of its own, exact from its prompt on.
 
 Tool calls. `--agent tools` gives the model the env's actions as tools (OpenAI's function format, envs/tools.py),
 rendered by the template (`tools=`), and reads the calls in the reply in the template's own format: Hermes'
