@@ -970,8 +970,8 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
                          f"--agent {args.agent} needs --reasoning keep")
     if args.algo in OFFLINE and args.agent not in ("react", "tools"):
         raise SystemExit(f"--agent {args.agent} lays out the rollouts of RL (grpo, rloo, reinforce_pp, ppo); {args.algo} "
-                         "learns --data's conversations as they are laid out (ReAct, or tool calls), and plays as react "
-                         "or tools")
+                         "learns --data's conversations as they are laid out, so it plays them as react (or, for "
+                         "episodes of tool calls, as --agent tools)")
     if args.algo in OFFLINE:
         return check_offline(args, world)
     if args.data or args.experience:
