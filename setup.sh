@@ -34,3 +34,11 @@ if [ "${NO_VLLM:-0}" != 1 ]; then
     python -m pip uninstall -y torchvision torchaudio torchcodec
   fi
 fi
+
+# Without a GPU, DeepSpeed ZeRO-3 launches (configs/zero3.yaml) compile one shared-memory op with g++ the first time
+# (about a minute of CPU, cached under ~/.cache/torch_extensions): build it now, not in the first launch.
+if ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }; then
+  python -c "from deepspeed.accelerator import get_accelerator
+builder = get_accelerator().create_op_builder('ShareMemCommBuilder')
+builder is None or builder.load(verbose=False)"
+fi

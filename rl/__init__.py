@@ -8,7 +8,8 @@
     model.py       which model (a Hugging Face id, a local path, the embedded tiny agent); the models a run
                    trains and scores with, prepared by Accelerate (reference, critic, sharding, LoRA)
     memory.py      peak memory of a phase of a step (GPU allocated, else resident set), and the --dry-run plan
-    agent.py       agent formats: how an episode's messages are laid out (react, plan, reflect)
+    chat.py        the chat layout: messages and tool schemas -> tokens, the reasoning block of a reply, tool calls
+    agent.py       agent formats: how an episode's messages are laid out (react, plan, reflect, tools)
     engines.py     generation engines behind one contract: HF, vLLM, the envs' experts; the trainer's, synced
     api.py         a model behind an OpenAI-compatible endpoint as an engine (eval.py --model openai:<name>)
     batch.py       a step's trajectories -> micro-batches (token budgets, packing), equal across processes; SFT's rows
