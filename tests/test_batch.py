@@ -108,6 +108,24 @@ def test_packing_refuses_attention_that_would_mix_sequences(attention, rows):
         token_logprobs(model, batch["input_ids"], None, batch["loss_mask"], position_ids=batch["position_ids"])
 
 
+def one_update(models, batch, args, accelerator) -> tuple[float, dict[str, torch.Tensor]]:
+    """train.update on a prepared batch (one mini-batch): its summed policy loss, and the gradients its optimizer
+    step saw, by parameter name."""
+    gradients = {}
+    original = optimizer_lib.optimizer_step
+
+    def recording(model, *rest):
+        gradients.update({n: p.grad.clone() for n, p in model.named_parameters()})
+        return original(model, *rest)
+
+    optimizer_lib.optimizer_step = recording
+    try:
+        sums, _ = train.update(models, batch, args, accelerator, step=1)
+    finally:
+        optimizer_lib.optimizer_step = original
+    return sums.policy, gradients
+
+
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_the_update_is_the_same_packed_or_padded(aggregation, tmp_path):
     """One GRPO optimizer step on the same trajectories: four padded micro-batches of 2, or packed rows of at most
@@ -125,18 +143,7 @@ def test_the_update_is_the_same_packed_or_padded(aggregation, tmp_path):
         train.old_logprobs(models, batch, args, accelerator)
         advantages, _ = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, None)
         attach(batch, advantages, None)
-        original = optimizer_lib.optimizer_step
-
-        def recording(model, *rest, name=name):
-            gradients[name] = {n: p.grad.clone() for n, p in model.named_parameters()}
-            return original(model, *rest)
-
-        optimizer_lib.optimizer_step = recording
-        try:
-            sums, _ = train.update(models, batch, args, accelerator, step=1)
-        finally:
-            optimizer_lib.optimizer_step = original
-        losses[name] = sums.policy
+        losses[name], gradients[name] = one_update(models, batch, args, accelerator)
         accelerator.free_memory()
     assert losses["packed"] == pytest.approx(losses["padded"], rel=1e-5)
     for name, gradient in gradients["padded"].items():  # (float noise: 1e-5 of each tensor's largest entry)

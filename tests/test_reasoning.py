@@ -193,9 +193,9 @@ def test_drop_trains_an_episode_as_keep_does_where_the_template_drops_nothing(ag
     from accelerate import Accelerator
 
     import train
-    from rl import optimizer as optimizer_lib
     from rl.batch import attach
     from rl.model import build_models
+    from test_batch import one_update
 
     accelerator = Accelerator(cpu=True)
     gradients, losses, counts = {}, {}, {}
@@ -215,18 +215,7 @@ def test_drop_trains_an_episode_as_keep_does_where_the_template_drops_nothing(ag
         train.old_logprobs(models, batch, args, accelerator)
         advantages, _ = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, None, batch.episodes)
         attach(batch, advantages, None)
-        original = optimizer_lib.optimizer_step
-
-        def recording(model, *rest, history=history):
-            gradients[history] = {n: p.grad.clone() for n, p in model.named_parameters()}
-            return original(model, *rest)
-
-        optimizer_lib.optimizer_step = recording
-        try:
-            sums, _ = train.update(models, batch, args, accelerator, step=1)
-        finally:
-            optimizer_lib.optimizer_step = original
-        losses[history] = sums.policy
+        losses[history], gradients[history] = one_update(models, batch, args, accelerator)
         accelerator.free_memory()
     assert counts["drop"] == counts["keep"] and max(counts["keep"]) >= 2  # (an episode of several turns, split in rows)
     assert losses["drop"] == pytest.approx(losses["keep"], rel=1e-5)
