@@ -70,7 +70,7 @@ from tqdm import tqdm
 import envs
 from envs.guard import close_envs, make_envs
 from rl import api, plots
-from rl.agent import check_env, make_agent
+from rl.agent import check_layout, make_agent
 from rl.chat import chat_format, template_options
 from rl.checkpoint import write_atomic
 from rl.horizon import horizon_at
@@ -232,7 +232,7 @@ def main(args: Args) -> dict:
     task_ids = evaluation_tasks(args, settings)
     try:
         agent = make_agent(settings["agent"], args.attempts)
-        check_env(agent.name, env_name)
+        check_layout(agent.name, env_name, history=settings["reasoning"])
     except ValueError as error:
         raise SystemExit(str(error)) from error
 

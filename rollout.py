@@ -101,6 +101,7 @@ class Trajectory:
     turns: int = 0
     invalid_actions: int = 0  # turns whose action the env reported as not valid (info["valid"] False)
     malformed: int = 0  # of those, turns whose reply held no action to take (no call, a bad call, cut inside reasoning)
+    actions: list[str | None] = field(default_factory=list)  # what each turn sent to env.step (None: nothing, malformed)
     reward: float = 0.0
     turn_rewards: list[float] = field(default_factory=list)  # the env's reward after each turn (its last is `reward`)
     done: bool = False
@@ -148,7 +149,8 @@ class Trajectory:
             "log_format": FORMAT, "item_id": self.item_id, "task_id": self.task_id,
             "category": category(self.env, self.task_id), "group": self.group, "horizon": self.horizon,
             "reward": self.reward, "success": self.success, "turns": self.turns, "finish": self.finish,
-            "error": self.error, "invalid_actions": self.invalid_actions, "malformed": self.malformed, "turn_rewards": self.turn_rewards,
+            "error": self.error, "invalid_actions": self.invalid_actions, "malformed": self.malformed,
+            "turn_rewards": self.turn_rewards, "env_actions": self.actions,  # (what the env was sent: the viewer replays it)
             # (--reasoning drop: over every turn's sequence; token_ids below are the last turn's, `turn_sequences` says so)
             "tokens": sum(len(ids) for ids, _, _ in self.sequences) if self.sequences else len(self.token_ids),
             "action_tokens": sum(sum(mask) for _, mask, _ in self.sequences) if self.sequences else sum(self.loss_mask),
@@ -303,8 +305,10 @@ def reflect(engine, fmt: ChatFormat, failed: list[Trajectory], agent: Agent, max
             watchdog.check()
             for ask, sample in engine.poll():
                 _add_usage(failed[row[id(ask)]], sample)
-                text = _reply(fmt, sample) if sample.error is None and sample.finish is None else ""
-                if text.strip():  # (none for a failed request, a full context window or an empty reply)
+                # (the reflection after its reasoning block; none for a failed request, a full context window, an
+                # empty reply or one cut off inside its reasoning)
+                text = (fmt.answer(_reply(fmt, sample)) or "") if sample.error is None and sample.finish is None else ""
+                if text.strip():
                     texts[id(ask)] = text
     finally:
         engine.abort()
@@ -413,6 +417,7 @@ def _generate(engine, fmt: ChatFormat, agent: Agent, environments: list[Env], po
         _act(fmt, traj, sample)
         clock.sampled_tokens += len(sample.token_ids)
         action = agent.read(fmt, traj.env, traj.messages[-1]["content"], sample.tool_calls)
+        traj.actions.append(action.text)
         if action.calls:
             traj.messages[-1]["tool_calls"] = openai_calls(action.calls, traj.turns)
         if action.problem is not None:  # a reply the env never sees: answered here, as an invalid action

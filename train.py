@@ -18,6 +18,8 @@ same models, accumulation, logs and checkpoints learn from trajectory files (--d
     python train.py --algo dpo --data expert.jsonl --experience runs/<run>/rollouts.jsonl
     python train.py --algo agentevol --data data/babyai_train_expert.jsonl --iterations 3 --n 4
 
+`--agent tools` plays through native tool calls and a reasoning model's block is never read by the env (rl/chat.py);
+`--reasoning drop` trains each turn on the template's rendering of the conversation, earlier reasoning gone.
 Flags default to the paper's recipe for a real model and to the `tiny` preset (two CPU cores, minutes) for the
 embedded one. --eval-every plays the test split during any run; --dry-run prints the memory plan (rl/memory.py).
 Where the loop differs from upstream's (AgentGym-RL's verl fork): `--ppo-epochs` is honoured (upstream makes one
@@ -49,18 +51,18 @@ from tqdm import tqdm
 import envs
 from envs.guard import make_envs
 from rl import advantages as adv_lib
-from rl.agent import check_env, make_agent
+from rl.agent import check_layout, make_agent
 from rl.batch import Batch, arrange, attach, example_micro_batches, make_batch, minibatch_counts, rows_of, scatter
 from rl.chat import chat_format
 from rl.data import examples_of, held_out, offline_steps, read_data, to_record
 from rl.dpo import DPOSums, dpo_terms
-from rl.engines import build_engine, own_stream, stream_seed, sync
+from rl.engines import build_engine, check_engine, own_stream, stream_seed, sync
 from rl.horizon import describe, horizon_at
 from rl.logprobs import pad, token_logprobs, token_values
 from rl.losses import aggregate, kl, policy_loss, value_loss
 from rl.memory import print_plan
 from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, Models, build_models, context_limit, has_reference,
-                      load_tokenizer, make_accelerator, reference, restart)
+                      check_models, load_tokenizer, make_accelerator, reference, restart)
 from rl.metrics import Costs, UpdateSums, eval_line, eval_metrics, evol_line, offline_line, rl_line, step_metrics
 from rl.optimizer import accumulate, optimizer_steps, reducer, stop_on_nonfinite
 from rl.records import rollout_records
@@ -160,14 +162,12 @@ class Args:
     each after a reflection on the failed ones (each attempt its own trajectory and reward); tools, the env's
     actions as native tool calls in the chat template's own format (rl/chat.py)"""
     reasoning_tags: tuple[str, str] | None = None
-    """a reasoning model's block (e.g. --reasoning-tags '<think>' '</think>'); default: the tags the chat template
-    names. The env reads the reply after the block; the tokens stay as sampled"""
+    """a reasoning model's block, which the env never reads (e.g. '<think>' '</think>'); default: the template's"""
     chat_template_kwargs: dict[str, str] = field(default_factory=dict)
     """options for the chat template's every rendering, e.g. --chat-template-kwargs enable_thinking false (Qwen3)"""
     reasoning: Literal["keep", "drop"] = "keep"
     """keep: one sequence an episode, every turn appended (earlier reasoning stays in the context); drop: each turn's
-    prompt is the chat template's rendering so far (which may drop earlier reasoning), each turn trained as its own
-    sequence with its episode's advantage (grpo, rloo), an episode weighing the same whatever its turns (rl/batch.py)"""
+    prompt is the chat template's rendering so far (earlier reasoning gone), each turn its own sequence (grpo, rloo)"""
     attempts: int = 3
     """--agent reflect: attempts a task gets (it stops at its first success)"""
     temperature: float = 1.0
@@ -645,8 +645,8 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
     steps and at the end, and with --eval-every the policy played on the test split then too."""
     resuming = args.resume not in (None, "auto")
     run_dir = run_directory(args, resuming, accelerator)
-    train, validation = held_out(read_data(args.data, args.env), args.validation, args.seed)
-    experience = read_data(args.experience, args.env) if args.experience else None
+    train, validation = held_out(read_data(args.data, args.env, args.agent), args.validation, args.seed)
+    experience = read_data(args.experience, args.env, args.agent) if args.experience else None
     tokenizer = load_tokenizer(args.model)
     fmt = chat_format(tokenizer, args.agent, args.chat_template_kwargs, args.reasoning_tags, args.reasoning)
     models = build_models(args, accelerator, policy_from=args.resume if resuming else args.model)
@@ -760,7 +760,7 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
     explores --n times a task at the run's temperature (AgentGym's script explores greedily, do_sample False, which
     would make a task's samples identical), and can go on from the last iteration's weights (AgentGym: the base)."""
     run_dir = run_directory(args, False, accelerator)
-    expert, validation = held_out(read_data(args.data, args.env), args.validation, args.seed)
+    expert, validation = held_out(read_data(args.data, args.env, args.agent), args.validation, args.seed)
     tokenizer = load_tokenizer(args.model)
     fmt = chat_format(tokenizer, args.agent, args.chat_template_kwargs, args.reasoning_tags, args.reasoning)
     models = build_models(args, accelerator, policy_from=args.model)
@@ -861,8 +861,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
         default = replace(default, train_tasks=str(envs.DATA_DIR / train), test_tasks=str(envs.DATA_DIR / test))
     elif preset == "tiny":
         default = replace(default, eval_tasks=TINY_EVAL_TASKS)
-    if preset == "tiny" and known.agent == "tools":
-        default = replace(default, **EMBEDDED_TOOLS)
+    default = replace(default, **EMBEDDED_TOOLS) if preset == "tiny" and known.agent == "tools" else default
     args = tyro.cli(Args, args=argv, default=default, description=__doc__.split("\n\n")[0])
     return replace(args, preset=preset)
 
@@ -907,7 +906,6 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
     if distributed in ("FSDP", "DEEPSPEED") and args.algo == "agentevol":
         raise SystemExit("agentevol resets the policy in place between iterations, which a sharded model does not "
                          "support here: run it data-parallel (configs/ddp.yaml) or on one GPU")
-    check_env(args.agent, args.env)
     for flag in ("steps", "tasks_per_step", "n", "max_new_tokens", "ppo_epochs", "minibatches", "micro_batch_size",
                  "max_nonfinite_updates", "log_rollouts_every", "attempts"):
         if getattr(args, flag) < 1:  # 0 would silently skip every rollout or update
@@ -944,34 +942,11 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
                          "use --mixed-precision bf16")
     if args.max_new_tokens >= args.max_tokens:
         raise SystemExit("--max-new-tokens must be smaller than --max-tokens")
-    if not 0 < args.vllm_gpu_memory_utilization <= 1:
-        raise SystemExit("--vllm-gpu-memory-utilization is a share of the GPU's memory, in (0, 1]")
-    if 0 < args.vllm_max_model_len < args.max_tokens:
-        raise SystemExit(f"--vllm-max-model-len {args.vllm_max_model_len} is shorter than --max-tokens {args.max_tokens}: "
-                         "the engine could not hold a whole trajectory (0 sizes it to --max-tokens)")
-    if args.vllm_tensor_parallel_size != 1 and args.engine != "hf":
-        raise SystemExit("--vllm-tensor-parallel-size above 1 puts the engine's workers in other processes, which the "
-                         "in-memory weight sync cannot reach yet: train with one engine per process (the default); "
-                         "eval.py takes it")
-    if args.offload_reference and args.algo == "dpo":
-        raise SystemExit("--offload-reference: DPO scores the reference in every micro-batch, which would move it "
-                         "each time; use --lora-rank (no copy at all) or configs/fsdp2_offload.yaml")
-    if args.offload_reference and (args.lora_rank or distributed in ("FSDP", "DEEPSPEED")):
-        raise SystemExit("--offload-reference moves the frozen reference to CPU memory: with --lora-rank there is none "
-                         "(the policy with its adapters off is the reference), and a sharded run offloads with "
-                         "configs/fsdp2_offload.yaml (or DeepSpeed's offload_param_device: cpu)")
-    if args.lora_rank < 0 or args.lora_alpha <= 0:
-        raise SystemExit("--lora-rank takes 0 (full fine-tune) or more, --lora-alpha a positive number")
+    check_engine(args)
+    check_models(args, distributed)
     if args.eval_every < 0 or args.eval_tasks < 0 or args.eval_k < 1:
         raise SystemExit("--eval-every and --eval-tasks take 0 (never, all) or more, --eval-k 1 or more")
-    if args.reasoning == "drop" and (args.algo not in adv_lib.GROUPED or args.agent == "reflect"):
-        raise SystemExit(f"--reasoning drop trains each turn as its own sequence with its episode's advantage: a grouped "
-                         f"estimator ({', '.join(adv_lib.GROUPED)}) and one attempt an episode; --algo {args.algo} "
-                         f"--agent {args.agent} needs --reasoning keep")
-    if args.algo in OFFLINE and args.agent not in ("react", "tools"):
-        raise SystemExit(f"--agent {args.agent} lays out the rollouts of RL (grpo, rloo, reinforce_pp, ppo); {args.algo} "
-                         "learns --data's conversations as they are laid out, so it plays them as react (or, for "
-                         "episodes of tool calls, as --agent tools)")
+    check_layout(args.agent, args.env, args.algo, args.reasoning)
     if args.algo in OFFLINE:
         return check_offline(args, world)
     if args.data or args.experience:

@@ -47,6 +47,7 @@ import re
 from dataclasses import dataclass, field
 
 from envs import tools as env_tools
+from rl.advantages import GROUPED
 from rl.chat import CallError, read_call
 
 PLAN_GUIDE = ("Before your first action, write a plan for the whole task, its steps in order, between <plan> and "
@@ -134,14 +135,23 @@ class Agent:
 REACT = Agent()
 
 
-def check_env(name: str, env_name: str) -> None:
-    """Stops the script with one sentence when env `env_name` cannot be played in format `name` (tools: an env that
-    declares no tools)."""
+def check_layout(name: str, env_name: str, algo: str | None = None, history: str = "keep") -> None:
+    """Stops the script with one sentence when format `name` cannot lay out this run: an env that declares no tools
+    under tools; --algo sft, dpo or agentevol (learning --data as it is laid out) under plan or reflect; --reasoning
+    drop, which trains a row a turn, with an estimator that needs an episode in one row or with reflect's attempts."""
     if name == "tools":
         try:
             env_tools.tools(env_name)
         except ValueError as error:
             raise SystemExit(str(error)) from None
+    if algo in ("sft", "dpo", "agentevol") and name not in ("react", "tools"):
+        raise SystemExit(f"--agent {name} lays out the rollouts of RL (grpo, rloo, reinforce_pp, ppo); {algo} learns "
+                         "--data's conversations as they are laid out, so it plays them as react (or, for episodes of "
+                         "tool calls, as --agent tools)")
+    if history == "drop" and (algo is not None and algo not in GROUPED or name == "reflect"):
+        raise SystemExit(f"--reasoning drop trains each turn as its own sequence with its episode's advantage: a grouped "
+                         f"estimator ({', '.join(GROUPED)}) and one attempt an episode; --algo {algo} --agent {name} "
+                         "needs --reasoning keep")
 
 
 def make_agent(name: str, attempts: int = 1) -> Agent:

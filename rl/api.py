@@ -79,7 +79,7 @@ import urllib.request
 import zlib
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
-from rl.chat import parse_calls, reasoning_of
+from rl.chat import parse_calls, reasoning_of, without_calls
 from rl.engines import Sample
 
 PREFIX = "openai:"  # --model openai:<name> names a served model
@@ -162,7 +162,11 @@ class APIEngine:
 
     def submit(self, traj, limit: int) -> None:
         # (a reply's reasoning, kept with the episode as reasoning_content, never goes back to the server)
+        # and calls left inline by a server without a tool parser go back once, as tool_calls
         messages = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in traj.messages]
+        for message in messages:
+            if message.get("tool_calls") and message.get("content"):
+                message["content"] = without_calls(message["content"], "hermes")
         body = {"model": self.model, "messages": messages, "max_tokens": limit, "temperature": self.temperature,
                 "top_p": self.top_p, **({"chat_template_kwargs": self.template_kwargs} if self.template_kwargs else {})}
         if self.temperature > 0:

@@ -105,8 +105,8 @@ def parse_calls(style: str, text: str) -> list[tuple[str, dict]]:
     while at < len(text):  # one object, or several separated by ";" as Llama 3.1 may write them
         try:
             value, end = decoder.raw_decode(text, at)
-        except json.JSONDecodeError as error:
-            raise CallError(f"your tool call is not valid JSON ({error.msg} at character {error.pos})") from None
+        except (ValueError, RecursionError) as error:
+            raise CallError(f"your tool call is not valid JSON ({_why(error)})") from None
         calls.append(_call(value, "parameters"))
         at = end
         while at < len(text) and text[at] in " \n\t;":
@@ -125,19 +125,35 @@ def _call(block, arguments_key: str) -> tuple[str, dict]:
     if isinstance(block, str):
         try:
             block = json.loads(block)
-        except json.JSONDecodeError as error:
-            raise CallError(f"your tool call is not valid JSON ({error.msg} at character {error.pos})") from None
+        except (ValueError, RecursionError) as error:
+            raise CallError(f"your tool call is not valid JSON ({_why(error)})") from None
     if not isinstance(block, dict) or not isinstance(block.get("name"), str) or not block["name"]:
         raise CallError('your tool call must be a JSON object with a "name" and its arguments')
     arguments = block.get(arguments_key, block.get("arguments", block.get("parameters", {})))
     if isinstance(arguments, str):  # arguments as a JSON string, as OpenAI's API writes them
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as error:
-            raise CallError(f"the arguments of {block['name']} are not valid JSON ({error.msg})") from None
+        except (ValueError, RecursionError) as error:
+            raise CallError(f"the arguments of {block['name']} are not valid JSON ({_why(error)})") from None
     if not isinstance(arguments, dict):
         raise CallError(f"the arguments of {block['name']} must be a JSON object")
     return block["name"], arguments
+
+
+def _why(error: Exception) -> str:
+    """What a JSON decoder refused, in a few words (nesting too deep and numbers too long are refused too)."""
+    if isinstance(error, json.JSONDecodeError):
+        return f"{error.msg} at character {error.pos}"
+    return "nested too deeply" if isinstance(error, RecursionError) else str(error).split(";")[0]
+
+
+def without_calls(content: str, style: str | None) -> str:
+    """A calling turn's content without the calls' own text (a template, or a server's, writes them from tool_calls)."""
+    if style == "hermes":
+        content = re.sub(r"\s*<tool_call>.*?</tool_call>", "", content, flags=re.DOTALL)
+    elif style == "llama" and content.strip().removeprefix("<|python_tag|>").lstrip().startswith("{"):
+        content = ""
+    return content.rstrip()
 
 
 def openai_calls(calls: list[tuple[str, dict]], turn: int) -> list[dict]:
@@ -153,19 +169,14 @@ def _for_template(messages: list[dict], style: str | None) -> list[dict]:
     out = []
     for message in messages:
         if message.get("tool_calls"):
-            content = message.get("content") or ""
-            if style == "hermes":
-                content = re.sub(r"\s*<tool_call>.*?(?:</tool_call>|\Z)", "", content, flags=re.DOTALL)
-            elif style == "llama" and content.strip().removeprefix("<|python_tag|>").lstrip().startswith("{"):
-                content = ""
-            message = {**message, "content": content.rstrip()}
+            message = {**message, "content": without_calls(message.get("content") or "", style)}
             calls = []
             for call in message["tool_calls"]:
                 function = dict(call.get("function", call))
                 if isinstance(function.get("arguments"), str):
                     try:
                         function["arguments"] = json.loads(function["arguments"])
-                    except json.JSONDecodeError:
+                    except (ValueError, RecursionError):
                         pass
                 calls.append({**call, "function": function})
             message = {**message, "tool_calls": calls}

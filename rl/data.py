@@ -37,6 +37,7 @@ import json
 import random
 from pathlib import Path
 
+from rl.chat import CallError
 from rl.dpo import expert_pairs, make_pairs
 
 ROLES = {"human": "user", "gpt": "assistant", "tool": "tool"}  # ("tool": an env's answer to a native tool call)
@@ -105,7 +106,7 @@ def encode(fmt, record: dict) -> tuple[list[int], list[int]]:
     mask = [0] * len(ids)
     for k, turn in enumerate(turns[3:], start=3):
         if turn["from"] == "gpt":
-            reply = fmt.encode(turn["value"]) + [fmt.end_of_turn]
+            reply = fmt.encode(written(fmt, turn)) + [fmt.end_of_turn]
             ids += reply
             mask += [int(turn.get("loss") is not False)] * len(reply)
         elif k < len(turns) - 1:  # an observation the agent answered (a final one is not tokenized)
@@ -113,6 +114,21 @@ def encode(fmt, record: dict) -> tuple[list[int], list[int]]:
             ids += observation
             mask += [0] * len(observation)
     return ids, mask
+
+
+def written(fmt, turn: dict) -> str:
+    """An agent turn's text as the model writes it: its value, and a call an API server returned apart from the
+    text (tool_calls, with no call in the value) written in the template's format after it."""
+    calls = turn.get("tool_calls") or []
+    if not calls or fmt.call_style is None:
+        return turn["value"]
+    try:
+        if fmt.parse_calls(fmt.answer(turn["value"]) or ""):  # (a local model's reply: its calls are in its text)
+            return turn["value"]
+    except CallError:
+        return turn["value"]
+    written_calls = [fmt.call_text(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+    return "\n".join([turn["value"]] * bool(turn["value"]) + written_calls)
 
 
 def to_record(trajectory) -> dict:
@@ -127,19 +143,29 @@ def from_log(entry: dict) -> dict:
     for k, message in enumerate(entry["messages"]):
         agent = message.get("role") == "assistant"
         conversations.append({"from": "gpt" if agent else "tool" if message.get("role") == "tool" else "human",
-                              "loss": (k > 1) if agent else None, "value": message.get("content")})
+                              "loss": (k > 1) if agent else None, "value": message.get("content") or "",
+                              **({"tool_calls": message["tool_calls"]} if message.get("tool_calls") else {})})
     return {"item_id": entry.get("item_id"), "conversations": conversations, "reward": entry.get("reward"),
             **({"tools": entry["tools"]} if entry.get("tools") else {})}
 
 
-def read_data(paths: tuple[str, ...], env: str) -> list[dict]:
-    """Every record of the trajectory files, which must all be `env`'s episodes."""
+def read_data(paths: tuple[str, ...], env: str, agent: str = "react") -> list[dict]:
+    """Every record of the trajectory files, which must all be `env`'s episodes, played with tool calls exactly when
+    `agent` is tools (the layout they are learnt in is the one the run's evaluations play)."""
     records = []
     for path in paths:
         try:
             records += read_trajectories(path)
         except DataError as error:
             raise SystemExit(f"--data: {error}") from None
+    called = sum(bool(r.get("tools")) for r in records)
+    if called and agent != "tools":
+        raise SystemExit(f"{', '.join(paths)} hold {called} episodes played with tool calls: add --agent tools, so that "
+                         "the run plays (and evaluates) as it learns")
+    if agent == "tools" and called < len(records):
+        raise SystemExit(f"--agent tools learns episodes of tool calls, and {len(records) - called} in {', '.join(paths)} "
+                         "are ReAct text: make them with scripts/make_expert_data.py --agent tools, or leave out "
+                         "--agent tools")
     others = sorted({r["item_id"].rpartition("_")[0] for r in records} - {env})
     if others:
         raise SystemExit(f"{', '.join(paths)} hold episodes of {', '.join(others)}, and the run's env is {env}: "

@@ -665,6 +665,19 @@ def make_engine(kind: str, model: str, fmt, policy=None, *, temperature: float, 
 # The trainer's engine: made from train.py's flags, fed the policy's weights after every update
 
 
+def check_engine(args) -> None:
+    """train.py's engine flags that cannot work, each stopped with one sentence."""
+    if not 0 < args.vllm_gpu_memory_utilization <= 1:
+        raise SystemExit("--vllm-gpu-memory-utilization is a share of the GPU's memory, in (0, 1]")
+    if 0 < args.vllm_max_model_len < args.max_tokens:
+        raise SystemExit(f"--vllm-max-model-len {args.vllm_max_model_len} is shorter than --max-tokens {args.max_tokens}: "
+                         "the engine could not hold a whole trajectory (0 sizes it to --max-tokens)")
+    if args.vllm_tensor_parallel_size != 1 and args.engine != "hf":
+        raise SystemExit("--vllm-tensor-parallel-size above 1 puts the engine's workers in other processes, which the "
+                         "in-memory weight sync cannot reach yet: train with one engine per process (the default); "
+                         "eval.py takes it")
+
+
 def build_engine(args, fmt, models, accelerator, max_tokens: int):
     """This process's rollout engine (`--engine`; `args`: train.py's Args, `models`: rl/model.py's Models): vLLM
     loads the model itself (its weights are synced from the policy before the first rollout); HF samples with the

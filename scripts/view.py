@@ -346,7 +346,9 @@ def replay(record: dict, options: dict) -> dict:
         return {"kind": None}
     messages = record["messages"]
     observations = [m["content"] for m in messages[2::2]]  # the first observation, then each turn's answer
-    actions = [m["content"] for m in messages[3::2]]
+    # what each turn sent to the env (after a reasoning block, a tool call's action; None: a reply answered without
+    # the env); a log from before env_actions were recorded: the replies themselves
+    actions = record.get("env_actions") or [m["content"] for m in messages[3::2]]
     env = envs.make(env_name, **options)
     states, diverged = [], None
     try:
@@ -356,7 +358,9 @@ def replay(record: dict, options: dict) -> dict:
                 diverged = turn
                 break
             states.append(picture(env) | {"turn": turn, "reward": reward, "valid": valid})
-            if turn < len(actions):
+            if turn < len(actions) and actions[turn] is None:  # (the env never saw this reply: nothing changed)
+                observation, valid = observations[turn + 1] if turn + 1 < len(observations) else None, False
+            elif turn < len(actions):
                 result = env.step(actions[turn])
                 observation, reward, valid = result.observation, result.reward, result.info.get("valid")
     finally:

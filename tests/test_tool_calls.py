@@ -56,6 +56,9 @@ def test_calls_are_read_in_the_templates_own_format(hermes, llama):
 
 
 @pytest.mark.parametrize("style, text, problem", [
+    ("hermes", '<tool_call>{"name": "go_to", "arguments": {"object": ' + "[" * 5000, "nested too deeply"),
+    ("llama", '{"name": "go_to", "parameters": {"object": ' + "[" * 5000, "nested too deeply"),
+    ("hermes", '<tool_call>{"name": "go_to", "arguments": {"object": ' + "9" * 5000 + "}}</tool_call>", "not valid JSON"),
     ("hermes", "<tool_call>{name: go_to}</tool_call>", "not valid JSON"),
     ("hermes", '<tool_call>{"arguments": {}}</tool_call>', 'must be a JSON object with a "name"'),
     ("hermes", '<tool_call>["go_to"]</tool_call>', 'must be a JSON object with a "name"'),
@@ -225,3 +228,52 @@ def test_training_and_eval_play_through_tool_calls(tmp_path):
     assert results["agent"] == "tools" and results["max_new_tokens"] == 96 and 0 <= results["malformed"] <= 1
     episodes = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert all(TOOLS_GUIDE in e["messages"][0]["content"] for e in episodes)
+
+
+def test_the_viewer_replays_what_the_env_was_sent(hermes):
+    """scripts/view.py replays a logged episode on the env: for a tool-call episode (with a malformed first turn, which
+    the env never saw) and for a thinking one, what the env was sent, so the pictures follow the whole episode."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("view", Path(__file__).resolve().parents[1] / "scripts" / "view.py")
+    view = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(view)
+    bad = '<tool_call>{"name": "fly", "arguments": {}}</tool_call>'
+    _, called, _ = play(hermes, "babyai", TOOLS, lambda e: Malformed(hermes, e, bad))
+    thinking = ChatFormat(hermes.tokenizer, reasoning_tags=("<think>", "</think>"))
+    from test_reasoning import Thinking
+
+    _, thought, _ = play(thinking, "babyai", REACT, lambda e: Thinking(thinking, e))
+    for traj in called + thought:
+        record = json.loads(json.dumps(traj.log_record()))
+        assert len(record["env_actions"]) == traj.turns and (record["env_actions"][0] is None) == (traj in called)
+        state = view.replay(record, {})
+        assert state["diverged"] is None and len(state["states"]) == traj.turns + 1
+        assert state["states"][-1]["reward"] == traj.reward
+        assert sum(s["valid"] is False for s in state["states"]) == traj.invalid_actions
+
+
+def test_an_api_models_calls_are_learnt_as_the_template_writes_them(hermes):
+    """An API episode's reply holds its call apart from its text (tool_calls, content empty or a thought): SFT data made
+    of it (rl/data.py) learns the call as the template writes one; a local reply, whose text holds its call, as written."""
+    from rl.chat import openai_calls
+    from rl.data import encode, from_log
+
+    env = envs.make("babyai")
+    try:
+        opening = TOOLS.opening(env, env.reset(21))
+    finally:
+        env.close()
+    go, turn = ("go_to", {"object": "red ball 1"}), ("turn_left", {})
+    messages = [*opening, {"role": "assistant", "content": "", "tool_calls": openai_calls([go], 1)},
+                {"role": "tool", "tool_call_id": "call_1_0", "content": "You moved."},
+                {"role": "assistant", "content": "I turn.", "tool_calls": openai_calls([turn], 2)},
+                {"role": "tool", "tool_call_id": "call_2_0", "content": "Done."},
+                {"role": "assistant", "content": hermes.call_text(*go), "tool_calls": openai_calls([go], 3)},
+                {"role": "tool", "tool_call_id": "call_3_0", "content": "Done."}]
+    ids, mask = encode(hermes, from_log({"item_id": "babyai_21", "reward": 1.0, "messages": messages,
+                                         "tools": env_tools.schemas("babyai")}))
+    trained = hermes.tokenizer.decode([i for i, m in zip(ids, mask) if m])
+    assert trained == (hermes.call_text(*go) + "<|im_end|>" + "I turn.\n" + hermes.call_text(*turn) + "<|im_end|>"
+                       + hermes.call_text(*go) + "<|im_end|>")
+    assert ids[:len(hermes.prompt(opening, tools=env_tools.schemas("babyai")))] == hermes.prompt(opening, tools=env_tools.schemas("babyai"))
