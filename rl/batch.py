@@ -246,9 +246,12 @@ def minibatch_counts(minibatch: list[dict], reduce, processes: int) -> dict[str,
     return {"tokens": tokens, "sequences": sequences}
 
 
-def count_sequences(minibatch: list[dict]) -> int:
-    """Episodes with an action token in a mini-batch's micro-batches (rows, segments of packed rows, or under
-    --reasoning drop the turns of an episode, which may lie in several micro-batches)."""
+def count_sequences(minibatch: list[dict]) -> float:
+    """Episodes with an action token in a mini-batch's micro-batches (rows, or segments of packed rows). Under
+    --reasoning drop an episode's turns may lie in several micro-batches, or mini-batches: each counts the share of
+    the episode's action tokens it holds (the tokens' `weights` summed), so that every episode counts once."""
+    if "weights" in minibatch[0]:
+        return float(sum((micro["loss_mask"] * micro["weights"]).sum() for micro in minibatch))
     return len(set().union(*(micro["segments"][micro["loss_mask"] > 0].unique().tolist() for micro in minibatch)))
 
 

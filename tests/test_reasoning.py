@@ -222,3 +222,18 @@ def test_drop_trains_an_episode_as_keep_does_where_the_template_drops_nothing(ag
     for name, gradient in gradients["keep"].items():
         torch.testing.assert_close(gradients["drop"][name], gradient, rtol=1e-3, atol=1e-5 * float(gradient.abs().max()),
                                    msg=lambda message, name=name: f"{name}: {message}")
+
+
+def test_an_episode_split_over_mini_batches_counts_once():
+    """--reasoning drop with several mini-batches: an episode's turn rows may fall into different ones; each counts
+    the share of the episode's action tokens it holds, so that over the mini-batches every episode counts once."""
+    from rl.batch import count_sequences, make_batch, rows_of
+
+    fmt = ChatFormat(load_tokenizer("tiny-agent"), history="drop")
+    _, played = play(fmt, lambda environments: ExpertEngine(fmt, environments), count=4, horizon=3)
+    rows, episodes = rows_of(played)
+    batch = make_batch(rows, fmt.pad_id, [[[i]] for i in range(len(rows))], "cpu", episodes=episodes)  # a row each
+    halves = [batch.micro[0::2], batch.micro[1::2]]  # (every other row: an episode's turns in both)
+    assert all(len({int(e) for m in half for e in m["segments"].unique() if e >= 0}) > 1 for half in halves)
+    assert sum(count_sequences(half) for half in halves) == pytest.approx(len(played))
+    assert count_sequences(batch.micro) == pytest.approx(len(played))
