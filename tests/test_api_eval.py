@@ -56,14 +56,14 @@ def free_port() -> int:
 class Served:
     """A `python -m vllm.entrypoints.openai.api_server` process; `url()` waits until it answers."""
 
-    def __init__(self, log: Path):
+    def __init__(self, log: Path, model: str = "tiny-agent", *flags: str):
         self.port, self.log = free_port(), log
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         with open(log, "w") as out:  # (the vllm CLI, `vllm serve`, fails on vllm-cpu's package metadata)
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(EMBEDDED["tiny-agent"]),
-                 "--served-model-name", "tiny-agent", "--host", "127.0.0.1", "--port", str(self.port),
-                 "--dtype", "float32", "--max-model-len", str(WINDOW), "--enforce-eager", "--seed", "0"],
+                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(EMBEDDED[model]),
+                 "--served-model-name", model, "--host", "127.0.0.1", "--port", str(self.port),
+                 "--dtype", "float32", "--max-model-len", str(WINDOW), "--enforce-eager", "--seed", "0", *flags],
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.ready = False
 
@@ -101,6 +101,17 @@ def served(tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def served_tools(tmp_path_factory):
+    """The tool-calling agent (assets/tiny-agent-tools) behind vLLM's server with its Hermes tool parser."""
+    if importlib.util.find_spec("vllm") is None and not os.environ.get("CI"):
+        pytest.skip("vLLM is not installed here (setup.sh installs it; CI runs these)")
+    server = Served(tmp_path_factory.mktemp("vllm-tools") / "server.log", "tiny-agent-tools",
+                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    yield server
+    server.stop()
+
+
 def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
 
@@ -132,6 +143,35 @@ def test_greedy_api_episodes_are_the_in_process_engines(served, tmp_path):
     # a one-turn episode's call: the prompt is the in-process engine's first prompt, the reply its sampled turn
     first = next(i for i, r in enumerate(theirs) if r["turns"] == 1)
     assert theirs[first]["usage"]["prompt_tokens"] + theirs[first]["usage"]["completion_tokens"] == mine[first]["tokens"]
+
+
+@pytest.mark.slow
+def test_greedy_tool_calls_through_the_server_are_the_in_process_engines(served_tools, tmp_path):
+    """The tool-calling agent behind vLLM's server (its Hermes parser returns the calls apart from the text), greedy,
+    on 8 BabyAI test tasks under --agent tools, against eval.py's own engine, which reads the calls from the sampled
+    text: the server renders the tools into the prompt as the in-process template does (a one-turn episode's counts
+    are the local trajectory's tokens), so every episode's first call is the same, and so is the env's answer.
+    Later turns may part: the server tokenizes the whole conversation again every turn (what an API does), where the
+    in-process engine appends the tokens it sampled, which need not be the tokenizer's own spelling of their text."""
+    common = dict(env="babyai", protocol="tiny", agent="tools", max_tokens=WINDOW, limit=8, temperature=0.0)
+    local = eval_script.main(eval_script.Args(model="tiny-agent-tools", engine="vllm", out=str(tmp_path / "local"),
+                                              **common))
+    remote = eval_script.main(eval_script.Args(model="openai:tiny-agent-tools", base_url=served_tools.url(),
+                                               out=str(tmp_path / "api"), **common))
+    mine, theirs = records(tmp_path / "local"), records(tmp_path / "api")
+
+    def calls(record):
+        return [[(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in m.get("tool_calls", [])]
+                for m in record["messages"][3::2]]
+
+    assert [calls(r)[0] for r in theirs] == [calls(r)[0] for r in mine] and all(calls(r)[0] for r in mine)
+    assert [r["messages"][4] for r in theirs] == [r["messages"][4] for r in mine]  # (the tool results, ids and all)
+    for result in (local, remote):  # the agent mostly calls validly on both sides
+        assert result["agent"] == "tools" and result["malformed"] < 0.2
+    assert remote["engine"] == "api" and local["engine"] == "vllm"
+    one = [i for i, r in enumerate(theirs) if r["turns"] == 1 and mine[i]["turns"] == 1]
+    assert one and all(theirs[i]["usage"]["prompt_tokens"] + theirs[i]["usage"]["completion_tokens"] == mine[i]["tokens"]
+                       for i in one)
 
 
 @pytest.mark.slow
