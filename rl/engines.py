@@ -463,21 +463,8 @@ class VLLMEngine(Seeded):
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
         weights = weights if weights is not None else model.state_dict().items()
         stream = ((name, tensor.detach()) for name, tensor in weights if not (tied and name == "lm_head.weight"))
-        # vLLM reports each layer the stream had nothing for, which then keeps its old weights: expected
-        # only for the rotary caches (no weights) and a tied output layer (it is the embedding)
-        missed = _Missed()
-        layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-        level, propagate = layerwise.level, layerwise.propagate
-        layerwise.addHandler(missed)
-        layerwise.setLevel(logging.WARNING)
-        layerwise.propagate = False  # collected, not printed
-        try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
-        finally:
-            layerwise.removeHandler(missed)
-            layerwise.setLevel(level)
-            layerwise.propagate = propagate
-        unexpected = sorted(set(missed.layers) - {"RotaryEmbedding"} - ({"ParallelLMHead"} if tied else set()))
+        unexpected = unloaded(lambda: self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream}),
+                              tied)
         if unexpected:
             raise SyncError(f"weight sync failed: vLLM loaded nothing into {', '.join(unexpected)} (do the trainer's "
                             "parameter names match the model vLLM loaded?)")
@@ -584,6 +571,25 @@ def start_vllm(model: str, *, dtype: str, seed: int, max_model_len: int, gpu_mem
                    gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                    enable_sleep_mode=sleep, max_num_seqs=max_num_seqs,
                    use_tqdm_on_load=False)  # a bar per load of weights that take well under a second here
+
+
+def unloaded(load, tied: bool) -> list[str]:
+    """Run `load()`, an in-place reload of vLLM's weights, and return the layers it loaded nothing into. vLLM reports
+    each layer the stream had nothing for, which then keeps its old weights: expected only for the rotary caches (no
+    weights) and a tied output layer (it is the embedding)."""
+    missed = _Missed()
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    level, propagate = layerwise.level, layerwise.propagate
+    layerwise.addHandler(missed)
+    layerwise.setLevel(logging.WARNING)
+    layerwise.propagate = False  # collected, not printed
+    try:
+        load()
+    finally:
+        layerwise.removeHandler(missed)
+        layerwise.setLevel(level)
+        layerwise.propagate = propagate
+    return sorted(set(missed.layers) - {"RotaryEmbedding"} - ({"ParallelLMHead"} if tied else set()))
 
 
 class _Missed(logging.Handler):
@@ -743,11 +749,16 @@ def sync(engine, policy, accelerator, step: int) -> dict[str, float]:
 
     model = accelerator.unwrap_model(policy)
     synced = engine.load_weights(model, weights=full_weights(model), verify=False)
-    if "probe_diff" not in synced:  # the HF engine: its own model, or an exact copy of the weights
+    if "probe_diff" not in synced and "error" not in synced:  # the HF engine: its own model, or an exact copy
         return {"sync/seconds": synced["sync_s"]} if synced else {}
-    worst = max(gather_object([synced["probe_diff"]]), key=lambda d: d if d == d else float("inf"))  # NaN is worst
+    reports = gather_object([(synced.get("probe_diff", float("nan")), synced.get("error"))])
+    errors = [error for _, error in reports if error]
+    if errors:  # (a rollout server's broadcast that broke off: every process stops with the owner's reason)
+        raise SystemExit(f"after step {step}: weight sync failed: {errors[0]}")
+    worst = max((diff for diff, _ in reports), key=lambda d: d if d == d else float("inf"))  # NaN is worst
     try:
         engine.verify(worst)
     except SyncError as error:
         raise SystemExit(f"after step {step}: {error}") from error
-    return {"sync/seconds": synced["sync_s"], "sync/probe_diff": worst, "sync/probe_diff_max": synced["probe_diff_max"]}
+    return {"sync/seconds": synced["sync_s"], "sync/probe_diff": worst, "sync/probe_diff_max": synced["probe_diff_max"]} \
+        | ({"sync/bytes": synced["bytes"]} if "bytes" in synced else {})

@@ -1,0 +1,392 @@
+"""The engine contract played on rollout servers (rl/rollout_server.py): `--rollout-server HOST:PORT [HOST:PORT ...]`.
+
+    engine = RemoteEngine(["10.0.0.2:8900"], fmt, temperature=1.0, top_p=1.0, seed=0, identity=..., owner=True)
+    engine.submit(traj, limit); engine.poll(); ...     # as every engine (rl/engines.py)
+    engine.load_weights(model, weights=full_weights(model))   # after each update: the broadcast, then the probe
+
+Trajectories spread over the servers by task group (a group's turns share their prompt, so they share a server's
+prefix cache); a trajectory stays on its server for every turn. Submitted turns go out with the next poll, several
+at once, and a poll waits on the server (at most POLL_WAIT_S) for the first of them to finish, so nothing spins.
+Under --deterministic turns go in rounds and each carries a seed from the engine's own stream, as in process, so a
+run over one server replays the in-process engine's rollouts (the server must run --deterministic too).
+
+Weights: every process of the trainer calls load_weights alike (a sharded model is gathered collectively); the
+trainer's rank 0 (`owner`) broadcasts each tensor, cast to the server's dtype, over a process group of its own
+with each server's workers (rl/rollout_server.weight_group: NCCL when both ends have GPUs, gloo otherwise), then
+checks the server with the probe exactly as the in-process sync does. The weights carry a version (the count of
+syncs); every turn asks for it, and a server without it (restarted, or it missed an update) is not sampled from.
+
+Faults: a server that cannot be reached, answers an error or generates nothing for `stall_s` seconds while it holds
+turns fails only its trajectories (Sample.error: their finish is "error", counted, left out of the update) and is
+set aside. At the next sync the trainer reaches again for every server set aside: one that answers is checked
+(the same model), given a new group and the weights; if none answers within `reconnect_s`, the run stops with a
+message. A broadcast that breaks off stops the run (sync in rl/engines.py), on every process together.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import torch
+
+from rl.engines import PROBE, PROBE_TOLERANCE, Sample, Seeded, SyncError, trainer_probe
+from rl.rollout_server import differences, send_tensor, weight_group
+
+POLL_WAIT_S = 0.5  # the longest a poll waits on a server for a turn to finish
+
+
+class RemoteServer:
+    """One rollout server as the client sees it."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.url = address if address.startswith("http") else f"http://{address}"
+        self.info: dict = {}
+        self.up, self.reason = False, ""
+        self.group, self.store, self.backend = None, None, "gloo"  # the weights group, its store, its backend
+        self.outbox: list[dict] = []  # turns to send with the next poll
+        self.aborts: list = []
+        self.holding: set = set()  # ids of turns sent and not back
+        self.progress, self.since = -1, time.monotonic()  # the server's progress count, and when it last moved
+
+
+class RemoteEngine(Seeded):
+    name = "server"
+    state_key = "request_seeds"
+
+    def __init__(self, addresses: list[str], fmt, *, temperature: float, top_p: float, top_k: int = 0, seed: int = 0,
+                 deterministic: bool = False, identity: dict | None = None, max_model_len: int = 0,
+                 owner: bool = False, tolerance: float = 0.0, stall_s: float = 300.0, reconnect_s: float = 120.0,
+                 weights_timeout: float = 600.0):
+        self.fmt, self.temperature, self.top_p, self.top_k = fmt, temperature, top_p, top_k
+        self.deterministic, self.continuous = deterministic, not deterministic
+        self.generator = torch.Generator().manual_seed(seed) if deterministic else None
+        self.identity, self.max_model_len, self.owner = identity or {}, max_model_len, owner
+        self.stall_s, self.reconnect_s, self.weights_timeout = stall_s, reconnect_s, weights_timeout
+        self.tolerance_given = tolerance
+        self.http = httpx.Client(timeout=httpx.Timeout(60.0, connect=10.0))
+        self.client = uuid.uuid4().hex[:12]
+        self.servers = [RemoteServer(address) for address in addresses]
+        self.requests: dict[int, tuple[object, RemoteServer]] = {}
+        self.homes: dict[int, RemoteServer] = {}  # trajectory row -> its server
+        self.failed: list[tuple[object, Sample]] = []
+        self.counter = itertools.count()
+        self.version: int | None = None  # of the weights sent (None: the servers' own, as for eval)
+        self.probe = fmt.encode(fmt.render(PROBE))
+        self.counts = {"prompt_tokens": 0, "cached_tokens": 0, "lost_turns": 0}
+        self.progress = 0
+        self.pool = ThreadPoolExecutor(max(len(self.servers), 1), thread_name_prefix="rollout-server")
+        for server in self.servers:
+            if not self._connect(server):
+                raise SystemExit(f"--rollout-server {server.address}: {server.reason}")
+
+    # -- connecting
+
+    def _connect(self, server: RemoteServer) -> bool:
+        """Reach the server and check that it serves what this run needs; False (and why, in server.reason) if not."""
+        try:
+            answer = self.http.get(f"{server.url}/info", timeout=10.0)
+            answer.raise_for_status()
+            info = answer.json()
+        except (httpx.HTTPError, ValueError) as error:
+            server.up, server.reason = False, f"no rollout server answers at {server.url} ({_line(error)})"
+            return False
+        problems = differences(self.identity, info)
+        if problems:
+            raise SystemExit(f"the rollout server at {server.address} serves another model than the trainer's "
+                             f"({'; '.join(problems)}): start it with the trainer's --model")
+        if self.max_model_len > info["max_model_len"]:
+            raise SystemExit(f"the rollout server at {server.address} holds {info['max_model_len']} tokens a "
+                             f"trajectory, this run needs {self.max_model_len}: start it with --max-model-len "
+                             f"{self.max_model_len}")
+        if self.deterministic and not info["deterministic"]:
+            raise SystemExit(f"--deterministic: the rollout server at {server.address} must run --deterministic too "
+                             "(its batches are replayable only then)")
+        if info.get("instance") != server.info.get("instance"):
+            server.group = None  # a new server process: a new group
+        server.info, server.up, server.reason = info, True, ""
+        server.progress, server.since = -1, time.monotonic()
+        return True
+
+    def _set_aside(self, server: RemoteServer, reason: str) -> None:
+        """Fail every turn the server holds (their trajectories end with the error) and use it no more until the
+        next sync reaches it again."""
+        server.up, server.reason = False, reason
+        for rid in [rid for rid, (_, home) in self.requests.items() if home is server]:
+            traj, _ = self.requests.pop(rid)
+            self.failed.append((traj, Sample([], error=f"rollout server {server.address}: {reason}")))
+            self.counts["lost_turns"] += 1
+        server.outbox, server.aborts, server.holding = [], [], set()
+
+    # -- generation
+
+    @property
+    def pending(self) -> int:
+        return len(self.requests) + len(self.failed)
+
+    def submit(self, traj, limit: int) -> None:
+        rid = next(self.counter)
+        if traj.turns == 0 or traj.row not in self.homes:
+            ready = [server for server in self.servers if server.up]
+            self.homes[traj.row] = ready[traj.group % len(ready)] if ready else None
+        server = self.homes[traj.row]
+        if server is None or not server.up:
+            reason = server.reason if server is not None else "no rollout server is up"
+            self.failed.append((traj, Sample([], error=f"rollout server: {reason}")))
+            self.counts["lost_turns"] += 1
+            return
+        request = {"id": rid, "token_ids": list(traj.token_ids), "max_tokens": limit,
+                   "stop_ids": sorted(self.fmt.stop_ids), "temperature": self.temperature, "top_p": self.top_p,
+                   "top_k": self.top_k}
+        if self.generator is not None:
+            request["seed"] = int(torch.randint(2**63 - 1, (), generator=self.generator))
+        server.outbox.append(request)
+        self.requests[rid] = (traj, server)
+
+    def poll(self) -> list[tuple[object, Sample]]:
+        busy = [server for server in self.servers if server.up and (server.outbox or server.holding or server.aborts)]
+        wait = 0.0 if self.failed else POLL_WAIT_S
+        done = []
+        for server, answer in zip(busy, self.pool.map(lambda server: self._poll(server, wait), busy)):
+            done += self._take(server, answer)
+        done, self.failed = self.failed + done, []
+        self.progress += len(done)
+        return done
+
+    def _poll(self, server: RemoteServer, wait: float):
+        """One round trip: the server's answer, or the exception that stood in its way."""
+        body = {"client": self.client, "submit": server.outbox, "abort": server.aborts, "wait": wait,
+                "version": self.version}
+        try:
+            answer = self.http.post(f"{server.url}/poll", json=body, timeout=wait + 60.0)
+            if answer.status_code != 200:
+                return RuntimeError(f"it answered {answer.status_code}: {_error(answer)}")
+            return answer.json()
+        except (httpx.HTTPError, ValueError) as error:
+            return error
+
+    def _take(self, server: RemoteServer, answer) -> list[tuple[object, Sample]]:
+        if isinstance(answer, Exception):
+            self._set_aside(server, f"{_line(answer)}")
+            return []
+        server.holding |= {request["id"] for request in server.outbox}
+        server.outbox, server.aborts = [], []
+        done = []
+        for turn in answer["done"]:
+            server.holding.discard(turn["id"])
+            traj, _ = self.requests.pop(turn["id"], (None, None))
+            if traj is None:  # aborted here meanwhile
+                continue
+            if "error" in turn:
+                done.append((traj, Sample([], error=f"rollout server {server.address}: {turn['error']}")))
+                continue
+            self.counts["prompt_tokens"] += turn["prompt_tokens"]
+            self.counts["cached_tokens"] += turn["cached_tokens"]
+            done.append((traj, Sample(turn["token_ids"], turn["logprobs"])))
+        now = time.monotonic()
+        if answer["progress"] != server.progress or not server.holding:
+            server.progress, server.since = answer["progress"], now
+        elif now - server.since > self.stall_s:
+            self._set_aside(server, f"it generated nothing for {self.stall_s:g} s while it held "
+                                    f"{len(server.holding)} turns")
+        return done
+
+    def abort(self) -> None:
+        """Drop every submitted turn (a rollout that stopped half-way); the servers abort theirs."""
+        for rid, (_, server) in self.requests.items():
+            if rid in server.holding:
+                server.aborts.append(rid)
+        self.requests.clear()
+        self.failed = []
+        for server in self.servers:
+            server.outbox, server.holding = [], set()
+            if server.up and server.aborts:
+                self._poll(server, 0.0)
+            server.aborts = []
+
+    def metrics(self) -> dict[str, float]:
+        """The prefix-cache hit rate since the last call, and the turns lost to servers that failed."""
+        counts, self.counts = self.counts, {"prompt_tokens": 0, "cached_tokens": 0, "lost_turns": 0}
+        return {"prefix_hit_rate": counts["cached_tokens"] / max(counts["prompt_tokens"], 1),
+                "server_lost_turns": counts["lost_turns"]}
+
+    def reseed(self, seed: int) -> None:
+        """Deterministic: restart the stream of request seeds and drop the servers' prefix caches (as VLLMEngine)."""
+        if self.deterministic:
+            super().reseed(seed)
+            for server in self.servers:
+                if server.up:
+                    self._post(server, "/reset", {})
+
+    # -- weights
+
+    @property
+    def tolerance(self) -> float:
+        dtypes = [server.info.get("dtype", "bfloat16") for server in self.servers]
+        return self.tolerance_given or max(PROBE_TOLERANCE.get(dtype, PROBE_TOLERANCE["bfloat16"]) for dtype in dtypes)
+
+    def load_weights(self, model, weights=None, verify: bool = True) -> dict[str, float]:
+        """Every process: iterate the weights (a sharded model's gather is collective), and take the trainer's side of
+        the probe. The owner (rank 0) also reaches the servers set aside, broadcasts every tensor to every server
+        that is up, waits for them to load it and probes each. Returns the seconds, bytes, and the worst mean probe
+        difference, or {"error": why} (rl/engines.sync stops every process on it)."""
+        if self.requests:
+            raise RuntimeError("the engine's weights change between rollouts, not during one")
+        start = time.perf_counter()
+        self.version = (self.version or 0) + 1
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        weights = weights if weights is not None else model.state_dict().items()
+        if not self.owner:
+            for server in self.servers:
+                if not server.up:
+                    self._connect(server)
+            for _ in weights:
+                pass
+            trainer_probe(model, self.probe)
+            return {"sync_s": time.perf_counter() - start, "probe_diff": 0.0, "probe_diff_max": 0.0}
+        error, sent = self._reach(), {"tensors": 0, "bytes": 0}
+        servers = [server for server in self.servers if server.up]
+        if error is None:
+            error = self._open_groups(servers)
+        for server in servers if error is None else []:
+            try:
+                self._post(server, "/weights/update", {"version": self.version})
+            except (RuntimeError, httpx.HTTPError) as failure:
+                error = f"the rollout server at {server.address} did not take the weight update: {_line(failure)}"
+        for name, tensor in weights:  # (every tensor is taken in, also after an error: the gathers are collective)
+            if error is not None or (tied and name == "lm_head.weight"):
+                continue
+            for server in servers:
+                try:
+                    sent["bytes"] += send_tensor(server.group, name, tensor.detach().to(_dtype(server)), _device(server))
+                except RuntimeError as failure:
+                    error = f"the weight broadcast to the rollout server at {server.address} broke off at {name}: " \
+                            f"{_line(failure)}"
+                    break
+            sent["tensors"] += 1
+        if error is None:
+            for server in servers:
+                try:
+                    send_tensor(server.group, "", None, _device(server))
+                except RuntimeError as failure:
+                    error = f"the weight broadcast to the rollout server at {server.address} broke off at its end: " \
+                            f"{_line(failure)}"
+        if error is None:
+            error = self._loaded(servers)
+        seconds = time.perf_counter() - start
+        trainer = trainer_probe(model, self.probe)
+        if error is not None:
+            for server in servers:
+                server.group = None  # a broken group is not used again
+            return {"sync_s": seconds, "error": error}
+        diffs = [(torch.tensor(self._post(server, "/probe", {"token_ids": self.probe})["logprobs"]) - trainer).abs()
+                 for server in servers]
+        worst = max(diffs, key=lambda d: float(d.mean()) if d.mean() == d.mean() else float("inf"))
+        if verify:
+            self.verify(float(worst.mean()))
+        return {"sync_s": seconds, "probe_diff": float(worst.mean()), "probe_diff_max": float(worst.max()),
+                "bytes": sent["bytes"] / max(len(servers), 1), "servers": len(servers)}
+
+    def verify(self, diff: float) -> None:
+        """Raise SyncError if `diff`, a mean probe difference, is past the tolerance."""
+        if not diff <= self.tolerance:  # NaN fails too
+            raise SyncError(
+                f"weight sync failed: the rollout server's log-probs of the probe differ from the trainer's by {diff:.3g} "
+                f"on average (tolerance {self.tolerance:g}). Training on would sample from a different policy than the "
+                "one being trained; stopping. Set --sync-tolerance to change the bound.")
+
+    def _reach(self) -> str | None:
+        """Reach again every server set aside; with none up, keep trying for reconnect_s. None, or why not."""
+        deadline = time.monotonic() + self.reconnect_s
+        while True:
+            for server in self.servers:
+                if not server.up:
+                    self._connect(server)
+            if any(server.up for server in self.servers):
+                return None
+            if time.monotonic() > deadline:
+                reasons = "; ".join(server.reason for server in self.servers)
+                return f"no rollout server answered for {self.reconnect_s:g} s ({reasons}): stopping"
+            time.sleep(1.0)
+
+    def _open_groups(self, servers: list[RemoteServer]) -> str | None:
+        """A weights group with each server that has none (first sync, or a server that restarted)."""
+        for server in servers:
+            if server.group is not None:
+                continue
+            host, port = server.url.rsplit("//", 1)[1].rsplit(":", 1)
+            world = 1 + server.info["tensor_parallel_size"]
+            backend = "nccl" if torch.cuda.is_available() and server.info["device"] == "cuda" else "gloo"
+            try:
+                with socket.create_connection((host, int(port)), timeout=10.0) as route:
+                    mine = route.getsockname()[0]  # this machine's address on the route to the server
+                store = torch.distributed.TCPStore(mine, 0, world, is_master=True, wait_for_workers=False,
+                                                   timeout=_seconds(self.reconnect_s))
+                self._post(server, "/weights/group", {"host": mine, "port": store.port, "world_size": world,
+                                                      "backend": backend, "timeout_s": self.weights_timeout})
+                group = weight_group(store, 0, world, backend, self.reconnect_s)
+            except (OSError, RuntimeError, httpx.HTTPError) as error:
+                return f"the rollout server at {server.address} did not join the weights group: {_line(error)}"
+            server.group, server.store, server.backend = group, store, backend
+        return None
+
+    def _loaded(self, servers: list[RemoteServer]) -> str | None:
+        """Wait for every server to have loaded the broadcast; None, or why one did not."""
+        for server in servers:
+            try:
+                self._post(server, "/weights/wait", {"version": self.version, "timeout_s": self.weights_timeout},
+                           timeout=self.weights_timeout + 30.0)
+            except (RuntimeError, httpx.HTTPError) as error:
+                return f"the rollout server at {server.address} did not load the weights: {_line(error)}"
+        return None
+
+    def _post(self, server: RemoteServer, path: str, body: dict, timeout: float = 60.0) -> dict:
+        answer = self.http.post(f"{server.url}{path}", json=body, timeout=timeout)
+        if answer.status_code != 200:
+            raise RuntimeError(f"{path} answered {answer.status_code}: {_error(answer)}")
+        return answer.json()
+
+    # -- the rest of the contract
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    def close(self) -> None:
+        """Abort what is still running there; the servers go on serving."""
+        self.abort()
+        self.pool.shutdown(wait=False)
+        self.http.close()
+
+
+def _dtype(server: RemoteServer) -> torch.dtype:
+    return getattr(torch, server.info.get("dtype", "float32"))
+
+
+def _device(server: RemoteServer):
+    return torch.device("cuda", torch.cuda.current_device()) if server.backend == "nccl" else "cpu"
+
+
+def _seconds(seconds: float):
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)
+
+
+def _error(answer: httpx.Response) -> str:
+    try:
+        return str(answer.json().get("error", answer.text))
+    except ValueError:
+        return answer.text[:200]
+
+
+def _line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
