@@ -198,6 +198,9 @@ class Args:
     """the vLLM engine's context length; 0: --max-tokens"""
     vllm_tensor_parallel_size: int = 1
     """GPUs per vLLM engine (tensor parallel); 1: one engine per process, each generating its own tasks"""
+    rollout_server: tuple[str, ...] = ()
+    """HOST:PORT of rollout servers (`python -m rl.rollout_server`, on GPUs of their own; any tensor parallel size) to
+    play rollouts on, instead of an engine in every process; the weights reach them over torch.distributed"""
     vllm_sleep: bool = True
     """GPU: the engine frees its KV cache and offloads its weights while the trainer scores and updates"""
     sync_tolerance: float = 0.0
@@ -825,7 +828,7 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
 # Everything else is the run's own setting, so that it continues as it started, in its own directory.
 RESUMABLE = ("steps", "epochs", "save_every", "keep_checkpoints", "log_rollouts_every", "track", "wandb_project", "gen_batch_size", "resume",
              "out_dir", "engine", "vllm_gpu_memory_utilization", "vllm_max_model_len", "vllm_tensor_parallel_size",
-             "vllm_sleep", "sync_tolerance", "env_timeout", "env_url", "max_error_rate", "max_nonfinite_updates")
+             "vllm_sleep", "sync_tolerance", "rollout_server", "env_timeout", "env_url", "max_error_rate", "max_nonfinite_updates")
 
 
 def parse_args(argv: list[str] | None = None) -> Args:

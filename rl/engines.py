@@ -715,10 +715,12 @@ def check_engine(args) -> None:
     if 0 < args.vllm_max_model_len < args.max_tokens:
         raise SystemExit(f"--vllm-max-model-len {args.vllm_max_model_len} is shorter than --max-tokens {args.max_tokens}: "
                          "the engine could not hold a whole trajectory (0 sizes it to --max-tokens)")
-    if args.vllm_tensor_parallel_size != 1 and args.engine != "hf":
+    if args.rollout_server and args.engine == "hf":
+        raise SystemExit("--rollout-server plays rollouts on vLLM servers: leave --engine out (hf samples in process)")
+    if args.vllm_tensor_parallel_size != 1 and args.engine != "hf" and not args.rollout_server:
         raise SystemExit("--vllm-tensor-parallel-size above 1 puts the engine's workers in other processes, which the "
-                         "in-memory weight sync cannot reach yet: train with one engine per process (the default); "
-                         "eval.py takes it")
+                         "in-memory weight sync cannot reach: start a rollout server with that --tensor-parallel-size "
+                         "on GPUs of its own (python -m rl.rollout_server) and train with --rollout-server HOST:PORT")
 
 
 def build_engine(args, fmt, models, accelerator, max_tokens: int):
@@ -728,6 +730,14 @@ def build_engine(args, fmt, models, accelerator, max_tokens: int):
     from rl import zero3
     from rl.model import sharded
 
+    if args.rollout_server:  # vLLM on GPUs of its own; the weights are broadcast by the main process
+        from rl.remote_engine import RemoteEngine
+        from rl.rollout_server import identity
+
+        return RemoteEngine(list(args.rollout_server), fmt, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed + accelerator.process_index, deterministic=args.deterministic,
+                            identity=identity(accelerator.unwrap_model(models.policy).config, fmt.tokenizer),
+                            max_model_len=max_tokens, owner=accelerator.is_main_process, tolerance=args.sync_tolerance)
     own = sharded(accelerator)  # (the HF engine then samples from a whole copy of its own)
     with zero3.unpartitioned(accelerator):
         return make_engine(args.engine, args.model, fmt, None if own else accelerator.unwrap_model(models.policy),

