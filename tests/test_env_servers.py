@@ -1,20 +1,26 @@
-"""Several AgentGym env servers (envs/guard.py make_envs), each a `python -m envs.serve` process on loopback: the env
+"""Several AgentGym env servers (--env-url URL URL ...), each a `python -m envs.serve` process on loopback: the env
 instances are spread over them round robin and play exactly as in process; a server killed mid-run fails only the
-trajectories of its own instances."""
+trajectories of its own instances; train.py and eval.py take several URLs, and one that cannot be reached stops
+them before any episode with one line naming it (envs/guard.py make_envs)."""
 
 import contextlib
+import json
 import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import httpx
 import pytest
+import tyro
 
 import envs
+import eval as eval_script
 import train
 from envs.guard import EnvTimeout, close_envs, make_envs
+from rl.checkpoint import STATE
 from rl.engines import ExpertEngine, RoundEngine
 from rl.model import load_tokenizer
 from rollout import ChatFormat, rollout
@@ -25,6 +31,7 @@ ROOT = Path(train.__file__).resolve().parent
 TASKS = [4840, 4842, 4848, 4880, 4882, 4888]
 GROUPS = list(range(len(TASKS)))
 LIMITS = {"horizon": 8, "max_new_tokens": 200, "max_tokens": 4096}
+SMALL = ["--steps", "1", "--tasks-per-step", "2", "--n", "2", "--horizon", "2", "--max-new-tokens", "8"]
 
 
 def free_url() -> str:
@@ -146,3 +153,43 @@ def test_a_call_that_times_out_names_its_server(servers):
     with pytest.raises(EnvTimeout, match=f"no answer in 0.2 s from the env server at {servers[1]}"):
         env.step("Action: turn left")
     close_envs([env])
+
+
+def stopped(call) -> str:
+    """The one line a call stopped the script with (SystemExit with a message: exit status 1, no traceback)."""
+    with pytest.raises(SystemExit) as stop:
+        call()
+    assert isinstance(stop.value.code, str) and "\n" not in stop.value.code, stop.value.code
+    return stop.value.code
+
+
+def test_train_and_eval_take_several_urls_and_stop_on_one_that_cannot_be_reached(servers, tmp_path):
+    assert train.parse_args(["--env-url", *servers]).env_url == servers
+    assert train.parse_args(["--env-url", servers[0]]).env_url == (servers[0],)
+    assert train.parse_args([]).env_url is None
+    assert tyro.cli(eval_script.Args, args=["--env-url", *servers]).env_url == servers
+    assert tyro.cli(eval_script.Args, args=["--env-url", servers[0]]).env_url == (servers[0],)
+    # train.py makes 2 x 2 envs, eval.py 3: the third is on the server that is down, named by the one line
+    down = free_url()
+    for message in (
+        stopped(lambda: train.main(train.parse_args([*SMALL, "--env-url", *servers, down, "--env-options", "retries", "0",
+                                                     "--out-dir", str(tmp_path)]))),
+        stopped(lambda: eval_script.main(eval_script.Args(env_url=(*servers, down), env_options={"retries": "0"},
+                                                          engine="hf", limit=3, out=str(tmp_path / "e")))),
+    ):
+        assert message.startswith(f"cannot make a babyai env on the env server at {down} ") and servers[0] not in message
+        assert f"cannot reach the babyai env server at {down}" in message
+
+
+def test_a_run_that_stored_one_url_resumes_with_it_or_with_several(tmp_path):
+    """Runs from before --env-url took several servers stored one URL as a string in config.json."""
+    checkpoint = tmp_path / "old" / "checkpoints" / "step_1"
+    (checkpoint / "state").mkdir(parents=True)
+    (checkpoint / STATE).write_text("{}")
+    (checkpoint / "state" / "schedulers.json").write_text("{}")
+    (tmp_path / "old" / "config.json").write_text(json.dumps({"preset": "tiny", "env_url": "http://old:36001"}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (tyro warns of a default that is not of its field's type)
+        assert train.parse_args(["--resume", str(checkpoint)]).env_url == ("http://old:36001",)
+        assert train.parse_args(["--resume", str(checkpoint), "--env-url", "http://a:1", "http://b:1"]).env_url == \
+               ("http://a:1", "http://b:1")
