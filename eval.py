@@ -133,9 +133,9 @@ class Args:
     env_timeout: float = 0.0
     """seconds an env reset or step may take before its episode ends as failed (counted under `errors`)
     and the env is replaced; 0: the env's default (its call_timeout in envs.ENVS)"""
-    env_url: str | None = None
-    """play on an AgentGym env server (ours, `python -m envs.serve`, or upstream's) at this URL instead
-    of in process"""
+    env_url: Annotated[tuple[str, ...] | None, tyro.conf.arg(metavar="URL [URL ...]")] = None
+    """play on AgentGym env servers (ours, `python -m envs.serve`, or upstream's) at these URLs instead of in process;
+    several take the env instances round robin, an even share each"""
     batch_size: int = 64
     """episodes played at once"""
     engine: Literal["auto", "vllm", "hf"] = "auto"

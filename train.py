@@ -42,7 +42,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import tyro
@@ -179,9 +179,9 @@ class Args:
     env_timeout: float = 0.0
     """seconds an env reset or step may take before its trajectory ends as failed and the env is
     replaced; 0: the env's default (its call_timeout in envs.ENVS)"""
-    env_url: str | None = None
-    """play on an AgentGym env server (ours, `python -m envs.serve`, or upstream's) at this URL instead
-    of in process"""
+    env_url: Annotated[tuple[str, ...] | None, tyro.conf.arg(metavar="URL [URL ...]")] = None
+    """play on AgentGym env servers (ours, `python -m envs.serve`, or upstream's) at these URLs instead of in process;
+    several take the env instances round robin, an even share each"""
     max_error_rate: float = 0.25
     """stop the run when more than this share of a step's trajectories end in an env failure, rather
     than train on the rest; 1: never"""
@@ -376,7 +376,7 @@ def main(args: Args) -> Path | None:
         args = replace(args, steps=args.epochs * (len(train_ids) // args.tasks_per_step))
     # (each call bounded by --env-timeout; an env that failed is replaced: envs/guard.py)
     environments = make_envs(args.env, args.tasks_per_step // accelerator.num_processes * args.n,
-                             envs.parse_options(args.env_options), args.env_timeout, args.env_url)
+                             envs.parse_options(args.env_options), args.env_timeout, args.env_url, accelerator.process_index)
     pool = ThreadPoolExecutor(max_workers=min(32, len(environments)))
     test_ids = test_task_ids(args) if args.eval_every else []  # played on the same envs every --eval-every steps
     engine = logs = None
@@ -663,7 +663,8 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
     # -- the test tasks, envs and an engine, when the policy is played during training
     test_ids = test_task_ids(args) if args.eval_every else []
     environments = make_envs(args.env, min(args.gen_batch_size, -(-len(test_ids) // accelerator.num_processes)),
-                             envs.parse_options(args.env_options), args.env_timeout, args.env_url) if test_ids else []
+                             envs.parse_options(args.env_options), args.env_timeout, args.env_url,
+                             accelerator.process_index) if test_ids else []
     engine = build_engine(args, fmt, models, accelerator, max_tokens) if test_ids else None
     trainer_state = resume(accelerator, models, engine, Path(args.resume)) if resuming else {"step": 0, "logs": {}}
     config = run_config(args, run_dir, resuming, accelerator, mixed, engine, environments[0] if environments else None)
@@ -776,7 +777,8 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
     explore_ids = spread(train_ids, args.explore_tasks) if args.explore_tasks else train_ids
     test_ids = test_task_ids(args)
     count = min(args.gen_batch_size, -(-max(len(explore_ids) * args.n, len(test_ids)) // accelerator.num_processes))
-    environments = make_envs(args.env, count, envs.parse_options(args.env_options), args.env_timeout, args.env_url)
+    environments = make_envs(args.env, count, envs.parse_options(args.env_options), args.env_timeout, args.env_url,
+                             accelerator.process_index)
     engine = build_engine(args, fmt, models, accelerator, max_tokens)
     config = run_config(args, run_dir, False, accelerator, mixed, engine, environments[0])
     if accelerator.is_main_process:

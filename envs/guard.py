@@ -2,17 +2,23 @@
 
     env = Guarded("sciworld", options, timeout=120)
     env.reset(task_id); env.step(text)        # as the env's own, or its exception, or EnvTimeout
+    environments = make_envs("webarena", 64, urls=["http://host1:8000", "http://host2:8000"])  # 32 on each
 
 Every reset and step runs in its own daemon thread and is waited for at most `timeout` seconds. A call
 that raises passes the exception on; one that does not answer in time (a hung simulator, a browser that
 stopped responding) raises EnvTimeout. Either way the instance is abandoned (closed in the background,
 since its close may hang too) and the next call starts on a fresh one, so one broken episode never
 poisons the next. A hung call's thread is a daemon: it never keeps the process from exiting.
+
+On AgentGym env servers (make_envs' `urls`) each instance lives on one server, and the fresh one that replaces
+it is made on the same server: a server that goes down fails only the trajectories of its own instances (at
+their next call, and every episode they start while it is down), never another server's.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, wait
 
 import envs
@@ -46,6 +52,8 @@ class Guarded(envs.Env):
         self.options = getattr(self.env, "options", {})
         self.lock = threading.Lock()
         self.generation = 0  # +1 whenever the instance is given up on
+        # (a failed trajectory's error names the server its instance is on)
+        self.where = f" from the env server at {options['url']}" if options.get("url") else ""
 
     def _call(self, method: str, *args):
         generation = self.generation
@@ -53,7 +61,7 @@ class Guarded(envs.Env):
         wait([future], timeout=self.timeout)  # (not result(timeout): the env's own TimeoutError is not ours)
         if not future.done():
             self._abandon()
-            raise EnvTimeout(f"no answer in {self.timeout:g} s")
+            raise EnvTimeout(f"no answer in {self.timeout:g} s{self.where}")
         if future.exception() is not None:
             self._abandon()
         return future.result()
@@ -70,7 +78,7 @@ class Guarded(envs.Env):
                     self.env = env
             if not current:
                 env.close()
-                raise EnvTimeout("given up on while starting")
+                raise EnvTimeout(f"given up on while starting{self.where}")
         return getattr(env, method)(*args)
 
     def _abandon(self) -> Future:
@@ -92,16 +100,21 @@ class Guarded(envs.Env):
 
 
 def make_envs(name: str, count: int, options: dict | None = None, timeout: float = 0.0,
-              url: str | None = None) -> list[Guarded]:
-    """`count` guarded instances of an env, in process or (`url`) on an AgentGym env server, whose own
-    requests then have the same timeout; `timeout` 0: the env's default (its call_timeout in envs.ENVS). What
-    cannot be made at all (options the env does not take, a server that is down or never answers) stops the
-    script (train.py, eval.py) with one line that says why, before any episode."""
+              urls: str | Sequence[str] | None = None, rank: int = 0) -> list[Guarded]:
+    """`count` guarded instances of an env, in process or (`urls`: one URL or several) on AgentGym env servers,
+    whose own requests then have the same timeout; `timeout` 0: the env's default (its call_timeout in envs.ENVS).
+    Several servers take the instances round robin, so that each gets an even share: instance i is on
+    urls[(rank x count + i) % len(urls)], where `rank` is this process's index when every process of a run makes
+    `count` (the processes' instances are spread over the servers together). What cannot be made at all (options
+    the env does not take, a server that is down or never answers) stops the script (train.py, eval.py) with one
+    line that says why, naming the server, before any episode."""
     timeout = timeout or envs.call_timeout(name)
+    urls = (urls,) if isinstance(urls, str) else tuple(urls or ())
     given = dict(options or {})
     made: list[Guarded] = []
     try:
-        for _ in range(count):
+        for i in range(count):
+            url = urls[(rank * count + i) % len(urls)] if urls else None
             made.append(Guarded(name, given | ({"url": url, "timeout": timeout} if url else {}), timeout))
     except (TypeError, ValueError, OSError, RuntimeError) as error:  # (bad options, a server or backend that fails)
         close_envs(made)

@@ -96,7 +96,10 @@ def resumable_config(checkpoint: Path) -> dict:
     if not (checkpoint / "state" / "schedulers.json").is_file():
         raise SystemExit(f"--resume {checkpoint}: a checkpoint from before training state was saved as safetensors "
                          "(its state/ held pickles); its weights load with --model or eval.py, but it cannot be resumed")
-    return json.loads(config_file.read_text())
+    config = json.loads(config_file.read_text())
+    if isinstance(config.get("env_url"), str):  # a run from before --env-url took several servers
+        config["env_url"] = [config["env_url"]]
+    return config
 
 
 def find_checkpoint(resume: str, out_dir: str, run_name: str | None) -> Path | None:
