@@ -183,14 +183,12 @@ class Args:
     """play on AgentGym env servers (ours, `python -m envs.serve`, or upstream's) at these URLs instead of in process;
     several take the env instances round robin, an even share each"""
     max_error_rate: float = 0.25
-    """stop the run when more than this share of a step's trajectories end in an env failure, rather
-    than train on the rest; 1: never"""
+    """stop the run when more than this share of a step's trajectories end in an env failure, not train on the rest"""
 
     # -- rollout engine
     engine: Literal["auto", "vllm", "hf"] = "auto"
-    """vllm: vLLM in every process (continuous batching, prefix caching), the trainer's weights copied
-    in and checked after every update; hf: Hugging Face sampling on the trainer's own weights; auto:
-    vllm when it is installed"""
+    """vllm: vLLM in every process (continuous batching, prefix caching), the trainer's weights copied in and checked
+    after every update; hf: Hugging Face sampling on the trainer's own weights; auto: vllm when it is installed"""
     vllm_gpu_memory_utilization: float = 0.3
     """share of the GPU's memory the vLLM engine takes (weights and KV cache); the trainer has the rest.
     0.3 leaves a 3B full fine-tune its ~50 GB on one 80 GB GPU"""
@@ -200,7 +198,7 @@ class Args:
     """GPUs per vLLM engine (tensor parallel); 1: one engine per process, each generating its own tasks"""
     rollout_server: tuple[str, ...] = ()
     """HOST:PORT of rollout servers (`python -m rl.rollout_server`, on GPUs of their own; any tensor parallel size) to
-    play rollouts on, instead of an engine in every process; the weights reach them over torch.distributed"""
+    play rollouts on, not an engine in every process; the weights reach them over torch.distributed (README)"""
     vllm_sleep: bool = True
     """GPU: the engine frees its KV cache and offloads its weights while the trainer scores and updates"""
     sync_tolerance: float = 0.0
