@@ -243,8 +243,7 @@ class RemoteEngine(Seeded):
         weights = weights if weights is not None else model.state_dict().items()
         if not self.owner:
             for server in self.servers:
-                if not server.up:
-                    self._connect(server)
+                self._connect(server)
             for _ in weights:
                 pass
             trainer_probe(model, self.probe)
@@ -301,12 +300,12 @@ class RemoteEngine(Seeded):
                 "one being trained; stopping. Set --sync-tolerance to change the bound.")
 
     def _reach(self) -> str | None:
-        """Reach again every server set aside; with none up, keep trying for reconnect_s. None, or why not."""
+        """Reach every server again (one set aside may be back; one that restarted needs a new group); with none up,
+        keep trying for reconnect_s. None, or why not."""
         deadline = time.monotonic() + self.reconnect_s
         while True:
             for server in self.servers:
-                if not server.up:
-                    self._connect(server)
+                self._connect(server)
             if any(server.up for server in self.servers):
                 return None
             if time.monotonic() > deadline:
