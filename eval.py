@@ -145,6 +145,9 @@ class Args:
     """share of the GPU's memory vLLM takes (nothing else shares the GPU in eval)"""
     vllm_tensor_parallel_size: int = 1
     """GPUs per vLLM engine (tensor parallel)"""
+    rollout_server: tuple[str, ...] = ()
+    """HOST:PORT of rollout servers (`python -m rl.rollout_server`) to play on: what they serve is evaluated (a LoRA
+    --model's merged weights are sent to them first); --model gives the tokenizer and chat template"""
     deterministic: bool = False
     """the same seed, the same episodes on vLLM too (HF sampling always repeats): vLLM generates in rounds, each
     request seeded from the seed's stream; slower (README)"""
@@ -263,6 +266,7 @@ def main(args: Args) -> dict:
                **({"attempts": agent.attempts} if agent.attempts > 1 else {}), "temperature": args.temperature,
                "top_p": args.top_p, "seed": args.seed, "engine": kind, "code": code_revision(), **settings,
                "env_settings": env_settings, "env_url": args.env_url, **score(trajectories, env_name),
+               **({"served": engine.served()} if kind == "server" else {}),
                "per_task": per_task(trajectories), "seconds": round(time.perf_counter() - start, 1)}
     if kind == "api":  # where the model was served (never the key), what its calls cost, what it was sampled at
         results |= {"base_url": engine.base_url, "usage": api.total_usage(trajectories),
@@ -310,6 +314,8 @@ def load_engine(args: Args, settings: dict):
     tokenizer = load_tokenizer(args.model)
     fmt = chat_format(tokenizer, settings["agent"], settings["chat_template_kwargs"], settings["reasoning_tags"],
                       settings["reasoning"])
+    if args.rollout_server:
+        return "server", fmt, served_engine(args, settings, fmt)
     kind = engine_kind(args.engine)
     model = None
     if kind == "hf" or is_adapter(args.model):
@@ -322,6 +328,31 @@ def load_engine(args: Args, settings: dict):
     if kind == "vllm" and model is not None:  # a LoRA checkpoint: vLLM loaded its base; the adapter goes in merged
         engine.load_weights(model, weights=full_weights(model))
     return kind, fmt, engine
+
+
+def served_engine(args: Args, settings: dict, fmt):
+    """The engine on --rollout-server, checked to serve --model's architecture and vocabulary; a LoRA checkpoint's
+    merged weights are broadcast to the servers (which loaded its base) and checked with the probe."""
+    from rl.model import load_config
+    from rl.remote_engine import RemoteEngine
+    from rl.rollout_server import identity
+
+    if args.engine != "auto":
+        raise SystemExit("--rollout-server plays on vLLM servers: leave --engine out")
+    adapter = is_adapter(args.model)
+    engine = RemoteEngine(list(args.rollout_server), fmt, temperature=args.temperature, top_p=args.top_p,
+                          seed=args.seed, deterministic=args.deterministic, owner=adapter,
+                          identity=identity(load_config(args.model), fmt.tokenizer), max_model_len=settings["max_tokens"])
+    if adapter:
+        model = load_model(args.model)
+        synced = engine.load_weights(model, weights=full_weights(model), verify=False)
+        problem = synced.get("error")
+        if problem is None and not synced["probe_diff"] <= engine.tolerance:
+            problem = f"the probe's log-probs differ from the adapter's by {synced['probe_diff']:.3g}"
+        if problem is not None:
+            engine.close()
+            raise SystemExit(f"--rollout-server: the adapter's merged weights did not reach the servers: {problem}")
+    return engine
 
 
 def api_engine(args: Args) -> api.APIEngine:

@@ -350,6 +350,12 @@ class RemoteEngine(Seeded):
             raise RuntimeError(f"{path} answered {answer.status_code}: {_error(answer)}")
         return answer.json()
 
+    def served(self) -> dict[str, dict]:
+        """What each server served, for a record: its model as it loaded it, and the weights' version (0: as loaded) when
+        it was last reached (`close` reaches them)."""
+        return {server.address: {key: server.info.get(key) for key in ("model", "version", "tensor_parallel_size", "dtype")}
+                for server in self.servers}
+
     # -- the rest of the contract
 
     def sleep(self) -> None:
@@ -359,8 +365,11 @@ class RemoteEngine(Seeded):
         pass
 
     def close(self) -> None:
-        """Abort what is still running there; the servers go on serving."""
+        """Abort what is still running there, and note what they served (`served`); the servers go on serving."""
         self.abort()
+        for server in self.servers:
+            if server.up:
+                self._connect(server)
         self.pool.shutdown(wait=False)
         self.http.close()
 
