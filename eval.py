@@ -146,8 +146,8 @@ class Args:
     vllm_tensor_parallel_size: int = 1
     """GPUs per vLLM engine (tensor parallel)"""
     rollout_server: tuple[str, ...] = ()
-    """HOST:PORT of rollout servers (`python -m rl.rollout_server`) to play on: what they serve is evaluated (a LoRA
-    --model's merged weights are sent to them first); --model gives the tokenizer and chat template"""
+    """HOST:PORT of rollout servers (`python -m rl.rollout_server`) to play on; --model's weights are sent to them
+    first unless they loaded exactly it"""
     deterministic: bool = False
     """the same seed, the same episodes on vLLM too (HF sampling always repeats): vLLM generates in rounds, each
     request seeded from the seed's stream; slower (README)"""
@@ -331,27 +331,29 @@ def load_engine(args: Args, settings: dict):
 
 
 def served_engine(args: Args, settings: dict, fmt):
-    """The engine on --rollout-server, checked to serve --model's architecture and vocabulary; a LoRA checkpoint's
-    merged weights are broadcast to the servers (which loaded its base) and checked with the probe."""
-    from rl.model import load_config
+    """The engine on --rollout-server, checked to serve --model's architecture and vocabulary. --model is what gets
+    evaluated: unless every server loaded exactly it (and has had no weights sent since), its weights (a LoRA
+    checkpoint's merged) are broadcast to them first and checked with the probe."""
+    from rl.model import load_config, resolve
     from rl.remote_engine import RemoteEngine
     from rl.rollout_server import identity
 
     if args.engine != "auto":
         raise SystemExit("--rollout-server plays on vLLM servers: leave --engine out")
-    adapter = is_adapter(args.model)
     engine = RemoteEngine(list(args.rollout_server), fmt, temperature=args.temperature, top_p=args.top_p,
-                          seed=args.seed, deterministic=args.deterministic, owner=adapter,
+                          seed=args.seed, deterministic=args.deterministic, owner=True,
                           identity=identity(load_config(args.model), fmt.tokenizer), max_model_len=settings["max_tokens"])
-    if adapter:
+    loaded = resolve(args.model)
+    loaded = str(Path(loaded).resolve()) if Path(loaded).exists() else loaded  # (as a server names its model)
+    if is_adapter(args.model) or any((s.info["model"], s.info["version"]) != (loaded, 0) for s in engine.servers):
         model = load_model(args.model)
         synced = engine.load_weights(model, weights=full_weights(model), verify=False)
         problem = synced.get("error")
         if problem is None and not synced["probe_diff"] <= engine.tolerance:
-            problem = f"the probe's log-probs differ from the adapter's by {synced['probe_diff']:.3g}"
+            problem = f"the probe's log-probs differ from --model's by {synced['probe_diff']:.3g}"
         if problem is not None:
             engine.close()
-            raise SystemExit(f"--rollout-server: the adapter's merged weights did not reach the servers: {problem}")
+            raise SystemExit(f"--rollout-server: --model's weights did not reach the servers: {problem}")
     return engine
 
 

@@ -53,6 +53,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -457,7 +458,9 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # by default, and refuses a machine with fewer
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
     try:
-        llm = start_vllm(resolve(args.model), dtype=dtype, seed=args.seed, max_model_len=args.max_model_len,
+        model = resolve(args.model)
+        model = str(Path(model).resolve()) if Path(model).exists() else model  # (a directory: named whole in /info)
+        llm = start_vllm(model, dtype=dtype, seed=args.seed, max_model_len=args.max_model_len,
                          gpu_memory_utilization=args.gpu_memory_utilization,
                          tensor_parallel_size=args.tensor_parallel_size, sleep=False, max_num_seqs=args.max_num_seqs,
                          deterministic=args.deterministic, worker_extension_cls="rl.rollout_server.WeightReceiver")
