@@ -37,7 +37,9 @@ import torch
 from rl.engines import PROBE, PROBE_TOLERANCE, Sample, Seeded, SyncError, trainer_probe
 from rl.rollout_server import differences, send_tensor, weight_group
 
-POLL_WAIT_S = 0.5  # the longest a poll waits on a server for a turn to finish
+# The longest a poll waits on a server for one of its turns to finish: short, since a trajectory whose env answered
+# meanwhile is submitted only after the poll (a round trip costs ~2 ms on loopback)
+POLL_WAIT_S = 0.05
 
 
 class RemoteServer:

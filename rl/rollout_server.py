@@ -130,8 +130,8 @@ class WeightReceiver:
     through collective_rpc, in the worker's own process."""
 
     def join_weight_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> int:
-        store = torch.distributed.TCPStore(host, port, world_size, is_master=False,
-                                           timeout=datetime.timedelta(seconds=timeout_s))
+        store = torch.distributed.TCPStore(host, port, world_size, is_master=False,  # (the trainer is there already)
+                                           timeout=datetime.timedelta(seconds=min(timeout_s, 60.0)))
         self.weight_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
         self.weight_group = weight_group(store, 1 + self.rank, world_size, backend, timeout_s)
         return self.rank
@@ -304,7 +304,8 @@ class RolloutServer:
         client = str(body.get("client", ""))
         if not client:
             raise Refused(422, "a poll names its client")
-        self.seen[client] = time.monotonic()
+        with self.changed:
+            self.seen[client] = time.monotonic()
         submit, abort = list(body.get("submit") or []), list(body.get("abort") or [])
         if submit:
             if self.broken:
