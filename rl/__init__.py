@@ -12,6 +12,9 @@
     agent.py       agent formats: how an episode's messages are laid out (react, plan, reflect, tools)
     engines.py     generation engines behind one contract: HF, vLLM, the envs' experts; the trainer's, synced
     api.py         a model behind an OpenAI-compatible endpoint as an engine (eval.py --model openai:<name>)
+    rollout_server.py  vLLM on GPUs of its own behind the engine contract over HTTP (python -m rl.rollout_server);
+                   the weights group and the tensors on it
+    remote_engine.py   the engine on rollout servers (--rollout-server): turns over HTTP, weights broadcast, faults
     batch.py       a step's trajectories -> micro-batches (token budgets, packing), equal across processes; SFT's rows
     optimizer.py   gradient accumulation over a mini-batch, optimizer steps, NaN/inf skips, the cross-process reducer
     run.py         the run directory: config.json, logs and wandb, checkpoints saved and resumed, the end of a run
