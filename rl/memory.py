@@ -9,7 +9,8 @@ On the CPU the peak is the kernel's high-water mark of the resident set (VmHWM),
 /proc/self/clear_refs resets (Linux 4.0 and later); where that is refused, peaks are since the process began.
 
 And the memory plan of `train.py --dry-run`: `plan` estimates each phase's peak per GPU from the model's config
-alone, `print_plan` prints it for a run's flags and launch config.
+alone, `print_plan` prints it for a run's flags and launch config; with --rollout-server the trainer's GPUs hold no
+engine, and `server_plan` adds what each rollout server's GPUs hold (python -m rl.rollout_server).
 """
 
 from __future__ import annotations
@@ -89,9 +90,10 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
     of each, plus one whole layer at a time while it computes. Rollout: the weights and optimizer states stay, the
     gradients are freed, and the engine works (vLLM: its share of the GPU; HF: the KV cache of a batch).
     Update: gradients and activations of one micro-batch, and the chunk of logits being scored; a vLLM engine
-    asleep (--vllm-sleep) holds nothing then. `bf16_weights`: DeepSpeed under bf16 keeps the models' weights in
-    bf16, and the fp32 copy of the trained ones in its optimizer. `offload` (configs/*_offload.yaml): the shards of
-    the weights, gradients and optimizer states live in CPU memory, the GPU holds the layer being computed.
+    asleep (--vllm-sleep) holds nothing then; engine "server" (--rollout-server): no engine here at all.
+    `bf16_weights`: DeepSpeed under bf16 keeps the models' weights in bf16, and the fp32 copy of the trained ones in
+    its optimizer. `offload` (configs/*_offload.yaml): the shards of the weights, gradients and optimizer states live
+    in CPU memory, the GPU holds the layer being computed.
     `persistent_gradients`: DeepSpeed allocates its gradient partitions once, so they are held in every phase."""
     total, trained = parameters(config, lora_rank, lora_targets)
     shards = processes if sharded else 1
@@ -106,7 +108,9 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
         held[f"reference ({dtype}){in_cpu}"] = 0 if offload_reference else gpu * width * total / shards
     if algo == "ppo":
         held[f"critic weights and AdamW moments{cpu}"] = gpu * (12 + (width if bf16_weights else 0)) * total / shards
-    if engine == "vllm":
+    if engine == "server":
+        engine_bytes = 0
+    elif engine == "vllm":
         engine_bytes = engine_share * gpu_gib * GiB
     else:  # KV cache of a generation batch: 2 (K, V) x layers x kv heads x head size, 16-bit
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -122,7 +126,8 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
               "logits being scored (a chunk)": 3 * 4 * logits_elements}
     if offload_reference and reference and not lora_rank:
         update["reference while it scores"] = 4 * total
-    engine_name = f"{engine} engine" + (f" ({engine_share:g} of the GPU)" if engine == "vllm" else " (KV cache)")
+    engine_name = {"server": "no engine: rollouts on the rollout servers", "hf": "hf engine (KV cache)"}.get(
+        engine, f"vllm engine ({engine_share:g} of the GPU)")
     rollout = held | {engine_name: engine_bytes}
     updating = held | update | ({} if engine == "vllm" and engine_sleeps else {engine_name: engine_bytes})
     return {"parameters": total, "trained": trained, "gpu_gib": gpu_gib,
@@ -130,9 +135,29 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
             "peak_gib": max(sum(rollout.values()), sum(updating.values())) / GiB}
 
 
+SERVER_GPU_SHARE = 0.9  # python -m rl.rollout_server's default --gpu-memory-utilization
+
+
+def server_plan(config, *, tensor_parallel: int, gpu_gib: float, context: int,
+                share: float = SERVER_GPU_SHARE) -> dict:
+    """What each GPU of a rollout server holds: its 1/tensor_parallel of the bf16 weights, and in what is left of its
+    `share` of the GPU, KV cache. Tensor parallelism splits the KV heads too (where there are fewer KV heads than GPUs,
+    vLLM gives each GPU a copy of one); a token's KV is 2 (K, V) x layers x heads x head size x 2 bytes. vLLM's activations and
+    CUDA graphs also come out of the share (a few GiB), which this leaves in the KV cache."""
+    total, _ = parameters(config)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    weights = 2 * total / tensor_parallel
+    kv_cache = share * gpu_gib * GiB - weights
+    token = 2 * config.num_hidden_layers * max(1, heads // tensor_parallel) * head_dim * 2
+    return {"weights": weights, "kv_cache": kv_cache, "tokens": max(0, int(kv_cache // token)),
+            "trajectories": max(0, int(kv_cache // token // context)),
+            "divides_heads": config.num_attention_heads % tensor_parallel == 0}
+
+
 def print_plan(args, accelerator) -> None:
     """`train.py --dry-run` (`args`: its Args): the run's estimated peak memory per GPU, by phase and by what holds
-    it, and whether it fits."""
+    it, and whether it fits; under --rollout-server, the servers' GPUs too."""
     import yaml
 
     from rl import zero3
@@ -165,7 +190,8 @@ def print_plan(args, accelerator) -> None:
     estimate = plan(config, algo=args.algo, lora_rank=args.lora_rank, lora_targets=args.lora_target_modules,
                     processes=processes, sharded=is_sharded, reference=args.algo == "dpo" or args.kl_coef > 0,
                     offload_reference=args.offload_reference, micro_tokens=micro_tokens,
-                    checkpointing=args.gradient_checkpointing, engine=engine_kind(args.engine),
+                    checkpointing=args.gradient_checkpointing,
+                    engine="server" if args.rollout_server else engine_kind(args.engine),
                     engine_share=args.vllm_gpu_memory_utilization, engine_sleeps=args.vllm_sleep, gpu_gib=gpu_gib,
                     batch=args.gen_batch_size, context=args.max_tokens,
                     logits_elements=min(CHUNK_ELEMENTS, micro_tokens * config.vocab_size), bf16_weights=deepspeed_bf16,
@@ -183,4 +209,30 @@ def print_plan(args, accelerator) -> None:
           "does not fit" + (" (under 5% to spare)" if spare > 0 else "") + "; to need less: --gradient-checkpointing, a smaller "
           "--max-tokens-per-micro-batch, --lora-rank 16, FSDP2 or ZeRO-3 over more GPUs (configs/fsdp2.yaml, zero3.yaml), "
           "configs/fsdp2_offload.yaml, --offload-reference, or a smaller --vllm-gpu-memory-utilization"))
+    if args.rollout_server:
+        print_server_plan(args, config, gpu_gib, processes, how)
     return None
+
+
+def print_server_plan(args, config, gpu_gib: float, processes: int, how: str) -> None:
+    """The second part of the plan under --rollout-server: each rollout server's GPUs, and how the GPUs are split."""
+    tp, servers = args.vllm_tensor_parallel_size, len(args.rollout_server)
+    context = args.vllm_max_model_len or args.max_tokens
+    server = server_plan(config, tensor_parallel=tp, gpu_gib=gpu_gib, context=context)
+    print(f"memory plan per rollout server GPU: {args.model} at tensor parallel {tp}, --gpu-memory-utilization "
+          f"{SERVER_GPU_SHARE} (the server's default) of {gpu_gib:.0f} GiB; tensor parallel is "
+          f"--vllm-tensor-parallel-size, which train.py takes above 1 only with --rollout-server: start each server "
+          f"with --tensor-parallel-size {tp} --max-model-len {context}")
+    print(f"    {f'model weights (bf16, 1/{tp} each GPU)':<58} {server['weights'] / GiB:8.2f} GiB")
+    print(f"    {'KV cache (the rest; vLLM activations come out of it)':<58} {server['kv_cache'] / GiB:8.2f} GiB")
+    if server["trajectories"] >= 1:
+        print(f"KV cache for {server['tokens']:,} tokens a server: {server['trajectories']:,} whole trajectories of "
+              f"{context:,} tokens at once")
+    else:
+        print(f"does not fit: a server's KV cache holds no whole trajectory of {context:,} tokens; to need less: a "
+              "larger --vllm-tensor-parallel-size (and the server's --tensor-parallel-size), or a smaller --max-tokens")
+    if not server["divides_heads"]:
+        print(f"vLLM will refuse tensor parallel {tp}: it must divide the model's {config.num_attention_heads} "
+              "attention heads")
+    print(f"split: {processes} {'GPUs train' if processes > 1 else 'GPU trains'} ({how}), {tp} generate per rollout "
+          f"server x {servers} server{'s' if servers > 1 else ''} ({processes + tp * servers} GPUs in all)")

