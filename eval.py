@@ -345,6 +345,7 @@ def served_engine(args: Args, settings: dict, fmt):
                           identity=identity(load_config(args.model), fmt.tokenizer), max_model_len=settings["max_tokens"])
     loaded = resolve(args.model)
     loaded = str(Path(loaded).resolve()) if Path(loaded).exists() else loaded  # (as a server names its model)
+    engine.version = 0  # (the servers' weights as they loaded them: a trainer's broadcast meanwhile fails the turns)
     if is_adapter(args.model) or any((s.info["model"], s.info["version"]) != (loaded, 0) for s in engine.servers):
         model = load_model(args.model)
         synced = engine.load_weights(model, weights=full_weights(model), verify=False)

@@ -340,8 +340,6 @@ class VLLMEngine(Seeded):
                  tensor_parallel_size: int = 1, sleep: bool = False, max_num_seqs: int = 256,
                  tolerance: float = 0.0, continuous: bool = True, deterministic: bool = False):
         on_gpu = torch.cuda.is_available()
-        if deterministic and on_gpu:  # (read when vLLM builds its layers: before the engine starts; unverified here)
-            os.environ["VLLM_BATCH_INVARIANT"] = "1"
         _vllm_settings()
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
             raise SystemExit("VLLM_ENABLE_V1_MULTIPROCESSING is set: the vLLM engine must run in this process, "
@@ -554,9 +552,11 @@ def start_vllm(model: str, *, dtype: str, seed: int, max_model_len: int, gpu_mem
     """vLLM's LLM with this project's settings (VLLMEngine's and the rollout server's): prefix caching, processed
     log-probs, eager on CPU, each prompt prefilled whole when deterministic on CPU (see VLLMEngine's "seeds").
     `launched`: one engine per process of `accelerate launch` (GPU)."""
+    on_gpu = torch.cuda.is_available()
+    if deterministic and on_gpu:  # (read when vLLM builds its layers: before the engine starts; unverified here)
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
     from vllm import LLM
 
-    on_gpu = torch.cuda.is_available()
     if launched:
         # under `accelerate launch`: vLLM's own executor would put every process's engine on GPU 0;
         # the external launcher takes this process's LOCAL_RANK GPU and the existing process group
@@ -731,13 +731,22 @@ def build_engine(args, fmt, models, accelerator, max_tokens: int):
     from rl.model import sharded
 
     if args.rollout_server:  # vLLM on GPUs of its own; the weights are broadcast by the main process
+        import uuid
+
+        from accelerate.utils import broadcast_object_list
+
         from rl.remote_engine import RemoteEngine
         from rl.rollout_server import identity
+
+        if args.deterministic and accelerator.num_processes > 1:
+            raise SystemExit("--deterministic with --rollout-server takes one training process: several would share the "
+                             "servers' batches and prefix caches, in an order no replay repeats")
 
         return RemoteEngine(list(args.rollout_server), fmt, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed + accelerator.process_index, deterministic=args.deterministic,
                             identity=identity(accelerator.unwrap_model(models.policy).config, fmt.tokenizer),
-                            max_model_len=max_tokens, owner=accelerator.is_main_process, tolerance=args.sync_tolerance)
+                            max_model_len=max_tokens, owner=accelerator.is_main_process, tolerance=args.sync_tolerance,
+                            trainer=broadcast_object_list([uuid.uuid4().hex[:12]])[0])  # (this run's, on every process)
     own = sharded(accelerator)  # (the HF engine then samples from a whole copy of its own)
     with zero3.unpartitioned(accelerator):
         return make_engine(args.engine, args.model, fmt, None if own else accelerator.unwrap_model(models.policy),

