@@ -335,7 +335,11 @@ class RemoteEngine(Seeded):
                 continue
             host, port = server.url.rsplit("//", 1)[1].rsplit(":", 1)
             world = 1 + server.info["tensor_parallel_size"]
-            backend = "nccl" if torch.cuda.is_available() and server.info["device"] == "cuda" else "gloo"
+            mine = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid) \
+                if torch.cuda.is_available() else None
+            # NCCL between two GPUs; gloo otherwise, also when the server shares this GPU (NCCL refuses two ranks on one)
+            backend = "nccl" if mine is not None and server.info["device"] == "cuda" \
+                and mine not in server.info.get("gpus", []) else "gloo"
             try:
                 with socket.create_connection((host, int(port)), timeout=10.0) as route:
                     mine = route.getsockname()[0]  # this machine's address on the route to the server

@@ -82,6 +82,11 @@ def differences(mine: dict, theirs: dict) -> list[str]:
             if mine[key] is not None and theirs.get(key) is not None and mine[key] != theirs[key]]
 
 
+def gpus() -> list[str]:
+    """The UUIDs of the GPUs this process sees (a trainer on one of a server's GPUs cannot reach it over NCCL)."""
+    return [str(torch.cuda.get_device_properties(k).uuid) for k in range(torch.cuda.device_count())]
+
+
 def weight_group(store, rank: int, world_size: int, backend: str, timeout_s: float):
     """A process group of its own between the trainer's rank 0 (rank 0) and a server's workers: not torch's
     default group, which a trainer under `accelerate launch` and vLLM's workers each have already. Its
@@ -191,7 +196,7 @@ class RolloutServer:
         self.info = identity(model_config.hf_config, llm.get_tokenizer()) | {
             "model": model_config.model, "tensor_parallel_size": llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size,
             "dtype": str(model_config.dtype).removeprefix("torch."), "max_model_len": model_config.max_model_len,
-            "device": "cuda" if torch.cuda.is_available() else "cpu", "deterministic": deterministic,
+            "device": "cuda" if torch.cuda.is_available() else "cpu", "gpus": gpus(), "deterministic": deterministic,
             "instance": hashlib.sha256(f"{time.time()} {id(self)}".encode()).hexdigest()[:12]}
         self.client_timeout, self.weights_timeout = client_timeout, weights_timeout
         self.changed = threading.Condition()

@@ -1,4 +1,4 @@
-"""Test settings: never touch the network, never wait on wandb, two CPU threads; the runs that tests share (one
+"""Test settings: never touch the network, never wait on wandb, one OpenMP thread a worker; the runs that tests share (one
 short training run for every test that only reads a run's outputs) and the short run of each env's training test.
 Tests marked `slow` (pytest.ini) take more than a few seconds: `python -m pytest -q -m "not slow"` leaves them out."""
 
@@ -9,6 +9,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see train.py: spinning OpenMP threads starve env threads
+if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker a core (pytest.ini): one OpenMP thread each, and in what it
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # launches, so that the workers do not oversubscribe the cores
 os.environ.setdefault("AGENTGYM_RL_PLOTS", "0")  # no PNGs at the end of every short run (tests/test_view.py draws them)
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow  # (every test here plays on a rollout server, a vLLM process of its own)
 
 import envs  # noqa: E402
 from rl.chat import chat_format  # noqa: E402
@@ -304,7 +305,7 @@ def test_lora_trains_over_a_server_and_its_checkpoint_evaluates_there(server, tm
     episodes = {kind: [json.loads(line)["messages"] for line in (tmp_path / f"{kind}.jsonl").read_text().splitlines()]
                 for kind in results}
     assert episodes["served"] == episodes["local"]
-    assert results["served"]["engine"] == "server" and results["served"]["served"][server.address]["version"] >= 1
+    assert results["served"]["engine"] == "server" and results["served"]["served"][server.address]["version"] not in (0, None)
 
 
 TURN = {"token_ids": [10, 20, 30, 40], "max_tokens": 4, "stop_ids": [], "temperature": 1.0, "top_p": 1.0, "top_k": 0}
