@@ -288,6 +288,15 @@ class SyncError(RuntimeError):
     """The engine's weights do not match the trainer's after a sync."""
 
 
+def verify_probe(diff: float, tolerance: float, whose: str) -> None:
+    """Raise SyncError if `diff`, a mean probe difference of `whose` log-probs from the trainer's, is past `tolerance`."""
+    if not diff <= tolerance:  # NaN fails too
+        raise SyncError(
+            f"weight sync failed: {whose} log-probs of the probe differ from the trainer's by {diff:.3g} on average "
+            f"(tolerance {tolerance:g}). Training on would sample from a different policy than the one being trained; "
+            "stopping. Set --sync-tolerance to change the bound.")
+
+
 # What the probe reads after every sync: a short fixed conversation in the model's chat template.
 PROBE = [{"role": "user", "content": "Probe: you are in a room with a red key and a blue door. What do you do?"},
          {"role": "assistant", "content": "Thought: I need the key first.\nAction: pick up red key"}]
@@ -478,11 +487,7 @@ class VLLMEngine(Seeded):
 
     def verify(self, diff: float) -> None:
         """Raise SyncError if `diff`, a mean probe difference, is past the tolerance."""
-        if not diff <= self.tolerance:  # NaN fails too
-            raise SyncError(
-                f"weight sync failed: the engine's log-probs of the probe differ from the trainer's by {diff:.3g} on average "
-                f"(tolerance {self.tolerance:g} for a {self.dtype} engine). Training on would sample from a "
-                "different policy than the one being trained; stopping. Set --sync-tolerance to change the bound.")
+        verify_probe(diff, self.tolerance, f"the engine's (a {self.dtype} engine)")
 
     def probe_diffs(self, model) -> torch.Tensor:
         """|engine log-prob - trainer log-prob| of each of the probe's tokens (temperature 1), the trainer's

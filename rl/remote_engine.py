@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import torch
 
-from rl.engines import PROBE, PROBE_TOLERANCE, Sample, Seeded, SyncError, trainer_probe
+from rl.engines import PROBE, PROBE_TOLERANCE, Sample, Seeded, trainer_probe, verify_probe
 from rl.rollout_server import differences, send_tensor, weight_group
 
 # The longest a poll waits on a server for one of its turns to finish: short, since a trajectory whose env answered
@@ -308,11 +308,7 @@ class RemoteEngine(Seeded):
 
     def verify(self, diff: float) -> None:
         """Raise SyncError if `diff`, a mean probe difference, is past the tolerance."""
-        if not diff <= self.tolerance:  # NaN fails too
-            raise SyncError(
-                f"weight sync failed: the rollout server's log-probs of the probe differ from the trainer's by {diff:.3g} "
-                f"on average (tolerance {self.tolerance:g}). Training on would sample from a different policy than the "
-                "one being trained; stopping. Set --sync-tolerance to change the bound.")
+        verify_probe(diff, self.tolerance, "the rollout server's")
 
     def _reach(self) -> str | None:
         """Reach every server again (one set aside may be back; one that restarted needs a new group); with none up,

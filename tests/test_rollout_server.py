@@ -27,7 +27,7 @@ from rl.remote_engine import RemoteEngine  # noqa: E402
 from rl.rollout_server import identity  # noqa: E402
 from rollout import rollout  # noqa: E402
 from test_deterministic import logged  # noqa: E402
-from test_token_exactness import Spy, check_exact  # noqa: E402
+from test_token_exactness import exact_on  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--tasks-per-step", "2", "--n", "2", "--horizon", "2", "--max-new-tokens", "16", "--eval-tasks", "2",
@@ -166,19 +166,10 @@ def test_rollouts_through_a_server_are_token_exact_for_every_env(server, tiny, n
         pytest.skip(f"envs.{name} is not ported yet")
     fmt, model = tiny
     engine = engine_on(fmt, model, server.address)
-    spy = Spy(engine, fmt)
-    test_ids = envs.splits(name)["test"][:2]
-    environments = [envs.make(name) for _ in range(4)]
     try:
-        trajectories = rollout(spy, fmt, environments, [t for t in test_ids for _ in range(2)], [0, 0, 1, 1],
-                               horizon=3, max_new_tokens=24, max_tokens=8192)
+        exact_on(engine, fmt, name)
     finally:
         engine.close()
-        for env in environments:
-            env.close()
-    assert all(t.error is None for t in trajectories), [t.error for t in trajectories]
-    assert sum(t.turns for t in trajectories) >= 4
-    assert check_exact(fmt, spy, trajectories) >= 1
 
 
 def test_a_server_with_another_model_or_too_short_a_context_is_refused(server, tiny):

@@ -106,6 +106,23 @@ class Spy:
         return finished
 
 
+def exact_on(engine, fmt, name):
+    """Two test tasks of env `name`, two episodes each, on `engine` (3 turns of at most 24 tokens): every turn is
+    token-exact (check_exact) and at least one whole sequence renders as the template does."""
+    spy = Spy(engine, fmt)
+    test_ids = envs.splits(name)["test"][:2]
+    environments = [envs.make(name) for _ in range(4)]
+    try:
+        trajectories = rollout(spy, fmt, environments, [t for t in test_ids for _ in range(2)], [0, 0, 1, 1],
+                               horizon=3, max_new_tokens=24, max_tokens=8192)
+    finally:
+        for env in environments:
+            env.close()
+    assert all(t.error is None for t in trajectories), [t.error for t in trajectories]
+    assert sum(t.turns for t in trajectories) >= 4
+    assert check_exact(fmt, spy, trajectories) >= 1
+
+
 def check_exact(fmt, spy, trajectories, renders=True):
     """renders: the whole sequence is also what the chat template renders for the conversation (False for a template
     that drops earlier reasoning, whose rendering the appended tokens do not follow by design)."""

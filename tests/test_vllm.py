@@ -21,7 +21,7 @@ from rl.engines import HFEngine, SyncError, VLLMEngine  # noqa: E402
 from rl.logprobs import token_logprobs  # noqa: E402
 from rl.model import load_model, load_tokenizer, resolve  # noqa: E402
 from rollout import ChatFormat, RolloutStats, Trajectory, rollout  # noqa: E402
-from test_token_exactness import Spy, check_exact  # noqa: E402
+from test_token_exactness import exact_on  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -191,18 +191,7 @@ def test_vllm_rollouts_are_token_exact_for_every_env(tiny, name):
     if importlib.util.find_spec(f"envs.{name}") is None:
         pytest.skip(f"envs.{name} is not ported yet")
     fmt, _, engine = tiny
-    spy = Spy(engine, fmt)
-    test_ids = envs.splits(name)["test"][:2]
-    environments = [envs.make(name) for _ in range(4)]
-    try:
-        trajectories = rollout(spy, fmt, environments, [t for t in test_ids for _ in range(2)], [0, 0, 1, 1],
-                               horizon=3, max_new_tokens=24, max_tokens=8192)
-    finally:
-        for env in environments:
-            env.close()
-    assert all(t.error is None for t in trajectories), [t.error for t in trajectories]
-    assert sum(t.turns for t in trajectories) >= 4
-    assert check_exact(fmt, spy, trajectories) >= 1
+    exact_on(engine, fmt, name)
 
 
 @pytest.mark.slow
