@@ -168,7 +168,7 @@ class RemoteEngine(Seeded):
         body = {"client": self.client, "submit": server.outbox, "abort": server.aborts, "wait": wait,
                 "version": self.version}
         try:
-            answer = self.http.post(f"{server.url}/poll", json=body, timeout=wait + 60.0)
+            answer = self.http.post(f"{server.url}/poll", json=body, timeout=wait + min(self.stall_s, 60.0))
             if answer.status_code != 200:
                 return RuntimeError(f"it answered {answer.status_code}: {_error(answer)}")
             return answer.json()

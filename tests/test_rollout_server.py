@@ -215,6 +215,19 @@ def test_a_server_killed_mid_rollout_fails_only_its_trajectories(server, tiny):
         synced = engine.load_weights(nudged(model))
         assert synced["servers"] == 2 and synced["probe_diff"] < 1e-5
         assert all(t.error is None for t in play(engine, fmt, count=4))
+        engine.stall_s = 3.0  # a server that stalls (stopped, not dead) mid-rollout: set aside after 3 s
+        stopped = []
+
+        def stop(episodes, played):
+            if not stopped:
+                doomed.process.send_signal(signal.SIGSTOP)
+                stopped.append(played)
+
+        trajectories = play(engine, fmt, count=4, horizon=4, progress=stop)
+        doomed.process.send_signal(signal.SIGCONT)
+        assert all(t.finish == "error" and doomed.address in t.error for t in trajectories if t.group % 2 == 1)
+        assert all(t.error is None for t in trajectories if t.group % 2 == 0)
+        assert engine.load_weights(nudged(model))["servers"] == 2  # (woken, it is reached again)
         alone = engine_on(fmt, model, doomed.address, reconnect_s=3.0)
         doomed.kill()
         failed = alone.load_weights(model)
