@@ -35,7 +35,7 @@ import httpx
 import torch
 
 from rl.engines import PROBE, PROBE_TOLERANCE, Sample, Seeded, trainer_probe, verify_probe
-from rl.rollout_server import differences, send_tensor, weight_group
+from rl.rollout_server import backend_to, differences, send_tensor, weight_group
 
 # The longest a poll waits on a server for one of its turns to finish: short, since a trajectory whose env answered
 # meanwhile is submitted only after the poll (a round trip costs ~2 ms on loopback)
@@ -331,11 +331,7 @@ class RemoteEngine(Seeded):
                 continue
             host, port = server.url.rsplit("//", 1)[1].rsplit(":", 1)
             world = 1 + server.info["tensor_parallel_size"]
-            mine = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid) \
-                if torch.cuda.is_available() else None
-            # NCCL between two GPUs; gloo otherwise, also when the server shares this GPU (NCCL refuses two ranks on one)
-            backend = "nccl" if mine is not None and server.info["device"] == "cuda" \
-                and mine not in server.info.get("gpus", []) else "gloo"
+            backend = backend_to(server.info)
             try:
                 with socket.create_connection((host, int(port)), timeout=10.0) as route:
                     mine = route.getsockname()[0]  # this machine's address on the route to the server

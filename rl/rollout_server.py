@@ -87,6 +87,15 @@ def gpus() -> list[str]:
     return [str(torch.cuda.get_device_properties(k).uuid) for k in range(torch.cuda.device_count())]
 
 
+def backend_to(info: dict) -> str:
+    """The weights group's backend from this process to the server `info` describes: NCCL between two GPUs; gloo
+    otherwise, also when the server shares this process's GPU (NCCL refuses two ranks on one device)."""
+    if not torch.cuda.is_available() or info.get("device") != "cuda":
+        return "gloo"
+    mine = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    return "gloo" if mine in info.get("gpus", []) else "nccl"
+
+
 def weight_group(store, rank: int, world_size: int, backend: str, timeout_s: float):
     """A process group of its own between the trainer's rank 0 (rank 0) and a server's workers: not torch's
     default group, which a trainer under `accelerate launch` and vLLM's workers each have already. Its
