@@ -9,7 +9,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see train.py: spinning OpenMP threads starve env threads
-if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker a core (pytest.ini): one OpenMP thread each, and in what it
+if os.environ.get("PYTEST_XDIST_WORKER"):  # several workers on a few cores (pytest.ini): one OpenMP thread each, and in what it
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # launches, so that the workers do not oversubscribe the cores
 os.environ.setdefault("AGENTGYM_RL_PLOTS", "0")  # no PNGs at the end of every short run (tests/test_view.py draws them)
 

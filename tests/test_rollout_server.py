@@ -215,7 +215,8 @@ def test_a_server_killed_mid_rollout_fails_only_its_trajectories(server, tiny):
         synced = engine.load_weights(nudged(model))
         assert synced["servers"] == 2 and synced["probe_diff"] < 1e-5
         assert all(t.error is None for t in play(engine, fmt, count=4))
-        engine.stall_s = 3.0  # a server that stalls (stopped, not dead) mid-rollout: set aside after 3 s
+        engine.stall_s = 10.0  # a server that stalls (stopped, not dead) mid-rollout: set aside after 10 s (a healthy
+        # one answers a poll within that, even on 2 loaded cores)
         stopped = []
 
         def stop(episodes, played):
@@ -226,7 +227,7 @@ def test_a_server_killed_mid_rollout_fails_only_its_trajectories(server, tiny):
         trajectories = play(engine, fmt, count=4, horizon=4, progress=stop)
         doomed.process.send_signal(signal.SIGCONT)
         assert all(t.finish == "error" and doomed.address in t.error for t in trajectories if t.group % 2 == 1)
-        assert all(t.error is None for t in trajectories if t.group % 2 == 0)
+        assert all(t.error is None for t in trajectories if t.group % 2 == 0), [t.error for t in trajectories]
         assert engine.load_weights(nudged(model))["servers"] == 2  # (woken, it is reached again)
         alone = engine_on(fmt, model, doomed.address, reconnect_s=3.0)
         doomed.kill()
