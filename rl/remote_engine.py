@@ -179,6 +179,7 @@ class RemoteEngine(Seeded):
         if isinstance(answer, Exception):
             self._set_aside(server, f"{_line(answer)}")
             return []
+        idle = not server.holding  # (held nothing until now: the stall clock starts at this poll)
         server.holding |= {request["id"] for request in server.outbox}
         server.outbox, server.aborts = [], []
         done = []
@@ -194,7 +195,7 @@ class RemoteEngine(Seeded):
             self.counts["cached_tokens"] += turn["cached_tokens"]
             done.append((traj, Sample(turn["token_ids"], turn["logprobs"])))
         now = time.monotonic()
-        if answer["progress"] != server.progress or not server.holding:
+        if answer["progress"] != server.progress or idle or not server.holding:
             self.progress += answer["progress"] != server.progress  # (the server generated: the rollout's watchdog)
             server.progress, server.since = answer["progress"], now
         elif now - server.since > self.stall_s:

@@ -445,3 +445,23 @@ def test_a_trainer_killed_mid_broadcast_leaves_the_server_serving_the_next_one(t
     finally:
         trainer.kill()
         alone.stop()
+
+
+def test_a_server_idle_longer_than_the_stall_bound_is_not_taken_for_stalled(server, tiny, monkeypatch):
+    """The stall clock starts when a server is given turns, not at its last answer: a pause between two rollouts
+    (the update, a slow env) longer than stall_s leaves the server in use, even when the poll that brings the next
+    turns comes back before the server has stepped (polls that do not wait; a loaded machine)."""
+    import rl.remote_engine
+
+    monkeypatch.setattr(rl.remote_engine, "POLL_WAIT_S", 0.0)
+    fmt, model = tiny
+    engine = engine_on(fmt, model, server.address)
+    try:
+        trajectories = play(engine, fmt, count=2, horizon=1)
+        assert all(t.error is None for t in trajectories), [t.error for t in trajectories]
+        engine.stall_s = 3.0
+        time.sleep(3.5)
+        trajectories = play(engine, fmt, count=2, horizon=2)
+        assert all(t.error is None for t in trajectories), [t.error for t in trajectories]
+    finally:
+        engine.close()
