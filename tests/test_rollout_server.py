@@ -465,3 +465,23 @@ def test_a_server_idle_longer_than_the_stall_bound_is_not_taken_for_stalled(serv
         assert all(t.error is None for t in trajectories), [t.error for t in trajectories]
     finally:
         engine.close()
+
+
+def test_a_broadcast_that_failed_stops_the_run_with_its_reason(tiny):
+    """rl/engines.sync: a rollout server's failed broadcast (its reason from the trainer's rank 0) stops the run with
+    that reason in one sentence, on every process alike (the reasons are gathered before anyone stops)."""
+    import types
+
+    from rl.engines import sync
+
+    fmt, model = tiny
+
+    class Broken:
+        def load_weights(self, model, weights=None, verify=True):
+            for _ in weights:  # (every process takes the weights in: a sharded gather is collective)
+                pass
+            return {"sync_s": 0.1, "error": "the weight broadcast to the rollout server at h:1 broke off at lm_head"}
+
+    accelerator = types.SimpleNamespace(unwrap_model=lambda policy: policy)
+    with pytest.raises(SystemExit, match="after step 3: weight sync failed: the weight broadcast .* broke off"):
+        sync(Broken(), model, accelerator, 3)
