@@ -41,6 +41,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_the_tests():
+    """A server's process ends when the test process does, even one that is killed (Linux: PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
 class Server:
     """`python -m rl.rollout_server` on the embedded model, in a process of its own."""
 
@@ -52,7 +62,8 @@ class Server:
     def start(self):
         self.process = subprocess.Popen([sys.executable, "-m", "rl.rollout_server", "--model", "tiny-agent",
                                          "--port", str(self.port), "--max-model-len", "8192", *self.flags], cwd=ROOT,
-                                        env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                        env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                        preexec_fn=_die_with_the_tests)
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             assert self.process.poll() is None, self.process.stderr.read()[-3000:]
