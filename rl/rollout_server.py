@@ -217,7 +217,7 @@ class RolloutServer:
         self.counter = itertools.count()
         self.progress = 0
         self.version, self.broken = 0, None  # the weights' version; why they are incomplete (no generating), if they are
-        self.updates: dict[int, Future] = {}
+        self.updates: dict[int | str, Future] = {}  # the update to each version, while it is the last
         self.stopped = False
 
     # -- the engine thread
@@ -337,9 +337,10 @@ class RolloutServer:
         with self.changed:
             self.seen[client] = time.monotonic()
         submit, abort = body.get("submit") or [], body.get("abort") or []
-        if not isinstance(submit, list) or not all(isinstance(turn, dict) and "id" in turn for turn in submit) \
-                or not isinstance(abort, list):
-            raise Refused(422, "submit is a list of turns (objects with an id), abort a list of ids")
+        if not isinstance(submit, list) or not isinstance(abort, list) \
+                or not all(isinstance(turn, dict) and isinstance(turn.get("id"), (int, str)) for turn in submit) \
+                or not all(isinstance(rid, (int, str)) for rid in abort):
+            raise Refused(422, "submit is a list of turns (objects with a number or string id), abort a list of ids")
         wait = float(body.get("wait") or 0)
         if submit:
             if self.broken:

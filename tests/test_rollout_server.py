@@ -347,7 +347,8 @@ def test_a_turn_the_engine_refuses_fails_that_turn_only(server, bad):
     assert len(poll(server, client, submit=[dict(TURN, id=3)], wait=10).json()["done"][0]["token_ids"]) == 4
 
 
-@pytest.mark.parametrize("body", [{"submit": "abc"}, {"submit": {"a": 1}}, {"submit": [5]}, {"abort": 3}, {"wait": "x"}])
+@pytest.mark.parametrize("body", [{"submit": "abc"}, {"submit": {"a": 1}}, {"submit": [5]}, {"abort": 3}, {"wait": "x"},
+                                  {"submit": [dict(TURN, id=[1])]}, {"abort": [[1]]}])
 def test_an_ill_formed_poll_is_answered_with_one_line(server, body):
     answer = poll(server, **body)
     assert answer.status_code == 422 and list(answer.json()) == ["error"], answer.text[:200]
