@@ -116,6 +116,8 @@ class Trajectory:
     # --reasoning drop: each turn's own sequence (the template's rendering of the conversation before it, then the
     # turn's sampled tokens), as (token ids, loss mask, log-probs); token_ids & co. then hold the latest turn's
     sequences: list[tuple[list[int], list[int], list[float]]] = field(default_factory=list)
+    # --max-staleness (Stream): the policy version that sampled each turn, the number of updates its weights had had
+    versions: list[int] = field(default_factory=list)
 
     def add(self, ids: list[int], logprobs: list[float] | None = None, trained: bool = False) -> None:
         """Append tokens: sampled ones with their log-probs and trained=True, anything else untrained."""
@@ -163,7 +165,19 @@ class Trajectory:
             "token_ids": encode_array(self.token_ids, "i32"), "action_spans": spans(self.loss_mask),
             "sampled_logprobs": encode_array([p for p, m in zip(self.logprobs, self.loss_mask) if m], "f32"),
             **({"usage": self.usage} if self.usage else {}),
+            **({"versions": self.versions} if self.versions else {}),
         }
+
+    def token_versions(self) -> list[int]:
+        """The version of every token (Stream's trajectories): each turn's on its sampled tokens (the runs of
+        loss-mask 1, a run per turn), -1 on everything else."""
+        versions, turn = [-1] * len(self.loss_mask), -1
+        for i, trained in enumerate(self.loss_mask):
+            if trained and (i == 0 or not self.loss_mask[i - 1]):
+                turn += 1
+            if trained:
+                versions[i] = self.versions[turn]
+        return versions
 
 
 def category(env: str, task_id: int) -> str | None:
@@ -352,7 +366,7 @@ def _episodes(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[i
                     engine.submit(traj, limit)
             if engine.pending:  # a round engine answers every submitted turn, vLLM the ones that finished
                 _generate(engine, fmt, agent, environments, pool, stepping, clock)
-            ready = _collect(engine, fmt, stepping, clock, horizon, max_tokens)
+            ready = _collect(engine, fmt, stepping, clock, max_tokens)
         for traj in trajectories:
             if traj.live:
                 traj.finish = "horizon"
@@ -400,9 +414,190 @@ def on_bar(bar) -> Callable[[int, int], None]:
     return advance
 
 
+class Stream:
+    """Rollouts that go on while the trainer updates: train.py's asynchronous loop (--max-staleness k).
+
+        stream = Stream(engine, fmt, environments, tasks_of, staleness=2, first=1, last=steps, ...)
+        for step in ...:
+            trajectories = stream.take(step)   # set `step`, complete; the later sets go on being played
+            stream.pause()                     # every turn under way finished: the engine holds nothing
+            ... update, sync ...
+            stream.resume(step)                # the engine now has version `step`
+
+    Set j is training step j's tasks (`tasks_of(j)`: task ids, groups, turn cap), as the synchronous loop plays
+    them, and step j trains exactly set j, so the data cursor is the step. A set starts (its envs are reset) once
+    the engine has the policy version j - 1 - k, the weights after update j - 1 - k (version v: the weights after
+    v updates), so at most k + 1 sets are under way, each on its own block of len(environments) / (k + 1) envs.
+    A turn is sampled by the version the engine has when it is generated, recorded in Trajectory.versions; a
+    long episode goes on under newer weights (a partial rollout). Since set j is trained at update j and its
+    first turn was sampled by version >= j - 1 - k, no trained token is more than k versions older than the
+    weights it updates: the bound holds by construction, whatever the envs' latencies, and nothing is dropped.
+    With k = 0 a set starts only after the previous update, exactly as the synchronous loop (tests check that
+    the runs are equal).
+
+    Weights change only between `pause` and `resume`. `pause` lets every turn under way finish (and submits the
+    turns of trajectories whose env has answered), so that each turn is sampled by one version whole: new weights
+    never meet a half-generated turn, nor KV computed by the old ones (the sync drops the prefix cache). The env
+    steps it starts go on during the update: on the trainer's device, that is the overlap (the engine does not
+    generate while the trainer updates); a rollout server keeps generating what it holds until the sync.
+
+    A round engine (HF, vLLM under --deterministic) plays every live trajectory of every set in one round and
+    waits for all their envs, so a run is replayable; a continuous one (vLLM) resubmits a trajectory the moment
+    its env answers.
+    """
+
+    def __init__(self, engine, fmt: ChatFormat, environments: list[Env],
+                 tasks_of: Callable[[int], tuple[list[int], list[int], int]], *, staleness: int, first: int, last: int,
+                 max_new_tokens: int, max_tokens: int, agent: Agent = REACT, pool: ThreadPoolExecutor | None = None,
+                 reseed: Callable[[int], None] | None = None):
+        if len(environments) % (staleness + 1):
+            raise ValueError(f"{len(environments)} envs do not split into {staleness + 1} sets' blocks")
+        if agent.attempts > 1:
+            raise ValueError("reflect's attempts depend on each other's reflections: play it with the synchronous loop")
+        self.engine, self.fmt, self.environments, self.tasks_of = engine, fmt, environments, tasks_of
+        self.staleness, self.last, self.agent = staleness, last, agent
+        self.max_new_tokens, self.max_tokens, self.reseed = max_new_tokens, max_tokens, reseed
+        self.block = len(environments) // (staleness + 1)
+        self.pool = pool or ThreadPoolExecutor(max_workers=min(32, len(environments)))
+        self.version = first - 1  # the engine's weights: those after this many updates
+        self.opened = first - 1  # the last set started
+        self.sets: dict[int, list[Trajectory | None]] = {}  # set -> its trajectories (None while its env resets)
+        self.ready: list[Trajectory] = []  # waiting to be submitted for their next turn
+        self.stepping: dict[Future, Trajectory] = {}
+        self.resetting: dict[Future, tuple[int, int, int, int]] = {}  # -> (set, index, task, group)
+        self.clock = RolloutStats()
+
+    def take(self, j: int, stats: RolloutStats | None = None,
+             progress: Callable[[int, int], None] | None = None) -> list[Trajectory]:
+        """Play until set j is complete, and return it in row order (the other sets go on later). `stats` receives
+        where the time went since the last take (its pause included); `progress`, set j's ended episodes and the
+        turns played, as rollout's."""
+        begin, watchdog = time.perf_counter(), Watchdog(self.engine)
+        ended = played = 0
+        try:
+            self._open()
+            if j not in self.sets:
+                raise ValueError(f"set {j} is not under way: it starts with version {j - 1 - self.staleness}, and the "
+                                 f"engine has {self.version} (sets are taken in order, each once)")
+            while True:
+                self._open()
+                if progress is not None:
+                    now, turns = self._counts(j)
+                    if (now, turns) != (ended, played):
+                        progress(now - ended, turns - played)
+                        ended, played = now, turns
+                if self._complete(j):
+                    return sorted(self.sets.pop(j), key=lambda t: t.row)
+                watchdog.check()
+                self._submit()
+                if self.engine.pending:
+                    _generate(self.engine, self.fmt, self.agent, self.environments, self.pool, self.stepping,
+                              self.clock, self.version)
+                self._collect()
+        finally:
+            self.clock.rollout_s += time.perf_counter() - begin
+            if stats is not None:
+                stats.add(self.clock)
+                self.clock = RolloutStats()
+
+    def pause(self) -> None:
+        """Generate the next turn of every trajectory whose env has answered (a round engine waits for every env
+        under way: one round) and finish every turn under way, their env steps started (they go on during the
+        update): the engine then holds nothing, and its weights may change."""
+        begin, watchdog = time.perf_counter(), Watchdog(self.engine)
+        try:
+            self._collect(idle=False)
+            self._submit()
+            while self.engine.pending:
+                watchdog.check()
+                _generate(self.engine, self.fmt, self.agent, self.environments, self.pool, self.stepping, self.clock,
+                          self.version)
+        finally:
+            self.clock.rollout_s += time.perf_counter() - begin
+
+    def resume(self, version: int) -> None:
+        """The engine has the weights after `version` updates: later turns are sampled by them, and the sets they
+        allow start at the next take."""
+        self.version = version
+
+    def close(self) -> None:
+        """Stop: drop what the engine holds and wait for the env calls under way (nothing spills into what follows;
+        the unfinished sets are lost, as a resumed run replays them)."""
+        self.engine.abort()
+        wait([*self.stepping, *self.resetting])
+        self.stepping.clear()
+        self.resetting.clear()
+
+    # -- the loop's parts
+
+    def _open(self) -> None:
+        """Start every set the staleness bound allows: reset its block's envs (in the pool, as turns go on)."""
+        while self.opened < min(self.last, self.version + 1 + self.staleness):
+            j = self.opened = self.opened + 1
+            task_ids, groups, horizon = self.tasks_of(j)
+            if len(task_ids) > self.block:
+                raise ValueError(f"set {j} has {len(task_ids)} episodes, more than its block of {self.block} envs")
+            if self.reseed is not None:  # (--deterministic: the set's samples depend on its seed and the weights)
+                self.reseed(j)
+            self.sets[j] = [None] * len(task_ids)
+            for i, (task, group) in enumerate(zip(task_ids, groups)):
+                row = (j - 1) % (self.staleness + 1) * self.block + i
+                self.resetting[self.pool.submit(_timed, self.environments[row].reset, task)] = (j, i, task, group, horizon)
+
+    def _submit(self) -> None:
+        for traj in self.ready:
+            limit = min(self.max_new_tokens, _room(traj, self.max_tokens))
+            if limit < 1:  # a first prompt that leaves no room for a reply
+                traj.finish = "max_tokens"
+            else:
+                self.engine.submit(traj, limit)
+        self.ready = []
+
+    def _collect(self, idle: bool = True) -> None:
+        """Take in the env answers (resets and steps) as rollout's _collect does: while the engine has work, those
+        that came; otherwise wait, for the first (continuous) or for all (a round's barrier, also when not `idle`:
+        a round engine's rounds never depend on timing); not `idle` (pause), a continuous engine waits for none."""
+        waiting = [*self.resetting, *self.stepping]
+        if not waiting or (self.engine.pending and not self.engine.continuous):
+            return
+        if self.engine.pending or (self.engine.continuous and not idle):
+            answered = [future for future in waiting if future.done()]
+        else:
+            start = time.perf_counter()
+            answered = wait(waiting, return_when=FIRST_COMPLETED if self.engine.continuous else ALL_COMPLETED).done
+            self.clock.idle_s += time.perf_counter() - start
+        for future in sorted(answered, key=self._row):  # row order: a round engine's batch order
+            if future in self.resetting:
+                j, i, task, group, horizon = self.resetting.pop(future)
+                row = self._row(future, (j, i))
+                first, seconds = future.result()
+                self.clock.count([(first, seconds)])
+                traj = self.sets[j][i] = _start(self.fmt, self.agent, row, self.environments[row], task, group, first,
+                                                horizon, [])
+                if traj.live:
+                    self.ready.append(traj)
+            elif _taken_in(self.fmt, traj := self.stepping.pop(future), future.result(), self.clock, self.max_tokens):
+                self.ready.append(traj)
+
+    def _row(self, future: Future, where: tuple[int, int] | None = None) -> int:
+        if future in self.stepping:
+            return self.stepping[future].row
+        j, i = where or self.resetting[future][:2]
+        return (j - 1) % (self.staleness + 1) * self.block + i
+
+    def _complete(self, j: int) -> bool:
+        return j in self.sets and all(t is not None and not t.live for t in self.sets[j])
+
+    def _counts(self, j: int) -> tuple[int, int]:
+        """Set j's ended episodes and turns played."""
+        started = [t for t in self.sets[j] if t is not None]
+        return sum(not t.live for t in started), sum(t.turns for t in started)
+
+
 def _generate(engine, fmt: ChatFormat, agent: Agent, environments: list[Env], pool: ThreadPoolExecutor,
-              stepping: dict[Future, Trajectory], clock: RolloutStats) -> None:
-    """One engine poll; every finished turn is appended and its env step started."""
+              stepping: dict[Future, Trajectory], clock: RolloutStats, version: int | None = None) -> None:
+    """One engine poll; every finished turn is appended (with the policy `version` that sampled it, when given)
+    and its env step started."""
     start = time.perf_counter()
     finished = engine.poll()
     clock.generate_s += time.perf_counter() - start
@@ -415,6 +610,8 @@ def _generate(engine, fmt: ChatFormat, agent: Agent, environments: list[Env], po
             traj.finish = sample.finish
             continue
         _act(fmt, traj, sample)
+        if version is not None:
+            traj.versions.append(version)
         clock.sampled_tokens += len(sample.token_ids)
         action = agent.read(fmt, traj.env, traj.messages[-1]["content"], sample.tool_calls)
         traj.actions.append(action.text)
@@ -440,7 +637,7 @@ def _add_usage(traj: Trajectory, sample: Sample) -> None:
         traj.usage[key] = traj.usage.get(key, 0) + value
 
 
-def _collect(engine, fmt: ChatFormat, stepping: dict[Future, Trajectory], clock: RolloutStats, horizon: int,
+def _collect(engine, fmt: ChatFormat, stepping: dict[Future, Trajectory], clock: RolloutStats,
              max_tokens: int) -> list[Trajectory]:
     """The env answers to take in now, observed; returns the trajectories that go on to another turn.
     While the engine has work, whatever has answered (none for a round engine, which finishes its round
@@ -457,12 +654,20 @@ def _collect(engine, fmt: ChatFormat, stepping: dict[Future, Trajectory], clock:
     going_on = []
     for future in sorted(answered, key=lambda f: stepping[f].row):  # row order: a round engine's batch order
         traj = stepping.pop(future)
-        result, seconds = future.result()
-        clock.count([(result, seconds)])
-        _observe(fmt, traj, result, horizon, max_tokens)
-        if traj.live and traj.turns < horizon:
+        if _taken_in(fmt, traj, future.result(), clock, max_tokens):
             going_on.append(traj)
     return going_on
+
+
+def _taken_in(fmt: ChatFormat, traj: Trajectory, answer: tuple, clock: RolloutStats, max_tokens: int) -> bool:
+    """An env's (result, seconds) for a turn, observed; whether the trajectory goes on to another turn (at its
+    horizon it ends, finish "horizon")."""
+    result, seconds = answer
+    clock.count([(result, seconds)])
+    _observe(fmt, traj, result, traj.horizon, max_tokens)
+    if traj.live and traj.turns >= traj.horizon:
+        traj.finish = "horizon"
+    return traj.live
 
 
 class EngineStalled(RuntimeError):

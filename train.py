@@ -59,18 +59,19 @@ from rl.dpo import DPOSums, dpo_terms
 from rl.engines import build_engine, check_engine, own_stream, stream_seed, sync
 from rl.horizon import describe, horizon_at
 from rl.logprobs import pad, token_logprobs, token_values
-from rl.losses import aggregate, kl, policy_loss, value_loss
+from rl.losses import aggregate, behaviour_weights, kl, policy_loss, value_loss
 from rl.memory import print_plan
 from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, Models, build_models, context_limit, has_reference,
                       check_models, load_tokenizer, make_accelerator, reference, restart)
-from rl.metrics import Costs, UpdateSums, eval_line, eval_metrics, evol_line, offline_line, rl_line, step_metrics
+from rl.metrics import (Costs, UpdateSums, async_metrics, eval_line, eval_metrics, evol_line, offline_line, rl_line,
+                        stale_sums, step_metrics)
 from rl.optimizer import accumulate, optimizer_steps, reducer, stop_on_nonfinite
 from rl.records import rollout_records
 from rl.run import (Logs, close, eval_due, evaluation_plan, find_checkpoint, finish, phase, resumable_config, resume, run_config,
                     run_directory, run_of, save_checkpoint, stop_on_env_failures)
 from rl.scores import score, spread
 from rl.sft import SFTSums, sft_terms
-from rollout import ChatFormat, EngineStalled, RolloutStats, Trajectory, play, rollout
+from rollout import ChatFormat, EngineStalled, RolloutStats, Stream, Trajectory, play, rollout
 
 
 @dataclass
@@ -208,6 +209,14 @@ class Args:
     """the same seed, the same run, on vLLM too (HF sampling always is), resumed or not: vLLM generates in rounds,
     each request seeded from a stream that every rollout restarts from (seed, step); vLLM loses 10-20% of its
     tokens/s on CPU (README)"""
+
+    # -- asynchronous training
+    max_staleness: int | None = None
+    """asynchronous: rollouts go on while the trainer updates, each step training on its tasks' episodes sampled by
+    weights at most this many updates older than those it updates (decoupled PPO weighs them, --is-cap); 0 runs that
+    loop with no staleness, which is the synchronous loop exactly; default: the synchronous loop (README)"""
+    is_cap: float = 2.0
+    """--max-staleness: truncate a stale token's importance weight pi_prox / pi_behav at this (TIS's 2)"""
 
     # -- optimisation
     lr: float = 1e-6
@@ -373,11 +382,15 @@ def main(args: Args) -> Path | None:
     if args.epochs is not None:
         args = replace(args, steps=args.epochs * (len(train_ids) // args.tasks_per_step))
     # (each call bounded by --env-timeout; an env that failed is replaced: envs/guard.py)
-    environments = make_envs(args.env, args.tasks_per_step // accelerator.num_processes * args.n,
-                             envs.parse_options(args.env_options), args.env_timeout, args.env_url, accelerator.process_index)
+    # (--max-staleness k: a block of envs for each of the k + 1 steps' tasks under way; evaluations get their own)
+    per_step, blocks = args.tasks_per_step // accelerator.num_processes * args.n, 1 + (args.max_staleness or 0)
+    environments = make_envs(args.env, per_step * blocks, envs.parse_options(args.env_options), args.env_timeout,
+                             args.env_url, accelerator.process_index)
     pool = ThreadPoolExecutor(max_workers=min(32, len(environments)))
     test_ids = test_task_ids(args) if args.eval_every else []  # played on the same envs every --eval-every steps
-    engine = logs = None
+    players = make_envs(args.env, per_step, envs.parse_options(args.env_options), args.env_timeout, args.env_url,
+                        accelerator.process_index) if test_ids and args.max_staleness is not None else environments
+    engine = logs = stream = None
     try:  # (everything from here on closes what it opened, also on a stop or an error)
         # -- models, the sampler, and the training state when resuming
         tokenizer = load_tokenizer(args.model)
@@ -388,6 +401,7 @@ def main(args: Args) -> Path | None:
         trainer_state = resume(accelerator, models, engine, Path(args.resume)) if resuming else {"step": 0, "logs": {}}
         start_step = trainer_state["step"] + 1
         sync(engine, models.policy, accelerator, start_step - 1)  # from the first step on: the trainer's weights
+        stream = streamed(engine, fmt, environments, train_ids, start_step, max_tokens, pool, args, accelerator)
 
         # -- the run's record (logs cut back to the checkpoint's when resuming)
         config = run_config(args, run_dir, resuming, accelerator, mixed, engine, environments[0])
@@ -402,7 +416,7 @@ def main(args: Args) -> Path | None:
         progress = tqdm(range(start_step, args.steps + 1), disable=not accelerator.is_main_process, desc="train",
                         dynamic_ncols=True, initial=start_step - 1, total=args.steps)
         if test_ids and start_step == 1:  # the initial policy, for the held-out comparison at the end (finish)
-            evaluation, evaluated = evaluate(engine, fmt, environments, test_ids, models, args, accelerator, max_tokens, 0,
+            evaluation, evaluated = evaluate(engine, fmt, players, test_ids, models, args, accelerator, max_tokens, 0,
                                              progress)
             logs.write(0, evaluation | {"charts/step": 0}, eval_line(0, evaluation), evaluations=evaluated)
         for step in progress:
@@ -413,18 +427,23 @@ def main(args: Args) -> Path | None:
             horizon = horizon_at(step, args.horizon, args.horizon_every)  # ScalingInter-RL: this step's turn cap
             costs = Costs(RolloutStats())
             with costs.measure("rollout"):
-                if args.deterministic:  # this step's samples depend on (seed, step) and the weights alone
-                    engine.reseed(stream_seed(args.seed + accelerator.process_index, step))
-                trajectories = rollout(engine, fmt, environments, task_ids, groups, horizon=horizon, pool=pool,
-                                       stats=costs.rollout, max_new_tokens=args.max_new_tokens, max_tokens=max_tokens,
-                                       agent=make_agent(args.agent, args.attempts),
-                                       progress=phase(progress, "rollout", len(task_ids)))
+                if stream is not None:  # --max-staleness: this step's set, played while earlier steps updated
+                    trajectories = stream.take(step, costs.rollout, phase(progress, "rollout", len(task_ids)))
+                else:
+                    if args.deterministic:  # this step's samples depend on (seed, step) and the weights alone
+                        engine.reseed(stream_seed(args.seed + accelerator.process_index, step))
+                    trajectories = rollout(engine, fmt, environments, task_ids, groups, horizon=horizon, pool=pool,
+                                           stats=costs.rollout, max_new_tokens=args.max_new_tokens, max_tokens=max_tokens,
+                                           agent=make_agent(args.agent, args.attempts),
+                                           progress=phase(progress, "rollout", len(task_ids)))
                 stop_on_env_failures(trajectories, args.max_error_rate, accelerator, run_dir, step)
 
             # -- the batch, its old/reference log-probs and values, advantages, the update, the engine's new weights
+            if stream is not None and not engine.apart:  # (an engine on the trainer's device waits out the update)
+                stream.pause()
             engine.sleep()
             with costs.measure("update"):
-                batch = batch_of(trajectories, args, accelerator, fmt.pad_id)
+                batch = batch_of(trajectories, args, accelerator, fmt.pad_id, step)
                 old_logprobs(models, batch, args, accelerator)
                 advantages, returns = advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok,
                                                      reducer(accelerator), batch.episodes)
@@ -432,6 +451,8 @@ def main(args: Args) -> Path | None:
                 sums, grad_norms = update(models, batch, args, accelerator, step,
                                           phase(progress, "update", args.ppo_epochs * len(batch.micro)))
                 stop_on_nonfinite(models, batch, args.max_nonfinite_updates, accelerator, run_dir, step)
+            if stream is not None:  # (a rollout server generated during the update: the turns it holds end first)
+                stream.pause()
             synced = sync(engine, models.policy, accelerator, step)
 
             # -- metrics and logs (trajectory statistics over all processes, losses from this one)
@@ -439,9 +460,15 @@ def main(args: Args) -> Path | None:
             sampled = gather_object([costs.rollout.sampled_tokens])
             metrics = step_metrics(records, sampled, costs, sums, grad_norms, batch, advantages, returns, models, horizon,
                                    engine.metrics() | synced)
-            evaluation, evaluated = evaluate(engine, fmt, environments, test_ids, models, args, accelerator, max_tokens, step,
+            if stream is not None:
+                metrics |= async_metrics(batch, sums, args.max_staleness)
+            evaluation, evaluated = evaluate(engine, fmt, players, test_ids, models, args, accelerator, max_tokens, step,
                                              progress) if eval_due(step, args.eval_every, args.steps) else ({}, [])
-            metrics |= evaluation | {"perf/step_s": time.perf_counter() - step_start, "charts/step": step}
+            if stream is not None:
+                stream.resume(step)
+            step_s = time.perf_counter() - step_start
+            metrics |= evaluation | {"perf/step_s": step_s, "perf/engine_idle_share": 1 - costs.rollout.generate_s / step_s,
+                                     "charts/step": step}
             logs.write(step, metrics, rl_line(step, metrics), evaluations=evaluated,
                        rollouts=records if step % args.log_rollouts_every == 0 else [])
 
@@ -449,7 +476,9 @@ def main(args: Args) -> Path | None:
                 save_checkpoint(accelerator, models, engine, tokenizer, run_dir / "checkpoints" / f"step_{step}", step, logs,
                                 args.keep_checkpoints)
     finally:  # also when a stop (env failures, NaN, a stalled engine) or an error ends the run: no JVM or browser left behind
-        close(engine, environments, logs, pool)
+        if stream is not None:
+            stream.close()
+        close(engine, environments + (players if players is not environments else []), logs, pool)
     return finish(run_dir, accelerator)
 
 
@@ -472,14 +501,37 @@ def my_tasks(tasks: list[int], n: int, accelerator) -> tuple[list[int], list[int
     return mine, [i // n for i in range(len(mine))]
 
 
-def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: int) -> Batch:
+def streamed(engine, fmt: ChatFormat, environments: list, train_ids: list[int], first: int, max_tokens: int,
+             pool: ThreadPoolExecutor, args: Args, accelerator) -> Stream | None:
+    """--max-staleness k: the rollouts that go on across steps (rollout.py's Stream), set j holding step j's tasks,
+    as the synchronous loop plays them (my_tasks, the horizon schedule, under --deterministic a stream of seeds
+    restarted from (seed, step)), from step `first` on: in-flight episodes are not checkpointed, a resumed run
+    plays its next steps' sets anew (README: a browser page or a JVM's state cannot be saved)."""
+    if args.max_staleness is None:
+        return None
+    def tasks_of(j: int) -> tuple[list[int], list[int], int]:
+        mine, groups = my_tasks(tasks_for(j, train_ids, args.tasks_per_step, args.seed), args.n, accelerator)
+        return mine, groups, horizon_at(j, args.horizon, args.horizon_every)
+
+    seed = args.seed + accelerator.process_index
+    return Stream(engine, fmt, environments, tasks_of, staleness=args.max_staleness, first=first, last=args.steps,
+                  max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, agent=make_agent(args.agent, args.attempts),
+                  pool=pool, reseed=(lambda j: engine.reseed(stream_seed(seed, j))) if args.deterministic else None)
+
+
+def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: int, step: int = 0) -> Batch:
     """The step's tensors (rl/batch.py): micro-batches by --micro-batch-size or --max-tokens-per-micro-batch,
-    packed with --pack, as many on every process (the most any process needs; the others add empty ones)."""
+    packed with --pack, as many on every process (the most any process needs; the others add empty ones). Tokens
+    sampled by older weights (--max-staleness) carry their `lag`: the updates between them and step `step`'s."""
     rows, episodes = rows_of(trajectories)  # (--reasoning drop: a row per turn)
     layout = arrange([len(t.token_ids) for t in rows], args.micro_batch_size, args.max_tokens_per_micro_batch,
                      args.pack, minimum=args.minibatches)
     count = int(reducer(accelerator, "max")(torch.tensor([len(layout)])))
-    return make_batch(rows, pad_id, layout, accelerator.device, count=count, pack=args.pack, episodes=episodes)
+    batch = make_batch(rows, pad_id, layout, accelerator.device, count=count, pack=args.pack, episodes=episodes)
+    for tensors in (batch.full, *batch.micro):
+        if "versions" in tensors:
+            tensors["lag"] = (step - 1 - tensors.pop("versions")) * tensors["loss_mask"]
+    return batch
 
 
 @torch.no_grad()
@@ -569,6 +621,9 @@ def update_policy(models: Models, micro: dict, counts: dict, args: Args, acceler
     old = micro["old_logprobs"] if "old_logprobs" in micro else logprobs.detach()
     micro.setdefault("trainer_logprobs", old.detach())  # the first pass's, for the rollout log
     pg, clipped = policy_loss(logprobs, old, micro["advantages"], args.clip, args.clip_high, args.dual_clip)
+    weights, truncated = behaviour_weights(old, micro["sampler_logprobs"], micro["lag"], args.is_cap) if "lag" in micro \
+        else (torch.ones_like(pg), torch.zeros_like(pg))  # (--max-staleness: decoupled PPO, around the proximal policy)
+    pg = pg * weights
     loss = aggregate(pg, mask, args.loss_agg, **counts) - args.entropy_coef * aggregate(entropy, mask, args.loss_agg, **counts)
     divergence = torch.zeros_like(logprobs)
     if has_reference(models):
@@ -580,7 +635,8 @@ def update_policy(models: Models, micro: dict, counts: dict, args: Args, acceler
                           entropy=float((entropy * mask).sum()), clipfrac=float((clipped * mask).sum()),
                           ppo_kl=float(((old - logprobs) * mask).sum()),
                           logprob_diff=float(((micro["sampler_logprobs"] - old).abs() * mask).sum()),
-                          logprob_diff_max=float(((micro["sampler_logprobs"] - old).abs() * mask).max()))
+                          logprob_diff_max=float(((micro["sampler_logprobs"] - old).abs() * mask).max()),
+                          **(stale_sums(weights, truncated, micro["lag"] * mask) if "lag" in micro else {}))
     return loss, sums, all(math.isfinite(x) for x in (sums.policy, sums.kl, sums.entropy))
 
 
@@ -957,6 +1013,10 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
                          "learns from its own rollouts")
     if args.tasks_per_step % world:
         raise SystemExit(f"--tasks-per-step {args.tasks_per_step} must be divisible by the {world} processes")
+    if args.max_staleness is not None and (args.max_staleness < 0 or args.is_cap < 1):
+        raise SystemExit("--max-staleness takes 0 (the asynchronous loop, no staleness) or more, --is-cap 1 or more")
+    if args.max_staleness is not None and args.agent == "reflect":
+        raise SystemExit("--agent reflect's attempts wait for each other's reflections: train it without --max-staleness")
     trajectories = args.tasks_per_step // world * args.n
     micro_batches = (trajectories + args.micro_batch_size - 1) // args.micro_batch_size
     if args.max_tokens_per_micro_batch < 0 or args.pack and not args.max_tokens_per_micro_batch:
@@ -974,6 +1034,8 @@ def check_offline(args: Args, world: int) -> None:
         raise SystemExit(f"--algo {args.algo} learns from trajectory files: give --data FILE ... (AgentGym's AgentTraj "
                          "format; `python scripts/make_expert_data.py --env ENV` writes the oracle's, and a run's "
                          "rollouts.jsonl or eval.py's episodes read too)")
+    if args.max_staleness is not None:
+        raise SystemExit(f"--max-staleness is about RL's rollouts; --algo {args.algo} learns from trajectory files")
     if args.experience and args.algo != "dpo":
         raise SystemExit("--experience holds the rejected side of DPO's pairs: use it with --algo dpo")
     if args.batch_size < 1 or args.batch_size % world:

@@ -142,8 +142,12 @@ def rows_of(trajectories) -> tuple[list, list[int]]:
     the episode's outcome."""
     rows, episodes = [], []
     for k, traj in enumerate(trajectories):
-        for ids, mask, logprobs in traj.sequences or [(traj.token_ids, traj.loss_mask, traj.logprobs)]:
-            rows.append(replace(traj, token_ids=ids, loss_mask=mask, logprobs=logprobs, sequences=[]))
+        if not traj.sequences:
+            rows.append(replace(traj))
+            episodes.append(k)
+        for turn, (ids, mask, logprobs) in enumerate(traj.sequences):  # (a turn's sequence: its version alone)
+            rows.append(replace(traj, token_ids=ids, loss_mask=mask, logprobs=logprobs, sequences=[],
+                                versions=traj.versions[turn:turn + 1]))
             episodes.append(k)
     return rows, episodes
 
@@ -155,6 +159,9 @@ def make_batch(trajectories, pad_id: int, layout: Layout, device, count: int | N
     ok = torch.tensor([t.error is None for t in trajectories])
     full = collate(trajectories, pad_id)
     full["loss_mask"] *= ok[:, None]
+    if any(t.versions for t in trajectories):  # (Stream's: the policy version of every sampled token, -1 elsewhere)
+        full["versions"] = torch.tensor([t.token_versions() + [-1] * (full["loss_mask"].shape[1] - len(t.token_ids))
+                                         for t in trajectories], dtype=torch.float32)
     episodes = torch.tensor(range(len(trajectories)) if episodes is None else episodes, dtype=torch.long)
     if len(episodes.unique()) < len(episodes):  # rows of one episode: it weighs as one sequence (see `weights`)
         full["weights"] = weights(full["loss_mask"], episodes)
@@ -184,11 +191,12 @@ def _place(rows: list[list[int]], lengths: list[int]) -> list[Piece]:
 
 def _micro(full: dict, rows: list[list[int]], pieces: list[Piece], pad_id: int, pack: bool, device,
            episodes: torch.Tensor | None = None) -> dict:
-    """One micro-batch's tensors (those of `full` it has: input_ids, loss_mask, sampler_logprobs, weights), and
+    """One micro-batch's tensors (those of `full` it has: input_ids, loss_mask, sampler_logprobs, weights, versions), and
     `segments`, the episode of each token (-1: padding). An empty one holds a single masked pad token."""
     width = max([1] + [piece.offset + piece.length for piece in pieces])
     micro = {"input_ids": torch.full((len(rows), width), pad_id, dtype=torch.long)}
-    micro |= {key: torch.zeros((len(rows), width)) for key in ("loss_mask", "sampler_logprobs", "weights") if key in full}
+    micro |= {key: torch.zeros((len(rows), width)) for key in ("loss_mask", "sampler_logprobs", "weights", "versions")
+              if key in full}
     copied = list(micro)
     micro["segments"] = torch.full((len(rows), width), -1, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)

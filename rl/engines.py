@@ -72,6 +72,7 @@ class Seeded:
 
     generator: torch.Generator | None = None
     state_key = "generator"
+    apart = False  # True: it generates on devices of its own, also while the trainer updates (a rollout server)
 
     def reseed(self, seed: int) -> None:
         """Restart the stream from `seed`."""

@@ -36,6 +36,20 @@ def policy_loss(logprobs, old_logprobs, advantages, clip_low: float = 0.2, clip_
     return loss, active.float()
 
 
+def behaviour_weights(proximal, behaviour, lag, cap: float = 2.0):
+    """Decoupled PPO's importance weight of each token (Hilton et al., 2022; AReaL, Fu et al., 2025), for tokens
+    sampled by an older policy than the one updated (asynchronous training): the clipped surrogate is taken
+    around the proximal policy (the trainer's weights before the update: `proximal` log-probs) and weighted by
+    pi_prox / pi_behav, the behaviour policy's (the sampler's: `behaviour`), truncated at `cap` (TIS, Yao et al.,
+    2025) so that no stale token weighs more than `cap` times. `lag` [B, T]: versions between the weights that
+    sampled the token and the proximal ones; at lag 0 they are the same weights (the engine's last-bit difference
+    from the trainer is not an off-policy gap), so the weight is 1 and the loss is the synchronous one.
+    Returns (weights, 1.0 where the cap truncated one)."""
+    ratio = torch.exp((proximal - behaviour).clamp(max=20))
+    stale = lag > 0
+    return torch.where(stale, ratio.clamp(max=cap), torch.ones_like(ratio)), (stale & (ratio > cap)).float()
+
+
 def value_loss(values, old_values, returns, clip: float | None = 0.5):
     """Clipped value loss: 0.5 max((V - R)^2, (V_clipped - R)^2) with V_clipped = V_old + clip(V - V_old, +-clip).
     Returns (loss terms, 1.0 where the clipped branch was the larger)."""

@@ -3,6 +3,7 @@
     rollout/   the step's episodes, over every process    finish/   how they ended, as shares
     losses/    the update's, per action token              critic/   PPO's values and returns
     perf/      time, throughput and peak memory            sync/     the engine's weight sync
+    async/     --max-staleness: staleness, importance weights
     category/  reward and success per task category        charts/   learning rates, the step
     eval/      the test split (--eval-every)               sft/, dpo/, evol/: learning from trajectory files
 
@@ -62,6 +63,35 @@ class UpdateSums(Sums):
     critic_tokens: float = 0.0
     value: float = 0.0
     value_clipfrac: float = 0.0
+    stale_tokens: float = 0.0  # --max-staleness: tokens sampled by older weights than those updated (lag >= 1)
+    is_weight: float = 0.0  # their importance weights (rl/losses.behaviour_weights), summed
+    is_weight_max: float = largest()
+    is_truncated: float = 0.0  # of them, those the cap truncated
+
+
+def stale_sums(weights: torch.Tensor, truncated: torch.Tensor, lag: torch.Tensor) -> dict[str, float]:
+    """UpdateSums' importance-weight fields from one micro-batch (`lag`: 0 off the action tokens)."""
+    stale = lag > 0
+    return {"stale_tokens": float(stale.sum()), "is_weight": float(weights[stale].sum()),
+            "is_weight_max": float(weights[stale].max()) if stale.any() else 0.0,
+            "is_truncated": float(truncated[stale].sum())}
+
+
+def async_metrics(batch, sums: UpdateSums, staleness: int) -> dict[str, float]:
+    """--max-staleness's metrics (this process's): how many updates old the trained tokens were (mean, max, and
+    the share at each lag 0..k) and their importance weights over the stale ones (mean, max, share truncated)."""
+    mask = batch.full["loss_mask"] > 0
+    lag = batch.full.get("lag", torch.zeros_like(batch.full["loss_mask"]))[mask]
+    tokens = max(int(mask.sum()), 1)
+    stale = max(sums.stale_tokens, 1.0)
+    return {
+        "async/staleness_mean": float(lag.sum()) / tokens,
+        "async/staleness_max": float(lag.max()) if len(lag) else 0.0,
+        **{f"async/lag_{k}_share": float((lag == k).sum()) / tokens for k in range(staleness + 1)},
+        "async/is_weight_mean": sums.is_weight / stale if sums.stale_tokens else 1.0,
+        "async/is_weight_max": sums.is_weight_max if sums.stale_tokens else 1.0,
+        "async/is_truncated_share": sums.is_truncated / stale,
+    }
 
 
 def step_metrics(records: list[dict], sampled: list[int], costs: Costs, sums: UpdateSums,

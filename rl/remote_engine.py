@@ -59,6 +59,7 @@ class RemoteServer:
 
 class RemoteEngine(Seeded):
     name = "server"
+    apart = True  # (its servers go on generating while the trainer updates)
     state_key = "request_seeds"
 
     def __init__(self, addresses: list[str], fmt, *, temperature: float, top_p: float, top_k: int = 0, seed: int = 0,

@@ -1,0 +1,159 @@
+"""Asynchronous training (--max-staleness k, rollout.py's Stream): staleness 0 is the synchronous loop exactly, no
+trained token is more than k updates old, the importance weights are pi_prox / pi_behav truncated at the cap, and
+episodes go on under newer weights (partial rollouts)."""
+
+import json
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+import envs
+import train
+from envs import StepResult, react_action
+from envs.babyai import BabyAI
+from rl.engines import engine_kind
+from rl.losses import behaviour_weights
+from rl.records import decode_array
+
+pytestmark = pytest.mark.slow  # training runs
+
+
+class Ragged(BabyAI):
+    """BabyAI's first observation; task t ends after t % 3 + 1 turns, rewarded when the last reply says "turn left",
+    so episodes of a step end at different turns and the samples of a task differ."""
+
+    name = "ragged"
+
+    def reset(self, task_id):
+        self.left = task_id % 3 + 1
+        return super().reset(task_id)
+
+    def step(self, text):
+        self.left -= 1
+        done = self.left == 0
+        return StepResult("Done." if done else "Go on.", float(done and react_action(text) == "turn left"), done, {})
+
+
+@pytest.fixture
+def ragged(monkeypatch, tmp_path):
+    ids = tmp_path / "ids.json"
+    envs.save_task_ids(ids, "ragged", list(range(121, 521)))
+    module = types.SimpleNamespace(make=lambda **_: Ragged(), category=lambda t: ("one", "two", "three")[t % 3],
+                                   default_split_files=lambda: (ids, ids))
+    monkeypatch.setitem(sys.modules, "ragged_env", module)
+    monkeypatch.setitem(envs.ENVS, "ragged", envs.Registration("ragged_env", call_timeout=60.0, upstream_horizon=3))
+
+
+def run(tmp_path, name, *flags):
+    args = train.parse_args(["--env", "ragged", "--steps", "5", "--tasks-per-step", "2", "--n", "4", "--horizon", "3",
+                             "--max-new-tokens", "16", "--lr", "0.01", "--out-dir", str(tmp_path), "--run-name", name,
+                             *map(str, flags)])
+    run_dir = train.main(args)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    return metrics, rollouts
+
+
+def timeless(metrics):
+    return [{k: v for k, v in m.items() if not k.startswith(("perf/", "async/", "sync/seconds"))} for m in metrics]
+
+
+@pytest.mark.parametrize("algo,engine", [("grpo", "hf"), ("ppo", "hf"), ("grpo", "vllm")])
+def test_staleness_zero_is_the_synchronous_loop(algo, engine, ragged, tmp_path):
+    if engine == "vllm" and engine_kind("auto") != "vllm":
+        pytest.skip("vLLM is not installed")
+    flags = ["--algo", algo, "--engine", engine, "--deterministic", "--eval-every", "2", "--eval-tasks", "3",
+             "--steps", "3"]
+    sync_metrics, sync_rollouts = run(tmp_path, "sync", *flags)
+    async_metrics, async_rollouts = run(tmp_path, "async", *flags, "--max-staleness", "0")
+    assert [m["charts/step"] for m in async_metrics] == [0, 1, 2, 3]
+    assert timeless(async_metrics) == timeless(sync_metrics)  # rewards, losses, KL, evaluations: every one
+    assert all(m["async/staleness_max"] == 0 and m["async/is_weight_mean"] == 1 for m in async_metrics[1:])
+    for played, reference in zip(async_rollouts, sync_rollouts, strict=True):
+        assert played.pop("versions") == [played["step"] - 1] * played["turns"]
+        assert played == reference  # every token, log-prob and advantage
+
+
+@pytest.fixture(scope="module")
+def stale_run(tmp_path_factory):
+    """A k = 2 run on the HF engine (rounds: every set under way plays together), the cap low enough to truncate."""
+    mp = pytest.MonkeyPatch()
+    tmp_path = tmp_path_factory.mktemp("stale")
+    ids = tmp_path / "ids.json"
+    envs.save_task_ids(ids, "ragged", list(range(121, 521)))
+    module = types.SimpleNamespace(make=lambda **_: Ragged(), category=lambda t: ("one", "two", "three")[t % 3],
+                                   default_split_files=lambda: (ids, ids))
+    mp.setitem(sys.modules, "ragged_env", module)
+    mp.setitem(envs.ENVS, "ragged", envs.Registration("ragged_env", call_timeout=60.0, upstream_horizon=3))
+    try:
+        yield run(tmp_path, "k2", "--engine", "hf", "--max-staleness", "2", "--is-cap", "1.1", "--eval-every", "0")
+    finally:
+        mp.undo()
+
+
+def test_no_trained_token_is_more_than_k_updates_old(stale_run):
+    metrics, rollouts = stale_run
+    assert sorted({r["step"] for r in rollouts}) == [1, 2, 3, 4, 5]
+    for record in rollouts:
+        step, versions = record["step"], record["versions"]
+        assert len(versions) == record["turns"] == len(record["action_spans"])
+        assert versions == sorted(versions)  # an episode goes on under the same or newer weights
+        assert all(step - 1 - 2 <= v <= step - 1 for v in versions), (step, versions)
+    assert any(len(set(r["versions"])) > 1 for r in rollouts)  # partial rollouts: an episode under two versions
+    assert {r["step"] - 1 - v for r in rollouts for v in r["versions"]} == {0, 1, 2}
+    for m in metrics:
+        assert m["async/staleness_max"] <= 2
+        assert sum(m[f"async/lag_{k}_share"] for k in range(3)) == pytest.approx(1)
+
+
+def test_importance_weights_are_recomputed_from_the_logs(stale_run):
+    """pi_prox / pi_behav from the logged log-probs (the trainer's before its update, the sampler's), truncated at
+    the cap, over the stale tokens: the run's metrics exactly."""
+    metrics, rollouts = stale_run
+    truncated_somewhere = untruncated_somewhere = False
+    for m in metrics:
+        weights = []
+        for record in (r for r in rollouts if r["step"] == m["charts/step"]):
+            behaviour = decode_array(record["sampled_logprobs"])
+            proximal = decode_array(record["trainer_logprobs"])
+            proximal = proximal * len(behaviour) if len(proximal) == 1 else proximal  # (all equal: logged once)
+            lags = [record["step"] - 1 - v for (start, end), v in zip(record["action_spans"], record["versions"])
+                    for _ in range(start, end)]
+            weights += [math.exp(p - b) for p, b, lag in zip(proximal, behaviour, lags, strict=True) if lag > 0]
+        if not weights:
+            assert m["async/is_weight_mean"] == 1 and m["async/is_truncated_share"] == 0
+            continue
+        capped = [min(w, 1.1) for w in weights]
+        assert m["async/is_weight_mean"] == pytest.approx(sum(capped) / len(capped), rel=1e-5)
+        assert m["async/is_weight_max"] == pytest.approx(max(capped), rel=1e-5)
+        assert m["async/is_truncated_share"] == pytest.approx(sum(w > 1.1 for w in weights) / len(weights))
+        truncated_somewhere |= any(w > 1.1 for w in weights)
+        untruncated_somewhere |= any(w < 1.1 for w in weights)
+    assert truncated_somewhere and untruncated_somewhere
+
+
+def test_behaviour_weights_follow_the_definition():
+    proximal = torch.tensor([[-1.0, -0.5, -2.0, -0.1]])
+    behaviour = torch.tensor([[-1.2, -0.5, -0.1, -3.0]])
+    lag = torch.tensor([[1.0, 2.0, 1.0, 0.0]])
+    weights, truncated = behaviour_weights(proximal, behaviour, lag, cap=1.5)
+    expected = [min(math.exp(p - b), 1.5) for p, b in zip(proximal[0].tolist(), behaviour[0].tolist())]
+    assert weights[0, :3].tolist() == pytest.approx(expected[:3])
+    assert weights[0, 3] == 1.0  # sampled by the weights being updated: no correction, however far apart
+    assert truncated.tolist() == [[0.0, 0.0, 0.0, 0.0]]
+    weights, truncated = behaviour_weights(torch.tensor([[0.0]]), torch.tensor([[-5.0]]), torch.tensor([[1.0]]), 2.0)
+    assert weights.item() == 2.0 and truncated.item() == 1.0
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--max-staleness", "-1"], "--max-staleness takes 0"),
+    (["--max-staleness", "1", "--is-cap", "0.5"], "--is-cap 1 or more"),
+    (["--max-staleness", "1", "--agent", "reflect"], "reflect"),
+])
+def test_bad_staleness_flags_stop_with_a_sentence(flags, message, tmp_path):
+    args = train.parse_args(["--out-dir", str(tmp_path), *flags])
+    with pytest.raises(SystemExit, match=message):
+        train.check(args, 1)
