@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from accelerate import Accelerator
 
+import envs
 import train
 from rl.run import find_checkpoint, run_directory
 
@@ -21,9 +22,9 @@ FLAGS = ["--engine", "hf", "--steps", "5", "--save-every", "2", "--keep-checkpoi
          "--n", "2", "--horizon", "2", "--max-new-tokens", "16", "--lr", "0.01", "--resume", "auto", "--eval-every", "0"]
 
 
-def launch(out: Path, point: str = "none", n: int = 0) -> int:
+def launch(out: Path, point: str = "none", n: int = 0, *extra: str) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    command = [sys.executable, str(CRASH), point, str(n), *FLAGS, "--out-dir", str(out), "--run-name", "r"]
+    command = [sys.executable, str(CRASH), point, str(n), *FLAGS, *extra, "--out-dir", str(out), "--run-name", "r"]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600).returncode
 
 
@@ -56,6 +57,30 @@ def test_killed_anywhere_and_resumed_the_run_logs_what_an_uninterrupted_run_logs
     assert resumed[1] == whole[1]  # every trajectory
     checkpoints = sorted(p.name for p in (crashed / "r" / "checkpoints").iterdir())
     assert checkpoints == ["step_4", "step_5"]  # --keep-checkpoints 2, nothing half-written left
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_an_asynchronous_run_killed_and_resumed_trains_every_task_group_once(tmp_path):
+    """--max-staleness 2: in-flight episodes (the next two steps' sets, begun while a step updated) are not in the
+    checkpoint; the resumed run plays those sets anew, so every step of the data cursor trains its own task groups,
+    once, whatever was under way when the process died."""
+    kills = [
+        ("update", 3),  # step 3's update (one micro-batch a step), after the step-2 checkpoint: sets 3-5 under way
+        ("rollout", 10),  # resumed at 3: mid-rollout of sets 3-5, begun again from the step-2 weights
+    ]
+    for point, n in kills:
+        assert launch(tmp_path, point, n, "--max-staleness", "2") == -9, f"the {point} crash did not happen"
+    assert launch(tmp_path, "none", 0, "--max-staleness", "2") == 0
+
+    metrics, rollouts = logged(tmp_path / "r")
+    assert [m["charts/step"] for m in metrics] == [1, 2, 3, 4, 5]
+    args = train.parse_args([*FLAGS, "--run-name", "r", "--out-dir", str(tmp_path)])
+    train_ids = envs.load_task_ids(args.train_tasks, args.env) if args.train_tasks else envs.splits(args.env)["train"]
+    for step in range(1, 6):
+        played = sorted(r["task_id"] for r in rollouts if r["step"] == step)
+        assert played == sorted(train.tasks_for(step, train_ids, 2, args.seed) * 2), step  # each group once, n = 2
+        assert all(step - 3 <= v <= step - 1 for r in rollouts if r["step"] == step for v in r["versions"])
 
 
 def test_resume_auto_and_run_directories(tmp_path):
