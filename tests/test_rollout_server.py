@@ -324,6 +324,22 @@ def test_lora_trains_over_a_server_and_its_checkpoint_evaluates_there(server, tm
     assert results["served"]["engine"] == "server" and results["served"]["served"][server.address]["version"] not in (0, None)
 
 
+def test_asynchronous_training_over_a_server(server, tmp_path):
+    """--max-staleness 2 over a server, which generates during the update (only the sync waits for the turns it
+    holds): every trained token within 2 versions, every in-flight sync checked by the probe, evaluations between."""
+    done = subprocess.run([sys.executable, "train.py", "--rollout-server", server.address, "--max-staleness", "2",
+                           "--steps", "4", "--lr", "0.01", *SMALL, "--out-dir", str(tmp_path), "--run-name", "async"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / "async"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert [m["charts/step"] for m in metrics] == [0, 1, 2, 3, 4] and "eval/success" in metrics[2]
+    assert all(m["sync/probe_diff"] < 1e-3 and m["async/staleness_max"] <= 2 for m in metrics[1:])
+    assert all(r["step"] - 3 <= v <= r["step"] - 1 for r in rollouts for v in r["versions"])
+    assert any(m["async/staleness_mean"] > 0 for m in metrics[1:])
+
+
 TURN = {"token_ids": [10, 20, 30, 40], "max_tokens": 4, "stop_ids": [], "temperature": 1.0, "top_p": 1.0, "top_k": 0}
 
 
