@@ -3,6 +3,7 @@
     trajectories = rollout(engine, fmt, envs, task_ids, groups, horizon=..., max_new_tokens=..., max_tokens=...)
     trajectories = rollout(..., stats=RolloutStats())                 # where the time went, for throughput metrics
     trajectories = play(engine, fmt, envs, task_ids, horizon=..., ...)   # more tasks than envs: in turn
+    stream = Stream(engine, fmt, envs, tasks_of, staleness=k, ...)       # train.py --max-staleness k: see Stream
 
 One env per trajectory (the caller repeats each task n times). Each trajectory's next turn is
 submitted to the engine; a finished turn's decoded text goes to env.step in a thread pool, and the
@@ -60,6 +61,9 @@ Where this differs from upstream's rollout (AgentGym-RL's vLLMRollout.generate_s
   With vLLM, a trajectory's next turn starts as soon as its own env answers, so one slow env (a
   browser page, a search call) no longer leaves the GPU idle; turn caps, token budgets, the layout
   and the rewards are the same. The HF engine keeps rounds (one batched call each).
+- Upstream's loop is synchronous only. Stream (train.py --max-staleness k) goes on playing the next k steps' tasks
+  while the trainer updates, each turn recording the policy version that sampled it; k = 0 is the synchronous
+  loop exactly.
 - Upstream sleeps `send_interval` (1 s) before every round's env steps (pacing for its HTTP env
   servers); envs here are in-process, so there is no pause.
 """

@@ -18,6 +18,8 @@ same models, accumulation, logs and checkpoints learn from trajectory files (--d
     python train.py --algo dpo --data expert.jsonl --experience runs/<run>/rollouts.jsonl
     python train.py --algo agentevol --data data/babyai_train_expert.jsonl --iterations 3 --n 4
 
+`--max-staleness k` trains asynchronously: the next k steps' episodes are played while the trainer updates, and
+decoupled PPO weighs the tokens sampled by older weights (rollout.py's Stream; README, "Asynchronous training").
 `--agent tools` plays through native tool calls and a reasoning model's block is never read by the env (rl/chat.py);
 `--reasoning drop` trains each turn on the template's rendering of the conversation, earlier reasoning gone.
 Flags default to the paper's recipe for a real model and to the `tiny` preset (two CPU cores, minutes) for the

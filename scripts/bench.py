@@ -32,6 +32,14 @@ resident set's high-water mark) is its own:
   tokens/s (the reference log-probs, every forward/backward and optimizer step), the padding share of
   the update's micro-batches (target <= 5%), the rollout's and the update's peak memory. Step 1 is
   warm-up; the figures are the mean of the later steps.
+- async: `python train.py` on a long-tailed env latency workload (--async-delay, train.py's --env-delay:
+  envs/latency.py, by default WebArena's measured distribution), the synchronous loop and --max-staleness
+  1, 2, 4 (--staleness), one after another, each for --async-steps steps from the same seed (--seeds: one
+  run of each per seed): training steps per hour and env steps (of the trained episodes) per hour, over the
+  sum of the steps' wall times (perf/step_s: model loading left out, the asynchronous runs' first fill of k +
+  1 steps' tasks in); the engine's idle share (1 - its generating seconds / the step's); the reward and success
+  of the last three steps (the mean over seeds, and their range); and a plot of reward against wall time
+  beside the JSON (--out with .png).
 - trl: the same GRPO update in TRL's GRPOTrainer, on the same model and the update section's own
   trajectories (its rollouts.jsonl: the same tokens, observations masked as ours through TRL's
   env_mask, the same rewards and groups, micro-batch size, learning rate, clip, KL and entropy
@@ -70,13 +78,13 @@ from typing import Literal  # noqa: E402
 import tyro  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("env", "rollout", "server", "update", "trl")
+SECTIONS = ("env", "rollout", "server", "update", "async", "trl")
 TRL_VERSION = "1.16.0"
 
 
 @dataclass
 class Args:
-    sections: tuple[Literal["env", "rollout", "server", "update", "trl"], ...] = SECTIONS
+    sections: tuple[Literal["env", "rollout", "server", "update", "async", "trl"], ...] = SECTIONS
     """which sections to run, in this order (trl needs update's trajectories: it runs update when left out)"""
     out: str = "runs/bench.json"
     """where the JSON results go"""
@@ -124,6 +132,19 @@ class Args:
     """update: more train.py flags, e.g. "--tasks-per-step 8 --n 4" for a real model"""
     trl_venv: str = "~/.cache/agentgym-rl/bench-trl-" + TRL_VERSION
     """trl: the throwaway venv TRL is installed into (made on first use)"""
+
+    # -- async
+    staleness: tuple[int, ...] = (1, 2, 4)
+    """async: the --max-staleness values run beside the synchronous loop"""
+    async_delay: str = "webarena*10"
+    """async: the env latency workload (train.py --env-delay; envs/latency.py): WebArena's measured shape, its seconds
+    x10 by default (the local pages answer in ~0.13 s; real sites, a search API or a simulator in seconds)"""
+    async_steps: int = 8
+    """async: training steps of each run"""
+    seeds: tuple[int, ...] = (1,)
+    """async: a run of each loop per seed (the reward's spread over seeds)"""
+    async_args: str = ""
+    """async: more train.py flags for every run, e.g. "--env textcraft" """
 
     # -- internal: one section in a process of its own
     phase: Literal["env", "rollout", "server", "trl"] | None = None
@@ -657,6 +678,79 @@ def section_update(args: Args, work: Path) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
+# async: the synchronous loop and --max-staleness k on a slow, long-tailed env
+
+
+def section_async(args: Args, work: Path) -> dict:
+    """Each loop (synchronous, then each --staleness k) per seed, train.py for --async-steps steps on the
+    --async-delay workload, read off its metrics.jsonl; the figures, and the curves' plot."""
+    runs = {}
+    for seed in args.seeds:
+        for k in (None, *args.staleness):
+            name = f"{'sync' if k is None else f'k{k}'}-seed{seed}"
+            command = [sys.executable, "train.py", "--model", args.model, "--steps", str(args.async_steps),
+                       "--seed", str(seed), "--env-delay", args.async_delay, "--eval-every", "0", "--save-every", "0",
+                       "--out-dir", str(work), "--run-name", name, *shlex.split(args.async_args),
+                       *(["--max-staleness", str(k)] if k is not None else [])]
+            print("async: " + shlex.join(command), flush=True)
+            env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "disabled")}
+            done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"train.py failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+            rows = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]
+            runs[name] = [r for r in rows if r.get("charts/step", 0) >= 1]
+    loops = {"sync": None, **{f"k{k}": k for k in args.staleness}}
+    result = {"delay": args.async_delay, "steps": args.async_steps, "seeds": list(args.seeds), "loops": {}}
+    for loop in loops:
+        figures = [async_figures(runs[f"{loop}-seed{seed}"]) for seed in args.seeds]
+        result["loops"][loop] = {key: sum(f[key] for f in figures) / len(figures) for key in figures[0]} | {
+            "reward_range": [min(f["reward"] for f in figures), max(f["reward"] for f in figures)],
+            "success_range": [min(f["success"] for f in figures), max(f["success"] for f in figures)]}
+    sync = result["loops"]["sync"]["steps_per_hour"]
+    for figures in result["loops"].values():
+        figures["speedup"] = figures["steps_per_hour"] / sync
+    result["plot"] = plot_async(runs, Path(args.out).with_suffix(".png"))
+    return result
+
+
+def async_figures(rows: list[dict]) -> dict:
+    """A run's throughput and outcome: steps and env steps per hour over its steps' summed wall time, the engine's
+    mean idle share, the reward and success of its last three steps."""
+    seconds = sum(r["perf/step_s"] for r in rows)
+    last = rows[-3:]
+    return {"steps_per_hour": 3600 * len(rows) / seconds,
+            "env_steps_per_hour": 3600 * sum(r["rollout/turns"] * r["rollout/trajectories"] for r in rows) / seconds,
+            "engine_idle_share": sum(r["perf/engine_idle_share"] for r in rows) / len(rows),
+            "step_s": seconds / len(rows),
+            "reward": sum(r["rollout/reward"] for r in last) / len(last),
+            "success": sum(r["rollout/success"] for r in last) / len(last),
+            "staleness_mean": sum(r.get("async/staleness_mean", 0.0) for r in rows) / len(rows)}
+
+
+def plot_async(runs: dict[str, list[dict]], path: Path) -> str | None:
+    """Reward against wall time, a line per run: what a fixed time buys each loop."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for name, rows in runs.items():
+        elapsed = [sum(r["perf/step_s"] for r in rows[:i + 1]) / 60 for i in range(len(rows))]
+        axis.plot(elapsed, [r["rollout/reward"] for r in rows], marker="o", markersize=3, label=name)
+    axis.set_xlabel("wall time of the training steps (min)")
+    axis.set_ylabel("rollout reward")
+    axis.set_title("synchronous vs --max-staleness k on a long-tailed env")
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return str(path)
+
+
+# ----------------------------------------------------------------------------------------------
 # trl: the same update in TRL's GRPOTrainer
 
 
@@ -812,9 +906,11 @@ def main(args: Args) -> None:
         try:
             if section == "update" or (section == "trl" and "update" not in results):
                 results["update"] = section_update(args, work)
+            if section == "async":
+                results["async"] = section_async(args, work)
             if section == "trl":
                 results["trl"] = run_phase(trl_python(args), args, "trl", work, results["update"]["run_dir"])
-            elif section != "update":
+            elif section not in ("update", "async"):
                 results[section] = run_phase(sys.executable, args, section, work)
         except Exception as error:  # one broken section (no vLLM, no network for TRL) costs only its rows
             results[section] = {"error": f"{type(error).__name__}: {error}"}
@@ -884,10 +980,27 @@ def table(results: dict) -> str:
         if "update_tokens_per_s" in update:
             lines.append(f"| trl | ours / TRL update tokens/s | "
                          f"{update['update_tokens_per_s'] / trl['update_tokens_per_s']:.2f}x | >= 1.5x |")
+    lines += async_rows(results.get("async", {}))
     for section in SECTIONS:
         if "error" in results.get(section, {}):
             lines.append(f"| {section} | failed | {results[section]['error'][:120]} | |")
     return "\n".join(lines)
+
+
+def async_rows(result: dict) -> list[str]:
+    """The async section's rows: a loop each, its throughput against the synchronous loop's and its outcome."""
+    if "loops" not in result:
+        return []
+    seeds = len(result["seeds"])
+    lines = []
+    for loop, f in result["loops"].items():
+        spread = (f" (seeds {f['reward_range'][0]:.3f}-{f['reward_range'][1]:.3f})" if seeds > 1 else "")
+        lines.append(f"| async | {'synchronous' if loop == 'sync' else '--max-staleness ' + loop[1:]}: steps/h, env steps/h, "
+                     f"engine idle, reward{spread} / success of the last 3 of {result['steps']} steps "
+                     f"({result['delay']}, {seeds} seed{'s' if seeds > 1 else ''}) | {f['steps_per_hour']:,.0f} "
+                     f"({f['speedup']:.2f}x), {f['env_steps_per_hour']:,.0f}, {f['engine_idle_share']:.0%}, "
+                     f"{f['reward']:.3f} / {f['success']:.2f} | {'>= 2.5x at k <= 2' if loop in ('k1', 'k2') else ''} |")
+    return lines
 
 
 def server_rows(server: dict, cpus: int) -> list[str]:
