@@ -3,6 +3,7 @@
     env = Guarded("sciworld", options, timeout=120)
     env.reset(task_id); env.step(text)        # as the env's own, or its exception, or EnvTimeout
     environments = make_envs("webarena", 64, urls=["http://host1:8000", "http://host2:8000"])  # 32 on each
+    environments = make_envs("babyai", 64, delay="webarena*0.5", seed=0)   # as slow as WebArena's pages, at half
 
 Every reset and step runs in its own daemon thread and is waited for at most `timeout` seconds. A call
 that raises passes the exception on; one that does not answer in time (a hung simulator, a browser that
@@ -13,6 +14,10 @@ poisons the next. A hung call's thread is a daemon: it never keeps the process f
 On AgentGym env servers (make_envs' `urls`) each instance lives on one server, and the fresh one that replaces
 it is made on the same server: a server that goes down fails only the trajectories of its own instances (at
 their next call, and every episode they start while it is down), never another server's.
+
+With a `delay` (--env-delay, envs/latency.py) each instance is a Delayed env inside its guard: the drawn seconds
+are part of the call the timeout bounds, as a slow page's would be, and a fresh instance goes on with its slot's
+random stream.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, wait
 
 import envs
+from envs.latency import Delayed, Draws, parse
 
 
 class EnvTimeout(TimeoutError):
@@ -42,11 +48,12 @@ def _in_thread(fn, *args) -> Future:
 
 
 class Guarded(envs.Env):
-    """`envs.make(name, **options)` with a per-call timeout and a fresh instance after any failure."""
+    """`envs.make(name, **options)` with a per-call timeout and a fresh instance after any failure; with `delay`,
+    each instance delayed by those draws (envs/latency.py)."""
 
-    def __init__(self, name: str, options: dict, timeout: float):
-        self.name, self.make_options, self.timeout = name, options, timeout
-        self.env: envs.Env | None = envs.make(name, **options)
+    def __init__(self, name: str, options: dict, timeout: float, delay: Draws | None = None):
+        self.name, self.make_options, self.timeout, self.delay = name, options, timeout, delay
+        self.env: envs.Env | None = self._make()
         # fixed by the env and its options: a fresh instance has the same
         self.instruction, self.ack = self.env.instruction, self.env.ack
         self.options = getattr(self.env, "options", {})
@@ -71,7 +78,7 @@ class Guarded(envs.Env):
         made after its call timed out (a slow JVM or browser start) is closed, never used."""
         env = self.env
         if env is None:
-            env = envs.make(self.name, **self.make_options)
+            env = self._make()
             with self.lock:
                 current = generation == self.generation and self.env is None
                 if current:
@@ -80,6 +87,10 @@ class Guarded(envs.Env):
                 env.close()
                 raise EnvTimeout(f"given up on while starting{self.where}")
         return getattr(env, method)(*args)
+
+    def _make(self) -> envs.Env:
+        env = envs.make(self.name, **self.make_options)
+        return Delayed(env, self.delay) if self.delay else env
 
     def _abandon(self) -> Future:
         """Give up on the instance: close it in the background (its close may hang too)."""
@@ -100,22 +111,33 @@ class Guarded(envs.Env):
 
 
 def make_envs(name: str, count: int, options: dict | None = None, timeout: float = 0.0,
-              urls: str | Sequence[str] | None = None, rank: int = 0) -> list[Guarded]:
+              urls: str | Sequence[str] | None = None, rank: int = 0, delay: str | None = None,
+              seed: int = 0) -> list[Guarded]:
     """`count` guarded instances of an env, in process or (`urls`: one URL or several) on AgentGym env servers,
     whose own requests then have the same timeout; `timeout` 0: the env's default (its call_timeout in envs.ENVS).
     Several servers take the instances round robin, so that each gets an even share: instance i is on
     urls[(rank x count + i) % len(urls)], where `rank` is this process's index when every process of a run makes
     `count` (the processes' instances are spread over the servers together). What cannot be made at all (options
     the env does not take, a server that is down or never answers) stops the script (train.py, eval.py) with one
-    line that says why, naming the server, before any episode."""
+    line that says why, naming the server, before any episode.
+
+    `delay`: an --env-delay spec (envs/latency.py: 0 or None none, SECONDS, webarena, webarena*X, ...); every
+    instance, remote ones too, answers that much later, inside its timeout. Instance i draws from the stream of
+    (seed, rank x count + i), so a run's draws do not depend on how its envs are split over processes. A spec that
+    does not parse stops the script with one line."""
     timeout = timeout or envs.call_timeout(name)
+    try:
+        latency = parse(delay)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     urls = (urls,) if isinstance(urls, str) else tuple(urls or ())
     given = dict(options or {})
     made: list[Guarded] = []
     try:
         for i in range(count):
             url = urls[(rank * count + i) % len(urls)] if urls else None
-            made.append(Guarded(name, given | ({"url": url, "timeout": timeout} if url else {}), timeout))
+            draws = Draws(latency, seed, rank * count + i) if latency else None
+            made.append(Guarded(name, given | ({"url": url, "timeout": timeout} if url else {}), timeout, draws))
     except (TypeError, ValueError, OSError, RuntimeError) as error:  # (bad options, a server or backend that fails)
         close_envs(made)
         lines = str(error).strip().splitlines()
