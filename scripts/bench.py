@@ -116,8 +116,9 @@ class Args:
     """rollout, server: tokens per trajectory"""
     temperature: float = 1.0
     """rollout, server: sampling temperature"""
-    env_delay: float = 0.0
-    """rollout: seconds added to every env step (a stand-in for slow simulators, browsers or search APIs)"""
+    env_delay: str = "0"
+    """rollout, server: what env calls take longer (envs/latency.py): 0, SECONDS added to every step (a stand-in for
+    slow simulators, browsers or search APIs), webarena (WebArena's measured steps and resets), webarena*X"""
     engines: tuple[str, ...] = ("hf", "vllm-rounds", "vllm")
     """rollout: which engines, in this order"""
     syncs: int = 5
@@ -405,20 +406,6 @@ def phase_env(args: Args) -> dict:
 # rollout: HF vs vLLM on the same tasks
 
 
-class Delayed:
-    """An env whose every step takes `delay` seconds longer."""
-
-    def __init__(self, env, delay):
-        self.env, self.delay = env, delay
-
-    def __getattr__(self, name):
-        return getattr(self.env, name)
-
-    def step(self, text):
-        time.sleep(self.delay)
-        return self.env.step(text)
-
-
 def mismatch(model, trajectories) -> tuple[float, float]:
     """Mean and max |engine log-prob - trainer log-prob| over every sampled token."""
     import torch
@@ -442,13 +429,16 @@ def step_inputs(args: Args, section: str) -> tuple[list[int], list[int], list]:
     import torch
 
     import envs
+    from envs.latency import Delayed, Draws, parse
 
     task_ids = envs.splits(args.env)["train"][:args.tasks]
     rows = [t for t in task_ids for _ in range(args.n)]
     groups = [g for g in range(len(task_ids)) for _ in range(args.n)]
-    environments = [Delayed(envs.make(args.env), args.env_delay) if args.env_delay else envs.make(args.env) for _ in rows]
+    latency = parse(args.env_delay)
+    environments = [Delayed(envs.make(args.env), Draws(latency, 0, i)) if latency else envs.make(args.env)
+                    for i in range(len(rows))]
     print(f"{section}: {args.model} on {args.env}, {len(task_ids)} tasks x {args.n}, {args.horizon} turns of <= "
-          f"{args.max_new_tokens} tokens, env delay {args.env_delay}s, {torch.get_num_threads()} threads", flush=True)
+          f"{args.max_new_tokens} tokens, env delay {args.env_delay}, {torch.get_num_threads()} threads", flush=True)
     return rows, groups, environments
 
 
@@ -895,11 +885,17 @@ def run_phase(python: str, args: Args, phase: str, work: Path, run_dir: str | No
 
 
 def main(args: Args) -> None:
+    from envs.latency import parse
+
     if args.phase is not None:
         phases = {"env": phase_env, "rollout": phase_rollout, "server": phase_server, "trl": phase_trl}
         result = phases[args.phase](args)
         Path(args.phase_out).write_text(json.dumps(result, indent=2) + "\n")
         return
+    try:
+        parse(args.env_delay)  # (a bad spec stops here, not in the section that plays it)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     work = Path(tempfile.mkdtemp(prefix="bench-"))
     results: dict = {"date": datetime.date.today().isoformat(), "machine": machine(), "model": args.model}
     for section in args.sections:

@@ -119,3 +119,14 @@ def test_server_rows_compare_the_engines_and_name_a_skipped_sync():
     rows = bench.server_rows(server, 2)
     assert "cores too" not in rows[2]
     assert rows[-1] == "| server | weight sync | skipped: one GPU: NCCL cannot join ... | |"
+
+
+def test_env_delay_takes_the_old_seconds_and_the_new_specs():
+    from envs.latency import Delayed, parse
+
+    for flag, latency in (("0", None), ("0.2", parse("0.2")), ("webarena*0.5", parse("webarena*0.5"))):
+        args = bench.tyro.cli(bench.Args, args=["--env", "textcraft", "--tasks", "1", "--n", "2", "--env-delay", flag])
+        _, _, environments = bench.step_inputs(args, "rollout")
+        assert [env.draws.latency if isinstance(env, Delayed) else None for env in environments] == [latency, latency]
+    with pytest.raises(SystemExit, match="'fast' is not a delay"):
+        bench.main(bench.tyro.cli(bench.Args, args=["--sections", "rollout", "--env-delay", "fast"]))
