@@ -136,6 +136,10 @@ class Args:
     env_url: Annotated[tuple[str, ...] | None, tyro.conf.arg(metavar="URL [URL ...]")] = None
     """play on AgentGym env servers (ours, `python -m envs.serve`, or upstream's) at these URLs instead of in process;
     several take the env instances round robin, an even share each"""
+    env_delay: str = "0"
+    """slow every env down, for benchmarks: each step (webarena: each reset too) sleeps a drawn latency after the env
+    answers: SECONDS, webarena (our WebArena env's measured distribution), lognormal:MEDIAN,SIGMA, SPEC*X; 0: none
+    (envs/latency.py)"""
     batch_size: int = 64
     """episodes played at once"""
     engine: Literal["auto", "vllm", "hf"] = "auto"
@@ -247,7 +251,7 @@ def main(args: Args) -> dict:
     # per cap for reflect, whose next attempt starts when one ends
     episodes = [(task, group) for group, task in enumerate(task_ids) for _ in range(args.k)]
     environments = make_envs(env_name, min(args.batch_size, len(episodes)), settings["env_options"], args.env_timeout,
-                             args.env_url)
+                             args.env_url, delay=args.env_delay, seed=args.seed)
     env_settings = getattr(environments[0], "options", {})
     start = time.perf_counter()
     played: dict[int, list] = {}

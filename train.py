@@ -51,6 +51,7 @@ import tyro
 from tqdm import tqdm
 
 import envs
+from envs import latency
 from envs.guard import make_envs
 from rl import advantages as adv_lib
 from rl.agent import check_layout, make_agent
@@ -185,6 +186,10 @@ class Args:
     env_url: Annotated[tuple[str, ...] | None, tyro.conf.arg(metavar="URL [URL ...]")] = None
     """play on AgentGym env servers (ours, `python -m envs.serve`, or upstream's) at these URLs instead of in process;
     several take the env instances round robin, an even share each"""
+    env_delay: str = "0"
+    """slow every env down, for benchmarks: each step (webarena: each reset too) sleeps a drawn latency after the env
+    answers, within --env-timeout: SECONDS, webarena (our WebArena env's measured distribution), lognormal:MEDIAN,SIGMA,
+    SPEC*X (webarena*10: its shape at 10x its seconds); 0: none (envs/latency.py)"""
     max_error_rate: float = 0.25
     """stop the run when more than this share of a step's trajectories end in an env failure, not train on the rest"""
 
@@ -387,11 +392,12 @@ def main(args: Args) -> Path | None:
     # (--max-staleness k: a block of envs for each of the k + 1 steps' tasks under way; evaluations get their own)
     per_step, blocks = args.tasks_per_step // accelerator.num_processes * args.n, 1 + (args.max_staleness or 0)
     environments = make_envs(args.env, per_step * blocks, envs.parse_options(args.env_options), args.env_timeout,
-                             args.env_url, accelerator.process_index)
+                             args.env_url, accelerator.process_index, delay=args.env_delay, seed=args.seed)
     pool = ThreadPoolExecutor(max_workers=min(32, len(environments)))
     test_ids = test_task_ids(args) if args.eval_every else []  # played on the same envs every --eval-every steps
     players = make_envs(args.env, per_step, envs.parse_options(args.env_options), args.env_timeout, args.env_url,
-                        accelerator.process_index) if test_ids and args.max_staleness is not None else environments
+                        accelerator.process_index, delay=args.env_delay, seed=args.seed + 1) \
+        if test_ids and args.max_staleness is not None else environments
     engine = logs = stream = None
     try:  # (everything from here on closes what it opened, also on a stop or an error)
         # -- models, the sampler, and the training state when resuming
@@ -720,7 +726,7 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
     test_ids = test_task_ids(args) if args.eval_every else []
     environments = make_envs(args.env, min(args.gen_batch_size, -(-len(test_ids) // accelerator.num_processes)),
                              envs.parse_options(args.env_options), args.env_timeout, args.env_url,
-                             accelerator.process_index) if test_ids else []
+                             accelerator.process_index, delay=args.env_delay, seed=args.seed) if test_ids else []
     engine = build_engine(args, fmt, models, accelerator, max_tokens) if test_ids else None
     trainer_state = resume(accelerator, models, engine, Path(args.resume)) if resuming else {"step": 0, "logs": {}}
     config = run_config(args, run_dir, resuming, accelerator, mixed, engine, environments[0] if environments else None)
@@ -834,7 +840,7 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
     test_ids = test_task_ids(args)
     count = min(args.gen_batch_size, -(-max(len(explore_ids) * args.n, len(test_ids)) // accelerator.num_processes))
     environments = make_envs(args.env, count, envs.parse_options(args.env_options), args.env_timeout, args.env_url,
-                             accelerator.process_index)
+                             accelerator.process_index, delay=args.env_delay, seed=args.seed)
     engine = build_engine(args, fmt, models, accelerator, max_tokens)
     config = run_config(args, run_dir, False, accelerator, mixed, engine, environments[0])
     if accelerator.is_main_process:
@@ -977,6 +983,10 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
         raise SystemExit(f"--launch-config {args.launch_config} does not exist: give one of configs/*.yaml")
     if args.keep_checkpoints < 0 or args.env_timeout < 0:
         raise SystemExit("--keep-checkpoints and --env-timeout take 0 (all, the env's default) or more")
+    try:
+        latency.parse(args.env_delay)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     if not 0 <= args.max_error_rate <= 1:
         raise SystemExit("--max-error-rate is a share of a step's trajectories, in [0, 1]")
     if args.env not in envs.ENVS:

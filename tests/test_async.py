@@ -203,3 +203,10 @@ def test_vllm_lora_minibatches_and_evaluation_under_staleness(ragged, tmp_path):
         assert all(record["step"] - 3 <= v <= record["step"] - 1 for v in record["versions"])
     assert all(m["sync/probe_diff"] < 1e-3 for m in metrics[1:])  # every in-flight sync checked
     assert any(m["async/staleness_mean"] > 0 for m in metrics[1:])
+
+
+def test_env_delay_is_checked_before_anything_loads(tmp_path):
+    args = train.parse_args(["--out-dir", str(tmp_path), "--env-delay", "webarena*fast"])
+    with pytest.raises(SystemExit, match="--env-delay 'webarena\\*fast' is not a delay"):
+        train.check(args, 1)
+    train.check(train.parse_args(["--out-dir", str(tmp_path), "--env-delay", "webarena*0.5"]), 1)
