@@ -89,6 +89,9 @@ ATTEMPT_GROUPS = 1 << 20  # reflect: attempt a's group is its task group + (a - 
 # A rollout stops when its engine holds submitted turns and generates nothing for this long (Watchdog): longer
 # than any prefill and token of a working engine, however slow
 STALL_S = 600.0
+# Env calls at once: a thread per env up to this many (an env call mostly waits, on a browser, a server or a
+# simulator's process, so a slow env must not hold up another's call behind it; 32 had a step's 64 episodes queue)
+ENV_THREADS = 256
 
 
 @dataclass
@@ -339,7 +342,7 @@ def _episodes(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[i
               progress: Callable[[int, int], None] | None = None) -> list[Trajectory]:
     """One episode per env (see rollout), each opening with its past reflections (reflect's; else none)."""
     own_pool = pool is None
-    pool = pool or ThreadPoolExecutor(max_workers=min(32, len(environments)))
+    pool = pool or ThreadPoolExecutor(max_workers=min(ENV_THREADS, len(environments)))
     clock = RolloutStats()
     begin = time.perf_counter()
     stepping: dict[Future, Trajectory] = {}  # env steps under way
@@ -424,14 +427,15 @@ class Stream:
         stream = Stream(engine, fmt, environments, tasks_of, staleness=2, first=1, last=steps, ...)
         for step in ...:
             trajectories = stream.take(step)   # set `step`, complete; the later sets go on being played
-            stream.pause()                     # every turn under way finished: the engine holds nothing
-            ... update, sync ...
+            stream.advance()                   # every turn under way finished: the engine holds nothing
+            ... update (stream.advance between its micro-batches, when stream.meanwhile), sync ...
             stream.resume(step)                # the engine now has version `step`
 
     Set j is training step j's tasks (`tasks_of(j)`: task ids, groups, turn cap), as the synchronous loop plays
-    them, and step j trains exactly set j, so the data cursor is the step. A set starts (its envs are reset) once
-    the engine has the policy version j - 1 - k, the weights after update j - 1 - k (version v: the weights after
-    v updates), so at most k + 1 sets are under way, each on its own block of len(environments) / (k + 1) envs.
+    them, and step j trains exactly set j, so the data cursor is the step. A set's turns begin once the engine has
+    the policy version j - 1 - k, the weights after update j - 1 - k (version v: the weights after v updates), so
+    at most k + 1 sets are under way, each on its own block of len(environments) / (k + 1) envs; its envs are reset
+    as soon as the block is free (set j - k - 1 taken), a reset (a page load, a simulator's start) sampling nothing.
     A turn is sampled by the version the engine has when it is generated, recorded in Trajectory.versions; a
     long episode goes on under newer weights (a partial rollout). Since set j is trained at update j and its
     first turn was sampled by version >= j - 1 - k, no trained token is more than k versions older than the
@@ -439,11 +443,14 @@ class Stream:
     With k = 0 a set starts only after the previous update, exactly as the synchronous loop (tests check that
     the runs are equal).
 
-    Weights change only between `pause` and `resume`. `pause` lets every turn under way finish (and submits the
-    turns of trajectories whose env has answered), so that each turn is sampled by one version whole: new weights
-    never meet a half-generated turn, nor KV computed by the old ones (the sync drops the prefix cache). The env
-    steps it starts go on during the update: on the trainer's device, that is the overlap (the engine does not
-    generate while the trainer updates); a rollout server keeps generating what it holds until the sync.
+    The engine's weights change only between `advance` and `resume`. `advance` submits the turns of trajectories
+    whose env has answered and lets every turn under way finish, so that each turn is sampled by one version whole:
+    new weights never meet a half-generated turn, nor KV computed by the old ones (the sync drops the prefix cache).
+    The env steps it starts go on during the update. An engine with weights of its own that stays awake through
+    the update (`meanwhile`: vLLM without sleep mode, a rollout server; not HF, which samples with the trainer's
+    own weights, nor an engine that rounds) is also advanced between the update's micro-batches, still with the
+    weights before the update, so an env that answers mid-update waits a micro-batch, not the whole update, for
+    its next turn; a rollout server generates on its own devices all along.
 
     A round engine (HF, vLLM under --deterministic) plays every live trajectory of every set in one round and
     waits for all their envs, so a run is replayable; a continuous one (vLLM) resubmits a trajectory the moment
@@ -462,10 +469,12 @@ class Stream:
         self.staleness, self.last, self.agent = staleness, last, agent
         self.max_new_tokens, self.max_tokens, self.reseed = max_new_tokens, max_tokens, reseed
         self.block = len(environments) // (staleness + 1)
-        self.pool = pool or ThreadPoolExecutor(max_workers=min(32, len(environments)))
+        self.meanwhile = engine.continuous and not getattr(engine, "sleep_mode", False)  # (see advance)
+        self.pool = pool or ThreadPoolExecutor(max_workers=min(ENV_THREADS, len(environments)))
         self.version = first - 1  # the engine's weights: those after this many updates
         self.opened = first - 1  # the last set started
         self.sets: dict[int, list[Trajectory | None]] = {}  # set -> its trajectories (None while its env resets)
+        self.holds: dict[int, int] = {}  # block of envs -> the set it plays
         self.ready: list[Trajectory] = []  # waiting to be submitted for their next turn
         self.stepping: dict[Future, Trajectory] = {}
         self.resetting: dict[Future, tuple[int, int, int, int]] = {}  # -> (set, index, task, group)
@@ -474,7 +483,7 @@ class Stream:
     def take(self, j: int, stats: RolloutStats | None = None,
              progress: Callable[[int, int], None] | None = None) -> list[Trajectory]:
         """Play until set j is complete, and return it in row order (the other sets go on later). `stats` receives
-        where the time went since the last take (its pause included); `progress`, set j's ended episodes and the
+        where the time went since the last take (its advances included); `progress`, set j's ended episodes and the
         turns played, as rollout's."""
         begin, watchdog = time.perf_counter(), Watchdog(self.engine)
         ended = played = 0
@@ -504,12 +513,13 @@ class Stream:
                 stats.add(self.clock)
                 self.clock = RolloutStats()
 
-    def pause(self) -> None:
+    def advance(self) -> None:
         """Generate the next turn of every trajectory whose env has answered (a round engine waits for every env
         under way: one round) and finish every turn under way, their env steps started (they go on during the
         update): the engine then holds nothing, and its weights may change."""
         begin, watchdog = time.perf_counter(), Watchdog(self.engine)
         try:
+            self._open()
             self._collect(idle=False)
             self._submit()
             while self.engine.pending:
@@ -520,8 +530,8 @@ class Stream:
             self.clock.rollout_s += time.perf_counter() - begin
 
     def resume(self, version: int) -> None:
-        """The engine has the weights after `version` updates: later turns are sampled by them, and the sets they
-        allow start at the next take."""
+        """The engine has the weights after `version` updates: later turns are sampled by them, and the sets whose
+        turns they allow begin them."""
         self.version = version
 
     def close(self) -> None:
@@ -535,8 +545,9 @@ class Stream:
     # -- the loop's parts
 
     def _open(self) -> None:
-        """Start every set the staleness bound allows: reset its block's envs (in the pool, as turns go on)."""
-        while self.opened < min(self.last, self.version + 1 + self.staleness):
+        """Start every set whose block of envs is free (the set k + 1 before it was taken): reset its envs, in the
+        pool, as turns go on. A reset samples nothing; its turns wait for their version (_submit)."""
+        while self.opened < self.last and self.opened + 1 - (self.staleness + 1) not in self.sets:
             j = self.opened = self.opened + 1
             task_ids, groups, horizon = self.tasks_of(j)
             if len(task_ids) > self.block:
@@ -544,23 +555,29 @@ class Stream:
             if self.reseed is not None:  # (--deterministic: the set's samples depend on its seed and the weights)
                 self.reseed(j)
             self.sets[j] = [None] * len(task_ids)
+            self.holds[(j - 1) % (self.staleness + 1)] = j
             for i, (task, group) in enumerate(zip(task_ids, groups)):
                 row = (j - 1) % (self.staleness + 1) * self.block + i
                 self.resetting[self.pool.submit(_timed, self.environments[row].reset, task)] = (j, i, task, group, horizon)
 
     def _submit(self) -> None:
+        """Submit the next turn of every trajectory ready for one, but those of a set whose turns may not begin yet
+        (set j: before version j - 1 - k; they wait, reset)."""
+        held = []
         for traj in self.ready:
             limit = min(self.max_new_tokens, _room(traj, self.max_tokens))
-            if limit < 1:  # a first prompt that leaves no room for a reply
+            if self.holds[traj.row // self.block] > self.version + 1 + self.staleness:
+                held.append(traj)
+            elif limit < 1:  # a first prompt that leaves no room for a reply
                 traj.finish = "max_tokens"
             else:
                 self.engine.submit(traj, limit)
-        self.ready = []
+        self.ready = held
 
     def _collect(self, idle: bool = True) -> None:
         """Take in the env answers (resets and steps) as rollout's _collect does: while the engine has work, those
         that came; otherwise wait, for the first (continuous) or for all (a round's barrier, also when not `idle`:
-        a round engine's rounds never depend on timing); not `idle` (pause), a continuous engine waits for none."""
+        a round engine's rounds never depend on timing); not `idle` (advance), a continuous engine waits for none."""
         waiting = [*self.resetting, *self.stepping]
         if not waiting or (self.engine.pending and not self.engine.continuous):
             return

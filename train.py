@@ -74,7 +74,7 @@ from rl.run import (Logs, close, eval_due, evaluation_plan, find_checkpoint, fin
                     run_directory, run_of, save_checkpoint, stop_on_env_failures)
 from rl.scores import score, spread
 from rl.sft import SFTSums, sft_terms
-from rollout import ChatFormat, EngineStalled, RolloutStats, Stream, Trajectory, play, rollout
+from rollout import ENV_THREADS, ChatFormat, EngineStalled, RolloutStats, Stream, Trajectory, play, rollout
 
 
 @dataclass
@@ -393,7 +393,7 @@ def main(args: Args) -> Path | None:
     per_step, blocks = args.tasks_per_step // accelerator.num_processes * args.n, 1 + (args.max_staleness or 0)
     environments = make_envs(args.env, per_step * blocks, envs.parse_options(args.env_options), args.env_timeout,
                              args.env_url, accelerator.process_index, delay=args.env_delay, seed=args.seed)
-    pool = ThreadPoolExecutor(max_workers=min(32, len(environments)))
+    pool = ThreadPoolExecutor(max_workers=min(ENV_THREADS, len(environments)))
     test_ids = test_task_ids(args) if args.eval_every else []  # played on the same envs every --eval-every steps
     players = make_envs(args.env, per_step, envs.parse_options(args.env_options), args.env_timeout, args.env_url,
                         accelerator.process_index, delay=args.env_delay, seed=args.seed + 1) \
@@ -447,8 +447,8 @@ def main(args: Args) -> Path | None:
                 stop_on_env_failures(trajectories, args.max_error_rate, accelerator, run_dir, step)
 
             # -- the batch, its old/reference log-probs and values, advantages, the update, the engine's new weights
-            if stream is not None and not engine.apart:  # (an engine on the trainer's device waits out the update)
-                stream.pause()
+            if stream is not None and not engine.apart:  # (an engine on the trainer's device empties before the update)
+                stream.advance()
             engine.sleep()
             with costs.measure("update"):
                 batch = batch_of(trajectories, args, accelerator, fmt.pad_id, step)
@@ -457,10 +457,11 @@ def main(args: Args) -> Path | None:
                                                      reducer(accelerator), batch.episodes)
                 attach(batch, advantages, returns)
                 sums, grad_norms = update(models, batch, args, accelerator, step,
-                                          phase(progress, "update", args.ppo_epochs * len(batch.micro)))
+                                          phase(progress, "update", args.ppo_epochs * len(batch.micro)),
+                                          between=stream.advance if stream is not None and stream.meanwhile else None)
                 stop_on_nonfinite(models, batch, args.max_nonfinite_updates, accelerator, run_dir, step)
-            if stream is not None:  # (a rollout server generated during the update: the turns it holds end first)
-                stream.pause()
+            if stream is not None:  # (the turns the engine holds end with the weights that began them)
+                stream.advance()
             synced = sync(engine, models.policy, accelerator, step)
 
             # -- metrics and logs (trajectory statistics over all processes, losses from this one)
@@ -585,15 +586,16 @@ def advantages_for(args: Args, full: dict, scores: torch.Tensor, groups: torch.T
                               gamma=args.gamma, lam=args.lam, grpo_scale=args.grpo_scale, reduce=reduce, episodes=episodes)
 
 
-def update(models: Models, batch: Batch, args: Args, accelerator, step: int,
-           progress=None) -> tuple[UpdateSums, dict[str, list[float]]]:
+def update(models: Models, batch: Batch, args: Args, accelerator, step: int, progress=None,
+           between=None) -> tuple[UpdateSums, dict[str, list[float]]]:
     """PPO's update: `ppo_epochs` passes (upstream's actor makes one, whatever its ppo_epochs says), each over
     `minibatches` shuffled mini-batches of the step's micro-batches, one optimizer step per mini-batch for the policy
     (after the critic's warm-up) and the critic (rl/optimizer.py), each mini-batch's loss aggregated over all of it
     however it is split into micro-batches and processes. Returns the summed statistics and the gradient norms of
     every optimizer step of the models that trained. A step whose loss or gradient is not finite is skipped (counted
     in sums.nonfinite_updates and models.nonfinite_streak, with a warning; fp16's loss scaler skips the steps whose
-    scaled gradients overflow itself, uncounted)."""
+    scaled gradients overflow itself, uncounted). `between`, when given, is called after every micro-batch (the
+    rollouts that go on meanwhile: rollout.Stream.advance)."""
     train_policy = step >= args.critic_warmup  # as upstream: `critic_warmup <= global_steps`, counted from 1
     trained = [("policy", update_policy)] if train_policy else []
     if models.critic is not None:
@@ -602,6 +604,12 @@ def update(models: Models, batch: Batch, args: Args, accelerator, step: int,
         models.part(name)[0].train()
     sums, grad_norms = UpdateSums(), {}
     rng = random.Random(f"{args.seed}-{step}-update")
+
+    def tick() -> None:  # after every micro-batch
+        for call in (progress, between):
+            if call is not None:
+                call()
+
     for _ in range(args.ppo_epochs):
         shuffled = list(range(len(batch.micro)))
         rng.shuffle(shuffled)
@@ -610,7 +618,7 @@ def update(models: Models, batch: Batch, args: Args, accelerator, step: int,
             counts = minibatch_counts(minibatch, reducer(accelerator), accelerator.num_processes)
             passes = [(name, models.part(name)[0], lambda micro, loss=loss: loss(models, micro, counts, args, accelerator))
                       for name, loss in trained]
-            finite = accumulate(accelerator, minibatch, passes, sums, progress=progress)
+            finite = accumulate(accelerator, minibatch, passes, sums, progress=tick)
             for name, grad_norm in optimizer_steps(models, finite, args.grad_clip, accelerator, step, sums).items():
                 grad_norms.setdefault(name, []).append(grad_norm)
     scatter(batch, ("trainer_logprobs",))

@@ -192,9 +192,9 @@ def test_versions_follow_every_row_layout():
 
 @pytest.mark.skipif(engine_kind("auto") != "vllm", reason="vLLM is not installed")
 def test_vllm_lora_minibatches_and_evaluation_under_staleness(ragged, tmp_path):
-    """The crossing a real run meets: the continuous vLLM engine (turns resubmitted as envs answer, its weights
-    changed only between pause and resume), LoRA merged into it, two mini-batches (proximal log-probs computed
-    apart), and evaluations on envs of their own while two sets are under way."""
+    """The crossing a real run meets: the continuous vLLM engine (turns resubmitted as envs answer, advanced between
+    the update's micro-batches, its weights changed only between advance and resume), LoRA merged into it, two
+    mini-batches (proximal log-probs computed apart), and evaluations on envs of their own while sets are under way."""
     metrics, rollouts = run(tmp_path, "crossing", "--engine", "vllm", "--max-staleness", "2", "--lora-rank", "8",
                             "--minibatches", "2", "--eval-every", "2", "--eval-tasks", "3", "--steps", "4")
     assert [m["charts/step"] for m in metrics] == [0, 1, 2, 3, 4]
