@@ -37,7 +37,9 @@ resident set's high-water mark) is its own:
   1, 2, 4 (--staleness), one after another, each for --async-steps steps from the same seed (--seeds: one
   run of each per seed): training steps per hour and env steps (of the trained episodes) per hour, over the
   sum of the steps' wall times (perf/step_s: model loading left out, the asynchronous runs' first fill of k +
-  1 steps' tasks in); the engine's idle share (1 - its generating seconds / the step's); the reward and success
+  1 steps' tasks in; an asynchronous run goes k steps further, unmeasured, so that its last measured steps play
+  the next steps' sets as they would mid-run, not an empty queue), the same over its steady state (the second
+  half of the steps: past the first fill for k <= 3 at 8 steps); the engine's idle share (1 - its generating seconds / the step's); the reward and success
   of the last three steps (the mean over seeds, and their range); and a plot of reward against wall time
   beside the JSON (--out with .png).
 - trl: the same GRPO update in TRL's GRPOTrainer, on the same model and the update section's own
@@ -678,7 +680,8 @@ def section_async(args: Args, work: Path) -> dict:
     for seed in args.seeds:
         for k in (None, *args.staleness):
             name = f"{'sync' if k is None else f'k{k}'}-seed{seed}"
-            command = [sys.executable, "train.py", "--model", args.model, "--steps", str(args.async_steps),
+            steps = args.async_steps + (k or 0)  # (k more: the last measured steps play the next ones' sets, as mid-run)
+            command = [sys.executable, "train.py", "--model", args.model, "--steps", str(steps),
                        "--seed", str(seed), "--env-delay", args.async_delay, "--eval-every", "0", "--save-every", "0",
                        "--out-dir", str(work), "--run-name", name, *shlex.split(args.async_args),
                        *(["--max-staleness", str(k)] if k is not None else [])]
@@ -688,7 +691,7 @@ def section_async(args: Args, work: Path) -> dict:
             if done.returncode != 0:
                 raise RuntimeError(f"train.py failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
             rows = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]
-            runs[name] = [r for r in rows if r.get("charts/step", 0) >= 1]
+            runs[name] = [r for r in rows if 1 <= r.get("charts/step", 0) <= args.async_steps]
     loops = {"sync": None, **{f"k{k}": k for k in args.staleness}}
     result = {"delay": args.async_delay, "steps": args.async_steps, "seeds": list(args.seeds), "loops": {}}
     for loop in loops:
@@ -697,8 +700,10 @@ def section_async(args: Args, work: Path) -> dict:
             "reward_range": [min(f["reward"] for f in figures), max(f["reward"] for f in figures)],
             "success_range": [min(f["success"] for f in figures), max(f["success"] for f in figures)]}
     sync = result["loops"]["sync"]["steps_per_hour"]
+    steady = result["loops"]["sync"]["steady_steps_per_hour"]
     for figures in result["loops"].values():
         figures["speedup"] = figures["steps_per_hour"] / sync
+        figures["steady_speedup"] = figures["steady_steps_per_hour"] / steady
     result["plot"] = plot_async(runs, Path(args.out).with_suffix(".png"))
     return result
 
@@ -708,7 +713,9 @@ def async_figures(rows: list[dict]) -> dict:
     mean idle share, the reward and success of its last three steps."""
     seconds = sum(r["perf/step_s"] for r in rows)
     last = rows[-3:]
+    steady = rows[len(rows) // 2:]  # (past the first fill for k <= 3 at 8 steps)
     return {"steps_per_hour": 3600 * len(rows) / seconds,
+            "steady_steps_per_hour": 3600 * len(steady) / sum(r["perf/step_s"] for r in steady),
             "env_steps_per_hour": 3600 * sum(r["rollout/turns"] * r["rollout/trajectories"] for r in rows) / seconds,
             "engine_idle_share": sum(r["perf/engine_idle_share"] for r in rows) / len(rows),
             "step_s": seconds / len(rows),
@@ -993,8 +1000,9 @@ def async_rows(result: dict) -> list[str]:
         spread = (f" (seeds {f['reward_range'][0]:.3f}-{f['reward_range'][1]:.3f})" if seeds > 1 else "")
         lines.append(f"| async | {'synchronous' if loop == 'sync' else '--max-staleness ' + loop[1:]}: steps/h, env steps/h, "
                      f"engine idle, reward{spread} / success of the last 3 of {result['steps']} steps "
-                     f"({result['delay']}, {seeds} seed{'s' if seeds > 1 else ''}) | {f['steps_per_hour']:,.0f} "
-                     f"({f['speedup']:.2f}x), {f['env_steps_per_hour']:,.0f}, {f['engine_idle_share']:.0%}, "
+                     f"({result['delay']}, {seeds} seed{'s' if seeds > 1 else ''}; steady: the second half) | "
+                     f"{f['steps_per_hour']:,.0f} ({f['speedup']:.2f}x; steady {f['steady_speedup']:.2f}x), "
+                     f"{f['env_steps_per_hour']:,.0f}, {f['engine_idle_share']:.0%}, "
                      f"{f['reward']:.3f} / {f['success']:.2f} | {'>= 2.5x at k <= 2' if loop in ('k1', 'k2') else ''} |")
     return lines
 
