@@ -130,3 +130,29 @@ def test_env_delay_takes_the_old_seconds_and_the_new_specs():
         assert [env.draws.latency if isinstance(env, Delayed) else None for env in environments] == [latency, latency]
     with pytest.raises(SystemExit, match="'fast' is not a delay"):
         bench.main(bench.tyro.cli(bench.Args, args=["--sections", "rollout", "--env-delay", "fast"]))
+
+
+def test_async_figures_and_rows_from_runs_metrics(tmp_path):
+    """The async section's figures off each run's metrics: steps/h over the steps' summed wall time, env steps of
+    the trained episodes, the steady half, the last three steps' reward; the table row each loop gets."""
+    def rows(seconds, rewards):
+        return [{"charts/step": i + 1, "perf/step_s": s, "rollout/turns": 3.0, "rollout/trajectories": 64,
+                 "perf/engine_idle_share": 0.5, "rollout/reward": r, "rollout/success": r}
+                for i, (s, r) in enumerate(zip(seconds, rewards))]
+
+    sync = bench.async_figures(rows([50, 50, 50, 50], [0.1, 0.2, 0.3, 0.4]))
+    assert sync["steps_per_hour"] == 72 and sync["env_steps_per_hour"] == 72 * 192
+    assert sync["reward"] == pytest.approx(0.3) and sync["steady_steps_per_hour"] == 72
+    stale = bench.async_figures(rows([60, 20, 10, 10], [0.1, 0.2, 0.3, 0.5]))
+    assert stale["steps_per_hour"] == 144 and stale["steady_steps_per_hour"] == 360
+    result = {"delay": "webarena*10", "steps": 4, "seeds": [1],
+              "loops": {"sync": sync | {"speedup": 1.0, "steady_speedup": 1.0, "reward_range": [0.3, 0.3],
+                                        "success_range": [0.3, 0.3]},
+                        "k2": stale | {"speedup": 2.0, "steady_speedup": 5.0, "reward_range": [0.33, 0.33],
+                                       "success_range": [0.33, 0.33]}}}
+    lines = bench.async_rows(result)
+    assert lines[0].startswith("| async | synchronous: ") and "| 72 (1.00x; steady 1.00x), 13,824, 50%, 0.300 / 0.30 |" in lines[0]
+    assert "--max-staleness 2" in lines[1] and "144 (2.00x; steady 5.00x)" in lines[1] and lines[1].endswith(">= 2.5x at k <= 2 |")
+    runs = {"sync-seed1": rows([50, 50], [0.1, 0.2]), "k2-seed1": rows([30, 10], [0.1, 0.3])}
+    assert bench.plot_async(runs, tmp_path / "async.png") == str(tmp_path / "async.png")
+    assert (tmp_path / "async.png").stat().st_size > 1000
