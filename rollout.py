@@ -480,11 +480,9 @@ class Stream:
         self.resetting: dict[Future, tuple[int, int, int, int]] = {}  # -> (set, index, task, group)
         self.clock = RolloutStats()
 
-    def take(self, j: int, stats: RolloutStats | None = None,
-             progress: Callable[[int, int], None] | None = None) -> list[Trajectory]:
-        """Play until set j is complete, and return it in row order (the other sets go on later). `stats` receives
-        where the time went since the last take (its advances included); `progress`, set j's ended episodes and the
-        turns played, as rollout's."""
+    def take(self, j: int, progress: Callable[[int, int], None] | None = None) -> list[Trajectory]:
+        """Play until set j is complete, and return it in row order (the other sets go on later). `progress`: set
+        j's ended episodes and the turns played, as rollout's."""
         begin, watchdog = time.perf_counter(), Watchdog(self.engine)
         ended = played = 0
         try:
@@ -509,9 +507,22 @@ class Stream:
                 self._collect()
         finally:
             self.clock.rollout_s += time.perf_counter() - begin
-            if stats is not None:
-                stats.add(self.clock)
-                self.clock = RolloutStats()
+
+    def spent(self, stats: RolloutStats) -> None:
+        """Add where the loop's time went since the last call (takes and advances) to `stats`."""
+        stats.add(self.clock)
+        self.clock = RolloutStats()
+
+    def before_update(self) -> None:
+        """Empty an engine on the trainer's device (all but a rollout server, which generates through the update)."""
+        if not self.engine.apart:
+            self.advance()
+
+    def before_sync(self) -> None:
+        """Finish the turns the engine holds with the weights that began them; an engine that samples with the
+        trainer's own weights (HF's) emptied before the update, which changed them."""
+        if not self.engine.on_trainer_weights:
+            self.advance()
 
     def advance(self) -> None:
         """Generate the next turn of every trajectory whose env has answered (a round engine waits for every env

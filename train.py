@@ -221,7 +221,9 @@ class Args:
     max_staleness: int | None = None
     """asynchronous: rollouts go on while the trainer updates, each step training on its tasks' episodes sampled by
     weights at most this many updates older than those it updates (decoupled PPO weighs them, --is-cap); 0 runs that
-    loop with no staleness, which is the synchronous loop exactly; default: the synchronous loop (README)"""
+    loop with no staleness, which is the synchronous loop exactly; default: the synchronous loop (README). With
+    --deterministic and k >= 1 the same command line repeats the run; a resumed one plays the sets that were under
+    way anew (they are not checkpointed), and --steps bounds the sets played, so either changes later steps"""
     is_cap: float = 2.0
     """--max-staleness: truncate a stale token's importance weight pi_prox / pi_behav at this (TIS's 2)"""
 
@@ -436,7 +438,7 @@ def main(args: Args) -> Path | None:
             costs = Costs(RolloutStats())
             with costs.measure("rollout"):
                 if stream is not None:  # --max-staleness: this step's set, played while earlier steps updated
-                    trajectories = stream.take(step, costs.rollout, phase(progress, "rollout", len(task_ids)))
+                    trajectories = stream.take(step, phase(progress, "rollout", len(task_ids)))
                 else:
                     if args.deterministic:  # this step's samples depend on (seed, step) and the weights alone
                         engine.reseed(stream_seed(args.seed + accelerator.process_index, step))
@@ -447,24 +449,28 @@ def main(args: Args) -> Path | None:
                 stop_on_env_failures(trajectories, args.max_error_rate, accelerator, run_dir, step)
 
             # -- the batch, its old/reference log-probs and values, advantages, the update, the engine's new weights
-            if stream is not None and not engine.apart:  # (an engine on the trainer's device empties before the update)
-                stream.advance()
+            if stream is not None:
+                stream.before_update()
             engine.sleep()
+            between = stream.advance if stream is not None and stream.meanwhile else None  # (rollouts going on meanwhile)
             with costs.measure("update"):
                 batch = batch_of(trajectories, args, accelerator, fmt.pad_id, step)
-                old_logprobs(models, batch, args, accelerator)
+                old_logprobs(models, batch, args, accelerator, between)
                 advantages, returns = advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok,
                                                      reducer(accelerator), batch.episodes)
                 attach(batch, advantages, returns)
                 sums, grad_norms = update(models, batch, args, accelerator, step,
                                           phase(progress, "update", args.ppo_epochs * len(batch.micro)),
-                                          between=stream.advance if stream is not None and stream.meanwhile else None)
+                                          between=between)
                 stop_on_nonfinite(models, batch, args.max_nonfinite_updates, accelerator, run_dir, step)
-            if stream is not None:  # (the turns the engine holds end with the weights that began them)
-                stream.advance()
+            if stream is not None:  # (no process's sync changes a shared server's weights under another's turns)
+                stream.before_sync()
+                accelerator.wait_for_everyone()
             synced = sync(engine, models.policy, accelerator, step)
 
             # -- metrics and logs (trajectory statistics over all processes, losses from this one)
+            if stream is not None:  # (what its loop did this step: the take, and the advances meanwhile)
+                stream.spent(costs.rollout)
             records = gather_object(rollout_records(trajectories, batch, step))
             sampled = gather_object([costs.rollout.sampled_tokens])
             metrics = step_metrics(records, sampled, costs, sums, grad_norms, batch, advantages, returns, models, horizon,
@@ -544,13 +550,13 @@ def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: in
 
 
 @torch.no_grad()
-def old_logprobs(models: Models, batch: Batch, args: Args, accelerator) -> None:
+def old_logprobs(models: Models, batch: Batch, args: Args, accelerator, between=None) -> None:
     """Old and reference log-probs and old values of every micro-batch, also scattered into `full` (the advantages
     need them on the whole batch). Every model runs as the policy does in the update and in the sampler (fp32
     weights under Accelerate's autocast, which `prepare` also wraps around the policy's forward), so that policy and
     reference agree exactly while their weights do. With a single update per rollout the policy has not moved, so
     the old log-probs are the current ones (detached) and need no extra forward pass, unless the KL goes into the
-    reward, which needs them before the update."""
+    reward, which needs them before the update. `between`, when given, is called after every micro-batch (see update)."""
     need_old = args.ppo_epochs * args.minibatches > 1 or (args.kl_in_reward and has_reference(models))
     for module in (models.policy, models.critic):
         if module is not None:
@@ -563,6 +569,8 @@ def old_logprobs(models: Models, batch: Batch, args: Args, accelerator) -> None:
                 micro["old_logprobs"], _ = token_logprobs(models.policy, *inputs, args.temperature, position_ids=positions)
             if models.critic is not None:
                 micro["old_values"] = token_values(models.critic, *inputs, position_ids=positions)
+        if between is not None:
+            between()
     if has_reference(models):  # in a pass of its own: under LoRA the reference is the policy with its adapters off
         with reference(models, accelerator, args.offload_reference) as ref:
             for micro in batch.micro:
@@ -570,6 +578,8 @@ def old_logprobs(models: Models, batch: Batch, args: Args, accelerator) -> None:
                 with accelerator.autocast():
                     micro["ref_logprobs"], _ = token_logprobs(ref, *inputs, args.temperature,
                                                               position_ids=micro.get("position_ids"))
+                if between is not None:
+                    between()
     scatter(batch, ("old_logprobs", "ref_logprobs", "old_values"))
 
 
@@ -900,7 +910,8 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
 # Everything else is the run's own setting, so that it continues as it started, in its own directory.
 RESUMABLE = ("steps", "epochs", "save_every", "keep_checkpoints", "log_rollouts_every", "track", "wandb_project", "gen_batch_size", "resume",
              "out_dir", "engine", "vllm_gpu_memory_utilization", "vllm_max_model_len", "vllm_tensor_parallel_size",
-             "vllm_sleep", "sync_tolerance", "rollout_server", "env_timeout", "env_url", "max_error_rate", "max_nonfinite_updates")
+             "vllm_sleep", "sync_tolerance", "rollout_server", "env_timeout", "env_url", "env_delay", "max_error_rate",
+             "max_nonfinite_updates")
 
 
 def parse_args(argv: list[str] | None = None) -> Args:

@@ -73,6 +73,7 @@ class Seeded:
     generator: torch.Generator | None = None
     state_key = "generator"
     apart = False  # True: it generates on devices of its own, also while the trainer updates (a rollout server)
+    on_trainer_weights = False  # True: it samples with the trainer's own model, which an update changes (HF, unsharded)
 
     def reseed(self, seed: int) -> None:
         """Restart the stream from `seed`."""
@@ -167,6 +168,7 @@ class HFEngine(RoundEngine):
                  batch_size: int = 64, seed: int = 0, own: bool = False):
         super().__init__()
         self.model, self.fmt, self.own = model, fmt, own  # own: a copy of the trainer's weights, not the trainer's
+        self.on_trainer_weights = not own
         self.temperature, self.top_p, self.top_k, self.batch_size = temperature, top_p, top_k, batch_size
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
 

@@ -107,6 +107,7 @@ def test_no_trained_token_is_more_than_k_updates_old(stale_run):
     for m in metrics:
         assert m["async/staleness_max"] <= 2
         assert sum(m[f"async/lag_{k}_share"] for k in range(3)) == pytest.approx(1)
+        assert 0 <= m["perf/engine_idle_share"] <= 1 and m["perf/generate_s"] <= m["perf/step_s"]  # (this step's own)
 
 
 def test_importance_weights_are_recomputed_from_the_logs(stale_run):
@@ -210,3 +211,36 @@ def test_env_delay_is_checked_before_anything_loads(tmp_path):
     with pytest.raises(SystemExit, match="--env-delay 'webarena\\*fast' is not a delay"):
         train.check(args, 1)
     train.check(train.parse_args(["--out-dir", str(tmp_path), "--env-delay", "webarena*0.5"]), 1)
+
+
+def test_each_turn_records_the_weights_that_sampled_it_on_the_trainers_own_model(ragged, tmp_path, monkeypatch):
+    """The HF engine samples with the trainer's own model: no turn of it is generated between the update and the
+    sync (the weights there are already the next version's), so every turn's recorded version is the number of
+    updates its weights had had when it was sampled."""
+    import rl.engines
+    import rollout
+
+    updates, wrong = [0], []
+    original_update, original_poll, original_take = train.update, rl.engines.RoundEngine.poll, rollout.Stream.take
+
+    def counted_update(*args, **kwargs):
+        result = original_update(*args, **kwargs)
+        updates[0] += 1
+        return result
+
+    def noted_poll(self):
+        answered = original_poll(self)
+        for traj, _ in answered:
+            traj.__dict__.setdefault("sampled_by", []).append(updates[0])
+        return answered
+
+    def checked_take(self, j, *args, **kwargs):
+        taken = original_take(self, j, *args, **kwargs)
+        wrong.extend((j, t.versions, t.sampled_by) for t in taken if t.versions != t.__dict__.get("sampled_by", []))
+        return taken
+
+    monkeypatch.setattr(train, "update", counted_update)
+    monkeypatch.setattr(rl.engines.RoundEngine, "poll", noted_poll)
+    monkeypatch.setattr(rollout.Stream, "take", checked_take)
+    metrics, _ = run(tmp_path, "hf", "--engine", "hf", "--max-staleness", "2", "--steps", "4", "--eval-every", "0")
+    assert len(metrics) == 4 and wrong == []
