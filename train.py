@@ -437,15 +437,13 @@ def main(args: Args) -> Path | None:
             horizon = horizon_at(step, args.horizon, args.horizon_every)  # ScalingInter-RL: this step's turn cap
             costs = Costs(RolloutStats())
             with costs.measure("rollout"):
-                if stream is not None:  # --max-staleness: this step's set, played while earlier steps updated
-                    trajectories = stream.take(step, phase(progress, "rollout", len(task_ids)))
-                else:
-                    if args.deterministic:  # this step's samples depend on (seed, step) and the weights alone
-                        engine.reseed(stream_seed(args.seed + accelerator.process_index, step))
-                    trajectories = rollout(engine, fmt, environments, task_ids, groups, horizon=horizon, pool=pool,
-                                           stats=costs.rollout, max_new_tokens=args.max_new_tokens, max_tokens=max_tokens,
-                                           agent=make_agent(args.agent, args.attempts),
-                                           progress=phase(progress, "rollout", len(task_ids)))
+                bar = phase(progress, "rollout", len(task_ids))
+                if stream is None and args.deterministic:  # this step's samples depend on (seed, step) and the weights
+                    engine.reseed(stream_seed(args.seed + accelerator.process_index, step))
+                trajectories = stream.take(step, bar) if stream is not None else rollout(  # (--max-staleness: see Stream)
+                    engine, fmt, environments, task_ids, groups, horizon=horizon, pool=pool, stats=costs.rollout,
+                    max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, agent=make_agent(args.agent, args.attempts),
+                    progress=bar)
                 stop_on_env_failures(trajectories, args.max_error_rate, accelerator, run_dir, step)
 
             # -- the batch, its old/reference log-probs and values, advantages, the update, the engine's new weights

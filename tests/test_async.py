@@ -37,14 +37,19 @@ class Ragged(BabyAI):
         return StepResult("Done." if done else "Go on.", float(done and react_action(text) == "turn left"), done, {})
 
 
-@pytest.fixture
-def ragged(monkeypatch, tmp_path):
+def register_ragged(patch: pytest.MonkeyPatch, tmp_path) -> None:
+    """envs.make("ragged"), its categories and its splits (tasks 121-520), while `patch` holds."""
     ids = tmp_path / "ids.json"
     envs.save_task_ids(ids, "ragged", list(range(121, 521)))
     module = types.SimpleNamespace(make=lambda **_: Ragged(), category=lambda t: ("one", "two", "three")[t % 3],
                                    default_split_files=lambda: (ids, ids))
-    monkeypatch.setitem(sys.modules, "ragged_env", module)
-    monkeypatch.setitem(envs.ENVS, "ragged", envs.Registration("ragged_env", call_timeout=60.0, upstream_horizon=3))
+    patch.setitem(sys.modules, "ragged_env", module)
+    patch.setitem(envs.ENVS, "ragged", envs.Registration("ragged_env", call_timeout=60.0, upstream_horizon=3))
+
+
+@pytest.fixture
+def ragged(monkeypatch, tmp_path):
+    register_ragged(monkeypatch, tmp_path)
 
 
 def run(tmp_path, name, *flags):
@@ -82,12 +87,7 @@ def stale_run(tmp_path_factory):
     """A k = 2 run on the HF engine (rounds: every set under way plays together), the cap low enough to truncate."""
     mp = pytest.MonkeyPatch()
     tmp_path = tmp_path_factory.mktemp("stale")
-    ids = tmp_path / "ids.json"
-    envs.save_task_ids(ids, "ragged", list(range(121, 521)))
-    module = types.SimpleNamespace(make=lambda **_: Ragged(), category=lambda t: ("one", "two", "three")[t % 3],
-                                   default_split_files=lambda: (ids, ids))
-    mp.setitem(sys.modules, "ragged_env", module)
-    mp.setitem(envs.ENVS, "ragged", envs.Registration("ragged_env", call_timeout=60.0, upstream_horizon=3))
+    register_ragged(mp, tmp_path)
     try:
         yield run(tmp_path, "k2", "--engine", "hf", "--max-staleness", "2", "--is-cap", "1.1", "--eval-every", "0")
     finally:
