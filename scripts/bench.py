@@ -733,9 +733,13 @@ def plot_async(runs: dict[str, list[dict]], path: Path) -> str | None:
     except ImportError:
         return None
     figure, axis = plt.subplots(figsize=(7, 4))
+    loops = list(dict.fromkeys(name.split("-")[0] for name in runs))  # (a colour a loop, a line style a seed)
+    seeds = list(dict.fromkeys(name.split("-", 1)[1] for name in runs))
     for name, rows in runs.items():
+        loop, seed = name.split("-", 1)
         elapsed = [sum(r["perf/step_s"] for r in rows[:i + 1]) / 60 for i in range(len(rows))]
-        axis.plot(elapsed, [r["rollout/reward"] for r in rows], marker="o", markersize=3, label=name)
+        axis.plot(elapsed, [r["rollout/reward"] for r in rows], marker="o", markersize=3, label=name,
+                  color=f"C{loops.index(loop)}", linestyle=("-", "--", ":", "-.")[seeds.index(seed) % 4])
     axis.set_xlabel("wall time of the training steps (min)")
     axis.set_ylabel("rollout reward")
     axis.set_title("synchronous vs --max-staleness k on a long-tailed env")
