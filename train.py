@@ -532,7 +532,7 @@ def streamed(engine, fmt: ChatFormat, environments: list, train_ids: list[int], 
                   pool=pool, reseed=(lambda j: engine.reseed(stream_seed(seed, j))) if args.deterministic else None)
 
 
-def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: int, step: int = 0) -> Batch:
+def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: int, step: int | None = None) -> Batch:
     """The step's tensors (rl/batch.py): micro-batches by --micro-batch-size or --max-tokens-per-micro-batch,
     packed with --pack, as many on every process (the most any process needs; the others add empty ones). Tokens
     sampled by older weights (--max-staleness) carry their `lag`: the updates between them and step `step`'s."""
@@ -543,6 +543,8 @@ def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: in
     batch = make_batch(rows, pad_id, layout, accelerator.device, count=count, pack=args.pack, episodes=episodes)
     for tensors in (batch.full, *batch.micro):
         if "versions" in tensors:
+            if step is None:
+                raise ValueError("trajectories that record their versions need the step they train, for their lag")
             tensors["lag"] = (step - 1 - tensors.pop("versions")) * tensors["loss_mask"]
     return batch
 
@@ -567,7 +569,7 @@ def old_logprobs(models: Models, batch: Batch, args: Args, accelerator, between=
                 micro["old_logprobs"], _ = token_logprobs(models.policy, *inputs, args.temperature, position_ids=positions)
             if models.critic is not None:
                 micro["old_values"] = token_values(models.critic, *inputs, position_ids=positions)
-        if between is not None:
+        if between is not None and (need_old or models.critic is not None):  # (only where a pass ran)
             between()
     if has_reference(models):  # in a pass of its own: under LoRA the reference is the policy with its adapters off
         with reference(models, accelerator, args.offload_reference) as ref:

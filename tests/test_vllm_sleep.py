@@ -47,10 +47,13 @@ class Sleepy(rl.engines.VLLMEngine if rl.engines.vllm_available() else object):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_training_with_evaluations_never_submits_to_a_sleeping_engine(tmp_path, monkeypatch):
+@pytest.mark.parametrize("staleness", [None, 2])
+def test_training_with_evaluations_never_submits_to_a_sleeping_engine(staleness, tmp_path, monkeypatch):
     """train.py --engine vllm --eval-every 1: the step-0 evaluation ends with the engine asleep and step 1's
     rollout comes next, with no sync between (it hung there). Every rollout after a sleep samples with the
-    trainer's weights: the log-probs the engine reports are the trainer's, and every sync's probe agrees."""
+    trainer's weights: the log-probs the engine reports are the trainer's, and every sync's probe agrees. With
+    --max-staleness 2 the sets under way wait through the update with the engine asleep (it is not advanced
+    between micro-batches), and finish their turns after it wakes, before the sync."""
     pytest.importorskip("vllm")
     import train
 
@@ -59,15 +62,23 @@ def test_training_with_evaluations_never_submits_to_a_sleeping_engine(tmp_path, 
     monkeypatch.setattr(rollout_module, "STALL_S", 60.0)  # (a hang fails the test in a minute)
     run_dir = train.main(train.parse_args([
         "--engine", "vllm", "--steps", "2", "--eval-every", "1", "--eval-tasks", "2", "--tasks-per-step", "2",
-        "--n", "2", "--horizon", "2", "--max-new-tokens", "16", "--out-dir", str(tmp_path), "--run-name", "sleepy"]))
+        "--n", "2", "--horizon", "2", "--max-new-tokens", "16", "--out-dir", str(tmp_path), "--run-name", "sleepy",
+        *(["--max-staleness", str(staleness)] if staleness is not None else [])]))
     (engine,) = Sleepy.engines
-    assert engine.pauses >= 5  # after each evaluation (steps 0, 1, 2) and each rollout (steps 1, 2)
+    # after each evaluation (steps 0, 1, 2) and each rollout (steps 1, 2); asynchronous, step 2's set was played
+    # during step 1's, so the engine is still asleep from the step-1 evaluation when step 2 updates
+    assert engine.pauses >= (5 if staleness is None else 4)
     assert engine.added_asleep == 0
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["charts/step"] for m in metrics] == [0, 1, 2]
     for m in metrics[1:]:
-        assert m["rollout/logprob_diff"] < 1e-4 and m["sync/probe_diff"] < 1e-3, m
-        assert "eval/avg@k" in m
+        assert m["sync/probe_diff"] < 1e-3 and "eval/avg@k" in m, m
+        if staleness is None:  # (stale tokens were sampled by older weights: the lag is theirs, not a mismatch)
+            assert m["rollout/logprob_diff"] < 1e-4, m
+        else:
+            assert m["async/staleness_max"] <= staleness, m
+    if staleness is not None:
+        assert metrics[2]["async/lag_0_share"] < 1  # step 2 trained what the step-0 weights sampled
 
 
 class Stuck(RoundEngine):
