@@ -73,8 +73,9 @@ from rl import api, plots
 from rl.agent import check_layout, make_agent
 from rl.chat import chat_format, template_options
 from rl.checkpoint import write_atomic
-from rl.horizon import horizon_at
+from rl.horizon import AUTO, horizon_at
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, full_weights, is_adapter, load_model, load_tokenizer
+from rl.records import read_metrics
 from rl.run import run_of
 from rl.scores import endings, paired, score, spread
 from rl.engines import engine_kind, make_engine
@@ -178,11 +179,17 @@ class Args:
 
 
 def checkpoint_horizon(model: str, config: dict) -> int:
-    """The turn cap the run trained with at this checkpoint's step (ScalingInter-RL's stage then)."""
+    """The turn cap the run trained with at this checkpoint's step (ScalingInter-RL's stage then; under --horizon auto,
+    the cap its metrics.jsonl logged at that step, else the last it could climb to)."""
     if "horizon" not in config:
         return config["max_turns"]  # a run from before horizon schedules
     state = Path(model) / "trainer_state.json"
     step = json.loads(state.read_text())["step"] if state.is_file() else 10**9
+    if config["horizon"][0] == AUTO:  # (runs/<run>/checkpoints/step_<n>)
+        metrics = Path(model).parent.parent / "metrics.jsonl"
+        logged = [row["rollout/horizon"] for row in (read_metrics(metrics) if metrics.is_file() else [])
+                  if row.get("charts/step") == step and "rollout/horizon" in row]
+        return logged[-1] if logged else config["horizon"][-1]
     return horizon_at(max(step, 1), config["horizon"], config["horizon_every"])  # (agentevol's iteration 0 is step 0)
 
 

@@ -125,6 +125,9 @@ class Trajectory:
     sequences: list[tuple[list[int], list[int], list[float]]] = field(default_factory=list)
     # --max-staleness (Stream): the policy version that sampled each turn, the number of updates its weights had had
     versions: list[int] = field(default_factory=list)
+    # the env's state key before each turn and after the last (envs.Env.state_key: equal exactly when two episodes of
+    # the task are in the same state; None where the env cannot say): GiGPO's anchor states (rl/advantages.py)
+    states: list[str | None] = field(default_factory=list)
 
     def add(self, ids: list[int], logprobs: list[float] | None = None, trained: bool = False) -> None:
         """Append tokens: sampled ones with their log-probs and trained=True, anything else untrained."""
@@ -150,7 +153,7 @@ class Trajectory:
         if self.turns <= horizon or len(self.turn_rewards) < horizon:
             return self
         return replace(self, turns=horizon, reward=self.turn_rewards[horizon - 1], done=False, success=False,
-                       finish="horizon", error=None, horizon=horizon)
+                       finish="horizon", error=None, horizon=horizon, states=self.states[:horizon + 1])
 
     def log_record(self) -> dict:
         """The trajectory as a log record (rl/records.py), without what only training knows."""
@@ -173,18 +176,23 @@ class Trajectory:
             "sampled_logprobs": encode_array([p for p, m in zip(self.logprobs, self.loss_mask) if m], "f32"),
             **({"usage": self.usage} if self.usage else {}),
             **({"versions": self.versions} if self.versions else {}),
+            **({"states": self.states} if any(key is not None for key in self.states) else {}),
         }
 
-    def token_versions(self) -> list[int]:
-        """The version of every token (Stream's trajectories): each turn's on its sampled tokens (the runs of
-        loss-mask 1, a run per turn), -1 on everything else."""
-        versions, turn = [-1] * len(self.loss_mask), -1
+    def token_turns(self) -> list[int]:
+        """The turn of every token: each turn's index on its sampled tokens (the runs of loss-mask 1, a run per turn),
+        -1 on everything else."""
+        turns, turn = [-1] * len(self.loss_mask), -1
         for i, trained in enumerate(self.loss_mask):
             if trained and (i == 0 or not self.loss_mask[i - 1]):
                 turn += 1
             if trained:
-                versions[i] = self.versions[turn]
-        return versions
+                turns[i] = turn
+        return turns
+
+    def token_versions(self) -> list[int]:
+        """The version of every token (Stream's trajectories): each turn's on its sampled tokens, -1 elsewhere."""
+        return [self.versions[turn] if turn >= 0 else -1 for turn in self.token_turns()]
 
 
 def category(env: str, task_id: int) -> str | None:
@@ -348,10 +356,10 @@ def _episodes(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[i
     stepping: dict[Future, Trajectory] = {}  # env steps under way
     try:
         # -- reset every env in parallel; the first observation completes each prompt
-        firsts = list(pool.map(_timed, [env.reset for env in environments], task_ids))
-        clock.count(firsts)
+        firsts = list(pool.map(_called, environments, ["reset"] * len(environments), task_ids))
+        clock.count([(first, seconds) for first, seconds, _ in firsts])
         trajectories = [_start(fmt, agent, row, env, task, group, first, horizon, past)
-                        for row, (env, task, group, (first, _), past)
+                        for row, (env, task, group, first, past)
                         in enumerate(zip(environments, task_ids, groups, firsts, reflections))]
         clock.idle_s += time.perf_counter() - begin
 
@@ -569,7 +577,7 @@ class Stream:
             self.holds[(j - 1) % (self.staleness + 1)] = j
             for i, (task, group) in enumerate(zip(task_ids, groups)):
                 row = (j - 1) % (self.staleness + 1) * self.block + i
-                self.resetting[self.pool.submit(_timed, self.environments[row].reset, task)] = (j, i, task, group, horizon)
+                self.resetting[self.pool.submit(_called, self.environments[row], "reset", task)] = (j, i, task, group, horizon)
 
     def _submit(self) -> None:
         """Submit the next turn of every trajectory ready for one, but those of a set whose turns may not begin yet
@@ -602,8 +610,8 @@ class Stream:
             if future in self.resetting:
                 j, i, task, group, horizon = self.resetting.pop(future)
                 row = self._row(future, (j, i))
-                first, seconds = future.result()
-                self.clock.count([(first, seconds)])
+                first = future.result()
+                self.clock.count([first[:2]])
                 traj = self.sets[j][i] = _start(self.fmt, self.agent, row, self.environments[row], task, group, first,
                                                 horizon, [])
                 if traj.live:
@@ -651,15 +659,15 @@ def _generate(engine, fmt: ChatFormat, agent: Agent, environments: list[Env], po
             traj.messages[-1]["tool_calls"] = openai_calls(action.calls, traj.turns)
         if action.problem is not None:  # a reply the env never sees: answered here, as an invalid action
             traj.malformed += 1
-            stepping[_answered(StepResult(action.problem, traj.reward, False, {"valid": False}))] = traj
+            stepping[_answered(StepResult(action.problem, traj.reward, False, {"valid": False}), traj)] = traj
         else:
-            stepping[pool.submit(_timed, environments[traj.row].step, action.text)] = traj
+            stepping[pool.submit(_called, environments[traj.row], "step", action.text)] = traj
 
 
-def _answered(result: StepResult) -> Future:
-    """An env step already answered, as the rollout waits for one: (result, no env seconds)."""
+def _answered(result: StepResult, traj: Trajectory) -> Future:
+    """An env step already answered, as the rollout waits for one: (result, no env seconds, the state unchanged)."""
     future = Future()
-    future.set_result((result, 0.0))
+    future.set_result((result, 0.0, traj.states[-1] if traj.states else None))
     return future
 
 
@@ -692,11 +700,13 @@ def _collect(engine, fmt: ChatFormat, stepping: dict[Future, Trajectory], clock:
 
 
 def _taken_in(fmt: ChatFormat, traj: Trajectory, answer: tuple, clock: RolloutStats, max_tokens: int) -> bool:
-    """An env's (result, seconds) for a turn, observed; whether the trajectory goes on to another turn (at its
-    horizon it ends, finish "horizon")."""
-    result, seconds = answer
+    """An env's (result, seconds, state key) for a turn, observed; whether the trajectory goes on to another turn (at
+    its horizon it ends, finish "horizon")."""
+    result, seconds, state = answer
     clock.count([(result, seconds)])
     _observe(fmt, traj, result, traj.horizon, max_tokens)
+    if not isinstance(result, Exception):
+        traj.states.append(state)
     if traj.live and traj.turns >= traj.horizon:
         traj.finish = "horizon"
     return traj.live
@@ -735,17 +745,30 @@ def _timed(fn, *args):
     return result, time.perf_counter() - start
 
 
-def _start(fmt: ChatFormat, agent: Agent, row: int, env: Env, task_id: int, group: int, first, horizon: int,
+def _called(env: Env, method: str, *args) -> tuple:
+    """An env call ("reset" or "step"), in the pool: (its result, or the exception it raised, its seconds, the env's
+    state key after it, None where the env cannot say). A key that fails to come is None, never an error: a key
+    only groups turns for GiGPO, and a turn without one stands alone."""
+    result, seconds = _timed(getattr(env, method), *args)
+    try:
+        state = None if isinstance(result, Exception) else env.state_key()
+    except Exception:  # noqa: BLE001 - see above
+        state = None
+    return result, seconds, state
+
+
+def _start(fmt: ChatFormat, agent: Agent, row: int, env: Env, task_id: int, group: int, answer: tuple, horizon: int,
            reflections: list[str]) -> Trajectory:
     """A trajectory whose tokens are the first prompt (the agent format's opening: instruction, ack, first
-    observation)."""
+    observation); `answer`: the reset's (first observation, seconds, state key)."""
+    first, _, state = answer
     if isinstance(first, Exception):
         messages = agent.opening(env, "", reflections)[:2]
         traj = Trajectory(env.name, task_id, group, row, messages, horizon=horizon)
         traj.fail(f"reset failed: {type(first).__name__}: {first}")
         return traj
     messages = agent.opening(env, first, reflections)
-    traj = Trajectory(env.name, task_id, group, row, messages, horizon=horizon, tools=agent.tools(env))
+    traj = Trajectory(env.name, task_id, group, row, messages, horizon=horizon, tools=agent.tools(env), states=[state])
     traj.add(fmt.prompt(messages, tools=traj.tools))
     return traj
 

@@ -8,7 +8,7 @@
 
 Each step (main): sample `tasks_per_step` tasks of the train split, roll out `n` episodes of each (rollout.py) with
 at most the turns the horizon schedule allows at this step (rl/horizon.py), score each by its last reward, turn the
-scores into advantages (rl/advantages.py: `--algo` grpo, rloo, reinforce_pp, or ppo with a critic and GAE), update
+scores into advantages (rl/advantages.py: `--algo` grpo, rloo, gigpo, reinforce_pp, or ppo with a critic and GAE), update
 the policy with PPO's clipped loss, a KL penalty to the frozen initial model and an entropy bonus (update_policy),
 and copy the new weights into the rollout engine (rl/engines.py: sync). Each process rolls out its own share of the
 tasks. The run directory (rl/run.py) gets every trajectory, the metrics (wandb with --track) and checkpoints. The
@@ -60,7 +60,7 @@ from rl.chat import chat_format
 from rl.data import examples_of, held_out, offline_steps, read_data, to_record
 from rl.dpo import DPOSums, dpo_terms
 from rl.engines import build_engine, check_engine, own_stream, stream_seed, sync
-from rl.horizon import describe, horizon_at
+from rl.horizon import AUTO, LADDER, auto_horizon, caps_of, describe, horizon_at, known_before
 from rl.logprobs import pad, token_logprobs, token_values
 from rl.losses import aggregate, behaviour_weights, kl, policy_loss, value_loss
 from rl.memory import print_plan
@@ -69,7 +69,7 @@ from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, Models, build_
 from rl.metrics import (Costs, UpdateSums, async_metrics, eval_line, eval_metrics, evol_line, offline_line, rl_line,
                         stale_sums, step_metrics)
 from rl.optimizer import accumulate, optimizer_steps, reducer, stop_on_nonfinite
-from rl.records import rollout_records
+from rl.records import read_metrics, rollout_records
 from rl.run import (Logs, close, eval_due, evaluation_plan, find_checkpoint, finish, phase, resumable_config, resume, run_config,
                     run_directory, run_of, save_checkpoint, stop_on_env_failures)
 from rl.scores import score, spread
@@ -96,14 +96,18 @@ class Args:
     BabyAI: envs/data/babyai_tiny_test.json)"""
 
     # -- algorithm
-    algo: Literal["grpo", "rloo", "reinforce_pp", "ppo", "sft", "dpo", "agentevol"] = "grpo"
-    """RL by its advantage estimator: grpo (group-normalised), rloo (leave-one-out), reinforce_pp (discounted
-    returns whitened over the batch), ppo (a critic and GAE); or learning from trajectory files (--data):
+    algo: Literal["grpo", "rloo", "gigpo", "reinforce_pp", "ppo", "sft", "dpo", "agentevol"] = "grpo"
+    """RL by its advantage estimator: grpo (group-normalised), rloo (leave-one-out), gigpo (grpo plus turn-level
+    credit: turns from the same env state compared), reinforce_pp (discounted returns whitened over the batch), ppo
+    (a critic and GAE); or learning from trajectory files (--data):
     sft (behaviour cloning), dpo (preference pairs), agentevol (AgentGym's self-evolution)"""
     grpo_scale: bool = True
-    """grpo: divide by the group's std; --no-grpo-scale is Dr. GRPO"""
-    gamma: float = 1.0
-    """discount per action token (reinforce_pp, ppo)"""
+    """grpo: divide by the group's std; --no-grpo-scale is Dr. GRPO (gigpo: at both levels, the paper's mean_norm)"""
+    gamma: float | None = None
+    """discount: per action token for reinforce_pp and ppo (default 1.0, upstream's), per turn for gigpo's turn
+    returns (default 0.95, the paper's)"""
+    step_weight: float = 1.0
+    """gigpo: omega, the weight of the turn-level advantage added to the episode's (the paper's 1.0)"""
     lam: float = 1.0
     """GAE lambda (ppo)"""
 
@@ -152,10 +156,17 @@ class Args:
     """tasks per step, over all processes (upstream's train_batch_size)"""
     n: int = 8
     """samples per task (the group of grpo and rloo)"""
-    horizon: tuple[int, ...] = (15,)
-    """turn cap per episode; several values are ScalingInter-RL's stages, e.g. --horizon 10 20 30"""
+    horizon: tuple[int | Literal["auto"], ...] = (15,)
+    """turn cap per episode; several values are ScalingInter-RL's stages, e.g. --horizon 10 20 30; `auto 10 20 30`
+    climbs them when the run shows it is time (rl/horizon.py; `auto` alone: the preset's stages, else 10 20 30)"""
     horizon_every: int = 100
     """training steps per horizon stage"""
+    horizon_patience: int = 3
+    """--horizon auto: the fewest steps at a cap, and the window of steps its rule looks at"""
+    horizon_cut: float = 0.1
+    """--horizon auto: raise the cap when it cut at most this share of the window's episodes"""
+    horizon_gain: float = 0.02
+    """--horizon auto: raise the cap when the window's success is not this much above the window's before"""
     max_new_tokens: int = 512
     """tokens per assistant turn"""
     max_tokens: int = 8192
@@ -411,7 +422,8 @@ def main(args: Args) -> Path | None:
         trainer_state = resume(accelerator, models, engine, Path(args.resume)) if resuming else {"step": 0, "logs": {}}
         start_step = trainer_state["step"] + 1
         sync(engine, models.policy, accelerator, start_step - 1)  # from the first step on: the trainer's weights
-        stream = streamed(engine, fmt, environments, train_ids, start_step, max_tokens, pool, args, accelerator)
+        history = logged_steps(run_dir, start_step) if resuming else []  # (the steps' metrics: --horizon auto's input)
+        stream = streamed(engine, fmt, environments, train_ids, start_step, max_tokens, pool, args, accelerator, history)
 
         # -- the run's record (logs cut back to the checkpoint's when resuming)
         config = run_config(args, run_dir, resuming, accelerator, mixed, engine, environments[0])
@@ -434,7 +446,7 @@ def main(args: Args) -> Path | None:
 
             # -- rollout: the same tasks on every process for a step, each process playing its share
             task_ids, groups = my_tasks(tasks_for(step, train_ids, args.tasks_per_step, args.seed), args.n, accelerator)
-            horizon = horizon_at(step, args.horizon, args.horizon_every)  # ScalingInter-RL: this step's turn cap
+            horizon, why = horizon_for(step, args, history)  # ScalingInter-RL's stage, or --horizon auto's cap
             costs = Costs(RolloutStats())
             with costs.measure("rollout"):
                 bar = phase(progress, "rollout", len(task_ids))
@@ -455,7 +467,7 @@ def main(args: Args) -> Path | None:
                 batch = batch_of(trajectories, args, accelerator, fmt.pad_id, step)
                 old_logprobs(models, batch, args, accelerator, between)
                 advantages, returns = advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok,
-                                                     reducer(accelerator), batch.episodes)
+                                                     reducer(accelerator), batch.episodes, batch.anchors)
                 attach(batch, advantages, returns)
                 sums, grad_norms = update(models, batch, args, accelerator, step,
                                           phase(progress, "update", args.ppo_epochs * len(batch.micro)),
@@ -472,7 +484,7 @@ def main(args: Args) -> Path | None:
             records = gather_object(rollout_records(trajectories, batch, step))
             sampled = gather_object([costs.rollout.sampled_tokens])
             metrics = step_metrics(records, sampled, costs, sums, grad_norms, batch, advantages, returns, models, horizon,
-                                   engine.metrics() | synced)
+                                   engine.metrics() | synced) | ({"rollout/horizon_reason": why} if why else {})
             if stream is not None:
                 metrics |= async_metrics(batch, sums, args.max_staleness)
             evaluation, evaluated = evaluate(engine, fmt, players, test_ids, models, args, accelerator, max_tokens, step,
@@ -484,6 +496,7 @@ def main(args: Args) -> Path | None:
                                      "charts/step": step}
             logs.write(step, metrics, rl_line(step, metrics), evaluations=evaluated,
                        rollouts=records if step % args.log_rollouts_every == 0 else [])
+            history.append(metrics)
 
             if step == args.steps or (args.save_every and step % args.save_every == 0):
                 save_checkpoint(accelerator, models, engine, tokenizer, run_dir / "checkpoints" / f"step_{step}", step, logs,
@@ -515,7 +528,7 @@ def my_tasks(tasks: list[int], n: int, accelerator) -> tuple[list[int], list[int
 
 
 def streamed(engine, fmt: ChatFormat, environments: list, train_ids: list[int], first: int, max_tokens: int,
-             pool: ThreadPoolExecutor, args: Args, accelerator) -> Stream | None:
+             pool: ThreadPoolExecutor, args: Args, accelerator, history: list[dict]) -> Stream | None:
     """--max-staleness k: the rollouts that go on across steps (rollout.py's Stream), set j holding step j's tasks,
     as the synchronous loop plays them (my_tasks, the horizon schedule, under --deterministic a stream of seeds
     restarted from (seed, step)), from step `first` on: in-flight episodes are not checkpointed, a resumed run
@@ -524,12 +537,29 @@ def streamed(engine, fmt: ChatFormat, environments: list, train_ids: list[int], 
         return None
     def tasks_of(j: int) -> tuple[list[int], list[int], int]:
         mine, groups = my_tasks(tasks_for(j, train_ids, args.tasks_per_step, args.seed), args.n, accelerator)
-        return mine, groups, horizon_at(j, args.horizon, args.horizon_every)
+        return mine, groups, horizon_for(j, args, history)[0]
 
     seed = args.seed + accelerator.process_index
     return Stream(engine, fmt, environments, tasks_of, staleness=args.max_staleness, first=first, last=args.steps,
                   max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, agent=make_agent(args.agent, args.attempts),
                   pool=pool, reseed=(lambda j: engine.reseed(stream_seed(seed, j))) if args.deterministic else None)
+
+
+def horizon_for(step: int, args: Args, history: list[dict]) -> tuple[int, str | None]:
+    """The turn cap of step `step` (rl/horizon.py): ScalingInter-RL's stage then; under --horizon auto, what its rule
+    makes of the metrics of the steps finished when the step's episodes begin (`history`: the run's metrics rows), and
+    why (logged as rollout/horizon_reason)."""
+    if args.horizon[0] != AUTO:
+        return horizon_at(step, args.horizon, args.horizon_every), None
+    known = [row for row in history if row["charts/step"] <= known_before(step, args.max_staleness)]
+    return auto_horizon(caps_of(args.horizon), known, args.horizon_patience, args.horizon_cut, args.horizon_gain)
+
+
+def logged_steps(run_dir: Path, start_step: int) -> list[dict]:
+    """The metrics rows of a resumed run's steps before `start_step` (read before this run appends to the log)."""
+    path = run_dir / "metrics.jsonl"
+    rows = read_metrics(path) if path.is_file() else []
+    return [row for row in rows if "rollout/horizon" in row and row.get("charts/step", start_step) < start_step]
 
 
 def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: int, step: int | None = None) -> Batch:
@@ -584,16 +614,20 @@ def old_logprobs(models: Models, batch: Batch, args: Args, accelerator, between=
 
 
 def advantages_for(args: Args, full: dict, scores: torch.Tensor, groups: torch.Tensor, ok: torch.Tensor,
-                   reduce, episodes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   reduce, episodes: torch.Tensor | None = None,
+                   anchors: list[list] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The step's per-token advantages [B, T] (and GAE's returns for the critic) by --algo (rl/advantages.py); with
     --kl-in-reward the reward loses beta * KL_t at every action token. `reduce` whitens over all processes, as one;
-    `episodes`: the episode of each row (--reasoning drop: a row per turn)."""
+    `episodes`: the episode of each row (--reasoning drop: a row per turn); `anchors`: gigpo's, each episode's state
+    keys before its turns (rl/batch.py)."""
     mask = full["loss_mask"]
     penalty = None
     if args.kl_in_reward and "ref_logprobs" in full:
         penalty = args.kl_coef * kl(full["old_logprobs"], full["ref_logprobs"], args.kl_estimator) * mask
     return adv_lib.advantages(args.algo, scores, groups, ok, mask, penalty=penalty, values=full.get("old_values"),
-                              gamma=args.gamma, lam=args.lam, grpo_scale=args.grpo_scale, reduce=reduce, episodes=episodes)
+                              gamma=args.gamma if args.gamma is not None else 0.95 if args.algo == "gigpo" else 1.0,
+                              lam=args.lam, grpo_scale=args.grpo_scale, reduce=reduce, episodes=episodes, anchors=anchors,
+                              turn=full.get("turn"), step_weight=args.step_weight)
 
 
 def update(models: Models, batch: Batch, args: Args, accelerator, step: int, progress=None,
@@ -949,6 +983,8 @@ def parse_args(argv: list[str] | None = None) -> Args:
         default = replace(default, eval_tasks=TINY_EVAL_TASKS)
     default = replace(default, **EMBEDDED_TOOLS) if preset == "tiny" and known.agent == "tools" else default
     args = tyro.cli(Args, args=argv, default=default, description=__doc__.split("\n\n")[0])
+    if args.horizon == (AUTO,):  # (the ladder it climbs, written out in the run's config)
+        args = replace(args, horizon=(AUTO, *(default.horizon if len(default.horizon) > 1 else LADDER)))
     return replace(args, preset=preset)
 
 
@@ -1016,12 +1052,9 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
                 envs.load_task_ids(getattr(args, flag), args.env)
         except envs.TaskFileError as error:
             raise SystemExit(f"--{flag.replace('_', '-')}: {error}") from None
-    if args.n < 2 and args.algo in adv_lib.GROUPED:
+    if args.n < 2 and adv_lib.is_grouped(args.algo):
         raise SystemExit(f"{args.algo} compares the samples of a task with each other: use --n 2 or more")
-    if not args.horizon or min(args.horizon) < 1 or args.horizon_every < 1:
-        raise SystemExit("--horizon takes one or more turn caps of at least 1, --horizon-every at least 1 step")
-    if list(args.horizon) != sorted(args.horizon):
-        raise SystemExit(f"--horizon {' '.join(map(str, args.horizon))}: ScalingInter-RL's stages only grow")
+    check_horizon(args)
     if args.critic_warmup > 1 and args.algo != "ppo":
         raise SystemExit(f"--critic-warmup trains only the critic for a while, and --algo {args.algo} has none: "
                          "use it with --algo ppo")
@@ -1057,6 +1090,23 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
     if not args.max_tokens_per_micro_batch and micro_batches < args.minibatches:
         raise SystemExit(f"--minibatches {args.minibatches} is more than the {micro_batches} micro-batches of "
                          f"--micro-batch-size {args.micro_batch_size} that each process has")
+
+
+def check_horizon(args: Args) -> None:
+    """--horizon: caps of at least 1 that only grow, `auto` before them or not at all, and its rule's settings."""
+    caps = caps_of(args.horizon)
+    if not caps or min(caps) < 1 or args.horizon_every < 1:
+        raise SystemExit("--horizon takes one or more turn caps of at least 1 (after `auto`, when given), "
+                         "--horizon-every at least 1 step")
+    if AUTO in args.horizon[1:]:
+        raise SystemExit(f"--horizon {' '.join(map(str, args.horizon))}: `auto` goes first, then the caps it climbs "
+                         "(e.g. --horizon auto 10 20 30)")
+    if list(caps) != sorted(caps):
+        raise SystemExit(f"--horizon {' '.join(map(str, args.horizon))}: ScalingInter-RL's stages only grow")
+    if args.horizon_patience < 1 or not 0 <= args.horizon_cut <= 1:
+        raise SystemExit("--horizon-patience takes 1 step or more, --horizon-cut a share in [0, 1]")
+    if args.horizon[0] == AUTO and args.algo in OFFLINE:
+        raise SystemExit(f"--horizon auto grows the turn cap over steps of RL; --algo {args.algo} takes one cap")
 
 
 def check_offline(args: Args, world: int) -> None:

@@ -14,6 +14,11 @@ token, which the mask then zeroes; its GAE bootstraps from values of observation
   they neither discount nor receive anything, and the value that an action token bootstraps from is
   the value of the next action token, in this turn or the next one.
 
+GiGPO (`gigpo`, arXiv 2505.10978) adds turn-level credit to GRPO: where several episodes of a task pass
+through the same env state (the same `anchor`: envs.Env.state_key), the turns taken from that state are compared
+with each other by their discounted returns (`step_advantages`); a turn's tokens get the episode's GRPO advantage
+plus omega times its turn's.
+
 Adding an estimator that compares the samples of a task (like GRPO, RLOO): a function
 (scores [B], groups [B]) -> advantages [B], its name in GROUPED, and the name in train.py's --algo choices
 (README: "Add an advantage estimator"; tests/test_advantages.py follows the recipe).
@@ -21,6 +26,7 @@ Adding an estimator that compares the samples of a task (like GRPO, RLOO): a fun
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Callable
 
@@ -61,6 +67,36 @@ def _within_groups(scores, groups, advantage) -> torch.Tensor:
         if int(members.sum()) >= 2:
             advantages[members] = advantage(scores[members].float())
     return advantages
+
+
+def step_advantages(totals: list[float], groups: list[int], ok: list[bool], anchors: list[list], gamma: float,
+                    scale: bool = True, eps: float = 1e-6) -> list[list[float]]:
+    """GiGPO's step-level advantage of every turn, [episode][turn] (the paper's A^S, its eq. 7-8).
+
+    anchors[k][t]: the env's state key before turn t of episode k (None: unknown). The anchor group of a turn is
+    every turn, of any episode of the same task group, taken from the same state (at whatever turn). A turn's return
+    is the discounted sum of its episode's later rewards; the only reward is the outcome, on the last turn (an env's
+    per-step reward is the running score, not an increment: the outcome is its last), so
+    R_t = gamma^(T - 1 - t) * total. Within an anchor group: (R - mean) / (std + eps) (std unbiased, as GRPO's), or
+    R - mean without `scale` (the paper's mean_norm mode). A turn alone in its anchor group, without a state key or
+    of an episode whose env failed (not ok) gets 0."""
+    returns, members = {}, collections.defaultdict(list)
+    for k, states in enumerate(anchors):
+        if not ok[k]:
+            continue
+        for t, state in enumerate(states):
+            returns[k, t] = gamma ** (len(states) - 1 - t) * totals[k]
+            if state is not None:
+                members[groups[k], state].append((k, t))
+    out = [[0.0] * len(states) for states in anchors]
+    for turns in members.values():
+        if len(turns) < 2:
+            continue
+        r = torch.tensor([returns[turn] for turn in turns], dtype=torch.float64)
+        centred = r - r.mean()
+        for (k, t), a in zip(turns, (centred / (r.std() + eps) if scale else centred).tolist()):
+            out[k][t] = a
+    return out
 
 
 def per_token(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -130,10 +166,17 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 GROUPED: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"grpo": grpo, "rloo": rloo}
 
 
+def is_grouped(algo: str) -> bool:
+    """Whether --algo compares the samples of a task (it needs --n 2 or more, and gives every row of an episode the
+    episode's advantage): GROUPED's estimators, and gigpo (GRPO's, plus the turns' within their anchor groups)."""
+    return algo in GROUPED or algo == "gigpo"
+
+
 def advantages(algo: str, scores: torch.Tensor, groups: torch.Tensor, ok: torch.Tensor, mask: torch.Tensor,
                penalty: torch.Tensor | None = None, values: torch.Tensor | None = None, gamma: float = 1.0,
                lam: float = 1.0, grpo_scale: bool = True, reduce: Reduce | None = None,
-               episodes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               episodes: torch.Tensor | None = None, anchors: list[list] | None = None, turn: torch.Tensor | None = None,
+               step_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The step's per-token advantages [B, T] by `algo` (a GROUPED estimator, reinforce_pp, or ppo's GAE on the
     critic's `values`), and GAE's returns for the critic (None for the others). scores, groups, ok [B]: outcome
     rewards, task groups, False where the env failed (no outcome: its mask is already 0, and it stays out of the
@@ -141,9 +184,12 @@ def advantages(algo: str, scores: torch.Tensor, groups: torch.Tensor, ok: torch.
     (train.py's --kl-in-reward; a grouped estimator sees each trajectory's outcome minus its summed penalty).
     episodes [B]: the episode each row is of, when an episode is several rows (--reasoning drop: one a turn, each with
     the episode's score, group and ok): a grouped estimator compares episodes, and each row gets its episode's
-    advantage; the token-level estimators need an episode in one row."""
+    advantage; the token-level estimators need an episode in one row.
+    gigpo: GRPO's episode advantage plus step_weight (omega) x step_advantages, by the episodes' `anchors` (per
+    episode, the state key before each turn) and `turn` [B, T] (the turn of each action token, -1 elsewhere); grpo_scale
+    False is the paper's mean_norm mode, at both levels."""
     penalty = torch.zeros_like(mask) if penalty is None else penalty
-    if algo in GROUPED:
+    if algo in GROUPED or algo == "gigpo":
         episodes = torch.arange(len(scores)) if episodes is None else episodes
         first = torch.full((int(episodes.max()) + 1 if len(episodes) else 0,), len(episodes)).scatter_reduce(
             0, episodes, torch.arange(len(episodes)), "amin")  # an episode's first row: its score, group and ok
@@ -151,9 +197,18 @@ def advantages(algo: str, scores: torch.Tensor, groups: torch.Tensor, ok: torch.
         totals = scores[first] - torch.zeros(len(first)).index_add(0, episodes, penalty.sum(1).float())
         per_episode = torch.zeros(len(first))
         if ok[first].any():
-            estimator = functools.partial(grpo, scale=grpo_scale) if algo == "grpo" else GROUPED[algo]
+            estimator = functools.partial(grpo, scale=grpo_scale) if algo in ("grpo", "gigpo") else GROUPED[algo]
             per_episode[ok[first]] = estimator(totals[ok[first]], groups[first][ok[first]])
-        return per_token(per_episode[episodes], mask), None
+        if algo != "gigpo":
+            return per_token(per_episode[episodes], mask), None
+        if anchors is None or turn is None:
+            raise ValueError("gigpo needs the episodes' anchor states and each action token's turn (rl/batch.py's Batch)")
+        steps = step_advantages(totals.tolist(), groups[first].tolist(), ok[first].tolist(), anchors, gamma, grpo_scale)
+        table = torch.zeros(len(steps), max(map(len, steps), default=0) + 1)  # (a last column of 0: tokens of no turn)
+        for k, row in enumerate(steps):
+            table[k, :len(row)] = torch.tensor(row)
+        on_turn = table[episodes[:, None], torch.where((turn >= 0) & (turn < table.shape[1]), turn, table.shape[1] - 1)]
+        return per_token(per_episode[episodes], mask) + step_weight * on_turn * mask, None
     if episodes is not None and len(episodes.unique()) < len(episodes):
         raise ValueError(f"{algo} runs over an episode's action tokens in one row; --reasoning drop trains a row per turn")
     rewards = place_reward(scores, mask) - penalty
@@ -161,4 +216,4 @@ def advantages(algo: str, scores: torch.Tensor, groups: torch.Tensor, ok: torch.
         return reinforce_pp(rewards, mask, gamma, reduce=reduce), None
     if algo == "ppo":
         return gae(rewards, values, mask, gamma, lam, reduce=reduce)
-    raise ValueError(f"unknown advantage estimator {algo!r}; choose one of: {', '.join(GROUPED)}, reinforce_pp, ppo")
+    raise ValueError(f"unknown advantage estimator {algo!r}; choose one of: {', '.join(GROUPED)}, gigpo, reinforce_pp, ppo")

@@ -58,6 +58,7 @@ class Batch:
     groups: torch.Tensor  # [B] which task's group
     ok: torch.Tensor  # [B] False where the env failed
     episodes: torch.Tensor  # [B] which episode each row is of (--reasoning drop: a row per turn; else a row per episode)
+    anchors: list[list[str | None]]  # per episode: the env's state key before each of its turns (GiGPO's anchor states)
 
     @property
     def tokens(self) -> int:
@@ -165,14 +166,28 @@ def make_batch(trajectories, pad_id: int, layout: Layout, device, count: int | N
     episodes = torch.tensor(range(len(trajectories)) if episodes is None else episodes, dtype=torch.long)
     if len(episodes.unique()) < len(episodes):  # rows of one episode: it weighs as one sequence (see `weights`)
         full["weights"] = weights(full["loss_mask"], episodes)
+    full["turn"] = turns(trajectories, episodes.tolist(), full["loss_mask"].shape[1])
     lengths = [len(t.token_ids) for t in trajectories]
     micro, pieces = [], []
     for rows in layout + [[[]] for _ in range(max(0, (count or 0) - len(layout)))]:
         placed = _place(rows, lengths)
         micro.append(_micro(full, rows, placed, pad_id, pack, device, episodes))
         pieces.append(placed)
+    first = {int(e): t for e, t in reversed(list(zip(episodes.tolist(), trajectories)))}  # each episode's first row
     return Batch(full, micro, pieces, scores=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
-                 groups=torch.tensor([t.group for t in trajectories], dtype=torch.long), ok=ok, episodes=episodes)
+                 groups=torch.tensor([t.group for t in trajectories], dtype=torch.long), ok=ok, episodes=episodes,
+                 anchors=[first[e].states[:first[e].turns] for e in sorted(first)])
+
+
+def turns(trajectories, episodes: list[int], width: int) -> torch.Tensor:
+    """[B, T]: the episode's turn that each action token was sampled in, -1 on everything else. A row holds all its
+    episode's turns, or (--reasoning drop: rows_of) the episode's k-th row holds turn k alone."""
+    seen: dict[int, int] = {}
+    rows = []
+    for traj, episode in zip(trajectories, episodes):
+        offset = seen[episode] = seen.get(episode, -1) + 1
+        rows.append([t + offset if t >= 0 else -1 for t in traj.token_turns()] + [-1] * (width - len(traj.token_ids)))
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def weights(mask: torch.Tensor, episodes: torch.Tensor) -> torch.Tensor:

@@ -125,6 +125,7 @@ def step_metrics(records: list[dict], sampled: list[int], costs: Costs, sums: Up
         # of those, the replies with no action to take (no or a bad tool call, cut inside the reasoning)
         "rollout/malformed_rate": sum(r.get("malformed", 0) for r in records) / max(sum(turns), 1),
         "rollout/zero_variance_groups": zero_variance_share(records),  # groups with no GRPO signal
+        **anchor_metrics(records),  # GiGPO's turn-level groups (whatever --algo)
         **category_metrics(records),
         "losses/nonfinite_updates": sums.nonfinite_updates,  # optimizer steps skipped for NaN or inf
         "rollout/tokens": mean(tokens),
@@ -181,6 +182,21 @@ def zero_variance_share(records: list[dict]) -> float:
         if r["finish"] != "error":
             groups[(r["item_id"], r["group"])].append(r["reward"])
     return sum(len(set(rewards)) == 1 for rewards in groups.values()) / max(len(groups), 1)
+
+
+def anchor_metrics(records: list[dict]) -> dict[str, float]:
+    """GiGPO's anchor groups among the step's episodes (rl/advantages.step_advantages; logged under any --algo): the
+    turns of a task group taken from the same env state. How many groups, their mean size in turns, and the share of
+    turns in a group of two or more, the turns that get a turn-level advantage."""
+    sizes = collections.Counter()
+    for r in records:
+        if r["finish"] != "error":
+            for state in r.get("states", [])[:r["turns"]]:
+                if state is not None:
+                    sizes[r["item_id"], r["group"], state] += 1
+    turns = sum(r["turns"] for r in records if r["finish"] != "error")
+    return {"rollout/anchor_groups": len(sizes), "rollout/anchor_size": sum(sizes.values()) / max(len(sizes), 1),
+            "rollout/anchored_share": sum(n for n in sizes.values() if n >= 2) / max(turns, 1)}
 
 
 def category_metrics(records: list[dict]) -> dict[str, float]:
