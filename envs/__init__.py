@@ -3,6 +3,7 @@
     env = envs.make("babyai")
     first_observation = env.reset(task_id)          # task ids map to tasks as in AgentGym
     result = env.step(model_text)                   # raw model text in, StepResult out
+    key = env.state_key()                           # the state the next action acts on (GiGPO), or None
     env.close()
 
     env = envs.make("babyai", url="http://127.0.0.1:36001")   # the same, on an AgentGym env server
@@ -26,6 +27,10 @@ and the limits of upstream's evaluation (eval.py's `agentgym` protocol). The mod
     TOOLS, REPLY, read_action(text)          optional: its actions as native tools, how a reply carries one
                                              action, and the action a reply sends (envs/tools.py); an env
                                              without them cannot be played with --agent tools
+    Env.state_key() -> str | None            optional: a short string equal exactly when two episodes of the same
+                                             task are in the same env state (Env.state_key below); GiGPO's step-level
+                                             anchor groups are the turns that start from one key. An env without it
+                                             (None) leaves every turn alone in its group: GiGPO's step term is 0
 
 and ships default splits as `envs/data/<name>_{train,test}.json` in AgentGym-RL-Data-ID's
 format: `[{"item_id": "<name>_<int>"}, ...]` (a module may point elsewhere with
@@ -37,6 +42,7 @@ nothing else (README: "Add an environment"; tests/test_add_env.py follows the re
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib
 import json
 import re
@@ -72,6 +78,26 @@ class Env:
 
     def close(self) -> None:
         pass
+
+    def state_key(self) -> str | None:
+        """A short string equal exactly when two episodes of the same task are in the same env state (the state the
+        next action acts on), or None when the env cannot say. The rollout calls it in its main thread right after a
+        reset or step returned, so it is cheap and never calls into a browser, a JVM or the network: an env computes
+        it from Python state it holds, caching at reset and step time what it needs. It never raises for a live env;
+        after a failed or closed one it may be None. It holds no step count and no history: the same state reached at
+        another turn, or by actions in another order, has the same key. canonical_key() keeps it short."""
+        return None
+
+
+KEY_CHARS = 100  # a canonical form longer than this is keyed by its digest
+
+
+def canonical_key(canonical: str) -> str:
+    """An env state's key from its canonical form (a text equal exactly when the states are): the form itself when
+    it is at most KEY_CHARS characters, readable in logs ("1 oak planks|2 stick"), else its 16-hex blake2b digest."""
+    if len(canonical) <= KEY_CHARS:
+        return canonical
+    return hashlib.blake2b(canonical.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,13 @@ MiniGrid actions by breadth-first search over the visible cells, and the primiti
 of them leaves the view unchanged. The reward is MiniGrid's success reward 1 - 0.9 * steps /
 max_steps, counted in primitive steps.
 
+The state key (Env.state_key, GiGPO's anchor groups) is a digest of canonical_state(): the whole grid in
+MiniGrid's encoding (so a moved object or a door opened or unlocked anywhere counts, not only in view), the
+agent's cell, heading and load, and the halves of a sequenced mission already done, which only the verifier
+remembers. The whole grid rather than the 7x7 view, since two episodes that see the same view may differ behind
+the agent. It is computed when the game changes (reset, a macro's primitives); an action the game never sees
+(invalid, "check available actions") leaves it.
+
 Default data: the splits in envs/data/babyai_{train,test}.json are ours: test = ids 0-119 (seeds
 0-2 of every level), train = ids 120-4,119 (seeds 3-102). The paper's sets are AgentGym-RL-Data-ID's
 files; run them with `python train.py --env babyai --train-tasks babyai_train.json` and
@@ -51,10 +58,10 @@ import minigrid  # noqa: F401  (registers the BabyAI levels)
 import numpy as np
 from minigrid.core.constants import DIR_TO_VEC, IDX_TO_COLOR, IDX_TO_OBJECT
 from minigrid.envs.babyai.core import roomgrid_level
-from minigrid.envs.babyai.core.verifier import GoToInstr, OpenInstr, PickupInstr
+from minigrid.envs.babyai.core.verifier import GoToInstr, OpenInstr, PickupInstr, SeqInstr
 from minigrid.utils.baby_ai_bot import BabyAIBot
 
-from envs import REACT_ONLY_ONE, Env, StepResult, react_action
+from envs import REACT_ONLY_ONE, Env, StepResult, canonical_key, react_action
 from envs.tools import Param, Tool
 
 # MiniGrid prints "Sampling rejected: ..." to stdout for every rejected level layout. Silence that
@@ -178,6 +185,26 @@ def _shortest_path(start, direction, target, blocked, area, arrive):
                     next_frontier.append(nxt)
         frontier = next_frontier
     return None
+
+
+def canonical_state(game) -> str:
+    """The state the next action acts on, as text: every cell of the grid in MiniGrid's encoding (object type, colour
+    and state: where each object lies, doors open, closed or locked; a carried object is off the grid), the agent's
+    cell, heading and what it carries, and which halves of a sequenced mission ("... and then ...") are done, which
+    the verifier remembers and the grid does not show. Not the step count (the next action's effect does not depend
+    on it, except through MiniGrid's step limit)."""
+    x, y = (int(c) for c in game.agent_pos)
+    carrying = f"{game.carrying.color} {game.carrying.type}" if game.carrying else "nothing"
+    return (f"grid {game.grid.encode().tobytes().hex()} agent {x},{y} heading {int(game.agent_dir)} "
+            f"carrying {carrying} done {_progress(game.instrs)}")
+
+
+def _progress(instr) -> str:
+    """Which parts of a mission's sequence are done, e.g. "(10 (11) )" for "A and B, then C" with A and B done."""
+    if not isinstance(instr, SeqInstr):
+        return ""
+    done = f"{int(instr.a_done == 'success')}{int(instr.b_done == 'success')}"
+    return f"({done} {_progress(instr.instr_a)} {_progress(instr.instr_b)})"
 
 
 def describe(game, image) -> tuple[str, dict[str, list[int]], dict[str, str], dict[str, tuple[int, int]]]:
@@ -335,6 +362,7 @@ class BabyAI(Env):
     def __init__(self):
         self._games: dict[str, object] = {}  # one MiniGrid env per level, reused across resets
         self.game = None
+        self.key: str | None = None  # state_key(), computed where the game changes
 
     def reset(self, task_id: int) -> str:
         level, seed = level_and_seed(task_id)
@@ -347,7 +375,12 @@ class BabyAI(Env):
         self.image = obs["image"]
         self.description, self.actions, self.errors, self.targets = describe(self.game, self.image)
         self.score, self.done = 0.0, False
+        self.key = canonical_key(canonical_state(self.game))
         return f"Your goal: {self.goal}\n{self.description}{self._action_list()}"
+
+    def state_key(self) -> str | None:
+        """The digest of canonical_state() after the last reset or macro (an invalid action leaves it)."""
+        return self.key
 
     def _action_list(self) -> str:
         return "\nAvailable actions: [" + ", ".join(f'"{a}"' for a in self.actions) + "]"
@@ -394,6 +427,7 @@ class BabyAI(Env):
             self.score = float(reward) if terminated else 0.0
         info["success"] = self.score > 0
         self.description, self.actions, self.errors, self.targets = describe(self.game, self.image)
+        self.key = canonical_key(canonical_state(self.game))
         return self.description + ("\n The task is completed." if self.score > 0 else "")
 
 

@@ -105,6 +105,12 @@ class Guarded(envs.Env):
     def step(self, text: str) -> envs.StepResult:
         return self._call("step", text)
 
+    def state_key(self) -> str | None:
+        """The instance's state key, read in the caller's thread after its call returned (cheap, as Env.state_key
+        promises); None when the instance was given up on."""
+        env = self.env
+        return None if env is None else env.state_key()
+
     def close(self) -> None:
         """Close the instance, waiting for it at most `timeout` (close_envs closes many at once)."""
         wait([self._abandon()], timeout=self.timeout)

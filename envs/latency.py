@@ -194,5 +194,8 @@ class Delayed(Env):
         time.sleep(seconds)
         return result
 
+    def state_key(self) -> str | None:  # (Env has one, so __getattr__ would not reach the env's)
+        return self.wrapped.state_key()
+
     def close(self) -> None:
         self.wrapped.close()

@@ -31,7 +31,8 @@ trailing "</s>" (upstream's slice also eats the character before it, see envs/sc
 info["success"] is a completed task (score 100), where upstream has no such notion; a lone surrogate
 in the model's text, which JSON cannot carry, is sent as "?"; an error answer raises RemoteEnvError
 (upstream's clients fail on an assert or a KeyError); info["valid"] (did the env take the action) comes
-from our server's answers, which carry it, and is absent over upstream's, which do not.
+from our server's answers, which carry it, and is absent over upstream's, which do not. So does state_key():
+our server sends the env's with every /reset and /step answer, no extra request; over upstream's it is None.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ import httpx
 from envs import REACT_ONLY_ONE, Env, StepResult, _module, call_timeout, react_action
 
 RETRIED_STATUS = (502, 503)  # the env failed or the server is full: worth another try for idempotent calls
+KEYED = ("/reset", "/step")  # the answers that carry the env's state key (our server's; upstream's have none)
+STATE_KEY_HEADER = "State-Key"  # where an answer that is a bare string carries it (SearchQA's /reset)
 
 
 class RemoteEnvError(RuntimeError):
@@ -72,6 +75,7 @@ class RemoteEnv(Env):
         self.options = {"url": self.url, "timeout": self.timeout, "retries": self.retries, "reward": reward}
         self.id_field = "env_idx" if name in ("searchqa", "webarena") else "id"
         self.http = httpx.Client(base_url=self.url, timeout=self.timeout)
+        self.key: str | None = None  # state_key(): from the last /reset or /step answer
         self.env_id = self._create()
 
     # -- the Env interface
@@ -108,7 +112,12 @@ class RemoteEnv(Env):
             return StepResult(answer["observation"], reward, done, answer["info"] or {})
         return StepResult(answer["observation"], float(answer["reward"]), bool(answer["done"]), answer["info"])
 
+    def state_key(self) -> str | None:
+        """The state key our server sent with its last /reset or /step answer; None over upstream's servers."""
+        return self.key
+
     def close(self) -> None:
+        self.key = None
         try:  # best effort: a server that is gone drops the instance itself (idle expiry)
             self._post("/close", {}, idempotent=True, retries=0)
         except RemoteEnvError:
@@ -157,6 +166,8 @@ class RemoteEnv(Env):
     def _request(self, method: str, path: str, body=None, params=None, idempotent: bool = False,
                  retries: int | None = None):
         retries = self.retries if retries is None else retries
+        if path in KEYED:
+            self.key = None  # until an answer says
         for attempt in range(retries + 1):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
@@ -175,7 +186,10 @@ class RemoteEnv(Env):
                     continue
                 raise failure from None
             if response.status_code == 200:
-                return self._answer(method, path, response)
+                answer = self._answer(method, path, response)
+                if path in KEYED:  # (a bare-string answer, SearchQA's /reset, has it in a header)
+                    self.key = answer.get("state_key") if isinstance(answer, dict) else response.headers.get(STATE_KEY_HEADER)
+                return answer
             failure = RemoteEnvError(f"{method} {self.url}{path} answered {response.status_code}: "
                                      f"{_reason(response)}", response.status_code)
             if not (idempotent and response.status_code in RETRIED_STATUS):

@@ -57,6 +57,9 @@ Where this differs from upstream on purpose:
 - A /step answer also says whether the env took the action: `valid` (WebArena: in its `info`, as the port
   reports it), which upstream's clients ignore and envs/remote.py passes on, so that a run over a server
   counts invalid actions as one in process does.
+- Every /reset and /step answer (and TextCraft's /create, which resets) also carries `state_key`, the env's
+  Env.state_key() read in the same call (GiGPO's anchor groups), which upstream's clients ignore and
+  envs/remote.py keeps. SearchQA's /reset answer is a bare string, so there it is the `State-Key` header.
 - TextCraft's /create refuses custom `commands`/`goal` (422; our port has none) and SearchQA's ignores
   the item id that upstream preloads (here GET /observation before the first /reset is a 409).
   WebArena's `seed` is accepted and unused.
@@ -90,6 +93,7 @@ from pydantic import AfterValidator, BaseModel, Field
 from starlette.exceptions import HTTPException
 
 import envs
+from envs.remote import STATE_KEY_HEADER
 
 TaskId = Annotated[int, Field(ge=0, lt=2**31)]  # a task id in a body (data_idx, id, idx)
 
@@ -242,11 +246,16 @@ class Instances:
         self.live.clear()
         self.threads.shutdown(wait=False, cancel_futures=False)
 
-    async def reset(self, instance: Instance, fn: Callable[[envs.Env], object]):
+    async def reset(self, instance: Instance, fn: Callable[[envs.Env], object]) -> tuple[object, str | None]:
+        """fn(env) as a reset: its answer, and the env's state key after it (read in the same call)."""
         instance.ready = False
-        answer = await self.call(instance, fn, "reset", needs_episode=False)
+        answer = await self.call(instance, lambda env: (fn(env), env.state_key()), "reset", needs_episode=False)
         instance.ready = True
         return answer
+
+    async def step(self, instance: Instance, fn: Callable[[envs.Env], envs.StepResult]) -> tuple[envs.StepResult, str | None]:
+        """fn(env) as a step: its result, and the env's state key after it (read in the same call)."""
+        return await self.call(instance, lambda env: (fn(env), env.state_key()), "step")
 
 
 def close_quietly(env: envs.Env) -> None:
@@ -316,11 +325,11 @@ def textcraft_routes(app: FastAPI, pool: Instances) -> None:
         return "This is environment TextCraft."
 
     async def reset(instance: Instance, data_idx: int) -> dict:
-        observation = await pool.reset(instance, lambda env: env.reset(data_idx))
+        observation, key = await pool.reset(instance, lambda env: env.reset(data_idx))
         answer = {"id": instance.id, "observation": observation, "done": False, "reward": 0}
         instance.observation, instance.detail = observation, {"observation": observation, "done": False,
                                                               "reward": 0, "deleted": False}
-        return answer
+        return {**answer, "state_key": key}
 
     @app.post("/create")
     async def create(body: TextCraftCreate | None = None):
@@ -341,11 +350,11 @@ def textcraft_routes(app: FastAPI, pool: Instances) -> None:
     @app.post("/step")
     async def step(body: IdStep):
         instance = pool.get(body.id)
-        result = await pool.call(instance, lambda env: env.act(body.action), "step")
+        result, key = await pool.step(instance, lambda env: env.act(body.action))
         answer = {"observation": result.observation, "reward": result.reward, "done": result.done}
         instance.observation = result.observation
         instance.detail.update(answer)
-        return {**answer, "valid": result.info.get("valid")}
+        return {**answer, "valid": result.info.get("valid"), "state_key": key}
 
     id_observation_routes(app, pool)
     id_close_route(app, pool)
@@ -363,21 +372,21 @@ def babyai_routes(app: FastAPI, pool: Instances) -> None:
     @app.post("/reset")
     async def reset(body: IdReset):
         instance = pool.get(body.id)
-        observation, goal = await pool.reset(instance, lambda env: (env.reset(body.data_idx), env.goal))
+        (observation, goal), key = await pool.reset(instance, lambda env: (env.reset(body.data_idx), env.goal))
         answer = {"observation": observation, "reward": 0.0, "score": 0.0, "deleted": False, "done": False}
         instance.observation, instance.detail = observation, {**answer, "goal": goal}
-        return answer
+        return {**answer, "state_key": key}
 
     @app.post("/step")
     async def step(body: IdStep):
         instance = pool.get(body.id)
-        result = await pool.call(instance, lambda env: env.act(body.action), "step")
+        result, key = await pool.step(instance, lambda env: env.act(body.action))
         # our StepResult's reward is upstream's cumulative score; upstream's "reward" is this step's part of it
         answer = {"observation": result.observation, "reward": result.reward - instance.detail["score"],
                   "score": result.reward, "done": result.done}
         instance.observation = f"Your goal: {instance.detail['goal']}\n{result.observation}"
         instance.detail.update(answer)
-        return {**answer, "valid": result.info.get("valid")}
+        return {**answer, "valid": result.info.get("valid"), "state_key": key}
 
     @app.get("/observation")
     async def observation(id: int):
@@ -415,24 +424,24 @@ def sciworld_routes(app: FastAPI, pool: Instances) -> None:
     @app.post("/reset")
     async def reset(body: IdReset):
         instance = pool.get(body.id)
-        observation, task, variation, description = await pool.reset(
+        (observation, task, variation, description), key = await pool.reset(
             instance, lambda env: reset_and_describe(env, body.data_idx))
         look = observation[len(description) + 1:]  # our reset answers the description, "\n", then "look around"
         answer = {"task_name": task, "var_num": variation, "task_description": description, "observation": look,
                   "reward": 0, "score": 0, "deleted": False, "done": False}
         instance.observation, instance.detail = look, dict(answer)
-        return answer
+        return {**answer, "state_key": key}
 
     @app.post("/step")
     async def step(body: IdStep):
         instance = pool.get(body.id)
-        result = await pool.call(instance, lambda env: env.act(body.action), "step")
+        result, key = await pool.step(instance, lambda env: env.act(body.action))
         score = result.info["score"]  # upstream's score whatever our reward option: its client decides
         answer = {"observation": result.observation, "reward": score - instance.detail["score"], "score": score,
                   "done": result.done}
         instance.observation = result.observation
         instance.detail.update(answer)
-        return {**answer, "valid": result.info.get("valid")}
+        return {**answer, "valid": result.info.get("valid"), "state_key": key}
 
     id_observation_routes(app, pool)
     def hints(env) -> dict:
@@ -463,14 +472,15 @@ def searchqa_routes(app: FastAPI, pool: Instances) -> None:
     @app.post("/reset")
     async def reset(body: SearchQAReset):
         instance = pool.get(body.env_idx)
-        instance.observation = await pool.reset(instance, lambda env: env.reset(body.id))
-        return instance.observation
+        instance.observation, key = await pool.reset(instance, lambda env: env.reset(body.id))
+        # a bare string, as upstream's client reads it: the key goes in a header
+        return JSONResponse(instance.observation, headers={} if key is None else {STATE_KEY_HEADER: key})
 
     @app.post("/step")
     async def step(body: EnvIdxStep):
-        result = await pool.call(pool.get(body.env_idx), lambda env: env.step(body.action), "step")
+        result, key = await pool.step(pool.get(body.env_idx), lambda env: env.step(body.action))
         return {"observation": result.observation, "reward": result.reward, "done": result.done, "info": None,
-                "valid": result.info.get("valid")}
+                "valid": result.info.get("valid"), "state_key": key}
 
     @app.get("/observation")
     async def observation(env_idx: int):
@@ -504,23 +514,23 @@ def webarena_routes(app: FastAPI, pool: Instances) -> None:
     async def reset(body: WebArenaReset):
         instance = pool.get(body.env_idx)
         try:
-            prompt, tree, sites, intent = await pool.reset(instance, lambda env: reset_and_read(env, body.idx))
+            (prompt, tree, sites, intent), key = await pool.reset(instance, lambda env: reset_and_read(env, body.idx))
         except Refused as refused:
             if refused.status not in (502, 504):
                 raise
             # upstream's answer, which its client turns into the TimeoutError AgentGym-RL's rollout catches
             return {"observation": "TimeoutError", "sites": "Error", "object": "Error"}
         instance.observation = prompt
-        return {"observation": tree, "sites": sites, "object": intent}
+        return {"observation": tree, "sites": sites, "object": intent, "state_key": key}
 
     @app.post("/step")
     async def step(body: EnvIdxStep):
         instance = pool.get(body.env_idx)
-        result = await pool.call(instance, lambda env: env.step(body.action), "step")
+        result, key = await pool.step(instance, lambda env: env.step(body.action))
         if result.info.get("valid"):  # a step the browser took: the prompt moved on (else upstream's stays)
             instance.observation = result.observation
         return {"observation": result.observation, "reward": result.reward, "terminated": result.done,
-                "truncated": False, "info": result.info}
+                "truncated": False, "info": result.info, "state_key": key}
 
     @app.get("/observation")
     async def observation(env_idx: int):
@@ -549,17 +559,18 @@ def own_routes(app: FastAPI, pool: Instances) -> None:
     @app.post("/reset")
     async def reset(body: IdReset):
         instance = pool.get(body.id)
-        instance.observation = await pool.reset(instance, lambda env: env.reset(body.data_idx))
-        instance.detail = {"observation": instance.observation, "reward": 0.0, "done": False, "info": {}}
-        return {"observation": instance.observation}
+        instance.observation, key = await pool.reset(instance, lambda env: env.reset(body.data_idx))
+        instance.detail = {"observation": instance.observation, "reward": 0.0, "done": False, "info": {},
+                           "state_key": key}
+        return {"observation": instance.observation, "state_key": key}
 
     @app.post("/step")
     async def step(body: IdStep):
         instance = pool.get(body.id)
-        result = await pool.call(instance, lambda env: env.step(body.action), "step")
+        result, key = await pool.step(instance, lambda env: env.step(body.action))
         instance.observation = result.observation
         instance.detail = {"observation": result.observation, "reward": result.reward, "done": result.done,
-                           "info": result.info}
+                           "info": result.info, "state_key": key}
         return instance.detail
 
     id_observation_routes(app, pool)

@@ -19,6 +19,11 @@ the tree), shuffled with seed 42. The inventory starts empty. Actions are upstre
 `Action:` line, cleaned to letters, digits, commas and spaces) and server (`re.match`) do, with
 upstream's messages. Reward 1 and done when the goal item is crafted (or gotten).
 
+The state key (Env.state_key, GiGPO's anchor groups) is the inventory, sorted by name: "1 oak planks|2 stick",
+"nothing" when empty, a digest past 100 characters. The goal and the recipe list are fixed by the task, and the
+inventory is all an action changes; `get 0 x` leaves a 0 in it, which only the inventory listing shows and the key
+leaves out.
+
 Default data: the splits in envs/data/textcraft_{train,test}.json are ours, with upstream's sizes
 (374 train, 100 test; AgentGym-RL-Data-ID's files are not shipped), each depth split in proportion
 (scripts/textcraft_splits.py). The paper's sets: `python train.py --env textcraft --train-tasks
@@ -64,7 +69,7 @@ from dataclasses import dataclass
 from importlib.resources import files
 from typing import Callable
 
-from envs import REACT_ONLY_ONE, Env, StepResult, react_action
+from envs import REACT_ONLY_ONE, Env, StepResult, canonical_key, react_action
 from envs.tools import Param, Tool
 
 INSTRUCTION = (
@@ -378,6 +383,13 @@ class TextCraft(Env):
                 del self.inventory[item]
         self.inventory[recipe.output] = self.inventory.get(recipe.output, 0) + recipe.count
         return f"Crafted {recipe.count} {recipe.output}", float(recipe.output == self.goal), True
+
+    def state_key(self) -> str | None:
+        """The inventory (see the module docstring); None before the first reset."""
+        if self.goal is None:
+            return None
+        held = sorted((item_text(item), count) for item, count in self.inventory.items() if count)
+        return canonical_key("|".join(f"{count} {name}" for name, count in held) or "nothing")
 
     def _show_inventory(self) -> str:
         if not self.inventory:

@@ -91,11 +91,12 @@ def test_serving_the_new_env_over_http(countdown_url):
         env_id = http.post("/create").json()["id"]
         assert http.post("/step", json={"id": env_id, "action": "Action: next"}).status_code == 409  # no reset yet
         first = http.post("/reset", json={"id": env_id, "data_idx": 5}).json()
-        assert first == {"observation": local.reset(5)}
+        assert first == {"observation": local.reset(5), "state_key": None}  # (an env without state_key)
         for text in ("Action: next", "", "Action: next"):  # task 5: three replies; an empty one is not valid
             answer = http.post("/step", json={"id": env_id, "action": text}).json()
             mine = local.step(text)
-            assert answer == {"observation": mine.observation, "reward": mine.reward, "done": mine.done, "info": mine.info}
+            assert answer == {"observation": mine.observation, "reward": mine.reward, "done": mine.done, "info": mine.info,
+                              "state_key": None}
             assert http.get("/observation", params={"id": env_id}).json() == mine.observation
         assert answer["done"] and http.get("/detail", params={"id": env_id}).json() == answer
         assert http.post("/close", json={"id": env_id}).json() is True

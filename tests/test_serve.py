@@ -78,19 +78,21 @@ def test_textcraft_endpoints(textcraft_url):
         upstream_body = {"minecraft_dir": "agentenv_textcraft/", "commands": None, "goal": None}
         created = http.post("/create", json=upstream_body).json()
         env_id = created["id"]
-        assert created == {"id": env_id, "observation": local.reset(env_id), "done": False, "reward": 0}
+        assert created == {"id": env_id, "observation": local.reset(env_id), "done": False, "reward": 0,
+                           "state_key": local.state_key()}
         reset = http.post("/reset", json={"id": env_id, "data_idx": 130}).json()
-        assert reset == {"id": env_id, "observation": local.reset(130), "done": False, "reward": 0}
+        assert reset == {"id": env_id, "observation": local.reset(130), "done": False, "reward": 0,
+                         "state_key": local.state_key()}
         plan = envs.textcraft.plan(local.tree, local.goal)
         for action in ["inventory", "get 1 nothing", *plan]:  # the server takes the action already parsed
             answer = http.post("/step", json={"id": env_id, "action": action}).json()
             mine = local.act(action)
-            # (upstream's answer, and `valid`: did the env take the action, which our remote client passes on)
+            # (upstream's answer, `valid`: did the env take the action, and its state key, which our client passes on)
             assert answer == {"observation": mine.observation, "reward": mine.reward, "done": mine.done,
-                              "valid": mine.info["valid"]}
+                              "valid": mine.info["valid"], "state_key": local.state_key()}
             assert http.get("/observation", params={"id": env_id}).json() == mine.observation
         assert answer["reward"] == 1.0 and answer["done"] is True
-        detail = {key: value for key, value in answer.items() if key != "valid"}  # (upstream's fields)
+        detail = {key: value for key, value in answer.items() if key not in ("valid", "state_key")}  # (upstream's)
         assert http.get("/detail", params={"id": env_id}).json() == {**detail, "deleted": False}
         assert_refused(http.post("/create", json={"goal": "stick"}), 422)
         assert http.post("/close", json={"id": env_id}).json() is True
@@ -108,7 +110,8 @@ def test_babyai_endpoints(babyai_url):
         assert_refused(http.post("/reset", json={"id": env_id}), 422)  # data_idx is required, as upstream
         first = local.reset(120)
         assert http.post("/reset", json={"id": env_id, "data_idx": 120}).json() == {
-            "observation": first, "reward": 0.0, "score": 0.0, "deleted": False, "done": False}
+            "observation": first, "reward": 0.0, "score": 0.0, "deleted": False, "done": False,
+            "state_key": local.state_key()}
         assert http.get("/observation", params={"id": env_id}).json()["observation"] == first
         act, observation = envs.oracle(local), first
         while True:
@@ -117,7 +120,8 @@ def test_babyai_endpoints(babyai_url):
             mine = local.act(action)
             # our reward is upstream's cumulative score; its per-step reward is 0 until the success
             assert answer == {"observation": mine.observation, "reward": mine.reward if mine.done else 0.0,
-                              "score": mine.reward, "done": mine.done, "valid": mine.info["valid"]}
+                              "score": mine.reward, "done": mine.done, "valid": mine.info["valid"],
+                              "state_key": local.state_key()}
             assert http.get("/observation", params={"id": env_id}).json() == {
                 "observation": f"Your goal: {local.goal}\n{mine.observation}", "reward": answer["reward"],
                 "score": mine.reward, "done": mine.done, "deleted": False}
@@ -127,7 +131,7 @@ def test_babyai_endpoints(babyai_url):
         assert 0 < answer["score"] <= 1
         after = http.post("/step", json={"id": env_id, "action": "turn left"}).json()
         assert after == {"observation": "The task is already finished.", "reward": 0.0, "score": answer["score"],
-                         "done": True, "valid": False}
+                         "done": True, "valid": False, "state_key": answer["state_key"]}
 
         image = http.post("/render", json={"id": env_id}).json()
         assert image.startswith("data:image/png;base64,")
@@ -147,13 +151,14 @@ def test_searchqa_endpoints():
         assert isinstance(env_idx, int)  # a bare int, as upstream
         assert_refused(http.get("/observation", params={"env_idx": env_idx}), 409)
         first = local.reset(task)
-        assert http.post("/reset", json={"env_idx": env_idx, "id": task}).json() == first
+        reset = http.post("/reset", json={"env_idx": env_idx, "id": task})
+        assert reset.json() == first and reset.headers["state-key"] == local.state_key() == "no documents"
         act = envs.oracle(local)
         for text in ["no tags at all", act(first), act("")]:
             mine = local.step(text)
             answer = http.post("/step", json={"env_idx": env_idx, "action": text}).json()
             assert answer == {"observation": mine.observation, "reward": mine.reward, "done": mine.done, "info": None,
-                              "valid": mine.info["valid"]}
+                              "valid": mine.info["valid"], "state_key": local.state_key()}
             assert http.get("/observation", params={"env_idx": env_idx}).json() == first  # always the question
         assert answer["done"] and answer["reward"] == 1.0
         assert_refused(http.post("/reset", json={"env_idx": env_idx, "id": 5}), 422)  # a real-set id, no qa_path
@@ -168,7 +173,7 @@ def test_sciworld_endpoints():
         env_id = http.post("/create").json()["id"]
         reset = http.post("/reset", json={"id": env_id, "data_idx": task}).json()
         assert set(reset) == {"task_name", "var_num", "task_description", "observation", "reward", "score",
-                              "deleted", "done"}
+                              "deleted", "done", "state_key"}
         assert (reset["task_name"], reset["var_num"]) == envs.sciworld.task_and_variation(task)
         assert reset["task_description"].startswith("Your task is to melt")
         assert reset["observation"].startswith("This room is called")
@@ -182,7 +187,8 @@ def test_sciworld_endpoints():
         score = 0
         for action in gold:  # the client sends the parsed action
             answer = http.post("/step", json={"id": env_id, "action": action}).json()
-            assert set(answer) == {"observation", "reward", "score", "done", "valid"} and answer["valid"] is True
+            assert set(answer) == {"observation", "reward", "score", "done", "valid", "state_key"}
+            assert answer["valid"] is True
             assert answer["reward"] == answer["score"] - score  # per-step reward, cumulative score
             score = answer["score"]
             if answer["done"]:
@@ -223,7 +229,7 @@ def test_webarena_endpoints(monkeypatch):
         assert prompt.startswith("OBSERVATION:\nTab 0") and "PREVIOUS ACTION: None" in prompt
         for _ in range(10):
             answer = http.post("/step", json={"env_idx": env_idx, "action": act(prompt)}).json()
-            assert set(answer) == {"observation", "reward", "terminated", "truncated", "info"}
+            assert set(answer) == {"observation", "reward", "terminated", "truncated", "info", "state_key"}
             prompt = answer["observation"]
             if answer["terminated"]:
                 break

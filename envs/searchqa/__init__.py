@@ -12,6 +12,13 @@ agentenv-searchqa server and client, verbatim:
   articles a/an/the, collapse whitespace), of the LAST <answer> in the response against any golden
   answer. Right: reward 1, done. Wrong: reward 0 and NOT done, so the agent may try again.
 
+The state key (Env.state_key, GiGPO's anchor groups) is the set of documents retrieved so far, their ids sorted and
+joined by "|" ("106|1691|170"; "no documents" at first; a digest past 100 characters). The retriever keeps no state,
+so what an action acts on is what the agent has been shown. A set, not a sequence: two searches in the other order,
+or a search that only brings back documents already seen, leave the agent knowing the same; the order is history.
+Answers are not in it: a wrong one leaves the episode as it was (the question stays open, any answer may follow)
+and a right one ends it.
+
     env = envs.make("searchqa")                                    # embedded corpus + bm25
     env = envs.make("searchqa", corpus_path="wiki-18.jsonl")       # bm25 over any Search-R1 corpus
     env = envs.make("searchqa", retriever="dense", corpus_path="wiki-18.jsonl",
@@ -53,7 +60,7 @@ import string
 import threading
 from typing import Callable
 
-from envs import Env, StepResult
+from envs import Env, StepResult, canonical_key
 from envs.searchqa import data
 from envs.searchqa.data import EMBEDDED_BASE, EMBEDDED_CORPUS, RealQA, Task, category  # noqa: F401
 from envs.searchqa.retrievers import QUERY_PREFIX, get_retriever
@@ -169,6 +176,7 @@ class SearchQA(Env):
         self.real_qa = real_qa
         self.topk = topk
         self.task: Task | None = None
+        self.retrieved: set[str] = set()  # ids of the documents shown so far (the state key)
 
     def reset(self, task_id: int) -> str:
         task_id = int(task_id)
@@ -180,8 +188,14 @@ class SearchQA(Env):
                              "pass qa_path= the FlashRAG_datasets folder")
         else:
             self.task = self.real_qa.task(task_id)
-        self.task_id = task_id
+        self.task_id, self.retrieved = task_id, set()
         return PROMPT.format(question=self.task.question)
+
+    def state_key(self) -> str | None:
+        """The documents retrieved so far (see the module docstring); None before the first reset."""
+        if self.task is None:
+            return None
+        return canonical_key("|".join(sorted(self.retrieved)) or "no documents")
 
     def step(self, text: str) -> StepResult:
         if self.task is None:
@@ -193,6 +207,9 @@ class SearchQA(Env):
         if action == "search":
             docs = self.retriever.search(content, self.topk)
             info = {"action": "search", "valid": True, "query": content, "doc_ids": [doc.get("id") for doc in docs]}
+            # a passage without an id (a remote retriever need not send one) is known by its text
+            self.retrieved.update(str(doc["id"]) if doc.get("id") is not None else canonical_key(doc["contents"])
+                                  for doc in docs)
             return StepResult(f"<information>{format_docs(docs).strip()}</information>", 0.0, False, info)
         answer = last_answer(text).strip()  # upstream scores the last <answer> of the response
         correct = exact_match(answer, self.task.golden_answers)

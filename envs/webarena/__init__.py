@@ -19,6 +19,14 @@ The agent gets upstream's instruction, then observations in upstream's template
 acts with WebArena's grammar inside triple backticks (actions.py). `stop [answer]` ends the
 episode; the reward is then the product of the task's evaluators (evaluators.py), else 0.
 
+The state key (Env.state_key, GiGPO's anchor groups) is a digest of what the last observation read: the URL, the
+tab line and tree without their element ids, and the values typed into the page's fields, all under the sites'
+aliases. Not the ids, since a page loaded again numbers its elements anew (two routes to one page must meet); the
+typed values, since the tree does not show them and the same page with other text in its search box is another
+state. Not the objective (fixed by the task) nor PREVIOUS ACTION (history). Left out: what a site holds that the
+page does not show (the cart on another page), so such episodes share a key; on WebArena's own sites, text that
+changes with the clock ("2 hours ago") can keep equal states apart.
+
 Tasks (tasks.py): with WebArena's site variables (SHOPPING=http://host:7770, ...) set, or
 sites="webarena", task id i is test.raw.json's task i (812 tasks, from the package
 webarena-verified). Otherwise, or with sites="local", task id i is
@@ -104,7 +112,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from envs import DATA_DIR, Env, StepResult
+from envs import DATA_DIR, Env, StepResult, canonical_key
 from envs.tools import Param, Tool
 from envs.webarena import tasks
 from envs.webarena.actions import ActionParsingError, describe, execute, first_block, parse, spelled
@@ -185,6 +193,7 @@ TOOLS = (
          "stop [{answer}]"),
 )
 REPLY = "```{action}```"
+ELEMENT_ID = re.compile(r"^(\t*)\[\d+\] ", re.MULTILINE)  # a tree line's id, which a reloaded page numbers anew
 TEMPLATE = "OBSERVATION:\n{observation}\nURL: {url}\nOBJECTIVE: {objective}\nPREVIOUS ACTION: {previous_action}"
 LOGIN_TTL_S = 30 * 60
 
@@ -214,19 +223,21 @@ class WebArena(Env):
         self._sessions: dict = {}
         self._launch = 0
         self.blocked: list[str] = []
-        # What the last observation saw.
-        self.tree, self.url, self.nodes = "", "", {}
+        # What the last observation saw (and the values typed into the page's fields, which it does not show).
+        self.tree, self.url, self.nodes, self.fields = "", "", {}, ""
         self.history: list[str] = []
         self.done, self.reward, self.broken = False, 0.0, ""
+        self.key: str | None = None  # state_key(), made from the last observation
 
     # -- the Env interface (any thread)
 
     def reset(self, task_id: int) -> str:
         config = self.sites.fill(tasks.config(self.task_set, task_id))
         self.config, self.task_id = config, task_id
-        self.history, self.done, self.reward, self.broken = ["None"], False, 0.0, ""
+        self.history, self.done, self.reward, self.broken, self.key = ["None"], False, 0.0, "", None
         starts = len(config["start_url"].split(" |AND| ")) + len(tasks.login_sites(config))
         self._call(self._reset(config), self.timeout_s + starts * self.nav_timeout_s)
+        self.key = self._state_key()
         return self._render()
 
     def step(self, text: str) -> StepResult:
@@ -251,6 +262,7 @@ class WebArena(Env):
                                  "you can visit")
             return StepResult(self._render(), 0.0, False, info)
         fail = self._call(self._act(action), self.timeout_s)
+        self.key = self._state_key()
         if fail:
             info["fail_error"] = fail
         if action.kind != "stop":
@@ -261,7 +273,13 @@ class WebArena(Env):
         self.reward = 0.0 if "eval_skipped" in info else float(_product(info["eval"].values()))
         return StepResult(self._render(), self.reward, True, info)
 
+    def state_key(self) -> str | None:
+        """The digest of the URL and the page's tree as last observed (module docstring); None once the browser
+        failed."""
+        return None if self.broken else self.key
+
     def close(self) -> None:
+        self.key = None
         if self._context is not None:
             try:
                 BROWSER.run(self._close_context(), 15)
@@ -279,6 +297,10 @@ class WebArena(Env):
             if not BROWSER.connected():
                 self.broken = f"the browser died ({self.broken})"
             raise BrowserError(f"webarena task {self.task_id}: {self.broken}") from error
+
+    def _state_key(self) -> str:
+        tree = ELEMENT_ID.sub(r"\1", self.tree)
+        return canonical_key(self.sites.to_alias(f"{self.url}\n{tree}\nfields\n{self.fields}"))
 
     def _render(self) -> str:
         return TEMPLATE.format(observation=self.tree, url=self.sites.to_alias(self.url),
@@ -413,7 +435,7 @@ class WebArena(Env):
         cdp, loading = await self._session(self._page)
         if loading["crashed"]:
             raise BrowserError("the page crashed")
-        self.tree, self.nodes = await observe(self._page, cdp, self.max_obs_chars)
+        self.tree, self.nodes, self.fields = await observe(self._page, cdp, self.max_obs_chars)
         self.url = self._page.url
 
     async def _act(self, action) -> str:

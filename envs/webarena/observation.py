@@ -32,6 +32,7 @@ IGNORED_PROPERTIES = {"focusable", "editable", "readonly", "level", "settable", 
 EMPTY_ROLES = {"generic", "img", "list", "strong", "paragraph", "banner", "navigation", "Section",
                "LabelText", "Legend", "listitem"}
 TRUNCATED = "[... the rest of the page is cut off here ...]"
+FIELD_ROLES = {"textbox", "searchbox", "combobox", "spinbutton", "slider"}  # roles whose value is typed or set
 
 
 @dataclass
@@ -45,15 +46,26 @@ class Node:
         return x + width / 2, y + height / 2
 
 
-async def observe(page, cdp, max_chars: int) -> tuple[str, dict[str, Node]]:
-    """The observation text of `page` (tabs, then the viewport's tree) and its nodes by id."""
+async def observe(page, cdp, max_chars: int) -> tuple[str, dict[str, Node], str]:
+    """The observation text of `page` (tabs, then the viewport's tree), its nodes by id, and field_values()."""
     titles = []
     for i, tab in enumerate(page.context.pages):
         titles.append(f"Tab {i}{' (current)' if tab == page else ''}: {await tab.title()}")
     ax_nodes = (await cdp.send("Accessibility.getFullAXTree", {}))["nodes"]
     boxes = await _boxes(cdp)
     tree, nodes = _render(ax_nodes, boxes)
-    return truncate(f"{' | '.join(titles)}\n\n{_drop_repeated_text(tree)}", max_chars), nodes
+    return truncate(f"{' | '.join(titles)}\n\n{_drop_repeated_text(tree)}", max_chars), nodes, field_values(ax_nodes)
+
+
+def field_values(ax_nodes: list[dict]) -> str:
+    """What is typed into the page's fields, in or out of view, one "role 'name': value" a line: the tree does not
+    show it, and the state key needs it (the same page with other text in its search box is another state)."""
+    lines = []
+    for node in ax_nodes:
+        role, value = node.get("role", {}).get("value"), node.get("value", {}).get("value")
+        if role in FIELD_ROLES and value not in (None, ""):
+            lines.append(f"{role} {node.get('name', {}).get('value', '')!r}: {value}")
+    return "\n".join(lines)
 
 
 def truncate(text: str, max_chars: int) -> str:
