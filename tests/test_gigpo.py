@@ -155,3 +155,36 @@ def test_gigpo_trains_from_the_command_line_and_logs_its_anchor_groups(tmp_path)
 def test_gigpo_needs_groups():
     with pytest.raises(SystemExit, match="--n 2 or more"):
         train.check(train.parse_args(["--algo", "gigpo", "--n", "1"]), 1)
+
+
+def test_a_turns_return_holds_no_kl_penalty_paid_before_it():
+    """--kl-in-reward: a turn's return is the discounted sum of its episode's later rewards, so the KL penalty of an
+    earlier turn is not in it. Two episodes with one outcome meet in state "b" at turn 1, one of them having paid a
+    penalty in turn 0: from "b" on they earned the same, and the turns from "b" get no step advantage."""
+    trajectories = [episode(0, 1.0, 2, ["a", "b", "end"], row=0), episode(0, 1.0, 2, ["c", "b", "end"], row=1)]
+    for traj in trajectories:
+        traj.sequences = []
+    batch = make_batch(trajectories, 0, [[[0]], [[1]]], "cpu")
+    mask, turn = batch.full["loss_mask"], batch.full["turn"]
+    penalty = torch.zeros_like(mask)
+    penalty[0, 2] = 0.5  # episode 0's first turn
+    got = {}
+    for algo in ("gigpo", "grpo"):
+        got[algo], _ = advantages(algo, batch.scores, batch.groups, batch.ok, mask, penalty=penalty, gamma=1.0,
+                                  episodes=batch.episodes, anchors=batch.anchors, turn=turn)
+    step_term = got["gigpo"] - got["grpo"]
+    assert (step_term[turn == 1] == 0).all()
+    # a penalty paid from "b" on does count: episode 0 paid 0.5 in its second turn, from "b"
+    penalty = torch.zeros_like(mask)
+    penalty[0, 5] = 0.5
+    gigpo, _ = advantages("gigpo", batch.scores, batch.groups, batch.ok, mask, penalty=penalty, gamma=1.0,
+                          episodes=batch.episodes, anchors=batch.anchors, turn=turn)
+    grpo_only, _ = advantages("grpo", batch.scores, batch.groups, batch.ok, mask, penalty=penalty, episodes=batch.episodes)
+    assert float((gigpo - grpo_only)[0, 5]) < 0 < float((gigpo - grpo_only)[1, 5])
+    assert step_advantages([1.0, 1.0], [0, 0], [True, True], [["a", "b"], ["c", "b"]], 1.0, True,
+                           penalties=[[0.5, 0.0], [0.0, 0.0]]) == [[0.0, 0.0], [0.0, 0.0]]
+
+
+def test_step_weight_is_not_negative():
+    with pytest.raises(SystemExit, match="--step-weight"):
+        train.check(train.parse_args(["--algo", "gigpo", "--step-weight", "-1"]), 1)

@@ -120,3 +120,26 @@ def test_auto_alone_climbs_the_presets_stages():
     for bad in (["3", "auto"], ["auto", "6", "3"]):
         with pytest.raises(SystemExit, match="--horizon"):
             train.check(train.parse_args(["--horizon", *bad]), 1)
+
+
+def test_auto_alone_resumes_with_the_same_command_line(tmp_path):
+    """`--resume auto` is meant to be the same command line after every crash: `--horizon auto` on it is the ladder the
+    run wrote out in its config (auto 3 6), not a change of --horizon that stops the resume."""
+    import dataclasses
+    import json
+
+    import train
+
+    argv = ["--horizon", "auto", "--resume", "auto", "--run-name", "r", "--out-dir", str(tmp_path)]
+    args = train.parse_args(argv)  # no checkpoint yet: a new run
+    assert args.horizon == ("auto", 3, 6)
+    run = tmp_path / "r"
+    checkpoint = run / "checkpoints" / "step_2"
+    (checkpoint / "state").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({**dataclasses.asdict(args), "run_name": "r"}))
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 2}))
+    (checkpoint / "state" / "schedulers.json").write_text("{}")
+    resumed = train.parse_args(argv)
+    assert resumed.horizon == ("auto", 3, 6) and resumed.resume == str(checkpoint)
+    with pytest.raises(SystemExit, match="--horizon"):  # another ladder is still a change
+        train.parse_args(["--horizon", "auto", "4", "8", *argv[2:]])

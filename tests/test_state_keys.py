@@ -350,3 +350,33 @@ def test_guarded_and_delayed_envs_pass_keys_through(servers):
     env.reset(0)
     assert env.state_key() == "nothing"
     close_envs([env])
+
+
+def test_a_state_key_that_raises_is_none_in_process_and_over_http(monkeypatch):
+    """A key only groups turns for GiGPO: an env whose state_key raises still plays, in the rollout's env threads and
+    behind envs/serve.py alike (whose answer then has no key), never a failed reset or step."""
+    import importlib
+
+    from rollout import _called
+    from test_serve import serving
+
+    countdown = importlib.import_module("tests.countdown_env")
+
+    def broken(self):
+        raise KeyError("no key")
+
+    monkeypatch.setattr(countdown.Countdown, "state_key", broken)
+    monkeypatch.setitem(envs.ENVS, "countdown", envs.Registration("tests.countdown_env", call_timeout=10.0,
+                                                                  upstream_horizon=2, upstream_max_new_tokens=16))
+    local = envs.make("countdown")
+    first, _, key = _called(local, "reset", 2)
+    assert first == "Task 2: 3 to go." and key is None
+    result, _, key = _called(local, "step", "go")
+    assert result.observation == "2 to go." and key is None
+    with serving("countdown") as url:
+        remote = envs.make("countdown", url=url)
+        first, _, key = _called(remote, "reset", 2)
+        assert first == "Task 2: 3 to go." and key is None
+        result, _, key = _called(remote, "step", "go")
+        assert result.observation == "2 to go." and key is None
+        remote.close()
