@@ -747,14 +747,10 @@ def _timed(fn, *args):
 
 def _called(env: Env, method: str, *args) -> tuple:
     """An env call ("reset" or "step"), in the pool: (its result, or the exception it raised, its seconds, the env's
-    state key after it, None where the env cannot say). A key that fails to come is None, never an error: a key
-    only groups turns for GiGPO, and a turn without one stands alone."""
+    state key after it, None where the env cannot say). A key that fails to come is None, never an error
+    (envs.state_key_of)."""
     result, seconds = _timed(getattr(env, method), *args)
-    try:
-        state = None if isinstance(result, Exception) else env.state_key()
-    except Exception:  # noqa: BLE001 - see above
-        state = None
-    return result, seconds, state
+    return result, seconds, None if isinstance(result, Exception) else envs.state_key_of(env)
 
 
 def _start(fmt: ChatFormat, agent: Agent, row: int, env: Env, task_id: int, group: int, answer: tuple, horizon: int,

@@ -1007,6 +1007,8 @@ def resumed_args(argv: list[str], checkpoint: Path) -> Args:
         for f in fields(Args) if f.name in config})
     args = tyro.cli(Args, args=argv, default=saved, description=__doc__.split("\n\n")[0])
     args = replace(args, resume=str(checkpoint))
+    if args.horizon == (AUTO,) and saved.horizon[0] == AUTO:  # (`auto` alone: the ladder the run wrote out, as parse_args)
+        args = replace(args, horizon=saved.horizon)
     if args.steps != saved.steps and args.epochs == saved.epochs:  # --steps replaces the run's --epochs
         args = replace(args, epochs=None)
     changed = [f.name for f in fields(Args) if f.name not in RESUMABLE and getattr(args, f.name) != getattr(saved, f.name)]
@@ -1054,6 +1056,9 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
             raise SystemExit(f"--{flag.replace('_', '-')}: {error}") from None
     if args.n < 2 and adv_lib.is_grouped(args.algo):
         raise SystemExit(f"{args.algo} compares the samples of a task with each other: use --n 2 or more")
+    if args.step_weight < 0:
+        raise SystemExit(f"--step-weight {args.step_weight:g}: gigpo's omega weighs the turn-level advantage, 0 (none) "
+                         "or more")
     check_horizon(args)
     if args.critic_warmup > 1 and args.algo != "ppo":
         raise SystemExit(f"--critic-warmup trains only the critic for a while, and --algo {args.algo} has none: "

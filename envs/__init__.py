@@ -81,11 +81,20 @@ class Env:
 
     def state_key(self) -> str | None:
         """A short string equal exactly when two episodes of the same task are in the same env state (the state the
-        next action acts on), or None when the env cannot say. The rollout calls it in its main thread right after a
-        reset or step returned, so it is cheap and never calls into a browser, a JVM or the network: an env computes
-        it from Python state it holds, caching at reset and step time what it needs. It never raises for a live env;
-        after a failed or closed one it may be None. It holds no step count and no history: the same state reached at
+        next action acts on), or None when the env cannot say. The rollout calls it in the env call's thread right
+        after a reset or step returned, so it is cheap and never calls into a browser, a JVM or the network: an env
+        computes it from Python state it holds, caching at reset and step time what it needs. It never raises for a
+        live env (one that does is read as None: state_key_of); after a failed or closed one it may be None. It holds no step count and no history: the same state reached at
         another turn, or by actions in another order, has the same key. canonical_key() keeps it short."""
+        return None
+
+
+def state_key_of(env: Env) -> str | None:
+    """env.state_key(), or None when it raises: a key only groups turns for GiGPO (a turn without one stands alone),
+    so an env whose key fails still plays, in the rollout's env threads (rollout.py) and behind envs/serve.py alike."""
+    try:
+        return env.state_key()
+    except Exception:  # noqa: BLE001 - see above
         return None
 
 

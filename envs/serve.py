@@ -249,13 +249,13 @@ class Instances:
     async def reset(self, instance: Instance, fn: Callable[[envs.Env], object]) -> tuple[object, str | None]:
         """fn(env) as a reset: its answer, and the env's state key after it (read in the same call)."""
         instance.ready = False
-        answer = await self.call(instance, lambda env: (fn(env), env.state_key()), "reset", needs_episode=False)
+        answer = await self.call(instance, lambda env: (fn(env), envs.state_key_of(env)), "reset", needs_episode=False)
         instance.ready = True
         return answer
 
     async def step(self, instance: Instance, fn: Callable[[envs.Env], envs.StepResult]) -> tuple[envs.StepResult, str | None]:
         """fn(env) as a step: its result, and the env's state key after it (read in the same call)."""
-        return await self.call(instance, lambda env: (fn(env), env.state_key()), "step")
+        return await self.call(instance, lambda env: (fn(env), envs.state_key_of(env)), "step")
 
 
 def close_quietly(env: envs.Env) -> None:

@@ -69,23 +69,27 @@ def _within_groups(scores, groups, advantage) -> torch.Tensor:
     return advantages
 
 
-def step_advantages(totals: list[float], groups: list[int], ok: list[bool], anchors: list[list], gamma: float,
-                    scale: bool = True, eps: float = 1e-6) -> list[list[float]]:
+def step_advantages(outcomes: list[float], groups: list[int], ok: list[bool], anchors: list[list], gamma: float,
+                    scale: bool = True, eps: float = 1e-6,
+                    penalties: list[list[float]] | None = None) -> list[list[float]]:
     """GiGPO's step-level advantage of every turn, [episode][turn] (the paper's A^S, its eq. 7-8).
 
     anchors[k][t]: the env's state key before turn t of episode k (None: unknown). The anchor group of a turn is
     every turn, of any episode of the same task group, taken from the same state (at whatever turn). A turn's return
     is the discounted sum of its episode's later rewards; the only reward is the outcome, on the last turn (an env's
-    per-step reward is the running score, not an increment: the outcome is its last), so
-    R_t = gamma^(T - 1 - t) * total. Within an anchor group: (R - mean) / (std + eps) (std unbiased, as GRPO's), or
-    R - mean without `scale` (the paper's mean_norm mode). A turn alone in its anchor group, without a state key or
-    of an episode whose env failed (not ok) gets 0."""
+    per-step reward is the running score, not an increment: the outcome is its last), less each turn's own KL penalty
+    under --kl-in-reward (penalties[k][t]; one paid before turn t is history, not in its return), so
+    R_t = gamma^(T - 1 - t) * outcome - sum over t' >= t of gamma^(t' - t) * penalty_t'. Within an anchor group:
+    (R - mean) / (std + eps) (std unbiased, as GRPO's), or R - mean without `scale` (the paper's mean_norm mode).
+    A turn alone in its anchor group, without a state key or of an episode whose env failed (not ok) gets 0."""
     returns, members = {}, collections.defaultdict(list)
     for k, states in enumerate(anchors):
         if not ok[k]:
             continue
+        paid = penalties[k] if penalties is not None else [0.0] * len(states)
         for t, state in enumerate(states):
-            returns[k, t] = gamma ** (len(states) - 1 - t) * totals[k]
+            returns[k, t] = (gamma ** (len(states) - 1 - t) * outcomes[k]
+                             - sum(gamma ** (u - t) * paid[u] for u in range(t, len(states))))
             if state is not None:
                 members[groups[k], state].append((k, t))
     out = [[0.0] * len(states) for states in anchors]
@@ -203,7 +207,13 @@ def advantages(algo: str, scores: torch.Tensor, groups: torch.Tensor, ok: torch.
             return per_token(per_episode[episodes], mask), None
         if anchors is None or turn is None:
             raise ValueError("gigpo needs the episodes' anchor states and each action token's turn (rl/batch.py's Batch)")
-        steps = step_advantages(totals.tolist(), groups[first].tolist(), ok[first].tolist(), anchors, gamma, grpo_scale)
+        # each turn's own KL penalty [episode, turn] (its return holds the later turns' only)
+        width = max(map(len, anchors), default=0)
+        on = (turn >= 0) & (turn < width)
+        paid = torch.zeros(len(first), width, dtype=torch.float64).index_put_(
+            (episodes[:, None].expand_as(turn)[on], turn[on]), penalty[on].double(), accumulate=True)
+        steps = step_advantages(scores[first].tolist(), groups[first].tolist(), ok[first].tolist(), anchors, gamma,
+                                grpo_scale, penalties=paid.tolist())
         table = torch.zeros(len(steps), max(map(len, steps), default=0) + 1)  # (a last column of 0: tokens of no turn)
         for k, row in enumerate(steps):
             table[k, :len(row)] = torch.tensor(row)
