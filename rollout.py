@@ -449,7 +449,8 @@ class Stream:
     first turn was sampled by version >= j - 1 - k, no trained token is more than k versions older than the
     weights it updates: the bound holds by construction, whatever the envs' latencies, and nothing is dropped.
     With k = 0 a set starts only after the previous update, exactly as the synchronous loop (tests check that
-    the runs are equal).
+    the runs are equal; under --horizon auto its cap is decided one step earlier, from the steps finished when the
+    set's envs reset: rl/horizon.known_before).
 
     The engine's weights change only between `advance` and `resume`. `advance` submits the turns of trajectories
     whose env has answered and lets every turn under way finish, so that each turn is sampled by one version whole:

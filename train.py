@@ -41,6 +41,7 @@ import math
 import random
 import sys
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -622,6 +623,9 @@ def advantages_for(args: Args, full: dict, scores: torch.Tensor, groups: torch.T
     keys before its turns (rl/batch.py)."""
     mask = full["loss_mask"]
     penalty = None
+    if args.algo == "gigpo" and anchors is not None and not any(key is not None for keys in anchors for key in keys):
+        warnings.warn(f"--algo gigpo: the {args.env} env gave no state keys (envs.Env.state_key; an upstream env server "
+                      "sends none), so no turn has an anchor group and GiGPO trains as GRPO")
     if args.kl_in_reward and "ref_logprobs" in full:
         penalty = args.kl_coef * kl(full["old_logprobs"], full["ref_logprobs"], args.kl_estimator) * mask
     return adv_lib.advantages(args.algo, scores, groups, ok, mask, penalty=penalty, values=full.get("old_values"),

@@ -188,3 +188,18 @@ def test_a_turns_return_holds_no_kl_penalty_paid_before_it():
 def test_step_weight_is_not_negative():
     with pytest.raises(SystemExit, match="--step-weight"):
         train.check(train.parse_args(["--algo", "gigpo", "--step-weight", "-1"]), 1)
+
+
+def test_gigpo_without_state_keys_says_it_trains_as_grpo():
+    """An env without Env.state_key (a user's, or one behind an upstream server): every turn stands alone, the step
+    term is 0, and the run says so rather than quietly being GRPO."""
+    trajectories = played()
+    for traj in trajectories:
+        traj.sequences, traj.states = [], [None] * len(traj.states)
+    batch = make_batch(trajectories, 0, [[[i]] for i in range(len(trajectories))], "cpu")
+    args = train.parse_args(["--algo", "gigpo"])
+    with pytest.warns(UserWarning, match="no state keys"):
+        adv, _ = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, None, batch.episodes,
+                                      batch.anchors)
+    plain, _ = advantages("grpo", batch.scores, batch.groups, batch.ok, batch.full["loss_mask"])
+    torch.testing.assert_close(adv, plain)
