@@ -13,14 +13,16 @@ comparison later and share runs (the second command reuses the first's grpo runs
 - held-out success at step 0 and at the last evaluation, over the seeds' evaluations pooled by task (a task's success
   the mean over seeds and episodes), the gain paired by task with its 95% interval (rl/scores.py's `paired`), and
   each seed's gain; every configuration's last evaluation against the first configuration's, paired the same way;
-- wall time (the train.py process), env steps (the trained episodes' turns, summed over the steps), the
+- wall time (the train.py process: loading and evaluations included) and training time (its steps' rollout and update
+  seconds summed, perf/rollout_s + perf/update_s: so configurations that evaluate at different steps compare), env steps (the trained episodes' turns, summed over the steps), the
   invalid-action share of the first and of the last steps, the share of turns in a GiGPO anchor group of two or more;
 - with --baseline NAME: the baseline's final held-out success (mean over seeds) as a target, and for each run the env
   steps it had taken at its first evaluation at or above it (train.py --eval-every sets how often it looks), as a share
   of the baseline's env steps.
 
 Writes <out>/compare.json, prints the table (Markdown), and draws <out>/curves.png (scripts/plot.py, every run overlaid)
-and <out>/held_out.png (held-out success against env steps, a colour a configuration, a line style a seed).
+and <out>/compare.png (training success, invalid actions and held-out success against env steps, a colour a
+configuration, a line style a seed).
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ def summarise(configs: dict[str, list[dict]], baseline: str | None) -> dict:
             "seed_gains": [mean(r["held_out"][max(r["held_out"])].values()) - mean(r["held_out"][min(r["held_out"])].values())
                            for r in runs],
             "wall_s": mean(r["wall_s"] for r in runs), "wall_range": [min(r["wall_s"] for r in runs), max(r["wall_s"] for r in runs)],
+            "train_s": mean(sum(x["perf/rollout_s"] + x["perf/update_s"] for x in r["rows"]) for r in runs),
             "env_steps": mean(r["env_steps"][max(r["env_steps"])] for r in runs),
             "invalid_first": mean(mean(x["rollout/invalid_action_rate"] for x in r["rows"][:3]) for r in runs),
             "invalid_last": mean(mean(x["rollout/invalid_action_rate"] for x in r["rows"][-3:]) for r in runs),
@@ -150,14 +153,15 @@ def table(summary: dict, seeds: list[int]) -> str:
     lines = [f"seeds {' '.join(map(str, seeds))}; held-out success pooled over the seeds by task, gains paired by task "
              "with their 95% interval", "",
              f"| configuration | held-out before -> after | gain | each seed's gain | vs {first}, after | wall (min) | "
-             "env steps | invalid actions, first -> last 3 steps | turns in an anchor group >= 2 |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "rollouts + updates (min) | env steps | invalid actions, first -> last 3 steps | turns in an anchor group >= 2 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in summary["configs"].items():
         g = r["gain"]
         lines.append(f"| {name} | {g['before']:.3f} -> {g['after']:.3f} | {interval(g)} | "
                      f"{', '.join(f'{x:+.3f}' for x in r['seed_gains'])} | "
                      f"{interval(r['against_first']) if 'against_first' in r else '-'} | "
                      f"{r['wall_s'] / 60:.1f} ({r['wall_range'][0] / 60:.1f}-{r['wall_range'][1] / 60:.1f}) | "
+                     f"{r['train_s'] / 60:.1f} | "
                      f"{r['env_steps']:,.0f} | {r['invalid_first']:.2f} -> {r['invalid_last']:.2f} | {r['anchored_share']:.2f} |")
     target = summary["target"]
     if target is not None:
@@ -171,26 +175,35 @@ def table(summary: dict, seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
-def plot_held_out(configs: dict[str, list[dict]], seeds: list[int], target: dict | None, path: Path) -> None:
+def plot_compare(configs: dict[str, list[dict]], seeds: list[int], target: dict | None, path: Path) -> None:
+    """Three panels, a colour a configuration, a line style a seed: training success per step (mean of 3 steps), the
+    invalid-action share per step, held-out success against env steps (with --baseline: its final success, and 70% of
+    its env steps)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(7, 4))
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4))
     for c, (name, runs) in enumerate(configs.items()):
         for s, run in enumerate(runs):
-            steps = sorted(run["held_out"])
-            axis.plot([run["env_steps"].get(step, 0) for step in steps], [mean(run["held_out"][step].values()) for step in steps],
-                      marker="o", markersize=3, color=f"C{c}", linestyle=("-", "--", ":", "-.")[s % 4],
-                      label=f"{name} seed {seeds[s]}")
+            style = {"color": f"C{c}", "linestyle": ("-", "--", ":", "-.")[s % 4], "label": f"{name} seed {seeds[s]}"}
+            steps = [r["charts/step"] for r in run["rows"]]
+            success = [r["rollout/success"] for r in run["rows"]]
+            axes[0].plot(steps, [mean(success[max(0, i - 2):i + 1]) for i in range(len(success))], **style)
+            axes[1].plot(steps, [r["rollout/invalid_action_rate"] for r in run["rows"]], **style)
+            held = sorted(run["held_out"])
+            axes[2].plot([run["env_steps"].get(step, 0) for step in held], [mean(run["held_out"][step].values()) for step in held],
+                         marker="o", markersize=3, **style)
     if target is not None:
-        axis.axhline(target["success"], color="grey", linewidth=0.8)
-        axis.axvline(0.7 * target["env_steps"], color="grey", linewidth=0.8, linestyle=":")
-    axis.set_xlabel("env steps of the trained episodes so far")
-    axis.set_ylabel("held-out success")
-    axis.legend(fontsize=6, ncol=2)
+        axes[2].axhline(target["success"], color="grey", linewidth=0.8)
+        axes[2].axvline(0.7 * target["env_steps"], color="grey", linewidth=0.8, linestyle=":")
+    for axis, (x, y) in zip(axes, [("step", "training success (mean of 3 steps)"), ("step", "invalid-action share"),
+                                    ("env steps of the trained episodes so far", "held-out success")]):
+        axis.set_xlabel(x)
+        axis.set_ylabel(y)
+    axes[2].legend(fontsize=6, ncol=2)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    figure.savefig(path, dpi=110)
     plt.close(figure)
 
 
@@ -211,11 +224,11 @@ def main(argv=None) -> dict:
     print(table(summary, args.seeds))
     (args.out / "compare.json").write_text(json.dumps({"runs": dict(args.run), "seeds": args.seeds, "common": args.common,
                                                        **summary}, indent=2) + "\n")
-    plot_held_out(configs, args.seeds, summary["target"], args.out / "held_out.png")
+    plot_compare(configs, args.seeds, summary["target"], args.out / "compare.png")
     run_dirs = [str(args.out / f"{name}-seed{seed}") for name in configs for seed in args.seeds]
     subprocess.run([sys.executable, "scripts/plot.py", *run_dirs, "--out", str(args.out / "curves.png")], cwd=ROOT,
                    stdout=subprocess.DEVNULL, check=False)
-    print(f"wrote {args.out / 'compare.json'}, {args.out / 'held_out.png'}, {args.out / 'curves.png'}")
+    print(f"wrote {args.out / 'compare.json'}, {args.out / 'compare.png'}, {args.out / 'curves.png'}")
     return summary
 
 

@@ -1,0 +1,60 @@
+"""scripts/compare.py on finished runs (their logs written here, so no train.py runs): the held-out gains paired by
+task, each configuration against the first, env steps, and the env steps each run took to reach the baseline's final
+held-out success."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import compare  # noqa: E402
+
+
+def fake_run(out: Path, name: str, turns: list[float], held_out: dict[int, list[float]]) -> None:
+    """A finished run: a step of 10 episodes of `turns[i]` turns each, and evaluations of 4 tasks (one episode each)."""
+    run = out / name
+    run.mkdir(parents=True)
+    rows = [{"charts/step": 0, "eval/success": sum(held_out[0]) / 4}]
+    rows += [{"charts/step": i, "rollout/trajectories": 10, "rollout/turns": t, "rollout/success": 0.5,
+              "rollout/invalid_action_rate": 0.1 * i, "rollout/anchored_share": 0.8, "perf/rollout_s": 2.0,
+              "perf/update_s": 1.0} for i, t in enumerate(turns, 1)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    evaluations = [{"step": step, "item_id": f"babyai_{task}", "success": bool(s)}
+                   for step, successes in held_out.items() for task, s in enumerate(successes)]
+    (run / "evaluations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evaluations))
+    (out / f"{name}.json").write_text(json.dumps({"run_dir": str(run), "wall_s": 60.0, "command": "train.py"}))
+
+
+def test_a_comparison_of_finished_runs(tmp_path, capsys):
+    # baseline: 4 steps of 3 turns; held-out 0/4 -> 2/4 at its end (step 4), 120 env steps
+    for seed in (1, 2):
+        fake_run(tmp_path, f"base-seed{seed}", [3, 3, 3, 3], {0: [0, 0, 0, 0], 2: [1, 0, 0, 0], 4: [1, 1, 0, 0]})
+    # faster: reaches 2/4 at step 2 (seed 1: 40 env steps) or never (seed 2)
+    fake_run(tmp_path, "fast-seed1", [2, 2, 2, 2], {0: [0, 0, 0, 0], 2: [1, 1, 0, 0], 4: [1, 1, 1, 0]})
+    fake_run(tmp_path, "fast-seed2", [2, 2, 2, 2], {0: [0, 0, 0, 0], 2: [0, 0, 0, 0], 4: [1, 0, 0, 0]})
+    summary = compare.main(["--out", str(tmp_path), "--seeds", "1", "2", "--baseline", "base",
+                            "--run", "base", "", "--run", "fast", "--algo gigpo"])
+    base, fast = summary["configs"]["base"], summary["configs"]["fast"]
+    assert summary["target"] == {"success": 0.5, "env_steps": 120.0}
+    assert base["gain"]["before"] == 0.0 and base["gain"]["after"] == 0.5 and base["gain"]["gain"] == pytest.approx(0.5)
+    assert base["seed_gains"] == [0.5, 0.5] and base["env_steps"] == 120.0 and base["train_s"] == 12.0
+    # fast's last evaluation pooled by task: task 0 (1 + 1) / 2, task 1 (1 + 0) / 2, task 2 (1 + 0) / 2, task 3 0
+    assert fast["gain"]["after"] == pytest.approx(0.5) and fast["against_first"]["gain"] == pytest.approx(0.0)
+    assert fast["to_target"] == [40.0, None] and fast["to_target_share"] == [pytest.approx(1 / 3), None]
+    assert base["to_target"] == [120.0, 120.0]
+    assert fast["invalid_first"] == pytest.approx(0.2) and fast["invalid_last"] == pytest.approx(0.3)
+    printed = capsys.readouterr().out
+    assert "| fast | 0.000 -> 0.500 |" in printed and "not reached" in printed
+    assert (tmp_path / "compare.png").is_file() and json.loads((tmp_path / "compare.json").read_text())["seeds"] == [1, 2]
+
+
+def test_bad_comparisons_stop_with_a_sentence(tmp_path):
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--out", str(tmp_path), "--run", "a", "", "--run", "a", "--algo rloo"])
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--out", str(tmp_path), "--run", "a", "", "--baseline", "b"])
+    fake_run(tmp_path, "once-seed1", [3], {0: [0, 0, 0, 0]})
+    with pytest.raises(SystemExit, match="--eval-every"):
+        compare.main(["--out", str(tmp_path), "--seeds", "1", "--run", "once", ""])
