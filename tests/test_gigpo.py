@@ -133,15 +133,31 @@ def test_task_groups_never_split_across_processes():
     assert split[0] + split[1] == whole
 
 
-def test_gigpo_trains_from_the_command_line_and_logs_its_anchor_groups(tmp_path):
-    args = train.parse_args(["--engine", "hf", "--steps", "2", "--tasks-per-step", "2", "--n", "4", "--horizon", "3",
+CROSSINGS = {
+    "sync": ["--horizon", "3"],
+    # the asynchronous loop (Stream: states recorded as turns come in, partial rollouts) with an auto horizon that
+    # climbs after every step it knows of (a cut share of at most 1 always holds), from the steps finished when a set
+    # begins, and LoRA over two mini-batches
+    "async-auto-lora": ["--max-staleness", "1", "--horizon", "auto", "2", "3", "--horizon-patience", "1",
+                        "--horizon-cut", "1", "--lora-rank", "4", "--minibatches", "2", "--micro-batch-size", "2"],
+}
+
+
+@pytest.mark.parametrize("crossing", list(CROSSINGS), ids=list(CROSSINGS))
+def test_gigpo_trains_from_the_command_line_and_logs_its_anchor_groups(tmp_path, crossing):
+    steps = 4 if crossing != "sync" else 2
+    args = train.parse_args(["--engine", "hf", "--steps", str(steps), "--tasks-per-step", "2", "--n", "4",
                              "--max-new-tokens", "16", "--algo", "gigpo", "--step-weight", "0.5", "--out-dir", str(tmp_path),
-                             "--run-name", "g"])
+                             "--run-name", "g", *CROSSINGS[crossing]])
     run_dir = train.main(args)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["charts/step"] for m in metrics] == [1, 2]
+    assert [m["charts/step"] for m in metrics] == list(range(1, steps + 1))
     records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
-    for m, step in zip(metrics, (1, 2)):
+    assert all(r["horizon"] == metrics[r["step"] - 1]["rollout/horizon"] for r in records)
+    if crossing != "sync":  # step 4's cap is the first to come from a step (k = 1: steps up to j - k - 2, step 1)
+        assert [m["rollout/horizon"] for m in metrics] == [2, 2, 2, 3]
+        assert all(torch.isfinite(torch.tensor(m["losses/policy"])) for m in metrics)
+    for m, step in zip(metrics, range(1, steps + 1)):
         mine = [r for r in records if r["step"] == step]
         turns = sum(r["turns"] for r in mine if r["finish"] != "error")
         assert all(len(r["states"]) == r["turns"] + 1 for r in mine if r["finish"] != "error")
