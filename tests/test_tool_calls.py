@@ -174,9 +174,9 @@ def test_the_experts_play_every_env_through_tool_calls_as_through_text(hermes, n
     ported(name)
     _, text, _ = play(hermes, name, REACT, lambda e: ExpertEngine(hermes, e))
     spy, called, stepped = play(hermes, name, TOOLS, lambda e: ExpertEngine(hermes, e))
-    def acted(trajectories):  # (on a mismatch, what each step sent and saw: WebArena's has been seen to differ
-        return [[str(m.get("tool_calls") or m["content"])[-300:] for m in t.messages[3:]] for t in trajectories]  # once in
-        # ~10 CI runs)
+
+    def acted(trajectories):  # what each step sent and saw, shown on a mismatch (WebArena's turns differed once in CI)
+        return [[str(m.get("tool_calls") or m["content"])[-300:] for m in t.messages[3:]] for t in trajectories]
 
     assert [(t.reward, t.turns, t.finish, t.success) for t in called] == [(t.reward, t.turns, t.finish, t.success) for t in text], \
         (acted(called), acted(text))
