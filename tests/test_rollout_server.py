@@ -412,17 +412,20 @@ def test_a_long_turn_counts_as_progress_for_the_rollouts_watchdog(server, tiny, 
     import rollout as rollout_module
 
     fmt, model = tiny
-    monkeypatch.setattr(rollout_module, "STALL_S", 0.5)
     endless = copy.copy(fmt)
     endless.stop_ids = frozenset()  # (the turn runs to its limit)
     engine = RemoteEngine([server.address], endless, temperature=1.0, top_p=1.0,
                           identity=identity(model.config, fmt.tokenizer), max_model_len=8192)
     environment = envs.make("babyai")
     try:
+        # a fresh server's first turn waits ~2.5 s for its first token: warmed by a short one first
+        rollout(engine, fmt, [environment], envs.splits("babyai")["test"][:1], [0], horizon=1, max_new_tokens=16,
+                max_tokens=8000)
+        monkeypatch.setattr(rollout_module, "STALL_S", 1.5)  # (a 1500-token turn takes ~6 s, a token ~4 ms)
         start = time.monotonic()
         trajectories = rollout(engine, fmt, [environment], envs.splits("babyai")["test"][:1], [0], horizon=1,
                                max_new_tokens=1500, max_tokens=8000)
-        assert time.monotonic() - start > 0.5 and trajectories[0].turns == 1 and trajectories[0].error is None
+        assert time.monotonic() - start > 1.5 and trajectories[0].turns == 1 and trajectories[0].error is None
     finally:
         engine.close()
         environment.close()
