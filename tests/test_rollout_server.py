@@ -112,31 +112,41 @@ def play(engine, fmt, count=4, horizon=3, name="babyai", progress=None):
             env.close()
 
 
-class Exposed(set):
-    """The rows of the trajectories a server fault reaches: the ones with a turn on `server` when the fault comes
-    (`when(fault)`, a progress callback that brings it at the first turn played), and the ones that send it a turn
-    after. A trajectory of that server whose last turn came back before the fault ends as it would have, so the
-    test asks this set, not the server's whole share (one that ends in one turn is not a failure to see)."""
+class Fault:
+    """A fault brought to one server at the first turn played (`when(fault)`, a progress callback), and the rows it
+    may reach: `outstanding`, the ones with a turn on that server then, and `sent`, the ones that send it a turn
+    after. A turn of `sent` fails; one of `outstanding` fails unless its answer was already on its way (then the
+    trajectory goes on, or ends as it would have). A trajectory whose last turn came back before is not reached."""
 
     def __init__(self, engine, server):
-        super().__init__()
-        self.struck, self.address = False, server.address
+        self.struck, self.address, self.engine = False, server.address, engine
+        self.outstanding, self.sent = set(), set()
         submit = engine.submit
 
         def submitted(traj, limit):
             submit(traj, limit)
             if self.struck and engine.homes[traj.row].address == self.address:
-                self.add(traj.row)
+                self.sent.add(traj.row)
 
-        engine.submit, self.engine = submitted, engine
+        engine.submit = submitted
 
     def when(self, fault):
         def progress(episodes, played):
             if not self.struck:
                 fault()
                 self.struck = True
-                self.update(traj.row for traj, home in self.engine.requests.values() if home.address == self.address)
+                self.outstanding = {traj.row for traj, home in self.engine.requests.values()
+                                    if home.address == self.address}
         return progress
+
+    def check(self, trajectories) -> int:
+        """Assert that the fault failed the trajectories it reached, naming the server, and only those; returns how
+        many it failed."""
+        failed = {t.row for t in trajectories if t.error is not None}
+        seen = [(t.row, t.finish, t.error, t.turns) for t in trajectories], self.outstanding, self.sent
+        assert failed and self.sent <= failed <= self.outstanding | self.sent, seen
+        assert all(t.finish == "error" and self.address in t.error for t in trajectories if t.row in failed), seen
+        return len(failed)
 
 
 def nudged(model, scale=0.02):
@@ -233,13 +243,9 @@ def test_a_server_killed_mid_rollout_fails_only_its_trajectories(server, tiny):
     engine = engine_on(fmt, model, server.address, doomed.address, reconnect_s=3.0)
     try:
         engine.load_weights(model)
-        exposed = Exposed(engine, doomed)
-        trajectories = play(engine, fmt, count=4, horizon=4, progress=exposed.when(doomed.kill))
-        assert exposed, "no trajectory was left on the killed server"  # (each of its own ended in one turn)
-        assert all(t.finish == "error" and doomed.address in t.error for t in trajectories if t.row in exposed), \
-            [(t.group, t.finish, t.error) for t in trajectories]
-        assert all(t.error is None for t in trajectories if t.row not in exposed)
-        assert engine.metrics()["server_lost_turns"] == len(exposed)
+        fault = Fault(engine, doomed)
+        trajectories = play(engine, fmt, count=4, horizon=4, progress=fault.when(doomed.kill))
+        assert engine.metrics()["server_lost_turns"] == fault.check(trajectories)
         synced = engine.load_weights(nudged(model))
         assert synced["servers"] == 1 and synced["probe_diff"] < 1e-5
         assert all(t.error is None for t in play(engine, fmt, count=2))  # both groups on the server left
@@ -249,14 +255,11 @@ def test_a_server_killed_mid_rollout_fails_only_its_trajectories(server, tiny):
         assert all(t.error is None for t in play(engine, fmt, count=4))
         engine.stall_s = 10.0  # a server that stalls (stopped, not dead) mid-rollout: set aside after 10 s (a healthy
         # one answers a poll within that, even on 2 loaded cores)
-        exposed = Exposed(engine, doomed)
+        fault = Fault(engine, doomed)
         trajectories = play(engine, fmt, count=4, horizon=4,
-                            progress=exposed.when(lambda: doomed.process.send_signal(signal.SIGSTOP)))
+                            progress=fault.when(lambda: doomed.process.send_signal(signal.SIGSTOP)))
         doomed.process.send_signal(signal.SIGCONT)
-        assert exposed, "no trajectory was left on the stopped server"
-        assert all(t.finish == "error" and doomed.address in t.error for t in trajectories if t.row in exposed), \
-            [(t.group, t.finish, t.error, t.turns) for t in trajectories]
-        assert all(t.error is None for t in trajectories if t.row not in exposed), [t.error for t in trajectories]
+        fault.check(trajectories)
         assert engine.load_weights(nudged(model))["servers"] == 2  # (woken, it is reached again)
         alone = engine_on(fmt, model, doomed.address, reconnect_s=3.0)
         doomed.kill()
