@@ -44,7 +44,8 @@ def parse_args(argv=None):
     parser.add_argument("--agent", default="react", choices=("react", "tools"),
                         help="react: AgentGym's Thought/Action replies; tools: each action as the tool call that stands "
                              "for it, in the chat template's format, with the env's tools in the first prompt")
-    parser.add_argument("--out", help="default: data/<env>_<split>_expert.jsonl (_expert_tools.jsonl with --agent tools)")
+    parser.add_argument("--out", help="default: data/<env>_<split>_expert.jsonl, <split> the task file's name under "
+                                      "--tasks (_expert_tools.jsonl with --agent tools)")
     return parser.parse_args(argv)
 
 
@@ -57,6 +58,7 @@ def why_unsolved(trajectory) -> str:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     task_ids = envs.load_task_ids(args.tasks, args.env) if args.tasks else envs.splits(args.env)[args.split]
+    source = Path(args.tasks).stem if args.tasks else args.split  # (named in the default file and the summary line)
     task_ids = task_ids[:args.limit] if args.limit else task_ids
     fmt = chat_format(load_tokenizer(args.model), args.agent, {}, None)
     environments = [envs.make(args.env) for _ in range(min(args.batch_size, len(task_ids)))]
@@ -76,13 +78,13 @@ def main(argv=None) -> dict:
         progress.close()
         for env in environments:
             env.close()
-    out = Path(args.out or f"data/{args.env}_{args.split}_expert{'_tools' if args.agent == 'tools' else ''}.jsonl")
+    out = Path(args.out or f"data/{args.env}_{source}_expert{'_tools' if args.agent == 'tools' else ''}.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, "".join(json.dumps(record) + "\n" for record in solved))
     summary = {"episodes": len(solved), "skipped": dict(skipped), "success_rate": len(solved) / max(len(task_ids), 1),
                "tokens": tokens, "out": str(out)}
     why = ", ".join(f"{n} {reason}" for reason, n in skipped.most_common())
-    print(f"{args.env} {args.split}: wrote {len(solved)} expert episodes to {out} (success {summary['success_rate']:.1%}, "
+    print(f"{args.env} {source}: wrote {len(solved)} expert episodes to {out} (success {summary['success_rate']:.1%}, "
           f"{tokens} tokens); skipped {sum(skipped.values())}" + (f": {why}" if why else ""))
     return summary
 

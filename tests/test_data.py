@@ -93,3 +93,14 @@ def test_make_expert_data_writes_solved_episodes(tmp_path, fmt, capsys):
     assert all(r["reward"] > 0 and r["item_id"].startswith("babyai_") for r in records)
     assert records[0]["conversations"][1] == {"from": "gpt", "loss": False, "value": envs.make("babyai").ack}
     assert f"wrote {summary['episodes']} expert episodes" in capsys.readouterr().out
+
+
+def test_make_expert_data_names_a_task_file_not_the_split(tmp_path, capsys, monkeypatch):
+    """--tasks FILE: the summary line and the default output are named after the file, so that a custom task list
+    never writes over (or is taken for) the train split's expert data."""
+    ids = tmp_path / "hard_goals.json"
+    envs.save_task_ids(ids, "babyai", envs.splits("babyai")["train"][:2])
+    monkeypatch.chdir(tmp_path)
+    summary = make_expert_data.main(["--env", "babyai", "--tasks", str(ids)])
+    assert summary["out"] == "data/babyai_hard_goals_expert.jsonl" and (tmp_path / summary["out"]).is_file()
+    assert capsys.readouterr().out.startswith("babyai hard_goals: wrote")
