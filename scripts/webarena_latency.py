@@ -49,7 +49,7 @@ WORDS = ("headphones", "cable", "blender", "keyboard", "cooking", "2", "books", 
 def random_action(observation: str, rng: random.Random) -> str:
     """A valid action on the page the observation shows, drawn with rough weights of what an agent does."""
     elements = ELEMENT.findall(observation)
-    # (never a logout: it revokes the login that the env hands every later episode's context, envs/webarena/sites.py)
+    # (never a logout: the env's next reset would log in anew, a cost the recorded samples were measured without)
     clickable = [i for i, role, name in elements if role in CLICKABLE and name not in LOGOUTS]
     typeable = [i for i, role, _ in elements if role in TYPEABLE]
     kind = rng.choices(["click", "type", "hover", "scroll", "go_back", "go_forward", "press"],

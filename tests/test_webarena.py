@@ -521,15 +521,39 @@ def test_observation_is_not_cut_unless_a_cap_is_asked_for(env):
 
 
 @needs_chromium
-def test_login_is_made_once_and_shared_by_new_contexts(env):
+def test_login_is_made_once_an_env_and_reused_by_its_resets(env):
     observation = env.reset(11)  # needs the forum login
     assert "link 'MarvelsGrantMan136'" in observation and "link 'Log in'" not in observation
-    made = envs.webarena._logins[("reddit", env.sites.url("reddit"))][0]
-    other = envs.make("webarena", sites="local")
-    assert "link 'MarvelsGrantMan136'" in other.reset(12)
-    assert envs.webarena._logins[("reddit", env.sites.url("reddit"))][0] == made  # the same login, reused
-    other.close()
+    made = env.logins["reddit"][0]
+    assert "link 'MarvelsGrantMan136'" in env.reset(12)
+    assert env.logins["reddit"][0] == made  # the same login, reused
     assert "link 'Log in'" in env.reset(7)  # a task without require_login starts logged out
+
+
+def _logged_in(environment) -> bool:
+    environment.step(act("goto [http://reddit.com/forums]"))
+    return "link 'MarvelsGrantMan136'" in environment.tree and "link 'Log in'" not in environment.tree
+
+
+@needs_chromium
+def test_an_episode_that_logs_out_leaves_every_other_episode_logged_in():
+    """A log-out ends its session on the server. With one login shared by every env (upstream's cookie folder; this
+    port's per-process cache before), the env playing beside it and every later episode were logged out. Here the
+    other env stays logged in mid-episode, and the env that logged out logs in anew at its next reset."""
+    one, other = envs.make("webarena", sites="local"), envs.make("webarena", sites="local")
+    try:
+        one.reset(11)
+        other.reset(12)
+        logout = re.search(r"\[(\d+)\] link 'Log out'", one.tree)
+        assert logout, one.tree
+        one.step(act(f"click [{logout.group(1)}]"))
+        assert "link 'Log in'" in one.tree and "reddit" not in one.logins  # (its session ended; forgotten)
+        assert _logged_in(other)  # the env beside it, mid-episode
+        assert "link 'MarvelsGrantMan136'" in one.reset(11) and _logged_in(one)  # a new login at the next reset
+        assert other.logins["reddit"][0] < one.logins["reddit"][0]
+    finally:
+        one.close()
+        other.close()
 
 
 @pytest.mark.slow
@@ -651,3 +675,19 @@ def test_training_loop_runs_on_the_local_sites(tiny_run):
         assert 0.0 <= record["reward"] <= 1.0 and 1 <= record["turns"] <= 2
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["charts/step"] for m in metrics] == [1]
+
+
+@pytest.mark.parametrize("url, site, out", [
+    ("http://sh:7770/customer/account/logout/", "shopping", True),
+    ("http://sh:7770/customer/account/", "shopping", False),
+    ("http://sh:7780/admin/admin/auth/logout/", "shopping_admin", True),
+    ("http://gl:8023/users/sign_out", "gitlab", True),
+    ("http://gl:8023/users/sign_in", "gitlab", False),
+    ("http://rd:9999/logout", "reddit", True),
+    ("http://rd:9999/f/logout-tips", "reddit", False),
+    ("http://other:9999/logout", "reddit", False),  # another site's
+])
+def test_a_log_out_is_told_by_its_sites_path(url, site, out):
+    base = {"shopping": "http://sh:7770", "shopping_admin": "http://sh:7780/admin", "gitlab": "http://gl:8023",
+            "reddit": "http://rd:9999"}[site]
+    assert envs.webarena.tasks.logs_out(url, site, base) is out

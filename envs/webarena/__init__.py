@@ -87,8 +87,12 @@ Where this port deliberately differs from upstream:
 - URLs in PREVIOUS ACTION are shown under their aliases, like the URL line; upstream showed the
   local address the model never saw.
 - An empty action block answers "Invalid action " (upstream: "list index out of range").
-- Logins are made per process and site with upstream's auto-login steps, kept 30 minutes and
-  handed to each new context, instead of a cookie folder refreshed by a subprocess.
+- Logins are made per env and site with upstream's auto-login steps, kept 30 minutes and handed
+  to each of the env's new contexts, instead of a cookie folder refreshed by a subprocess and
+  shared by every env. An episode that logs out (a request to the site's log-out path,
+  tasks.LOGOUT_PATHS) ends that session on the server: upstream's shared cookies then left every
+  other env logged out until the folder was refreshed; here only that env's session ends, and
+  its next reset logs in anew.
 - `require_reset` tasks on real sites get no site reset, as upstream: reset your WebArena
   containers between evaluation runs if you need pristine state.
 - A failure of the browser or a site (a start page that does not load, a hung page, a dead
@@ -197,10 +201,6 @@ ELEMENT_ID = re.compile(r"^(\t*)\[\d+\] ", re.MULTILINE)  # a tree line's id, wh
 TEMPLATE = "OBSERVATION:\n{observation}\nURL: {url}\nOBJECTIVE: {objective}\nPREVIOUS ACTION: {previous_action}"
 LOGIN_TTL_S = 30 * 60
 
-# Logins shared by all envs of this process: (site, base URL) -> (time, Playwright storage state).
-# Only touched on the browser thread.
-_logins: dict[tuple[str, str], tuple[float, dict]] = {}
-_login_locks: dict[tuple[str, str], asyncio.Lock] = {}
 
 
 class WebArena(Env):
@@ -222,6 +222,9 @@ class WebArena(Env):
         self._page = None
         self._sessions: dict = {}
         self._launch = 0
+        # This env's logins: site -> (when made, Playwright storage state); its own, since a log-out ends a session
+        # for every context holding its cookie (module docstring). Only touched on the browser thread.
+        self.logins: dict[str, tuple[float, dict]] = {}
         self.blocked: list[str] = []
         # What the last observation saw (and the values typed into the page's fields, which it does not show).
         self.tree, self.url, self.nodes, self.fields = "", "", {}, ""
@@ -350,6 +353,8 @@ class WebArena(Env):
     async def _route(self, route) -> None:
         request = route.request
         url = request.url
+        for site in [site for site in self.logins if tasks.logs_out(url, site, self.sites.url(site))]:
+            del self.logins[site]  # (this session ends on the server: the next reset logs in anew)
         service = tasks.origin(url) in self.map_services and not request.is_navigation_request()
         if url.startswith(("data:", "blob:")) or self.sites.allows(url) or service:
             await route.continue_()
@@ -362,18 +367,16 @@ class WebArena(Env):
             return None
         state = {"cookies": [], "origins": []}
         for site in sites:
-            key = (site, self.sites.url(site))
-            async with _login_locks.setdefault(key, asyncio.Lock()):
-                made, saved = _logins.get(key, (0.0, None))
-                if saved is None or time.monotonic() - made > LOGIN_TTL_S:
-                    context = await browser.new_context(viewport=VIEWPORT)
-                    context.set_default_timeout(self.nav_timeout_s * 1000)
-                    try:
-                        await tasks.log_in(await context.new_page(), site, key[1])
-                        saved = await context.storage_state()
-                    finally:
-                        await context.close()
-                    _logins[key] = (time.monotonic(), saved)
+            made, saved = self.logins.get(site, (0.0, None))
+            if saved is None or time.monotonic() - made > LOGIN_TTL_S:
+                context = await browser.new_context(viewport=VIEWPORT)
+                context.set_default_timeout(self.nav_timeout_s * 1000)
+                try:
+                    await tasks.log_in(await context.new_page(), site, self.sites.url(site))
+                    saved = await context.storage_state()
+                finally:
+                    await context.close()
+                self.logins[site] = (time.monotonic(), saved)
             state["cookies"] += saved["cookies"]
             state["origins"] += saved["origins"]
         return state

@@ -171,6 +171,19 @@ def login_sites(config: dict) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 # Logging in (upstream's auto_login.py), on a page of a throwaway context
 
+# Where each site's log-out link leads (the WebArena sites' and the local ones alike): a request there ends the
+# session server-side, for every context that holds its cookie.
+LOGOUT_PATHS = {"shopping": "/customer/account/logout", "reddit": "/logout", "shopping_admin": "/admin/auth/logout",
+                "gitlab": "/users/sign_out"}
+
+
+def logs_out(url: str, site: str, base: str) -> bool:
+    """Whether a request to `url` logs out of `site`, served at `base`."""
+    if not url.startswith(base.rstrip("/") + "/"):
+        return False
+    return urlsplit(url).path.rstrip("/").endswith(LOGOUT_PATHS[site])
+
+
 
 async def log_in(page, site: str, base: str) -> None:
     account = ACCOUNTS[site]
