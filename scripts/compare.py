@@ -14,8 +14,9 @@ comparison later and share runs (the second command reuses the first's grpo runs
   the mean over seeds and episodes), the gain paired by task with its 95% interval (rl/scores.py's `paired`), and
   each seed's gain; every configuration's last evaluation against the first configuration's, paired the same way;
 - wall time (the train.py process: loading and evaluations included) and training time (its steps' rollout and update
-  seconds summed, perf/rollout_s + perf/update_s: so configurations that evaluate at different steps compare), env steps (the trained episodes' turns, summed over the steps), the
-  invalid-action share of the first and of the last steps, the share of turns in a GiGPO anchor group of two or more;
+  seconds summed, perf/rollout_s + perf/update_s: so configurations that evaluate at different steps compare), env
+  steps (the trained episodes' turns, summed over the steps), the invalid-action share of the first and of the last
+  steps, the share of turns in a GiGPO anchor group of two or more;
 - with --baseline NAME: the baseline's final held-out success (mean over seeds) as a target, and for each run the env
   steps it had taken at its first evaluation at or above it (train.py --eval-every sets how often it looks), as a share
   of the baseline's env steps.

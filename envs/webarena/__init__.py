@@ -202,7 +202,6 @@ TEMPLATE = "OBSERVATION:\n{observation}\nURL: {url}\nOBJECTIVE: {objective}\nPRE
 LOGIN_TTL_S = 30 * 60
 
 
-
 class WebArena(Env):
     name = "webarena"
     instruction = INSTRUCTION

@@ -184,7 +184,6 @@ def logs_out(url: str, site: str, base: str) -> bool:
     return urlsplit(url).path.rstrip("/").endswith(LOGOUT_PATHS[site])
 
 
-
 async def log_in(page, site: str, base: str) -> None:
     account = ACCOUNTS[site]
     if site == "shopping":
