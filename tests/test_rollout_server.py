@@ -125,7 +125,7 @@ class Fault:
 
         def submitted(traj, limit):
             submit(traj, limit)
-            if self.struck and engine.homes[traj.row].address == self.address:
+            if self.struck and engine.home(traj).address == self.address:
                 self.sent.add(traj.row)
 
         engine.submit = submitted
@@ -234,7 +234,7 @@ def test_a_server_with_another_model_or_too_short_a_context_is_refused(server, t
 
 @pytest.mark.timeout(600)
 def test_a_server_killed_mid_rollout_fails_only_its_trajectories(server, tiny):
-    """Two servers, trajectories spread over them by group; one killed while its turns run: its trajectories end with
+    """Two servers, trajectories spread over them; one killed while its turns run: its trajectories end with
     finish "error" naming it, the other's play on. The next sync goes on with the server left; the killed one,
     restarted, is reached again, checked and given the weights; with none up the sync gives up after its bounded
     wait with a reason."""
@@ -248,7 +248,7 @@ def test_a_server_killed_mid_rollout_fails_only_its_trajectories(server, tiny):
         assert engine.metrics()["server_lost_turns"] == fault.check(trajectories)
         synced = engine.load_weights(nudged(model))
         assert synced["servers"] == 1 and synced["probe_diff"] < 1e-5
-        assert all(t.error is None for t in play(engine, fmt, count=2))  # both groups on the server left
+        assert all(t.error is None for t in play(engine, fmt, count=2))  # every trajectory on the server left
         doomed.start()
         synced = engine.load_weights(nudged(model))
         assert synced["servers"] == 2 and synced["probe_diff"] < 1e-5
