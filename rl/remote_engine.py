@@ -20,7 +20,10 @@ Weights: every process of the trainer calls load_weights alike (a sharded model 
 trainer's rank 0 (`owner`) broadcasts each tensor, cast to the server's dtype, over a process group of its own
 with each server's workers (rl/rollout_server.weight_group: NCCL when both ends have GPUs, gloo otherwise), then
 checks the server with the probe exactly as the in-process sync does. The weights carry a version (the count of
-syncs); every turn asks for it, and a server without it (restarted, or it missed an update) is not sampled from.
+syncs); every turn asks for it, and a server without it (restarted, or it missed an update) is not sampled from:
+the server checks it on its engine thread as it adds the turn (an update between the check and the turn cannot
+slip in), and names the version that sampled each turn in its answer, which the client checks again (a turn of
+another version fails, never trained on).
 
 Faults: a server that cannot be reached, answers an error or generates nothing for `stall_s` seconds while it holds
 turns fails only its trajectories (Sample.error: their finish is "error", counted, left out of the update) and is
@@ -210,6 +213,11 @@ class RemoteEngine(Seeded):
                 continue
             if "error" in turn:
                 done.append((traj, Sample([], error=f"rollout server {server.address}: {turn['error']}")))
+                continue
+            if self.version is not None and turn.get("version") != self.version:
+                done.append((traj, Sample([], error=f"rollout server {server.address}: the turn was sampled by weights "
+                                                    f"version {turn.get('version')}, not {self.version}: refused")))
+                self.counts["lost_turns"] += 1
                 continue
             self.counts["prompt_tokens"] += turn["prompt_tokens"]
             self.counts["cached_tokens"] += turn["cached_tokens"]

@@ -1,6 +1,6 @@
 """The rollout-server client (rl/remote_engine.py) against fake servers (httpx.MockTransport, no vLLM; a second each):
 the processes of a run spread their trajectories evenly over the servers, a trajectory keeps its server for its whole
-episode also when an evaluation plays meanwhile.
+episode also when an evaluation plays meanwhile, and a turn sampled by other weights than the ones asked for fails.
 The real servers' side is in tests/test_rollout_server.py."""
 
 import functools
@@ -122,3 +122,16 @@ def test_an_evaluation_meanwhile_moves_no_episode_to_another_server(servers):
     assert len(engine.homes) == 1  # (the ended episodes' homes are forgotten)
     engine.close()
 
+
+def test_a_turn_sampled_by_other_weights_than_asked_for_fails(servers):
+    """A server that answers a turn with another version than the one the client asked for (another trainer's
+    weights): the turn fails with a sentence naming both, counted as lost, never taken as a sample."""
+    engine = engine_on(servers)
+    engine.version = "A/5"
+    servers.sampled_by = "B/1"
+    traj = trajectories(100, [0])[0]
+    engine.submit(traj, 4)
+    (_, sample), = engine.poll()
+    assert sample.token_ids == [] and "sampled by weights version B/1, not A/5" in sample.error, sample
+    assert engine.metrics()["server_lost_turns"] == 1
+    engine.close()

@@ -407,6 +407,81 @@ def test_two_trainers_on_one_server_never_sample_from_each_others_weights(server
         b.close()
 
 
+
+class FakeVLLM:
+    """vLLM's LLM as the rollout server drives it, without a model: each step finishes every running turn with one
+    token; a weight update loads at once."""
+
+    def __init__(self):
+        import types
+
+        self.llm_engine = self  # (the server reaches the engine as llm.llm_engine)
+        self.model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(), model="fake", dtype=torch.float32,
+                                                  max_model_len=4096)
+        self.vllm_config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(tensor_parallel_size=1))
+        self.requests = {}
+
+    def get_tokenizer(self):
+        import types
+
+        return types.SimpleNamespace(get_vocab=lambda: {"a": 0})
+
+    def add_request(self, request_id, prompt, params):
+        self.requests[request_id] = prompt["prompt_token_ids"]
+
+    def abort_request(self, ids):
+        for request_id in ids:
+            self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        import types
+
+        done = [types.SimpleNamespace(request_id=request_id, finished=True, prompt_token_ids=prompt, num_cached_tokens=0,
+                                      outputs=[types.SimpleNamespace(token_ids=[5], logprobs=[{5: types.SimpleNamespace(logprob=-0.1)}])])
+                for request_id, prompt in self.requests.items()]
+        self.requests = {}
+        return done
+
+    def collective_rpc(self, method, kwargs=None):
+        return [{"unloaded": [], "tensors": 1, "bytes": 4}]
+
+    def reset_prefix_cache(self):
+        return True
+
+
+def test_another_trainers_update_landing_before_a_turn_is_added_refuses_the_turn():
+    """The race of two trainers on one server: trainer A's poll asks for its weights A/5, and trainer B's update to
+    B/1 lands after the poll was read and before its turn joins the batch (forced: B's update runs as the poll hands
+    its turn to the engine thread). The turn is refused with 409, never sampled by B/1 under A's name; the version is
+    checked on the engine thread, with the turn's adding."""
+    import threading
+
+    from rl.rollout_server import Refused, RolloutServer
+
+    server = RolloutServer(FakeVLLM(), deterministic=False, client_timeout=300.0, weights_timeout=60.0)
+    server.version = "A/5"
+    threading.Thread(target=server.run, daemon=True).start()
+    call = server.call
+
+    def raced(fn):
+        server.call = call
+        server.update({"version": "B/1"})
+        assert server.wait({"version": "B/1", "timeout_s": 10})["version"] == "B/1"
+        return call(fn)
+
+    server.call = raced
+    try:
+        with pytest.raises(Refused, match="version B/1, not A/5") as refused:
+            server.poll({"client": "A", "submit": [dict(TURN, id=1)], "wait": 5, "version": "A/5"})
+        assert refused.value.status == 409
+        answer = server.poll({"client": "B", "submit": [dict(TURN, id=1)], "wait": 5, "version": "B/1"})
+        assert [(turn["token_ids"], turn["version"]) for turn in answer["done"]] == [([5], "B/1")]
+    finally:
+        server.stopped = True
+
 def test_a_long_turn_counts_as_progress_for_the_rollouts_watchdog(server, tiny, monkeypatch):
     """The engine contract: progress grows while the engine generates, not only when a turn ends, so a turn longer
     than the watchdog's STALL_S is not taken for a stalled engine."""
