@@ -43,7 +43,8 @@ class FakeServers:
 def servers(monkeypatch):
     """Four fake servers, and every RemoteEngine made meanwhile talking to them."""
     fake = FakeServers([f"10.0.0.{k}:8900" for k in range(4)])
-    monkeypatch.setattr(remote_engine.httpx, "Client", functools.partial(httpx.Client, transport=httpx.MockTransport(fake)))
+    client = functools.partial(httpx.Client, transport=httpx.MockTransport(fake))
+    monkeypatch.setattr(remote_engine.httpx, "Client", client)
     return fake
 
 
@@ -52,6 +53,8 @@ def engine_on(fake, rank=0):
 
 
 class _Format:
+    """What RemoteEngine reads of a ChatFormat: the stop ids, and the probe's tokens."""
+
     stop_ids = frozenset({2})
 
     def render(self, messages):
@@ -62,13 +65,13 @@ class _Format:
 
 
 def trajectories(first_token: int, groups: list[int]) -> list[Trajectory]:
-    """One trajectory a group entry, in rows from 0 (as every rollout numbers them); each prompt's first token names it."""
+    """A trajectory for each entry of `groups`, in rows from 0 (as every rollout numbers them); the first token of
+    each prompt names it."""
     return [Trajectory("babyai", 0, group, row, [], token_ids=[first_token + row]) for row, group in enumerate(groups)]
 
 
 def play(engine, played: list[Trajectory], turns: int) -> None:
-    """`turns` more turns of each trajectory, in rounds; the last ends its episode (finish "horizon") when `turns` is
-    its whole length."""
+    """`turns` more turns of each trajectory, in rounds (its episode goes on: `end` ends it)."""
     for _ in range(turns):
         for traj in played:
             engine.submit(traj, 4)
@@ -106,7 +109,7 @@ def test_eight_processes_spread_their_turns_over_four_servers_evenly(servers, n)
 def test_an_evaluation_meanwhile_moves_no_episode_to_another_server(servers):
     """An asynchronous run: its set's episodes (rows 0-3, 2 tasks x 2) are between turns when an evaluation plays
     on other envs, whose rows are numbered from 0 too (4 tasks x 1); every turn of every episode goes to the server
-    of its first turn (its prefix cache is there; were it set aside, only its episodes would fail)."""
+    of its first turn (its prefix cache is there)."""
     engine = engine_on(servers)
     stream = trajectories(100, [0, 0, 1, 1])
     play(engine, stream, turns=1)

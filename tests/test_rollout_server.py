@@ -9,7 +9,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import types
 from pathlib import Path
 
 import httpx
@@ -24,7 +26,7 @@ from rl.chat import chat_format  # noqa: E402
 from rl.engines import SyncError  # noqa: E402
 from rl.model import full_weights, load_model, load_tokenizer  # noqa: E402
 from rl.remote_engine import RemoteEngine  # noqa: E402
-from rl.rollout_server import identity  # noqa: E402
+from rl.rollout_server import Refused, RolloutServer, identity  # noqa: E402
 from rollout import rollout  # noqa: E402
 from test_deterministic import logged  # noqa: E402
 from test_token_exactness import exact_on  # noqa: E402
@@ -413,8 +415,6 @@ class FakeVLLM:
     token; a weight update loads at once."""
 
     def __init__(self):
-        import types
-
         self.llm_engine = self  # (the server reaches the engine as llm.llm_engine)
         self.model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(), model="fake", dtype=torch.float32,
                                                   max_model_len=4096)
@@ -422,8 +422,6 @@ class FakeVLLM:
         self.requests = {}
 
     def get_tokenizer(self):
-        import types
-
         return types.SimpleNamespace(get_vocab=lambda: {"a": 0})
 
     def add_request(self, request_id, prompt, params):
@@ -437,11 +435,9 @@ class FakeVLLM:
         return bool(self.requests)
 
     def step(self):
-        import types
-
-        done = [types.SimpleNamespace(request_id=request_id, finished=True, prompt_token_ids=prompt, num_cached_tokens=0,
-                                      outputs=[types.SimpleNamespace(token_ids=[5], logprobs=[{5: types.SimpleNamespace(logprob=-0.1)}])])
-                for request_id, prompt in self.requests.items()]
+        sample = types.SimpleNamespace(token_ids=[5], logprobs=[{5: types.SimpleNamespace(logprob=-0.1)}])
+        done = [types.SimpleNamespace(request_id=request_id, finished=True, prompt_token_ids=prompt,
+                                      num_cached_tokens=0, outputs=[sample]) for request_id, prompt in self.requests.items()]
         self.requests = {}
         return done
 
@@ -457,10 +453,6 @@ def test_another_trainers_update_landing_before_a_turn_is_added_refuses_the_turn
     B/1 lands after the poll was read and before its turn joins the batch (forced: B's update runs as the poll hands
     its turn to the engine thread). The turn is refused with 409, never sampled by B/1 under A's name; the version is
     checked on the engine thread, with the turn's adding."""
-    import threading
-
-    from rl.rollout_server import Refused, RolloutServer
-
     server = RolloutServer(FakeVLLM(), deterministic=False, client_timeout=300.0, weights_timeout=60.0)
     server.version = "A/5"
     threading.Thread(target=server.run, daemon=True).start()
