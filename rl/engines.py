@@ -754,7 +754,8 @@ def build_engine(args, fmt, models, accelerator, max_tokens: int):
                             seed=args.seed + accelerator.process_index, deterministic=args.deterministic,
                             identity=identity(accelerator.unwrap_model(models.policy).config, fmt.tokenizer),
                             max_model_len=max_tokens, owner=accelerator.is_main_process, tolerance=args.sync_tolerance,
-                            trainer=broadcast_object_list([uuid.uuid4().hex[:12]])[0])  # (this run's, on every process)
+                            trainer=broadcast_object_list([uuid.uuid4().hex[:12]])[0],  # (this run's, on every process)
+                            rank=accelerator.process_index)
     own = sharded(accelerator)  # (the HF engine then samples from a whole copy of its own)
     with zero3.unpartitioned(accelerator):
         return make_engine(args.engine, args.model, fmt, None if own else accelerator.unwrap_model(models.policy),

@@ -1,12 +1,18 @@
 """The engine contract played on rollout servers (rl/rollout_server.py): `--rollout-server HOST:PORT [HOST:PORT ...]`.
 
-    engine = RemoteEngine(["10.0.0.2:8900"], fmt, temperature=1.0, top_p=1.0, seed=0, identity=..., owner=True)
+    engine = RemoteEngine(["10.0.0.2:8900"], fmt, temperature=1.0, top_p=1.0, seed=0, identity=..., owner=True, rank=0)
     engine.submit(traj, limit); engine.poll(); ...     # as every engine (rl/engines.py)
     engine.load_weights(model, weights=full_weights(model))   # after each update: the broadcast, then the probe
 
-Trajectories spread over the servers by task group (a group's turns share their prompt, so they share a server's
-prefix cache); a trajectory stays on its server for every turn. Submitted turns go out with the next poll, several
-at once, and a poll waits on the server (at most POLL_WAIT_S) for the first of them to finish, so nothing spins.
+Each trajectory has a home server for its whole episode (its turns extend each other, so each reuses the last one's
+prefix cache there), chosen when its first turn is submitted: the ready server homing the fewest live trajectories
+of this engine, ties going round from the process's index (`rank`), so that the processes of a run, which number
+their groups alike and start together, spread out instead of all picking the first servers. A home belongs to the
+trajectory, not to its row: an evaluation played meanwhile on other envs (numbered from 0 too) moves nothing. The
+samples of a task may so land on several servers, each prefilling their shared first prompt once: the price of an
+even spread, which whole groups (8 episodes each, 2 a process in the two-node recipe) would not give in general.
+Submitted turns go out with the next poll, several at once, and a poll waits on the server (at most POLL_WAIT_S)
+for the first of them to finish, so nothing spins.
 Under --deterministic turns go in rounds and each carries a seed from the engine's own stream, as in process, so a
 run over one server replays the in-process engine's rollouts (the server must run --deterministic too).
 
@@ -14,7 +20,10 @@ Weights: every process of the trainer calls load_weights alike (a sharded model 
 trainer's rank 0 (`owner`) broadcasts each tensor, cast to the server's dtype, over a process group of its own
 with each server's workers (rl/rollout_server.weight_group: NCCL when both ends have GPUs, gloo otherwise), then
 checks the server with the probe exactly as the in-process sync does. The weights carry a version (the count of
-syncs); every turn asks for it, and a server without it (restarted, or it missed an update) is not sampled from.
+syncs); every turn asks for it, and a server without it (restarted, or it missed an update) is not sampled from:
+the server checks it on its engine thread as it adds the turn (an update between the check and the turn cannot
+slip in), and names the version that sampled each turn in its answer, which the client checks again (a turn of
+another version fails, never trained on).
 
 Faults: a server that cannot be reached, answers an error or generates nothing for `stall_s` seconds while it holds
 turns fails only its trajectories (Sample.error: their finish is "error", counted, left out of the update) and is
@@ -29,6 +38,8 @@ import itertools
 import socket
 import time
 import uuid
+import weakref
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -65,18 +76,18 @@ class RemoteEngine(Seeded):
     def __init__(self, addresses: list[str], fmt, *, temperature: float, top_p: float, top_k: int = 0, seed: int = 0,
                  deterministic: bool = False, identity: dict | None = None, max_model_len: int = 0,
                  owner: bool = False, trainer: str | None = None, tolerance: float = 0.0, stall_s: float = 300.0,
-                 reconnect_s: float = 120.0, weights_timeout: float = 600.0):
+                 reconnect_s: float = 120.0, weights_timeout: float = 600.0, rank: int = 0):
         self.fmt, self.temperature, self.top_p, self.top_k = fmt, temperature, top_p, top_k
         self.deterministic, self.continuous = deterministic, not deterministic
         self.generator = torch.Generator().manual_seed(seed) if deterministic else None
-        self.identity, self.max_model_len, self.owner = identity or {}, max_model_len, owner
+        self.identity, self.max_model_len, self.owner, self.rank = identity or {}, max_model_len, owner, rank
         self.stall_s, self.reconnect_s, self.weights_timeout = stall_s, reconnect_s, weights_timeout
         self.tolerance_given = tolerance
         self.http = httpx.Client(timeout=httpx.Timeout(60.0, connect=10.0))
         self.client = uuid.uuid4().hex[:12]
         self.servers = [RemoteServer(address) for address in addresses]
         self.requests: dict[int, tuple[object, RemoteServer]] = {}
-        self.homes: dict[int, RemoteServer] = {}  # trajectory row -> its server
+        self.homes: dict[int, tuple[weakref.ref, RemoteServer | None]] = {}  # id(trajectory) -> (it, its server)
         self.failed: list[tuple[object, Sample]] = []
         self.counter = itertools.count()
         # the weights' version: "<trainer>/<count of syncs>" once sent (`trainer` names this run, the same on every
@@ -135,12 +146,23 @@ class RemoteEngine(Seeded):
     def pending(self) -> int:
         return len(self.requests) + len(self.failed)
 
+    def home(self, traj) -> RemoteServer | None:
+        """The trajectory's server for its whole episode (None: none was up), chosen at its first turn (see above)."""
+        mine = self.homes.get(id(traj))
+        if mine is not None and mine[0]() is traj:
+            return mine[1]
+        # (the homes of trajectories ended or gone are forgotten: they weigh nothing, and an id may come again)
+        self.homes = {key: (ref, server) for key, (ref, server) in self.homes.items()
+                      if (other := ref()) is not None and other.live}
+        load = Counter(server for _, server in self.homes.values())
+        ready, count = [server for server in self.servers if server.up], len(self.servers)
+        server = min(ready, key=lambda s: (load[s], (self.servers.index(s) - self.rank) % count), default=None)
+        self.homes[id(traj)] = (weakref.ref(traj), server)
+        return server
+
     def submit(self, traj, limit: int) -> None:
         rid = next(self.counter)
-        if traj.turns == 0 or traj.row not in self.homes:
-            ready = [server for server in self.servers if server.up]
-            self.homes[traj.row] = ready[traj.group % len(ready)] if ready else None
-        server = self.homes[traj.row]
+        server = self.home(traj)
         if server is None or not server.up:
             reason = f"rollout server {server.address}: {server.reason}" if server else "no rollout server is up"
             self.failed.append((traj, Sample([], error=reason)))
@@ -191,6 +213,11 @@ class RemoteEngine(Seeded):
                 continue
             if "error" in turn:
                 done.append((traj, Sample([], error=f"rollout server {server.address}: {turn['error']}")))
+                continue
+            if self.version is not None and turn.get("version") != self.version:
+                done.append((traj, Sample([], error=f"rollout server {server.address}: the turn was sampled by weights "
+                                                    f"version {turn.get('version')}, not {self.version}: refused")))
+                self.counts["lost_turns"] += 1
                 continue
             self.counts["prompt_tokens"] += turn["prompt_tokens"]
             self.counts["cached_tokens"] += turn["cached_tokens"]

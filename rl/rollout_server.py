@@ -17,10 +17,13 @@ Endpoints (JSON; an error is {"error": one line} with 400/404/409/422/503):
                                deterministic, instance (new at every start), version (of the weights: 0 as loaded)
     POST /poll                 {client, submit: [{id, token_ids, max_tokens, stop_ids, temperature, top_p, top_k,
                                seed?}], abort: [id], wait, version?} -> {done: [{id, token_ids, logprobs, prompt_tokens,
-                               cached_tokens} | {id, error}], pending, progress, version}. New turns join the running
-                               batch; the answer comes as soon as one of the client's turns is done, or after `wait`
-                               seconds. With `version`, a server whose weights are not that version answers 409 (it
-                               restarted, or missed an update): the trainer never samples from weights it did not send.
+                               cached_tokens, version} | {id, error}], pending, progress, version}. New turns join the
+                               running batch; the answer comes as soon as one of the client's turns is done, or after
+                               `wait` seconds. With `version`, a server whose weights are not that version answers 409
+                               (it restarted, or missed an update): the trainer never samples from weights it did not
+                               send. The check is made on the engine thread as the turns are added, so no update lands
+                               between them; each turn names the version that sampled it (an update aborts the turns
+                               under way) and the client checks it again.
     POST /reset                drop the prefix cache (a deterministic client's reseed)
     POST /probe                {token_ids} -> {logprobs}: each token's log-prob after the first, temperature 1
     POST /weights/group        {host, port, world_size, backend, timeout_s}: every worker joins the trainer's group
@@ -272,12 +275,19 @@ class RolloutServer:
                 for table in (self.seen, self.boxes, self.owned):
                     table.pop(client, None)
 
-    def _add(self, client: str, submit: list[dict], abort: list) -> None:
+    def _add(self, client: str, submit: list[dict], abort: list, version) -> None:
+        """On the engine thread: the turns join the batch under the weights they asked for (`version`; None: any), or
+        the poll is refused, as a whole."""
         from vllm.inputs import TokensPrompt
 
         from rl.engines import sampling_params
 
         with self.changed:
+            if submit and self.broken:
+                raise Refused(503, self.broken)
+            if submit and version is not None and version != self.version:
+                raise Refused(409, f"this server's weights are version {self.version}, not {version} (it restarted or "
+                                   "missed an update)")
             self._abort(client, abort, "")
             for request in submit:
                 request_id = f"{next(self.counter)}:{client}"
@@ -306,7 +316,8 @@ class RolloutServer:
         sample = sampled(output)
         self.boxes.setdefault(client, []).append({
             "id": rid, "token_ids": sample.token_ids, "logprobs": sample.logprobs,
-            "prompt_tokens": len(output.prompt_token_ids), "cached_tokens": output.num_cached_tokens or 0})
+            "prompt_tokens": len(output.prompt_token_ids), "cached_tokens": output.num_cached_tokens or 0,
+            "version": self.version})  # (the weights it was sampled by: an update aborts the turns under way)
 
     def _abort(self, client: str | None, ids: list, reason: str) -> None:
         """Abort turns (client None: every running one, probes too); with a reason, their clients get them back as
@@ -342,14 +353,8 @@ class RolloutServer:
                 or not all(isinstance(rid, (int, str)) for rid in abort):
             raise Refused(422, "submit is a list of turns (objects with a number or string id), abort a list of ids")
         wait = float(body.get("wait") or 0)
-        if submit:
-            if self.broken:
-                raise Refused(503, self.broken)
-            if body.get("version") is not None and body["version"] != self.version:
-                raise Refused(409, f"this server's weights are version {self.version}, not {body['version']} (it "
-                                   "restarted or missed an update)")
         if submit or abort:
-            self.call(lambda: self._add(client, submit, abort)).result()
+            self.call(lambda: self._add(client, submit, abort, body.get("version"))).result()
         deadline = time.monotonic() + min(wait, 30.0)
         with self.changed:
             while not self.boxes.get(client) and self.owned.get(client) and time.monotonic() < deadline:

@@ -9,7 +9,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import types
 from pathlib import Path
 
 import httpx
@@ -24,7 +26,7 @@ from rl.chat import chat_format  # noqa: E402
 from rl.engines import SyncError  # noqa: E402
 from rl.model import full_weights, load_model, load_tokenizer  # noqa: E402
 from rl.remote_engine import RemoteEngine  # noqa: E402
-from rl.rollout_server import identity  # noqa: E402
+from rl.rollout_server import Refused, RolloutServer, identity  # noqa: E402
 from rollout import rollout  # noqa: E402
 from test_deterministic import logged  # noqa: E402
 from test_token_exactness import exact_on  # noqa: E402
@@ -125,7 +127,7 @@ class Fault:
 
         def submitted(traj, limit):
             submit(traj, limit)
-            if self.struck and engine.homes[traj.row].address == self.address:
+            if self.struck and engine.home(traj).address == self.address:
                 self.sent.add(traj.row)
 
         engine.submit = submitted
@@ -234,7 +236,7 @@ def test_a_server_with_another_model_or_too_short_a_context_is_refused(server, t
 
 @pytest.mark.timeout(600)
 def test_a_server_killed_mid_rollout_fails_only_its_trajectories(server, tiny):
-    """Two servers, trajectories spread over them by group; one killed while its turns run: its trajectories end with
+    """Two servers, trajectories spread over them; one killed while its turns run: its trajectories end with
     finish "error" naming it, the other's play on. The next sync goes on with the server left; the killed one,
     restarted, is reached again, checked and given the weights; with none up the sync gives up after its bounded
     wait with a reason."""
@@ -248,7 +250,7 @@ def test_a_server_killed_mid_rollout_fails_only_its_trajectories(server, tiny):
         assert engine.metrics()["server_lost_turns"] == fault.check(trajectories)
         synced = engine.load_weights(nudged(model))
         assert synced["servers"] == 1 and synced["probe_diff"] < 1e-5
-        assert all(t.error is None for t in play(engine, fmt, count=2))  # both groups on the server left
+        assert all(t.error is None for t in play(engine, fmt, count=2))  # every trajectory on the server left
         doomed.start()
         synced = engine.load_weights(nudged(model))
         assert synced["servers"] == 2 and synced["probe_diff"] < 1e-5
@@ -406,6 +408,71 @@ def test_two_trainers_on_one_server_never_sample_from_each_others_weights(server
         a.close()
         b.close()
 
+
+
+class FakeVLLM:
+    """vLLM's LLM as the rollout server drives it, without a model: each step finishes every running turn with one
+    token; a weight update loads at once."""
+
+    def __init__(self):
+        self.llm_engine = self  # (the server reaches the engine as llm.llm_engine)
+        self.model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(), model="fake", dtype=torch.float32,
+                                                  max_model_len=4096)
+        self.vllm_config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(tensor_parallel_size=1))
+        self.requests = {}
+
+    def get_tokenizer(self):
+        return types.SimpleNamespace(get_vocab=lambda: {"a": 0})
+
+    def add_request(self, request_id, prompt, params):
+        self.requests[request_id] = prompt["prompt_token_ids"]
+
+    def abort_request(self, ids):
+        for request_id in ids:
+            self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        sample = types.SimpleNamespace(token_ids=[5], logprobs=[{5: types.SimpleNamespace(logprob=-0.1)}])
+        done = [types.SimpleNamespace(request_id=request_id, finished=True, prompt_token_ids=prompt,
+                                      num_cached_tokens=0, outputs=[sample]) for request_id, prompt in self.requests.items()]
+        self.requests = {}
+        return done
+
+    def collective_rpc(self, method, kwargs=None):
+        return [{"unloaded": [], "tensors": 1, "bytes": 4}]
+
+    def reset_prefix_cache(self):
+        return True
+
+
+def test_another_trainers_update_landing_before_a_turn_is_added_refuses_the_turn():
+    """The race of two trainers on one server: trainer A's poll asks for its weights A/5, and trainer B's update to
+    B/1 lands after the poll was read and before its turn joins the batch (forced: B's update runs as the poll hands
+    its turn to the engine thread). The turn is refused with 409, never sampled by B/1 under A's name; the version is
+    checked on the engine thread, with the turn's adding."""
+    server = RolloutServer(FakeVLLM(), deterministic=False, client_timeout=300.0, weights_timeout=60.0)
+    server.version = "A/5"
+    threading.Thread(target=server.run, daemon=True).start()
+    call = server.call
+
+    def raced(fn):
+        server.call = call
+        server.update({"version": "B/1"})
+        assert server.wait({"version": "B/1", "timeout_s": 10})["version"] == "B/1"
+        return call(fn)
+
+    server.call = raced
+    try:
+        with pytest.raises(Refused, match="version B/1, not A/5") as refused:
+            server.poll({"client": "A", "submit": [dict(TURN, id=1)], "wait": 5, "version": "A/5"})
+        assert refused.value.status == 409
+        answer = server.poll({"client": "B", "submit": [dict(TURN, id=1)], "wait": 5, "version": "B/1"})
+        assert [(turn["token_ids"], turn["version"]) for turn in answer["done"]] == [([5], "B/1")]
+    finally:
+        server.stopped = True
 
 def test_a_long_turn_counts_as_progress_for_the_rollouts_watchdog(server, tiny, monkeypatch):
     """The engine contract: progress grows while the engine generates, not only when a turn ends, so a turn longer
