@@ -12,6 +12,9 @@
   reply's tool calls come back unparsed, malformed ones too; its separate reasoning and reasoning tokens are read
   and summed; a hosted reasoning model's refusals of max_tokens, temperature and top_p are learnt once and every
   turn still plays, and eval.py records the temperature it really played at.
+- A server without a reasoning parser, whose replies hold the reasoning and only </think>: the env reads the
+  answer after the last closing tag, the reasoning is logged as reasoning_content; replies cut off inside the
+  reasoning or without any tag.
 """
 
 import contextlib
@@ -562,9 +565,9 @@ THOUGHT = "I think the ball is ahead. Action: go forward would be wrong here.\n"
 
 
 def test_reasoning_left_in_the_reply_is_logged_as_reasoning_and_never_reaches_the_env(tmp_path):
-    """Every reply is reasoning, </think>, then the answer: the env reads only the answer (each turn valid; on the
-    old code each was "Only one 'Action' is allowed"), the reasoning is the message's reasoning_content, and the
-    next turn sends the answer back without it, as to a server with a reasoning parser."""
+    """Every reply is reasoning with a decoy "Action:", </think>, then the answer: the env reads only the answer (each
+    turn valid, not "Only one 'Action' is allowed"), the reasoning is the message's reasoning_content, and the next
+    turn sends the answer back without it, as to a server with a reasoning parser."""
     with fake_api(lambda body, attempt, authorization: reply(THOUGHT + "</think>\n\n" + REPLY)) as (url, seen):
         results = eval_script.main(api_args(url, tmp_path / "r1"))
     episodes = records(tmp_path / "r1")

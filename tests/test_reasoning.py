@@ -1,7 +1,9 @@
 """Reasoning models (rl/chat.py: Reasoning, ChatFormat.answer): the env receives only the reply after its reasoning
-block, a decoy "Action:" inside the block changes nothing, a reply cut off inside its block is an invalid action
-with an observation that says so, the tags come from the template (or the default pair, or the flag), template
-options reach every rendering, and a whole episode of a model that thinks stays token-exact (--reasoning keep)."""
+block (after the last closing tag), a decoy "Action:" inside the block changes nothing, a reply cut off inside its
+block is an invalid action with an observation that says so, the tags come from the template (or the default
+pair, or the flag), template options reach every rendering, a whole episode of a model that thinks stays
+token-exact (--reasoning keep), and under DeepSeek-R1-Distill's own template, whose generation prompt opens the
+block, the HF engine's replies hold only the closing tag and are read the same way."""
 
 import copy
 import re
