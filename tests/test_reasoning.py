@@ -254,10 +254,10 @@ def test_an_episode_split_over_mini_batches_counts_once():
 
 
 R1_TEMPLATE_SHA256 = "56a1447ad31926fdc21fb07e56e5642bd9c850c4f52d8c8af7bbe5f079a84f5f"
-WRONG = "I think the ball is ahead. Action: go forward would be wrong here.\n"
-R1_TURNS = [WRONG + "</think>\n\nThought: I look around.\nAction: turn left",  # one closing tag
-            "I may write </think> inside my reasoning. " + WRONG + "</think>\n\nAction: turn right",  # several
-            WRONG + "and I am still thinking"]  # cut off inside the reasoning: no closing tag
+WRONG = "Action: go forward? No.\n"  # (a decoy the env must not see)
+R1_TURNS = [WRONG + "</think>\n\nThought: I look.\nAction: turn left",  # one closing tag
+            "I wrote </think> here. " + WRONG + "</think>\n\nAction: turn right",  # several
+            WRONG + "Still thinking"]  # cut off inside the reasoning: no closing tag
 
 
 @pytest.fixture(scope="module")
@@ -314,7 +314,7 @@ def test_a_template_that_opens_the_block_gives_the_env_the_text_after_the_last_c
     finally:
         for env in environments:
             env.close()
-    answers = ["Thought: I look around.\nAction: turn left", "Action: turn right"]
+    answers = ["Thought: I look.\nAction: turn left", "Action: turn right"]
     assert stepped == [answers[0]] * 2 + [answers[1]] * 2
     for traj in trajectories:
         assert (traj.turns, traj.finish, traj.invalid_actions, traj.malformed) == (3, "horizon", 1, 1)
@@ -327,8 +327,9 @@ def test_a_template_that_opens_the_block_gives_the_env_the_text_after_the_last_c
         # </think>; a reply cut off inside its reasoning it renders as it is, as a server does)
         shown = fmt.render(traj.messages[:7], add_generation_prompt=True)
         replies = re.findall("<｜Assistant｜>(.*?)<｜end▁of▁sentence｜>", shown, re.DOTALL)[1:]  # (after the ack)
-        assert [reply.lstrip() for reply in replies] == answers and "would be wrong" not in shown
+        assert [reply.lstrip() for reply in replies] == answers and WRONG not in shown
         if history == "drop":  # each turn's prompt: that rendering of the conversation before it
             assert spy.prompts[traj.row] == [fmt.prompt(traj.messages[:3 + 2 * k]) for k in range(3)]
+            assert [[t for t, m in zip(ids, mask) if m] for ids, mask, _ in traj.sequences] == samples  # (trained on)
     if history == "keep":
         check_exact(fmt, spy, trajectories, renders=False)
