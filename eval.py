@@ -71,7 +71,7 @@ import envs
 from envs.guard import close_envs, make_envs
 from rl import api, plots
 from rl.agent import check_layout, make_agent
-from rl.chat import chat_format, template_options
+from rl.chat import Reasoning, chat_format, template_options
 from rl.checkpoint import write_atomic
 from rl.horizon import AUTO, horizon_at
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, full_weights, is_adapter, load_model, load_tokenizer
@@ -319,7 +319,8 @@ def load_engine(args: Args, settings: dict):
     """(kind, format, engine) that episodes play on: the local model on vLLM or HF sampling, or for --model
     openai:<name> the server at --base-url (no local model or tokenizer is loaded then)."""
     if args.model.startswith(api.PREFIX):
-        return "api", api.APIFormat(settings["reasoning_tags"]), api_engine(args)
+        fmt = api.APIFormat(settings["reasoning_tags"])
+        return "api", fmt, api_engine(args, fmt.reasoning)
     if args.base_url is not None:
         raise SystemExit(f"--base-url is for --model {api.PREFIX}<name>: a model on a server, by the name it serves it under")
     tokenizer = load_tokenizer(args.model)
@@ -369,9 +370,9 @@ def served_engine(args: Args, settings: dict, fmt):
     return engine
 
 
-def api_engine(args: Args) -> api.APIEngine:
-    """The engine for a model behind an OpenAI-compatible endpoint, after one request that shows the server
-    answers and takes the key."""
+def api_engine(args: Args, reasoning: Reasoning) -> api.APIEngine:
+    """The engine for a model behind an OpenAI-compatible endpoint (`reasoning`: the tags of reasoning a server
+    leaves inline), after one request that shows the server answers and takes the key."""
     if args.engine != "auto":
         raise SystemExit(f"--engine chooses a local model's engine; --model {args.model} runs on its server")
     if args.api_concurrency < 1 or args.api_retries < 0 or args.api_timeout <= 0 or args.api_backoff < 0:
@@ -383,7 +384,7 @@ def api_engine(args: Args) -> api.APIEngine:
                            top_p=args.top_p, seed=args.seed, concurrency=args.api_concurrency,
                            retries=args.api_retries, timeout=args.api_timeout, backoff=args.api_backoff,
                            api_key_env=args.api_key_env, price_in=args.price_in, price_out=args.price_out,
-                           template_kwargs=template_options(args.chat_template_kwargs))
+                           template_kwargs=template_options(args.chat_template_kwargs), reasoning=reasoning)
     try:
         note = engine.check()
     except ConnectionError as error:

@@ -21,7 +21,13 @@ here: the rollout parses them and answers a malformed one. Only the reply's `con
 "" when a reply holds only tool calls), so only that can reach the env. A reasoning model's separate reasoning
 (`reasoning_content`, or `reasoning` as some servers name it) is Sample.reasoning: the rollout logs it with the
 episode and keeps it out of the env and out of the messages sent back in later turns, since the env should read
-the answer after the reasoning. The server's count of reasoning tokens (`completion_tokens_details`, where it
+the answer after the reasoning. A server without a reasoning parser leaves the reasoning in `content`, and for a
+template that opens the block in its generation prompt (R1 distills, Qwen3-Thinking) with only the closing tag:
+such a reply is read by rl/chat.py's rule (Reasoning.split: the text after the last closing tag is the answer),
+its answer becomes Sample.text and the rest Sample.reasoning, as a parser would have returned them. A reply
+without a closing tag stays whole: one that opens a block was cut off inside it (no action, an invalid one), and
+one with no tag at all is the answer (the server's template is unknown here, so text without a tag is not
+taken for reasoning cut off). The server's count of reasoning tokens (`completion_tokens_details`, where it
 reports one; they are among the completion tokens) goes to the usage as `reasoning_tokens`.
 
 Limits. A turn's token cap (--max-new-tokens) is the request's max_tokens (or max_completion_tokens, below),
@@ -79,7 +85,7 @@ import urllib.request
 import zlib
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
-from rl.chat import parse_calls, reasoning_of, without_calls
+from rl.chat import Reasoning, parse_calls, reasoning_of, without_calls
 from rl.engines import Sample
 
 PREFIX = "openai:"  # --model openai:<name> names a served model
@@ -102,8 +108,9 @@ UNSUPPORTED = re.compile(r"unsupported|not supported|does not support", re.IGNOR
 class APIFormat:
     """ChatFormat's part in a rollout for a text engine: the server templates the messages, so the first
     prompt and the observations add no tokens here. A reply's reasoning, when the server returns it inline in
-    `content` (no reasoning parser), is read with the default <think> tags (rl/chat.py), and tool calls the server
-    leaves in `content` (no tool parser) are read as Hermes <tool_call> blocks."""
+    `content` (no reasoning parser), is read with the default <think> tags (rl/chat.py; APIEngine has already
+    moved a closed block out of the reply), and tool calls the server leaves in `content` (no tool parser) are
+    read as Hermes <tool_call> blocks."""
 
     opens_reasoning = False
     call_style = "hermes"
@@ -139,8 +146,9 @@ class APIEngine:
     def __init__(self, base_url: str, model: str, *, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
                  concurrency: int = 8, retries: int = 4, timeout: float = 120.0, backoff: float = 1.0,
                  api_key_env: str = "OPENAI_API_KEY", price_in: float = 0.0, price_out: float = 0.0,
-                 template_kwargs: dict | None = None):
+                 template_kwargs: dict | None = None, reasoning: Reasoning | None = None):
         self.base_url, self.model = base_url.rstrip("/"), model
+        self.reasoning = reasoning or reasoning_of(None)  # the tags of reasoning left inline (APIFormat's)
         self.template_kwargs = dict(template_kwargs or {})  # the server's chat template options (vLLM's chat_template_kwargs)
         self.temperature, self.top_p, self.seed = temperature, top_p, seed
         self.retries, self.timeout, self.backoff = retries, timeout, backoff
@@ -299,8 +307,13 @@ class APIEngine:
         reasoning_tokens = int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0)
         cost = prompt * self.prices[0] + completion * self.prices[1]
         message = reply["choices"][0]["message"]
+        text = _as_text(message.get("content"))
         reasoning = message.get("reasoning_content") or message.get("reasoning")  # (vLLM and others name it so)
-        return Sample([], text=message.get("content") or "", tool_calls=_tool_calls(message),
+        if not reasoning:  # a server without a reasoning parser leaves it inline: the answer is after its last </think>
+            inline, answer = self.reasoning.split(text)
+            if answer is not None:  # (None: cut off inside it; the reply stays whole and the rollout answers it)
+                reasoning, text = inline, answer
+        return Sample([], text=text, tool_calls=_tool_calls(message),
                       reasoning=_as_text(reasoning) if reasoning else None,
                       usage={**NO_USAGE, "calls": 1, "prompt_tokens": prompt, "completion_tokens": completion,
                              "reasoning_tokens": reasoning_tokens, "cost": cost})

@@ -8,13 +8,18 @@ calls in it. ChatFormat is the only place that turns messages into tokens; rollo
     calls = fmt.parse_calls(answer)                               # [(name, arguments)], or CallError
 
 Reasoning. Models that think before they act (Qwen3, R1 distills, QwQ) open their reply with a block between two
-tags; what an env parses is the reply after that block, and the tokens stay exactly as sampled. The tags are read
-off the chat template where it names them (`</think>` in Qwen3's and R1's), are `<think>` and `</think>` where
-there is no template to read (a model behind an API whose server returns its reasoning inline; APIFormat), and
-come from --reasoning-tags otherwise. A template whose generation prompt opens the block itself (R1 distills,
-Qwen3-Thinking: "<|im_start|>assistant\\n<think>\\n") makes every reply start inside it, so the reply holds only
-the closing tag. A reply that never closes its block (cut off by --max-new-tokens) has no answer: the rollout
-answers it as an invalid action and the episode goes on.
+tags; what an env parses is the reply after that block, and the tokens stay exactly as sampled. The rule, in
+Reasoning.split for every engine: the answer is the text after the last closing tag, the reasoning everything
+before it, with or without an opening tag. The tags are read off the chat template where it names them
+(`</think>` in Qwen3's and R1's), are `<think>` and `</think>` where there is no template to read (a model behind
+an API whose server returns its reasoning inline; APIFormat), and come from --reasoning-tags otherwise. A template
+whose generation prompt opens the block itself (R1 distills, Qwen3-Thinking: "<|im_start|>assistant\\n<think>\\n")
+makes every reply start inside it, so the reply holds only the closing tag. A reply that never closes its block
+(cut off by --max-new-tokens: an opening tag, or under such a template any text, without a closing tag after it)
+has no answer: the rollout answers it as an invalid action and the episode goes on. Without a template to read
+(an API model) a reply with no tag at all is the answer. The conversation keeps a local model's reply whole, as
+sampled (R1's and Qwen3's templates render it without everything up to its last closing tag); an API model's
+reasoning is kept apart, as the message's reasoning_content (rl/api.py).
 
 Earlier reasoning (`history`, --reasoning). Such templates drop the reasoning of earlier turns when they render a
 conversation, so a new turn's rendering is no longer the last one's plus the reply. `keep` (the default): the
@@ -59,17 +64,17 @@ class Reasoning:
     close: str
 
     def split(self, reply: str, opened: bool = False) -> tuple[str, str | None]:
-        """(reasoning, answer): the block's text and what follows it; answer None when the reply ends inside the
-        block. `opened`: the generation prompt already opened it, so the reply starts inside."""
-        if not opened:
-            stripped = reply.lstrip()
-            if not stripped.startswith(self.open):
-                return "", reply
-            reply = stripped[len(self.open):]
-        end = reply.find(self.close)
-        if end < 0:
-            return reply, None
-        return reply[:end], reply[end + len(self.close):].lstrip()
+        """(reasoning, answer). The answer is the text after the last closing tag, the reasoning everything before
+        it, with or without an opening tag (a generation prompt that opened the block, `opened`, leaves only the
+        closing tag in the reply; a model may also write the tag inside its reasoning). Answer None when the reply
+        ends inside a block: the text after the last closing tag (the reply, without one) starts with an opening
+        tag, or `opened` and there is no closing tag. Otherwise a reply without a closing tag is all answer."""
+        end = reply.rfind(self.close)
+        reasoning, answer = (reply[:end], reply[end + len(self.close):].lstrip()) if end >= 0 else ("", reply)
+        if answer.lstrip().startswith(self.open) or (end < 0 and opened):
+            reasoning, answer = reply, None
+        stripped = reasoning.lstrip()
+        return stripped[len(self.open):] if stripped.startswith(self.open) else reasoning, answer
 
 
 def reasoning_of(template: str | None, tags: tuple[str, str] | None = None) -> Reasoning | None:

@@ -12,6 +12,9 @@
   reply's tool calls come back unparsed, malformed ones too; its separate reasoning and reasoning tokens are read
   and summed; a hosted reasoning model's refusals of max_tokens, temperature and top_p are learnt once and every
   turn still plays, and eval.py records the temperature it really played at.
+- A server without a reasoning parser, whose replies hold the reasoning and only </think>: the env reads the
+  answer after the last closing tag, the reasoning is logged as reasoning_content; replies cut off inside the
+  reasoning or without any tag.
 """
 
 import contextlib
@@ -551,3 +554,61 @@ def test_eval_records_the_temperature_a_reasoning_model_really_played_at(tmp_pat
     out = capsys.readouterr().out
     assert "80 completion tokens (48 of them reasoning)" in out
     assert "played at temperature 1.0 and top_p 1.0, not the asked 0.0 and 1.0" in out
+
+
+# ----------------------------------------------------------------------------------------------
+# A reasoning model served without a reasoning parser (R1 distills, Qwen3-Thinking): the template opened <think> in
+# the generation prompt, so `content` holds the reasoning and only the closing tag
+
+
+THOUGHT = "I think the ball is ahead. Action: go forward would be wrong here.\n"
+
+
+def test_reasoning_left_in_the_reply_is_logged_as_reasoning_and_never_reaches_the_env(tmp_path):
+    """Every reply is reasoning with a decoy "Action:", </think>, then the answer: the env reads only the answer (each
+    turn valid, not "Only one 'Action' is allowed"), the reasoning is the message's reasoning_content, and the next
+    turn sends the answer back without it, as to a server with a reasoning parser."""
+    with fake_api(lambda body, attempt, authorization: reply(THOUGHT + "</think>\n\n" + REPLY)) as (url, seen):
+        results = eval_script.main(api_args(url, tmp_path / "r1"))
+    episodes = records(tmp_path / "r1")
+    assert envs.REACT_ONLY_ONE not in {m["content"] for r in episodes for m in r["messages"][4::2]}  # (env answers)
+    assert [(r["finish"], r["turns"], r["invalid_actions"]) for r in episodes] == [("horizon", 2, 0)] * 4
+    assert all(r["env_actions"] == [REPLY] * 2 for r in episodes)
+    for r in episodes:
+        assert r["messages"][3::2] == [{"role": "assistant", "content": REPLY, "reasoning_content": THOUGHT}] * 2
+    assert all(body["messages"][3] == {"role": "assistant", "content": REPLY}
+               for _, body, _ in seen if len(body["messages"]) == 5)
+    assert results["malformed"] == 0 and results["errors"] == 0
+
+
+def test_reasoning_cut_off_several_closing_tags_and_no_tags_from_a_server(tmp_path):
+    """One reply kind a task: several closing tags (the answer follows the last one); opened and never closed (cut
+    off inside the reasoning: kept whole, answered as an invalid action without the env); no tags at all (the reply,
+    since a server's template is unknown here); a separate reasoning_content with the answer alone (as before)."""
+    kinds = dict(zip(first_observations(4), [
+        ("<think>I may write </think> inside my reasoning. " + THOUGHT + "</think>\n\n" + REPLY, None),
+        ("<think>" + THOUGHT + "and I am still thinking", None),
+        (REPLY, None),
+        (REPLY, THOUGHT)]))
+
+    def answer(body, attempt, authorization):
+        content, reasoning = kinds[body["messages"][2]["content"]]
+        status, payload, headers = reply(content)
+        if reasoning:
+            payload["choices"][0]["message"]["reasoning_content"] = reasoning
+        return status, payload, headers
+
+    with fake_api(answer) as (url, seen):
+        eval_script.main(api_args(url, tmp_path / "kinds"))
+    several, cut, plain, separate = [next(r for r in records(tmp_path / "kinds") if r["messages"][2]["content"] == o)
+                                     for o in kinds]
+    assert several["env_actions"] == [REPLY] * 2 and several["invalid_actions"] == 0
+    assert several["messages"][3] == {"role": "assistant", "content": REPLY,
+                                      "reasoning_content": "I may write </think> inside my reasoning. " + THOUGHT}
+    assert cut["env_actions"] == [None, None] and cut["invalid_actions"] == cut["malformed"] == 2
+    assert cut["messages"][3] == {"role": "assistant", "content": kinds[cut["messages"][2]["content"]][0]}
+    assert "ended inside its reasoning, before </think>" in cut["messages"][4]["content"]
+    for r in (plain, separate):
+        assert r["env_actions"] == [REPLY] * 2 and r["invalid_actions"] == 0
+    assert plain["messages"][3] == {"role": "assistant", "content": REPLY}
+    assert separate["messages"][3] == {"role": "assistant", "content": REPLY, "reasoning_content": THOUGHT}

@@ -1,7 +1,9 @@
 """Reasoning models (rl/chat.py: Reasoning, ChatFormat.answer): the env receives only the reply after its reasoning
-block, a decoy "Action:" inside the block changes nothing, a reply cut off inside its block is an invalid action
-with an observation that says so, the tags come from the template (or the default pair, or the flag), template
-options reach every rendering, and a whole episode of a model that thinks stays token-exact (--reasoning keep)."""
+block (after the last closing tag), a decoy "Action:" inside the block changes nothing, a reply cut off inside its
+block is an invalid action with an observation that says so, the tags come from the template (or the default
+pair, or the flag), template options reach every rendering, a whole episode of a model that thinks stays
+token-exact (--reasoning keep), and under DeepSeek-R1-Distill's own template, whose generation prompt opens the
+block, the HF engine's replies hold only the closing tag and are read the same way."""
 
 import copy
 import re
@@ -13,7 +15,7 @@ import torch
 import envs
 from rl.agent import REACT, make_agent
 from rl.chat import DEFAULT_REASONING, ChatFormat, Reasoning, reasoning_of
-from rl.engines import ExpertEngine, Sample
+from rl.engines import ExpertEngine, HFEngine, Sample
 from rl.model import load_tokenizer
 from rollout import rollout
 from test_token_exactness import Spy, check_exact
@@ -38,13 +40,20 @@ def test_the_answer_is_what_follows_the_reasoning_block():
     assert tags.split(DECOY + "Action: go forward") == (DECOY[len("<think>"):DECOY.index("</think>")],
                                                         "Action: go forward")
     assert tags.split("  <think>a</think>Action: x") == ("a", "Action: x")  # leading space before the block
-    assert tags.split("Action: x <think>not a block at the start</think>") == \
-        ("", "Action: x <think>not a block at the start</think>")
+    assert tags.split("Action: x <think>not closed") == ("", "Action: x <think>not closed")  # no block at the start
     assert tags.split("<think>cut off before the end Action: y") == ("cut off before the end Action: y", None)
-    # a generation prompt that opened the block: the reply starts inside it
+    # a generation prompt that opened the block: the reply starts inside it, and holds only the closing tag
     assert tags.split("a thought</think>\nAction: z", opened=True) == ("a thought", "Action: z")
     assert tags.split("no end", opened=True) == ("no end", None)
-    assert tags.split("<think>a</think>b</think>c") == ("a", "b</think>c")  # the first closing tag ends it
+    # (as a server without a reasoning parser returns such a reply, where the prompt is not known to open the block)
+    assert tags.split("a thought</think>\nAction: z") == ("a thought", "Action: z")
+    assert tags.split("no tag at all") == ("", "no tag at all")
+    # the answer is what follows the last closing tag, however many the reasoning wrote
+    assert tags.split("<think>a</think>b</think>c") == ("a</think>b", "c")
+    assert tags.split("a</think>b</think>\nc", opened=True) == ("a</think>b", "c")
+    assert tags.split("Action: x <think>a block at the end</think>") == ("Action: x <think>a block at the end", "")
+    # a block opened after the last closing tag and never closed: cut off inside it
+    assert tags.split("<think>a</think>\n<think>b") == ("a</think>\n<think>b", None)
 
 
 def test_tags_come_from_the_template_the_default_pair_or_the_flag(thinking):
@@ -237,3 +246,90 @@ def test_an_episode_split_over_mini_batches_counts_once():
     assert all(len({int(e) for m in half for e in m["segments"].unique() if e >= 0}) > 1 for half in halves)
     assert sum(count_sequences(half) for half in halves) == pytest.approx(len(played))
     assert count_sequences(batch.micro) == pytest.approx(len(played))
+
+
+# ----------------------------------------------------------------------------------------------
+# In process, on a template whose generation prompt opens the block (DeepSeek-R1-Distill's own): every reply starts
+# inside it and holds only the closing tag
+
+
+R1_TEMPLATE_SHA256 = "56a1447ad31926fdc21fb07e56e5642bd9c850c4f52d8c8af7bbe5f079a84f5f"
+WRONG = "Action: go forward? No.\n"  # (a decoy the env must not see)
+R1_TURNS = [WRONG + "</think>\n\nThought: I look.\nAction: turn left",  # one closing tag
+            "I wrote </think> here. " + WRONG + "</think>\n\nAction: turn right",  # several
+            WRONG + "Still thinking"]  # cut off inside the reasoning: no closing tag
+
+
+@pytest.fixture(scope="module")
+def r1():
+    """The tiny model and tokenizer speaking DeepSeek-R1-Distill's chat template (tests/templates: the file's text
+    after its comment is the original, checked by its hash), its special tokens added and the embeddings resized."""
+    from hashlib import sha256
+
+    from rl.model import load_model
+
+    template = (TEMPLATES / "deepseek_r1_distill.jinja").read_text()
+    assert sha256(template.split("-#}\n", 1)[1].encode()).hexdigest() == R1_TEMPLATE_SHA256
+    tokenizer = copy.deepcopy(load_tokenizer("tiny-agent"))
+    tokenizer.chat_template = template
+    tokenizer.add_special_tokens({"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>",
+                                  "additional_special_tokens": ["<｜User｜>", "<｜Assistant｜>"]})
+    model = load_model("tiny-agent")
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    return tokenizer, model
+
+
+class Forced(HFEngine):
+    """The HF engine on the tiny model, every row's draws replaced by the tokens of R1_TURNS[its turn] (the model
+    still runs on them and the log-probs are its own): chosen replies, sampled through the engine's own loop."""
+
+    expert_texts = R1_TURNS  # (the texts it tokenizes: check_exact allows them)
+
+    def generate(self, batch, limits):
+        self.forced, self.step = [self.fmt.encode(R1_TURNS[traj.turns]) + [self.fmt.end_of_turn] for traj in batch], 0
+        return super().generate(batch, limits)
+
+    def _sample(self, logits):  # logits: [rows, vocab]
+        token = torch.tensor([ids[min(self.step, len(ids) - 1)] for ids in self.forced])
+        self.step += 1
+        return token, logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("history", ["keep", "drop"])
+def test_a_template_that_opens_the_block_gives_the_env_the_text_after_the_last_closing_tag(r1, history):
+    """Turn 1: reasoning with a decoy "Action:", </think>, the answer; turn 2: </think> written inside the reasoning
+    too (the answer follows the last one); turn 3: cut off inside the reasoning (an invalid action, the env not
+    stepped). The tokens are the sampled ones; the conversation renders each reply as the text the env read."""
+    tokenizer, model = r1
+    fmt = ChatFormat(tokenizer, history=history)
+    assert fmt.opens_reasoning and fmt.observation_suffix == "<｜Assistant｜><think>\n"
+    stepped = []
+    environments = [envs.make("babyai") for _ in range(2)]
+    for env in environments:
+        env.step = lambda text, original=env.step: stepped.append(text) or original(text)
+    spy = Spy(Forced(model, fmt), fmt)
+    try:
+        trajectories = rollout(spy, fmt, environments, MULTI_TURN[:2], [0, 1], horizon=3, max_new_tokens=128,
+                               max_tokens=4096)
+    finally:
+        for env in environments:
+            env.close()
+    answers = ["Thought: I look.\nAction: turn left", "Action: turn right"]
+    assert stepped == [answers[0]] * 2 + [answers[1]] * 2
+    for traj in trajectories:
+        assert (traj.turns, traj.finish, traj.invalid_actions, traj.malformed) == (3, "horizon", 1, 1)
+        assert traj.actions == [*answers, None]
+        assert "ended inside its reasoning, before </think>" in traj.messages[-1]["content"]
+        samples = spy.samples[traj.row]
+        assert samples == [fmt.encode(text) + [fmt.end_of_turn] for text in R1_TURNS]  # the tokens as sampled
+        assert [m["content"] for m in traj.messages[3::2]] == R1_TURNS  # the conversation keeps the replies whole
+        # and renders each closed one as the text the env read (the template drops everything up to the last
+        # </think>; a reply cut off inside its reasoning it renders as it is, as a server does)
+        shown = fmt.render(traj.messages[:7], add_generation_prompt=True)
+        replies = re.findall("<｜Assistant｜>(.*?)<｜end▁of▁sentence｜>", shown, re.DOTALL)[1:]  # (after the ack)
+        assert [reply.lstrip() for reply in replies] == answers and WRONG not in shown
+        if history == "drop":  # each turn's prompt: that rendering of the conversation before it
+            assert spy.prompts[traj.row] == [fmt.prompt(traj.messages[:3 + 2 * k]) for k in range(3)]
+            assert [[t for t, m in zip(ids, mask) if m] for ids, mask, _ in traj.sequences] == samples  # (trained on)
+    if history == "keep":
+        check_exact(fmt, spy, trajectories, renders=False)
