@@ -253,7 +253,6 @@ def test_an_episode_split_over_mini_batches_counts_once():
 # inside it and holds only the closing tag
 
 
-R1_TEMPLATE_SHA256 = "56a1447ad31926fdc21fb07e56e5642bd9c850c4f52d8c8af7bbe5f079a84f5f"
 WRONG = "Action: go forward? No.\n"  # (a decoy the env must not see)
 R1_TURNS = [WRONG + "</think>\n\nThought: I look.\nAction: turn left",  # one closing tag
             "I wrote </think> here. " + WRONG + "</think>\n\nAction: turn right",  # several
@@ -262,14 +261,12 @@ R1_TURNS = [WRONG + "</think>\n\nThought: I look.\nAction: turn left",  # one cl
 
 @pytest.fixture(scope="module")
 def r1():
-    """The tiny model and tokenizer speaking DeepSeek-R1-Distill's chat template (tests/templates: the file's text
-    after its comment is the original, checked by its hash), its special tokens added and the embeddings resized."""
-    from hashlib import sha256
-
+    """The tiny model and tokenizer speaking DeepSeek-R1-Distill's real chat template (set-up fetches it, sha256-pinned:
+    rl/artifacts.py), its special tokens added and the embeddings resized."""
+    from rl import artifacts
     from rl.model import load_model
 
-    template = (TEMPLATES / "deepseek_r1_distill.jinja").read_text()
-    assert sha256(template.split("-#}\n", 1)[1].encode()).hexdigest() == R1_TEMPLATE_SHA256
+    template = artifacts.path("templates/deepseek_r1_distill.jinja").read_text()
     tokenizer = copy.deepcopy(load_tokenizer("tiny-agent"))
     tokenizer.chat_template = template
     tokenizer.add_special_tokens({"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>",
