@@ -159,7 +159,7 @@ def _checked(tool: Tool, arguments) -> dict:
     return checked
 
 
-def _digits(number: int | float) -> int:
+def _digits(number: int | float) -> int | float:
     """The digits of a number's integer part, counted without converting it to text (Python refuses to write an
     int of more than 4,300 digits); a non-finite float counts as endless."""
     if isinstance(number, float):

@@ -112,8 +112,7 @@ def parse_calls(style: str, text: str) -> list[tuple[str, dict]]:
     calls, at = [], 0
     while at < len(text):  # one object, or several separated by ";" as Llama 3.1 may write them
         try:
-            value, end = STRICT.raw_decode(text, at)
-            _shallow(value)
+            value, end = STRICT.raw_decode(text, at)  # (_call measures its depth)
         except (ValueError, RecursionError) as error:
             raise CallError(f"your tool call is not valid JSON ({_why(error)})") from None
         calls.append(_call(value, "parameters"))

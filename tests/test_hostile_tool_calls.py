@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from test_api_eval import fake_api, reply, turns
 from test_serve import serving
 from test_tool_calls import TEMPLATES
+from test_tools import needs_chromium
 
 import envs
 import eval as eval_script
@@ -90,7 +91,8 @@ def calls(draw, name: str, wild: bool = True):
 RAW = ['{"count": ' + "9" * 401 + "}", '{"count": ' + "9" * 5000 + "}", '{"element": 1e999}', '{"count": NaN}',
        '{"index": Infinity}', '{"element": -Infinity}', DEEP, '{"object": ' + DEEP + "}", '{"a": ' * 1000 + "1" + "}" * 1000,
        '{"object": "\\ud800"}', '{"text": "\\udfff\\ud800"}', '"\\ud800"', "[1, 2]", "null", "true", '"{}"', "",
-       "{", '{"object": "red ball 1"', "{'object': 'red ball 1'}", '{"object": "' + HUGE + '"}']
+       "{", '{"object": "red ball 1"', "{'object': 'red ball 1'}", '{"text": "' + "x" * (MAX_CHARS + 1) + '"}']
+# (10 MB: in the tests below, once each)
 
 
 def raw_arguments(arguments) -> st.SearchStrategy[str]:
@@ -189,6 +191,19 @@ def test_integers_and_text_in_bounds_are_actions(arguments, text):
     assert TOOLS.read(APIFormat(), "textcraft", "", [{"id": "c", "name": "get", "arguments": arguments}]).text == text
 
 
+@pytest.mark.parametrize("called, arguments, problem", [
+    ("get", {"count": 10 ** 5000, "item": "stick"},  # (json refuses to read so many digits; Python refuses to write them)
+     "the argument 'count' of get must be an integer of 0 or more with at most 18 digits, not an integer of 5,001 digits"),
+    ("get", {"count": math.inf, "item": "stick"}, "the argument 'count' of get must be an integer, not Infinity"),
+    ("get", {"count": 1, "item": "stick", 3: 1}, "get has no argument the number 3; its arguments are count, item"),
+    (["get"], {}, "there is no tool an array; the tools are get, craft, inventory"),
+])
+def test_action_text_takes_any_python_value(called, arguments, problem):
+    with pytest.raises(env_tools.ToolCallError) as error:
+        env_tools.action_text("textcraft", called, arguments)
+    assert str(error.value) == problem
+
+
 def test_a_hostile_tool_name_is_quoted_short_and_escaped(hermes):
     for called in (HUGE, "\ud800", "go to"):
         for raw in ("{", "{}"):
@@ -240,7 +255,8 @@ def test_hostile_calls_step_envs_in_process_and_through_the_server_alike(env_pai
 
 
 # (tool, arguments) of each env, well formed, that the env takes: the rollout's last turn
-TAKEN = {"babyai": ("turn_left", "{}"), "textcraft": ("inventory", "{}"), "searchqa": ("search", '{"query": "Lima"}')}
+TAKEN = {"babyai": ("turn_left", "{}"), "textcraft": ("inventory", "{}"), "searchqa": ("search", '{"query": "Lima"}'),
+         "sciworld": ("look_around", "{}"), "webarena": ("scroll", '{"direction": "down"}')}
 HOSTILE_REPLIES = [hermes_reply("get", '{"count": ' + "9" * 401 + ', "item": "stick"}'),
                    hermes_reply("go_to", '{"object": ' + DEEP + "}"),
                    hermes_reply("search", '{"query": NaN}'),
@@ -265,8 +281,11 @@ class Scripted(RoundEngine):
         return samples
 
 
-@pytest.mark.parametrize("name", CHEAP)
-@pytest.mark.parametrize("served", [False, True], ids=["in-process", "served"])
+@pytest.mark.parametrize("name, served", [
+    *(pytest.param(name, served, id=f"{name}-{'served' if served else 'in-process'}") for name in CHEAP
+      for served in (False, True)),
+    pytest.param("sciworld", False, marks=pytest.mark.slow, id="sciworld-in-process"),  # (a JVM)
+    pytest.param("webarena", False, marks=[pytest.mark.slow, needs_chromium], id="webarena-in-process")])  # (a browser)
 def test_a_rollout_with_hostile_calls_plays_to_its_end(hermes, name, served):
     last = hermes_reply(*TAKEN[name])
     replies = HOSTILE_REPLIES + [last]
