@@ -8,7 +8,7 @@ and through envs.serve; a rollout with such calls plays to its end; and eval.py 
 whose replies carry such calls finishes and counts them as invalid actions. Property-based (hypothesis, derandomized:
 the same examples on every run)."""
 
-import copy
+import contextlib
 import json
 import math
 
@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_api_eval import fake_api, reply, turns
 from test_serve import serving
-from test_tool_calls import TEMPLATES
+import test_tool_calls
 from test_tools import needs_chromium
 
 import envs
@@ -28,29 +28,15 @@ from rl.agent import make_agent
 from rl.api import APIEngine, APIFormat
 from rl.chat import ChatFormat, openai_calls
 from rl.engines import RoundEngine, Sample
-from rl.model import load_tokenizer
 from rollout import Trajectory, rollout
 
 TOOLS = make_agent("tools")
+hermes, llama = test_tool_calls.hermes, test_tool_calls.llama  # (its fixtures: the two call formats)
 CHEAP = ("babyai", "textcraft", "searchqa")  # envs whose episodes cost milliseconds (SciWorld: a JVM; WebArena: a browser)
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                     suppress_health_check=list(HealthCheck))
 DEEP = "[" * 1000 + "]" * 1000
 HUGE = "x" * 10_000_000  # 10 MB
-
-
-@pytest.fixture(scope="module")
-def hermes():
-    return ChatFormat(load_tokenizer("tiny-agent"))
-
-
-@pytest.fixture(scope="module")
-def llama():
-    tokenizer = copy.deepcopy(load_tokenizer("tiny-agent"))  # (as tests/test_tool_calls.py's)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|begin_of_text|>", "<|start_header_id|>",
-                                                                "<|end_header_id|>", "<|eot_id|>"]})
-    tokenizer.chat_template = (TEMPLATES / "llama_tools.jinja").read_text()
-    return ChatFormat(tokenizer)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -290,7 +276,7 @@ def test_a_rollout_with_hostile_calls_plays_to_its_end(hermes, name, served):
     last = hermes_reply(*TAKEN[name])
     replies = HOSTILE_REPLIES + [last]
     engine = Scripted(hermes, replies)
-    with serving(name) if served else _nothing() as url:
+    with serving(name) if served else contextlib.nullcontext() as url:
         environments = [envs.make(name, **({"url": url} if served else {})) for _ in range(2)]
         try:
             trajectories = rollout(engine, hermes, environments, envs.splits(name)["test"][:2], [0, 1],
@@ -305,14 +291,6 @@ def test_a_rollout_with_hostile_calls_plays_to_its_end(hermes, name, served):
         assert len(answers) == len(replies) and all(a.startswith("Invalid tool call: ") for a in answers[:-1])
         assert not answers[-1].startswith("Invalid tool call") and traj.actions[-1] == env_tools.action_text(
             name, TAKEN[name][0], json.loads(TAKEN[name][1]))
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 # ----------------------------------------------------------------------------------------------
