@@ -24,11 +24,18 @@ reply does.
 Argument types follow JSON Schema: an integer may arrive as an integer-valued float (2.0, which JSON
 Schema counts as an integer) and is rendered as 2; a bool is never a number; null for an optional
 argument means it is absent. Anything else wrong is a ToolCallError whose message, one sentence, is meant
-to be shown to the model as the observation.
+to be shown to the model as the observation. action_text is total: whatever a model's call holds (any
+JSON value, or any Python value), it returns the action or raises ToolCallError, never anything else.
+Beyond JSON Schema, and because an argument becomes text in an action: an integer is a count or an id,
+0 to 18 digits (the actions spell no sign, SPELLINGS, so -1 would be read as 1; 401 digits is no count);
+a number is finite (NaN and Infinity, which Python's json reads, are not); a string is Unicode text (no
+lone surrogate, which JSON's "\\ud800" can carry and no tokenizer, JVM or browser takes) of at most
+MAX_CHARS characters. A message quotes at most QUOTED characters of what the model wrote.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import string
 from dataclasses import dataclass
@@ -41,6 +48,11 @@ TYPES = {"string": (str,), "integer": (int, float), "number": (int, float), "boo
 # Integers without leading zeros: "get 01 stick" renders back as "get 1 stick", which the env answers differently.
 SPELLINGS = {"string": ".*", "integer": "0|[1-9][0-9]*", "number": "-?[0-9]+(?:\\.[0-9]+)?", "boolean": "True|False"}
 ARTICLES = {"string": "a string", "integer": "an integer", "number": "a number", "boolean": "a boolean"}
+MAX_DIGITS = 18  # an integer or number argument has at most this many digits (int64 holds them all)
+# the longest string argument: far above what a turn samples, and a call of three such stays within envs.serve's
+# 1 MiB request body even where JSON escapes every character (6 bytes)
+MAX_CHARS = 32_768
+QUOTED = 40  # characters of a model's string quoted in a message
 
 
 @dataclass(frozen=True)
@@ -103,10 +115,10 @@ def schemas(env_name: str) -> list[dict]:
 def action_text(env_name: str, name: str, arguments: dict) -> str:
     """The raw text env.step() takes for the call `name(**arguments)`, as a ReAct reply would send it.
     Raises ToolCallError for an unknown tool, missing, unknown or mistyped arguments, or a value outside
-    its enum."""
+    its enum or the bounds above; nothing else, whatever `name` and `arguments` are."""
     by_name = {tool.name: tool for tool in tools(env_name)}
-    if name not in by_name:
-        raise ToolCallError(f"there is no tool {name!r}; the tools are {', '.join(by_name)}")
+    if not isinstance(name, str) or name not in by_name:
+        raise ToolCallError(f"there is no tool {quoted(name)}; the tools are {', '.join(by_name)}")
     tool = by_name[name]
     arguments = _checked(tool, arguments)
     action = tool.action.format(**arguments) if isinstance(tool.action, str) else tool.action(arguments)
@@ -120,7 +132,7 @@ def _checked(tool: Tool, arguments) -> dict:
     unknown = [key for key in arguments if key not in tool.params]
     if unknown:
         takes = f"its arguments are {', '.join(tool.params)}" if tool.params else "it takes none"
-        raise ToolCallError(f"{tool.name} has no argument {unknown[0]!r}; {takes}")
+        raise ToolCallError(f"{tool.name} has no argument {quoted(unknown[0])}; {takes}")
     checked = {}
     for key, param in tool.params.items():
         value = arguments.get(key)
@@ -128,25 +140,70 @@ def _checked(tool: Tool, arguments) -> dict:
             if param.required:
                 raise ToolCallError(f"{tool.name} needs the argument {key!r}")
             continue
+        what = f"the argument {key!r} of {tool.name}"
         if (not isinstance(value, TYPES[param.type]) or (isinstance(value, bool) and param.type != "boolean")
-                or (param.type == "integer" and not float(value).is_integer())):
-            raise ToolCallError(f"the argument {key!r} of {tool.name} must be {ARTICLES[param.type]}, "
+                or (param.type == "integer" and isinstance(value, float) and not value.is_integer())):
+            raise ToolCallError(f"{what} must be {ARTICLES[param.type]}, not {_described(value)}")
+        if param.type == "integer" and (value < 0 or _digits(value) > MAX_DIGITS):
+            raise ToolCallError(f"{what} must be an integer of 0 or more with at most {MAX_DIGITS} digits, "
                                 f"not {_described(value)}")
+        if param.type == "number" and _digits(value) > MAX_DIGITS:
+            raise ToolCallError(f"{what} must be a finite number with at most {MAX_DIGITS} digits, not {_described(value)}")
+        if param.type == "string" and len(value) > MAX_CHARS:
+            raise ToolCallError(f"{what} is {len(value):,} characters long, and an argument holds at most {MAX_CHARS:,}")
+        if param.type == "string" and (at := _surrogate(value)) >= 0:
+            raise ToolCallError(f"{what} is not Unicode text: it holds a lone surrogate at character {at}")
         if param.enum is not None and value not in param.enum:
-            raise ToolCallError(f"the argument {key!r} of {tool.name} must be one of "
-                                f"{', '.join(map(str, param.enum))}, not {value!r}")
+            raise ToolCallError(f"{what} must be one of {', '.join(map(str, param.enum))}, not {quoted(value)}")
         checked[key] = int(value) if param.type == "integer" else value
     return checked
 
 
+def _digits(number: int | float) -> int | float:
+    """The digits of a number's integer part, counted without converting it to text (Python refuses to write an
+    int of more than 4,300 digits); a non-finite float counts as endless."""
+    if isinstance(number, float):
+        if not math.isfinite(number):
+            return math.inf
+        number = int(number)
+    number = abs(number)
+    digits = max(1, math.floor(number.bit_length() * math.log10(2)))  # a lower bound
+    while number >= 10 ** digits:
+        digits += 1
+    return digits
+
+
+def _surrogate(text: str) -> int:
+    """The index of the first lone surrogate in `text`, -1 when there is none."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return error.start
+    return -1
+
+
 def _described(value) -> str:
-    """A JSON value in a few words: "a string", "the number 2.5"."""
+    """A JSON value in a few words: "a string", "the number 2.5", "NaN", "an integer of 401 digits"."""
     if isinstance(value, bool):
         return "a boolean"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"  # (as Python's json spells them)
+    if isinstance(value, (int, float)) and _digits(value) > MAX_DIGITS:
+        return f"{'an integer' if isinstance(value, int) else 'a number'} of {_digits(value):,} digits"
     if isinstance(value, (int, float)):
         return f"the number {value}"
     words = {str: "a string", list: "an array", dict: "an object", type(None): "null"}
     return words.get(type(value), type(value).__name__)
+
+
+def quoted(value) -> str:
+    """What a model wrote, for a message: a string's repr (lone surrogates and control characters escaped) cut at
+    QUOTED characters, its length said when cut; anything else in a few words."""
+    if not isinstance(value, str):
+        return _described(value)
+    if len(value) <= QUOTED:
+        return repr(value)
+    return f"{value[:QUOTED]!r}... ({len(value):,} characters)"
 
 
 # ----------------------------------------------------------------------------------------------

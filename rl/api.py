@@ -257,8 +257,8 @@ class APIEngine:
                 if error.code not in (408, 429) and error.code < 500:  # (408: the server timed out waiting)
                     return self._failed(reason)
             except (OSError, http.client.HTTPException, ValueError, KeyError, IndexError, TypeError,
-                    AttributeError) as error:
-                # no answer (refused, reset, timed out), or one that is not a chat completion
+                    AttributeError, RecursionError) as error:
+                # no answer (refused, reset, timed out), or one that is not a chat completion (or nests too deeply to read)
                 reason, wait_s = _describe(error), None
             pause = max(wait_s or 0.0, self.backoff * 2 ** attempt * random.uniform(1.0, 1.5))
             if attempt == self.retries or self._closed.wait(min(pause, MAX_WAIT)):

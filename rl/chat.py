@@ -33,15 +33,21 @@ rendered by the template (`tools=`), and reads the calls in the reply in the tem
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Qwen3 and most open models) or Llama 3.1's
 bare JSON object `{"name": ..., "parameters": {...}}` (after an optional <|python_tag|>). The env's answer to a
 call comes back as a `tool` message, wrapped in what the template renders around one. A template that renders
-neither format is refused with one sentence.
+neither format is refused with one sentence. Calls are read as strict JSON: NaN, Infinity and numbers beyond a
+float (1e999), which Python's json would take, are refused, as is nesting deeper than MAX_DEPTH (a call's
+arguments are flat; deeper values would later be written back into the conversation by recursive encoders).
+Whatever a reply holds, reading it gives calls or a CallError, never another exception.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 from dataclasses import dataclass
+
+from envs.tools import quoted
 
 DEFAULT_REASONING = ("<think>", "</think>")
 # reasoning tags known in open models' templates: (opening, closing)
@@ -50,6 +56,8 @@ CALL_STYLES = ("hermes", "llama")
 # how a turn's context is laid out (--reasoning): keep, the trajectory's own tokens, strictly appended; drop, the
 # template's rendering of the conversation so far (which may drop earlier reasoning), each turn its own sequence
 HISTORIES = ("keep", "drop")
+MAX_DEPTH = 32  # the deepest nesting of arrays and objects read in a tool call
+FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
 
 
 class CallError(ValueError):
@@ -106,10 +114,10 @@ def parse_calls(style: str, text: str) -> list[tuple[str, dict]]:
     text = text.strip().removeprefix("<|python_tag|>").strip()
     if not text.startswith("{"):
         return []
-    calls, decoder, at = [], json.JSONDecoder(), 0
+    calls, at = [], 0
     while at < len(text):  # one object, or several separated by ";" as Llama 3.1 may write them
         try:
-            value, end = decoder.raw_decode(text, at)
+            value, end = STRICT.raw_decode(text, at)  # (_call measures its depth)
         except (ValueError, RecursionError) as error:
             raise CallError(f"your tool call is not valid JSON ({_why(error)})") from None
         calls.append(_call(value, "parameters"))
@@ -127,22 +135,54 @@ def read_call(name, arguments) -> tuple[str, dict]:
 
 def _call(block, arguments_key: str) -> tuple[str, dict]:
     """One call's (name, arguments) from its JSON text (or already decoded value)."""
-    if isinstance(block, str):
-        try:
-            block = json.loads(block)
-        except (ValueError, RecursionError) as error:
-            raise CallError(f"your tool call is not valid JSON ({_why(error)})") from None
+    try:
+        block = _strict(block) if isinstance(block, str) else _shallow(block)
+    except (ValueError, RecursionError) as error:
+        raise CallError(f"your tool call is not valid JSON ({_why(error)})") from None
     if not isinstance(block, dict) or not isinstance(block.get("name"), str) or not block["name"]:
         raise CallError('your tool call must be a JSON object with a "name" and its arguments')
+    name = block["name"] if FUNCTION_NAME.fullmatch(block["name"]) else quoted(block["name"])  # (as the message says it)
     arguments = block.get(arguments_key, block.get("arguments", block.get("parameters", {})))
     if isinstance(arguments, str):  # arguments as a JSON string, as OpenAI's API writes them
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
+            arguments = _strict(arguments) if arguments.strip() else {}
         except (ValueError, RecursionError) as error:
-            raise CallError(f"the arguments of {block['name']} are not valid JSON ({_why(error)})") from None
+            raise CallError(f"the arguments of {name} are not valid JSON ({_why(error)})") from None
     if not isinstance(arguments, dict):
-        raise CallError(f"the arguments of {block['name']} must be a JSON object")
+        raise CallError(f"the arguments of {name} must be a JSON object")
     return block["name"], arguments
+
+
+def _refused_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{quoted(text)} is beyond the range of a number")
+    return value
+
+
+# JSON as RFC 8259 has it: Python's json.loads also takes NaN, Infinity and -Infinity, and reads 1e999 as inf
+STRICT = json.JSONDecoder(parse_constant=_refused_constant, parse_float=_finite)
+
+
+def _strict(text: str):
+    """A tool call's JSON text as a value: strict JSON, at most MAX_DEPTH deep (ValueError or RecursionError)."""
+    return _shallow(STRICT.decode(text))
+
+
+def _shallow(value):
+    """`value` itself; ValueError when its arrays and objects nest deeper than MAX_DEPTH (walked without
+    recursion, so any depth is measured)."""
+    level = [value]
+    for _ in range(MAX_DEPTH + 1):
+        level = [item for inner in level if isinstance(inner, (list, dict))
+                 for item in (inner.values() if isinstance(inner, dict) else inner)]
+        if not level:
+            return value
+    raise ValueError("nested too deeply")
 
 
 def _why(error: Exception) -> str:

@@ -197,7 +197,7 @@ def test_a_prompt_past_the_servers_window_ends_the_episode_as_out_of_room(served
 @contextlib.contextmanager
 def fake_api(answer, listing=(200, {"object": "list", "data": [{"id": "fake-model"}]})):
     """An OpenAI-compatible endpoint on loopback: GET /v1/models answers `listing` (status, payload); each chat
-    request is answered by answer(body, attempt, authorization) -> (status, payload, headers), attempt counting
+    request is answered by answer(body, attempt, authorization) -> (status, payload or its bytes, headers), attempt counting
     the times this very body has arrived. Yields (base URL, [(authorization, body, time) of every request])."""
     seen, lock = [], threading.Lock()
 
@@ -214,7 +214,7 @@ def fake_api(answer, listing=(200, {"object": "list", "data": [{"id": "fake-mode
             self.send(*answer(body, attempt, authorization))
 
         def send(self, status, payload, headers):
-            data = json.dumps(payload).encode()
+            data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()  # (bytes: sent as they are)
             self.send_response(status)
             for name, value in {"Content-Type": "application/json", "Content-Length": str(len(data)), **headers}.items():
                 self.send_header(name, value)
