@@ -1,8 +1,9 @@
 """One command for a lent GPU: the trainer at Qwen2.5-1.5B and -3B sizes, random weights and the real Qwen tokenizer,
-bf16 and gradient checkpointing, in one run sized for a 15-minute lease; each section's figures as it ends, a table last.
+bf16 and gradient checkpointing, in one run sized for a 15-minute lease; each section's figures as it ends, then a
+table.
 
     bash scripts/gpu_check.sh --prepare   # here, once, with the network: .gpu/ gets what the GPU machine lacks
-    bash scripts/gpu_check.sh             # on the GPU machine: about 4 minutes on an H100 (estimated; see README)
+    bash scripts/gpu_check.sh             # on the GPU machine: about 4 minutes on an H100 (estimated: not run yet)
     bash scripts/gpu_check.sh --smoke     # on a CPU: tiny sizes, the same code (tests/test_gpu_check.py, ~1 minute)
 
 On this workplace's lent machine (the tool `run`: torch, transformers, accelerate and peft are there; no vLLM, no
@@ -25,9 +26,9 @@ Sections, per size (random weights: the figures are about speed, memory and exac
   advantages_for, update: GRPO, one optimizer step a step, no reference model) on synthetic trajectories that each fill
   --max-tokens (the memory plan's worst case, so plan and run hold the same tokens), the first step a warm-up. Tokens/s
   and MFU: model FLOPs over the card's bf16 dense peak (PEAKS), 6 per parameter and token (4 under LoRA: no gradients
-  of the frozen weights), the LM head counted on the action tokens only, the ones it scores (rl/logprobs.py), attention's
-  own FLOPs not counted; the peak of torch.cuda.max_memory_allocated over the measured steps against `train.py
-  --dry-run`'s update phase for the same flags (rl/memory.plan; aim: within 15%).
+  of the frozen weights), the LM head counted on the action tokens only, the ones it scores (rl/logprobs.py),
+  attention's own FLOPs not counted; the peak of torch.cuda.max_memory_allocated over the measured steps against
+  `train.py --dry-run`'s update phase for the same flags (rl/memory.plan; aim: within 15%).
 - fsdp2: the full update again under Accelerate's FSDP2 (configs/fsdp2.yaml) in one process, launched apart
   (`accelerate launch --num_processes 1`; on a CPU through tests/cpu_fsdp.py), planned as sharded over one process.
 A section that fails says so in one line and the others still run; the exit status is 1 if any failed.
@@ -125,10 +126,12 @@ def tokenizer_source(folder: Path) -> tuple[Path, str]:
 
 
 def random_model(size: str, work: Path, tokenizer_folder: Path, template: str) -> Path:
-    """A Qwen2.5-shaped model of `size` with random weights (bf16 on disk) and the real tokenizer, made once in `work`."""
+    """A Qwen2.5-shaped model of `size`, random weights (bf16 on disk) and the real tokenizer, made once in `work`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+    from transformers.utils import logging
 
+    logging.disable_progress_bar()  # (its "Writing model shards" bar)
     folder = work / f"qwen2.5-{size}-random"
     if (folder / "done").is_file():
         return folder
@@ -202,7 +205,7 @@ def peak_flops(override: float) -> tuple[float | None, str]:
 
 
 def matmul_tflops() -> float | None:
-    """The card's bf16 matrix-product rate as measured (8192^3, median of 10 after 3 warm-ups): MFU's practical ceiling."""
+    """The card's bf16 matrix-product TFLOP/s, measured (8192^3, median of 10 after 3 warm-ups): MFU's real ceiling."""
     import torch
 
     if not torch.cuda.is_available():
@@ -351,7 +354,8 @@ def check_rollout(label: str, args, accelerator, models, tokenizer, work: Worklo
     print(f"[{label}] {len(trajectories)} episodes, {sum(t.turns for t in trajectories)} turns, {sampled:,} sampled "
           f"tokens in {seconds:.1f} s ({sampled / seconds:,.0f} tokens/s); token-exact: {exact} ({rendered} whole "
           f"sequences also render as the template does); trainer vs engine log-probs of the sampled tokens: mean "
-          f"{mean:.2g}, max {worst:.2g} ({precision.replace('no', 'fp32')} tolerance: mean < {bound[0]:g}, max < {bound[1]:g}): "
+          f"{mean:.2g}, max {worst:.2g} ({precision.replace('no', 'fp32')} tolerance: mean < {bound[0]:g}, "
+          f"max < {bound[1]:g}): "
           + ("within" if close else "OUTSIDE"))
     return {"tokens_s": sampled / seconds, "logprob_diff": mean, "logprob_diff_max": worst,
             "ok": exact == "yes" and close}
@@ -420,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prepare", action="store_true", help="fill .gpu/ here (network) and exit")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, on a CPU: the same code, in about a minute")
-    parser.add_argument("--fsdp2", action="store_true", help="the FSDP2 section (under accelerate launch: gpu_check.sh)")
+    parser.add_argument("--fsdp2", action="store_true", help="the FSDP2 section (accelerate launch: gpu_check.sh)")
     parser.add_argument("--summary", action="store_true", help="print the table of --work's results and exit")
     parser.add_argument("--sizes", nargs="+", choices=SIZES, help="default: 1.5b 3b (--smoke: smoke); fsdp2: the first")
     parser.add_argument("--sections", nargs="+", default=["rollout", "update", "lora"],

@@ -23,16 +23,18 @@ if [[ -d .gpu/whl ]] && ! "$python" -c "import tyro, minigrid, gymnasium, pygame
     .gpu/whl/*.whl || exit 1
   export PYTHONPATH=$work/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# each process stopped well inside a 10-minute call, so that the table still comes (none for the CPU smoke run)
+if [[ " $* " == *" --smoke "* ]]; then limits=(0 0); else limits=(${GPU_CHECK_LIMITS:-420 150}); fi
 status=0
-"$python" scripts/gpu_check.py "$@" || status=1
+timeout "${limits[0]}" "$python" scripts/gpu_check.py "$@" || status=1
 if "$python" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
   launch=(scripts/gpu_check.py)
 else  # FSDP2 on a CPU process: tests/cpu_fsdp.py lifts Accelerate's GPU-only gate on FSDP (see there)
   export ACCELERATE_USE_CPU=1
   launch=(tests/cpu_fsdp.py scripts/gpu_check.py)
 fi
-"$python" -m accelerate.commands.launch --config_file configs/fsdp2.yaml --num_processes 1 --num_machines 1 \
-  --dynamo_backend no "${launch[@]}" --fsdp2 "$@" || status=1
+timeout "${limits[1]}" "$python" -m accelerate.commands.launch --config_file configs/fsdp2.yaml --num_processes 1 \
+  --num_machines 1 --dynamo_backend no "${launch[@]}" --fsdp2 "$@" || status=1
 "$python" scripts/gpu_check.py --summary || status=1
 if [[ -n "${OUT:-}" && -d "${OUT:-}" ]]; then cp "$work/results.jsonl" "$OUT/" 2>/dev/null; fi
 exit $status
