@@ -1,0 +1,45 @@
+"""scripts/gpu_check.sh, the one command for a lent GPU, in its CPU smoke mode: every section runs the code that the GPU
+run runs (train.py's models, engine and update; FSDP2 under accelerate launch), at a tiny size with the real Qwen
+tokenizer, prints its figures, and the closing table says that every check passed."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rl import artifacts
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_every_section_in_its_cpu_smoke_mode(tmp_path):
+    missing = [problem for name in ("tokenizers/qwen3/tokenizer.json", "templates/qwen2_5.jinja")
+               if (problem := artifacts.problem(name))]
+    if missing and not (ROOT / ".gpu" / "tokenizer").is_dir():
+        pytest.skip(f"{missing[0]}: run `python -m rl.artifacts`")
+    env = os.environ | {"GPU_CHECK_DIR": str(tmp_path), "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(["bash", "scripts/gpu_check.sh", "--smoke"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=840)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+
+    rollout = re.search(r"\[rollout smoke\] 4 episodes, (\d+) turns, ([\d,]+) sampled tokens .*token-exact: yes "
+                        r"\((\d+) whole .*mean ([-\d.e]+), max ([-\d.e]+) .*: within", out)
+    assert rollout, out[-4000:]
+    assert int(rollout[1]) >= 4 and int(rollout[2]) > 0 and int(rollout[3]) >= 1
+    assert float(rollout[4]) < 1e-4 and float(rollout[5]) < 1e-3  # (fp32 on a CPU)
+    for label in ("update full smoke", "update lora smoke", "fsdp2 update full smoke"):
+        update = re.search(rf"\[{label}\] 1 steps of 2 x 128 tokens .*: ([\d,]+) tokens/s, ([\d.]+) TFLOP/s model "
+                           rf"FLOPs, MFU n/a .*peak ([\d.]+) GiB .*plan's ([\d.]+) GiB.*finite: yes", out)
+        assert update, (label, out[-4000:])
+        assert float(update[1].replace(",", "")) > 0 and float(update[3]) > 0 and float(update[4]) > 0
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [row["section"] for row in rows] == ["device", "rollout smoke", "update full smoke", "update lora smoke",
+                                                "fsdp2 update full smoke"]
+    assert all(row["ok"] and row["seconds"] > 0 for row in rows)
+    assert "5 sections in" in out and "all checks passed" in out
