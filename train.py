@@ -183,7 +183,7 @@ class Args:
     """options for the chat template's every rendering, e.g. --chat-template-kwargs enable_thinking false (Qwen3)"""
     reasoning: Literal["keep", "drop"] = "keep"
     """keep: one sequence an episode, every turn appended (earlier reasoning stays in the context); drop: each turn's
-    prompt is the chat template's rendering so far (earlier reasoning gone), each turn its own sequence (grpo, rloo)"""
+    prompt is the chat template's rendering so far (earlier reasoning gone), each turn its own sequence (grpo, rloo, gigpo)"""
     attempts: int = 3
     """--agent reflect: attempts a task gets (it stops at its first success)"""
     temperature: float = 1.0
@@ -1063,6 +1063,13 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
     if args.step_weight < 0:
         raise SystemExit(f"--step-weight {args.step_weight:g}: gigpo's omega weighs the turn-level advantage, 0 (none) "
                          "or more")
+    if args.step_weight != Args.step_weight and args.algo != "gigpo":
+        raise SystemExit(f"--step-weight weighs gigpo's turn-level advantage, which --algo {args.algo} does not have: "
+                         "use it with --algo gigpo")
+    if args.gamma is not None and not 0 < args.gamma <= 1:
+        raise SystemExit(f"--gamma {args.gamma:g} is a discount: give one in (0, 1]")
+    if args.gamma is not None and args.algo not in ("reinforce_pp", "ppo", "gigpo"):
+        raise SystemExit(f"--gamma discounts the returns of reinforce_pp, ppo and gigpo; --algo {args.algo} has none")
     check_horizon(args)
     if args.critic_warmup > 1 and args.algo != "ppo":
         raise SystemExit(f"--critic-warmup trains only the critic for a while, and --algo {args.algo} has none: "
@@ -1088,6 +1095,9 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
         raise SystemExit(f"--tasks-per-step {args.tasks_per_step} must be divisible by the {world} processes")
     if args.max_staleness is not None and (args.max_staleness < 0 or args.is_cap < 1):
         raise SystemExit("--max-staleness takes 0 (the asynchronous loop, no staleness) or more, --is-cap 1 or more")
+    if args.is_cap != Args.is_cap and args.max_staleness is None:
+        raise SystemExit("--is-cap truncates the importance weights of stale tokens, which only --max-staleness makes: "
+                         "give --max-staleness too, or leave --is-cap out")
     if args.max_staleness is not None and args.agent == "reflect":
         raise SystemExit("--agent reflect's attempts wait for each other's reflections: train it without --max-staleness")
     trajectories = args.tasks_per_step // world * args.n
