@@ -66,7 +66,7 @@ from rl.logprobs import pad, token_logprobs, token_values
 from rl.losses import aggregate, behaviour_weights, kl, policy_loss, value_loss
 from rl.memory import print_plan
 from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, Models, build_models, context_limit, has_reference,
-                      check_models, load_tokenizer, make_accelerator, reference, restart)
+                      check_models, load_tokenizer, make_accelerator, reference, restart, stop_on_nondeterministic)
 from rl.metrics import (Costs, UpdateSums, async_metrics, eval_line, eval_metrics, evol_line, offline_line, rl_line,
                         stale_sums, step_metrics)
 from rl.optimizer import accumulate, optimizer_steps, reducer, stop_on_nonfinite
@@ -1159,3 +1159,6 @@ if __name__ == "__main__":
         main(parse_args())
     except EngineStalled as error:  # one sentence, not a traceback
         raise SystemExit(str(error)) from None
+    except RuntimeError as error:  # --deterministic on a GPU: an op without a deterministic kernel, in one sentence
+        stop_on_nondeterministic(error)
+        raise
