@@ -107,6 +107,7 @@ class Trajectory:
     horizon: int = 0  # the turn cap it played under
     turns: int = 0
     invalid_actions: int = 0  # turns whose action the env reported as not valid (info["valid"] False)
+    valid: list[bool] = field(default_factory=list)  # each turn's: False where it was one of those
     malformed: int = 0  # of those, turns whose reply held no action to take (no call, a bad call, cut inside reasoning)
     actions: list[str | None] = field(default_factory=list)  # what each turn sent to env.step (None: nothing, malformed)
     reward: float = 0.0
@@ -148,12 +149,14 @@ class Trajectory:
 
     def cut(self, horizon: int) -> Trajectory:
         """The episode as it would have ended under a lower turn cap: the same turns up to it (nothing an
-        episode sees depends on its cap), its reward the one after turn `horizon`; tokens and messages are
-        the whole episode's. An env failure after turn `horizon` is one the lower cap never met."""
+        episode sees depends on its cap), its reward the one after turn `horizon`, its invalid and malformed turns
+        those among them; tokens and messages are the whole episode's. An env failure after turn `horizon` is one
+        the lower cap never met."""
         if self.turns <= horizon or len(self.turn_rewards) < horizon:
             return self
         return replace(self, turns=horizon, reward=self.turn_rewards[horizon - 1], done=False, success=False,
-                       finish="horizon", error=None, horizon=horizon, states=self.states[:horizon + 1])
+                       finish="horizon", error=None, horizon=horizon, states=self.states[:horizon + 1],
+                       invalid_actions=self.valid[:horizon].count(False), malformed=self.actions[:horizon].count(None))
 
     def log_record(self) -> dict:
         """The trajectory as a log record (rl/records.py), without what only training knows."""
@@ -798,7 +801,8 @@ def _observe(fmt: ChatFormat, traj: Trajectory, result, horizon: int, max_tokens
         return
     traj.reward, traj.done = float(result.reward), bool(result.done)
     traj.turn_rewards.append(traj.reward)
-    traj.invalid_actions += result.info.get("valid") is False
+    traj.valid.append(result.info.get("valid") is not False)
+    traj.invalid_actions += not traj.valid[-1]
     traj.success = bool(result.info.get("success", result.reward > 0)) if result.done else False
     calls = traj.messages[-1].get("tool_calls")  # an answer to a tool call is the call's result
     traj.messages.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": result.observation} if calls
