@@ -483,7 +483,7 @@ def main(args: Args) -> Path | None:
             if stream is not None:  # (what its loop did this step: the take, and the advances meanwhile)
                 stream.spent(costs.rollout)
             records = gather_object(rollout_records(trajectories, batch, step))
-            sampled = gather_object([costs.rollout.sampled_tokens])
+            sampled = gather_object([(costs.rollout.sampled_tokens, costs.rollout.generate_s)])
             metrics = step_metrics(records, sampled, costs, sums, grad_norms, batch, advantages, returns, models, horizon,
                                    engine.metrics() | synced) | ({"rollout/horizon_reason": why} if why else {})
             if stream is not None:
