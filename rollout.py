@@ -291,7 +291,7 @@ def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[in
         failed = [(r, t) for r, t in zip(rows, batch) if not t.success and t.finish != "error"]
         if attempt < agent.attempts:
             start = time.perf_counter()
-            written = reflect(engine, fmt, [t for _, t in failed], agent, max_new_tokens, max_tokens)
+            written = reflect(engine, fmt, [t for _, t in failed], agent, max_new_tokens, max_tokens, attempt_clock)
             attempt_clock.rollout_s += time.perf_counter() - start  # (reflecting is rollout time spent generating)
             attempt_clock.generate_s += time.perf_counter() - start
             for (r, traj), text in zip(failed, written):
@@ -311,11 +311,11 @@ def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[in
 
 
 def reflect(engine, fmt: ChatFormat, failed: list[Trajectory], agent: Agent, max_new_tokens: int,
-            max_tokens: int) -> list[str | None]:
+            max_tokens: int, clock: RolloutStats | None = None) -> list[str | None]:
     """Each failed attempt's reflection: the policy continues the attempt's conversation after a user turn with
     its final observation and the request (agent.reflection_request), for at most max_new_tokens tokens within
     max_tokens. None where there is no room for one, the attempt never got to act, the engine failed or the
-    reply was empty. An API model's usage for it counts on the attempt."""
+    reply was empty. An API model's usage for it counts on the attempt; the tokens sampled, on `clock`."""
     asks: list[Trajectory | None] = []
     for traj in failed:
         asks.append(None)
@@ -337,6 +337,8 @@ def reflect(engine, fmt: ChatFormat, failed: list[Trajectory], agent: Agent, max
             watchdog.check()
             for ask, sample in engine.poll():
                 _add_usage(failed[row[id(ask)]], sample)
+                if clock is not None:
+                    clock.sampled_tokens += len(sample.token_ids)
                 # (the reflection after its reasoning block; none for a failed request, a full context window, an
                 # empty reply or one cut off inside its reasoning)
                 text = (fmt.answer(_reply(fmt, sample)) or "") if sample.error is None and sample.finish is None else ""
