@@ -558,8 +558,8 @@ def start_vllm(model: str, *, dtype: str, seed: int, max_model_len: int, gpu_mem
                tensor_parallel_size: int, sleep: bool, max_num_seqs: int, deterministic: bool,
                launched: bool = False, **extra):
     """vLLM's LLM with this project's settings (VLLMEngine's and the rollout server's): prefix caching, log-probs of
-    softmax(logits / T) untruncated (untruncated_logprobs), eager on CPU, each prompt prefilled whole when deterministic on CPU (see VLLMEngine's "seeds").
-    `launched`: one engine per process of `accelerate launch` (GPU)."""
+    softmax(logits / T) untruncated (untruncated_logprobs), eager on CPU, each prompt prefilled whole when deterministic
+    on CPU (see VLLMEngine's "seeds"). `launched`: one engine per process of `accelerate launch` (GPU)."""
     on_gpu = torch.cuda.is_available()
     if deterministic and on_gpu:  # (read when vLLM builds its layers: before the engine starts; unverified here)
         os.environ["VLLM_BATCH_INVARIANT"] = "1"
