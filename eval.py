@@ -79,7 +79,7 @@ from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, deterministic_
 from rl.records import read_metrics
 from rl.run import run_of
 from rl.scores import endings, paired, score, spread
-from rl.engines import engine_kind, make_engine
+from rl.engines import check_sampling, engine_kind, make_engine
 from rollout import EngineStalled, category, on_bar, play
 
 # The context of upstream's eval engine (vLLM's max_model_len in its eval scripts); its turn cap and tokens a
@@ -242,6 +242,7 @@ def resolve_settings(args: Args) -> dict:
 def main(args: Args) -> dict:
     if args.compare:
         return compare(*args.compare)
+    check_sampling(args.top_p)
     if args.deterministic:  # (before anything starts CUDA)
         deterministic_kernels()
     settings = resolve_settings(args)

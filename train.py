@@ -60,7 +60,7 @@ from rl.batch import Batch, arrange, attach, example_micro_batches, make_batch, 
 from rl.chat import chat_format
 from rl.data import examples_of, held_out, offline_steps, read_data, to_record
 from rl.dpo import DPOSums, dpo_terms
-from rl.engines import build_engine, check_engine, own_stream, stream_seed, sync
+from rl.engines import build_engine, check_engine, check_sampling, own_stream, stream_seed, sync
 from rl.horizon import AUTO, LADDER, auto_horizon, caps_of, describe, horizon_at, known_before
 from rl.logprobs import pad, token_logprobs, token_values
 from rl.losses import aggregate, behaviour_weights, kl, policy_loss, value_loss
@@ -1082,6 +1082,7 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
     if args.max_new_tokens >= args.max_tokens:
         raise SystemExit("--max-new-tokens must be smaller than --max-tokens")
     check_engine(args)
+    check_sampling(args.top_p)
     check_models(args, distributed)
     if args.eval_every < 0 or args.eval_tasks < 0 or args.eval_k < 1:
         raise SystemExit("--eval-every and --eval-tasks take 0 (never, all) or more, --eval-k 1 or more")

@@ -724,6 +724,14 @@ def engine_kind(engine: str) -> str:
     return engine
 
 
+def check_sampling(top_p: float) -> None:
+    """--top-p of train.py and eval.py (every engine): a share of the probability mass, in (0, 1]; 0 would leave no
+    token to draw (HF: a NaN distribution; vLLM refuses the request)."""
+    if not 0 < top_p <= 1:
+        raise SystemExit(f"--top-p {top_p:g} is the share of the probability mass tokens are drawn from: give one in "
+                         "(0, 1] (1: all of it)")
+
+
 def make_engine(kind: str, model: str, fmt, policy=None, *, temperature: float, top_p: float, seed: int,
                 batch_size: int, max_model_len: int, gpu_memory_utilization: float = 0.3,
                 tensor_parallel_size: int = 1, sleep: bool = False, tolerance: float = 0.0, device=None,

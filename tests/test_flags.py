@@ -30,6 +30,8 @@ def test_readme_flag_table_is_what_the_presets_give():
     (["--step-weight", "0.5"], "use it with --algo gigpo"),
     (["--algo", "ppo", "--step-weight", "0"], "use it with --algo gigpo"),
     (["--is-cap", "3"], "give --max-staleness too"),
+    (["--top-p", "0"], r"--top-p 0 is the share of the probability mass"),
+    (["--top-p", "1.5"], r"--top-p 1.5 is the share of the probability mass"),
 ])
 def test_a_flag_that_would_be_ignored_or_cannot_work_stops_with_a_sentence(flags, message, tmp_path):
     args = train.parse_args(["--out-dir", str(tmp_path), *flags])
@@ -56,3 +58,11 @@ def test_the_docs_of_reasoning_drop_name_every_estimator_it_accepts():
     for algo in accepted:
         train.check(train.parse_args(["--algo", algo, "--reasoning", "drop"]), 1)
         assert algo in docstring and f"`{algo}`" in row.split("|")[3], algo
+
+
+def test_eval_stops_on_a_top_p_that_leaves_nothing_to_draw(tmp_path):
+    import eval as eval_script
+
+    args = eval_script.tyro.cli(eval_script.Args, args=["--engine", "hf", "--top-p", "0", "--out", str(tmp_path / "e")])
+    with pytest.raises(SystemExit, match="--top-p 0 is the share"):
+        eval_script.main(args)
