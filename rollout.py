@@ -107,7 +107,7 @@ class Trajectory:
     horizon: int = 0  # the turn cap it played under
     turns: int = 0
     invalid_actions: int = 0  # turns whose action the env reported as not valid (info["valid"] False)
-    valid: list[bool] = field(default_factory=list)  # each turn's: False where it was one of those
+    valid: list[bool] = field(default_factory=list)  # each turn's: False where the env reported it not valid
     malformed: int = 0  # of those, turns whose reply held no action to take (no call, a bad call, cut inside reasoning)
     actions: list[str | None] = field(default_factory=list)  # what each turn sent to env.step (None: nothing, malformed)
     reward: float = 0.0
