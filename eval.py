@@ -74,11 +74,12 @@ from rl.agent import check_layout, make_agent
 from rl.chat import Reasoning, chat_format, template_options
 from rl.checkpoint import write_atomic
 from rl.horizon import AUTO, horizon_at
-from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, full_weights, is_adapter, load_model, load_tokenizer
+from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, deterministic_kernels, full_weights, is_adapter,
+                      load_model, load_tokenizer, stop_on_nondeterministic)
 from rl.records import read_metrics
 from rl.run import run_of
 from rl.scores import endings, paired, score, spread
-from rl.engines import engine_kind, make_engine
+from rl.engines import check_sampling, engine_kind, make_engine
 from rollout import EngineStalled, category, on_bar, play
 
 # The context of upstream's eval engine (vLLM's max_model_len in its eval scripts); its turn cap and tokens a
@@ -241,6 +242,9 @@ def resolve_settings(args: Args) -> dict:
 def main(args: Args) -> dict:
     if args.compare:
         return compare(*args.compare)
+    check_sampling(args.top_p)
+    if args.deterministic:  # (before anything starts CUDA)
+        deterministic_kernels()
     settings = resolve_settings(args)
     env_name = settings["env"]
     task_ids = evaluation_tasks(args, settings)
@@ -549,3 +553,6 @@ if __name__ == "__main__":
         main(tyro.cli(Args, description=__doc__.split("\n\n")[0]))
     except EngineStalled as error:  # one sentence, not a traceback
         raise SystemExit(str(error)) from None
+    except RuntimeError as error:  # --deterministic on a GPU: an op without a deterministic kernel, in one sentence
+        stop_on_nondeterministic(error)
+        raise

@@ -107,6 +107,7 @@ class Trajectory:
     horizon: int = 0  # the turn cap it played under
     turns: int = 0
     invalid_actions: int = 0  # turns whose action the env reported as not valid (info["valid"] False)
+    valid: list[bool] = field(default_factory=list)  # each turn's: False where the env reported it not valid
     malformed: int = 0  # of those, turns whose reply held no action to take (no call, a bad call, cut inside reasoning)
     actions: list[str | None] = field(default_factory=list)  # what each turn sent to env.step (None: nothing, malformed)
     reward: float = 0.0
@@ -148,12 +149,14 @@ class Trajectory:
 
     def cut(self, horizon: int) -> Trajectory:
         """The episode as it would have ended under a lower turn cap: the same turns up to it (nothing an
-        episode sees depends on its cap), its reward the one after turn `horizon`; tokens and messages are
-        the whole episode's. An env failure after turn `horizon` is one the lower cap never met."""
+        episode sees depends on its cap), its reward the one after turn `horizon`, its invalid and malformed turns
+        those among them; tokens and messages are the whole episode's. An env failure after turn `horizon` is one
+        the lower cap never met."""
         if self.turns <= horizon or len(self.turn_rewards) < horizon:
             return self
         return replace(self, turns=horizon, reward=self.turn_rewards[horizon - 1], done=False, success=False,
-                       finish="horizon", error=None, horizon=horizon, states=self.states[:horizon + 1])
+                       finish="horizon", error=None, horizon=horizon, states=self.states[:horizon + 1],
+                       invalid_actions=self.valid[:horizon].count(False), malformed=self.actions[:horizon].count(None))
 
     def log_record(self) -> dict:
         """The trajectory as a log record (rl/records.py), without what only training knows."""
@@ -288,7 +291,7 @@ def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[in
         failed = [(r, t) for r, t in zip(rows, batch) if not t.success and t.finish != "error"]
         if attempt < agent.attempts:
             start = time.perf_counter()
-            written = reflect(engine, fmt, [t for _, t in failed], agent, max_new_tokens, max_tokens)
+            written = reflect(engine, fmt, [t for _, t in failed], agent, max_new_tokens, max_tokens, attempt_clock)
             attempt_clock.rollout_s += time.perf_counter() - start  # (reflecting is rollout time spent generating)
             attempt_clock.generate_s += time.perf_counter() - start
             for (r, traj), text in zip(failed, written):
@@ -308,11 +311,11 @@ def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[in
 
 
 def reflect(engine, fmt: ChatFormat, failed: list[Trajectory], agent: Agent, max_new_tokens: int,
-            max_tokens: int) -> list[str | None]:
+            max_tokens: int, clock: RolloutStats | None = None) -> list[str | None]:
     """Each failed attempt's reflection: the policy continues the attempt's conversation after a user turn with
     its final observation and the request (agent.reflection_request), for at most max_new_tokens tokens within
     max_tokens. None where there is no room for one, the attempt never got to act, the engine failed or the
-    reply was empty. An API model's usage for it counts on the attempt."""
+    reply was empty. An API model's usage for it counts on the attempt; the tokens sampled, on `clock`."""
     asks: list[Trajectory | None] = []
     for traj in failed:
         asks.append(None)
@@ -334,6 +337,8 @@ def reflect(engine, fmt: ChatFormat, failed: list[Trajectory], agent: Agent, max
             watchdog.check()
             for ask, sample in engine.poll():
                 _add_usage(failed[row[id(ask)]], sample)
+                if clock is not None:
+                    clock.sampled_tokens += len(sample.token_ids)
                 # (the reflection after its reasoning block; none for a failed request, a full context window, an
                 # empty reply or one cut off inside its reasoning)
                 text = (fmt.answer(_reply(fmt, sample)) or "") if sample.error is None and sample.finish is None else ""
@@ -798,7 +803,8 @@ def _observe(fmt: ChatFormat, traj: Trajectory, result, horizon: int, max_tokens
         return
     traj.reward, traj.done = float(result.reward), bool(result.done)
     traj.turn_rewards.append(traj.reward)
-    traj.invalid_actions += result.info.get("valid") is False
+    traj.valid.append(result.info.get("valid") is not False)
+    traj.invalid_actions += not traj.valid[-1]
     traj.success = bool(result.info.get("success", result.reward > 0)) if result.done else False
     calls = traj.messages[-1].get("tool_calls")  # an answer to a tool call is the call's result
     traj.messages.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": result.observation} if calls

@@ -60,13 +60,13 @@ from rl.batch import Batch, arrange, attach, example_micro_batches, make_batch, 
 from rl.chat import chat_format
 from rl.data import examples_of, held_out, offline_steps, read_data, to_record
 from rl.dpo import DPOSums, dpo_terms
-from rl.engines import build_engine, check_engine, own_stream, stream_seed, sync
+from rl.engines import build_engine, check_engine, check_sampling, own_stream, stream_seed, sync
 from rl.horizon import AUTO, LADDER, auto_horizon, caps_of, describe, horizon_at, known_before
 from rl.logprobs import pad, token_logprobs, token_values
 from rl.losses import aggregate, behaviour_weights, kl, policy_loss, value_loss
 from rl.memory import print_plan
 from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, Models, build_models, context_limit, has_reference,
-                      check_models, load_tokenizer, make_accelerator, reference, restart)
+                      check_models, load_tokenizer, make_accelerator, reference, restart, stop_on_nondeterministic)
 from rl.metrics import (Costs, UpdateSums, async_metrics, eval_line, eval_metrics, evol_line, offline_line, rl_line,
                         stale_sums, step_metrics)
 from rl.optimizer import accumulate, optimizer_steps, reducer, stop_on_nonfinite
@@ -183,7 +183,7 @@ class Args:
     """options for the chat template's every rendering, e.g. --chat-template-kwargs enable_thinking false (Qwen3)"""
     reasoning: Literal["keep", "drop"] = "keep"
     """keep: one sequence an episode, every turn appended (earlier reasoning stays in the context); drop: each turn's
-    prompt is the chat template's rendering so far (earlier reasoning gone), each turn its own sequence (grpo, rloo)"""
+    prompt is the chat template's rendering so far (earlier reasoning gone), each turn its own sequence (grpo, rloo, gigpo)"""
     attempts: int = 3
     """--agent reflect: attempts a task gets (it stops at its first success)"""
     temperature: float = 1.0
@@ -483,7 +483,7 @@ def main(args: Args) -> Path | None:
             if stream is not None:  # (what its loop did this step: the take, and the advances meanwhile)
                 stream.spent(costs.rollout)
             records = gather_object(rollout_records(trajectories, batch, step))
-            sampled = gather_object([costs.rollout.sampled_tokens])
+            sampled = gather_object([(costs.rollout.sampled_tokens, costs.rollout.generate_s)])
             metrics = step_metrics(records, sampled, costs, sums, grad_norms, batch, advantages, returns, models, horizon,
                                    engine.metrics() | synced) | ({"rollout/horizon_reason": why} if why else {})
             if stream is not None:
@@ -1063,6 +1063,13 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
     if args.step_weight < 0:
         raise SystemExit(f"--step-weight {args.step_weight:g}: gigpo's omega weighs the turn-level advantage, 0 (none) "
                          "or more")
+    if args.step_weight != Args.step_weight and args.algo != "gigpo":
+        raise SystemExit(f"--step-weight weighs gigpo's turn-level advantage, which --algo {args.algo} does not have: "
+                         "use it with --algo gigpo")
+    if args.gamma is not None and not 0 < args.gamma <= 1:
+        raise SystemExit(f"--gamma {args.gamma:g} is a discount: give one in (0, 1]")
+    if args.gamma is not None and args.algo not in ("reinforce_pp", "ppo", "gigpo"):
+        raise SystemExit(f"--gamma discounts the returns of reinforce_pp, ppo and gigpo; --algo {args.algo} has none")
     check_horizon(args)
     if args.critic_warmup > 1 and args.algo != "ppo":
         raise SystemExit(f"--critic-warmup trains only the critic for a while, and --algo {args.algo} has none: "
@@ -1075,6 +1082,7 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
     if args.max_new_tokens >= args.max_tokens:
         raise SystemExit("--max-new-tokens must be smaller than --max-tokens")
     check_engine(args)
+    check_sampling(args.top_p)
     check_models(args, distributed)
     if args.eval_every < 0 or args.eval_tasks < 0 or args.eval_k < 1:
         raise SystemExit("--eval-every and --eval-tasks take 0 (never, all) or more, --eval-k 1 or more")
@@ -1088,6 +1096,9 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
         raise SystemExit(f"--tasks-per-step {args.tasks_per_step} must be divisible by the {world} processes")
     if args.max_staleness is not None and (args.max_staleness < 0 or args.is_cap < 1):
         raise SystemExit("--max-staleness takes 0 (the asynchronous loop, no staleness) or more, --is-cap 1 or more")
+    if args.is_cap != Args.is_cap and args.max_staleness is None:
+        raise SystemExit("--is-cap truncates the importance weights of stale tokens, which only --max-staleness makes: "
+                         "give --max-staleness too, or leave --is-cap out")
     if args.max_staleness is not None and args.agent == "reflect":
         raise SystemExit("--agent reflect's attempts wait for each other's reflections: train it without --max-staleness")
     trajectories = args.tasks_per_step // world * args.n
@@ -1149,3 +1160,6 @@ if __name__ == "__main__":
         main(parse_args())
     except EngineStalled as error:  # one sentence, not a traceback
         raise SystemExit(str(error)) from None
+    except RuntimeError as error:  # --deterministic on a GPU: an op without a deterministic kernel, in one sentence
+        stop_on_nondeterministic(error)
+        raise

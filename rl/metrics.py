@@ -94,12 +94,12 @@ def async_metrics(batch, sums: UpdateSums, staleness: int) -> dict[str, float]:
     }
 
 
-def step_metrics(records: list[dict], sampled: list[int], costs: Costs, sums: UpdateSums,
+def step_metrics(records: list[dict], sampled: list[tuple[int, float]], costs: Costs, sums: UpdateSums,
                  grad_norms: dict[str, list[float]], batch, advantages: torch.Tensor, returns: torch.Tensor | None,
                  models, horizon: int, engine_metrics: dict) -> dict:
     """The step's metrics: trajectory statistics over every process's episodes (`records`), losses per
     action token from this process's update (none for a model that did not train this step). `batch`: the step's
-    rl/batch.py Batch, `models`: rl/model.py's Models."""
+    rl/batch.py Batch, `models`: rl/model.py's Models; `sampled`: each process's tokens sampled and engine seconds."""
     rewards = [r["reward"] for r in records]
     success = [r["success"] for r in records]
     turns = [r["turns"] for r in records]
@@ -108,6 +108,7 @@ def step_metrics(records: list[dict], sampled: list[int], costs: Costs, sums: Up
     action_tokens = [r["action_tokens"] for r in records]
     trained_tokens = max(float(batch.full["loss_mask"].sum()), 1)
     played = costs.rollout
+    generated, generating = sum(tokens for tokens, _ in sampled), max(seconds for _, seconds in sampled)
 
     def mean(values):
         return sum(values) / max(len(values), 1)
@@ -133,7 +134,10 @@ def step_metrics(records: list[dict], sampled: list[int], costs: Costs, sums: Up
         "rollout/horizon": horizon,
         "rollout/advantage_mean": float(advantages.sum()) / trained_tokens,
         "rollout/advantage_abs": float(advantages.abs().sum()) / trained_tokens,
-        "perf/tokens_per_s": sum(sampled) / max(played.generate_s, 1e-9),
+        # the tokens the engines generated during the step over the seconds they spent on it (the longest process's);
+        # none when they generated nothing: under --max-staleness k a step's set, and the ones after it, may have been
+        # played during earlier steps (the last k steps often are)
+        **({"perf/tokens_per_s": generated / max(generating, 1e-9)} if generated else {}),
         "perf/rollout_s": played.rollout_s,
         "perf/generate_s": played.generate_s,
         # the share of the rollout's wall time in which the engine waited for envs with nothing to generate
@@ -226,7 +230,7 @@ def rl_line(step: int, metrics: dict) -> str:
     return (
         f"step {step:>4} | reward {metrics['rollout/reward']:.3f} | success {metrics['rollout/success']:.2f} | "
         f"turns {metrics['rollout/turns']:.1f}/{metrics['rollout/horizon']} | "
-        f"tokens/s {metrics['perf/tokens_per_s']:.0f} | "
+        + (f"tokens/s {metrics['perf/tokens_per_s']:.0f} | " if "perf/tokens_per_s" in metrics else "")
         + (f"kl {metrics['losses/kl']:.4f} | entropy {metrics['losses/entropy']:.3f} | "
            f"grad {metrics['losses/grad_norm']:.3f} | " if "losses/kl" in metrics
            else "update skipped: NaN/inf | " if metrics["losses/nonfinite_updates"] else "critic warm-up | ")

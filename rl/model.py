@@ -22,6 +22,7 @@ import contextlib
 import copy
 import functools
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -226,11 +227,8 @@ def make_accelerator(args):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
-    if args.deterministic and torch.cuda.is_available():  # the update's GPU kernels too (CPU ones are; untried here)
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        # (the mode would also fill every new tensor with NaN, in vLLM's forwards too, which run in this process)
-        torch.utils.deterministic.fill_uninitialized_memory = False
+    if args.deterministic:
+        deterministic_kernels()
     mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed and not torch.accelerator.is_available() else []
@@ -239,6 +237,30 @@ def make_accelerator(args):
         zero3.configure(accelerator, args.grad_clip)
     zero3.keep_out(accelerator)  # (no DeepSpeed import, and its warning, outside its launches)
     return accelerator, mixed
+
+
+def deterministic_kernels() -> None:
+    """--deterministic on a GPU: deterministic kernels only (CPU ones are), and an op that has none is an error, not a
+    warning, so that a run which says it repeats does (stop_on_nondeterministic says which op). cuBLAS reads its
+    workspace setting when CUDA starts in this process: call it before anything touches the GPU."""
+    if not torch.cuda.is_available():
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    # (the mode would also fill every new tensor with NaN, in vLLM's forwards too, which run in this process)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+
+
+def stop_on_nondeterministic(error: RuntimeError) -> None:
+    """One sentence instead of `error` when it is torch refusing an op that has no deterministic GPU kernel
+    (deterministic_kernels); any other error is left to its caller."""
+    message = str(error)
+    named = re.search(r"(\S+) does not have a deterministic implementation", message)
+    if named is None and "CUBLAS_WORKSPACE_CONFIG" not in message:
+        return
+    op = named.group(1) if named else "a cuBLAS call (CUBLAS_WORKSPACE_CONFIG is set to other than :4096:8 or :16:8)"
+    raise SystemExit(f"--deterministic: {op} has no deterministic GPU kernel in this torch, so the run could not "
+                     "repeat itself; run without --deterministic (or replace the op)") from None
 
 
 @dataclass

@@ -6,7 +6,7 @@ over a torch.distributed group.
     python train.py --rollout-server 10.0.0.2:8900 10.0.0.3:8900 ...         # rl/remote_engine.py: the client
     python eval.py --rollout-server 10.0.0.2:8900 ...
 
-The engine is vLLM started as the in-process engine starts it (rl/engines.start_vllm: prefix caching, processed
+The engine is vLLM started as the in-process engine starts it (rl/engines.start_vllm: prefix caching, untruncated
 log-probs, each prompt prefilled whole under --deterministic on CPU), driven by one thread of its own request by
 request: continuous batching as in process, a turn returned the moment it is done, the trajectory's next turn
 accepted at once. Requests are token ids, answers the sampled token ids and their log-probs, nothing is decoded.

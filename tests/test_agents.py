@@ -12,7 +12,7 @@ import envs
 from rl.agent import PLAN_GUIDE, REACT, REFLECT_ASK, REFLECTIONS, make_agent
 from rl.engines import ExpertEngine, RoundEngine, Sample
 from rl.model import load_model, load_tokenizer
-from rollout import ATTEMPT_GROUPS, ChatFormat, HFEngine, rollout
+from rollout import ATTEMPT_GROUPS, ChatFormat, HFEngine, RolloutStats, rollout
 from test_token_exactness import Spy, check_exact
 
 PLAN = "<plan>\n1. look around\n2. Action: do the task step by step\n</plan>\n"  # holds "Action:": the env must not see it
@@ -153,10 +153,10 @@ class WinOrLose(envs.Env):
 
 @pytest.mark.parametrize("attempts", [1, 2, 3, 5])
 def test_reflect_carries_reflections_into_the_next_attempt_and_stops_at_success(fmt, attempts):
-    engine = Scripted(fmt)
+    engine, stats = Scripted(fmt), RolloutStats()
     environments = [WinOrLose() for _ in range(3)]
     trajectories = rollout(engine, fmt, environments, [7, 8, 9], [0, 1, 2], horizon=4, max_new_tokens=32,
-                           max_tokens=4096, agent=make_agent("reflect", attempts))
+                           max_tokens=4096, agent=make_agent("reflect", attempts), stats=stats)
     played = min(attempts, 3)  # the third attempt (holding attempt 2's reflection) wins, and is the last
     assert len(trajectories) == 3 * played
     for attempt in range(1, played + 1):
@@ -175,6 +175,8 @@ def test_reflect_carries_reflections_into_the_next_attempt_and_stops_at_success(
             assert traj.token_ids[:len(fmt.prompt(traj.messages[:3]))] == fmt.prompt(traj.messages[:3])
     # a reflection continues its attempt's own tokens after the final observation and the request
     assert len(engine.asks) == 3 * (played - 1)
+    reflected = len(engine.asks) * len(fmt.encode("I lost 2 times") + [fmt.end_of_turn])
+    assert stats.sampled_tokens == sum(sum(t.loss_mask) for t in trajectories) + reflected  # (tokens/s: every token)
     for (prompt, request), traj in zip(engine.asks, [t for t in trajectories if t.reflection]):
         assert request == f"{traj.messages[-1]['content']}\n\n{REFLECT_ASK}"
         assert prompt == traj.token_ids + fmt.observation(request)

@@ -110,6 +110,16 @@ def test_no_trained_token_is_more_than_k_updates_old(stale_run):
         assert 0 <= m["perf/engine_idle_share"] <= 1 and m["perf/generate_s"] <= m["perf/step_s"]  # (this step's own)
 
 
+def test_tokens_per_second_is_of_the_steps_own_generation(stale_run):
+    """perf/tokens_per_s is the tokens generated during a step over the engine's seconds then; a step that generated
+    nothing (here the last: its set and the one before it were played during earlier steps) logs none, not 0."""
+    metrics, _ = stale_run
+    steps = metrics[1:] if metrics[0]["charts/step"] == 0 else metrics
+    idle = [m["charts/step"] for m in steps if m["perf/generate_s"] == 0]
+    assert idle and all("perf/tokens_per_s" not in m for m in steps if m["charts/step"] in idle)
+    assert all(m["perf/tokens_per_s"] > 0 for m in steps if m["charts/step"] not in idle)
+
+
 def test_importance_weights_are_recomputed_from_the_logs(stale_run):
     """pi_prox / pi_behav from the logged log-probs (the trainer's before its update, the sampler's), truncated at
     the cap, over the stale tokens: the run's metrics exactly."""

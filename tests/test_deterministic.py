@@ -1,14 +1,17 @@
 """Reproducible runs: with --deterministic a seed fixes the whole run on the vLLM engine too (the HF engine's runs
 always repeat), and a run resumed from a checkpoint logs what the uninterrupted run logs; an evaluation during
-training never moves the random stream the training rollouts draw from."""
+training never moves the random stream the training rollouts draw from. On a GPU (simulated: none here) a kernel
+without a deterministic implementation is an error, said in one sentence, not a warning."""
 
 import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 import train
 
@@ -83,3 +86,49 @@ def test_an_evaluation_does_not_move_the_training_sampler(tmp_path):
     assert extended["metrics"][2] == whole["metrics"][2]
     assert extended["rollouts"] == whole["rollouts"]
     assert extended["evaluations"][2] == whole["evaluations"][2]
+
+
+class NoAccelerator:
+    """Accelerate's Accelerator in its place, on a machine that says it has a GPU and has none."""
+
+    distributed_type = "NO"
+
+    def __init__(self, **kwargs):
+        pass
+
+
+def test_deterministic_on_a_gpu_makes_kernels_without_a_deterministic_one_an_error(monkeypatch):
+    import accelerate
+
+    from rl.model import make_accelerator
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")  # (restored to absent after the test)
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda mode, warn_only=False: modes.append((mode, warn_only)))
+    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
+    monkeypatch.setattr(accelerate, "Accelerator", NoAccelerator)
+    make_accelerator(replace(train.parse_args([]), deterministic=True))
+    assert modes == [(True, False)]  # warn_only=True let a nondeterministic kernel pass with a warning
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert torch.utils.deterministic.fill_uninitialized_memory is False
+
+
+def test_a_kernel_without_a_deterministic_implementation_stops_the_run_in_one_sentence():
+    from torch._prims_common import alert_not_deterministic
+
+    from rl.model import stop_on_nondeterministic
+
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            alert_not_deterministic("index_add_cuda_")  # what such a kernel calls, as torch words it
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    with pytest.raises(SystemExit) as stopped:
+        stop_on_nondeterministic(raised.value)
+    message = str(stopped.value)
+    assert message.startswith("--deterministic: index_add_cuda_ has no deterministic GPU kernel") and "\n" not in message
+    stop_on_nondeterministic(RuntimeError("CUDA out of memory"))  # any other error: left to its caller

@@ -12,7 +12,8 @@ import pytest
 import envs
 import eval as eval_script
 from rl.agent import make_agent
-from rl.engines import ExpertEngine
+from rl.chat import chat_format
+from rl.engines import ExpertEngine, RoundEngine, Sample
 from rl.model import load_tokenizer
 from rollout import ChatFormat, rollout
 
@@ -81,6 +82,43 @@ def test_an_episode_cut_to_a_lower_cap_is_the_episode_played_under_it(name, task
             assert (cut.turns, cut.reward, cut.success, cut.finish) == (direct.turns, direct.reward, direct.success,
                                                                         direct.finish)
             assert cut.turn_rewards[:cut.turns] == direct.turn_rewards
+
+
+class Script(RoundEngine):
+    """Turn k's reply is REPLIES[k] in every episode: a valid action, one the env refuses, one cut off inside its
+    reasoning (malformed: the env never sees it), a valid one."""
+
+    REPLIES = ["Action: check available actions", "Action: fly away", "<think>still thinking",
+               "Action: check available actions"]
+
+    def __init__(self, fmt):
+        super().__init__()
+        self.fmt = fmt
+
+    def generate(self, batch, limits):
+        replies = [(self.fmt.encode(self.REPLIES[traj.turns]) + [self.fmt.end_of_turn])[:limit]
+                   for traj, limit in zip(batch, limits)]
+        return [Sample(ids, [0.0] * len(ids)) for ids in replies]
+
+
+def test_a_cut_episode_counts_only_its_own_invalid_and_malformed_turns():
+    """A horizon sweep reported a malformed share of 1.0 at a cap whose turns were all well formed: the cut kept the
+    whole episode's counts."""
+    fmt = chat_format(load_tokenizer("tiny-agent"), "react", {}, ("<think>", "</think>"), "keep")
+
+    def played(horizon):
+        env = envs.make("babyai")
+        try:
+            return rollout(Script(fmt), fmt, [env], [0], [0], horizon=horizon, max_new_tokens=64, max_tokens=4096)[0]
+        finally:
+            env.close()
+
+    whole = played(4)
+    assert (whole.turns, whole.invalid_actions, whole.malformed) == (4, 2, 1)
+    for horizon, invalid, malformed in [(1, 0, 0), (2, 1, 0), (3, 2, 1)]:
+        cut, direct = whole.cut(horizon), played(horizon)
+        assert (cut.turns, cut.invalid_actions, cut.malformed) == (horizon, invalid, malformed)
+        assert (direct.turns, direct.invalid_actions, direct.malformed) == (horizon, invalid, malformed)
 
 
 @pytest.mark.slow

@@ -1,8 +1,14 @@
-"""README's flag table: its defaults are what train.py's presets give (scripts/flags.py writes them)."""
+"""README's flag table: its defaults are what train.py's presets give (scripts/flags.py writes them); flags that
+would be silently ignored, or cannot work, stop train.py with one sentence."""
 
 import subprocess
 import sys
+import typing
 from pathlib import Path
+
+import pytest
+
+import train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -14,3 +20,49 @@ def test_readme_flag_table_is_what_the_presets_give():
     table = done.stdout.strip()
     assert table in readme, ("README.md's flag table differs from the code's defaults; `python scripts/flags.py --write` "
                              "rewrites it:\n" + "\n".join(line for line in table.splitlines() if line not in readme))
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--algo", "ppo", "--gamma", "0"], r"--gamma 0 is a discount: give one in \(0, 1\]"),
+    (["--algo", "reinforce_pp", "--gamma", "1.5"], r"--gamma 1.5 is a discount"),
+    (["--algo", "gigpo", "--gamma", "-0.5"], r"--gamma -0.5 is a discount"),
+    (["--gamma", "0.9"], "--algo grpo has none"),  # (grpo and rloo never discount: it would be ignored)
+    (["--step-weight", "0.5"], "use it with --algo gigpo"),
+    (["--algo", "ppo", "--step-weight", "0"], "use it with --algo gigpo"),
+    (["--is-cap", "3"], "give --max-staleness too"),
+    (["--top-p", "0"], r"--top-p 0 is the share of the probability mass"),
+    (["--top-p", "1.5"], r"--top-p 1.5 is the share of the probability mass"),
+])
+def test_a_flag_that_would_be_ignored_or_cannot_work_stops_with_a_sentence(flags, message, tmp_path):
+    args = train.parse_args(["--out-dir", str(tmp_path), *flags])
+    with pytest.raises(SystemExit, match=message):
+        train.check(args, 1)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--algo", "ppo", "--gamma", "1"], ["--algo", "reinforce_pp", "--gamma", "0.99"],
+    ["--algo", "gigpo", "--gamma", "0.95", "--step-weight", "0.5"], ["--algo", "gigpo", "--step-weight", "0"],
+    ["--max-staleness", "1", "--is-cap", "3"], ["--algo", "gigpo", "--reasoning", "drop"],
+])
+def test_the_same_flags_where_they_apply_pass(flags, tmp_path):
+    train.check(train.parse_args(["--out-dir", str(tmp_path), *flags]), 1)
+
+
+def test_the_docs_of_reasoning_drop_name_every_estimator_it_accepts():
+    from rl.advantages import is_grouped
+
+    accepted = [algo for algo in typing.get_args(typing.get_type_hints(train.Args)["algo"]) if is_grouped(algo)]
+    docstring = (ROOT / "train.py").read_text().split("reasoning: Literal")[1].split('"""')[1]
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| estimators |"))
+    assert "gigpo" in accepted
+    for algo in accepted:
+        train.check(train.parse_args(["--algo", algo, "--reasoning", "drop"]), 1)
+        assert algo in docstring and f"`{algo}`" in row.split("|")[3], algo
+
+
+def test_eval_stops_on_a_top_p_that_leaves_nothing_to_draw(tmp_path):
+    import eval as eval_script
+
+    args = eval_script.tyro.cli(eval_script.Args, args=["--engine", "hf", "--top-p", "0", "--out", str(tmp_path / "e")])
+    with pytest.raises(SystemExit, match="--top-p 0 is the share"):
+        eval_script.main(args)

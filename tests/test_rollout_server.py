@@ -474,6 +474,31 @@ def test_another_trainers_update_landing_before_a_turn_is_added_refuses_the_turn
     finally:
         server.stopped = True
 
+
+def test_a_servers_log_probs_are_the_trainers_under_top_p(server, tiny):
+    """The server's vLLM returns the in-process engine's log-probs: of softmax(logits / T) over the whole vocabulary,
+    not of the top-p nucleus the token was drawn from (tests/test_vllm.py has the in-process engine's and HF's)."""
+    from rl.logprobs import token_logprobs
+    from test_vllm import generate, questions
+
+    fmt, model = tiny
+    engine = engine_on(fmt, model, server.address)
+    try:
+        engine.load_weights(model)  # (another test's trainer may have left its weights there)
+        engine.temperature, engine.top_p = 0.7, 0.5
+        batch = questions(fmt)
+        samples = generate(engine, batch, 32)
+    finally:
+        engine.close()
+    for traj, sample in zip(batch, samples):
+        ids = torch.tensor([traj.token_ids + sample.token_ids])
+        mask = torch.zeros_like(ids)
+        mask[0, len(traj.token_ids):] = 1
+        with torch.no_grad():
+            trainer, _ = token_logprobs(model, ids, torch.ones_like(ids), mask, 0.7)
+        assert (torch.tensor(sample.logprobs) - trainer[0, len(traj.token_ids):]).abs().max() < 1e-4
+
+
 def test_a_long_turn_counts_as_progress_for_the_rollouts_watchdog(server, tiny, monkeypatch):
     """The engine contract: progress grows while the engine generates, not only when a turn ends, so a turn longer
     than the watchdog's STALL_S is not taken for a stalled engine."""

@@ -45,6 +45,19 @@ def prompts(fmt, count=6):
     return out
 
 
+def questions(fmt):
+    """Prompts far from BabyAI, where the embedded model is unsure (on BabyAI's its top token nearly always holds
+    more than half the mass, so a top-p of 0.5 would cut little), as trajectories numbered after prompts()'s."""
+    asked = ["Write a poem about the sea.", "What is 17 times 23?", "Tell me a story.", "zxq blorp fnord",
+             "Translate 'cat' to French.", "List three colours."]
+    out = []
+    for row, question in enumerate(asked, start=100):
+        traj = Trajectory("babyai", 0, row, row, [])
+        traj.token_ids = fmt.prompt([{"role": "user", "content": question}])
+        out.append(traj)
+    return out
+
+
 def generate(engine, batch, limit):
     for traj in batch:
         engine.submit(traj, limit)
@@ -73,32 +86,42 @@ def test_greedy_tokens_equal_the_hf_engines(tiny):
     assert max(diffs) < 1e-4
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.5])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_sampled_log_probs_are_the_trainers(tiny, temperature):
-    """The engine reports log softmax(logits / T) of what it drew, which the trainer recomputes; vLLM's
-    default (pre-temperature log-probs) would be off by far more at T = 0.7."""
+def test_sampled_log_probs_are_the_trainers(tiny, temperature, top_p):
+    """Both engines report log softmax(logits / T) of what they drew, over the whole vocabulary, which the trainer
+    recomputes: not vLLM's default (pre-temperature log-probs, off by far more at T = 0.7), and under top-p not
+    vLLM's processed log-probs, those of the renormalised nucleus (off by -log of its mass)."""
     fmt, model, engine = tiny
-    batch = prompts(fmt)
-    engine.temperature = temperature
+    batch = prompts(fmt) + questions(fmt)
+    engine.temperature, engine.top_p = temperature, top_p
     try:
-        samples = generate(engine, batch, 32)
+        drawn = {"vllm": generate(engine, batch, 32)}
     finally:
-        engine.temperature = 1.0
-    worst, raw_worst = 0.0, 0.0
-    for traj, sample in zip(batch, samples):
-        ids = torch.tensor([traj.token_ids + sample.token_ids])
-        mask = torch.zeros_like(ids)
-        mask[0, len(traj.token_ids):] = 1
-        attention = torch.ones_like(ids)
-        with torch.no_grad():
-            trainer, _ = token_logprobs(model, ids, attention, mask, temperature)
-            raw, _ = token_logprobs(model, ids, attention, mask, 1.0)
-        reported = torch.tensor(sample.logprobs)
-        worst = max(worst, float((reported - trainer[0, len(traj.token_ids):]).abs().max()))
-        raw_worst = max(raw_worst, float((reported - raw[0, len(traj.token_ids):]).abs().max()))
-    assert worst < 1e-4
-    if temperature != 1.0:
-        assert raw_worst > 0.05
+        engine.temperature, engine.top_p = 1.0, 1.0
+    drawn["hf"] = HFEngine(model, fmt, temperature=temperature, top_p=top_p, seed=0).generate(batch, [32] * len(batch))
+    for name, samples in drawn.items():
+        worst, raw_worst, nucleus = 0.0, 0.0, 0.0
+        for traj, sample in zip(batch, samples):
+            ids = torch.tensor([traj.token_ids + sample.token_ids])
+            mask = torch.zeros_like(ids)
+            mask[0, len(traj.token_ids):] = 1
+            attention = torch.ones_like(ids)
+            with torch.no_grad():
+                trainer, _ = token_logprobs(model, ids, attention, mask, temperature)
+                raw, _ = token_logprobs(model, ids, attention, mask, 1.0)
+                whole = (model(input_ids=ids).logits[0, len(traj.token_ids) - 1:-1].float() / temperature).softmax(-1)
+            reported = torch.tensor(sample.logprobs)
+            worst = max(worst, float((reported - trainer[0, len(traj.token_ids):]).abs().max()))
+            raw_worst = max(raw_worst, float((reported - raw[0, len(traj.token_ids):]).abs().max()))
+            ranked = whole.sort(-1, descending=True).values  # [tokens, V]
+            kept = ranked * (ranked.cumsum(-1) - ranked < top_p)  # the nucleus the token was drawn from
+            nucleus = max(nucleus, float(-kept.sum(-1).log().max()))  # a truncated log-prob's excess over the whole one
+        assert worst < 1e-4, (name, worst)
+        if temperature != 1.0:
+            assert raw_worst > 0.05, name
+        if top_p < 1.0:
+            assert nucleus > 1e-3, (name, nucleus)  # (so a truncated log-prob would have failed the first check)
 
 
 def train_steps(model, k, seed):
