@@ -288,12 +288,17 @@ class ChatFormat:
 
     def observation(self, text: str, role: str = "user") -> list[int]:
         """An env's answer wrapped in the template's scaffolding: a user turn, or (role "tool") a tool result."""
+        return self.encode(self.wrap(text, role))
+
+    def wrap(self, text: str, role: str = "user") -> str:
+        """The text of observation(text, role): what the template renders after an assistant turn's end-of-turn token
+        up to the next generation prompt."""
         if role == "tool":
             prefix, suffix = self.tool_layout()
             text = json.dumps(text, ensure_ascii=False) if self._tool_json else text
         else:
             prefix, suffix = self.observation_prefix, self.observation_suffix
-        return self.encode(prefix + text + suffix)
+        return prefix + text + suffix
 
     def text(self, sampled: list[int]) -> str:
         """The assistant's text as the env sees it (special tokens such as end-of-turn dropped)."""

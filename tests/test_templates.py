@@ -14,7 +14,6 @@ tokenizer is in tests/test_token_exactness.py.
 """
 
 import json
-import re
 from pathlib import Path
 
 import pytest
