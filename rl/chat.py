@@ -29,7 +29,8 @@ rendered by the template (`tools=`), and reads the calls in the reply in the tem
 bare JSON object `{"name": ..., "parameters": {...}}` (after an optional <|python_tag|>). The env's answer to a
 call comes back as a `tool` message, wrapped in what the template renders around one. A template that renders
 neither format is refused with one sentence. Llama 3.1's template writes a tool result as a JSON string (its content
-`| tojson`), so its results are wrapped the same way.
+`| tojson`), so its results are wrapped the same way; Llama 3's templates trim every message, so an observation is
+trimmed too (a sampled reply stays as sampled).
 
 Harmony (gpt-oss) is refused at start: a reply there is several messages (reasoning on the analysis channel, then the
 answer on the final channel or a call on the commentary channel) ending in <|return|> or <|call|>, which the
@@ -257,6 +258,10 @@ class ChatFormat:
         self._eot_text = eot
         self.end_of_turn = tokenizer.convert_tokens_to_ids(eot)
         self.observation_prefix, self.observation_suffix = self._around(text, after)
+        # what the template strips off a message's ends (Llama 3's `| trim`), stripped off an observation alike
+        padded = self.render(history + [{"role": "user", "content": " \n" + self._NEXT + "\n "}], add_generation_prompt=True)
+        at = padded.index(self._NEXT)
+        self._strip = (padded[at - 2:at] != " \n", padded[at + len(self._NEXT):at + len(self._NEXT) + 2] != "\n ")
         eos = tokenizer.eos_token_id
         self.stop_ids = {self.end_of_turn} | set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.end_of_turn
@@ -298,6 +303,8 @@ class ChatFormat:
             text = json.dumps(text, ensure_ascii=False) if self._tool_json else text
         else:
             prefix, suffix = self.observation_prefix, self.observation_suffix
+            text = text.lstrip() if self._strip[0] else text
+            text = text.rstrip() if self._strip[1] else text
         return prefix + text + suffix
 
     def text(self, sampled: list[int]) -> str:

@@ -220,6 +220,31 @@ def test_every_template_lays_out_every_env_token_exact(real_tokenizer, recorded,
         assert (EXACT if differs == 0 else OWN) == status
 
 
+@pytest.mark.parametrize("case", ["qwen2_5", "llama3", "llama3_1"])
+def test_an_observation_is_wrapped_as_the_template_renders_it(real_tokenizer, case):
+    """Whitespace around an env's answer: Llama 3's templates trim every message (and Llama 3.1 writes a tool result
+    as a JSON string), ChatML keeps it; the scaffolding around an observation is what the template renders."""
+    fmt = case_format(real_tokenizer, case)
+    opening = [{"role": "user", "content": "Play."}, {"role": "assistant", "content": "OK."},
+               {"role": "user", "content": "You see a door."}]
+    reply = {"role": "assistant", "content": "Action: open door"}
+    eot = fmt.tokenizer.convert_ids_to_tokens(fmt.end_of_turn)
+
+    def upto_reply(messages):  # the conversation's rendering up to the reply's end-of-turn token
+        text = fmt.render(messages)
+        return text[:text.rindex(eot) + len(eot)]
+
+    for observation in (" \nThe door opens.\n\n", 'A "quoted" \\ answer\n'):
+        shown = fmt.render([*opening, reply, {"role": "user", "content": observation}], add_generation_prompt=True)
+        assert upto_reply([*opening, reply]) + fmt.wrap(observation) == shown
+        if fmt.call_style is not None:
+            tool_turn = {**reply, "tool_calls": [{"id": "c", "type": "function",
+                                                  "function": {"name": "open", "arguments": {"object": "door"}}}]}
+            shown = fmt.render([*opening, tool_turn, {"role": "tool", "tool_call_id": "c", "content": observation}],
+                               add_generation_prompt=True)
+            assert upto_reply([*opening, tool_turn]) + fmt.wrap(observation, "tool") == shown
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if STATUS[c]["tools"] != REFUSED])
 def test_calls_are_written_and_read_in_the_templates_own_format(real_tokenizer, case):
     fmt = case_format(real_tokenizer, case)
