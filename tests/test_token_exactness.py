@@ -5,6 +5,7 @@ its scripted expert) and for sampled rollouts under three chat templates (the em
 and Qwen3 ones with their real tokenizers; tests/test_templates.py audits every real template on every env)."""
 
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -96,9 +97,11 @@ def exact_on(engine, fmt, name):
     assert check_exact(fmt, spy, trajectories) >= 1
 
 
-def check_exact(fmt, spy, trajectories, renders=True):
+def check_exact(fmt, spy, trajectories, renders=True, spaces=True):
     """renders: the whole sequence is also what the chat template renders for the conversation (False for a template
-    that drops earlier reasoning, whose rendering the appended tokens do not follow by design)."""
+    that drops earlier reasoning, whose rendering the appended tokens do not follow by design); spaces=False: up to
+    whitespace (a template that trims every message, as Llama 3's, renders a sampled reply without the whitespace
+    around it)."""
     checked_text = 0
     for traj in trajectories:
         prompts, samples = spy.prompts.get(traj.row, []), spy.samples.get(traj.row, [])
@@ -123,7 +126,8 @@ def check_exact(fmt, spy, trajectories, renders=True):
             text = fmt.tokenizer.decode(traj.token_ids)
             if traj.finish in ("done", "horizon", "max_tokens"):  # the final observation is logged, not tokenized
                 text += fmt.wrap(traj.messages[-1]["content"])
-            assert text == fmt.render(traj.messages, add_generation_prompt=True)
+            shown = fmt.render(traj.messages, add_generation_prompt=True)
+            assert text == shown if spaces else re.sub(r"\s", "", text) == re.sub(r"\s", "", shown)
             checked_text += 1
     # the model's text is never tokenized: only the first prompts and the observations are
     firsts = {fmt.render(t.messages[:3], add_generation_prompt=True, tools=t.tools) for t in trajectories}
@@ -136,8 +140,8 @@ def check_exact(fmt, spy, trajectories, renders=True):
 @pytest.mark.parametrize("template", ["chatml", "llama3", "qwen3"])
 def test_sampled_rollouts_are_token_exact(tiny, real_tokenizer, template):
     """The embedded agent (ChatML), and random-weight models sampling the real Llama 3 and Qwen3 tokenizers' tokens
-    under their real templates (Qwen3's drops earlier reasoning from what it renders; Llama 3's trims every message,
-    so a sampled reply that starts or ends with whitespace renders otherwise than it was sampled)."""
+    under their real templates (Llama 3's trims every message, so a sampled reply that starts or ends with whitespace
+    renders without it: the rendering is compared up to whitespace there)."""
     if template == "chatml":
         tokenizer, model = tiny
     else:
@@ -150,7 +154,7 @@ def test_sampled_rollouts_are_token_exact(tiny, real_tokenizer, template):
     trajectories = rollout(spy, fmt, environments, [1, 1, 2, 2, 44, 44], [0, 0, 1, 1, 2, 2],
                            horizon=4, max_new_tokens=24, max_tokens=4096)
     assert sum(t.turns for t in trajectories) >= 6
-    assert check_exact(fmt, spy, trajectories, renders=template != "llama3") >= (template != "llama3")
+    assert check_exact(fmt, spy, trajectories, spaces=template != "llama3") >= 1
 
 
 def test_turn_cut_by_the_token_limit_is_closed_unmasked(tiny):
