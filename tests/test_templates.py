@@ -245,6 +245,36 @@ def test_an_observation_is_wrapped_as_the_template_renders_it(real_tokenizer, ca
             assert upto_reply([*opening, tool_turn]) + fmt.wrap(observation, "tool") == shown
 
 
+@pytest.mark.slow  # (~1-3 s each)
+@pytest.mark.parametrize("case, agent, reasoning", [
+    ("qwen3", "react", "keep"), ("qwen3", "react", "drop"), ("qwen3:nothink", "react", "keep"),
+    ("qwen3_thinking_2507", "react", "keep"), ("deepseek_r1_distill", "react", "keep"),
+    ("deepseek_r1_distill", "react", "drop"), ("qwen2_5", "tools", "keep"), ("llama3_1", "tools", "keep"),
+    ("llama3_1", "tools", "drop")])
+def test_a_random_weight_model_samples_token_exact(real_tokenizer, case, agent, reasoning):
+    """HFEngine sampling a random-weight model with the real vocabulary (its stop and pad ids, tokens no BPE would
+    merge that way, turns cut by the limit): under keep every turn extends the last and the model's text is never
+    tokenized again; under drop every prompt is the template's rendering; the loss mask is the sampled tokens."""
+    from rl.engines import HFEngine
+    from test_token_exactness import check_exact, random_model
+
+    fmt = case_format(real_tokenizer, case, reasoning)
+    spy = Spy(HFEngine(random_model(fmt.tokenizer), fmt, temperature=1.0, seed=1), fmt)
+    environments = [envs.make("babyai") for _ in range(2)]
+    trajectories = rollout(spy, fmt, environments, [21, 34], [0, 1], horizon=3, max_new_tokens=12, max_tokens=8192,
+                           agent=make_agent(agent))
+    assert all(t.error is None and t.turns == 3 for t in trajectories)
+    if reasoning == "keep":
+        check_exact(fmt, spy, trajectories, renders=False)
+        return
+    for traj in trajectories:
+        for k, (ids, mask, _) in enumerate(traj.sequences):
+            prompt, sample = spy.prompts[traj.row][k], spy.samples[traj.row][k]
+            assert prompt == fmt.prompt(traj.messages[:3 + 2 * k], tools=traj.tools)
+            assert ids == prompt + sample + [fmt.end_of_turn] * (sample[-1:] != [fmt.end_of_turn])
+            assert [t for t, m in zip(ids, mask) if m] == sample
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if STATUS[c]["tools"] != REFUSED])
 def test_calls_are_written_and_read_in_the_templates_own_format(real_tokenizer, case):
     fmt = case_format(real_tokenizer, case)
