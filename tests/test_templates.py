@@ -8,9 +8,9 @@ project cannot lay out is refused with one sentence. README's "Chat templates" t
 
 Replies are scripted as a model of that template writes them (its reasoning block, then the env expert's reply or
 its call in the template's format) and tokenized as HFEngine returns a sample (the reply's ids, then the end-of-turn
-token); the envs are replayed from one recorded expert episode each (tests/data/expert_turns.json; `PYTHONPATH=.:tests
-python -c "import test_templates; test_templates.record()"` records it again), so no JVM or browser runs. Sampling by a random-weight model with a real
-tokenizer is in tests/test_token_exactness.py.
+token); the envs are replayed from one recorded expert episode each (tests/data/expert_turns.json, written by
+record() below), so no JVM or browser runs. A random-weight model with the real vocabulary samples under the
+templates that matter most (slow-marked), and under Llama 3's and Qwen3's in tests/test_token_exactness.py.
 """
 
 import json
@@ -148,7 +148,7 @@ def rendered(fmt, messages, tools) -> list[int]:
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-CASES = [case for case in STATUS]
+CASES = list(STATUS)
 
 
 @pytest.mark.parametrize("reasoning", ["keep", "drop"])
@@ -293,7 +293,8 @@ def test_harmony_is_refused_in_one_sentence(real_tokenizer):
 
 
 def record():
-    """Play each env's expert on one test task for up to 3 turns and write what it replied and observed."""
+    """Play each env's expert on one test task for up to 3 turns and write what it replied and observed
+    (`PYTHONPATH=.:tests python -c "import test_templates; test_templates.record()"`)."""
     out = {}
     for name in envs.ENVS:
         env = envs.make(name)
