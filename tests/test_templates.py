@@ -2,9 +2,10 @@
 tokenizer, on every env, under --agent react and tools and --reasoning keep and drop (and Qwen3's enable_thinking on
 and off): token-in-token-out holds (under keep each turn's prompt is the last one's plus the sampled tokens plus the
 observation; under drop it is the template's own rendering of the conversation, as a client would send it), the loss
-mask is exactly the sampled tokens, the tools render as the template renders them, a reply's call is read in the
-template's own format and the env gets exactly its action, reasoning never reaches the env, and a template this
-project cannot lay out is refused with one sentence. README's "Chat templates" table is STATUS below.
+mask is exactly the sampled tokens (and SFT data made of the episode's log is the same tokens), the tools render as
+the template renders them, a reply's call is read in the template's own format and the env gets exactly its action,
+reasoning never reaches the env, and a template this project cannot lay out is refused with one sentence. README's
+"Chat templates" table is STATUS below.
 
 Replies are scripted as a model of that template writes them (its reasoning block, then the env expert's reply or
 its call in the template's format) and tokenized as HFEngine returns a sample (the reply's ids, then the end-of-turn
@@ -22,6 +23,7 @@ import envs
 from envs import tools as env_tools
 from rl.agent import make_agent
 from rl.chat import ChatFormat, chat_format
+from rl.data import encode, to_record
 from rl.engines import RoundEngine, Sample
 from rollout import rollout
 from test_token_exactness import Spy
@@ -218,6 +220,8 @@ def test_every_template_lays_out_every_env_token_exact(real_tokenizer, recorded,
             assert all(block.strip() in kept for block in engine.reasonings[:k])
     if reasoning == "keep" and len(prompts) > 1:
         assert (EXACT if differs == 0 else OWN) == status
+    if reasoning == "keep":  # SFT data made of the episode's log (rl/data.py) is the episode's tokens and mask
+        assert encode(fmt, to_record(traj)) == (traj.token_ids, traj.loss_mask)
 
 
 @pytest.mark.parametrize("case", ["qwen2_5", "llama3", "llama3_1"])
