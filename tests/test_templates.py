@@ -24,9 +24,9 @@ from envs import tools as env_tools
 from rl.agent import make_agent
 from rl.chat import ChatFormat, chat_format
 from rl.data import encode, to_record
-from rl.engines import RoundEngine, Sample
+from rl.engines import HFEngine, RoundEngine, Sample
 from rollout import rollout
-from test_token_exactness import Spy
+from test_token_exactness import Spy, check_exact, random_model
 
 RECORDED = Path(__file__).parent / "data" / "expert_turns.json"
 
@@ -259,9 +259,6 @@ def test_a_random_weight_model_samples_token_exact(real_tokenizer, case, agent, 
     """HFEngine sampling a random-weight model with the real vocabulary (its stop and pad ids, tokens no BPE would
     merge that way, turns cut by the limit): under keep every turn extends the last and the model's text is never
     tokenized again; under drop every prompt is the template's rendering; the loss mask is the sampled tokens."""
-    from rl.engines import HFEngine
-    from test_token_exactness import check_exact, random_model
-
     fmt = case_format(real_tokenizer, case, reasoning)
     spy = Spy(HFEngine(random_model(fmt.tokenizer), fmt, temperature=1.0, seed=1), fmt)
     environments = [envs.make("babyai") for _ in range(2)]
