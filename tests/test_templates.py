@@ -15,6 +15,7 @@ templates that matter most (slow-marked), and under Llama 3's and Qwen3's in tes
 """
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -291,6 +292,26 @@ def test_harmony_is_refused_in_one_sentence(real_tokenizer):
     for agent in ("react", "tools"):
         with pytest.raises(SystemExit, match=r"speaks OpenAI's harmony format .* cannot lay out token by token: use another"):
             chat_format(real_tokenizer("gptoss"), agent, {}, None)
+
+
+def test_the_readme_table_is_the_audit():
+    """README's "Chat templates" table says what STATUS says (a row "as `qwen3`" as qwen3's, in either thinking mode)."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("### Chat templates"):]
+    rows = {}
+    for line in section[:section.index("\n## ")].splitlines():
+        if line.startswith("| `"):
+            cells = line.split(" | ")
+            name = re.match(r"\| `(\w+)`", line).group(1) + (":nothink" if "enable_thinking false" in cells[0] else "")
+            rows[name] = dict(zip(("react", "tools"), (cell.split(" / ")[0] for cell in cells[2:4])))
+    words = {"exact": EXACT, "own tokens": OWN, "refused": REFUSED}
+    for case, status in STATUS.items():
+        template, _, variant = case.partition(":")
+        for agent, expected in status.items():
+            said = rows[case if case in rows else template][agent]
+            if said.startswith("as `"):
+                said = rows[said[4:-1] + (":" + variant if variant else "")][agent].split(" / ")[0]
+            assert words[said] == expected, (case, agent, said)
 
 
 def record():
