@@ -33,10 +33,17 @@ rendered by the template (`tools=`), and reads the calls in the reply in the tem
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Qwen3 and most open models) or Llama 3.1's
 bare JSON object `{"name": ..., "parameters": {...}}` (after an optional <|python_tag|>). The env's answer to a
 call comes back as a `tool` message, wrapped in what the template renders around one. A template that renders
-neither format is refused with one sentence. Calls are read as strict JSON: NaN, Infinity and numbers beyond a
+neither format is refused with one sentence. Llama 3.1's template writes a tool result as a JSON string (its content
+`| tojson`), so its results are wrapped the same way; Llama 3's templates trim every message, so an observation is
+trimmed too (a sampled reply stays as sampled). Calls are read as strict JSON: NaN, Infinity and numbers beyond a
 float (1e999), which Python's json would take, are refused, as is nesting deeper than MAX_DEPTH (a call's
 arguments are flat; deeper values would later be written back into the conversation by recursive encoders).
 Whatever a reply holds, reading it gives calls or a CallError, never another exception.
+
+Harmony (gpt-oss) is refused at start: a reply there is several messages (reasoning on the analysis channel, then the
+answer on the final channel or a call on the commentary channel) ending in <|return|> or <|call|>, which the
+template rewrites as <|end|> in history, and a tool result's header names its tool; a turn here is one assistant
+message closed by one end-of-turn token, around a fixed scaffolding.
 """
 
 from __future__ import annotations
@@ -192,13 +199,17 @@ def _why(error: Exception) -> str:
     return "nested too deeply" if isinstance(error, RecursionError) else str(error).split(";")[0]
 
 
-def without_calls(content: str, style: str | None) -> str:
-    """A calling turn's content without the calls' own text (a template, or a server's, writes them from tool_calls)."""
+def without_calls(content: str, style: str | None, close: str | None = None) -> str:
+    """A calling turn's content without the calls' own text (a template, or a server's, writes them from tool_calls).
+    `close`: the reasoning's closing tag; a call written inside the reasoning (before its last closing tag, where
+    templates split a reply) is the model's thought, not a call, and stays."""
+    at = content.rfind(close) + len(close) if close and close in content else 0
+    head, content = content[:at], content[at:]
     if style == "hermes":
         content = re.sub(r"\s*<tool_call>.*?</tool_call>", "", content, flags=re.DOTALL)
     elif style == "llama" and content.strip().removeprefix("<|python_tag|>").lstrip().startswith("{"):
         content = ""
-    return content.rstrip()
+    return (head + content).rstrip()
 
 
 def openai_calls(calls: list[tuple[str, dict]], turn: int) -> list[dict]:
@@ -207,14 +218,14 @@ def openai_calls(calls: list[tuple[str, dict]], turn: int) -> list[dict]:
              "function": {"name": name, "arguments": json.dumps(arguments)}} for i, (name, arguments) in enumerate(calls)]
 
 
-def _for_template(messages: list[dict], style: str | None) -> list[dict]:
+def _for_template(messages: list[dict], style: str | None, close: str | None = None) -> list[dict]:
     """Messages as chat templates take them: a calling turn's content without the calls' own text (a sampled reply
     holds its calls as text; the template writes them from tool_calls), its arguments as objects (OpenAI's API sends
     JSON strings, which templates such as Qwen2.5's would encode a second time)."""
     out = []
     for message in messages:
         if message.get("tool_calls"):
-            message = {**message, "content": without_calls(message.get("content") or "", style)}
+            message = {**message, "content": without_calls(message.get("content") or "", style, close)}
             calls = []
             for call in message["tool_calls"]:
                 function = dict(call.get("function", call))
@@ -276,7 +287,11 @@ class ChatFormat:
             raise ValueError(f"--reasoning takes {' or '.join(HISTORIES)}, not {history!r}")
         self.tokenizer, self.template_kwargs, self.history = tokenizer, dict(template_kwargs or {}), history
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else str(tokenizer.chat_template)
-        self.call_style = call_style(template)
+        if "<|channel|>" in template:
+            raise SystemExit(f"{tokenizer.name_or_path}'s chat template speaks OpenAI's harmony format (gpt-oss: a reply is "
+                             "several messages on analysis, commentary and final channels), which this project cannot "
+                             "lay out token by token: use another model")
+        self.call_style, self.reasoning = call_style(template), reasoning_of(template, reasoning_tags)
         history = [{"role": "user", "content": self._USER}, {"role": "assistant", "content": self._ASSISTANT}]
         text = self.render(history + [{"role": "user", "content": self._NEXT}], add_generation_prompt=True)
         specials = sorted(set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab()), key=len, reverse=True)
@@ -288,24 +303,30 @@ class ChatFormat:
         self._eot_text = eot
         self.end_of_turn = tokenizer.convert_tokens_to_ids(eot)
         self.observation_prefix, self.observation_suffix = self._around(text, after)
+        # what the template strips off a message's ends (Llama 3's `| trim`), stripped off an observation alike
+        padded = self.render(history + [{"role": "user", "content": " \n" + self._NEXT + "\n "}], add_generation_prompt=True)
+        at = padded.index(self._NEXT)
+        self._strip = (padded[at - 2:at] != " \n", padded[at + len(self._NEXT):at + len(self._NEXT) + 2] != "\n ")
         eos = tokenizer.eos_token_id
         self.stop_ids = {self.end_of_turn} | set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.end_of_turn
-        self.reasoning = reasoning_of(template, reasoning_tags)
         generation = self.observation_suffix  # (the generation prompt ends it)
         self.opens_reasoning = self.reasoning is not None and \
             generation.rfind(self.reasoning.open) > generation.rfind(self.reasoning.close)
         self._tool_layout: tuple[str, str] | None = None
+        self._tool_json = False  # the template writes a tool result as a JSON string (Llama 3.1's `| tojson`)
 
-    def _around(self, text: str, after: int) -> tuple[str, str]:
+    def _around(self, text: str, after: int, sentinel: str = _NEXT) -> tuple[str, str]:
         """The text between the end-of-turn token at `after` and the next message's sentinel, and after it."""
         start = after + len(self._eot_text)
-        split = text.index(self._NEXT)
-        return text[start:split], text[split + len(self._NEXT):]
+        split = text.index(sentinel)
+        return text[start:split], text[split + len(sentinel):]
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
-        return self.tokenizer.apply_chat_template(_for_template(messages, self.call_style), tools=tools or None, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt, **self.template_kwargs)
+        close = self.reasoning.close if self.reasoning else None
+        return self.tokenizer.apply_chat_template(_for_template(messages, self.call_style, close), tools=tools or None,
+                                                  tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  **self.template_kwargs)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -317,8 +338,19 @@ class ChatFormat:
 
     def observation(self, text: str, role: str = "user") -> list[int]:
         """An env's answer wrapped in the template's scaffolding: a user turn, or (role "tool") a tool result."""
-        prefix, suffix = self.tool_layout() if role == "tool" else (self.observation_prefix, self.observation_suffix)
-        return self.encode(prefix + text + suffix)
+        return self.encode(self.wrap(text, role))
+
+    def wrap(self, text: str, role: str = "user") -> str:
+        """The text of observation(text, role): what the template renders after an assistant turn's end-of-turn token
+        up to the next generation prompt."""
+        if role == "tool":
+            prefix, suffix = self.tool_layout()
+            text = json.dumps(text, ensure_ascii=False) if self._tool_json else text
+        else:
+            prefix, suffix = self.observation_prefix, self.observation_suffix
+            text = text.lstrip() if self._strip[0] else text
+            text = text.rstrip() if self._strip[1] else text
+        return prefix + text + suffix
 
     def text(self, sampled: list[int]) -> str:
         """The assistant's text as the env sees it (special tokens such as end-of-turn dropped)."""
@@ -363,7 +395,14 @@ class ChatFormat:
                        {"role": "assistant", "content": self._ASSISTANT, "tool_calls": calls},
                        {"role": "tool", "tool_call_id": calls[0]["id"], "name": "sentinel", "content": self._NEXT}]
             text = self.render(history, add_generation_prompt=True)
+            # (as HF's tojson writes it: Llama 3.1 renders a result `| tojson`, a string as a quoted JSON string)
+            self._tool_json = self._NEXT not in text
+            sentinel = json.dumps(self._NEXT, ensure_ascii=False) if self._tool_json else self._NEXT
+            if sentinel not in text:
+                raise SystemExit(f"{self.tokenizer.name_or_path}'s chat template does not render a tool result's "
+                                 "content: use --agent react, or a model whose template supports tools")
             # (the calling turn's end-of-turn token is the last before the result: some templates render a calling
             # turn without its content, so the assistant sentinel may be absent)
-            self._tool_layout = self._around(text, text.rindex(self._eot_text, 0, text.index(self._NEXT)))
+            at = text.index(sentinel)
+            self._tool_layout = self._around(text, text.rindex(self._eot_text, 0, at), sentinel)
         return self._tool_layout

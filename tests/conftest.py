@@ -14,6 +14,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # several workers on a few cores (pyt
 os.environ.setdefault("AGENTGYM_RL_PLOTS", "0")  # no PNGs at the end of every short run (tests/test_view.py draws them)
 
 
+import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
@@ -63,3 +64,57 @@ def tiny_run(tmp_path):
         return run_dir, records, results
 
     return run
+
+
+# The real tokenizer of each real chat template's models (rl/artifacts.py fetches both at set-up). Llama 3.1's and
+# 3.2's tokenizer is Llama 3's with three reserved special tokens renamed; DeepSeek-R1-Distill-Qwen's, which no package
+# ships, is Qwen's BPE with R1's special tokens in place of Qwen's first four (the ids R1 gives them: <｜end▁of▁sentence｜>
+# 151643, <｜User｜> 151644, <｜Assistant｜> 151645, <｜begin▁of▁sentence｜> 151646); its <think> and </think> stay
+# single non-special tokens as in R1, at Qwen3's ids (151667, 151668) rather than R1's (151648, 151649), and its tool
+# tokens are left out (its template's calls are refused: rl/chat.py).
+TOKENIZER_OF = {"qwen2_5": "qwen3", "qwen3": "qwen3", "qwen3_first_release": "qwen3", "qwen3_instruct_2507": "qwen3",
+                "qwen3_thinking_2507": "qwen3", "llama3": "llama3", "llama3_1": "llama3_1", "llama3_2": "llama3_1",
+                "deepseek_r1_distill": "r1_distill", "gptoss": "gptoss"}
+RENAMED = {"llama3_1": ("llama3", {128004: "<|finetune_right_pad_id|>", 128008: "<|eom_id|>", 128010: "<|python_tag|>"}, {}),
+           "r1_distill": ("qwen3", {151643: "<｜end▁of▁sentence｜>", 151644: "<｜User｜>", 151645: "<｜Assistant｜>",
+                                    151646: "<｜begin▁of▁sentence｜>"},
+                          {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>",
+                           "pad_token": "<｜end▁of▁sentence｜>"})}
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer(tmp_path_factory):
+    """real_tokenizer(template): the real tokenizer of the models that carry the real chat template `template` (a
+    name of rl/artifacts.py's templates/), speaking it; each tokenizer is loaded once a session (2-6 s each)."""
+    from transformers import AutoTokenizer
+
+    from rl import artifacts
+
+    loaded = {}
+
+    def base(name):
+        if name not in loaded:
+            if name in RENAMED:
+                source, names, special = RENAMED[name]
+                folder = tmp_path_factory.mktemp(name)
+                for file in ("tokenizer.json", "tokenizer_config.json"):
+                    data = json.loads(artifacts.path(f"tokenizers/{source}/{file}").read_text())
+                    for token in data.get("added_tokens", []):
+                        token["content"] = names.get(token["id"], token["content"])
+                    for key, token in data.get("added_tokens_decoder", {}).items():
+                        token["content"] = names.get(int(key), token["content"])
+                    if file == "tokenizer_config.json":
+                        data.update(special)
+                        data.pop("chat_template", None)
+                    (folder / file).write_text(json.dumps(data, ensure_ascii=False))
+            else:
+                folder = artifacts.path(f"tokenizers/{name}/tokenizer.json").parent
+            loaded[name] = AutoTokenizer.from_pretrained(str(folder))
+        return loaded[name]
+
+    def speaking(template):
+        tokenizer = copy.copy(base(TOKENIZER_OF[template]))
+        tokenizer.chat_template = artifacts.path(f"templates/{template}.jinja").read_text()
+        return tokenizer
+
+    return speaking

@@ -5,9 +5,7 @@ pair, or the flag), template options reach every rendering, a whole episode of a
 token-exact (--reasoning keep), and under DeepSeek-R1-Distill's own template, whose generation prompt opens the
 block, the HF engine's replies hold only the closing tag and are read the same way."""
 
-import copy
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,19 +18,12 @@ from rl.model import load_tokenizer
 from rollout import rollout
 from test_token_exactness import Spy, check_exact
 
-TEMPLATES = Path(__file__).parent / "templates"
 DECOY = "<think>\nThe goal is near. Action: turn left would be wrong here.\n</think>\n\n"
 
 
-def formatted(template: str, **kwargs) -> ChatFormat:
-    tokenizer = copy.deepcopy(load_tokenizer("tiny-agent"))
-    tokenizer.chat_template = (TEMPLATES / template).read_text()
-    return ChatFormat(tokenizer, **kwargs)
-
-
 @pytest.fixture(scope="module")
-def thinking():
-    return formatted("reasoning.jinja")
+def thinking(real_tokenizer):
+    return ChatFormat(real_tokenizer("qwen3"))  # Qwen3's own template and tokenizer
 
 
 def test_the_answer_is_what_follows_the_reasoning_block():
@@ -66,10 +57,10 @@ def test_tags_come_from_the_template_the_default_pair_or_the_flag(thinking):
     assert flagged.answer("<reason>r</reason>Action: a") == "Action: a"
 
 
-def test_template_options_reach_every_rendering():
+def test_template_options_reach_every_rendering(thinking):
     """enable_thinking=false (Qwen3): the generation prompt closes an empty block, so replies carry no reasoning,
     and the first prompt and every observation's scaffolding end with it."""
-    plain, closed = formatted("reasoning.jinja"), formatted("reasoning.jinja", template_kwargs={"enable_thinking": False})
+    plain, closed = thinking, ChatFormat(thinking.tokenizer, template_kwargs={"enable_thinking": False})
     empty = "<think>\n\n</think>\n\n"
     assert not plain.observation_suffix.endswith(empty) and closed.observation_suffix.endswith(empty)
     messages = [{"role": "user", "content": "hello"}]
@@ -78,10 +69,8 @@ def test_template_options_reach_every_rendering():
     assert closed.answer("Action: go") == "Action: go"
 
 
-def test_a_template_that_opens_the_block_makes_replies_start_inside_it():
-    tokenizer = copy.deepcopy(load_tokenizer("tiny-agent"))
-    tokenizer.chat_template = (TEMPLATES / "reasoning.jinja").read_text().replace(
-        "{{- '<|im_start|>assistant\\n' }}\n    {%- if enable_thinking", "{{- '<|im_start|>assistant\\n<think>\\n' }}\n    {%- if enable_thinking")
+def test_a_template_that_opens_the_block_makes_replies_start_inside_it(real_tokenizer):
+    tokenizer = real_tokenizer("qwen3_thinking_2507")  # (R1 distills' opens it too: tests/test_templates.py)
     fmt = ChatFormat(tokenizer)
     assert fmt.observation_suffix.endswith("<think>\n") and fmt.opens_reasoning
     assert fmt.answer("thinking about it\n</think>\n\nAction: go forward") == "Action: go forward"

@@ -3,7 +3,6 @@ own format (Hermes' <tool_call> blocks, Llama 3.1's JSON), every malformed call 
 wrong and counts as an invalid action without touching the env, the experts play every env through tool calls
 exactly as through text, and those episodes are token-exact; a template that renders no calls is refused."""
 
-import copy
 import importlib.util
 import json
 import re
@@ -20,7 +19,6 @@ from rl.model import load_tokenizer
 from rollout import rollout
 from test_token_exactness import Spy, check_exact
 
-TEMPLATES = Path(__file__).parent / "templates"
 TOOLS = make_agent("tools")
 
 
@@ -30,12 +28,8 @@ def hermes():
 
 
 @pytest.fixture(scope="module")
-def llama():
-    tokenizer = copy.deepcopy(load_tokenizer("tiny-agent"))
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|begin_of_text|>", "<|start_header_id|>",
-                                                                "<|end_header_id|>", "<|eot_id|>"]})
-    tokenizer.chat_template = (TEMPLATES / "llama_tools.jinja").read_text()
-    return ChatFormat(tokenizer)
+def llama(real_tokenizer):
+    return ChatFormat(real_tokenizer("llama3_1"))  # Llama 3.1's own template and tokenizer
 
 
 def test_calls_are_read_in_the_templates_own_format(hermes, llama):
@@ -96,9 +90,8 @@ def test_a_valid_call_is_the_action_the_env_takes_and_reasoning_stays_out(hermes
     assert TOOLS.read(thinking, "babyai", decoy + hermes.call_text("turn_right", {})).calls == [("turn_right", {})]
 
 
-def test_a_template_without_tool_calls_is_refused_in_one_sentence():
-    tokenizer = copy.deepcopy(load_tokenizer("tiny-agent"))
-    tokenizer.chat_template = (TEMPLATES / "reasoning.jinja").read_text().replace("<tool_call>", "<call>")
+def test_a_template_without_tool_calls_is_refused_in_one_sentence(real_tokenizer):
+    tokenizer = real_tokenizer("llama3")  # Llama 3's template has no tools
     chat_format(tokenizer, "react", {}, None)  # other formats do not need tool calls
     with pytest.raises(SystemExit, match="renders no tool calls in a format this project reads"):
         chat_format(tokenizer, "tools", {}, None)
