@@ -5,6 +5,7 @@ pair, or the flag), template options reach every rendering, a whole episode of a
 token-exact (--reasoning keep), and under DeepSeek-R1-Distill's own template, whose generation prompt opens the
 block, the HF engine's replies hold only the closing tag and are read the same way."""
 
+import copy
 import re
 
 import pytest
