@@ -245,7 +245,7 @@ class Args:
     none, weight 1; tis, each token weighed min(pi_trainer / pi_engine, --mismatch-cap); mis, a sequence whose
     geometric-mean ratio is outside [1 / cap, cap] left out (rl/losses.py; README, "Engine-trainer mismatch")"""
     mismatch_cap: float | None = None
-    """--mismatch tis, mis: C, the cap of the weight (tis) or the band [1 / C, C] (mis); default 2"""
+    """--mismatch tis, mis: C, the cap of the weight (tis) or the band [1 / C, C] (mis); default: 2"""
 
     # -- optimisation
     lr: float = 1e-6

@@ -88,7 +88,8 @@ def weight_sums(weighed: Weights, trainer: torch.Tensor, engine: torch.Tensor, m
     diff = (engine - trainer).abs()
     sums = {"fresh_tokens": float(fresh.sum()), "logprob_diff": float(diff[fresh].sum()),
             "logprob_diff_max": float(diff[fresh].max()) if fresh.any() else 0.0,
-            "mismatch_kl": float(kl(engine, trainer, "k3")[fresh].sum()),
+            # (in fp64: at an fp32 engine's gap of 1e-7, exp(d) - d - 1 in fp32 is all rounding, and negative)
+            "mismatch_kl": float(kl(engine.double(), trainer.double(), "k3")[fresh].sum()),
             "mismatch_truncated": float(weighed.truncated.sum()), "mismatch_masked": float(weighed.masked.sum()),
             "mismatch_ratio_max": float(torch.exp(trainer - engine)[fresh].max()) if fresh.any() else 0.0}
     if lag is None:
