@@ -222,7 +222,7 @@ class Args:
     vllm_sleep: bool = True
     """GPU: the engine frees its KV cache and offloads its weights while the trainer scores and updates"""
     vllm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """the vLLM engine's weights and compute; auto: bfloat16 on a GPU, float32 on a CPU (the trainer's, fp32 on a CPU)"""
+    """the vLLM engine's weights and compute; auto: bfloat16 on a GPU, float32 on a CPU (where the trainer is fp32)"""
     sync_tolerance: float = 0.0
     """largest mean engine-vs-trainer log-prob difference on the probe accepted after a weight sync
     (the run stops past it); 0: by the engine's dtype, 1e-3 for fp32, 0.1 for bf16"""

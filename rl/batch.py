@@ -209,7 +209,8 @@ def _place(rows: list[list[int]], lengths: list[int]) -> list[Piece]:
 def _micro(full: dict, rows: list[list[int]], pieces: list[Piece], pad_id: int, pack: bool, device,
            episodes: torch.Tensor | None = None) -> dict:
     """One micro-batch's tensors (those of `full` it has: input_ids, loss_mask, sampler_logprobs, weights, versions), and
-    `segments`, the episode of each token, and `sequence`, its row of `full` (-1: padding). An empty one holds a single masked pad token."""
+    `segments`, the episode of each token, and `sequence`, its row of `full` (-1: padding). An empty one holds a single
+    masked pad token."""
     width = max([1] + [piece.offset + piece.length for piece in pieces])
     micro = {"input_ids": torch.full((len(rows), width), pad_id, dtype=torch.long)}
     micro |= {key: torch.zeros((len(rows), width)) for key in ("loss_mask", "sampler_logprobs", "weights", "versions")

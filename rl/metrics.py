@@ -60,7 +60,7 @@ class UpdateSums(Sums):
     entropy: float = 0.0
     clipfrac: float = 0.0
     ppo_kl: float = 0.0
-    fresh_tokens: float = 0.0  # action tokens sampled by the weights being updated (lag 0: all, without --max-staleness)
+    fresh_tokens: float = 0.0  # action tokens sampled by the weights being updated (lag 0; all without --max-staleness)
     logprob_diff: float = 0.0  # |sampler's - trainer's log-prob| over them: the engine check
     logprob_diff_max: float = largest()
     mismatch_kl: float = 0.0  # k3 estimate of KL(engine || trainer) over them, summed

@@ -9,7 +9,6 @@ import sys
 import types
 
 import pytest
-import torch
 
 import envs
 import train
@@ -129,7 +128,9 @@ def test_importance_weights_are_recomputed_from_the_logs(stale_run):
         # the engine check over the lag-0 tokens alone (the HF engine: the trainer's own weights), staleness apart
         assert m["rollout/logprob_diff"] == pytest.approx(sum(fresh) / max(len(fresh), 1), abs=1e-7)
         assert m["rollout/logprob_diff"] < 1e-5 and m["rollout/logprob_diff_max"] < 1e-4
-        assert m["async/logprob_diff_stale"] == pytest.approx(sum(stale) / max(len(stale), 1), rel=1e-4, abs=1e-7)
+        if stale:  # (staleness: 1e-2 and more, after updates at --lr 0.01)
+            assert m["async/logprob_diff_stale"] == pytest.approx(sum(stale) / len(stale), rel=1e-4)
+            assert m["async/logprob_diff_stale"] > 1e-3
         if not weights:
             assert m["async/is_weight_mean"] == 1 and m["async/is_truncated_share"] == 0
             continue
