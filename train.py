@@ -20,6 +20,8 @@ same models, accumulation, logs and checkpoints learn from trajectory files (--d
 
 `--max-staleness k` trains asynchronously: the next k steps' episodes are played while the trainer updates, and
 decoupled PPO weighs the tokens sampled by older weights (rollout.py's Stream; README, "Asynchronous training").
+`--mismatch tis|mis` weighs the tokens of the weights being updated for the engine's gap from the trainer (a bf16
+engine; rl/losses.py: one importance weight a token, the staleness's and the mismatch's).
 `--agent tools` plays through native tool calls and a reasoning model's block is never read by the env (rl/chat.py);
 `--reasoning drop` trains each turn on the template's rendering of the conversation, earlier reasoning gone.
 Flags default to the paper's recipe for a real model and to the `tiny` preset (two CPU cores, minutes) for the
