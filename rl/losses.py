@@ -56,12 +56,12 @@ class Weights(NamedTuple):
 
 
 def importance_weights(trainer, engine, mask, lag=None, sequences=None, mismatch: Mismatch = "none",
-                       cap: float = 2.0, is_cap: float = 2.0) -> Weights:
+                       cap: float = MISMATCH_CAP, is_cap: float = 2.0) -> Weights:
     """The one importance weight of every action token, for the gap between the policy that sampled it (the
     engine's `engine` log-probs) and the one whose clipped ratio the loss takes (the trainer's `trainer` log-probs
     before the update, pi_old). ratio = exp(trainer - engine) = pi_old / pi_engine. [B, T] each; `lag` [B, T]: the
     updates between the weights that sampled the token and pi_old's (None: all 0, the synchronous loop);
-    `sequences` [B, T]: the sequence each token is in (rl/batch.py's `row`; None: a row is one).
+    `sequences` [B, T]: the sequence each token is in (rl/batch.py's `sequence`; None: a row is one).
 
     - lag >= 1 (--max-staleness): decoupled PPO (Hilton et al., 2022; AReaL, Fu et al., 2025): pi_old is the
       proximal policy and the weight pi_prox / pi_behav, truncated at `is_cap` (TIS's truncation, Yao et al., 2025),
