@@ -151,6 +151,8 @@ class Args:
     """share of the GPU's memory vLLM takes (nothing else shares the GPU in eval)"""
     vllm_tensor_parallel_size: int = 1
     """GPUs per vLLM engine (tensor parallel)"""
+    vllm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """the vLLM engine's weights and compute; auto: bfloat16 on a GPU, float32 on a CPU"""
     rollout_server: tuple[str, ...] = ()
     """HOST:PORT of rollout servers (`python -m rl.rollout_server`) to play on; --model's weights are sent to them
     first unless they loaded exactly it"""
@@ -322,6 +324,10 @@ def evaluation_tasks(args: Args, settings: dict) -> list[int]:
 def load_engine(args: Args, settings: dict):
     """(kind, format, engine) that episodes play on: the local model on vLLM or HF sampling, or for --model
     openai:<name> the server at --base-url (no local model or tokenizer is loaded then)."""
+    if args.vllm_dtype != "auto" and (args.model.startswith(api.PREFIX) or args.rollout_server
+                                      or engine_kind(args.engine) == "hf"):
+        raise SystemExit(f"--vllm-dtype {args.vllm_dtype} sets the in-process vLLM engine's dtype; this evaluation has "
+                         "none (a rollout server has its own --dtype)")
     if args.model.startswith(api.PREFIX):
         fmt = api.APIFormat(settings["reasoning_tags"])
         return "api", fmt, api_engine(args, fmt.reasoning)
@@ -340,7 +346,8 @@ def load_engine(args: Args, settings: dict):
     engine = make_engine(kind, args.model, fmt, model, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                          batch_size=args.batch_size, max_model_len=settings["max_tokens"],
                          gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                         tensor_parallel_size=args.vllm_tensor_parallel_size, deterministic=args.deterministic)
+                         tensor_parallel_size=args.vllm_tensor_parallel_size, deterministic=args.deterministic,
+                         dtype=args.vllm_dtype)
     if kind == "vllm" and model is not None:  # a LoRA checkpoint: vLLM loaded its base; the adapter goes in merged
         engine.load_weights(model, weights=full_weights(model))
     return kind, fmt, engine

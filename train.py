@@ -20,6 +20,8 @@ same models, accumulation, logs and checkpoints learn from trajectory files (--d
 
 `--max-staleness k` trains asynchronously: the next k steps' episodes are played while the trainer updates, and
 decoupled PPO weighs the tokens sampled by older weights (rollout.py's Stream; README, "Asynchronous training").
+`--mismatch tis|mis` weighs the tokens of the weights being updated for the engine's gap from the trainer (a bf16
+engine; rl/losses.py: one importance weight a token, the staleness's and the mismatch's).
 `--agent tools` plays through native tool calls and a reasoning model's block is never read by the env (rl/chat.py);
 `--reasoning drop` trains each turn on the template's rendering of the conversation, earlier reasoning gone.
 Flags default to the paper's recipe for a real model and to the `tiny` preset (two CPU cores, minutes) for the
@@ -63,12 +65,12 @@ from rl.dpo import DPOSums, dpo_terms
 from rl.engines import build_engine, check_engine, check_sampling, own_stream, stream_seed, sync
 from rl.horizon import AUTO, LADDER, auto_horizon, caps_of, describe, horizon_at, known_before
 from rl.logprobs import pad, token_logprobs, token_values
-from rl.losses import aggregate, behaviour_weights, kl, policy_loss, value_loss
+from rl.losses import MISMATCH_CAP, aggregate, importance_weights, kl, policy_loss, value_loss
 from rl.memory import print_plan
 from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, Models, build_models, context_limit, has_reference,
                       check_models, load_tokenizer, make_accelerator, reference, restart, stop_on_nondeterministic)
 from rl.metrics import (Costs, UpdateSums, async_metrics, eval_line, eval_metrics, evol_line, offline_line, rl_line,
-                        stale_sums, step_metrics)
+                        step_metrics, weight_sums)
 from rl.optimizer import accumulate, optimizer_steps, reducer, stop_on_nonfinite
 from rl.records import read_metrics, rollout_records
 from rl.run import (Logs, close, eval_due, evaluation_plan, find_checkpoint, finish, phase, resumable_config, resume, run_config,
@@ -221,6 +223,8 @@ class Args:
     play rollouts on, not an engine in every process; the weights reach them over torch.distributed (README)"""
     vllm_sleep: bool = True
     """GPU: the engine frees its KV cache and offloads its weights while the trainer scores and updates"""
+    vllm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """the vLLM engine's weights and compute; auto: bfloat16 on a GPU, float32 on a CPU (where the trainer is fp32)"""
     sync_tolerance: float = 0.0
     """largest mean engine-vs-trainer log-prob difference on the probe accepted after a weight sync
     (the run stops past it); 0: by the engine's dtype, 1e-3 for fp32, 0.1 for bf16"""
@@ -238,6 +242,12 @@ class Args:
     way anew (they are not checkpointed), and --steps bounds the sets played, so either changes later steps"""
     is_cap: float = 2.0
     """--max-staleness: truncate a stale token's importance weight pi_prox / pi_behav at this (TIS's 2)"""
+    mismatch: Literal["none", "tis", "mis"] = "none"
+    """the engine-trainer gap of the tokens sampled by the weights being updated (a bf16 engine, other kernels):
+    none, weight 1; tis, each token weighed min(pi_trainer / pi_engine, --mismatch-cap); mis, a sequence whose
+    geometric-mean ratio is outside [1 / cap, cap] left out (rl/losses.py; README, "Engine-trainer mismatch")"""
+    mismatch_cap: float | None = None
+    """--mismatch tis, mis: C, the cap of the weight (tis) or the band [1 / C, C] (mis); default: 2"""
 
     # -- optimisation
     lr: float = 1e-6
@@ -685,9 +695,10 @@ def update_policy(models: Models, micro: dict, counts: dict, args: Args, acceler
     old = micro["old_logprobs"] if "old_logprobs" in micro else logprobs.detach()
     micro.setdefault("trainer_logprobs", old.detach())  # the first pass's, for the rollout log
     pg, clipped = policy_loss(logprobs, old, micro["advantages"], args.clip, args.clip_high, args.dual_clip)
-    weights, truncated = behaviour_weights(old, micro["sampler_logprobs"], micro["lag"], args.is_cap) if "lag" in micro \
-        else (torch.ones_like(pg), torch.zeros_like(pg))  # (--max-staleness: decoupled PPO, around the proximal policy)
-    pg = pg * weights
+    # (one weight a token for the sampler's gap: --max-staleness's decoupled PPO around the proximal policy, --mismatch)
+    weighed = importance_weights(old, micro["sampler_logprobs"], mask, micro.get("lag"), micro["sequence"],
+                                 args.mismatch, args.mismatch_cap or MISMATCH_CAP, args.is_cap)
+    pg = pg * weighed.weights
     loss = aggregate(pg, mask, args.loss_agg, **counts) - args.entropy_coef * aggregate(entropy, mask, args.loss_agg, **counts)
     divergence = torch.zeros_like(logprobs)
     if has_reference(models):
@@ -698,9 +709,7 @@ def update_policy(models: Models, micro: dict, counts: dict, args: Args, acceler
         sums = UpdateSums(tokens=float(mask.sum()), policy=float((pg * mask).sum()), kl=float((divergence * mask).sum()),
                           entropy=float((entropy * mask).sum()), clipfrac=float((clipped * mask).sum()),
                           ppo_kl=float(((old - logprobs) * mask).sum()),
-                          logprob_diff=float(((micro["sampler_logprobs"] - old).abs() * mask).sum()),
-                          logprob_diff_max=float(((micro["sampler_logprobs"] - old).abs() * mask).max()),
-                          **(stale_sums(weights, truncated, micro["lag"] * mask) if "lag" in micro else {}))
+                          **weight_sums(weighed, old, micro["sampler_logprobs"], mask, micro.get("lag")))
     return loss, sums, all(math.isfinite(x) for x in (sums.policy, sums.kl, sums.entropy))
 
 
@@ -947,8 +956,8 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
 # and the env infrastructure (where the env server is, how long a call may take, what stops the run).
 # Everything else is the run's own setting, so that it continues as it started, in its own directory.
 RESUMABLE = ("steps", "epochs", "save_every", "keep_checkpoints", "log_rollouts_every", "track", "wandb_project", "gen_batch_size", "resume",
-             "out_dir", "engine", "vllm_gpu_memory_utilization", "vllm_max_model_len", "vllm_tensor_parallel_size",
-             "vllm_sleep", "sync_tolerance", "rollout_server", "env_timeout", "env_url", "env_delay", "max_error_rate",
+             "out_dir", "engine", "vllm_dtype", "vllm_gpu_memory_utilization", "vllm_max_model_len",
+             "vllm_tensor_parallel_size", "vllm_sleep", "sync_tolerance", "rollout_server", "env_timeout", "env_url", "env_delay", "max_error_rate",
              "max_nonfinite_updates")
 
 
@@ -1099,6 +1108,11 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
     if args.is_cap != Args.is_cap and args.max_staleness is None:
         raise SystemExit("--is-cap truncates the importance weights of stale tokens, which only --max-staleness makes: "
                          "give --max-staleness too, or leave --is-cap out")
+    if args.mismatch_cap is not None and args.mismatch == "none":
+        raise SystemExit("--mismatch-cap bounds --mismatch tis's weights or mis's band: give --mismatch tis or mis with it")
+    if args.mismatch_cap is not None and args.mismatch_cap <= 1:
+        raise SystemExit(f"--mismatch-cap {args.mismatch_cap:g} must be above 1: tis truncates the weights at C, mis keeps "
+                         "the sequences whose geometric-mean ratio is within [1/C, C]")
     if args.max_staleness is not None and args.agent == "reflect":
         raise SystemExit("--agent reflect's attempts wait for each other's reflections: train it without --max-staleness")
     trajectories = args.tasks_per_step // world * args.n
@@ -1135,8 +1149,9 @@ def check_offline(args: Args, world: int) -> None:
         raise SystemExit(f"--algo {args.algo} learns from trajectory files: give --data FILE ... (AgentGym's AgentTraj "
                          "format; `python scripts/make_expert_data.py --env ENV` writes the oracle's, and a run's "
                          "rollouts.jsonl or eval.py's episodes read too)")
-    if args.max_staleness is not None:
-        raise SystemExit(f"--max-staleness is about RL's rollouts; --algo {args.algo} learns from trajectory files")
+    if args.max_staleness is not None or args.mismatch != "none":
+        raise SystemExit(f"--max-staleness and --mismatch weigh the tokens of RL's rollouts; --algo {args.algo} learns "
+                         "from trajectory files")
     if args.experience and args.algo != "dpo":
         raise SystemExit("--experience holds the rejected side of DPO's pairs: use it with --algo dpo")
     if args.batch_size < 1 or args.batch_size % world:

@@ -16,7 +16,9 @@ a layout with empty micro-batches (one masked token each).
 
 The model sees, per micro-batch: input_ids, attention_mask [R, W] (padded) or position_ids [R, W] (packed),
 loss_mask, sampler_logprobs and `segments` (which trajectory of the step each token belongs to, -1 for padding:
-the per-trajectory means of rl/losses.aggregate). `pieces` say where each trajectory lies.
+the per-trajectory means of rl/losses.aggregate), and `sequence` (which row of `full` it is from: a trajectory, or
+under --reasoning drop one turn's sequence; whole in one micro-batch, the unit --mismatch mis judges). `pieces` say
+where each trajectory lies.
 
 Under data parallelism the loss of a mini-batch is divided by its token (or sequence) count over all processes
 (minibatch_counts), so every token weighs the same wherever it was played; upstream normalises per micro-batch
@@ -207,19 +209,22 @@ def _place(rows: list[list[int]], lengths: list[int]) -> list[Piece]:
 def _micro(full: dict, rows: list[list[int]], pieces: list[Piece], pad_id: int, pack: bool, device,
            episodes: torch.Tensor | None = None) -> dict:
     """One micro-batch's tensors (those of `full` it has: input_ids, loss_mask, sampler_logprobs, weights, versions), and
-    `segments`, the episode of each token (-1: padding). An empty one holds a single masked pad token."""
+    `segments`, the episode of each token, and `sequence`, its row of `full` (-1: padding). An empty one holds a single
+    masked pad token."""
     width = max([1] + [piece.offset + piece.length for piece in pieces])
     micro = {"input_ids": torch.full((len(rows), width), pad_id, dtype=torch.long)}
     micro |= {key: torch.zeros((len(rows), width)) for key in ("loss_mask", "sampler_logprobs", "weights", "versions")
               if key in full}
     copied = list(micro)
     micro["segments"] = torch.full((len(rows), width), -1, dtype=torch.long)
+    micro["sequence"] = torch.full((len(rows), width), -1, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
     for piece in pieces:
         span = slice(piece.offset, piece.offset + piece.length)
         for key in copied:
             micro[key][piece.row, span] = full[key][piece.trajectory, :piece.length]
         micro["segments"][piece.row, span] = piece.trajectory if episodes is None else int(episodes[piece.trajectory])
+        micro["sequence"][piece.row, span] = piece.trajectory
         position_ids[piece.row, span] = torch.arange(piece.length)
     if pack:  # (the tail's pads at position 0: each a sequence of its own)
         micro["position_ids"] = position_ids

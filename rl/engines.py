@@ -735,10 +735,11 @@ def check_sampling(top_p: float) -> None:
 def make_engine(kind: str, model: str, fmt, policy=None, *, temperature: float, top_p: float, seed: int,
                 batch_size: int, max_model_len: int, gpu_memory_utilization: float = 0.3,
                 tensor_parallel_size: int = 1, sleep: bool = False, tolerance: float = 0.0, device=None,
-                deterministic: bool = False):
-    """The engine that `--engine` names: vLLM loading `model` (a hub id or a directory), or HF sampling
-    with `policy`, the trainer's own model (None: a copy of `model` of its own, on `device`, for a sharded
-    trainer to sync into). `deterministic`: vLLM replayable (see VLLMEngine; HF sampling always is)."""
+                deterministic: bool = False, dtype: str = "auto"):
+    """The engine that `--engine` names: vLLM loading `model` (a hub id or a directory) in `dtype` (auto: bfloat16
+    on a GPU, float32 on a CPU), or HF sampling with `policy`, the trainer's own model (None: a copy of `model` of
+    its own, on `device`, for a sharded trainer to sync into). `deterministic`: vLLM replayable (see VLLMEngine; HF
+    sampling always is)."""
     if engine_kind(kind) == "hf":
         own = policy is None
         if own:
@@ -750,7 +751,7 @@ def make_engine(kind: str, model: str, fmt, policy=None, *, temperature: float, 
 
     return VLLMEngine(resolve(model), fmt, temperature=temperature, top_p=top_p, seed=seed, max_model_len=max_model_len,
                       gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-                      sleep=sleep, tolerance=tolerance, deterministic=deterministic)
+                      sleep=sleep, tolerance=tolerance, deterministic=deterministic, dtype=dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -764,6 +765,10 @@ def check_engine(args) -> None:
     if 0 < args.vllm_max_model_len < args.max_tokens:
         raise SystemExit(f"--vllm-max-model-len {args.vllm_max_model_len} is shorter than --max-tokens {args.max_tokens}: "
                          "the engine could not hold a whole trajectory (0 sizes it to --max-tokens)")
+    if args.vllm_dtype != "auto" and (args.rollout_server or engine_kind(args.engine) == "hf"):
+        raise SystemExit(f"--vllm-dtype {args.vllm_dtype} sets the in-process vLLM engine's dtype: "
+                         + ("a rollout server has its own (python -m rl.rollout_server --dtype)" if args.rollout_server
+                            else "--engine hf samples with the trainer's own model"))
     if args.rollout_server and args.engine == "hf":
         raise SystemExit("--rollout-server plays rollouts on vLLM servers: leave --engine out (hf samples in process)")
     if args.vllm_tensor_parallel_size != 1 and args.engine != "hf" and not args.rollout_server:
@@ -805,7 +810,7 @@ def build_engine(args, fmt, models, accelerator, max_tokens: int):
                            batch_size=args.gen_batch_size, max_model_len=args.vllm_max_model_len or max_tokens,
                            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                            tensor_parallel_size=args.vllm_tensor_parallel_size, sleep=args.vllm_sleep,
-                           tolerance=args.sync_tolerance, deterministic=args.deterministic)
+                           tolerance=args.sync_tolerance, deterministic=args.deterministic, dtype=args.vllm_dtype)
 
 
 def sync(engine, policy, accelerator, step: int) -> dict[str, float]:

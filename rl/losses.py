@@ -2,16 +2,26 @@
 
 Every term function takes [B, T] tensors and returns [B, T] terms; `aggregate` masks them to the
 action tokens and reduces them to a scalar. Signs: everything here is to be minimised.
+
+The policy loss of a token is its clipped surrogate times one importance weight (`importance_weights`), for
+whatever separates the policy that sampled it from pi_old, the trainer's before the update: weight =
+exp(trainer_old - engine), the trainer's log-prob over the engine's, bounded by what separates them. A stale token
+(--max-staleness, lag >= 1): decoupled PPO's pi_prox / pi_behav truncated at --is-cap, which holds the engine's own
+gap too. A lag-0 token (every token of the synchronous loop), by --mismatch: none 1; tis min(ratio, --mismatch-cap);
+mis 0 or 1 by its sequence's geometric-mean ratio. Upstream (AgentGym-RL's verl fork) has none of it.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Literal, NamedTuple
 
 import torch
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 KLEstimator = Literal["k1", "k2", "k3"]
+Mismatch = Literal["none", "tis", "mis"]
+MISMATCH_CAP = 2.0  # --mismatch-cap's default: TIS's C (Yao et al., 2025)
 
 
 def policy_loss(logprobs, old_logprobs, advantages, clip_low: float = 0.2, clip_high: float | None = None,
@@ -36,18 +46,52 @@ def policy_loss(logprobs, old_logprobs, advantages, clip_low: float = 0.2, clip_
     return loss, active.float()
 
 
-def behaviour_weights(proximal, behaviour, lag, cap: float = 2.0):
-    """Decoupled PPO's importance weight of each token (Hilton et al., 2022; AReaL, Fu et al., 2025), for tokens
-    sampled by an older policy than the one updated (asynchronous training): the clipped surrogate is taken
-    around the proximal policy (the trainer's weights before the update: `proximal` log-probs) and weighted by
-    pi_prox / pi_behav, the behaviour policy's (the sampler's: `behaviour`), truncated at `cap` (TIS, Yao et al.,
-    2025) so that no stale token weighs more than `cap` times. `lag` [B, T]: versions between the weights that
-    sampled the token and the proximal ones; at lag 0 they are the same weights (the engine's last-bit difference
-    from the trainer is not an off-policy gap), so the weight is 1 and the loss is the synchronous one.
-    Returns (weights, 1.0 where the cap truncated one)."""
-    ratio = torch.exp((proximal - behaviour).clamp(max=20))
-    stale = lag > 0
-    return torch.where(stale, ratio.clamp(max=cap), torch.ones_like(ratio)), (stale & (ratio > cap)).float()
+class Weights(NamedTuple):
+    """importance_weights' answer: the weights and which tokens each bound touched, [B, T] each."""
+
+    weights: torch.Tensor
+    stale_truncated: torch.Tensor  # lag >= 1, above --is-cap
+    truncated: torch.Tensor  # lag 0, above --mismatch-cap (tis)
+    masked: torch.Tensor  # lag 0, in a sequence outside [1/cap, cap] (mis)
+
+
+def importance_weights(trainer, engine, mask, lag=None, sequences=None, mismatch: Mismatch = "none",
+                       cap: float = MISMATCH_CAP, is_cap: float = 2.0) -> Weights:
+    """The one importance weight of every action token, for the gap between the policy that sampled it (the
+    engine's `engine` log-probs) and the one whose clipped ratio the loss takes (the trainer's `trainer` log-probs
+    before the update, pi_old). ratio = exp(trainer - engine) = pi_old / pi_engine. [B, T] each; `lag` [B, T]: the
+    updates between the weights that sampled the token and pi_old's (None: all 0, the synchronous loop);
+    `sequences` [B, T]: the sequence each token is in (rl/batch.py's `sequence`; None: a row is one).
+
+    - lag >= 1 (--max-staleness): decoupled PPO (Hilton et al., 2022; AReaL, Fu et al., 2025): pi_old is the
+      proximal policy and the weight pi_prox / pi_behav, truncated at `is_cap` (TIS's truncation, Yao et al., 2025),
+      whatever `mismatch` says: the engine's log-prob is the behaviour policy's, so this ratio already holds the
+      engine-trainer gap of the stale token beside its staleness, and correcting that again would count it twice.
+    - lag 0 (every token of the synchronous loop): the same weights sampled and are scored, and what is left is the
+      engine-trainer mismatch (a bf16 engine, other kernels), weighed by `mismatch`: none, 1 (the loss is the
+      on-policy one); tis, min(ratio, cap) per token (truncated importance sampling); mis, 1 or 0 per sequence:
+      0 for the lag-0 tokens of a sequence whose geometric-mean ratio, exp(mean log-ratio over its lag-0 action
+      tokens), is outside [1/cap, cap] (masked importance sampling: a sequence the engine sampled off the trainer's
+      distribution is left out, not reweighted). The geometric mean, not the product of the ratios: the product's
+      log grows with the sequence's length (a per-token gap of 0.01 is a factor e^5 over 500 tokens), so one bound
+      would mask long sequences for being long; the mean log-ratio is a per-token figure whatever the length.
+
+    Returns the weights [B, T] (1 off the action tokens) and, as 1.0/0.0 [B, T]: stale tokens the is_cap truncated,
+    lag-0 tokens whose ratio is above `cap` (tis truncates them), lag-0 tokens of a sequence outside the band (mis
+    masks them), whatever `mismatch` is, so that a run logs what the correction does or would do."""
+    action = mask > 0
+    stale = action & (lag > 0) if lag is not None else torch.zeros_like(action)
+    fresh = action & ~stale
+    log_ratio = (trainer - engine).clamp(-20, 20)
+    ratio = torch.exp(log_ratio)
+    sequences = torch.arange(len(mask), device=mask.device)[:, None].expand_as(mask) if sequences is None else sequences
+    ids, which = torch.where(fresh, sequences, -1).flatten().unique(return_inverse=True)  # (-1: not a lag-0 token)
+    tokens = mask.new_zeros(len(ids), dtype=torch.float).index_add(0, which, fresh.flatten().float())
+    mean_log = log_ratio.new_zeros(len(ids)).index_add(0, which, (log_ratio * fresh).flatten()) / tokens.clamp(min=1)
+    outside = (mean_log.abs() > math.log(cap))[which].view_as(mask) & fresh
+    fresh_weight = {"none": torch.ones_like(ratio), "tis": ratio.clamp(max=cap), "mis": (~outside).float()}[mismatch]
+    weights = torch.where(stale, ratio.clamp(max=is_cap), torch.where(fresh, fresh_weight, torch.ones_like(ratio)))
+    return Weights(weights, (stale & (ratio > is_cap)).float(), (fresh & (ratio > cap)).float(), outside.float())
 
 
 def value_loss(values, old_values, returns, clip: float | None = 0.5):

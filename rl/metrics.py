@@ -4,6 +4,7 @@
     losses/    the update's, per action token              critic/   PPO's values and returns
     perf/      time, throughput and peak memory            sync/     the engine's weight sync
     async/     --max-staleness: staleness, importance weights
+    mismatch/  the engine's log-probs against the trainer's on lag-0 tokens (--mismatch)
     category/  reward and success per task category        charts/   learning rates, the step
     eval/      the test split (--eval-every)               sft/, dpo/, evol/: learning from trajectory files
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rl.losses import Weights, kl
 from rl.memory import peak_gib, reset_peak
 from rl.optimizer import Sums, largest
 from rl.scores import FINISHES, endings
@@ -58,28 +60,50 @@ class UpdateSums(Sums):
     entropy: float = 0.0
     clipfrac: float = 0.0
     ppo_kl: float = 0.0
-    logprob_diff: float = 0.0  # |sampler's - trainer's log-prob|
+    fresh_tokens: float = 0.0  # action tokens sampled by the weights being updated (lag 0; all without --max-staleness)
+    logprob_diff: float = 0.0  # |sampler's - trainer's log-prob| over them: the engine check
     logprob_diff_max: float = largest()
+    mismatch_kl: float = 0.0  # k3 estimate of KL(engine || trainer) over them, summed
+    mismatch_truncated: float = 0.0  # of them, those above --mismatch-cap (tis truncates them)
+    mismatch_masked: float = 0.0  # those in a sequence outside [1/cap, cap] (mis masks them)
+    mismatch_ratio_max: float = largest()  # their largest pi_trainer / pi_engine
     critic_tokens: float = 0.0
     value: float = 0.0
     value_clipfrac: float = 0.0
     stale_tokens: float = 0.0  # --max-staleness: tokens sampled by older weights than those updated (lag >= 1)
-    is_weight: float = 0.0  # their importance weights (rl/losses.behaviour_weights), summed
+    logprob_diff_stale: float = 0.0  # their |sampler's - trainer's log-prob|: staleness more than the engine
+    is_weight: float = 0.0  # their importance weights (rl/losses.importance_weights), summed
     is_weight_max: float = largest()
     is_truncated: float = 0.0  # of them, those the cap truncated
 
 
-def stale_sums(weights: torch.Tensor, truncated: torch.Tensor, lag: torch.Tensor) -> dict[str, float]:
-    """UpdateSums' importance-weight fields from one micro-batch (`lag`: 0 off the action tokens)."""
-    stale = lag > 0
-    return {"stale_tokens": float(stale.sum()), "is_weight": float(weights[stale].sum()),
-            "is_weight_max": float(weights[stale].max()) if stale.any() else 0.0,
-            "is_truncated": float(truncated[stale].sum())}
+def weight_sums(weighed: Weights, trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor,
+                lag: torch.Tensor | None) -> dict[str, float]:
+    """UpdateSums' fields of the sampler-vs-trainer gap from one micro-batch (rl/losses.importance_weights' answer,
+    the trainer's and the engine's log-probs, the loss mask, `lag`: None without --max-staleness), [B, T] each: at
+    lag 0 the engine check and the mismatch, at lag >= 1 the staleness and its weights."""
+    action = mask > 0
+    stale = action & (lag > 0) if lag is not None else torch.zeros_like(action)
+    fresh = action & ~stale
+    diff = (engine - trainer).abs()
+    sums = {"fresh_tokens": float(fresh.sum()), "logprob_diff": float(diff[fresh].sum()),
+            "logprob_diff_max": float(diff[fresh].max()) if fresh.any() else 0.0,
+            # (in fp64: at an fp32 engine's gap of 1e-7, exp(d) - d - 1 in fp32 is all rounding, and negative)
+            "mismatch_kl": float(kl(engine.double(), trainer.double(), "k3")[fresh].sum()),
+            "mismatch_truncated": float(weighed.truncated.sum()), "mismatch_masked": float(weighed.masked.sum()),
+            "mismatch_ratio_max": float(torch.exp(trainer - engine)[fresh].max()) if fresh.any() else 0.0}
+    if lag is None:
+        return sums
+    return sums | {"stale_tokens": float(stale.sum()), "logprob_diff_stale": float(diff[stale].sum()),
+                   "is_weight": float(weighed.weights[stale].sum()),
+                   "is_weight_max": float(weighed.weights[stale].max()) if stale.any() else 0.0,
+                   "is_truncated": float(weighed.stale_truncated.sum())}
 
 
 def async_metrics(batch, sums: UpdateSums, staleness: int) -> dict[str, float]:
     """--max-staleness's metrics (this process's): how many updates old the trained tokens were (mean, max, and
-    the share at each lag 0..k) and their importance weights over the stale ones (mean, max, share truncated)."""
+    the share at each lag 0..k), their importance weights over the stale ones (mean, max, share truncated), and the
+    stale tokens' mean |sampler - trainer| log-prob (rollout/logprob_diff is the lag-0 tokens')."""
     mask = batch.full["loss_mask"] > 0
     lag = batch.full.get("lag", torch.zeros_like(batch.full["loss_mask"]))[mask]
     tokens = max(int(mask.sum()), 1)
@@ -91,6 +115,7 @@ def async_metrics(batch, sums: UpdateSums, staleness: int) -> dict[str, float]:
         "async/is_weight_mean": sums.is_weight / stale if sums.stale_tokens else 1.0,
         "async/is_weight_max": sums.is_weight_max if sums.stale_tokens else 1.0,
         "async/is_truncated_share": sums.is_truncated / stale,
+        "async/logprob_diff_stale": sums.logprob_diff_stale / stale,  # (rollout/logprob_diff: the lag-0 tokens')
     }
 
 
@@ -156,10 +181,15 @@ def step_metrics(records: list[dict], sampled: list[tuple[int, float]], costs: C
         "charts/lr": models.scheduler.get_last_lr()[0],
     }
     per_token, per_critic_token = max(sums.tokens, 1.0), max(sums.critic_tokens, 1.0)
+    per_fresh = max(sums.fresh_tokens, 1.0)
     if "policy" in grad_norms:
         metrics |= {
-            "rollout/logprob_diff": sums.logprob_diff / per_token,
+            "rollout/logprob_diff": sums.logprob_diff / per_fresh,  # (lag-0 tokens: the engine check)
             "rollout/logprob_diff_max": sums.logprob_diff_max,
+            "mismatch/kl": sums.mismatch_kl / per_fresh,
+            "mismatch/truncated": sums.mismatch_truncated / per_fresh,
+            "mismatch/masked": sums.mismatch_masked / per_fresh,
+            "mismatch/ratio_max": sums.mismatch_ratio_max,
             "losses/policy": sums.policy / per_token,
             "losses/kl": sums.kl / per_token,
             "losses/entropy": sums.entropy / per_token,

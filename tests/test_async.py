@@ -1,6 +1,7 @@
 """Asynchronous training (--max-staleness k, rollout.py's Stream): staleness 0 is the synchronous loop exactly, no
 trained token is more than k updates old, the importance weights are pi_prox / pi_behav truncated at the cap, and
-episodes go on under newer weights (partial rollouts)."""
+episodes go on under newer weights (partial rollouts); rollout/logprob_diff is the lag-0 tokens' engine check, the
+stale tokens' difference is async/logprob_diff_stale."""
 
 import json
 import math
@@ -8,14 +9,12 @@ import sys
 import types
 
 import pytest
-import torch
 
 import envs
 import train
 from envs import StepResult, react_action
 from envs.babyai import BabyAI
 from rl.engines import engine_kind
-from rl.losses import behaviour_weights
 from rl.records import decode_array
 
 pytestmark = pytest.mark.slow  # training runs
@@ -126,7 +125,7 @@ def test_importance_weights_are_recomputed_from_the_logs(stale_run):
     metrics, rollouts = stale_run
     truncated_somewhere = untruncated_somewhere = False
     for m in metrics:
-        weights = []
+        weights, fresh, stale = [], [], []
         for record in (r for r in rollouts if r["step"] == m["charts/step"]):
             behaviour = decode_array(record["sampled_logprobs"])
             proximal = decode_array(record["trainer_logprobs"])
@@ -134,6 +133,14 @@ def test_importance_weights_are_recomputed_from_the_logs(stale_run):
             lags = [record["step"] - 1 - v for (start, end), v in zip(record["action_spans"], record["versions"])
                     for _ in range(start, end)]
             weights += [math.exp(p - b) for p, b, lag in zip(proximal, behaviour, lags, strict=True) if lag > 0]
+            for p, b, lag in zip(proximal, behaviour, lags):
+                (stale if lag > 0 else fresh).append(abs(p - b))
+        # the engine check over the lag-0 tokens alone (the HF engine: the trainer's own weights), staleness apart
+        assert m["rollout/logprob_diff"] == pytest.approx(sum(fresh) / max(len(fresh), 1), abs=1e-7)
+        assert m["rollout/logprob_diff"] < 1e-5 and m["rollout/logprob_diff_max"] < 1e-4
+        if stale:  # (staleness: 1e-2 and more, after updates at --lr 0.01)
+            assert m["async/logprob_diff_stale"] == pytest.approx(sum(stale) / len(stale), rel=1e-4)
+            assert m["async/logprob_diff_stale"] > 1e-3
         if not weights:
             assert m["async/is_weight_mean"] == 1 and m["async/is_truncated_share"] == 0
             continue
@@ -144,19 +151,6 @@ def test_importance_weights_are_recomputed_from_the_logs(stale_run):
         truncated_somewhere |= any(w > 1.1 for w in weights)
         untruncated_somewhere |= any(w < 1.1 for w in weights)
     assert truncated_somewhere and untruncated_somewhere
-
-
-def test_behaviour_weights_follow_the_definition():
-    proximal = torch.tensor([[-1.0, -0.5, -2.0, -0.1]])
-    behaviour = torch.tensor([[-1.2, -0.5, -0.1, -3.0]])
-    lag = torch.tensor([[1.0, 2.0, 1.0, 0.0]])
-    weights, truncated = behaviour_weights(proximal, behaviour, lag, cap=1.5)
-    expected = [min(math.exp(p - b), 1.5) for p, b in zip(proximal[0].tolist(), behaviour[0].tolist())]
-    assert weights[0, :3].tolist() == pytest.approx(expected[:3])
-    assert weights[0, 3] == 1.0  # sampled by the weights being updated: no correction, however far apart
-    assert truncated.tolist() == [[0.0, 0.0, 0.0, 0.0]]
-    weights, truncated = behaviour_weights(torch.tensor([[0.0]]), torch.tensor([[-5.0]]), torch.tensor([[1.0]]), 2.0)
-    assert weights.item() == 2.0 and truncated.item() == 1.0
 
 
 @pytest.mark.parametrize("flags,message", [

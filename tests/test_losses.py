@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rl.losses import aggregate, kl, policy_loss, value_loss
+from rl.losses import aggregate, importance_weights, kl, policy_loss, value_loss
 
 
 def ratios(*r):
@@ -107,3 +107,54 @@ def test_aggregate_divides_by_a_fractional_count():
     assert aggregate(terms, mask, "seq-mean-token-mean", sequences=3 / 8).item() == pytest.approx(8 / 3)
     assert aggregate(terms, mask, "token-mean", tokens=0.5).item() == pytest.approx(8.0)
     assert aggregate(terms, mask * 0, "token-mean", tokens=0).item() == 0.0
+
+
+# Two rows of action tokens (mask 1) and their log-ratios trainer - engine: row 0 one sequence, a stale token (lag 1) in
+# it; row 1 packed with two sequences, 1 and 2, all lag 0.
+MASK = torch.tensor([[0.0, 1, 1, 1, 0], [1, 1, 1, 1, 0]])
+LOG_RATIO = torch.tensor([[5.0, 0.1, 1.0, -0.3, 5.0], [0.8, 0.6, 0.1, -0.1, 5.0]])
+LAG = torch.tensor([[0.0, 0, 1, 0, 0], [0, 0, 0, 0, 0]])
+SEQUENCES = torch.tensor([[0, 0, 0, 0, -1], [1, 1, 2, 2, -1]])
+ENGINE = torch.full_like(LOG_RATIO, -2.0)
+
+
+def weighed(mode):
+    return importance_weights(ENGINE + LOG_RATIO, ENGINE, MASK, LAG, SEQUENCES, mode, cap=1.5, is_cap=2.0)
+
+
+def test_importance_weights_by_hand():
+    """The stale token is decoupled PPO's (e^1.0 truncated at --is-cap 2) under every --mismatch; lag-0 tokens weigh
+    1 (none), min(e^x, 1.5) (tis), or 0/1 by their sequence's geometric mean against [1/1.5, 1.5] (mis: sequence 0,
+    e^((0.1 - 0.3) / 2), in; 1, e^0.7, out; 2, e^0, in); off the action tokens 1."""
+    e = math.exp
+    expected = {
+        "none": [[1, 1, 2, 1, 1], [1, 1, 1, 1, 1]],
+        "tis": [[1, e(0.1), 2, e(-0.3), 1], [1.5, 1.5, e(0.1), e(-0.1), 1]],
+        "mis": [[1, 1, 2, 1, 1], [0, 0, 1, 1, 1]],
+    }
+    for mode, weights in expected.items():
+        answer = weighed(mode)
+        assert answer.weights.tolist() == [pytest.approx(row) for row in weights], mode
+        assert answer.stale_truncated.tolist() == [[0, 0, 1, 0, 0], [0, 0, 0, 0, 0]]
+        assert answer.truncated.tolist() == [[0, 0, 0, 0, 0], [1, 1, 0, 0, 0]]  # (whatever the mode: for the logs)
+        assert answer.masked.tolist() == [[0, 0, 0, 0, 0], [1, 1, 0, 0, 0]]
+
+
+def test_importance_weights_without_lag_or_sequences_are_the_synchronous_loop():
+    """No lag (the synchronous loop): every action token is lag 0; no sequences: a row is one. A stale-looking ratio
+    far off is then the mismatch's, and tis truncates it at its own cap."""
+    answer = importance_weights(ENGINE + LOG_RATIO, ENGINE, MASK, mismatch="tis", cap=1.5, is_cap=2.0)
+    assert answer.weights[0].tolist() == pytest.approx([1, math.exp(0.1), 1.5, math.exp(-0.3), 1])
+    assert answer.stale_truncated.sum() == 0
+    mis = importance_weights(ENGINE + LOG_RATIO, ENGINE, MASK, mismatch="mis", cap=1.5, is_cap=2.0)
+    # row 0: e^(0.8 / 3), in; row 1 as one sequence: e^(1.4 / 4), in (as sequences 1 and 2 above, 1 is out)
+    assert mis.weights.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+
+
+def test_mis_judges_the_geometric_mean_whatever_the_length():
+    """200 tokens each e^0.01 off: their product is e^2, past any cap of 1.5, their geometric mean e^0.01 is in; the
+    same sequence at e^0.5 a token is out. 2 tokens at e^0.5 are out as well: the band does not depend on length."""
+    for length, gap, kept in ((200, 0.01, True), (200, 0.5, False), (2, 0.5, False), (2, 0.01, True)):
+        engine = torch.full((1, length), -1.0)
+        answer = importance_weights(engine + gap, engine, torch.ones(1, length), mismatch="mis", cap=1.5)
+        assert answer.weights.eq(1.0 if kept else 0.0).all(), (length, gap)

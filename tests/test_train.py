@@ -37,6 +37,7 @@ STEP_METRICS = [
     "finish/done", "finish/horizon", "finish/max_tokens", "finish/error", "rollout/invalid_action_rate",
     "rollout/zero_variance_groups", "rollout/tokens", "rollout/action_tokens", "rollout/advantage_mean",
     "rollout/advantage_abs", "rollout/logprob_diff", "rollout/logprob_diff_max",
+    "mismatch/kl", "mismatch/truncated", "mismatch/masked", "mismatch/ratio_max",
     "perf/env_call_s", "perf/env_call_p95_s", "perf/env_wait_share", "perf/tokens_per_s", "perf/rollout_s",
     "perf/generate_s", "perf/update_s", "perf/update_tokens_per_s", "perf/update_padding_share",
     "perf/rollout_peak_gib", "perf/update_peak_gib", "perf/step_s",
