@@ -300,9 +300,11 @@ def soak_training(out: Path, steps: int, every: int, warmup: int) -> Samples:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_training_memory_stays_flat_over_hundreds_of_steps(tmp_path):
+def test_training_memory_stays_flat_over_steps_evaluations_and_checkpoints(tmp_path):
     pytest.importorskip("vllm")
     record = soak_training(tmp_path, steps=int(60 * SCALE), every=10, warmup=30)
-    assert len(record.at) > 10
-    assert record.growth() < 100, record.line("steps", 0)
-    assert record.slope() < 100, record.line("steps", 0)
+    # Bounds: the floor wanders by 5-15 MiB from step to step and was flat (2,059-2,122 MiB) over steps 30-80 of a
+    # 300-step run; one copy of this model's weights and optimizer state kept per step would add ~1 GiB per 100 steps
+    assert len(record.at) > 20
+    assert record.growth() < 150, record.line("steps", 0)
+    assert record.slope() < 200, record.line("steps", 0)
