@@ -216,11 +216,11 @@ def soak_env(name: str, calls: int, warmup: int, samples: int = 25) -> Samples:
 # the heap in use after a collection stays within a few MiB; WebArena's Chromium jumps by 100-250 MiB for a sample now
 # and then (the growth takes medians and the slope is fitted to medians of three), and a tab or page kept per episode
 # would add 30-50 MiB per episode of about 15 calls, 2-3 GiB per 1,000 calls. Python blocks: a few hundred at most
-# (+414 for WebArena's 150 calls); one object kept per call would add 8,000.
+# (+414 for WebArena's 150 calls); one object kept per call would add 5,000.
 ENV_SOAKS = {
-    "babyai": (8000, 1000, 24, 3, 2000),
-    "textcraft": (8000, 1000, 24, 3, 2000),
-    "searchqa": (8000, 1000, 24, 3, 40000),
+    "babyai": (5000, 1000, 24, 3, 2000),
+    "textcraft": (5000, 1000, 24, 3, 2000),
+    "searchqa": (5000, 1000, 24, 3, 40000),
     "sciworld": (1000, 1000, 64, 32, 2000),
     "webarena": (150, 30, 200, 1000, 2000),
 }
