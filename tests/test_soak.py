@@ -105,10 +105,11 @@ class Samples:
     blocks: list[int] = field(default_factory=list)  # this process's Python objects (sys.getallocatedblocks)
     heap: list[float] = field(default_factory=list)  # SciWorld: MiB of the JVM's heap in use after a full collection
 
-    def add(self, at: float, rss_bytes: int, blocks: int = 0, heap: float | None = None) -> None:
+    def add(self, at: float, rss_bytes: int, blocks: int | None = None, heap: float | None = None) -> None:
         self.at.append(at)
         self.mib.append(rss_bytes / MiB)
-        self.blocks.append(blocks)
+        if blocks is not None:
+            self.blocks.append(blocks)
         if heap is not None:
             self.heap.append(heap)
 
@@ -128,7 +129,8 @@ class Samples:
     def line(self, work: str, seconds: float) -> str:
         return (f"soak {self.name}: {self.at[-1]:,.0f} {work} in {seconds:.0f} s, RSS after warm-up {self.mib[0]:.0f} "
                 f"MiB, at the end {self.mib[-1]:.0f} MiB, growth {self.growth():+.1f} MiB, slope "
-                f"{self.slope():+.2f} MiB per {self.per:,} {work}, Python blocks {self.growth(self.blocks):+,.0f}"
+                f"{self.slope():+.2f} MiB per {self.per:,} {work}"
+                + (f", Python blocks {self.growth(self.blocks):+,.0f}" if self.blocks else "")
                 + (f", JVM heap in use {self.growth(self.heap):+.1f} MiB" if self.heap else ""))
 
 
