@@ -65,7 +65,7 @@ class Sample:
 class Seeded:
     """An engine's own random stream, `generator` (None: it has none): HFEngine draws its tokens from it, VLLMEngine
     under --deterministic each request's seed. Checkpoints save it (under `state_key`: one engine's stream never
-    loads into another's); `reseed` restarts it (own_stream)."""
+    loads into another's); `reseed` restarts it (setup.own_stream)."""
 
     generator: torch.Generator | None = None
     state_key = "generator"
