@@ -21,7 +21,8 @@ import eval as eval_script
 import train
 from envs.guard import EnvTimeout, close_envs, make_envs
 from rl.checkpoint import STATE
-from rl.engines import ExpertEngine, RoundEngine
+from rl.engines import RoundEngine
+from rl.engines.expert import ExpertEngine
 from rl.model import load_tokenizer
 from rollout import ChatFormat, rollout
 

@@ -25,7 +25,8 @@ from envs import tools as env_tools
 from rl.agent import make_agent
 from rl.chat import ChatFormat, chat_format
 from rl.data import encode, to_record
-from rl.engines import HFEngine, RoundEngine, Sample
+from rl.engines import RoundEngine, Sample
+from rl.engines.hf import HFEngine
 from rollout import rollout
 from test_token_exactness import Spy, check_exact, random_model
 

@@ -14,7 +14,8 @@ import envs
 from envs import tools as env_tools
 from rl.agent import REACT, TOOLS_GUIDE, make_agent
 from rl.chat import CallError, ChatFormat, chat_format, parse_calls, read_call
-from rl.engines import ExpertEngine, Sample
+from rl.engines import Sample
+from rl.engines.expert import ExpertEngine
 from rl.model import load_tokenizer
 from rollout import rollout
 from test_token_exactness import Spy, check_exact

@@ -50,7 +50,8 @@ def step_inputs(args: Args, section: str) -> tuple[list[int], list[int], list]:
 def phase_rollout(args: Args) -> dict:
     import torch
 
-    from rl.engines import HFEngine, VLLMEngine
+    from rl.engines.hf import HFEngine
+    from rl.engines.vllm import VLLMEngine
     from rl.memory import peak_gib, reset_peak
     from rl.model import load_model, load_tokenizer, resolve
     from rollout import ChatFormat, RolloutStats, rollout
