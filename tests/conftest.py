@@ -38,11 +38,21 @@ def trained(tmp_path_factory):
     evaluations of 4 test tasks x 2 at steps 0 and 2, on the default engine (vLLM where it is installed). Its lr,
     1e-4, is not the preset's (a resumed run must keep the run's own) and small enough that the policy still writes
     whole characters at step 2 (at 0.01 it samples stray bytes, which the viewer shows as raw pieces). A test that
-    writes into a run (resumes it, draws its curves) works on a copy."""
-    argv = ["--steps", "2", "--tasks-per-step", "2", "--n", "2", "--horizon", "2", "--max-new-tokens", "16",
-            "--lr", "1e-4", "--eval-every", "2", "--eval-tasks", "4",
-            "--out-dir", str(tmp_path_factory.mktemp("trained")), "--run-name", "grpo"]
-    return train.main(train.parse_args(argv))
+    writes into a run (resumes it, draws its curves) works on a copy. Under xdist the run is made once for all
+    workers: the first to ask makes it in their common temporary folder, under a lock the others wait on."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # (each worker's base is a folder of the session's)
+    made = shared / "trained.json"
+    with FileLock(str(shared / "trained.lock")):
+        if not made.exists():
+            argv = ["--steps", "2", "--tasks-per-step", "2", "--n", "2", "--horizon", "2", "--max-new-tokens", "16",
+                    "--lr", "1e-4", "--eval-every", "2", "--eval-tasks", "4",
+                    "--out-dir", str(tmp_path_factory.mktemp("trained")), "--run-name", "grpo"]
+            made.write_text(json.dumps(str(train.main(train.parse_args(argv)))))
+    return Path(json.loads(made.read_text()))
 
 
 @pytest.fixture
@@ -118,3 +128,4 @@ def real_tokenizer(tmp_path_factory):
         return tokenizer
 
     return speaking
+
