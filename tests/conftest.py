@@ -132,11 +132,12 @@ def real_tokenizer(tmp_path_factory):
 
 @pytest.hookimpl(tryfirst=True)  # (before `-m` deselects: the slow tests are counted in the fast subset too)
 def pytest_collection_modifyitems(items):
-    """Files with the most slow tests first. Under xdist (pytest.ini: --dist loadfile --no-loadscope-reorder) a file
-    goes whole to the next free worker in this order, so the long files start early and the last ones handed out are
-    short: no worker is left alone with a long file at the end (by test count, xdist's own order, the one-test
-    GPU-check smoke, the soaks and the learning runs came last). A file's own order is kept."""
-    slow = {}
+    """Files with the most slow tests first, then (xdist's own order) the most tests. Under xdist (pytest.ini: --dist
+    loadfile --no-loadscope-reorder) a file goes whole to the next free worker in this order, so the long files start
+    early and the last ones handed out are short: no worker is left alone with a long file at the end (by test count
+    alone the one-test GPU-check smoke, the soaks and the learning runs came last). A file's own order is kept."""
+    slow, tests = {}, {}
     for item in items:
         slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
-    items.sort(key=lambda item: -slow[item.path])
+        tests[item.path] = tests.get(item.path, 0) + 1
+    items.sort(key=lambda item: (-slow[item.path], -tests[item.path]))
