@@ -19,7 +19,7 @@ same models, accumulation, logs and checkpoints learn from trajectory files (--d
     python train.py --algo agentevol --data data/babyai_train_expert.jsonl --iterations 3 --n 4
 
 `--max-staleness k` trains asynchronously: the next k steps' episodes are played while the trainer updates, and
-decoupled PPO weighs the tokens sampled by older weights (rollout.py's Stream; README, "Asynchronous training").
+decoupled PPO weighs the tokens sampled by older weights (rollout.py's Rollouts; README, "Asynchronous training").
 `--mismatch tis|mis` weighs the tokens of the weights being updated for the engine's gap from the trainer (a bf16
 engine; rl/losses.py: one importance weight a token, the staleness's and the mismatch's).
 `--agent tools` plays through native tool calls and a reasoning model's block is never read by the env (rl/chat.py);
@@ -57,6 +57,7 @@ import envs
 from envs import latency
 from envs.guard import make_envs
 from rl import advantages as adv_lib
+from rl import staleness
 from rl.agent import check_layout, make_agent
 from rl.batch import Batch, arrange, attach, example_micro_batches, make_batch, minibatch_counts, rows_of, scatter
 from rl.chat import chat_format
@@ -77,7 +78,7 @@ from rl.run import (Logs, close, eval_due, evaluation_plan, find_checkpoint, fin
                     run_directory, run_of, save_checkpoint, stop_on_env_failures)
 from rl.scores import score, spread
 from rl.sft import SFTSums, sft_terms
-from rollout import ENV_THREADS, ChatFormat, EngineStalled, RolloutStats, Stream, Trajectory, play, rollout
+from rollout import ENV_THREADS, ChatFormat, EngineStalled, Rollouts, RolloutStats, Tasks, Trajectory, play
 
 
 @dataclass
@@ -414,15 +415,16 @@ def main(args: Args) -> Path | None:
         args = replace(args, steps=args.epochs * (len(train_ids) // args.tasks_per_step))
     # (each call bounded by --env-timeout; an env that failed is replaced: envs/guard.py)
     # (--max-staleness k: a block of envs for each of the k + 1 steps' tasks under way; evaluations get their own)
-    per_step, blocks = args.tasks_per_step // accelerator.num_processes * args.n, 1 + (args.max_staleness or 0)
-    environments = make_envs(args.env, per_step * blocks, envs.parse_options(args.env_options), args.env_timeout,
+    per_step = args.tasks_per_step // accelerator.num_processes * args.n
+    environments = make_envs(args.env, per_step * staleness.blocks(args.max_staleness or 0),
+                             envs.parse_options(args.env_options), args.env_timeout,
                              args.env_url, accelerator.process_index, delay=args.env_delay, seed=args.seed)
     pool = ThreadPoolExecutor(max_workers=min(ENV_THREADS, len(environments)))
     test_ids = test_task_ids(args) if args.eval_every else []  # played on the same envs every --eval-every steps
     players = make_envs(args.env, per_step, envs.parse_options(args.env_options), args.env_timeout, args.env_url,
                         accelerator.process_index, delay=args.env_delay, seed=args.seed + 1) \
         if test_ids and args.max_staleness is not None else environments
-    engine = logs = stream = None
+    engine = logs = rollouts = None
     try:  # (everything from here on closes what it opened, also on a stop or an error)
         # -- models, the sampler, and the training state when resuming
         tokenizer = load_tokenizer(args.model)
@@ -434,7 +436,8 @@ def main(args: Args) -> Path | None:
         start_step = trainer_state["step"] + 1
         sync(engine, models.policy, accelerator, start_step - 1)  # from the first step on: the trainer's weights
         history = logged_steps(run_dir, start_step) if resuming else []  # (the steps' metrics: --horizon auto's input)
-        stream = streamed(engine, fmt, environments, train_ids, start_step, max_tokens, pool, args, accelerator, history)
+        rollouts = rollouts_of(engine, fmt, environments, train_ids, start_step, max_tokens, pool, args, accelerator,
+                               history)
 
         # -- the run's record (logs cut back to the checkpoint's when resuming)
         config = run_config(args, run_dir, resuming, accelerator, mixed, engine, environments[0])
@@ -460,20 +463,13 @@ def main(args: Args) -> Path | None:
             horizon, why = horizon_for(step, args, history)  # ScalingInter-RL's stage, or --horizon auto's cap
             costs = Costs(RolloutStats())
             with costs.measure("rollout"):
-                bar = phase(progress, "rollout", len(task_ids))
-                if stream is None and args.deterministic:  # this step's samples depend on (seed, step) and the weights
-                    engine.reseed(stream_seed(args.seed + accelerator.process_index, step))
-                trajectories = stream.take(step, bar) if stream is not None else rollout(  # (--max-staleness: see Stream)
-                    engine, fmt, environments, task_ids, groups, horizon=horizon, pool=pool, stats=costs.rollout,
-                    max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, agent=make_agent(args.agent, args.attempts),
-                    progress=bar)
+                trajectories = rollouts.take(step, phase(progress, "rollout", len(task_ids)))
                 stop_on_env_failures(trajectories, args.max_error_rate, accelerator, run_dir, step)
 
             # -- the batch, its old/reference log-probs and values, advantages, the update, the engine's new weights
-            if stream is not None:
-                stream.before_update()
+            rollouts.before_update()
             engine.sleep()
-            between = stream.advance if stream is not None and stream.meanwhile else None  # (rollouts going on meanwhile)
+            between = rollouts.advance if rollouts.meanwhile else None  # (rollouts going on meanwhile)
             with costs.measure("update"):
                 batch = batch_of(trajectories, args, accelerator, fmt.pad_id, step)
                 old_logprobs(models, batch, args, accelerator, between)
@@ -484,37 +480,34 @@ def main(args: Args) -> Path | None:
                                           phase(progress, "update", args.ppo_epochs * len(batch.micro)),
                                           between=between)
                 stop_on_nonfinite(models, batch, args.max_nonfinite_updates, accelerator, run_dir, step)
-            if stream is not None:  # (no process's sync changes a shared server's weights under another's turns)
-                stream.before_sync()
-                accelerator.wait_for_everyone()
+            rollouts.before_sync()
+            accelerator.wait_for_everyone()  # (no process's sync changes a shared server's weights under another's turns)
             synced = sync(engine, models.policy, accelerator, step)
 
             # -- metrics and logs (trajectory statistics over all processes, losses from this one)
-            if stream is not None:  # (what its loop did this step: the take, and the advances meanwhile)
-                stream.spent(costs.rollout)
+            rollouts.spent(costs.rollout)  # (what its loop did this step: the take, and the advances meanwhile)
             records = gather_object(rollout_records(trajectories, batch, step))
             sampled = gather_object([(costs.rollout.sampled_tokens, costs.rollout.generate_s)])
             metrics = step_metrics(records, sampled, costs, sums, grad_norms, batch, advantages, returns, models, horizon,
                                    engine.metrics() | synced) | ({"rollout/horizon_reason": why} if why else {})
-            if stream is not None:
+            if args.max_staleness is not None:
                 metrics |= async_metrics(batch, sums, args.max_staleness)
             evaluation, evaluated = evaluate(engine, fmt, players, test_ids, models, args, accelerator, max_tokens, step,
                                              progress) if eval_due(step, args.eval_every, args.steps) else ({}, [])
-            if stream is not None:
-                stream.resume(step)
             step_s = time.perf_counter() - step_start
             metrics |= evaluation | {"perf/step_s": step_s, "perf/engine_idle_share": 1 - costs.rollout.generate_s / step_s,
                                      "charts/step": step}
             logs.write(step, metrics, rl_line(step, metrics), evaluations=evaluated,
                        rollouts=records if step % args.log_rollouts_every == 0 else [])
             history.append(metrics)
+            rollouts.resume(step)  # (at staleness 0 the next step's set opens here, its cap decided by this step's metrics)
 
             if step == args.steps or (args.save_every and step % args.save_every == 0):
                 save_checkpoint(accelerator, models, engine, tokenizer, run_dir / "checkpoints" / f"step_{step}", step, logs,
                                 args.keep_checkpoints)
     finally:  # also when a stop (env failures, NaN, a stalled engine) or an error ends the run: no JVM or browser left behind
-        if stream is not None:
-            stream.close()
+        if rollouts is not None:
+            rollouts.close()
         close(engine, environments + (players if players is not environments else []), logs, pool)
     return finish(run_dir, accelerator)
 
@@ -538,22 +531,21 @@ def my_tasks(tasks: list[int], n: int, accelerator) -> tuple[list[int], list[int
     return mine, [i // n for i in range(len(mine))]
 
 
-def streamed(engine, fmt: ChatFormat, environments: list, train_ids: list[int], first: int, max_tokens: int,
-             pool: ThreadPoolExecutor, args: Args, accelerator, history: list[dict]) -> Stream | None:
-    """--max-staleness k: the rollouts that go on across steps (rollout.py's Stream), set j holding step j's tasks,
-    as the synchronous loop plays them (my_tasks, the horizon schedule, under --deterministic a stream of seeds
-    restarted from (seed, step)), from step `first` on: in-flight episodes are not checkpointed, a resumed run
-    plays its next steps' sets anew (README: a browser page or a JVM's state cannot be saved)."""
-    if args.max_staleness is None:
-        return None
-    def tasks_of(j: int) -> tuple[list[int], list[int], int]:
+def rollouts_of(engine, fmt: ChatFormat, environments: list, train_ids: list[int], first: int, max_tokens: int,
+                pool: ThreadPoolExecutor, args: Args, accelerator, history: list[dict]) -> Rollouts:
+    """The run's rollouts (rollout.py's Rollouts), set j holding step j's tasks (my_tasks, the horizon schedule,
+    under --deterministic a stream of seeds restarted from (seed, step)), from step `first` on, at --max-staleness k
+    (none: 0, the synchronous loop): in-flight episodes are not checkpointed, a resumed run plays its next steps'
+    sets anew (README: a browser page or a JVM's state cannot be saved)."""
+    def tasks_of(j: int) -> Tasks:
         mine, groups = my_tasks(tasks_for(j, train_ids, args.tasks_per_step, args.seed), args.n, accelerator)
-        return mine, groups, horizon_for(j, args, history)[0]
+        return Tasks(mine, groups, horizon_for(j, args, history)[0])
 
     seed = args.seed + accelerator.process_index
-    return Stream(engine, fmt, environments, tasks_of, staleness=args.max_staleness, first=first, last=args.steps,
-                  max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, agent=make_agent(args.agent, args.attempts),
-                  pool=pool, reseed=(lambda j: engine.reseed(stream_seed(seed, j))) if args.deterministic else None)
+    return Rollouts(engine, fmt, environments, tasks_of, staleness=args.max_staleness or 0, first=first, last=args.steps,
+                    max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, agent=make_agent(args.agent, args.attempts),
+                    pool=pool, reseed=(lambda j: engine.reseed(stream_seed(seed, j))) if args.deterministic else None,
+                    versions=args.max_staleness is not None)  # (the flag decides what is recorded and logged)
 
 
 def horizon_for(step: int, args: Args, history: list[dict]) -> tuple[int, str | None]:
@@ -653,7 +645,7 @@ def update(models: Models, batch: Batch, args: Args, accelerator, step: int, pro
     every optimizer step of the models that trained. A step whose loss or gradient is not finite is skipped (counted
     in sums.nonfinite_updates and models.nonfinite_streak, with a warning; fp16's loss scaler skips the steps whose
     scaled gradients overflow itself, uncounted). `between`, when given, is called after every micro-batch (the
-    rollouts that go on meanwhile: rollout.Stream.advance)."""
+    rollouts that go on meanwhile: rollout.Rollouts.advance)."""
     train_policy = step >= args.critic_warmup  # as upstream: `critic_warmup <= global_steps`, counted from 1
     trained = [("policy", update_policy)] if train_policy else []
     if models.critic is not None:
