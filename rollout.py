@@ -3,8 +3,9 @@
     trajectories = rollout(engine, fmt, envs, task_ids, groups, horizon=..., max_new_tokens=..., max_tokens=...)
     trajectories = rollout(..., stats=RolloutStats())                 # where the time went, for throughput metrics
     trajectories = play(engine, fmt, envs, task_ids, horizon=..., ...)   # more tasks than envs: in turn
-    stream = Stream(engine, fmt, envs, tasks_of, staleness=k, ...)       # train.py --max-staleness k: see Stream
+    rollouts = Rollouts(engine, fmt, envs, tasks_of, staleness=k, ...)   # train.py's loop: a set a step, see Rollouts
 
+Rollouts is the one loop that drives an engine; rollout() and play() play one set of it at a time, at staleness 0.
 One env per trajectory (the caller repeats each task n times). Each trajectory's next turn is
 submitted to the engine; a finished turn's decoded text goes to env.step in a thread pool, and the
 observation extends the trajectory, until the env says done, the turn cap (the horizon) is reached
@@ -61,9 +62,9 @@ Where this differs from upstream's rollout (AgentGym-RL's vLLMRollout.generate_s
   With vLLM, a trajectory's next turn starts as soon as its own env answers, so one slow env (a
   browser page, a search call) no longer leaves the GPU idle; turn caps, token budgets, the layout
   and the rewards are the same. The HF engine keeps rounds (one batched call each).
-- Upstream's loop is synchronous only. Stream (train.py --max-staleness k) goes on playing the next k steps' tasks
-  while the trainer updates, each turn recording the policy version that sampled it; k = 0 is the synchronous
-  loop exactly.
+- Upstream's loop is synchronous only. Rollouts at staleness k (train.py --max-staleness k) goes on playing the
+  next k steps' tasks while the trainer updates, each turn recording the policy version that sampled it; k = 0 is
+  the synchronous loop (the same code, and train.py's default).
 - Upstream sleeps `send_interval` (1 s) before every round's env steps (pacing for its HTTP env
   servers); envs here are in-process, so there is no pause.
 """
@@ -199,9 +200,11 @@ class Rollouts:
         self.clock = RolloutStats()
 
     def before_update(self) -> None:
-        """Empty an engine on the trainer's device (all but a rollout server, which generates through the update)."""
+        """Empty an engine on the trainer's device (all but a rollout server, which generates through the update),
+        and let it sleep through the update (vLLM's sleep mode frees the GPU)."""
         if not self.engine.apart:
             self.advance()
+        self.engine.sleep()
 
     def before_sync(self) -> None:
         """Finish the turns the engine holds with the weights that began them; an engine that samples with the
