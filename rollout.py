@@ -3,8 +3,9 @@
     trajectories = rollout(engine, fmt, envs, task_ids, groups, horizon=..., max_new_tokens=..., max_tokens=...)
     trajectories = rollout(..., stats=RolloutStats())                 # where the time went, for throughput metrics
     trajectories = play(engine, fmt, envs, task_ids, horizon=..., ...)   # more tasks than envs: in turn
-    stream = Stream(engine, fmt, envs, tasks_of, staleness=k, ...)       # train.py --max-staleness k: see Stream
+    rollouts = Rollouts(engine, fmt, envs, tasks_of, staleness=k, ...)   # train.py's loop: a set a step, see Rollouts
 
+Rollouts is the one loop that drives an engine; rollout() and play() play one set of it at a time, at staleness 0.
 One env per trajectory (the caller repeats each task n times). Each trajectory's next turn is
 submitted to the engine; a finished turn's decoded text goes to env.step in a thread pool, and the
 observation extends the trajectory, until the env says done, the turn cap (the horizon) is reached
@@ -61,9 +62,9 @@ Where this differs from upstream's rollout (AgentGym-RL's vLLMRollout.generate_s
   With vLLM, a trajectory's next turn starts as soon as its own env answers, so one slow env (a
   browser page, a search call) no longer leaves the GPU idle; turn caps, token budgets, the layout
   and the rewards are the same. The HF engine keeps rounds (one batched call each).
-- Upstream's loop is synchronous only. Stream (train.py --max-staleness k) goes on playing the next k steps' tasks
-  while the trainer updates, each turn recording the policy version that sampled it; k = 0 is the synchronous
-  loop exactly.
+- Upstream's loop is synchronous only. Rollouts at staleness k (train.py --max-staleness k) goes on playing the
+  next k steps' tasks while the trainer updates, each turn recording the policy version that sampled it; k = 0 is
+  the synchronous loop (the same code, and train.py's default).
 - Upstream sleeps `send_interval` (1 s) before every round's env steps (pacing for its HTTP env
   servers); envs here are in-process, so there is no pause.
 """
@@ -72,21 +73,19 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field, replace
-from typing import Callable
+from dataclasses import replace
+from typing import Callable, NamedTuple
 
 import envs
 from envs import Env, StepResult
+from rl import staleness as rule
 from rl.agent import REACT, Agent
 from rl.chat import ChatFormat, openai_calls  # (ChatFormat: rollout's callers import it from here too)
-from rl.records import FORMAT, encode_array
 from rl.engines import Sample
 from rl.engines.expert import ExpertEngine
 from rl.engines.hf import HFEngine  # noqa: F401 - the engines rollouts run on, imported from here too
 from rl.engines.vllm import VLLMEngine  # noqa: F401 - (as HFEngine)
-
-# ----------------------------------------------------------------------------------------------
-# Data
+from rl.trajectory import EnvAnswer, RolloutStats, Sequence, Trajectory, category, spans  # noqa: F401 - the data, re-exported
 
 ATTEMPT_GROUPS = 1 << 20  # reflect: attempt a's group is its task group + (a - 1) x this (see attempts)
 # A rollout stops when its engine holds submitted turns and generates nothing for this long (Watchdog): longer
@@ -97,173 +96,300 @@ STALL_S = 600.0
 ENV_THREADS = 256
 
 
-@dataclass
-class Trajectory:
-    env: str
-    task_id: int
-    group: int  # the n samples of one task share a group
-    row: int  # index of this trajectory's env in the rollout
-    messages: list[dict]
-    token_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)  # 1 on tokens the policy is trained on
-    logprobs: list[float] = field(default_factory=list)  # the sampler's log-prob of each token (0 where loss_mask is 0)
-    horizon: int = 0  # the turn cap it played under
-    turns: int = 0
-    invalid_actions: int = 0  # turns whose action the env reported as not valid (info["valid"] False)
-    valid: list[bool] = field(default_factory=list)  # each turn's: False where the env reported it not valid
-    malformed: int = 0  # of those, turns whose reply held no action to take (no call, a bad call, cut inside reasoning)
-    actions: list[str | None] = field(default_factory=list)  # what each turn sent to env.step (None: nothing, malformed)
-    reward: float = 0.0
-    turn_rewards: list[float] = field(default_factory=list)  # the env's reward after each turn (its last is `reward`)
-    done: bool = False
-    finish: str = ""  # "done" | "horizon" | "max_tokens" | "error"
-    error: str | None = None
-    success: bool = False
-    attempt: int = 1  # reflect: which attempt at the task this is (rl/agent.py)
-    final: bool = True  # reflect: False when another attempt followed this one
-    reflection: str | None = None  # reflect: what the policy wrote after this attempt failed
-    usage: dict[str, float] = field(default_factory=dict)  # an API model's calls, tokens and cost (rl/engines/api.py)
-    tools: list[dict] | None = None  # --agent tools: the tools the model was given (OpenAI function schemas)
-    # --reasoning drop: each turn's own sequence (the template's rendering of the conversation before it, then the
-    # turn's sampled tokens), as (token ids, loss mask, log-probs); token_ids & co. then hold the latest turn's
-    sequences: list[tuple[list[int], list[int], list[float]]] = field(default_factory=list)
-    # --max-staleness (Stream): the policy version that sampled each turn, the number of updates its weights had had
-    versions: list[int] = field(default_factory=list)
-    # the env's state key before each turn and after the last (envs.Env.state_key: equal exactly when two episodes of
-    # the task are in the same state; None where the env cannot say): GiGPO's anchor states (rl/advantages.py)
-    states: list[str | None] = field(default_factory=list)
+class Tasks(NamedTuple):
+    """A set's episodes: each one's task id and group, the turn cap, and (reflect's) each one's past reflections."""
 
-    def add(self, ids: list[int], logprobs: list[float] | None = None, trained: bool = False) -> None:
-        """Append tokens: sampled ones with their log-probs and trained=True, anything else untrained."""
-        self.token_ids += ids
-        self.loss_mask += [int(trained)] * len(ids)
-        self.logprobs += logprobs if trained else [0.0] * len(ids)
-
-    def fail(self, error: str) -> None:
-        self.finish, self.error, self.reward = "error", error, 0.0
-
-    @property
-    def item_id(self) -> str:
-        return f"{self.env}_{self.task_id}"
-
-    @property
-    def live(self) -> bool:
-        return not self.finish
-
-    def cut(self, horizon: int) -> Trajectory:
-        """The episode as it would have ended under a lower turn cap: the same turns up to it (nothing an
-        episode sees depends on its cap), its reward the one after turn `horizon`, its invalid and malformed turns
-        those among them; tokens and messages are the whole episode's. An env failure after turn `horizon` is one
-        the lower cap never met."""
-        if self.turns <= horizon or len(self.turn_rewards) < horizon:
-            return self
-        return replace(self, turns=horizon, reward=self.turn_rewards[horizon - 1], done=False, success=False,
-                       finish="horizon", error=None, horizon=horizon, states=self.states[:horizon + 1],
-                       invalid_actions=self.valid[:horizon].count(False), malformed=self.actions[:horizon].count(None))
-
-    def log_record(self) -> dict:
-        """The trajectory as a log record (rl/records.py), without what only training knows."""
-        return {
-            "log_format": FORMAT, "item_id": self.item_id, "task_id": self.task_id,
-            "category": category(self.env, self.task_id), "group": self.group, "horizon": self.horizon,
-            "reward": self.reward, "success": self.success, "turns": self.turns, "finish": self.finish,
-            "error": self.error, "invalid_actions": self.invalid_actions, "malformed": self.malformed,
-            "turn_rewards": self.turn_rewards, "env_actions": self.actions,  # (what the env was sent: the viewer replays it)
-            # (--reasoning drop: over every turn's sequence; token_ids below are the last turn's, `turn_sequences` says so)
-            "tokens": sum(len(ids) for ids, _, _ in self.sequences) if self.sequences else len(self.token_ids),
-            "action_tokens": sum(sum(mask) for _, mask, _ in self.sequences) if self.sequences else sum(self.loss_mask),
-            **({"turn_sequences": len(self.sequences)} if self.sequences else {}),
-            **({"attempt": self.attempt, "final": self.final, "reflection": self.reflection} if self.attempt > 1 or
-               not self.final else {}),  # (reflect's; before the messages, where the viewer's index reads)
-            "messages": self.messages,
-            # the exact tokens, the [start, end) runs of loss-mask 1 (the sampled turns) among them, and
-            # the sampler's log-prob of each of those tokens
-            "token_ids": encode_array(self.token_ids, "i32"), "action_spans": spans(self.loss_mask),
-            "sampled_logprobs": encode_array([p for p, m in zip(self.logprobs, self.loss_mask) if m], "f32"),
-            **({"usage": self.usage} if self.usage else {}),
-            **({"versions": self.versions} if self.versions else {}),
-            **({"states": self.states} if any(key is not None for key in self.states) else {}),
-        }
-
-    def token_turns(self) -> list[int]:
-        """The turn of every token: each turn's index on its sampled tokens (the runs of loss-mask 1, a run per turn),
-        -1 on everything else."""
-        turns, turn = [-1] * len(self.loss_mask), -1
-        for i, trained in enumerate(self.loss_mask):
-            if trained and (i == 0 or not self.loss_mask[i - 1]):
-                turn += 1
-            if trained:
-                turns[i] = turn
-        return turns
-
-    def token_versions(self) -> list[int]:
-        """The version of every token (Stream's trajectories): each turn's on its sampled tokens, -1 elsewhere."""
-        return [self.versions[turn] if turn >= 0 else -1 for turn in self.token_turns()]
-
-
-def category(env: str, task_id: int) -> str | None:
-    """The task's eval category, or None for an env not in envs.ENVS here (a result of one registered elsewhere)."""
-    try:
-        return envs.category(env, task_id)
-    except (ValueError, LookupError):
-        return None
-
-
-def spans(mask: list[int]) -> list[list[int]]:
-    """The [start, end) runs of 1 in a 0/1 mask."""
-    runs, start = [], None
-    for i, value in enumerate([*mask, 0]):
-        if value and start is None:
-            start = i
-        elif not value and start is not None:
-            runs.append([start, i])
-            start = None
-    return runs
-
-
-@dataclass
-class RolloutStats:
-    """Where a rollout's time went and what it sampled, for throughput metrics: rollout(stats=...) adds its own."""
-
-    rollout_s: float = 0.0  # wall
-    generate_s: float = 0.0  # inside the engine
-    idle_s: float = 0.0  # waiting for envs with nothing to generate
-    env_s: float = 0.0  # env time summed over calls, resets and steps
-    env_calls: int = 0
-    env_call_s: list[float] = field(default_factory=list)  # each call's seconds
-    sampled_tokens: int = 0
-
-    def add(self, other: RolloutStats) -> None:
-        for name in vars(self):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-    def count(self, timed: list) -> None:
-        """Env calls, each as (its result, its seconds)."""
-        self.env_s += sum(seconds for _, seconds in timed)
-        self.env_calls += len(timed)
-        self.env_call_s += [seconds for _, seconds in timed]
+    task_ids: list[int]
+    groups: list[int]
+    horizon: int
+    reflections: list[list[str]] | None = None
 
 
 # ----------------------------------------------------------------------------------------------
 # The rollout loop
 
 
+class Rollouts:
+    """Every rollout: sets of episodes played on a fixed list of envs, while the trainer updates too (train.py's loop,
+    --max-staleness k; rollout() and play() are one set at staleness 0).
+
+        rollouts = Rollouts(engine, fmt, environments, tasks_of, staleness=k, first=1, last=steps, ...)
+        for step in ...:
+            trajectories = rollouts.take(step)   # set `step`, complete; the later sets go on being played
+            rollouts.before_update()             # every turn under way finished: the engine holds nothing
+            ... update (rollouts.advance between its micro-batches, when rollouts.meanwhile), before_sync, sync ...
+            rollouts.resume(step)                # the engine now has version `step`
+
+    Set j is training step j's tasks (`tasks_of(j)`), and step j trains exactly set j, so the data cursor is the
+    step. The staleness rule (rl/staleness.py, with the bound's proof) says when a set opens and on which block of
+    len(environments) / (k + 1) envs it plays: its envs reset as soon as the block is free, a reset (a page load, a
+    simulator's start) sampling nothing, and its turns begin once the engine has the policy version j - 1 - k. A
+    turn is sampled by the version the engine has when it is generated (recorded in Trajectory.versions with
+    `versions`); a long episode goes on under newer weights (a partial rollout). With k = 0 set j opens once step
+    j - 1 is over: the synchronous loop, in which every hook but take has nothing to do.
+
+    The engine's weights change only between `advance` and `resume`. `advance` submits the turns of trajectories
+    whose env has answered and lets every turn under way finish, so that each turn is sampled by one version whole:
+    new weights never meet a half-generated turn, nor KV computed by the old ones (the sync drops the prefix cache).
+    The env steps it starts go on during the update. An engine with weights of its own that stays awake through
+    the update (`meanwhile`: vLLM without sleep mode, a rollout server; not HF, which samples with the trainer's
+    own weights, nor an engine that rounds) is also advanced between the update's micro-batches, still with the
+    weights before the update, so an env that answers mid-update waits a micro-batch, not the whole update, for
+    its next turn; a rollout server generates on its own devices all along.
+
+    A round engine (HF, vLLM under --deterministic) plays every live trajectory of every set in one round and
+    waits for all their envs, so a run is replayable; a continuous one (vLLM) resubmits a trajectory the moment
+    its env answers. `reseed(j)`, when given, restarts the engine's random stream as set j opens
+    (--deterministic: a set's samples depend on its seed and the weights alone).
+    """
+
+    def __init__(self, engine, fmt: ChatFormat, environments: list[Env], tasks_of: Callable[[int], Tasks], *,
+                 max_new_tokens: int, max_tokens: int, staleness: int = 0, first: int = 1, last: int = 1,
+                 agent: Agent = REACT, pool: ThreadPoolExecutor | None = None,
+                 reseed: Callable[[int], None] | None = None, versions: bool = False):
+        if len(environments) % rule.blocks(staleness):
+            raise ValueError(f"{len(environments)} envs do not split into {rule.blocks(staleness)} sets' blocks")
+        if agent.attempts > 1 and staleness:
+            raise ValueError("reflect's attempts depend on each other's reflections: play it at staleness 0")
+        self.engine, self.fmt, self.environments, self.tasks_of = engine, fmt, environments, tasks_of
+        self.staleness, self.last, self.agent, self.versions = staleness, last, agent, versions
+        self.max_new_tokens, self.max_tokens, self.reseed = max_new_tokens, max_tokens, reseed
+        self.block = len(environments) // rule.blocks(staleness)
+        self.meanwhile = engine.continuous and not getattr(engine, "sleep_mode", False)  # (see advance)
+        self.own_pool = pool is None
+        self.pool = pool or ThreadPoolExecutor(max_workers=min(ENV_THREADS, len(environments)))
+        self.version = first - 1  # the engine's weights: those after this many updates
+        self.opened = first - 1  # the last set started
+        self.sets: dict[int, list[Trajectory | None]] = {}  # set -> its trajectories (None while its env resets)
+        self.reflections: dict[int, list[list[str]] | None] = {}  # set -> reflect's past reflections of each
+        self.holds: dict[int, int] = {}  # block of envs -> the set it plays
+        self.ready: list[Trajectory] = []  # waiting to be submitted for their next turn
+        self.stepping: dict[Future, Trajectory] = {}
+        self.resetting: dict[Future, tuple[int, int, int, int, int]] = {}  # -> (set, index, task, group, horizon)
+        self.clock = RolloutStats()
+
+    def take(self, j: int, progress: Callable[[int, int], None] | None = None) -> list[Trajectory]:
+        """Play until set j is complete, and return it in row order (the other sets go on later). `progress`, when
+        given, is called with the counts of set j's episodes that ended and of turns played since its last call."""
+        if self.agent.attempts > 1:  # reflect: a set's attempts are sets of their own, played in turn
+            return self._attempts(j, progress)
+        begin, watchdog = time.perf_counter(), Watchdog(self.engine)
+        ended = played = 0
+        try:
+            self._open()
+            if j not in self.sets:
+                raise ValueError(f"set {j} is not under way: it starts with version {rule.first_version(j, self.staleness)}, "
+                                 f"and the engine has {self.version} (sets are taken in order, each once)")
+            while True:
+                self._open()
+                if progress is not None:
+                    now, turns = self._counts(j)
+                    if (now, turns) != (ended, played):
+                        progress(now - ended, turns - played)
+                        ended, played = now, turns
+                if self._complete(j):
+                    return sorted(self.sets.pop(j), key=lambda t: t.row)
+                watchdog.check()
+                self._submit()
+                if self.engine.pending:  # a round engine answers every submitted turn, vLLM the ones that finished
+                    self._generate()
+                self._collect()
+        finally:
+            self.clock.rollout_s += time.perf_counter() - begin
+
+    def spent(self, stats: RolloutStats) -> None:
+        """Add where the loop's time went since the last call (takes and advances) to `stats`."""
+        stats.add(self.clock)
+        self.clock = RolloutStats()
+
+    def before_update(self) -> None:
+        """Empty an engine on the trainer's device (all but a rollout server, which generates through the update),
+        and let it sleep through the update (vLLM's sleep mode frees the GPU)."""
+        if not self.engine.apart:
+            self.advance()
+        self.engine.sleep()
+
+    def before_sync(self) -> None:
+        """Finish the turns the engine holds with the weights that began them; an engine that samples with the
+        trainer's own weights (HF's) emptied before the update, which changed them."""
+        if not self.engine.on_trainer_weights:
+            self.advance()
+
+    def advance(self) -> None:
+        """Generate the next turn of every trajectory whose env has answered (a round engine waits for every env
+        under way: one round) and finish every turn under way, their env steps started (they go on during the
+        update): the engine then holds nothing, and its weights may change."""
+        begin, watchdog = time.perf_counter(), Watchdog(self.engine)
+        try:
+            self._open()
+            self._collect(idle=False)
+            self._submit()
+            while self.engine.pending:
+                watchdog.check()
+                self._generate()
+        finally:
+            self.clock.rollout_s += time.perf_counter() - begin
+
+    def resume(self, version: int) -> None:
+        """The engine has the weights after `version` updates: later turns are sampled by them, the sets whose
+        turns they allow begin them, and at staleness 0 the next set opens."""
+        self.version = version
+        self._open()
+
+    def close(self) -> None:
+        """Stop: drop what the engine holds and wait for the env calls under way (nothing spills into what follows;
+        the unfinished sets are lost, as a resumed run replays them)."""
+        self.engine.abort()
+        wait([*self.stepping, *self.resetting])
+        self.stepping.clear()
+        self.resetting.clear()
+        if self.own_pool:
+            self.pool.shutdown(wait=True)
+
+    # -- the loop's parts
+
+    def _tasks(self, j: int) -> Tasks:
+        """Set j's tasks, the engine reseeded for them."""
+        tasks = self.tasks_of(j)
+        if len(tasks.task_ids) > self.block:
+            raise ValueError(f"set {j} has {len(tasks.task_ids)} episodes, more than its block of {self.block} envs")
+        if self.reseed is not None:
+            self.reseed(j)
+        return tasks
+
+    def _open(self) -> None:
+        """Start every set the staleness rule opens: reset its envs, in the pool, as turns go on. A reset samples
+        nothing; its turns wait for their version (_submit)."""
+        while (self.opened < self.last and self.agent.attempts == 1 and
+               rule.opens(self.opened + 1, self.staleness, self.opened + 1 - rule.blocks(self.staleness) in self.sets,
+                          self.version)):
+            j = self.opened = self.opened + 1
+            task_ids, groups, horizon, reflections = self._tasks(j)
+            self.sets[j], self.reflections[j] = [None] * len(task_ids), reflections
+            self.holds[rule.block(j, self.staleness)] = j
+            for i, (task, group) in enumerate(zip(task_ids, groups)):
+                self.resetting[self.pool.submit(_called, self.environments[self._row(j, i)], "reset", task)] = \
+                    (j, i, task, group, horizon)
+
+    def _attempts(self, j: int, progress: Callable[[int, int], None] | None) -> list[Trajectory]:
+        """Reflect's set j: its episodes attempt after attempt (attempts), each attempt a set of its own."""
+        self.opened = j
+        task_ids, groups, horizon, _ = self._tasks(j)
+        return attempts(self.engine, self.fmt, self.environments[:len(task_ids)], task_ids, groups, horizon=horizon,
+                        max_new_tokens=self.max_new_tokens, max_tokens=self.max_tokens, agent=self.agent, pool=self.pool,
+                        stats=self.clock, progress=progress)
+
+    def _submit(self) -> None:
+        """Submit the next turn of every trajectory ready for one, but those of a set whose turns may not begin yet
+        (set j: before its first version; they wait, reset)."""
+        held = []
+        for traj in self.ready:
+            limit = min(self.max_new_tokens, _room(traj, self.max_tokens))
+            if rule.first_version(self.holds[traj.row // self.block], self.staleness) > self.version:
+                held.append(traj)
+            elif limit < 1:  # a first prompt that leaves no room for a reply
+                traj.finish = "max_tokens"
+            else:
+                self.engine.submit(traj, limit)
+        self.ready = held
+
+    def _generate(self) -> None:
+        """One engine poll; every finished turn is appended (with the policy version that sampled it, under
+        `versions`) and its env step started."""
+        start = time.perf_counter()
+        finished = self.engine.poll()
+        self.clock.generate_s += time.perf_counter() - start
+        for traj, sample in finished:
+            _add_usage(traj, sample)
+            if sample.error is not None:
+                traj.fail(sample.error)
+                continue
+            if sample.finish is not None:  # a text engine's server has no room left in its context window
+                traj.finish = sample.finish
+                continue
+            _act(self.fmt, traj, sample)
+            if self.versions:
+                traj.versions.append(self.version)
+            self.clock.sampled_tokens += len(sample.token_ids)
+            action = self.agent.read(self.fmt, traj.env, traj.messages[-1]["content"], sample.tool_calls)
+            traj.actions.append(action.text)
+            if action.calls:
+                traj.messages[-1]["tool_calls"] = openai_calls(action.calls, traj.turns)
+            if action.problem is not None:  # a reply the env never sees: answered here, as an invalid action
+                traj.malformed += 1
+                self.stepping[_answered(StepResult(action.problem, traj.reward, False, {"valid": False}), traj)] = traj
+            else:
+                self.stepping[self.pool.submit(_called, self.environments[traj.row], "step", action.text)] = traj
+
+    def _collect(self, idle: bool = True) -> None:
+        """Take in the env answers (resets and steps): while the engine has work, those that came; otherwise wait, for
+        the first (continuous) or for all (a round's barrier, also when not `idle`: a round engine's rounds never
+        depend on timing); not `idle` (advance), a continuous engine waits for none."""
+        waiting = [*self.resetting, *self.stepping]
+        if not waiting or (self.engine.pending and not self.engine.continuous):
+            return
+        if self.engine.pending or (self.engine.continuous and not idle):
+            answered = [future for future in waiting if future.done()]
+        else:
+            start = time.perf_counter()
+            answered = wait(waiting, return_when=FIRST_COMPLETED if self.engine.continuous else ALL_COMPLETED).done
+            self.clock.idle_s += time.perf_counter() - start
+        for future in sorted(answered, key=self._row_of):  # row order: a round engine's batch order
+            answer = future.result()
+            self.clock.count(answer)
+            if future in self.resetting:
+                j, i, task, group, horizon = self.resetting.pop(future)
+                row, reflections = self._row(j, i), self.reflections[j]
+                traj = self.sets[j][i] = _start(self.fmt, self.agent, row, self.environments[row], task, group, answer,
+                                                horizon, reflections[i] if reflections else [])
+                if traj.live:
+                    self.ready.append(traj)
+            elif _taken_in(self.fmt, traj := self.stepping.pop(future), answer, self.max_tokens):
+                self.ready.append(traj)
+
+    def _row(self, j: int, i: int) -> int:
+        """The env of set j's episode i: the i-th of its block."""
+        return rule.block(j, self.staleness) * self.block + i
+
+    def _row_of(self, future: Future) -> int:
+        return self.stepping[future].row if future in self.stepping else self._row(*self.resetting[future][:2])
+
+    def _complete(self, j: int) -> bool:
+        return j in self.sets and all(t is not None and not t.live for t in self.sets[j])
+
+    def _counts(self, j: int) -> tuple[int, int]:
+        """Set j's ended episodes and turns played."""
+        started = [t for t in self.sets[j] if t is not None]
+        return sum(not t.live for t in started), sum(t.turns for t in started)
+
+
+# ----------------------------------------------------------------------------------------------
+# One set at a time: rollout, reflect's attempts, play
+
+
 def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int], *,
             horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent = REACT,
             pool: ThreadPoolExecutor | None = None, stats: RolloutStats | None = None,
-            progress: Callable[[int, int], None] | None = None) -> list[Trajectory]:
+            progress: Callable[[int, int], None] | None = None,
+            reflections: list[list[str]] | None = None) -> list[Trajectory]:
     """Play one episode per env: environments[i] plays task_ids[i], in group groups[i], for at most
     `horizon` turns, laid out by `agent` (rl/agent.py; reflect plays up to agent.attempts attempts, each a
     trajectory, see attempts()). `progress`, when given, is called with the counts of episodes that ended and of
     turns played since its last call (a long episode shows as turns before it ends). `stats`, when given,
-    receives the rollout's timing and token counts (RolloutStats)."""
+    receives the rollout's timing and token counts (RolloutStats). `reflections`: each episode's past ones, which
+    it opens with (attempts')."""
     assert len(environments) == len(task_ids) == len(groups)
     if agent.attempts > 1:
         return attempts(engine, fmt, environments, task_ids, groups, horizon=horizon, max_new_tokens=max_new_tokens,
                         max_tokens=max_tokens, agent=agent, pool=pool, stats=stats, progress=progress)
-    return _episodes(engine, fmt, environments, task_ids, groups, [[] for _ in task_ids], horizon=horizon,
-                     max_new_tokens=max_new_tokens, max_tokens=max_tokens, agent=agent, pool=pool, stats=stats,
-                     progress=progress)
+    one = Rollouts(engine, fmt, environments, lambda _: Tasks(task_ids, groups, horizon, reflections),
+                   max_new_tokens=max_new_tokens, max_tokens=max_tokens, agent=agent, pool=pool)
+    try:
+        return one.take(1, progress)
+    finally:  # stopped half-way (an exception), nothing may spill into the next rollout
+        one.close()
+        if stats is not None:
+            one.spent(stats)
 
 
 def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int], *,
@@ -284,10 +410,11 @@ def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[in
         raise ValueError(f"reflect numbers its attempts' groups from {ATTEMPT_GROUPS}: task groups must stay below")
     for attempt in range(1, agent.attempts + 1):
         attempt_clock = RolloutStats()
-        batch = _episodes(engine, fmt, [environments[r] for r in rows], [task_ids[r] for r in rows],
-                          [groups[r] + (attempt - 1) * ATTEMPT_GROUPS for r in rows], [reflections[r] for r in rows],
-                          horizon=horizon, max_new_tokens=max_new_tokens, max_tokens=max_tokens, agent=agent, pool=pool,
-                          stats=attempt_clock, progress=(lambda _, turns: progress(0, turns)) if progress else None)
+        batch = rollout(engine, fmt, [environments[r] for r in rows], [task_ids[r] for r in rows],
+                        [groups[r] + (attempt - 1) * ATTEMPT_GROUPS for r in rows], horizon=horizon,
+                        max_new_tokens=max_new_tokens, max_tokens=max_tokens, agent=replace(agent, attempts=1),
+                        pool=pool, stats=attempt_clock, progress=(lambda _, turns: progress(0, turns)) if progress else None,
+                        reflections=[reflections[r] for r in rows])
         for traj in batch:
             traj.attempt = attempt
         played += batch
@@ -352,60 +479,6 @@ def reflect(engine, fmt: ChatFormat, failed: list[Trajectory], agent: Agent, max
     return [texts.get(id(ask)) if ask is not None else None for ask in asks]
 
 
-def _episodes(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int],
-              reflections: list[list[str]], *, horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent,
-              pool: ThreadPoolExecutor | None, stats: RolloutStats | None,
-              progress: Callable[[int, int], None] | None = None) -> list[Trajectory]:
-    """One episode per env (see rollout), each opening with its past reflections (reflect's; else none)."""
-    own_pool = pool is None
-    pool = pool or ThreadPoolExecutor(max_workers=min(ENV_THREADS, len(environments)))
-    clock = RolloutStats()
-    begin = time.perf_counter()
-    stepping: dict[Future, Trajectory] = {}  # env steps under way
-    try:
-        # -- reset every env in parallel; the first observation completes each prompt
-        firsts = list(pool.map(_called, environments, ["reset"] * len(environments), task_ids))
-        clock.count([(first, seconds) for first, seconds, _ in firsts])
-        trajectories = [_start(fmt, agent, row, env, task, group, first, horizon, past)
-                        for row, (env, task, group, first, past)
-                        in enumerate(zip(environments, task_ids, groups, firsts, reflections))]
-        clock.idle_s += time.perf_counter() - begin
-
-        ready = [t for t in trajectories if t.live]  # waiting to be submitted for their next turn
-        ended = played = 0
-        watchdog = Watchdog(engine)
-        while ready or stepping or engine.pending:
-            watchdog.check()
-            if progress is not None:
-                now, turns = sum(not t.live for t in trajectories), sum(t.turns for t in trajectories)
-                if (now, turns) != (ended, played):
-                    progress(now - ended, turns - played)
-                    ended, played = now, turns
-            for traj in ready:
-                limit = min(max_new_tokens, _room(traj, max_tokens))
-                if limit < 1:  # a first prompt that leaves no room for a reply
-                    traj.finish = "max_tokens"
-                else:
-                    engine.submit(traj, limit)
-            if engine.pending:  # a round engine answers every submitted turn, vLLM the ones that finished
-                _generate(engine, fmt, agent, environments, pool, stepping, clock)
-            ready = _collect(engine, fmt, stepping, clock, max_tokens)
-        for traj in trajectories:
-            if traj.live:
-                traj.finish = "horizon"
-        if progress is not None and len(trajectories) > ended:
-            progress(len(trajectories) - ended, sum(t.turns for t in trajectories) - played)
-        return trajectories
-    finally:  # stopped half-way (an exception), nothing may spill into the next rollout
-        engine.abort()
-        wait(stepping)
-        if own_pool:
-            pool.shutdown(wait=True)
-        clock.rollout_s = time.perf_counter() - begin
-        if stats is not None:
-            stats.add(clock)
-
-
 def play(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int] | None = None, *,
          horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent = REACT, pool: ThreadPoolExecutor | None = None,
          progress: Callable[[int, int], None] | None = None) -> list[Trajectory]:
@@ -437,246 +510,10 @@ def on_bar(bar) -> Callable[[int, int], None]:
     return advance
 
 
-class Stream:
-    """Rollouts that go on while the trainer updates: train.py's asynchronous loop (--max-staleness k).
-
-        stream = Stream(engine, fmt, environments, tasks_of, staleness=2, first=1, last=steps, ...)
-        for step in ...:
-            trajectories = stream.take(step)   # set `step`, complete; the later sets go on being played
-            stream.advance()                   # every turn under way finished: the engine holds nothing
-            ... update (stream.advance between its micro-batches, when stream.meanwhile), sync ...
-            stream.resume(step)                # the engine now has version `step`
-
-    Set j is training step j's tasks (`tasks_of(j)`: task ids, groups, turn cap), as the synchronous loop plays
-    them, and step j trains exactly set j, so the data cursor is the step. A set's turns begin once the engine has
-    the policy version j - 1 - k, the weights after update j - 1 - k (version v: the weights after v updates), so
-    at most k + 1 sets are under way, each on its own block of len(environments) / (k + 1) envs; its envs are reset
-    as soon as the block is free (set j - k - 1 taken), a reset (a page load, a simulator's start) sampling nothing.
-    A turn is sampled by the version the engine has when it is generated, recorded in Trajectory.versions; a
-    long episode goes on under newer weights (a partial rollout). Since set j is trained at update j and its
-    first turn was sampled by version >= j - 1 - k, no trained token is more than k versions older than the
-    weights it updates: the bound holds by construction, whatever the envs' latencies, and nothing is dropped.
-    With k = 0 a set starts only after the previous update, exactly as the synchronous loop (tests check that
-    the runs are equal; under --horizon auto its cap is decided one step earlier, from the steps finished when the
-    set's envs reset: rl/horizon.known_before).
-
-    The engine's weights change only between `advance` and `resume`. `advance` submits the turns of trajectories
-    whose env has answered and lets every turn under way finish, so that each turn is sampled by one version whole:
-    new weights never meet a half-generated turn, nor KV computed by the old ones (the sync drops the prefix cache).
-    The env steps it starts go on during the update. An engine with weights of its own that stays awake through
-    the update (`meanwhile`: vLLM without sleep mode, a rollout server; not HF, which samples with the trainer's
-    own weights, nor an engine that rounds) is also advanced between the update's micro-batches, still with the
-    weights before the update, so an env that answers mid-update waits a micro-batch, not the whole update, for
-    its next turn; a rollout server generates on its own devices all along.
-
-    A round engine (HF, vLLM under --deterministic) plays every live trajectory of every set in one round and
-    waits for all their envs, so a run is replayable; a continuous one (vLLM) resubmits a trajectory the moment
-    its env answers.
-    """
-
-    def __init__(self, engine, fmt: ChatFormat, environments: list[Env],
-                 tasks_of: Callable[[int], tuple[list[int], list[int], int]], *, staleness: int, first: int, last: int,
-                 max_new_tokens: int, max_tokens: int, agent: Agent = REACT, pool: ThreadPoolExecutor | None = None,
-                 reseed: Callable[[int], None] | None = None):
-        if len(environments) % (staleness + 1):
-            raise ValueError(f"{len(environments)} envs do not split into {staleness + 1} sets' blocks")
-        if agent.attempts > 1:
-            raise ValueError("reflect's attempts depend on each other's reflections: play it with the synchronous loop")
-        self.engine, self.fmt, self.environments, self.tasks_of = engine, fmt, environments, tasks_of
-        self.staleness, self.last, self.agent = staleness, last, agent
-        self.max_new_tokens, self.max_tokens, self.reseed = max_new_tokens, max_tokens, reseed
-        self.block = len(environments) // (staleness + 1)
-        self.meanwhile = engine.continuous and not getattr(engine, "sleep_mode", False)  # (see advance)
-        self.pool = pool or ThreadPoolExecutor(max_workers=min(ENV_THREADS, len(environments)))
-        self.version = first - 1  # the engine's weights: those after this many updates
-        self.opened = first - 1  # the last set started
-        self.sets: dict[int, list[Trajectory | None]] = {}  # set -> its trajectories (None while its env resets)
-        self.holds: dict[int, int] = {}  # block of envs -> the set it plays
-        self.ready: list[Trajectory] = []  # waiting to be submitted for their next turn
-        self.stepping: dict[Future, Trajectory] = {}
-        self.resetting: dict[Future, tuple[int, int, int, int]] = {}  # -> (set, index, task, group)
-        self.clock = RolloutStats()
-
-    def take(self, j: int, progress: Callable[[int, int], None] | None = None) -> list[Trajectory]:
-        """Play until set j is complete, and return it in row order (the other sets go on later). `progress`: set
-        j's ended episodes and the turns played, as rollout's."""
-        begin, watchdog = time.perf_counter(), Watchdog(self.engine)
-        ended = played = 0
-        try:
-            self._open()
-            if j not in self.sets:
-                raise ValueError(f"set {j} is not under way: it starts with version {j - 1 - self.staleness}, and the "
-                                 f"engine has {self.version} (sets are taken in order, each once)")
-            while True:
-                self._open()
-                if progress is not None:
-                    now, turns = self._counts(j)
-                    if (now, turns) != (ended, played):
-                        progress(now - ended, turns - played)
-                        ended, played = now, turns
-                if self._complete(j):
-                    return sorted(self.sets.pop(j), key=lambda t: t.row)
-                watchdog.check()
-                self._submit()
-                if self.engine.pending:
-                    _generate(self.engine, self.fmt, self.agent, self.environments, self.pool, self.stepping,
-                              self.clock, self.version)
-                self._collect()
-        finally:
-            self.clock.rollout_s += time.perf_counter() - begin
-
-    def spent(self, stats: RolloutStats) -> None:
-        """Add where the loop's time went since the last call (takes and advances) to `stats`."""
-        stats.add(self.clock)
-        self.clock = RolloutStats()
-
-    def before_update(self) -> None:
-        """Empty an engine on the trainer's device (all but a rollout server, which generates through the update)."""
-        if not self.engine.apart:
-            self.advance()
-
-    def before_sync(self) -> None:
-        """Finish the turns the engine holds with the weights that began them; an engine that samples with the
-        trainer's own weights (HF's) emptied before the update, which changed them."""
-        if not self.engine.on_trainer_weights:
-            self.advance()
-
-    def advance(self) -> None:
-        """Generate the next turn of every trajectory whose env has answered (a round engine waits for every env
-        under way: one round) and finish every turn under way, their env steps started (they go on during the
-        update): the engine then holds nothing, and its weights may change."""
-        begin, watchdog = time.perf_counter(), Watchdog(self.engine)
-        try:
-            self._open()
-            self._collect(idle=False)
-            self._submit()
-            while self.engine.pending:
-                watchdog.check()
-                _generate(self.engine, self.fmt, self.agent, self.environments, self.pool, self.stepping, self.clock,
-                          self.version)
-        finally:
-            self.clock.rollout_s += time.perf_counter() - begin
-
-    def resume(self, version: int) -> None:
-        """The engine has the weights after `version` updates: later turns are sampled by them, and the sets whose
-        turns they allow begin them."""
-        self.version = version
-
-    def close(self) -> None:
-        """Stop: drop what the engine holds and wait for the env calls under way (nothing spills into what follows;
-        the unfinished sets are lost, as a resumed run replays them)."""
-        self.engine.abort()
-        wait([*self.stepping, *self.resetting])
-        self.stepping.clear()
-        self.resetting.clear()
-
-    # -- the loop's parts
-
-    def _open(self) -> None:
-        """Start every set whose block of envs is free (the set k + 1 before it was taken): reset its envs, in the
-        pool, as turns go on. A reset samples nothing; its turns wait for their version (_submit)."""
-        while self.opened < self.last and self.opened + 1 - (self.staleness + 1) not in self.sets:
-            j = self.opened = self.opened + 1
-            task_ids, groups, horizon = self.tasks_of(j)
-            if len(task_ids) > self.block:
-                raise ValueError(f"set {j} has {len(task_ids)} episodes, more than its block of {self.block} envs")
-            if self.reseed is not None:  # (--deterministic: the set's samples depend on its seed and the weights)
-                self.reseed(j)
-            self.sets[j] = [None] * len(task_ids)
-            self.holds[(j - 1) % (self.staleness + 1)] = j
-            for i, (task, group) in enumerate(zip(task_ids, groups)):
-                row = (j - 1) % (self.staleness + 1) * self.block + i
-                self.resetting[self.pool.submit(_called, self.environments[row], "reset", task)] = (j, i, task, group, horizon)
-
-    def _submit(self) -> None:
-        """Submit the next turn of every trajectory ready for one, but those of a set whose turns may not begin yet
-        (set j: before version j - 1 - k; they wait, reset)."""
-        held = []
-        for traj in self.ready:
-            limit = min(self.max_new_tokens, _room(traj, self.max_tokens))
-            if self.holds[traj.row // self.block] > self.version + 1 + self.staleness:
-                held.append(traj)
-            elif limit < 1:  # a first prompt that leaves no room for a reply
-                traj.finish = "max_tokens"
-            else:
-                self.engine.submit(traj, limit)
-        self.ready = held
-
-    def _collect(self, idle: bool = True) -> None:
-        """Take in the env answers (resets and steps) as rollout's _collect does: while the engine has work, those
-        that came; otherwise wait, for the first (continuous) or for all (a round's barrier, also when not `idle`:
-        a round engine's rounds never depend on timing); not `idle` (advance), a continuous engine waits for none."""
-        waiting = [*self.resetting, *self.stepping]
-        if not waiting or (self.engine.pending and not self.engine.continuous):
-            return
-        if self.engine.pending or (self.engine.continuous and not idle):
-            answered = [future for future in waiting if future.done()]
-        else:
-            start = time.perf_counter()
-            answered = wait(waiting, return_when=FIRST_COMPLETED if self.engine.continuous else ALL_COMPLETED).done
-            self.clock.idle_s += time.perf_counter() - start
-        for future in sorted(answered, key=self._row):  # row order: a round engine's batch order
-            if future in self.resetting:
-                j, i, task, group, horizon = self.resetting.pop(future)
-                row = self._row(future, (j, i))
-                first = future.result()
-                self.clock.count([first[:2]])
-                traj = self.sets[j][i] = _start(self.fmt, self.agent, row, self.environments[row], task, group, first,
-                                                horizon, [])
-                if traj.live:
-                    self.ready.append(traj)
-            elif _taken_in(self.fmt, traj := self.stepping.pop(future), future.result(), self.clock, self.max_tokens):
-                self.ready.append(traj)
-
-    def _row(self, future: Future, where: tuple[int, int] | None = None) -> int:
-        if future in self.stepping:
-            return self.stepping[future].row
-        j, i = where or self.resetting[future][:2]
-        return (j - 1) % (self.staleness + 1) * self.block + i
-
-    def _complete(self, j: int) -> bool:
-        return j in self.sets and all(t is not None and not t.live for t in self.sets[j])
-
-    def _counts(self, j: int) -> tuple[int, int]:
-        """Set j's ended episodes and turns played."""
-        started = [t for t in self.sets[j] if t is not None]
-        return sum(not t.live for t in started), sum(t.turns for t in started)
-
-
-def _generate(engine, fmt: ChatFormat, agent: Agent, environments: list[Env], pool: ThreadPoolExecutor,
-              stepping: dict[Future, Trajectory], clock: RolloutStats, version: int | None = None) -> None:
-    """One engine poll; every finished turn is appended (with the policy `version` that sampled it, when given)
-    and its env step started."""
-    start = time.perf_counter()
-    finished = engine.poll()
-    clock.generate_s += time.perf_counter() - start
-    for traj, sample in finished:
-        _add_usage(traj, sample)
-        if sample.error is not None:
-            traj.fail(sample.error)
-            continue
-        if sample.finish is not None:  # a text engine's server has no room left in its context window
-            traj.finish = sample.finish
-            continue
-        _act(fmt, traj, sample)
-        if version is not None:
-            traj.versions.append(version)
-        clock.sampled_tokens += len(sample.token_ids)
-        action = agent.read(fmt, traj.env, traj.messages[-1]["content"], sample.tool_calls)
-        traj.actions.append(action.text)
-        if action.calls:
-            traj.messages[-1]["tool_calls"] = openai_calls(action.calls, traj.turns)
-        if action.problem is not None:  # a reply the env never sees: answered here, as an invalid action
-            traj.malformed += 1
-            stepping[_answered(StepResult(action.problem, traj.reward, False, {"valid": False}), traj)] = traj
-        else:
-            stepping[pool.submit(_called, environments[traj.row], "step", action.text)] = traj
-
-
 def _answered(result: StepResult, traj: Trajectory) -> Future:
-    """An env step already answered, as the rollout waits for one: (result, no env seconds, the state unchanged)."""
+    """An env step already answered, as the rollout waits for one: no env seconds, the state unchanged."""
     future = Future()
-    future.set_result((result, 0.0, traj.states[-1] if traj.states else None))
+    future.set_result(EnvAnswer(result, 0.0, traj.states[-1] if traj.states else None))
     return future
 
 
@@ -686,36 +523,12 @@ def _add_usage(traj: Trajectory, sample: Sample) -> None:
         traj.usage[key] = traj.usage.get(key, 0) + value
 
 
-def _collect(engine, fmt: ChatFormat, stepping: dict[Future, Trajectory], clock: RolloutStats,
-             max_tokens: int) -> list[Trajectory]:
-    """The env answers to take in now, observed; returns the trajectories that go on to another turn.
-    While the engine has work, whatever has answered (none for a round engine, which finishes its round
-    first); otherwise the engine is idle and waits, for the first answer (continuous) or for all of them
-    (a round's barrier)."""
-    if not stepping or (engine.pending and not engine.continuous):
-        return []
-    if engine.pending:
-        answered = [future for future in stepping if future.done()]
-    else:
-        start = time.perf_counter()
-        answered = wait(stepping, return_when=FIRST_COMPLETED if engine.continuous else ALL_COMPLETED).done
-        clock.idle_s += time.perf_counter() - start
-    going_on = []
-    for future in sorted(answered, key=lambda f: stepping[f].row):  # row order: a round engine's batch order
-        traj = stepping.pop(future)
-        if _taken_in(fmt, traj, future.result(), clock, max_tokens):
-            going_on.append(traj)
-    return going_on
-
-
-def _taken_in(fmt: ChatFormat, traj: Trajectory, answer: tuple, clock: RolloutStats, max_tokens: int) -> bool:
-    """An env's (result, seconds, state key) for a turn, observed; whether the trajectory goes on to another turn (at
-    its horizon it ends, finish "horizon")."""
-    result, seconds, state = answer
-    clock.count([(result, seconds)])
-    _observe(fmt, traj, result, traj.horizon, max_tokens)
-    if not isinstance(result, Exception):
-        traj.states.append(state)
+def _taken_in(fmt: ChatFormat, traj: Trajectory, answer: EnvAnswer, max_tokens: int) -> bool:
+    """An env's answer to a turn, observed; whether the trajectory goes on to another turn (at its horizon it ends,
+    finish "horizon")."""
+    _observe(fmt, traj, answer.result, traj.horizon, max_tokens)
+    if not isinstance(answer.result, Exception):
+        traj.states.append(answer.state)
     if traj.live and traj.turns >= traj.horizon:
         traj.finish = "horizon"
     return traj.live
@@ -754,18 +567,18 @@ def _timed(fn, *args):
     return result, time.perf_counter() - start
 
 
-def _called(env: Env, method: str, *args) -> tuple:
-    """An env call ("reset" or "step"), in the pool: (its result, or the exception it raised, its seconds, the env's
-    state key after it, None where the env cannot say). A key that fails to come is None, never an error
+def _called(env: Env, method: str, *args) -> EnvAnswer:
+    """An env call ("reset" or "step"), in the pool: its result, or the exception it raised, its seconds, the env's
+    state key after it (None where the env cannot say). A key that fails to come is None, never an error
     (envs.state_key_of)."""
     result, seconds = _timed(getattr(env, method), *args)
-    return result, seconds, None if isinstance(result, Exception) else envs.state_key_of(env)
+    return EnvAnswer(result, seconds, None if isinstance(result, Exception) else envs.state_key_of(env))
 
 
-def _start(fmt: ChatFormat, agent: Agent, row: int, env: Env, task_id: int, group: int, answer: tuple, horizon: int,
-           reflections: list[str]) -> Trajectory:
+def _start(fmt: ChatFormat, agent: Agent, row: int, env: Env, task_id: int, group: int, answer: EnvAnswer,
+           horizon: int, reflections: list[str]) -> Trajectory:
     """A trajectory whose tokens are the first prompt (the agent format's opening: instruction, ack, first
-    observation); `answer`: the reset's (first observation, seconds, state key)."""
+    observation); `answer`: the reset's (the first observation)."""
     first, _, state = answer
     if isinstance(first, Exception):
         messages = agent.opening(env, "", reflections)[:2]
@@ -787,7 +600,7 @@ def _act(fmt: ChatFormat, traj: Trajectory, sample: Sample) -> None:
             # which the model did not choose, so it is not trained on
             traj.add([fmt.end_of_turn])
         if fmt.history == "drop":
-            traj.sequences.append((list(traj.token_ids), list(traj.loss_mask), list(traj.logprobs)))
+            traj.sequences.append(Sequence(list(traj.token_ids), list(traj.loss_mask), list(traj.logprobs)))
     traj.messages.append({"role": "assistant", "content": _reply(fmt, sample)})
     if sample.reasoning:  # (a text engine's reasoning, returned apart from its reply: logged, never sent back)
         traj.messages[-1]["reasoning_content"] = sample.reasoning
@@ -819,8 +632,7 @@ def _observe(fmt: ChatFormat, traj: Trajectory, result, horizon: int, max_tokens
         if max_tokens - len(prompt) - 1 < 1:
             traj.finish = "max_tokens"
         else:
-            traj.token_ids, traj.loss_mask, traj.logprobs = [], [], []
-            traj.add(prompt)
+            traj.restart(prompt)
     elif traj.turns < horizon:
         observation = fmt.observation(result.observation, traj.messages[-1]["role"])
         if _room(traj, max_tokens) - len(observation) < 1:  # no room left for a reply

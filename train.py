@@ -19,7 +19,7 @@ same models, accumulation, logs and checkpoints learn from trajectory files (--d
     python train.py --algo agentevol --data data/babyai_train_expert.jsonl --iterations 3 --n 4
 
 `--max-staleness k` trains asynchronously: the next k steps' episodes are played while the trainer updates, and
-decoupled PPO weighs the tokens sampled by older weights (rollout.py's Stream; README, "Asynchronous training").
+decoupled PPO weighs the tokens sampled by older weights (rollout.py's Rollouts; README, "Asynchronous training").
 `--mismatch tis|mis` weighs the tokens of the weights being updated for the engine's gap from the trainer (a bf16
 engine; rl/losses.py: one importance weight a token, the staleness's and the mismatch's).
 `--agent tools` plays through native tool calls and a reasoning model's block is never read by the env (rl/chat.py);
@@ -44,7 +44,6 @@ import random
 import sys
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Annotated, Literal
@@ -57,27 +56,27 @@ import envs
 from envs import latency
 from envs.guard import make_envs
 from rl import advantages as adv_lib
+from rl import staleness
 from rl.agent import check_layout, make_agent
 from rl.batch import Batch, arrange, attach, example_micro_batches, make_batch, minibatch_counts, rows_of, scatter
-from rl.chat import chat_format
 from rl.data import examples_of, held_out, offline_steps, read_data, to_record
 from rl.dpo import DPOSums, dpo_terms
 from rl.engines.setup import build_engine, check_engine, check_sampling, own_stream, stream_seed, sync
-from rl.horizon import AUTO, LADDER, auto_horizon, caps_of, describe, horizon_at, known_before
+from rl.horizon import AUTO, LADDER, auto_horizon, caps_of, horizon_at, known_before
 from rl.logprobs import pad, token_logprobs, token_values
 from rl.losses import MISMATCH_CAP, aggregate, importance_weights, kl, policy_loss, value_loss
 from rl.memory import print_plan
-from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, Models, build_models, context_limit, has_reference,
-                      check_models, load_tokenizer, make_accelerator, reference, restart, stop_on_nondeterministic)
+from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, Models, has_reference, check_models, make_accelerator,
+                      reference, restart, stop_on_nondeterministic)
 from rl.metrics import (Costs, UpdateSums, async_metrics, eval_line, eval_metrics, evol_line, offline_line, rl_line,
                         step_metrics, weight_sums)
 from rl.optimizer import accumulate, optimizer_steps, reducer, stop_on_nonfinite
 from rl.records import read_metrics, rollout_records
 from rl.run import (Logs, close, eval_due, evaluation_plan, find_checkpoint, finish, phase, resumable_config, resume, run_config,
-                    run_directory, run_of, save_checkpoint, stop_on_env_failures)
+                    run_directory, run_of, save_checkpoint, set_up, start_line, stop_on_env_failures)
 from rl.scores import score, spread
 from rl.sft import SFTSums, sft_terms
-from rollout import ENV_THREADS, ChatFormat, EngineStalled, RolloutStats, Stream, Trajectory, play, rollout
+from rollout import ChatFormat, EngineStalled, Rollouts, RolloutStats, Tasks, Trajectory, play
 
 
 @dataclass
@@ -407,42 +406,33 @@ def main(args: Args) -> Path | None:
     run_dir = run_directory(args, resuming, accelerator)
 
     # -- tasks, and one env per trajectory of this process, created once and reset every step
-    train_ids = envs.load_task_ids(args.train_tasks, args.env) if args.train_tasks else envs.splits(args.env)["train"]
-    if len(train_ids) < args.tasks_per_step:
-        raise SystemExit(f"the train split has {len(train_ids)} tasks, fewer than --tasks-per-step {args.tasks_per_step}")
+    train_ids = train_task_ids(args)
     if args.epochs is not None:
         args = replace(args, steps=args.epochs * (len(train_ids) // args.tasks_per_step))
     # (each call bounded by --env-timeout; an env that failed is replaced: envs/guard.py)
     # (--max-staleness k: a block of envs for each of the k + 1 steps' tasks under way; evaluations get their own)
-    per_step, blocks = args.tasks_per_step // accelerator.num_processes * args.n, 1 + (args.max_staleness or 0)
+    per_step, blocks = args.tasks_per_step // accelerator.num_processes * args.n, staleness.blocks(args.max_staleness or 0)
     environments = make_envs(args.env, per_step * blocks, envs.parse_options(args.env_options), args.env_timeout,
                              args.env_url, accelerator.process_index, delay=args.env_delay, seed=args.seed)
-    pool = ThreadPoolExecutor(max_workers=min(ENV_THREADS, len(environments)))
     test_ids = test_task_ids(args) if args.eval_every else []  # played on the same envs every --eval-every steps
     players = make_envs(args.env, per_step, envs.parse_options(args.env_options), args.env_timeout, args.env_url,
                         accelerator.process_index, delay=args.env_delay, seed=args.seed + 1) \
         if test_ids and args.max_staleness is not None else environments
-    engine = logs = stream = None
+    engine = logs = rollouts = None
     try:  # (everything from here on closes what it opened, also on a stop or an error)
         # -- models, the sampler, and the training state when resuming
-        tokenizer = load_tokenizer(args.model)
-        fmt = chat_format(tokenizer, args.agent, args.chat_template_kwargs, args.reasoning_tags, args.reasoning)
-        models = build_models(args, accelerator, policy_from=args.resume if resuming else args.model)
-        max_tokens = context_limit(args, accelerator.unwrap_model(models.policy), say=accelerator.is_main_process)
+        tokenizer, fmt, models, max_tokens = set_up(args, accelerator, args.resume if resuming else args.model)
         engine = build_engine(args, fmt, models, accelerator, max_tokens)
         trainer_state = resume(accelerator, models, engine, Path(args.resume)) if resuming else {"step": 0, "logs": {}}
         start_step = trainer_state["step"] + 1
         sync(engine, models.policy, accelerator, start_step - 1)  # from the first step on: the trainer's weights
         history = logged_steps(run_dir, start_step) if resuming else []  # (the steps' metrics: --horizon auto's input)
-        stream = streamed(engine, fmt, environments, train_ids, start_step, max_tokens, pool, args, accelerator, history)
+        rollouts = rollouts_of(engine, fmt, environments, train_ids, start_step, max_tokens, args, accelerator, history)
 
         # -- the run's record (logs cut back to the checkpoint's when resuming)
         config = run_config(args, run_dir, resuming, accelerator, mixed, engine, environments[0])
         if accelerator.is_main_process:
-            print(f"run {run_dir.name}: {args.env}, {args.model} ({args.preset} preset), {args.algo}, {args.steps} steps of "
-                  f"{args.tasks_per_step} tasks x {args.n} samples, {describe(args.horizon, args.horizon_every, args.steps)}, "
-                  f"{evaluation_plan(args, len(test_ids), start_step, initial=start_step == 1)}"
-                  f" -> {run_dir}" + (f", resumed at step {start_step}" if resuming else ""))
+            print(start_line(args, run_dir, len(test_ids), start_step, resuming))
         logs = Logs(args, run_dir, config, active=accelerator.is_main_process, resume_sizes=trainer_state["logs"])
 
         # (the step bar shows the phase under way: rollout, update or eval, and how far it got)
@@ -453,27 +443,17 @@ def main(args: Args) -> Path | None:
                                              progress)
             logs.write(0, evaluation | {"charts/step": 0}, eval_line(0, evaluation), evaluations=evaluated)
         for step in progress:
+            # -- rollout: the same tasks on every process for a step, each process playing its share (rollouts_of)
             step_start = time.perf_counter()
-
-            # -- rollout: the same tasks on every process for a step, each process playing its share
-            task_ids, groups = my_tasks(tasks_for(step, train_ids, args.tasks_per_step, args.seed), args.n, accelerator)
             horizon, why = horizon_for(step, args, history)  # ScalingInter-RL's stage, or --horizon auto's cap
             costs = Costs(RolloutStats())
             with costs.measure("rollout"):
-                bar = phase(progress, "rollout", len(task_ids))
-                if stream is None and args.deterministic:  # this step's samples depend on (seed, step) and the weights
-                    engine.reseed(stream_seed(args.seed + accelerator.process_index, step))
-                trajectories = stream.take(step, bar) if stream is not None else rollout(  # (--max-staleness: see Stream)
-                    engine, fmt, environments, task_ids, groups, horizon=horizon, pool=pool, stats=costs.rollout,
-                    max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, agent=make_agent(args.agent, args.attempts),
-                    progress=bar)
+                trajectories = rollouts.take(step, phase(progress, "rollout", per_step))
                 stop_on_env_failures(trajectories, args.max_error_rate, accelerator, run_dir, step)
 
             # -- the batch, its old/reference log-probs and values, advantages, the update, the engine's new weights
-            if stream is not None:
-                stream.before_update()
-            engine.sleep()
-            between = stream.advance if stream is not None and stream.meanwhile else None  # (rollouts going on meanwhile)
+            rollouts.before_update()  # (the engine then holds nothing, and sleeps through the update)
+            between = rollouts.advance if rollouts.meanwhile else None  # (rollouts going on meanwhile)
             with costs.measure("update"):
                 batch = batch_of(trajectories, args, accelerator, fmt.pad_id, step)
                 old_logprobs(models, batch, args, accelerator, between)
@@ -484,38 +464,33 @@ def main(args: Args) -> Path | None:
                                           phase(progress, "update", args.ppo_epochs * len(batch.micro)),
                                           between=between)
                 stop_on_nonfinite(models, batch, args.max_nonfinite_updates, accelerator, run_dir, step)
-            if stream is not None:  # (no process's sync changes a shared server's weights under another's turns)
-                stream.before_sync()
-                accelerator.wait_for_everyone()
+            rollouts.before_sync()
+            accelerator.wait_for_everyone()  # (no process's sync changes a shared server's weights under another's turns)
             synced = sync(engine, models.policy, accelerator, step)
 
             # -- metrics and logs (trajectory statistics over all processes, losses from this one)
-            if stream is not None:  # (what its loop did this step: the take, and the advances meanwhile)
-                stream.spent(costs.rollout)
+            rollouts.spent(costs.rollout)  # (what its loop did this step: the take, and the advances meanwhile)
             records = gather_object(rollout_records(trajectories, batch, step))
             sampled = gather_object([(costs.rollout.sampled_tokens, costs.rollout.generate_s)])
             metrics = step_metrics(records, sampled, costs, sums, grad_norms, batch, advantages, returns, models, horizon,
                                    engine.metrics() | synced) | ({"rollout/horizon_reason": why} if why else {})
-            if stream is not None:
+            if args.max_staleness is not None:
                 metrics |= async_metrics(batch, sums, args.max_staleness)
             evaluation, evaluated = evaluate(engine, fmt, players, test_ids, models, args, accelerator, max_tokens, step,
                                              progress) if eval_due(step, args.eval_every, args.steps) else ({}, [])
-            if stream is not None:
-                stream.resume(step)
             step_s = time.perf_counter() - step_start
             metrics |= evaluation | {"perf/step_s": step_s, "perf/engine_idle_share": 1 - costs.rollout.generate_s / step_s,
                                      "charts/step": step}
             logs.write(step, metrics, rl_line(step, metrics), evaluations=evaluated,
                        rollouts=records if step % args.log_rollouts_every == 0 else [])
             history.append(metrics)
+            rollouts.resume(step)  # (at staleness 0 the next step's set opens here, its cap decided by this step's metrics)
 
             if step == args.steps or (args.save_every and step % args.save_every == 0):
                 save_checkpoint(accelerator, models, engine, tokenizer, run_dir / "checkpoints" / f"step_{step}", step, logs,
                                 args.keep_checkpoints)
     finally:  # also when a stop (env failures, NaN, a stalled engine) or an error ends the run: no JVM or browser left behind
-        if stream is not None:
-            stream.close()
-        close(engine, environments + (players if players is not environments else []), logs, pool)
+        close(engine, environments + (players if players is not environments else []), logs, rollouts=rollouts)
     return finish(run_dir, accelerator)
 
 
@@ -538,22 +513,21 @@ def my_tasks(tasks: list[int], n: int, accelerator) -> tuple[list[int], list[int
     return mine, [i // n for i in range(len(mine))]
 
 
-def streamed(engine, fmt: ChatFormat, environments: list, train_ids: list[int], first: int, max_tokens: int,
-             pool: ThreadPoolExecutor, args: Args, accelerator, history: list[dict]) -> Stream | None:
-    """--max-staleness k: the rollouts that go on across steps (rollout.py's Stream), set j holding step j's tasks,
-    as the synchronous loop plays them (my_tasks, the horizon schedule, under --deterministic a stream of seeds
-    restarted from (seed, step)), from step `first` on: in-flight episodes are not checkpointed, a resumed run
-    plays its next steps' sets anew (README: a browser page or a JVM's state cannot be saved)."""
-    if args.max_staleness is None:
-        return None
-    def tasks_of(j: int) -> tuple[list[int], list[int], int]:
+def rollouts_of(engine, fmt: ChatFormat, environments: list, train_ids: list[int], first: int, max_tokens: int,
+                args: Args, accelerator, history: list[dict]) -> Rollouts:
+    """The run's rollouts (rollout.py's Rollouts), set j holding step j's tasks (my_tasks, the horizon schedule,
+    under --deterministic a stream of seeds restarted from (seed, step)), from step `first` on, at --max-staleness k
+    (none: 0, the synchronous loop): in-flight episodes are not checkpointed, a resumed run plays its next steps'
+    sets anew (README: a browser page or a JVM's state cannot be saved)."""
+    def tasks_of(j: int) -> Tasks:
         mine, groups = my_tasks(tasks_for(j, train_ids, args.tasks_per_step, args.seed), args.n, accelerator)
-        return mine, groups, horizon_for(j, args, history)[0]
+        return Tasks(mine, groups, horizon_for(j, args, history)[0])
 
     seed = args.seed + accelerator.process_index
-    return Stream(engine, fmt, environments, tasks_of, staleness=args.max_staleness, first=first, last=args.steps,
-                  max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, agent=make_agent(args.agent, args.attempts),
-                  pool=pool, reseed=(lambda j: engine.reseed(stream_seed(seed, j))) if args.deterministic else None)
+    return Rollouts(engine, fmt, environments, tasks_of, staleness=args.max_staleness or 0, first=first, last=args.steps,
+                    max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, agent=make_agent(args.agent, args.attempts),
+                    reseed=(lambda j: engine.reseed(stream_seed(seed, j))) if args.deterministic else None,
+                    versions=args.max_staleness is not None)  # (the flag decides what is recorded and logged)
 
 
 def horizon_for(step: int, args: Args, history: list[dict]) -> tuple[int, str | None]:
@@ -653,7 +627,7 @@ def update(models: Models, batch: Batch, args: Args, accelerator, step: int, pro
     every optimizer step of the models that trained. A step whose loss or gradient is not finite is skipped (counted
     in sums.nonfinite_updates and models.nonfinite_streak, with a warning; fp16's loss scaler skips the steps whose
     scaled gradients overflow itself, uncounted). `between`, when given, is called after every micro-batch (the
-    rollouts that go on meanwhile: rollout.Stream.advance)."""
+    rollouts that go on meanwhile: rollout.Rollouts.advance)."""
     train_policy = step >= args.critic_warmup  # as upstream: `critic_warmup <= global_steps`, counted from 1
     trained = [("policy", update_policy)] if train_policy else []
     if models.critic is not None:
@@ -760,6 +734,14 @@ def play_share(engine, fmt: ChatFormat, environments: list, task_ids: list[int],
     return gather_object(played)
 
 
+def train_task_ids(args: Args) -> list[int]:
+    """The tasks training steps draw from: --train-tasks, or the train split; at least a step's."""
+    train_ids = envs.load_task_ids(args.train_tasks, args.env) if args.train_tasks else envs.splits(args.env)["train"]
+    if len(train_ids) < args.tasks_per_step:
+        raise SystemExit(f"the train split has {len(train_ids)} tasks, fewer than --tasks-per-step {args.tasks_per_step}")
+    return train_ids
+
+
 def test_task_ids(args: Args) -> list[int]:
     """The tasks an evaluation plays: --eval-tasks of --test-tasks (the test split), spread over it (0: all)."""
     test_ids = envs.load_task_ids(args.test_tasks, args.env) if args.test_tasks else envs.splits(args.env)["test"]
@@ -777,10 +759,7 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
     run_dir = run_directory(args, resuming, accelerator)
     train, validation = held_out(read_data(args.data, args.env, args.agent), args.validation, args.seed)
     experience = read_data(args.experience, args.env, args.agent) if args.experience else None
-    tokenizer = load_tokenizer(args.model)
-    fmt = chat_format(tokenizer, args.agent, args.chat_template_kwargs, args.reasoning_tags, args.reasoning)
-    models = build_models(args, accelerator, policy_from=args.resume if resuming else args.model)
-    max_tokens = context_limit(args, accelerator.unwrap_model(models.policy), say=accelerator.is_main_process)
+    tokenizer, fmt, models, max_tokens = set_up(args, accelerator, args.resume if resuming else args.model)
 
     # -- the examples: conversations (sft) or pairs (dpo), a share of the tasks held out for validation
     examples = examples_of(fmt, train, max_tokens, args.algo == "dpo", args.margin, experience)
@@ -892,11 +871,8 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
     would make a task's samples identical), and can go on from the last iteration's weights (AgentGym: the base)."""
     run_dir = run_directory(args, False, accelerator)
     expert, validation = held_out(read_data(args.data, args.env, args.agent), args.validation, args.seed)
-    tokenizer = load_tokenizer(args.model)
-    fmt = chat_format(tokenizer, args.agent, args.chat_template_kwargs, args.reasoning_tags, args.reasoning)
-    models = build_models(args, accelerator, policy_from=args.model)
+    tokenizer, fmt, models, max_tokens = set_up(args, accelerator, args.model)
     initial = copy.deepcopy(models.optimizer.state_dict()), copy.deepcopy(models.scheduler.state_dict())
-    max_tokens = context_limit(args, accelerator.unwrap_model(models.policy), say=accelerator.is_main_process)
     held = examples_of(fmt, validation, max_tokens)
 
     # -- the tasks explored and tested, envs to play them on, the engine

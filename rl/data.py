@@ -39,6 +39,7 @@ from pathlib import Path
 
 from rl.chat import CallError
 from rl.dpo import expert_pairs, make_pairs
+from rl.trajectory import Trajectory
 
 ROLES = {"human": "user", "gpt": "assistant", "tool": "tool"}  # ("tool": an env's answer to a native tool call)
 
@@ -131,7 +132,7 @@ def written(fmt, turn: dict) -> str:
     return "\n".join([turn["value"]] * bool(turn["value"]) + written_calls)
 
 
-def to_record(trajectory) -> dict:
+def to_record(trajectory: Trajectory) -> dict:
     """A rollout's episode as an AgentTraj record (its messages: instruction, ack, then turns)."""
     return from_log({"item_id": trajectory.item_id, "messages": trajectory.messages, "reward": trajectory.reward,
                      "tools": trajectory.tools})

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from rl import staleness as rule
+
 AUTO = "auto"
 LADDER = (10, 20, 30)  # what `--horizon auto` alone climbs when the preset has one cap: the ScalingInter-RL recipe's
 
@@ -61,9 +63,9 @@ def caps_of(horizon: Sequence) -> tuple[int, ...]:
 
 
 def known_before(step: int, staleness: int | None) -> int:
-    """The last step whose metrics decide step `step`'s cap: the one before it, or under --max-staleness k the last
-    one finished when its episodes begin (rollout.py's Stream opens set j when set j - k - 1 is taken)."""
-    return step - 1 if staleness is None else step - staleness - 2
+    """The last step whose metrics decide step `step`'s cap: the last one finished when its episodes begin (the
+    staleness rule, rl/staleness.py; --max-staleness none is 0)."""
+    return rule.known_before(step, staleness or 0)
 
 
 def auto_horizon(caps: Sequence[int], rows: list[dict], patience: int, cut: float, gain: float) -> tuple[int, str]:

@@ -25,13 +25,14 @@ from rl.losses import Weights, kl
 from rl.memory import peak_gib, reset_peak
 from rl.optimizer import Sums, largest
 from rl.scores import FINISHES, endings
+from rl.trajectory import RolloutStats
 
 
 @dataclass
 class Costs:
     """A step's time and peak memory by phase, on this process (its perf/ metrics)."""
 
-    rollout: object  # rollout.py's RolloutStats, which rollout() fills
+    rollout: RolloutStats  # the step's share of the rollout loop's (Rollouts.spent)
     rollout_peak_gib: float = 0.0  # GPU allocated, else resident set (rl/memory.py)
     update_s: float = 0.0  # the batch, old/reference log-probs, advantages, every optimizer step
     update_peak_gib: float = 0.0

@@ -7,7 +7,8 @@
 
 Resuming restores the samplers' random state and takes the run's own settings; upstream re-seeds and takes
 whatever the command line says. At the end (finish) the held-out comparison of the first and last evaluations
-is printed, and the curves drawn (rl/plots.py).
+is printed, and the curves drawn (rl/plots.py). Every program of train.py sets up alike (set_up: tokenizer, chat
+format, models, context limit) and says what it runs in one line (start_line).
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ from envs.guard import close_envs
 from rl import checkpoint as checkpoint_lib
 from rl import plots
 from rl import zero3
-from rl.model import sharded
+from rl.chat import ChatFormat, chat_format
+from rl.model import Models, build_models, context_limit, load_tokenizer, sharded
+from rl.horizon import describe
 from rl.scores import gain
+from rl.trajectory import Trajectory
 
 CONFIG = "config.json"
 
@@ -141,6 +145,25 @@ def phase(bar, name: str, total: int):
 def eval_due(step: int, every: int, last: int) -> bool:
     """--eval-every's steps: every k-th, and the last."""
     return every > 0 and (step % every == 0 or step == last)
+
+
+def set_up(args, accelerator, policy_from: str) -> tuple[object, ChatFormat, Models, int]:
+    """The tokenizer, its chat format for the agent's layout, the models (the policy's weights from `policy_from`)
+    and the trajectories' token limit (the smaller of --max-tokens and the policy's context window); `args`: train.py's
+    Args."""
+    tokenizer = load_tokenizer(args.model)
+    fmt = chat_format(tokenizer, args.agent, args.chat_template_kwargs, args.reasoning_tags, args.reasoning)
+    models = build_models(args, accelerator, policy_from=policy_from)
+    max_tokens = context_limit(args, accelerator.unwrap_model(models.policy), say=accelerator.is_main_process)
+    return tokenizer, fmt, models, max_tokens
+
+
+def start_line(args, run_dir: Path, tests: int, start: int, resuming: bool) -> str:
+    """An RL run's first line: what it trains, how long, at which turn caps, its evaluations, where it writes."""
+    return (f"run {run_dir.name}: {args.env}, {args.model} ({args.preset} preset), {args.algo}, {args.steps} steps of "
+            f"{args.tasks_per_step} tasks x {args.n} samples, {describe(args.horizon, args.horizon_every, args.steps)}, "
+            f"{evaluation_plan(args, tests, start, initial=start == 1)}"
+            f" -> {run_dir}" + (f", resumed at step {start}" if resuming else ""))
 
 
 def evaluation_plan(args, tasks: int, start: int, initial: bool) -> str:
@@ -328,7 +351,8 @@ def resume(accelerator, models, engine, checkpoint: Path) -> dict:
 # What stops a run early (rl/optimizer.py: NaN and infinite losses)
 
 
-def stop_on_env_failures(trajectories: list, max_error_rate: float, accelerator, run_dir: Path, step: int) -> None:
+def stop_on_env_failures(trajectories: list[Trajectory], max_error_rate: float, accelerator, run_dir: Path,
+                         step: int) -> None:
     """Stop every process, naming the errors, when more than `max_error_rate` (--max-error-rate) of the step's
     trajectories (over all processes) ended in an env failure: a broken env must not quietly train the model on
     what is left. The step's episodes are written to failed_step_<k>.jsonl for a look."""
@@ -376,8 +400,11 @@ def held_out_line(run_dir: Path) -> str | None:
             f"{result['tasks']} test tasks x {episodes:g} episodes, step 0 vs step {last})")
 
 
-def close(engine, environments: list, logs: Logs | None, pool=None) -> None:
-    """What a program opened, closed, also when a stop or an error ends it: no JVM or browser left behind."""
+def close(engine, environments: list, logs: Logs | None, pool=None, rollouts=None) -> None:
+    """What a program opened, closed, also when a stop or an error ends it: no JVM or browser left behind (the
+    rollouts under way first: rollout.py's Rollouts.close)."""
+    if rollouts is not None:
+        rollouts.close()
     if pool is not None:
         pool.shutdown()
     if engine is not None:  # (sft and dpo without --eval-every sample nothing)

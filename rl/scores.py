@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import envs
+from rl.trajectory import Trajectory
 
 
 def spread(task_ids: list[int], n: int) -> list[int]:
@@ -33,9 +34,9 @@ def spread(task_ids: list[int], n: int) -> list[int]:
 FINISHES = {"done": "done", "horizon": "horizon", "max_tokens": "max_tokens", "error": "error"}
 
 
-def score(trajectories, env_name: str) -> dict:
+def score(trajectories: list[Trajectory], env_name: str) -> dict:
     """Avg@k and Pass@k overall and per category, from one list of episodes (anything with task_id,
-    reward, success, turns, finish and error, as rollout.Trajectory; reflect's also attempt and final), and
+    reward, success, turns, finish and error, as a Trajectory; reflect's also attempt and final), and
     the shares of the episodes by how they ended (`finish`, by FINISHES' names)."""
     finals = [t for t in trajectories if getattr(t, "final", True)]
     by_task = defaultdict(list)

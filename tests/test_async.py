@@ -1,4 +1,4 @@
-"""Asynchronous training (--max-staleness k, rollout.py's Stream): staleness 0 is the synchronous loop exactly, no
+"""Asynchronous training (--max-staleness k, rollout.py's Rollouts): staleness 0 is the synchronous loop exactly, no
 trained token is more than k updates old, the importance weights are pi_prox / pi_behav truncated at the cap, and
 episodes go on under newer weights (partial rollouts); rollout/logprob_diff is the lag-0 tokens' engine check, the
 stale tokens' difference is async/logprob_diff_stale."""
@@ -225,7 +225,7 @@ def test_each_turn_records_the_weights_that_sampled_it_on_the_trainers_own_model
     import rollout
 
     updates, wrong = [0], []
-    original_update, original_poll, original_take = train.update, rl.engines.RoundEngine.poll, rollout.Stream.take
+    original_update, original_poll, original_take = train.update, rl.engines.RoundEngine.poll, rollout.Rollouts.take
 
     def counted_update(*args, **kwargs):
         result = original_update(*args, **kwargs)
@@ -245,6 +245,6 @@ def test_each_turn_records_the_weights_that_sampled_it_on_the_trainers_own_model
 
     monkeypatch.setattr(train, "update", counted_update)
     monkeypatch.setattr(rl.engines.RoundEngine, "poll", noted_poll)
-    monkeypatch.setattr(rollout.Stream, "take", checked_take)
+    monkeypatch.setattr(rollout.Rollouts, "take", checked_take)
     metrics, _ = run(tmp_path, "hf", "--engine", "hf", "--max-staleness", "2", "--steps", "4", "--eval-every", "0")
     assert len(metrics) == 4 and wrong == []

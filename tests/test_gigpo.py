@@ -135,7 +135,7 @@ def test_task_groups_never_split_across_processes():
 
 CROSSINGS = {
     "sync": ["--horizon", "3"],
-    # the asynchronous loop (Stream: states recorded as turns come in, partial rollouts) with an auto horizon that
+    # the asynchronous loop (Rollouts: states recorded as turns come in, partial rollouts) with an auto horizon that
     # climbs after every step it knows of (a cut share of at most 1 always holds), from the steps finished when a set
     # begins, and LoRA over two mini-batches
     "async-auto-lora": ["--max-staleness", "1", "--horizon", "auto", "2", "3", "--horizon-patience", "1",

@@ -77,7 +77,7 @@ def test_auto_skips_steps_played_under_a_lower_cap():
 
 def test_which_steps_decide_a_cap():
     assert [known_before(j, None) for j in (1, 2, 5)] == [0, 1, 4]  # the step before
-    assert [known_before(j, 0) for j in (1, 2, 5)] == [-1, 0, 3]  # async: set j opens when set j - 1 is taken
+    assert [known_before(j, 0) for j in (1, 2, 5)] == [0, 1, 4]  # k = 0: set j opens once step j - 1 is over, as above
     assert [known_before(j, 2) for j in (1, 4, 5)] == [-3, 0, 1]
     assert caps_of(("auto", 3, 6)) == caps_of((3, 6)) == (3, 6)
     assert describe(("auto", 3, 6), 100, 10) == "horizon auto 3, 6 turns"

@@ -1,0 +1,57 @@
+"""The staleness rule (rl/staleness.py) and the one rollout loop that plays by it (rollout.Rollouts): no trained token
+lags more than k updates, the sets under way never share an env, and at k = 0 the next set opens only once the step
+is over (after its metrics: the synchronous loop, --horizon auto's cap included), at k >= 1 as soon as its block is
+free."""
+
+import pytest
+
+import envs
+from rl import staleness
+from rl.engines.expert import ExpertEngine
+from rl.model import load_tokenizer
+from rollout import ChatFormat, Rollouts, Tasks
+
+
+def test_no_token_lags_more_than_k_and_the_sets_under_way_share_no_envs():
+    for k in range(4):
+        for j in range(1, 12):
+            # set j's turns are sampled from its first version on, and it trains at update j (weights: version j - 1)
+            versions = range(max(staleness.first_version(j, k), 0), j)
+            assert {staleness.lag(j, v) for v in versions} <= set(range(k + 1))
+            under_way = range(max(j - k, 1), j + 1)
+            assert len({staleness.block(i, k) for i in under_way}) == len(under_way) <= staleness.blocks(k)
+
+
+def test_a_set_opens_when_its_block_is_free_and_at_k_0_after_the_step_before():
+    assert staleness.opens(3, 0, under_way=False, version=2) and not staleness.opens(3, 0, under_way=False, version=1)
+    assert staleness.opens(5, 2, under_way=False, version=1) and not staleness.opens(5, 2, under_way=True, version=4)
+    assert [staleness.known_before(j, 0) for j in (1, 2, 5)] == [0, 1, 4]
+    assert [staleness.known_before(j, 2) for j in (1, 4, 5)] == [-3, 0, 1]
+
+
+@pytest.mark.slow  # (about 5 s: two short expert rollouts at each k)
+def test_the_loop_opens_the_next_set_as_the_rule_says():
+    fmt = ChatFormat(load_tokenizer("tiny-agent"))
+    train = envs.splits("babyai")["train"]
+    for k, opened_by in ((0, "resume"), (1, "update")):
+        opened = []
+
+        def tasks_of(j: int) -> Tasks:
+            opened.append(j)
+            return Tasks(train[2 * j:2 * j + 2], [0, 1], 3)
+
+        environments = [envs.make("babyai") for _ in range(2 * staleness.blocks(k))]
+        rollouts = Rollouts(ExpertEngine(fmt, environments), fmt, environments, tasks_of, staleness=k, first=1, last=3,
+                            max_new_tokens=64, max_tokens=16384)
+        try:
+            played = rollouts.take(1)
+            assert [t.task_id for t in played] == train[2:4] and all(not t.live for t in played)
+            assert opened == list(range(1, k + 2))  # at k = 1 set 2 is under way beside set 1
+            rollouts.before_update()
+            rollouts.before_sync()
+            assert opened == ([1] if opened_by == "resume" else [1, 2, 3])  # (k = 1: set 1's block came free)
+            rollouts.resume(1)
+            assert opened == list(range(1, k + 3))
+            assert [t.task_id for t in rollouts.take(2)] == train[4:6]
+        finally:
+            rollouts.close()
