@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from rl.advantages import GROUPED, _within_groups, gae, grpo, masked_whiten, place_reward, per_token, reinforce_pp, rloo
+from rl.advantages import (ESTIMATORS, AdvantageInputs, Estimator, _within_groups, gae, grpo, masked_whiten,
+                           place_reward, per_token, reinforce_pp, rloo)
 
 # Two turns of one trajectory: [prompt, act, act, obs, obs, act(last), obs]
 MASK = torch.tensor([[0, 1, 1, 0, 0, 1, 0]], dtype=torch.float32)
@@ -140,13 +141,17 @@ def median_baseline(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     return _within_groups(scores, groups, within)
 
 
-def test_a_new_grouped_estimator_is_one_function_and_its_name(monkeypatch, tmp_path):
-    """The recipe followed: the function above, its name in GROUPED (step 2), and the name as --algo (step 3: the
-    Literal that tyro checks on a command line, stood in for here by dataclasses.replace). train.py then refuses a
-    group of one, trains a step with it, and logs each trajectory's advantage as the estimator gives it."""
+def test_a_new_grouped_estimator_is_one_function_and_its_entry(monkeypatch, tmp_path):
+    """The recipe followed: the function above (for AdvantageInputs.per_episode) and its entry in ESTIMATORS, which
+    --algo's choices are made of (tyro's check on a command line is stood in for here by dataclasses.replace).
+    train.py then refuses a group of one, trains a step with it, and logs each trajectory's advantage as the
+    estimator gives it."""
     import train
 
-    monkeypatch.setitem(GROUPED, "median", median_baseline)
+    def median(x: AdvantageInputs):
+        return x.per_episode(median_baseline), None
+
+    monkeypatch.setitem(ESTIMATORS, "median", Estimator(median, grouped=True))
     args = train.parse_args(["--engine", "hf", "--steps", "1", "--tasks-per-step", "2", "--n", "3", "--horizon", "2",
                              "--max-new-tokens", "16", "--out-dir", str(tmp_path), "--run-name", "median"])
     args = dataclasses.replace(args, algo="median")

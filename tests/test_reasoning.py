@@ -210,7 +210,7 @@ def test_drop_trains_an_episode_as_keep_does_where_the_template_drops_nothing(ag
         torch.manual_seed(0)
         models = build_models(args, accelerator, args.model)
         batch = train.batch_of(played, args, accelerator, fmt.pad_id)
-        assert len(batch.full["loss_mask"]) == (sum(counts[history]) if history == "drop" else len(played))
+        assert len(batch.full.loss_mask) == (sum(counts[history]) if history == "drop" else len(played))
         train.old_logprobs(models, batch, args, accelerator)
         advantages, _ = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, None, batch.episodes)
         attach(batch, advantages, None)
