@@ -574,9 +574,8 @@ def logged_steps(run_dir: Path, start_step: int) -> list[dict]:
 
 
 def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: int, step: int | None = None) -> Batch:
-    """The step's tensors (rl/batch.py): micro-batches by --micro-batch-size or --max-tokens-per-micro-batch,
-    packed with --pack, as many on every process (the most any process needs; the others add empty ones). Tokens
-    sampled by older weights (--max-staleness) carry their `lag`: the updates between them and step `step`'s."""
+    """The step's tensors (rl/batch.py), laid out by the micro-batch flags, as many micro-batches on every process
+    (the most any process needs; the others add empty ones), each token's lag behind `step` where it has one."""
     rows, episodes = rows_of(trajectories)  # (--reasoning drop: a row per turn)
     layout = arrange([len(t.token_ids) for t in rows], args.micro_batch_size, args.max_tokens_per_micro_batch,
                      args.pack, minimum=args.minibatches)
@@ -1046,27 +1045,26 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
         except envs.TaskFileError as error:
             raise SystemExit(f"--{flag.replace('_', '-')}: {error}") from None
     estimator = adv_lib.ESTIMATORS.get(args.algo)  # (None: an offline program)
-    if args.n < 2 and adv_lib.is_grouped(args.algo):
+    if args.n < 2 and estimator and estimator.grouped:
         raise SystemExit(f"{args.algo} compares the samples of a task with each other: use --n 2 or more")
     if args.step_weight < 0:
         raise SystemExit(f"--step-weight {args.step_weight:g}: gigpo's omega weighs the turn-level advantage, 0 (none) "
                          "or more")
     if args.step_weight != Args.step_weight and not (estimator and estimator.anchors):
         raise SystemExit(f"--step-weight weighs gigpo's turn-level advantage, which --algo {args.algo} does not have: "
-                         f"use it with --algo {' or '.join(n for n, e in adv_lib.ESTIMATORS.items() if e.anchors)}")
+                         f"use it with --algo {adv_lib.names(lambda e: e.anchors, 'or')}")
     if args.gamma is not None and not 0 < args.gamma <= 1:
         raise SystemExit(f"--gamma {args.gamma:g} is a discount: give one in (0, 1]")
     if args.gamma is not None and (estimator is None or estimator.gamma is None):
-        discounted = [name for name, e in adv_lib.ESTIMATORS.items() if e.gamma is not None]
-        raise SystemExit(f"--gamma discounts the returns of {', '.join(discounted[:-1])} and {discounted[-1]}; "
+        raise SystemExit(f"--gamma discounts the returns of {adv_lib.names(lambda e: e.gamma is not None)}; "
                          f"--algo {args.algo} has none")
     check_horizon(args)
-    if args.critic_warmup > 1 and not adv_lib.needs_critic(args.algo):
+    if args.critic_warmup > 1 and not (estimator and estimator.critic):
         raise SystemExit(f"--critic-warmup trains only the critic for a while, and --algo {args.algo} has none: "
-                         f"use it with --algo {' or '.join(n for n in adv_lib.ESTIMATORS if adv_lib.needs_critic(n))}")
+                         f"use it with --algo {adv_lib.names(lambda e: e.critic, 'or')}")
     if args.dual_clip is not None and args.dual_clip <= 1:
         raise SystemExit("--dual-clip must be larger than 1")
-    if adv_lib.needs_critic(args.algo) and args.mixed_precision == "fp16":
+    if estimator and estimator.critic and args.mixed_precision == "fp16":
         raise SystemExit(f"--algo {args.algo} steps two optimizers, which fp16's loss scaling does not support here: "
                          "use --mixed-precision bf16")
     if args.max_new_tokens >= args.max_tokens:

@@ -296,6 +296,12 @@ def needs_critic(algo: str) -> bool:
     return algo in ESTIMATORS and ESTIMATORS[algo].critic
 
 
+def names(has: Callable[[Estimator], bool], conjunction: str = "and") -> str:
+    """The names of the estimators that `has` holds for, as a phrase: "a, b and c"."""
+    chosen = [name for name, estimator in ESTIMATORS.items() if has(estimator)]
+    return f" {conjunction} ".join([", ".join(chosen[:-1]), chosen[-1]] if len(chosen) > 1 else chosen)
+
+
 def advantages(algo: str, inputs: AdvantageInputs) -> Advantages:
     """The step's per-token advantages [B, T] by the estimator `algo` (ESTIMATORS), at its default discount unless
     `inputs` give one, and the returns for a critic (None without one)."""

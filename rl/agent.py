@@ -47,7 +47,7 @@ import re
 from dataclasses import dataclass, field
 
 from envs import tools as env_tools
-from rl.advantages import ESTIMATORS, is_grouped
+from rl.advantages import ESTIMATORS, is_grouped, names
 from rl.chat import CallError, read_call
 
 PLAN_GUIDE = ("Before your first action, write a plan for the whole task, its steps in order, between <plan> and "
@@ -150,7 +150,7 @@ def check_layout(name: str, env_name: str, algo: str | None = None, history: str
                          "tool calls, as --agent tools)")
     if history == "drop" and (algo is not None and not is_grouped(algo) or name == "reflect"):
         raise SystemExit(f"--reasoning drop trains each turn as its own sequence with its episode's advantage: a grouped "
-                         f"estimator ({', '.join(n for n in ESTIMATORS if is_grouped(n))}) and one attempt an episode; "
+                         f"estimator ({names(lambda e: e.grouped, 'or')}) and one attempt an episode; "
                          f"--algo {algo} --agent {name} "
                          "needs --reasoning keep")
 
