@@ -8,8 +8,9 @@
 
 Each step (main): sample `tasks_per_step` tasks of the train split, roll out `n` episodes of each (rollout.py) with
 at most the turns the horizon schedule allows at this step (rl/horizon.py), score each by its last reward, turn the
-scores into advantages (rl/advantages.py: `--algo` grpo, rloo, gigpo, reinforce_pp, or ppo with a critic and GAE), update
-the policy with PPO's clipped loss, a KL penalty to the frozen initial model and an entropy bonus (update_policy),
+scores into advantages (rl/advantages.py's ESTIMATORS: `--algo` grpo, rloo, gigpo, reinforce_pp, or ppo with a critic
+and GAE), update the policy with PPO's clipped loss, a KL penalty to the frozen initial model and an entropy bonus
+(update_policy: rl/losses.policy_objective),
 and copy the new weights into the rollout engine (rl/engines.py: sync). Each process rolls out its own share of the
 tasks. The run directory (rl/run.py) gets every trajectory, the metrics (wandb with --track) and checkpoints. The
 same models, accumulation, logs and checkpoints learn from trajectory files (--data: learn, evolve):
@@ -58,13 +59,13 @@ from envs.guard import make_envs
 from rl import advantages as adv_lib
 from rl.agent import check_layout, make_agent
 from rl.batch import (Batch, MicroBatch, StepTensors, arrange, attach, example_micro_batches, make_batch,
-                      minibatch_counts, rows_of, scatter)
+                      minibatch_counts, padded, rows_of, scatter)
 from rl.chat import chat_format
 from rl.data import examples_of, held_out, offline_steps, read_data, to_record
 from rl.dpo import DPOSums, dpo_terms
 from rl.engines import build_engine, check_engine, check_sampling, own_stream, stream_seed, sync
 from rl.horizon import AUTO, LADDER, auto_horizon, caps_of, describe, horizon_at, known_before
-from rl.logprobs import pad, token_logprobs, token_values
+from rl.logprobs import token_logprobs, token_values
 from rl.losses import Aggregation, Counts, KLEstimator, Mismatch, Objective, aggregate, kl, policy_objective, value_loss
 from rl.memory import print_plan
 from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, Models, build_models, context_limit, has_reference,
@@ -830,12 +831,12 @@ def offline_pass(models: Models, examples: list, args: Args, accelerator, pad_id
     micro-batches. Returns the statistics summed over every process, and whether this process's losses were finite."""
     share = examples[accelerator.process_index::accelerator.num_processes]
     micros = example_micro_batches(share, args.micro_batch_size, pad_id, args.algo == "dpo") if share else []
-    local = sum(float(m["loss_mask"].sum()) if args.algo != "dpo" else m["input_ids"].shape[0] / 2 for m in micros)
+    local = sum(float(m.loss_mask.sum()) if args.algo != "dpo" else m.input_ids.shape[0] / 2 for m in micros)
     reduce = reducer(accelerator)
     local = torch.tensor([local], dtype=torch.float64)  # (a process with no share has the int 0: same dtype everywhere)
     size = float(reduce(local)[0]) / accelerator.num_processes
     count = int(reducer(accelerator, "max")(torch.tensor([len(micros)])))
-    blank = pad([([pad_id], [0])] * (2 if args.algo == "dpo" else 1), pad_id)  # (dpo: a chosen and a rejected row)
+    blank = padded([([pad_id], [0])] * (2 if args.algo == "dpo" else 1), pad_id)  # (dpo: a chosen and a rejected row)
     sums = DPOSums() if args.algo == "dpo" else SFTSums()
     loss_of = functools.partial(offline_terms, models, args=args, accelerator=accelerator, size=size)
     finite = accumulate(accelerator, micros, [("policy", models.policy, loss_of)], sums, count=count, blank=blank,
@@ -843,11 +844,11 @@ def offline_pass(models: Models, examples: list, args: Args, accelerator, pad_id
     return sums.reduced(reduce), finite
 
 
-def offline_terms(models: Models, micro: dict, args: Args, accelerator,
+def offline_terms(models: Models, micro: MicroBatch, args: Args, accelerator,
                   size: float) -> tuple[torch.Tensor, SFTSums | DPOSums, bool]:
     """One micro-batch's loss, divided by the batch's `size` (sft: the NLL of its action tokens, rl/sft.py; dpo:
     the DPO loss of its pairs against the reference, rl/dpo.py), its statistics, and whether they are finite."""
-    micro = {key: value.to(accelerator.device) for key, value in micro.items()}
+    micro = micro.to(accelerator.device)
     if args.algo == "dpo":
         loss, sums, finite = dpo_terms(models, micro, args.beta, args.offload_reference, accelerator)
     else:

@@ -5,6 +5,7 @@ computed per trajectory, and the micro-batches that go through the model, with w
     layout = arrange(lengths, token_budget=16384)                     # padded rows x width <= 16k tokens
     layout = arrange(lengths, token_budget=16384, pack=True)          # rows of <= 16k tokens, no padding
     batch = make_batch(trajectories, pad_id, layout, device, count=n)  # n micro-batches (equal on every process)
+    batch = make_batch(..., step=step)  # tokens that record their policy version get their lag behind `step`
     rows = pack(sequences, max_tokens, pad_id)                        # SFT's conversations, packed the same way
 
 Micro-batches are made of length-sorted trajectories, so a padded one wastes little. With `pack`, several
@@ -66,6 +67,10 @@ class Rows:
         """Every tensor it has, by its field's name."""
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
+    def to(self, device):
+        """The same rows on `device`."""
+        return replace(self, **{key: value.to(device) for key, value in self.tensors().items()})
+
 
 @dataclass(kw_only=True)
 class StepTensors(Rows):
@@ -81,10 +86,6 @@ class MicroBatch(Rows):
     segments: torch.Tensor  # long: the episode of each token, -1 on padding
     sequence: torch.Tensor  # long: its row of the step's `full`, -1 on padding
     position_ids: torch.Tensor | None = None  # long: packed rows, restarting at each trajectory (None: padded)
-
-
-# what the phases fill in the micro-batches and scatter into `full`
-PHASES = ("old_logprobs", "ref_logprobs", "old_values", "advantages", "returns", "trainer_logprobs")
 
 
 @dataclass
@@ -291,7 +292,7 @@ def _micro(full: StepTensors, rows: list[list[int]], pieces: list[Piece], pad_id
     return MicroBatch(**{key: value.to(device) for key, value in tensors.items()})
 
 
-def scatter(batch: Batch, keys: tuple[str, ...] = PHASES) -> None:
+def scatter(batch: Batch, keys: tuple[str, ...]) -> None:
     """Copy the micro-batches' tensors named `keys` (fields of MicroBatch that a phase filled) into `full`."""
     for key in keys:
         values = [getattr(micro, key) for micro in batch.micro]
@@ -348,13 +349,20 @@ def count_sequences(minibatch: list[MicroBatch]) -> float:
     return len(set().union(*(micro.segments[micro.loss_mask > 0].unique().tolist() for micro in minibatch)))
 
 
-def example_micro_batches(examples: list, size: int, pad_id: int, pairs: bool = False) -> list[dict]:
+def example_micro_batches(examples: list, size: int, pad_id: int, pairs: bool = False) -> list[MicroBatch]:
     """SFT's and DPO's examples (rl/data.py: examples_of) as micro-batches: conversations packed into rows as long as
     the longest of them (no attention across conversations; longer rows would only add attention across the
     mask), `size` rows each; with `pairs` (dpo), `size` pairs each, chosen rows first, then their rejected ones."""
     if pairs:
-        return [pad([c for c, _ in examples[i:i + size]] + [r for _, r in examples[i:i + size]], pad_id)
+        return [padded([c for c, _ in examples[i:i + size]] + [r for _, r in examples[i:i + size]], pad_id)
                 for i in range(0, len(examples), size)]
     packed = pack(examples, max(len(ids) for ids, _ in examples), pad_id)
     rows = len(packed.pop("rows"))
-    return [{key: value[i:i + size] for key, value in packed.items()} for i in range(0, rows, size)]
+    return [MicroBatch(**{key: value[i:i + size] for key, value in packed.items()}) for i in range(0, rows, size)]
+
+
+def padded(sequences: list[tuple[list[int], list[int]]], pad_id: int) -> MicroBatch:
+    """(token ids, loss mask) sequences as one micro-batch of right-padded rows, a sequence each, on the CPU."""
+    rows = [[i] for i in range(len(sequences))]
+    return _micro(StepTensors(**pad(sequences, pad_id)), rows, _place(rows, [len(ids) for ids, _ in sequences]), pad_id,
+                  False, "cpu")
