@@ -8,8 +8,9 @@
 
 Each step (main): sample `tasks_per_step` tasks of the train split, roll out `n` episodes of each (rollout.py) with
 at most the turns the horizon schedule allows at this step (rl/horizon.py), score each by its last reward, turn the
-scores into advantages (rl/advantages.py: `--algo` grpo, rloo, gigpo, reinforce_pp, or ppo with a critic and GAE), update
-the policy with PPO's clipped loss, a KL penalty to the frozen initial model and an entropy bonus (update_policy),
+scores into advantages (rl/advantages.py's ESTIMATORS: `--algo` grpo, rloo, gigpo, reinforce_pp, or ppo with a critic
+and GAE), update the policy with PPO's clipped loss, a KL penalty to the frozen initial model and an entropy bonus
+(update_policy: rl/losses.policy_objective),
 and copy the new weights into the rollout engine (rl/engines/setup.py: sync). Each process rolls out its own share of the
 tasks. The run directory (rl/run.py) gets every trajectory, the metrics (wandb with --track) and checkpoints. The
 same models, accumulation, logs and checkpoints learn from trajectory files (--data: learn, evolve):
@@ -43,7 +44,6 @@ import math
 import random
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Annotated, Literal
@@ -58,18 +58,19 @@ from envs.guard import make_envs
 from rl import advantages as adv_lib
 from rl import staleness
 from rl.agent import check_layout, make_agent
-from rl.batch import Batch, arrange, attach, example_micro_batches, make_batch, minibatch_counts, rows_of, scatter
+from rl.batch import (Batch, MicroBatch, StepTensors, arrange, attach, example_micro_batches, make_batch,
+                      minibatch_counts, padded, rows_of, scatter)
 from rl.data import examples_of, held_out, offline_steps, read_data, to_record
 from rl.dpo import DPOSums, dpo_terms
 from rl.engines.setup import build_engine, check_engine, check_sampling, own_stream, stream_seed, sync
 from rl.horizon import AUTO, LADDER, auto_horizon, caps_of, horizon_at, known_before
-from rl.logprobs import pad, token_logprobs, token_values
-from rl.losses import MISMATCH_CAP, aggregate, importance_weights, kl, policy_loss, value_loss
+from rl.logprobs import token_logprobs, token_values
+from rl.losses import Aggregation, Counts, KLEstimator, Mismatch, Objective, aggregate, kl, policy_objective, value_loss
 from rl.memory import print_plan
 from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, Models, has_reference, check_models, make_accelerator,
                       reference, restart, stop_on_nondeterministic)
-from rl.metrics import (Costs, UpdateSums, async_metrics, eval_line, eval_metrics, evol_line, offline_line, rl_line,
-                        step_metrics, weight_sums)
+from rl.metrics import (Costs, UpdateSums, async_metrics, eval_line, eval_metrics, evol_line, offline_line,
+                        policy_sums, rl_line, step_metrics)
 from rl.optimizer import accumulate, optimizer_steps, reducer, stop_on_nonfinite
 from rl.records import read_metrics, rollout_records
 from rl.run import (Logs, close, eval_due, evaluation_plan, find_checkpoint, finish, phase, resumable_config, resume, run_config,
@@ -77,6 +78,8 @@ from rl.run import (Logs, close, eval_due, evaluation_plan, find_checkpoint, fin
 from rl.scores import score, spread
 from rl.sft import SFTSums, sft_terms
 from rollout import ChatFormat, EngineStalled, Rollouts, RolloutStats, Tasks, Trajectory, play
+
+OFFLINE = ("sft", "dpo", "agentevol")  # the programs that learn from trajectory files; --algo's others: ESTIMATORS
 
 
 @dataclass
@@ -98,7 +101,7 @@ class Args:
     BabyAI: envs/data/babyai_tiny_test.json)"""
 
     # -- algorithm
-    algo: Literal["grpo", "rloo", "gigpo", "reinforce_pp", "ppo", "sft", "dpo", "agentevol"] = "grpo"
+    algo: Literal[(*adv_lib.ESTIMATORS, *OFFLINE)] = "grpo"
     """RL by its advantage estimator: grpo (group-normalised), rloo (leave-one-out), gigpo (grpo plus turn-level
     credit: turns from the same env state compared), reinforce_pp (discounted returns whitened over the batch), ppo
     (a critic and GAE); or learning from trajectory files (--data):
@@ -241,7 +244,7 @@ class Args:
     way anew (they are not checkpointed), and --steps bounds the sets played, so either changes later steps"""
     is_cap: float = 2.0
     """--max-staleness: truncate a stale token's importance weight pi_prox / pi_behav at this (TIS's 2)"""
-    mismatch: Literal["none", "tis", "mis"] = "none"
+    mismatch: Mismatch = "none"
     """the engine-trainer gap of the tokens sampled by the weights being updated (a bf16 engine, other kernels):
     none, weight 1; tis, each token weighed min(pi_trainer / pi_engine, --mismatch-cap); mis, a sequence whose
     geometric-mean ratio is outside [1 / cap, cap] left out (rl/losses.py; README, "Engine-trainer mismatch")"""
@@ -276,12 +279,12 @@ class Args:
     """upper ratio clip, e.g. 0.28 (DAPO's clip-higher); default: --clip"""
     dual_clip: float | None = None
     """bound the loss of negative advantages at -A * c (dual clip, c > 1, e.g. 3)"""
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "seq-mean-token-mean"
+    loss_agg: Aggregation = "seq-mean-token-mean"
     """how per-token losses become one number: seq-mean-token-mean (every trajectory weighs the same,
     what upstream effectively optimises), token-mean (every token), seq-mean-token-sum (Dr. GRPO)"""
     kl_coef: float = 0.001
     """weight of KL(policy || initial policy); 0 drops the reference model"""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: KLEstimator = "k3"
     """k1 (log-ratio), k2 (squared, upstream's mse) or k3 (upstream's low_var_kl)"""
     kl_in_reward: bool = False
     """subtract the KL from the reward (per token) instead of adding it to the loss"""
@@ -375,8 +378,6 @@ PRESETS = {
 # dozen steps (measured: see the README).
 OFFLINE_LR = {("paper", "sft"): 1e-5, ("paper", "agentevol"): 1e-5, ("paper", "dpo"): 5e-7,
               ("tiny", "sft"): 1e-3, ("tiny", "agentevol"): 1e-3, ("tiny", "dpo"): 1e-4}
-
-OFFLINE = ("sft", "dpo", "agentevol")
 
 # The tiny preset's task sets, by env (envs/data, scripts/babyai_splits.py): on BabyAI the 5 fixed-goal levels
 # whose expert finishes within 6 turns, where the embedded agent learns fastest (held-out success 8-11% at
@@ -548,20 +549,13 @@ def logged_steps(run_dir: Path, start_step: int) -> list[dict]:
 
 
 def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: int, step: int | None = None) -> Batch:
-    """The step's tensors (rl/batch.py): micro-batches by --micro-batch-size or --max-tokens-per-micro-batch,
-    packed with --pack, as many on every process (the most any process needs; the others add empty ones). Tokens
-    sampled by older weights (--max-staleness) carry their `lag`: the updates between them and step `step`'s."""
+    """The step's tensors (rl/batch.py), laid out by the micro-batch flags, as many micro-batches on every process
+    (the most any process needs; the others add empty ones), each token's lag behind `step` where it has one."""
     rows, episodes = rows_of(trajectories)  # (--reasoning drop: a row per turn)
     layout = arrange([len(t.token_ids) for t in rows], args.micro_batch_size, args.max_tokens_per_micro_batch,
                      args.pack, minimum=args.minibatches)
     count = int(reducer(accelerator, "max")(torch.tensor([len(layout)])))
-    batch = make_batch(rows, pad_id, layout, accelerator.device, count=count, pack=args.pack, episodes=episodes)
-    for tensors in (batch.full, *batch.micro):
-        if "versions" in tensors:
-            if step is None:
-                raise ValueError("trajectories that record their versions need the step they train, for their lag")
-            tensors["lag"] = (step - 1 - tensors.pop("versions")) * tensors["loss_mask"]
-    return batch
+    return make_batch(rows, pad_id, layout, accelerator.device, count, args.pack, episodes, step)
 
 
 @torch.no_grad()
@@ -577,45 +571,39 @@ def old_logprobs(models: Models, batch: Batch, args: Args, accelerator, between=
         if module is not None:
             module.eval()
     for micro in batch.micro:
-        inputs = (micro["input_ids"], micro.get("attention_mask"), micro["loss_mask"])
-        positions = micro.get("position_ids")
+        inputs = (micro.input_ids, micro.attention_mask, micro.loss_mask)
         with accelerator.autocast():
             if need_old:
-                micro["old_logprobs"], _ = token_logprobs(models.policy, *inputs, args.temperature, position_ids=positions)
+                micro.old_logprobs, _ = token_logprobs(models.policy, *inputs, args.temperature,
+                                                       position_ids=micro.position_ids)
             if models.critic is not None:
-                micro["old_values"] = token_values(models.critic, *inputs, position_ids=positions)
+                micro.old_values = token_values(models.critic, *inputs, position_ids=micro.position_ids)
         if between is not None and (need_old or models.critic is not None):  # (only where a pass ran)
             between()
     if has_reference(models):  # in a pass of its own: under LoRA the reference is the policy with its adapters off
         with reference(models, accelerator, args.offload_reference) as ref:
             for micro in batch.micro:
-                inputs = (micro["input_ids"], micro.get("attention_mask"), micro["loss_mask"])
                 with accelerator.autocast():
-                    micro["ref_logprobs"], _ = token_logprobs(ref, *inputs, args.temperature,
-                                                              position_ids=micro.get("position_ids"))
+                    micro.ref_logprobs, _ = token_logprobs(ref, micro.input_ids, micro.attention_mask, micro.loss_mask,
+                                                           args.temperature, position_ids=micro.position_ids)
                 if between is not None:
                     between()
     scatter(batch, ("old_logprobs", "ref_logprobs", "old_values"))
 
 
-def advantages_for(args: Args, full: dict, scores: torch.Tensor, groups: torch.Tensor, ok: torch.Tensor,
+def advantages_for(args: Args, full: StepTensors, scores: torch.Tensor, groups: torch.Tensor, ok: torch.Tensor,
                    reduce, episodes: torch.Tensor | None = None,
                    anchors: list[list] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The step's per-token advantages [B, T] (and GAE's returns for the critic) by --algo (rl/advantages.py); with
     --kl-in-reward the reward loses beta * KL_t at every action token. `reduce` whitens over all processes, as one;
     `episodes`: the episode of each row (--reasoning drop: a row per turn); `anchors`: gigpo's, each episode's state
     keys before its turns (rl/batch.py)."""
-    mask = full["loss_mask"]
     penalty = None
-    if args.algo == "gigpo" and anchors is not None and not any(key is not None for keys in anchors for key in keys):
-        warnings.warn(f"--algo gigpo: the {args.env} env gave no state keys (envs.Env.state_key; an upstream env server "
-                      "sends none), so no turn has an anchor group and GiGPO trains as GRPO")
-    if args.kl_in_reward and "ref_logprobs" in full:
-        penalty = args.kl_coef * kl(full["old_logprobs"], full["ref_logprobs"], args.kl_estimator) * mask
-    return adv_lib.advantages(args.algo, scores, groups, ok, mask, penalty=penalty, values=full.get("old_values"),
-                              gamma=args.gamma if args.gamma is not None else 0.95 if args.algo == "gigpo" else 1.0,
-                              lam=args.lam, grpo_scale=args.grpo_scale, reduce=reduce, episodes=episodes, anchors=anchors,
-                              turn=full.get("turn"), step_weight=args.step_weight)
+    if args.kl_in_reward and full.ref_logprobs is not None:
+        penalty = args.kl_coef * kl(full.old_logprobs, full.ref_logprobs, args.kl_estimator) * full.loss_mask
+    return adv_lib.advantages(args.algo, adv_lib.AdvantageInputs(
+        scores, groups, ok, full.loss_mask, penalty, episodes, full.old_values, anchors, full.turn, args.gamma,
+        args.lam, args.grpo_scale, args.step_weight, reduce))
 
 
 def update(models: Models, batch: Batch, args: Args, accelerator, step: int, progress=None,
@@ -657,48 +645,38 @@ def update(models: Models, batch: Batch, args: Args, accelerator, step: int, pro
     return sums, grad_norms
 
 
-def update_policy(models: Models, micro: dict, counts: dict, args: Args, accelerator) -> tuple[torch.Tensor, UpdateSums, bool]:
-    """The policy's loss on one micro-batch: PPO's clipped loss, minus the entropy bonus, plus the KL to the
-    reference (unless it is in the reward), each aggregated over the whole mini-batch (`counts`: its action tokens
-    and sequences); the micro-batch's sums for the metrics, and whether they are finite."""
-    mask = micro["loss_mask"]
-    counts = counts | {"segments": micro["segments"], "weights": micro.get("weights")}  # (see rl/batch.py)
+def update_policy(models: Models, micro: MicroBatch, counts: Counts, args: Args,
+                  accelerator) -> tuple[torch.Tensor, UpdateSums, bool]:
+    """The policy's loss on one micro-batch (rl/losses.policy_objective, by the flags of its Objective's names),
+    aggregated over the whole mini-batch (`counts`: its action tokens and sequences); the micro-batch's sums for the
+    metrics, and whether they are finite."""
     with accelerator.autocast():
-        logprobs, entropy = token_logprobs(models.policy, micro["input_ids"], micro.get("attention_mask"), mask,
-                                           args.temperature, with_entropy=True, position_ids=micro.get("position_ids"))
-    old = micro["old_logprobs"] if "old_logprobs" in micro else logprobs.detach()
-    micro.setdefault("trainer_logprobs", old.detach())  # the first pass's, for the rollout log
-    pg, clipped = policy_loss(logprobs, old, micro["advantages"], args.clip, args.clip_high, args.dual_clip)
-    # (one weight a token for the sampler's gap: --max-staleness's decoupled PPO around the proximal policy, --mismatch)
-    weighed = importance_weights(old, micro["sampler_logprobs"], mask, micro.get("lag"), micro["sequence"],
-                                 args.mismatch, args.mismatch_cap or MISMATCH_CAP, args.is_cap)
-    pg = pg * weighed.weights
-    loss = aggregate(pg, mask, args.loss_agg, **counts) - args.entropy_coef * aggregate(entropy, mask, args.loss_agg, **counts)
-    divergence = torch.zeros_like(logprobs)
-    if has_reference(models):
-        divergence = kl(logprobs, micro["ref_logprobs"], args.kl_estimator)
-        if not args.kl_in_reward:
-            loss = loss + args.kl_coef * aggregate(divergence, mask, args.loss_agg, **counts)
-    with torch.no_grad():
-        sums = UpdateSums(tokens=float(mask.sum()), policy=float((pg * mask).sum()), kl=float((divergence * mask).sum()),
-                          entropy=float((entropy * mask).sum()), clipfrac=float((clipped * mask).sum()),
-                          ppo_kl=float(((old - logprobs) * mask).sum()),
-                          **weight_sums(weighed, old, micro["sampler_logprobs"], mask, micro.get("lag")))
+        logprobs, entropy = token_logprobs(models.policy, micro.input_ids, micro.attention_mask, micro.loss_mask,
+                                           args.temperature, with_entropy=True, position_ids=micro.position_ids)
+    loss, terms = policy_objective(logprobs, entropy, micro, counts, objective(args))
+    if micro.trainer_logprobs is None:  # the first pass's, for the rollout log
+        micro.trainer_logprobs = terms.old.detach()
+    sums = policy_sums(terms, micro)
     return loss, sums, all(math.isfinite(x) for x in (sums.policy, sums.kl, sums.entropy))
 
 
-def update_critic(models: Models, micro: dict, counts: dict, args: Args, accelerator) -> tuple[torch.Tensor, UpdateSums, bool]:
+def objective(args: Args) -> Objective:
+    """The policy objective's settings: the flags of its fields' names."""
+    return Objective(**{f.name: getattr(args, f.name) for f in fields(Objective) if hasattr(args, f.name)})
+
+
+def update_critic(models: Models, micro: MicroBatch, counts: Counts, args: Args,
+                  accelerator) -> tuple[torch.Tensor, UpdateSums, bool]:
     """The critic's loss on one micro-batch: the clipped value loss against the GAE returns, on action tokens only,
     aggregated like the policy loss; its sums, and whether they are finite."""
-    mask = micro["loss_mask"]
+    mask = micro.loss_mask
     with accelerator.autocast():
-        values = token_values(models.critic, micro["input_ids"], micro.get("attention_mask"), mask,
-                              micro.get("position_ids"))
-    terms, clipped = value_loss(values, micro["old_values"], micro["returns"], args.value_clip)
+        values = token_values(models.critic, micro.input_ids, micro.attention_mask, mask, micro.position_ids)
+    terms, clipped = value_loss(values, micro.old_values, micro.returns, args.value_clip)
     with torch.no_grad():
         sums = UpdateSums(critic_tokens=float(mask.sum()), value=float((terms * mask).sum()),
                           value_clipfrac=float((clipped * mask).sum()))
-    loss = aggregate(terms, mask, args.loss_agg, **counts, segments=micro["segments"], weights=micro.get("weights"))
+    loss = aggregate(terms, mask, args.loss_agg, counts.tokens, counts.sequences, micro.segments, micro.weights)
     return loss, sums, math.isfinite(sums.value)
 
 
@@ -832,12 +810,12 @@ def offline_pass(models: Models, examples: list, args: Args, accelerator, pad_id
     micro-batches. Returns the statistics summed over every process, and whether this process's losses were finite."""
     share = examples[accelerator.process_index::accelerator.num_processes]
     micros = example_micro_batches(share, args.micro_batch_size, pad_id, args.algo == "dpo") if share else []
-    local = sum(float(m["loss_mask"].sum()) if args.algo != "dpo" else m["input_ids"].shape[0] / 2 for m in micros)
+    local = sum(float(m.loss_mask.sum()) if args.algo != "dpo" else m.input_ids.shape[0] / 2 for m in micros)
     reduce = reducer(accelerator)
     local = torch.tensor([local], dtype=torch.float64)  # (a process with no share has the int 0: same dtype everywhere)
     size = float(reduce(local)[0]) / accelerator.num_processes
     count = int(reducer(accelerator, "max")(torch.tensor([len(micros)])))
-    blank = pad([([pad_id], [0])] * (2 if args.algo == "dpo" else 1), pad_id)  # (dpo: a chosen and a rejected row)
+    blank = padded([([pad_id], [0])] * (2 if args.algo == "dpo" else 1), pad_id)  # (dpo: a chosen and a rejected row)
     sums = DPOSums() if args.algo == "dpo" else SFTSums()
     loss_of = functools.partial(offline_terms, models, args=args, accelerator=accelerator, size=size)
     finite = accumulate(accelerator, micros, [("policy", models.policy, loss_of)], sums, count=count, blank=blank,
@@ -845,11 +823,11 @@ def offline_pass(models: Models, examples: list, args: Args, accelerator, pad_id
     return sums.reduced(reduce), finite
 
 
-def offline_terms(models: Models, micro: dict, args: Args, accelerator,
+def offline_terms(models: Models, micro: MicroBatch, args: Args, accelerator,
                   size: float) -> tuple[torch.Tensor, SFTSums | DPOSums, bool]:
     """One micro-batch's loss, divided by the batch's `size` (sft: the NLL of its action tokens, rl/sft.py; dpo:
     the DPO loss of its pairs against the reference, rl/dpo.py), its statistics, and whether they are finite."""
-    micro = {key: value.to(accelerator.device) for key, value in micro.items()}
+    micro = micro.to(accelerator.device)
     if args.algo == "dpo":
         loss, sums, finite = dpo_terms(models, micro, args.beta, args.offload_reference, accelerator)
     else:
@@ -1043,26 +1021,28 @@ def check(args: Args, world: int, distributed: str = "NO") -> None:
                 envs.load_task_ids(getattr(args, flag), args.env)
         except envs.TaskFileError as error:
             raise SystemExit(f"--{flag.replace('_', '-')}: {error}") from None
-    if args.n < 2 and adv_lib.is_grouped(args.algo):
+    estimator = adv_lib.ESTIMATORS.get(args.algo)  # (None: an offline program)
+    if args.n < 2 and estimator and estimator.grouped:
         raise SystemExit(f"{args.algo} compares the samples of a task with each other: use --n 2 or more")
     if args.step_weight < 0:
         raise SystemExit(f"--step-weight {args.step_weight:g}: gigpo's omega weighs the turn-level advantage, 0 (none) "
                          "or more")
-    if args.step_weight != Args.step_weight and args.algo != "gigpo":
+    if args.step_weight != Args.step_weight and not (estimator and estimator.anchors):
         raise SystemExit(f"--step-weight weighs gigpo's turn-level advantage, which --algo {args.algo} does not have: "
-                         "use it with --algo gigpo")
+                         f"use it with --algo {adv_lib.names(lambda e: e.anchors, 'or')}")
     if args.gamma is not None and not 0 < args.gamma <= 1:
         raise SystemExit(f"--gamma {args.gamma:g} is a discount: give one in (0, 1]")
-    if args.gamma is not None and args.algo not in ("reinforce_pp", "ppo", "gigpo"):
-        raise SystemExit(f"--gamma discounts the returns of reinforce_pp, ppo and gigpo; --algo {args.algo} has none")
+    if args.gamma is not None and (estimator is None or estimator.gamma is None):
+        raise SystemExit(f"--gamma discounts the returns of {adv_lib.names(lambda e: e.gamma is not None)}; "
+                         f"--algo {args.algo} has none")
     check_horizon(args)
-    if args.critic_warmup > 1 and args.algo != "ppo":
+    if args.critic_warmup > 1 and not (estimator and estimator.critic):
         raise SystemExit(f"--critic-warmup trains only the critic for a while, and --algo {args.algo} has none: "
-                         "use it with --algo ppo")
+                         f"use it with --algo {adv_lib.names(lambda e: e.critic, 'or')}")
     if args.dual_clip is not None and args.dual_clip <= 1:
         raise SystemExit("--dual-clip must be larger than 1")
-    if args.algo == "ppo" and args.mixed_precision == "fp16":
-        raise SystemExit("--algo ppo steps two optimizers, which fp16's loss scaling does not support here: "
+    if estimator and estimator.critic and args.mixed_precision == "fp16":
+        raise SystemExit(f"--algo {args.algo} steps two optimizers, which fp16's loss scaling does not support here: "
                          "use --mixed-precision bf16")
     if args.max_new_tokens >= args.max_tokens:
         raise SystemExit("--max-new-tokens must be smaller than --max-tokens")

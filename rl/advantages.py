@@ -1,6 +1,6 @@
 """Rewards -> advantages, for multi-turn trajectories.
 
-    adv, returns = advantages("grpo", scores, groups, ok, mask)   # train.py's --algo names the estimator
+    adv, returns = advantages("grpo", AdvantageInputs(scores, groups, ok, mask))   # train.py's --algo names it
 
 Shapes: trajectory-level estimators (GRPO, RLOO) take one score per trajectory, [B]; token-level
 estimators (REINFORCE++, GAE) take padded [B, T] tensors and a loss mask that is 1 on action tokens
@@ -19,15 +19,20 @@ through the same env state (the same `anchor`: envs.Env.state_key), the turns ta
 with each other by their discounted returns (`step_advantages`); a turn's tokens get the episode's GRPO advantage
 plus omega times its turn's.
 
-Adding an estimator that compares the samples of a task (like GRPO, RLOO): a function
-(scores [B], groups [B]) -> advantages [B], its name in GROUPED, and the name in train.py's --algo choices
-(README: "Add an advantage estimator"; tests/test_advantages.py follows the recipe).
+Adding an estimator: a function of AdvantageInputs -> (advantages [B, T], returns or None) and its entry in
+ESTIMATORS, which says what it needs (grouped, a critic, a discount's default, anchor states); --algo's choices,
+the critic, the memory plan and the flag checks read the entry. One that compares the samples of a task (like
+GRPO, RLOO) is a function (returns [E], groups [E]) -> advantages [E] passed to AdvantageInputs.per_episode
+(README: "Add an advantage estimator"; tests/test_advantages.py follows the recipe for a grouped, a token-level and
+a critic-based one).
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import warnings
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -162,68 +167,147 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 
 
 # ----------------------------------------------------------------------------------------------
-# One dispatch for train.py
+# The estimators by their --algo names: each takes the step's AdvantageInputs
 
 
-# The estimators that compare the samples of a task, by their --algo name: a trajectory's score [B] and its group
-# [B] (the n samples of one task) -> its advantage [B], broadcast onto its action tokens.
-GROUPED: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"grpo": grpo, "rloo": rloo}
+@dataclass
+class AdvantageInputs:
+    """What an estimator may use, for the step's B rows of T tokens. A row is a trajectory, or under --reasoning drop
+    one turn of an episode (`episodes`: the episode each row is of; each of its rows has the episode's score, group
+    and ok)."""
+
+    scores: torch.Tensor  # [B] outcome rewards
+    groups: torch.Tensor  # [B] which task's group
+    ok: torch.Tensor  # [B] False where the env failed (no outcome: its mask is 0, and it stays out of the statistics)
+    mask: torch.Tensor  # [B, T] 1 on action tokens
+    penalty: torch.Tensor | None = None  # [B, T] the KL penalty taken from the reward (--kl-in-reward); None: 0
+    episodes: torch.Tensor | None = None  # [B]; None: a row each
+    values: torch.Tensor | None = None  # [B, T] the critic's (ppo)
+    anchors: list[list] | None = None  # per episode: the env's state key before each of its turns (gigpo)
+    turn: torch.Tensor | None = None  # [B, T] the episode's turn of each action token, -1 elsewhere (gigpo)
+    gamma: float | None = None  # the discount; None: the estimator's default (Estimator.gamma)
+    lam: float = 1.0  # GAE's lambda
+    scale: bool = True  # grpo, gigpo: divide by the group's std (False: Dr. GRPO, the paper's mean_norm)
+    step_weight: float = 1.0  # gigpo's omega
+    reduce: Reduce | None = None  # sums over processes, so that whitening is over the whole batch
+
+    def __post_init__(self):
+        self.penalty = torch.zeros_like(self.mask) if self.penalty is None else self.penalty
+        self.episodes = torch.arange(len(self.scores)) if self.episodes is None else self.episodes
+
+    def first_rows(self) -> torch.Tensor:
+        """[E]: each episode's first row (its score, group and ok)."""
+        episodes = self.episodes
+        return torch.full((int(episodes.max()) + 1 if len(episodes) else 0,), len(episodes)).scatter_reduce(
+            0, episodes, torch.arange(len(episodes)), "amin")
+
+    def per_episode(self, within: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """[B, T]: `within` (the returns [E] and groups [E] of the episodes whose env did not fail -> their
+        advantages [E]) on every action token of each episode's rows. An episode's return is its outcome minus its
+        KL penalty summed over all its rows."""
+        episodes, first = self.episodes, self.first_rows()
+        totals = self.scores[first] - torch.zeros(len(first)).index_add(0, episodes, self.penalty.sum(1).float())
+        advantages = torch.zeros(len(first))
+        ok = self.ok[first]
+        if ok.any():
+            advantages[ok] = within(totals[ok], self.groups[first][ok])
+        return per_token(advantages[episodes], self.mask)
+
+    def rewards(self) -> torch.Tensor:
+        """[B, T]: each outcome on its row's last action token, less the KL penalty."""
+        return place_reward(self.scores, self.mask) - self.penalty
+
+
+Advantages = tuple[torch.Tensor, torch.Tensor | None]  # per-token advantages [B, T], and the critic's returns or None
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator and what train.py must give it."""
+
+    fn: Callable[[AdvantageInputs], Advantages]
+    grouped: bool = False  # compares the samples of a task: needs --n 2 or more; an episode may be several rows
+    critic: bool = False  # needs a critic's values (train.py builds and trains one)
+    gamma: float | None = None  # its discount's default (None: it discounts nothing, and --gamma is refused)
+    anchors: bool = False  # needs the episodes' anchor states and tokens' turns (rl/batch.py's Batch; --step-weight)
+
+
+def grpo_advantages(x: AdvantageInputs) -> Advantages:
+    """GRPO's (--no-grpo-scale: Dr. GRPO's) episode advantage on its action tokens."""
+    return x.per_episode(functools.partial(grpo, scale=x.scale)), None
+
+
+def rloo_advantages(x: AdvantageInputs) -> Advantages:
+    """RLOO's episode advantage on its action tokens."""
+    return x.per_episode(rloo), None
+
+
+def gigpo_advantages(x: AdvantageInputs) -> Advantages:
+    """GiGPO: GRPO's episode advantage plus step_weight (omega) x step_advantages, by the episodes' `anchors` and
+    each action token's `turn`; `scale` False is the paper's mean_norm mode, at both levels."""
+    if x.anchors is None or x.turn is None:
+        raise ValueError("gigpo needs the episodes' anchor states and each action token's turn (rl/batch.py's Batch)")
+    if not any(key is not None for keys in x.anchors for key in keys):
+        warnings.warn("--algo gigpo: the env gave no state keys (envs.Env.state_key; an upstream env server sends "
+                      "none), so no turn has an anchor group and GiGPO trains as GRPO")
+    episodes, turn, penalty, first = x.episodes, x.turn, x.penalty, x.first_rows()
+    # each turn's own KL penalty [episode, turn] (its return holds the later turns' only)
+    width = max(map(len, x.anchors), default=0)
+    on = (turn >= 0) & (turn < width)
+    paid = torch.zeros(len(first), width, dtype=torch.float64).index_put_(
+        (episodes[:, None].expand_as(turn)[on], turn[on]), penalty[on].double(), accumulate=True)
+    steps = step_advantages(x.scores[first].tolist(), x.groups[first].tolist(), x.ok[first].tolist(), x.anchors,
+                            x.gamma, x.scale, penalties=paid.tolist())
+    table = torch.zeros(len(steps), max(map(len, steps), default=0) + 1)  # (a last column of 0: tokens of no turn)
+    for k, row in enumerate(steps):
+        table[k, :len(row)] = torch.tensor(row)
+    on_turn = table[episodes[:, None], torch.where((turn >= 0) & (turn < table.shape[1]), turn, table.shape[1] - 1)]
+    return x.per_episode(functools.partial(grpo, scale=x.scale)) + x.step_weight * on_turn * x.mask, None
+
+
+def reinforce_pp_advantages(x: AdvantageInputs) -> Advantages:
+    """REINFORCE++'s whitened discounted returns."""
+    return reinforce_pp(x.rewards(), x.mask, x.gamma, reduce=x.reduce), None
+
+
+def gae_advantages(x: AdvantageInputs) -> Advantages:
+    """PPO's: GAE on the critic's values, and the returns the critic learns."""
+    return gae(x.rewards(), x.values, x.mask, x.gamma, x.lam, reduce=x.reduce)
+
+
+# --algo's estimators. A new one is a function of AdvantageInputs and its entry here (tests/test_advantages.py).
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator(grpo_advantages, grouped=True),
+    "rloo": Estimator(rloo_advantages, grouped=True),
+    "gigpo": Estimator(gigpo_advantages, grouped=True, gamma=0.95, anchors=True),
+    "reinforce_pp": Estimator(reinforce_pp_advantages, gamma=1.0),
+    "ppo": Estimator(gae_advantages, critic=True, gamma=1.0),
+}
 
 
 def is_grouped(algo: str) -> bool:
     """Whether --algo compares the samples of a task (it needs --n 2 or more, and gives every row of an episode the
-    episode's advantage): GROUPED's estimators, and gigpo (GRPO's, plus the turns' within their anchor groups)."""
-    return algo in GROUPED or algo == "gigpo"
+    episode's advantage)."""
+    return algo in ESTIMATORS and ESTIMATORS[algo].grouped
 
 
-def advantages(algo: str, scores: torch.Tensor, groups: torch.Tensor, ok: torch.Tensor, mask: torch.Tensor,
-               penalty: torch.Tensor | None = None, values: torch.Tensor | None = None, gamma: float = 1.0,
-               lam: float = 1.0, grpo_scale: bool = True, reduce: Reduce | None = None,
-               episodes: torch.Tensor | None = None, anchors: list[list] | None = None, turn: torch.Tensor | None = None,
-               step_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The step's per-token advantages [B, T] by `algo` (a GROUPED estimator, reinforce_pp, or ppo's GAE on the
-    critic's `values`), and GAE's returns for the critic (None for the others). scores, groups, ok [B]: outcome
-    rewards, task groups, False where the env failed (no outcome: its mask is already 0, and it stays out of the
-    group statistics); mask [B, T]: action tokens; penalty [B, T]: a per-token KL penalty taken from the reward
-    (train.py's --kl-in-reward; a grouped estimator sees each trajectory's outcome minus its summed penalty).
-    episodes [B]: the episode each row is of, when an episode is several rows (--reasoning drop: one a turn, each with
-    the episode's score, group and ok): a grouped estimator compares episodes, and each row gets its episode's
-    advantage; the token-level estimators need an episode in one row.
-    gigpo: GRPO's episode advantage plus step_weight (omega) x step_advantages, by the episodes' `anchors` (per
-    episode, the state key before each turn) and `turn` [B, T] (the turn of each action token, -1 elsewhere); grpo_scale
-    False is the paper's mean_norm mode, at both levels."""
-    penalty = torch.zeros_like(mask) if penalty is None else penalty
-    if algo in GROUPED or algo == "gigpo":
-        episodes = torch.arange(len(scores)) if episodes is None else episodes
-        first = torch.full((int(episodes.max()) + 1 if len(episodes) else 0,), len(episodes)).scatter_reduce(
-            0, episodes, torch.arange(len(episodes)), "amin")  # an episode's first row: its score, group and ok
-        # the episode's return: outcome minus its KL penalty summed over all its rows
-        totals = scores[first] - torch.zeros(len(first)).index_add(0, episodes, penalty.sum(1).float())
-        per_episode = torch.zeros(len(first))
-        if ok[first].any():
-            estimator = functools.partial(grpo, scale=grpo_scale) if algo in ("grpo", "gigpo") else GROUPED[algo]
-            per_episode[ok[first]] = estimator(totals[ok[first]], groups[first][ok[first]])
-        if algo != "gigpo":
-            return per_token(per_episode[episodes], mask), None
-        if anchors is None or turn is None:
-            raise ValueError("gigpo needs the episodes' anchor states and each action token's turn (rl/batch.py's Batch)")
-        # each turn's own KL penalty [episode, turn] (its return holds the later turns' only)
-        width = max(map(len, anchors), default=0)
-        on = (turn >= 0) & (turn < width)
-        paid = torch.zeros(len(first), width, dtype=torch.float64).index_put_(
-            (episodes[:, None].expand_as(turn)[on], turn[on]), penalty[on].double(), accumulate=True)
-        steps = step_advantages(scores[first].tolist(), groups[first].tolist(), ok[first].tolist(), anchors, gamma,
-                                grpo_scale, penalties=paid.tolist())
-        table = torch.zeros(len(steps), max(map(len, steps), default=0) + 1)  # (a last column of 0: tokens of no turn)
-        for k, row in enumerate(steps):
-            table[k, :len(row)] = torch.tensor(row)
-        on_turn = table[episodes[:, None], torch.where((turn >= 0) & (turn < table.shape[1]), turn, table.shape[1] - 1)]
-        return per_token(per_episode[episodes], mask) + step_weight * on_turn * mask, None
-    if episodes is not None and len(episodes.unique()) < len(episodes):
+def needs_critic(algo: str) -> bool:
+    """Whether --algo trains a critic."""
+    return algo in ESTIMATORS and ESTIMATORS[algo].critic
+
+
+def names(has: Callable[[Estimator], bool], conjunction: str = "and") -> str:
+    """The names of the estimators that `has` holds for, as a phrase: "a, b and c"."""
+    chosen = [name for name, estimator in ESTIMATORS.items() if has(estimator)]
+    return f" {conjunction} ".join([", ".join(chosen[:-1]), chosen[-1]] if len(chosen) > 1 else chosen)
+
+
+def advantages(algo: str, inputs: AdvantageInputs) -> Advantages:
+    """The step's per-token advantages [B, T] by the estimator `algo` (ESTIMATORS), at its default discount unless
+    `inputs` give one, and the returns for a critic (None without one)."""
+    if algo not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {algo!r}; choose one of: {', '.join(ESTIMATORS)}")
+    estimator = ESTIMATORS[algo]
+    if not estimator.grouped and len(inputs.episodes.unique()) < len(inputs.episodes):
         raise ValueError(f"{algo} runs over an episode's action tokens in one row; --reasoning drop trains a row per turn")
-    rewards = place_reward(scores, mask) - penalty
-    if algo == "reinforce_pp":
-        return reinforce_pp(rewards, mask, gamma, reduce=reduce), None
-    if algo == "ppo":
-        return gae(rewards, values, mask, gamma, lam, reduce=reduce)
-    raise ValueError(f"unknown advantage estimator {algo!r}; choose one of: {', '.join(GROUPED)}, gigpo, reinforce_pp, ppo")
+    return estimator.fn(replace(inputs, gamma=estimator.gamma if inputs.gamma is None else inputs.gamma))

@@ -47,7 +47,7 @@ import re
 from dataclasses import dataclass, field
 
 from envs import tools as env_tools
-from rl.advantages import GROUPED, is_grouped
+from rl.advantages import ESTIMATORS, is_grouped, names
 from rl.chat import CallError, read_call
 
 PLAN_GUIDE = ("Before your first action, write a plan for the whole task, its steps in order, between <plan> and "
@@ -144,13 +144,14 @@ def check_layout(name: str, env_name: str, algo: str | None = None, history: str
             env_tools.tools(env_name)
         except ValueError as error:
             raise SystemExit(str(error)) from None
-    if algo in ("sft", "dpo", "agentevol") and name not in ("react", "tools"):
-        raise SystemExit(f"--agent {name} lays out the rollouts of RL (grpo, rloo, gigpo, reinforce_pp, ppo); {algo} learns "
+    if algo is not None and algo not in ESTIMATORS and name not in ("react", "tools"):  # (sft, dpo, agentevol)
+        raise SystemExit(f"--agent {name} lays out the rollouts of RL ({', '.join(ESTIMATORS)}); {algo} learns "
                          "--data's conversations as they are laid out, so it plays them as react (or, for episodes of "
                          "tool calls, as --agent tools)")
     if history == "drop" and (algo is not None and not is_grouped(algo) or name == "reflect"):
         raise SystemExit(f"--reasoning drop trains each turn as its own sequence with its episode's advantage: a grouped "
-                         f"estimator ({', '.join(GROUPED)}, gigpo) and one attempt an episode; --algo {algo} --agent {name} "
+                         f"estimator ({names(lambda e: e.grouped, 'or')}) and one attempt an episode; "
+                         f"--algo {algo} --agent {name} "
                          "needs --reasoning keep")
 
 

@@ -5,6 +5,7 @@ computed per trajectory, and the micro-batches that go through the model, with w
     layout = arrange(lengths, token_budget=16384)                     # padded rows x width <= 16k tokens
     layout = arrange(lengths, token_budget=16384, pack=True)          # rows of <= 16k tokens, no padding
     batch = make_batch(trajectories, pad_id, layout, device, count=n)  # n micro-batches (equal on every process)
+    batch = make_batch(..., step=step)  # tokens that record their policy version get their lag behind `step`
     rows = pack(sequences, max_tokens, pad_id)                        # SFT's conversations, packed the same way
 
 Micro-batches are made of length-sorted trajectories, so a padded one wastes little. With `pack`, several
@@ -14,9 +15,12 @@ implementation (tests/test_batch.py, tests/test_sft.py), and a row holds no padd
 must run the same number of micro-batches, since a data-parallel or sharded backward is collective: `count` pads
 a layout with empty micro-batches (one masked token each).
 
-The model sees, per micro-batch: input_ids, attention_mask [R, W] (padded) or position_ids [R, W] (packed),
-loss_mask, sampler_logprobs and `segments` (which trajectory of the step each token belongs to, -1 for padding:
-the per-trajectory means of rl/losses.aggregate), and `sequence` (which row of `full` it is from: a trajectory, or
+The step's tensors are typed (`StepTensors`, [B, T], and `MicroBatch`, [R, W]): what a mode adds (`lag` under
+--max-staleness, `weights` under --reasoning drop, `position_ids` with --pack) and what a phase fills (old and
+reference log-probs, old values, advantages, returns, the trainer's log-probs) is None until it is there. The model
+sees, per micro-batch: input_ids, attention_mask [R, W] (padded) or position_ids [R, W] (packed), loss_mask,
+sampler_logprobs and `segments` (which trajectory of the step each token belongs to, -1 for padding: the
+per-trajectory means of rl/losses.aggregate), and `sequence` (which row of `full` it is from: a trajectory, or
 under --reasoning drop one turn's sequence; whole in one micro-batch, the unit --mismatch mis judges). `pieces` say
 where each trajectory lies.
 
@@ -28,13 +32,61 @@ trajectory, as in its scripts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
+from rl import staleness
+from rl.losses import Counts
 from rl.logprobs import collate, pad
 
 Layout = list[list[list[int]]]  # micro-batches -> rows -> the trajectories (indices) in each row, in order
+
+
+@dataclass(kw_only=True)
+class Rows:
+    """Token tensors of rows of a step, [R, W] each (float unless marked): those every row has, and those a mode
+    adds or a phase fills (None until then)."""
+
+    input_ids: torch.Tensor  # long
+    loss_mask: torch.Tensor  # 1 on action tokens (0 on the tokens of a trajectory that ended in an env error)
+    sampler_logprobs: torch.Tensor | None = None  # the engine's log-probs of the sampled tokens (RL's rows)
+    attention_mask: torch.Tensor | None = None  # long: padded rows (None in packed micro-batches)
+    versions: torch.Tensor | None = None  # the policy version that sampled each token, -1 elsewhere (make_batch
+    # without a step: the tokens' lag is unknown)
+    lag: torch.Tensor | None = None  # --max-staleness: the updates between the weights that sampled each token and
+    # its step's (0 off the action tokens)
+    weights: torch.Tensor | None = None  # --reasoning drop: 1 / the action tokens of the row's episode (see `weights`)
+    old_logprobs: torch.Tensor | None = None  # pi_old's: with several updates per rollout, or the KL in the reward
+    ref_logprobs: torch.Tensor | None = None  # the reference's: with a reference model
+    old_values: torch.Tensor | None = None  # the critic's before the update (ppo)
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None  # GAE's, the critic's targets (ppo)
+    trainer_logprobs: torch.Tensor | None = None  # the policy's at its first pass of the update, for the rollout log
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor it has, by its field's name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def to(self, device):
+        """The same rows on `device`."""
+        return replace(self, **{key: value.to(device) for key, value in self.tensors().items()})
+
+
+@dataclass(kw_only=True)
+class StepTensors(Rows):
+    """The step's rows, [B, T] on the CPU: a trajectory each (--reasoning drop: a turn's sequence each), padded."""
+
+    turn: torch.Tensor | None = None  # long: the episode's turn of each action token, -1 elsewhere (set by make_batch)
+
+
+@dataclass(kw_only=True)
+class MicroBatch(Rows):
+    """One micro-batch, [R, W] on the device: R rows (padded, or packed with several trajectories each), W wide."""
+
+    segments: torch.Tensor  # long: the episode of each token, -1 on padding
+    sequence: torch.Tensor  # long: its row of the step's `full`, -1 on padding
+    position_ids: torch.Tensor | None = None  # long: packed rows, restarting at each trajectory (None: padded)
 
 
 @dataclass
@@ -53,8 +105,8 @@ class Batch:
     trajectories of micro-batch i lie. A trajectory that ended in an env error is no outcome: its tokens are not
     trained on (mask 0), but it stays, so that its process runs the same micro-batches as the others."""
 
-    full: dict[str, torch.Tensor]
-    micro: list[dict[str, torch.Tensor]]
+    full: StepTensors
+    micro: list[MicroBatch]
     pieces: list[list[Piece]]
     scores: torch.Tensor  # [B] outcome rewards
     groups: torch.Tensor  # [B] which task's group
@@ -70,7 +122,7 @@ class Batch:
     @property
     def positions(self) -> int:
         """Positions in the micro-batches, padding included."""
-        return sum(micro["input_ids"].numel() for micro in self.micro)
+        return sum(micro.input_ids.numel() for micro in self.micro)
 
 
 def arrange(lengths: list[int], micro_batch_size: int = 4, token_budget: int = 0, pack: bool = False,
@@ -124,7 +176,8 @@ def pack(sequences: list[tuple[list[int], list[int]]], max_tokens: int, pad_id: 
     if max(lengths) > max_tokens:
         raise ValueError(f"a sequence of {max(lengths)} tokens does not fit in rows of {max_tokens}")
     rows = first_fit(lengths, max_tokens, sorted(range(len(sequences)), key=lambda i: -lengths[i]))
-    return _micro(pad(sequences, pad_id), rows, _place(rows, lengths), pad_id, True, "cpu") | {"rows": rows}
+    micro = _micro(StepTensors(**pad(sequences, pad_id)), rows, _place(rows, lengths), pad_id, True, "cpu")
+    return micro.tensors() | {"rows": rows}
 
 
 def _members(micro: list[list[int]]) -> list[int]:
@@ -156,19 +209,26 @@ def rows_of(trajectories) -> tuple[list, list[int]]:
 
 
 def make_batch(trajectories, pad_id: int, layout: Layout, device, count: int | None = None,
-               pack: bool = False, episodes: list[int] | None = None) -> Batch:
+               pack: bool = False, episodes: list[int] | None = None, step: int | None = None) -> Batch:
     """The step's tensors: `full` from every trajectory (a row each; `episodes`: the episode each row is of, by
-    default its own), and a micro-batch per entry of `layout`, padded with empty micro-batches up to `count`."""
+    default its own), and a micro-batch per entry of `layout`, padded with empty micro-batches up to `count`.
+    Trajectories that record the versions of their tokens (rollout.Rollouts' under --max-staleness) give each token
+    its `lag` behind `step`, the step they train (without it, they keep their `versions`)."""
     ok = torch.tensor([t.error is None for t in trajectories])
-    full = collate(trajectories, pad_id)
-    full["loss_mask"] *= ok[:, None]
-    if any(t.versions for t in trajectories):  # (Stream's: the policy version of every sampled token, -1 elsewhere)
-        full["versions"] = torch.tensor([t.token_versions() + [-1] * (full["loss_mask"].shape[1] - len(t.token_ids))
-                                         for t in trajectories], dtype=torch.float32)
+    full = StepTensors(**collate(trajectories, pad_id))
+    full.loss_mask *= ok[:, None]
+    width = full.loss_mask.shape[1]
+    if any(t.versions for t in trajectories):  # (Rollouts': the policy version of every sampled token, -1 elsewhere)
+        versions = torch.tensor([t.token_versions() + [-1] * (width - len(t.token_ids)) for t in trajectories],
+                                dtype=torch.float32)
+        if step is None:
+            full.versions = versions
+        else:  # (the updates since the sampling weights: rl/staleness's rule)
+            full.lag = staleness.lag(step, versions) * full.loss_mask
     episodes = torch.tensor(range(len(trajectories)) if episodes is None else episodes, dtype=torch.long)
     if len(episodes.unique()) < len(episodes):  # rows of one episode: it weighs as one sequence (see `weights`)
-        full["weights"] = weights(full["loss_mask"], episodes)
-    full["turn"] = turns(trajectories, episodes.tolist(), full["loss_mask"].shape[1])
+        full.weights = weights(full.loss_mask, episodes)
+    full.turn = turns(trajectories, episodes.tolist(), width)
     lengths = [len(t.token_ids) for t in trajectories]
     micro, pieces = [], []
     for rows in layout + [[[]] for _ in range(max(0, (count or 0) - len(layout)))]:
@@ -206,90 +266,104 @@ def _place(rows: list[list[int]], lengths: list[int]) -> list[Piece]:
             for r, row in enumerate(rows) for k, i in enumerate(row)]
 
 
-def _micro(full: dict, rows: list[list[int]], pieces: list[Piece], pad_id: int, pack: bool, device,
-           episodes: torch.Tensor | None = None) -> dict:
-    """One micro-batch's tensors (those of `full` it has: input_ids, loss_mask, sampler_logprobs, weights, versions), and
-    `segments`, the episode of each token, and `sequence`, its row of `full` (-1: padding). An empty one holds a single
-    masked pad token."""
+def _micro(full: StepTensors, rows: list[list[int]], pieces: list[Piece], pad_id: int, pack: bool, device,
+           episodes: torch.Tensor | None = None) -> MicroBatch:
+    """One micro-batch (the tensors of `full` it has: input_ids, loss_mask, sampler_logprobs, and those of weights,
+    versions, lag there are), with `segments`, the episode of each token, and `sequence`, its row of `full` (-1:
+    padding). An empty one holds a single masked pad token."""
     width = max([1] + [piece.offset + piece.length for piece in pieces])
-    micro = {"input_ids": torch.full((len(rows), width), pad_id, dtype=torch.long)}
-    micro |= {key: torch.zeros((len(rows), width)) for key in ("loss_mask", "sampler_logprobs", "weights", "versions")
-              if key in full}
-    copied = list(micro)
-    micro["segments"] = torch.full((len(rows), width), -1, dtype=torch.long)
-    micro["sequence"] = torch.full((len(rows), width), -1, dtype=torch.long)
+    copied = {key: torch.zeros((len(rows), width)) for key in ("loss_mask", "sampler_logprobs", "weights", "versions",
+                                                               "lag") if getattr(full, key) is not None}
+    tensors = {"input_ids": torch.full((len(rows), width), pad_id, dtype=torch.long), **copied,
+               "segments": torch.full((len(rows), width), -1, dtype=torch.long),
+               "sequence": torch.full((len(rows), width), -1, dtype=torch.long)}
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
     for piece in pieces:
         span = slice(piece.offset, piece.offset + piece.length)
-        for key in copied:
-            micro[key][piece.row, span] = full[key][piece.trajectory, :piece.length]
-        micro["segments"][piece.row, span] = piece.trajectory if episodes is None else int(episodes[piece.trajectory])
-        micro["sequence"][piece.row, span] = piece.trajectory
+        for key in ("input_ids", *copied):
+            tensors[key][piece.row, span] = getattr(full, key)[piece.trajectory, :piece.length]
+        tensors["segments"][piece.row, span] = piece.trajectory if episodes is None else int(episodes[piece.trajectory])
+        tensors["sequence"][piece.row, span] = piece.trajectory
         position_ids[piece.row, span] = torch.arange(piece.length)
     if pack:  # (the tail's pads at position 0: each a sequence of its own)
-        micro["position_ids"] = position_ids
+        tensors["position_ids"] = position_ids
     else:
-        micro["attention_mask"] = (micro["segments"] >= 0).long()
-        micro["attention_mask"][:, 0] = 1  # an empty row attends to its one pad (all-masked rows give NaN)
-    return {key: value.to(device) for key, value in micro.items()}
+        tensors["attention_mask"] = (tensors["segments"] >= 0).long()
+        tensors["attention_mask"][:, 0] = 1  # an empty row attends to its one pad (all-masked rows give NaN)
+    return MicroBatch(**{key: value.to(device) for key, value in tensors.items()})
 
 
 def scatter(batch: Batch, keys: tuple[str, ...]) -> None:
-    """Copy the micro-batches' tensors named `keys` into `full`, [B, T] on the CPU."""
-    for pieces, micro in zip(batch.pieces, batch.micro):
-        for key in keys:
-            if key not in micro:
-                continue
-            target = batch.full.setdefault(key, torch.zeros_like(batch.full["loss_mask"]))
-            values = micro[key].float().cpu()
-            for piece in pieces:
-                target[piece.trajectory, :piece.length] = values[piece.row, piece.offset:piece.offset + piece.length]
+    """Copy the micro-batches' tensors named `keys` (fields of MicroBatch that a phase filled) into `full`."""
+    for key in keys:
+        values = [getattr(micro, key) for micro in batch.micro]
+        if any(value is not None for value in values):
+            setattr(batch.full, key, to_full(batch, values))
+
+
+def to_full(batch: Batch, values: list[torch.Tensor | None]) -> torch.Tensor:
+    """[B, T] on the CPU from one [R, W] tensor per micro-batch (None: nothing of it), 0 where none lies."""
+    full = torch.zeros_like(batch.full.loss_mask)
+    for pieces, micro_values in zip(batch.pieces, values):
+        if micro_values is None:
+            continue
+        micro_values = micro_values.float().cpu()
+        for piece in pieces:
+            full[piece.trajectory, :piece.length] = micro_values[piece.row, piece.offset:piece.offset + piece.length]
+    return full
 
 
 def attach(batch: Batch, advantages: torch.Tensor, returns: torch.Tensor | None) -> None:
     """Give every micro-batch its trajectories' advantages (and returns), on its device."""
-    batch.full["advantages"] = advantages
+    batch.full.advantages = advantages
     if returns is not None:
-        batch.full["returns"] = returns
+        batch.full.returns = returns
     for pieces, micro in zip(batch.pieces, batch.micro):
         for key in ("advantages", "returns"):
-            if key not in batch.full:
+            if getattr(batch.full, key) is None:
                 continue
-            values = torch.zeros(micro["input_ids"].shape)
+            values = torch.zeros(micro.input_ids.shape)
             for piece in pieces:
-                values[piece.row, piece.offset:piece.offset + piece.length] = batch.full[key][piece.trajectory, :piece.length]
-            micro[key] = values.to(micro["input_ids"].device)
+                values[piece.row, piece.offset:piece.offset + piece.length] = \
+                    getattr(batch.full, key)[piece.trajectory, :piece.length]
+            setattr(micro, key, values.to(micro.input_ids.device))
 
 
-def minibatch_counts(minibatch: list[dict], reduce, processes: int) -> dict[str, float]:
+def minibatch_counts(minibatch: list[MicroBatch], reduce, processes: int) -> Counts:
     """What the losses of a mini-batch are divided by: its action tokens and its sequences with any
     action token, over every process's share of it (`reduce` sums over processes: rl/optimizer.py's reducer),
     divided by the number of processes (a fraction when there are fewer than processes), since data-parallel
     training averages the processes' gradients. So each token (or sequence) weighs the same wherever it was
     played; with per-process counts a token on a process with 10 action tokens would weigh 19x one on
     a process with 190."""
-    local = torch.tensor([sum(float(m["loss_mask"].sum()) for m in minibatch), count_sequences(minibatch)],
+    local = torch.tensor([sum(float(m.loss_mask.sum()) for m in minibatch), count_sequences(minibatch)],
                          dtype=torch.float64)
-    tokens, sequences = (reduce(local) / processes).tolist()
-    return {"tokens": tokens, "sequences": sequences}
+    return Counts(*(reduce(local) / processes).tolist())
 
 
-def count_sequences(minibatch: list[dict]) -> float:
+def count_sequences(minibatch: list[MicroBatch]) -> float:
     """Episodes with an action token in a mini-batch's micro-batches (rows, or segments of packed rows). Under
     --reasoning drop an episode's turns may lie in several micro-batches, or mini-batches: each counts the share of
     the episode's action tokens it holds (the tokens' `weights` summed), so that every episode counts once."""
-    if "weights" in minibatch[0]:
-        return float(sum((micro["loss_mask"] * micro["weights"]).sum() for micro in minibatch))
-    return len(set().union(*(micro["segments"][micro["loss_mask"] > 0].unique().tolist() for micro in minibatch)))
+    if minibatch[0].weights is not None:
+        return float(sum((micro.loss_mask * micro.weights).sum() for micro in minibatch))
+    return len(set().union(*(micro.segments[micro.loss_mask > 0].unique().tolist() for micro in minibatch)))
 
 
-def example_micro_batches(examples: list, size: int, pad_id: int, pairs: bool = False) -> list[dict]:
+def example_micro_batches(examples: list, size: int, pad_id: int, pairs: bool = False) -> list[MicroBatch]:
     """SFT's and DPO's examples (rl/data.py: examples_of) as micro-batches: conversations packed into rows as long as
     the longest of them (no attention across conversations; longer rows would only add attention across the
     mask), `size` rows each; with `pairs` (dpo), `size` pairs each, chosen rows first, then their rejected ones."""
     if pairs:
-        return [pad([c for c, _ in examples[i:i + size]] + [r for _, r in examples[i:i + size]], pad_id)
+        return [padded([c for c, _ in examples[i:i + size]] + [r for _, r in examples[i:i + size]], pad_id)
                 for i in range(0, len(examples), size)]
     packed = pack(examples, max(len(ids) for ids, _ in examples), pad_id)
     rows = len(packed.pop("rows"))
-    return [{key: value[i:i + size] for key, value in packed.items()} for i in range(0, rows, size)]
+    return [MicroBatch(**{key: value[i:i + size] for key, value in packed.items()}) for i in range(0, rows, size)]
+
+
+def padded(sequences: list[tuple[list[int], list[int]]], pad_id: int) -> MicroBatch:
+    """(token ids, loss mask) sequences as one micro-batch of right-padded rows, a sequence each, on the CPU."""
+    rows = [[i] for i in range(len(sequences))]
+    return _micro(StepTensors(**pad(sequences, pad_id)), rows, _place(rows, [len(ids) for ids, _ in sequences]), pad_id,
+                  False, "cpu")

@@ -56,18 +56,18 @@ class DPOSums(Sums):
                  ("rejected_reward", "rejected"))}
 
 
-def dpo_terms(models, micro: dict[str, torch.Tensor], beta: float, offloaded: bool,
+def dpo_terms(models, micro, beta: float, offloaded: bool,
               accelerator) -> tuple[torch.Tensor, DPOSums, bool]:
-    """One micro-batch of train.py's DPO, its chosen rows first and then their rejected ones in the same order
-    ([2P, T]; `models`: rl/model.py's Models, `offloaded`: the reference kept in CPU memory): the DPO loss summed
-    over its pairs, on summed assistant-token log-probs against the frozen reference, its statistics, and whether
-    they are finite."""
-    inputs = (micro["input_ids"], micro.get("attention_mask"), micro["loss_mask"])
+    """One micro-batch of train.py's DPO (rl/batch.MicroBatch), its chosen rows first and then their rejected ones
+    in the same order ([2P, T]; `models`: rl/model.py's Models, `offloaded`: the reference kept in CPU memory): the
+    DPO loss summed over its pairs, on summed assistant-token log-probs against the frozen reference, its
+    statistics, and whether they are finite."""
+    inputs = (micro.input_ids, micro.attention_mask, micro.loss_mask)
     with accelerator.autocast():
-        logprobs, _ = token_logprobs(models.policy, *inputs, position_ids=micro.get("position_ids"))
+        logprobs, _ = token_logprobs(models.policy, *inputs, position_ids=micro.position_ids)
     with torch.no_grad(), accelerator.autocast(), reference(models, accelerator, offloaded) as reference_model:
         ref_logprobs, _ = token_logprobs(reference_model, *inputs)
-    mask = micro["loss_mask"]
+    mask = micro.loss_mask
     summed, ref_summed = (logprobs * mask).sum(1), (ref_logprobs.float() * mask).sum(1)
     half = summed.shape[0] // 2
     loss, chosen, rejected = dpo_loss(summed[:half], summed[half:], ref_summed[:half], ref_summed[half:], beta)

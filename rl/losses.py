@@ -9,11 +9,18 @@ exp(trainer_old - engine), the trainer's log-prob over the engine's, bounded by 
 (--max-staleness, lag >= 1): decoupled PPO's pi_prox / pi_behav truncated at --is-cap, which holds the engine's own
 gap too. A lag-0 token (every token of the synchronous loop), by --mismatch: none 1; tis min(ratio, --mismatch-cap);
 mis 0 or 1 by its sequence's geometric-mean ratio. Upstream (AgentGym-RL's verl fork) has none of it.
+
+`policy_objective` composes one micro-batch's policy loss from these terms, by an `Objective` (train.py builds it
+from its flags of the same names): the ratio per token, or per sequence (`ratio="sequence"`: GSPO, Zheng et al.,
+2025), its clips, the importance weights, the aggregation over the mini-batch's counts, the entropy bonus and the
+KL to the reference. A loss variant is an edit here and a field of `Objective` (a flag of the same name in
+train.py's Args reaches it; tests/test_losses.py shows GSPO's).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch
@@ -21,19 +28,25 @@ import torch
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 KLEstimator = Literal["k1", "k2", "k3"]
 Mismatch = Literal["none", "tis", "mis"]
+Ratio = Literal["token", "sequence"]
 MISMATCH_CAP = 2.0  # --mismatch-cap's default: TIS's C (Yao et al., 2025)
 
 
 def policy_loss(logprobs, old_logprobs, advantages, clip_low: float = 0.2, clip_high: float | None = None,
-                dual_clip: float | None = None):
+                dual_clip: float | None = None, mask=None, sequences=None):
     """PPO's clipped surrogate: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), r = exp(logp - old logp).
 
     clip_high > clip_low is DAPO's clip-higher (more room for raising unlikely tokens); default
     clip_high = clip_low. dual_clip = c > 1 bounds the loss of a negative advantage at -A c, however
-    large the ratio (Ye et al., 2020). Returns (loss terms, 1.0 where a clip was active).
+    large the ratio (Ye et al., 2020). `sequences` [B, T] (with the action `mask`), when given, makes the ratio a
+    sequence's: exp of the mean log-ratio over its action tokens, on each of them (GSPO). Returns (loss terms, 1.0
+    where a clip was active).
     """
     clip_high = clip_low if clip_high is None else clip_high
-    ratio = torch.exp(logprobs - old_logprobs)
+    log_ratio = logprobs - old_logprobs
+    if sequences is not None:
+        log_ratio = sequence_mean(log_ratio, mask, sequences)
+    ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = torch.maximum(unclipped, clipped)
@@ -44,6 +57,15 @@ def policy_loss(logprobs, old_logprobs, advantages, clip_low: float = 0.2, clip_
         loss = torch.where(dual, bound, loss)
         active = active | dual
     return loss, active.float()
+
+
+def sequence_mean(x, mask, sequences):
+    """[B, T] -> [B, T]: the mean of x over the action tokens (mask > 0) of each token's sequence (`sequences`: its
+    id), on every token of it; 0 on the tokens of no action."""
+    ids, which = torch.where(mask > 0, sequences, -1).flatten().unique(return_inverse=True)
+    sums = x.new_zeros(len(ids)).index_add(0, which, (x * mask).flatten())
+    counts = mask.new_zeros(len(ids), dtype=x.dtype).index_add(0, which, (mask > 0).flatten().to(x.dtype))
+    return (sums / counts.clamp(min=1))[which].view_as(x) * (mask > 0)
 
 
 class Weights(NamedTuple):
@@ -156,3 +178,70 @@ def aggregate(terms, mask, mode: Aggregation = "token-mean", tokens: float | Non
         raise ValueError(f"unknown aggregation {mode!r}")
     count = (lengths > 0).sum() if sequences is None else sequences
     return per_sequence.sum() / (float(count) or 1.0)
+
+
+class Counts(NamedTuple):
+    """What a mini-batch's losses are divided by (rl/batch.minibatch_counts): its action tokens and its sequences
+    with any, over all processes, divided by their number."""
+
+    tokens: float
+    sequences: float
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The policy loss's settings, named as train.py's flags that set them."""
+
+    clip: float = 0.2
+    clip_high: float | None = None
+    dual_clip: float | None = None
+    ratio: Ratio = "token"  # "sequence": GSPO's sequence-level ratio (no flag: tests/test_losses.py)
+    loss_agg: Aggregation = "seq-mean-token-mean"
+    entropy_coef: float = 0.001
+    kl_coef: float = 0.001
+    kl_estimator: KLEstimator = "k3"
+    kl_in_reward: bool = False  # the KL is the reward's (rl/advantages), not the loss's
+    mismatch: Mismatch = "none"
+    mismatch_cap: float | None = None  # None: MISMATCH_CAP
+    is_cap: float = 2.0
+
+
+class PolicyTerms(NamedTuple):
+    """policy_objective's per-token terms, [R, W] each, for the metrics (rl/metrics.policy_sums)."""
+
+    logprobs: torch.Tensor
+    old: torch.Tensor  # pi_old's log-probs
+    policy: torch.Tensor  # the clipped surrogate times the importance weight
+    clipped: torch.Tensor  # 1.0 where a clip was active
+    entropy: torch.Tensor
+    divergence: torch.Tensor  # KL to the reference (0 without one)
+    weighed: Weights
+
+
+def policy_objective(logprobs, entropy, micro, counts: Counts,
+                     objective: Objective) -> tuple[torch.Tensor, PolicyTerms]:
+    """The policy's loss on one micro-batch (rl/batch.MicroBatch; logprobs, entropy [R, W] from the forward pass):
+    PPO's clipped surrogate on pi_old's ratio (the micro-batch's old log-probs, or with one update per rollout the
+    current ones, detached), times the importance weight of each token (`importance_weights`), minus the entropy
+    bonus, plus the KL to the reference (when the micro-batch has reference log-probs and the KL is not in the
+    reward), each aggregated over the whole mini-batch (`counts`). Returns the loss and its terms."""
+    mask = micro.loss_mask
+    old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
+    pg, clipped = policy_loss(logprobs, old, micro.advantages, objective.clip, objective.clip_high, objective.dual_clip,
+                              mask, micro.sequence if objective.ratio == "sequence" else None)
+    # (one weight a token for the sampler's gap: --max-staleness's decoupled PPO around the proximal policy, --mismatch)
+    weighed = importance_weights(old, micro.sampler_logprobs, mask, micro.lag, micro.sequence, objective.mismatch,
+                                 objective.mismatch_cap or MISMATCH_CAP, objective.is_cap)
+    pg = pg * weighed.weights
+
+    def mean(terms):  # over the whole mini-batch
+        return aggregate(terms, mask, objective.loss_agg, counts.tokens, counts.sequences, micro.segments,
+                         micro.weights)
+
+    loss = mean(pg) - objective.entropy_coef * mean(entropy)
+    divergence = torch.zeros_like(logprobs)
+    if micro.ref_logprobs is not None:
+        divergence = kl(logprobs, micro.ref_logprobs, objective.kl_estimator)
+        if not objective.kl_in_reward:
+            loss = loss + objective.kl_coef * mean(divergence)
+    return loss, PolicyTerms(logprobs, old, pg, clipped, entropy, divergence, weighed)

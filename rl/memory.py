@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from rl.advantages import needs_critic
+
 
 def reset_peak() -> None:
     if torch.cuda.is_available():
@@ -106,7 +108,7 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
     if reference and not lora_rank:
         in_cpu = ", in CPU memory" if offload_reference else cpu
         held[f"reference ({dtype}){in_cpu}"] = 0 if offload_reference else gpu * width * total / shards
-    if algo == "ppo":
+    if needs_critic(algo):
         held[f"critic weights and AdamW moments{cpu}"] = gpu * (12 + (width if bf16_weights else 0)) * total / shards
     if engine == "server":
         engine_bytes = 0
@@ -117,7 +119,7 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         engine_bytes = batch * context * 2 * config.num_hidden_layers * heads * head_dim * 2 + (4 * total if sharded else 0)
     gradients = {f"gradients (fp32){cpu}": gpu * 4 * trained / shards,
-                 **({f"critic gradients (fp32){cpu}": gpu * 4 * total / shards} if algo == "ppo" else {})}
+                 **({f"critic gradients (fp32){cpu}": gpu * 4 * total / shards} if needs_critic(algo) else {})}
     if persistent_gradients:
         held |= gradients
     update = {**({} if persistent_gradients else gradients),

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl.losses import Weights, kl
+from rl.losses import PolicyTerms, Weights, kl
 from rl.memory import peak_gib, reset_peak
 from rl.optimizer import Sums, largest
 from rl.scores import FINISHES, endings
@@ -101,12 +101,24 @@ def weight_sums(weighed: Weights, trainer: torch.Tensor, engine: torch.Tensor, m
                    "is_truncated": float(weighed.stale_truncated.sum())}
 
 
+def policy_sums(terms: PolicyTerms, micro) -> UpdateSums:
+    """UpdateSums of one micro-batch's policy loss (rl/losses.policy_objective's terms; `micro`: its
+    rl/batch.MicroBatch)."""
+    mask = micro.loss_mask
+    with torch.no_grad():
+        return UpdateSums(tokens=float(mask.sum()), policy=float((terms.policy * mask).sum()),
+                          kl=float((terms.divergence * mask).sum()), entropy=float((terms.entropy * mask).sum()),
+                          clipfrac=float((terms.clipped * mask).sum()),
+                          ppo_kl=float(((terms.old - terms.logprobs) * mask).sum()),
+                          **weight_sums(terms.weighed, terms.old, micro.sampler_logprobs, mask, micro.lag))
+
+
 def async_metrics(batch, sums: UpdateSums, staleness: int) -> dict[str, float]:
     """--max-staleness's metrics (this process's): how many updates old the trained tokens were (mean, max, and
     the share at each lag 0..k), their importance weights over the stale ones (mean, max, share truncated), and the
     stale tokens' mean |sampler - trainer| log-prob (rollout/logprob_diff is the lag-0 tokens')."""
-    mask = batch.full["loss_mask"] > 0
-    lag = batch.full.get("lag", torch.zeros_like(batch.full["loss_mask"]))[mask]
+    mask = batch.full.loss_mask > 0
+    lag = (batch.full.lag if batch.full.lag is not None else torch.zeros_like(batch.full.loss_mask))[mask]
     tokens = max(int(mask.sum()), 1)
     stale = max(sums.stale_tokens, 1.0)
     return {
@@ -132,7 +144,7 @@ def step_metrics(records: list[dict], sampled: list[tuple[int, float]], costs: C
     finishes = [r["finish"] for r in records]
     tokens = [r["tokens"] for r in records]
     action_tokens = [r["action_tokens"] for r in records]
-    trained_tokens = max(float(batch.full["loss_mask"].sum()), 1)
+    trained_tokens = max(float(batch.full.loss_mask.sum()), 1)
     played = costs.rollout
     generated, generating = sum(tokens for tokens, _ in sampled), max(seconds for _, seconds in sampled)
 
@@ -203,7 +215,7 @@ def step_metrics(records: list[dict], sampled: list[tuple[int, float]], costs: C
             "losses/value": sums.value / per_critic_token,
             "losses/value_clipfrac": sums.value_clipfrac / per_critic_token,
             "losses/critic_grad_norm": mean(grad_norms["critic"]),
-            "critic/value": float(batch.full["old_values"].sum()) / trained_tokens,
+            "critic/value": float(batch.full.old_values.sum()) / trained_tokens,
             "critic/return": float(returns.sum()) / trained_tokens,
             "charts/critic_lr": models.critic_scheduler.get_last_lr()[0],
         }

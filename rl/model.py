@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from rl import artifacts, zero3
+from rl.advantages import needs_critic
 
 ROOT = Path(__file__).resolve().parent.parent
 # the embedded agent, and the same after SFT on BabyAI's expert episodes as tool calls (README: "Reasoning models and
@@ -350,7 +351,7 @@ def build_models(args, accelerator, policy_from: str) -> Models:
     optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, linear_warmup(optimizer, args.warmup_steps))
     models = Models(policy, optimizer, scheduler, ref, adapter_reference=wanted and bool(args.lora_rank))
-    if args.algo == "ppo":
+    if needs_critic(args.algo):
         critic = load_value_model(args.model)
         if critic_from is not None:  # resuming: its weights before Accelerate shards it
             (zero3.load_weights if zero3.active(accelerator) else load_safetensors_model)(critic, str(critic_from))

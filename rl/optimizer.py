@@ -189,7 +189,7 @@ def stop_on_nonfinite(models, batch, limit: int, accelerator, run_dir: Path, ste
     where = run_dir / f"nonfinite_step_{step}"
     if batch is not None:
         where.mkdir(parents=True, exist_ok=True)
-        tensors = {key: value.contiguous() for key, value in batch.full.items()} | {"scores": batch.scores}
+        tensors = {key: value.contiguous() for key, value in batch.full.tensors().items()} | {"scores": batch.scores}
         save_file(tensors, str(where / f"batch_{accelerator.process_index}.safetensors"))
     message = (f"step {step}: {streak} optimizer steps in a row had a NaN or infinite loss or gradient and were "
                "skipped; " + (f"this step's batch is in {where} (input_ids, loss_mask, sampler_logprobs, advantages, "

@@ -101,9 +101,10 @@ def rollout_records(trajectories: list, batch, step: int) -> list[dict]:
         row = last[k]  # the row of the sequence the record holds (its last turn's, under --reasoning drop)
         record = {"step": step, **traj.log_record()}
         positions = action_positions(record["action_spans"])
-        for key, name in (("trainer_logprobs", "trainer_logprobs"), ("advantages", "advantages"),
-                          ("old_values", "values"), ("returns", "returns")):
-            if traj.error is None and positions and key in batch.full:
-                record[name] = per_action(batch.full[key][row], positions)
+        full = batch.full
+        for name, values in (("trainer_logprobs", full.trainer_logprobs), ("advantages", full.advantages),
+                             ("values", full.old_values), ("returns", full.returns)):
+            if traj.error is None and positions and values is not None:
+                record[name] = per_action(values[row], positions)
         records.append(record)
     return records

@@ -23,16 +23,18 @@ from rl.logprobs import token_logprobs
 from rl.optimizer import Sums
 
 
-def nll(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The summed negative log-likelihood of the action tokens of a collated or packed batch."""
-    logprobs, _ = token_logprobs(model, batch["input_ids"], batch.get("attention_mask"), batch["loss_mask"],
-                                 position_ids=batch.get("position_ids"))
-    return -(logprobs * batch["loss_mask"]).sum()
+def nll(model, input_ids, attention_mask, loss_mask, position_ids=None) -> torch.Tensor:
+    """The summed negative log-likelihood of the action tokens of padded or packed rows, [B, T] each."""
+    logprobs, _ = token_logprobs(model, input_ids, attention_mask, loss_mask, position_ids=position_ids)
+    return -(logprobs * loss_mask).sum()
 
 
 def sft_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Token-mean negative log-likelihood of the action tokens of a collated or packed batch."""
-    return nll(model, batch) / batch["loss_mask"].sum().clamp(min=1)
+    """Token-mean negative log-likelihood of the action tokens of a collated or packed batch (rl/logprobs.collate,
+    rl/batch.pack)."""
+    mask = batch["loss_mask"]
+    return nll(model, batch["input_ids"], batch.get("attention_mask"), mask, batch.get("position_ids")) / \
+        mask.sum().clamp(min=1)
 
 
 @dataclass
@@ -47,10 +49,10 @@ class SFTSums(Sums):
         return {f"sft/{prefix}loss": self.nll / max(self.tokens, 1.0), f"sft/{prefix}tokens": self.tokens}
 
 
-def sft_terms(model, micro: dict[str, torch.Tensor], accelerator) -> tuple[torch.Tensor, SFTSums, bool]:
-    """One micro-batch of train.py's SFT: its summed NLL (under Accelerate's autocast), its statistics, and whether
-    they are finite."""
+def sft_terms(model, micro, accelerator) -> tuple[torch.Tensor, SFTSums, bool]:
+    """One micro-batch of train.py's SFT (rl/batch.MicroBatch): its summed NLL (under Accelerate's autocast), its
+    statistics, and whether they are finite."""
     with accelerator.autocast():
-        loss = nll(model, micro)
-    sums = SFTSums(nll=float(loss.detach()), tokens=float(micro["loss_mask"].sum()))
+        loss = nll(model, micro.input_ids, micro.attention_mask, micro.loss_mask, micro.position_ids)
+    sums = SFTSums(nll=float(loss.detach()), tokens=float(micro.loss_mask.sum()))
     return loss, sums, math.isfinite(sums.nll)

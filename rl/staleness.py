@@ -47,6 +47,7 @@ def known_before(step: int, k: int) -> int:
     return step - 1 if k == 0 else step - k - 2
 
 
-def lag(step: int, version: int) -> int:
-    """How many updates a token sampled by `version` is behind the weights that step `step` updates (at most k)."""
+def lag(step: int, version):
+    """How many updates a token sampled by `version` is behind the weights that step `step` updates (at most k); `version`
+    an int, or a tensor of each token's."""
     return step - 1 - version

@@ -282,7 +282,7 @@ def check_update(label: str, args, accelerator, models, work: Workload, vocab: i
         if step > 1:
             seconds += time.perf_counter() - start
             tokens += batch.tokens
-            action_tokens += float(batch.full["loss_mask"].sum())
+            action_tokens += float(batch.full.loss_mask.sum())
     measured, planned = peak_gib(), planned_update(args, accelerator)
     config = accelerator.unwrap_model(models.policy).config
     rate = tokens / seconds
@@ -343,10 +343,9 @@ def check_rollout(label: str, args, accelerator, models, tokenizer, work: Worklo
     with torch.no_grad():
         for micro in batch.micro:
             with accelerator.autocast():
-                logprobs, _ = token_logprobs(models.policy, micro["input_ids"], micro.get("attention_mask"),
-                                             micro["loss_mask"], args.temperature,
-                                             position_ids=micro.get("position_ids"))
-            gaps.append((logprobs.float() - micro["sampler_logprobs"])[micro["loss_mask"] > 0].abs().cpu())
+                logprobs, _ = token_logprobs(models.policy, micro.input_ids, micro.attention_mask, micro.loss_mask,
+                                             args.temperature, position_ids=micro.position_ids)
+            gaps.append((logprobs.float() - micro.sampler_logprobs)[micro.loss_mask > 0].abs().cpu())
     gap = torch.cat(gaps)
     mean, worst = float(gap.mean()), float(gap.max())
     bound = TOLERANCE[precision]

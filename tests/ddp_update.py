@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 import train  # noqa: E402
+from rl import losses  # noqa: E402
 from rl import optimizer as optimizer_lib  # noqa: E402
 from rl import zero3  # noqa: E402
 from rl.batch import attach  # noqa: E402
@@ -65,7 +66,7 @@ def gradient(parameter):
 
 def poison(case: str, rank: int) -> None:
     """The first process's first micro-batch of the update: its policy loss NaN, or only counted as not finite."""
-    real_update, real_loss, calls = train.update_policy, train.policy_loss, []
+    real_update, real_loss, calls = train.update_policy, losses.policy_loss, []
 
     def nan_loss(*args, **kwargs):
         loss, clipped = real_loss(*args, **kwargs)
@@ -74,9 +75,9 @@ def poison(case: str, rank: int) -> None:
     def update_policy(models, micro, counts, args, accelerator):
         calls.append(micro)
         first = rank == 0 and len(calls) == 1
-        train.policy_loss = nan_loss if first and case == "nan_gradient" else real_loss
+        losses.policy_loss = nan_loss if first and case == "nan_gradient" else real_loss
         loss, sums, finite = real_update(models, micro, counts, args, accelerator)
-        train.policy_loss = real_loss
+        losses.policy_loss = real_loss
         return loss, sums, finite and not first  # (for nan_gradient it already is not)
 
     train.update_policy = update_policy

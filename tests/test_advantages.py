@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from rl.advantages import GROUPED, _within_groups, gae, grpo, masked_whiten, place_reward, per_token, reinforce_pp, rloo
+from rl.advantages import (ESTIMATORS, AdvantageInputs, Estimator, _within_groups, gae, grpo, masked_whiten,
+                           place_reward, per_token, reinforce_pp, rloo)
 
 # Two turns of one trajectory: [prompt, act, act, obs, obs, act(last), obs]
 MASK = torch.tensor([[0, 1, 1, 0, 0, 1, 0]], dtype=torch.float32)
@@ -140,13 +141,17 @@ def median_baseline(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     return _within_groups(scores, groups, within)
 
 
-def test_a_new_grouped_estimator_is_one_function_and_its_name(monkeypatch, tmp_path):
-    """The recipe followed: the function above, its name in GROUPED (step 2), and the name as --algo (step 3: the
-    Literal that tyro checks on a command line, stood in for here by dataclasses.replace). train.py then refuses a
-    group of one, trains a step with it, and logs each trajectory's advantage as the estimator gives it."""
+def test_a_new_grouped_estimator_is_one_function_and_its_entry(monkeypatch, tmp_path):
+    """The recipe followed: the function above (for AdvantageInputs.per_episode) and its entry in ESTIMATORS, which
+    --algo's choices are made of (tyro's check on a command line is stood in for here by dataclasses.replace).
+    train.py then refuses a group of one, trains a step with it, and logs each trajectory's advantage as the
+    estimator gives it."""
     import train
 
-    monkeypatch.setitem(GROUPED, "median", median_baseline)
+    def median(x: AdvantageInputs):
+        return x.per_episode(median_baseline), None
+
+    monkeypatch.setitem(ESTIMATORS, "median", Estimator(median, grouped=True))
     args = train.parse_args(["--engine", "hf", "--steps", "1", "--tasks-per-step", "2", "--n", "3", "--horizon", "2",
                              "--max-new-tokens", "16", "--out-dir", str(tmp_path), "--run-name", "median"])
     args = dataclasses.replace(args, algo="median")
@@ -162,3 +167,66 @@ def test_a_new_grouped_estimator_is_one_function_and_its_name(monkeypatch, tmp_p
         members = [r for r in records if r["group"] == group]
         expected = median_baseline(torch.tensor([r["reward"] for r in members]), torch.zeros(len(members)))
         assert [r["advantages"] for r in members] == pytest.approx(expected.tolist(), abs=1e-6)
+
+
+def to_go(x: AdvantageInputs):
+    """A token-level test estimator: the discounted return of every action token, unwhitened (plain REINFORCE)."""
+    return reinforce_pp(x.rewards(), x.mask, x.gamma, whiten=False), None
+
+
+def value_baseline(x: AdvantageInputs):
+    """A critic-based test estimator: the return of every action token less the critic's value (no GAE)."""
+    returns = reinforce_pp(x.rewards(), x.mask, x.gamma, whiten=False)
+    return (returns - x.values) * x.mask, returns
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, estimator", [("to_go", Estimator(to_go, gamma=0.5)),
+                                             ("value_baseline", Estimator(value_baseline, critic=True, gamma=1.0))])
+def test_a_new_token_level_or_critic_based_estimator_is_one_function_and_its_entry(name, estimator, monkeypatch,
+                                                                                   tmp_path):
+    """The same recipe for an estimator over tokens, and for one with a critic: its entry's `gamma` is the discount's
+    default, and `critic` builds, trains and checkpoints a critic (rl/model.py), plans its memory and lets the
+    critic's flags through; nothing else is edited."""
+    import train
+    from rl.memory import plan
+    from rl.model import load_model
+    from rl.records import decode_array
+
+    monkeypatch.setitem(ESTIMATORS, name, estimator)
+    args = train.parse_args(["--engine", "hf", "--steps", "1", "--tasks-per-step", "2", "--n", "1", "--horizon", "2",
+                             "--max-new-tokens", "16", "--out-dir", str(tmp_path), "--run-name", name])
+    args = dataclasses.replace(args, algo=name)
+    train.check(args, world=1)  # (a group of one is fine: it compares no samples)
+    train.check(dataclasses.replace(args, gamma=0.9), world=1)
+    if estimator.critic:
+        train.check(dataclasses.replace(args, critic_warmup=2), world=1)
+        with pytest.raises(SystemExit, match="two optimizers"):
+            train.check(dataclasses.replace(args, mixed_precision="fp16"), world=1)
+    else:
+        with pytest.raises(SystemExit, match="--critic-warmup"):
+            train.check(dataclasses.replace(args, critic_warmup=2), world=1)
+    settings = dict(algo=name, lora_rank=0, lora_targets=("all-linear",), processes=1, sharded=False, reference=True,
+                    offload_reference=False, micro_tokens=4096, checkpointing=False, engine="hf", engine_share=0.3,
+                    engine_sleeps=True, gpu_gib=80.0, batch=8, context=4096, logits_elements=2**26)
+    held = plan(load_model("tiny-agent").config, **settings)["phases"]["update"]
+    assert any("critic" in part for part in held) == estimator.critic, held
+    run_dir = train.main(args)
+    metrics = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert math.isfinite(metrics["losses/policy"]) and metrics["losses/grad_norm"] > 0
+    assert ("losses/value" in metrics and metrics["losses/critic_grad_norm"] > 0) == estimator.critic
+
+    def at_tokens(value, n):  # (a record holds one number where all its action tokens' are equal)
+        values = decode_array(value)
+        return values * n if len(values) == 1 else values
+
+    for record in (json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()):
+        if record.get("error") is not None:
+            continue
+        n = record["action_tokens"]
+        advantages = at_tokens(record["advantages"], n)
+        if estimator.critic:  # the return less the value, at every action token
+            returns, values = at_tokens(record["returns"], n), at_tokens(record["values"], n)
+            assert advantages == pytest.approx([r - v for r, v in zip(returns, values)], abs=1e-5)
+        else:  # the outcome discounted by 0.5 (the entry's default) per later action token
+            assert advantages == pytest.approx([record["reward"] * 0.5 ** (n - 1 - k) for k in range(n)], abs=1e-6)

@@ -18,7 +18,7 @@ import eval as eval_script
 import train
 from rl import advantages as adv_lib
 from rl.logprobs import token_logprobs, token_values
-from rl.batch import attach
+from rl.batch import StepTensors, attach
 from rl.model import EMBEDDED, build_models, load_tokenizer
 from rollout import ChatFormat, Trajectory
 
@@ -61,8 +61,8 @@ def test_algorithm_runs_from_the_command_line(tmp_path, flags):
 def response_logprobs(model, batch) -> torch.Tensor:
     """Each trajectory's summed log-prob of its action tokens [B]."""
     with torch.no_grad():
-        logprobs, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
-    return (logprobs * batch["loss_mask"]).sum(1)
+        logprobs, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.loss_mask)
+    return (logprobs * batch.loss_mask).sum(1)
 
 
 @pytest.mark.parametrize("flags", list(FLAG_SETS.values()), ids=list(FLAG_SETS))
@@ -224,8 +224,9 @@ def test_values_are_read_where_log_probs_are():
 def step_batch():
     """A padded step batch of three trajectories: two healthy ones in one group, one that errored."""
     mask = torch.tensor([[0, 1, 1, 0, 1], [0, 1, 0, 1, 1], [0, 0, 0, 0, 0]], dtype=torch.float32)
-    full = {"loss_mask": mask, "old_logprobs": -torch.ones(3, 5) * mask, "ref_logprobs": -2 * torch.ones(3, 5) * mask,
-            "old_values": torch.zeros(3, 5)}
+    full = StepTensors(input_ids=torch.zeros(3, 5, dtype=torch.long), loss_mask=mask,
+                       old_logprobs=-torch.ones(3, 5) * mask, ref_logprobs=-2 * torch.ones(3, 5) * mask,
+                       old_values=torch.zeros(3, 5))
     return full, torch.tensor([1.0, 0.0, 1.0]), torch.tensor([0, 0, 0]), torch.tensor([True, True, False])
 
 
@@ -239,8 +240,7 @@ def test_kl_in_reward_uses_old_and_reference_log_probs():
     assert advantages[0, 1].item() == pytest.approx(0.5) and advantages[1, 1].item() == pytest.approx(-0.5)
     assert advantages[2].abs().sum() == 0
     args = train.parse_args(["--algo", "reinforce_pp", "--kl-in-reward", "--kl-coef", "0.1", "--kl-estimator", "k1"])
-    raw = adv_lib.reinforce_pp(adv_lib.place_reward(scores, full["loss_mask"]) - 0.1 * full["loss_mask"],
-                               full["loss_mask"])
+    raw = adv_lib.reinforce_pp(adv_lib.place_reward(scores, full.loss_mask) - 0.1 * full.loss_mask, full.loss_mask)
     torch.testing.assert_close(train.advantages_for(args, full, scores, groups, ok, None)[0], raw)
 
 
@@ -248,6 +248,7 @@ def test_errored_trajectories_stay_out_of_whitening():
     full, scores, groups, ok = step_batch()
     args = train.parse_args(["--algo", "ppo", "--n", "1"])
     with_error, returns = train.advantages_for(args, full, scores, groups, ok, None)
-    healthy, _ = train.advantages_for(args, {k: v[:2] for k, v in full.items()}, scores[:2], groups[:2], ok[:2], None)
+    healthy, _ = train.advantages_for(args, StepTensors(**{k: v[:2] for k, v in full.tensors().items()}), scores[:2],
+                                      groups[:2], ok[:2], None)
     torch.testing.assert_close(with_error[:2], healthy)
     assert with_error[2].abs().sum() == 0 and returns[2].abs().sum() == 0

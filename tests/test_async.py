@@ -187,10 +187,10 @@ def test_versions_follow_every_row_layout():
         rows = [played([3, 4, 4]), played([5])]
         layout = arrange([len(t.token_ids) for t in rows], 2, 64 if pack else 0, pack)
         batch = make_batch(rows, 0, layout, "cpu", pack=pack)
-        mask = batch.full["loss_mask"] > 0
-        assert batch.full["versions"][mask].tolist() == [3, 3, 4, 4, 4, 4, 5, 5]
+        mask = batch.full.loss_mask > 0
+        assert batch.full.versions[mask].tolist() == [3, 3, 4, 4, 4, 4, 5, 5]
         micro = batch.micro[0]
-        assert sorted(micro["versions"][micro["loss_mask"] > 0].tolist()) == [3, 3, 4, 4, 4, 4, 5, 5]
+        assert sorted(micro.versions[micro.loss_mask > 0].tolist()) == [3, 3, 4, 4, 4, 4, 5, 5]
     rows, episodes = rows_of([played([3, 4, 4], drop=True)])
     assert [row.token_versions()[-2:] for row in rows] == [[3, 3], [4, 4], [4, 4]] and episodes == [0, 0, 0]
 

@@ -11,7 +11,7 @@ from accelerate import Accelerator
 
 import train
 from rl import optimizer as optimizer_lib
-from rl.batch import arrange, attach, make_batch, scatter
+from rl.batch import arrange, attach, make_batch, scatter, to_full
 from rl.logprobs import token_logprobs, token_values
 from rl.model import build_models
 from rollout import Trajectory
@@ -50,20 +50,18 @@ def test_values_move_between_the_batch_and_its_micro_batches_exactly():
     lengths = [len(t.token_ids) for t in played]
     for layout, pack in ((arrange(lengths, 2), False), (arrange(lengths, token_budget=64, pack=True), True)):
         batch = make_batch(played, 0, layout, "cpu", count=len(layout) + 1, pack=pack)
-        assert len(batch.micro) == len(layout) + 1 and batch.micro[-1]["loss_mask"].sum() == 0  # an empty one
+        assert len(batch.micro) == len(layout) + 1 and batch.micro[-1].loss_mask.sum() == 0  # an empty one
         assert batch.tokens == sum(lengths)
-        values = torch.randn(batch.full["loss_mask"].shape) * (batch.full["attention_mask"] > 0)
+        values = torch.randn(batch.full.loss_mask.shape) * (batch.full.attention_mask > 0)
         attach(batch, values, values * 2)
-        for micro in batch.micro:
-            micro["copy"] = micro["advantages"]
-        batch.full.pop("advantages")
-        scatter(batch, ("copy",))
-        assert torch.equal(batch.full["copy"], values)
+        batch.full.advantages = None
+        scatter(batch, ("advantages",))
+        assert torch.equal(batch.full.advantages, values)
         for pieces, micro in zip(batch.pieces, batch.micro):
             for piece in pieces:
-                row = micro["input_ids"][piece.row, piece.offset:piece.offset + piece.length]
+                row = micro.input_ids[piece.row, piece.offset:piece.offset + piece.length]
                 assert row.tolist() == played[piece.trajectory].token_ids
-                assert micro["returns"][piece.row, piece.offset:piece.offset + piece.length].tolist() == \
+                assert micro.returns[piece.row, piece.offset:piece.offset + piece.length].tolist() == \
                     (values[piece.trajectory, :piece.length] * 2).tolist()
 
 
@@ -81,17 +79,20 @@ def test_packed_rows_score_each_trajectory_as_if_alone(attention):
     padded = make_batch(played, 0, arrange(lengths, 7), "cpu")
     packed = make_batch(played, 0, arrange(lengths, token_budget=90, pack=True), "cpu", pack=True)
     assert len(packed.micro) > 1 and any(len(pieces) > 1 for pieces in packed.pieces)
-    for batch in (padded, packed):
+    full = {}
+    for name, batch in (("padded", padded), ("packed", packed)):
+        scored = {"scored": [], "entropy": [], "values": []}
         for micro in batch.micro:
-            inputs = (micro["input_ids"], micro.get("attention_mask"), micro["loss_mask"])
+            inputs = (micro.input_ids, micro.attention_mask, micro.loss_mask)
             with torch.no_grad():
-                micro["scored"], micro["entropy"] = token_logprobs(model, *inputs, with_entropy=True,
-                                                                   position_ids=micro.get("position_ids"))
-                micro["values"] = token_values(critic, *inputs, position_ids=micro.get("position_ids"))
-        scatter(batch, ("scored", "entropy", "values"))
-    mask = padded.full["loss_mask"] > 0
+                logprobs, entropy = token_logprobs(model, *inputs, with_entropy=True, position_ids=micro.position_ids)
+                values = token_values(critic, *inputs, position_ids=micro.position_ids)
+            for key, value in zip(scored, (logprobs, entropy, values)):
+                scored[key].append(value)
+        full[name] = {key: to_full(batch, values) for key, values in scored.items()}
+    mask = padded.full.loss_mask > 0
     for key in ("scored", "entropy", "values"):
-        torch.testing.assert_close(packed.full[key][mask], padded.full[key][mask], rtol=0, atol=1e-5,
+        torch.testing.assert_close(full["packed"][key][mask], full["padded"][key][mask], rtol=0, atol=1e-5,
                                    msg=lambda message, key=key: f"{attention}, {key}: {message}")
 
 
@@ -105,7 +106,7 @@ def test_packing_refuses_attention_that_would_mix_sequences(attention, rows):
     model.config._attn_implementation = attention  # (set, not loaded: flash-attn needs a GPU)
     batch = make_batch(trajectories(4), 0, [[[0, 1], [2, 3]][:rows]], "cpu", pack=True).micro[0]  # two a row
     with pytest.raises(SystemExit, match="--micro-batch-size 1" if rows > 1 else "sdpa, eager"):
-        token_logprobs(model, batch["input_ids"], None, batch["loss_mask"], position_ids=batch["position_ids"])
+        token_logprobs(model, batch.input_ids, None, batch.loss_mask, position_ids=batch.position_ids)
 
 
 def one_update(models, batch, args, accelerator) -> tuple[float, dict[str, torch.Tensor]]:

@@ -83,15 +83,15 @@ def test_old_log_probs_are_the_adapted_policys(tmp_path):
     batch = train.batch_of(played, args, accelerator, 0)
     train.old_logprobs(models, batch, args, accelerator)
     for micro in batch.micro:
-        inputs = (micro["input_ids"], micro.get("attention_mask"), micro["loss_mask"], args.temperature)
+        inputs = (micro.input_ids, micro.attention_mask, micro.loss_mask, args.temperature)
         with torch.no_grad():
-            adapted, _ = token_logprobs(policy, *inputs, position_ids=micro.get("position_ids"))
+            adapted, _ = token_logprobs(policy, *inputs, position_ids=micro.position_ids)
             with policy.disable_adapter():
-                base, _ = token_logprobs(policy, *inputs, position_ids=micro.get("position_ids"))
-        torch.testing.assert_close(micro["old_logprobs"], adapted, rtol=0, atol=1e-6)
-        torch.testing.assert_close(micro["ref_logprobs"], base, rtol=0, atol=1e-6)
-    full, mask = batch.full, batch.full["loss_mask"] > 0
-    penalty = kl(full["old_logprobs"], full["ref_logprobs"], args.kl_estimator)[mask]
+                base, _ = token_logprobs(policy, *inputs, position_ids=micro.position_ids)
+        torch.testing.assert_close(micro.old_logprobs, adapted, rtol=0, atol=1e-6)
+        torch.testing.assert_close(micro.ref_logprobs, base, rtol=0, atol=1e-6)
+    full, mask = batch.full, batch.full.loss_mask > 0
+    penalty = kl(full.old_logprobs, full.ref_logprobs, args.kl_estimator)[mask]
     assert float(penalty.abs().max()) > 1e-4, f"KL penalty {float(penalty.abs().max())}"
     with_kl, _ = train.advantages_for(args, full, batch.scores, batch.groups, batch.ok, None)
     without, _ = train.advantages_for(dataclasses.replace(args, kl_in_reward=False), full, batch.scores, batch.groups,

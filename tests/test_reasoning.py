@@ -212,7 +212,7 @@ def test_drop_trains_an_episode_as_keep_does_where_the_template_drops_nothing(ag
         torch.manual_seed(0)
         models = build_models(args, accelerator, args.model)
         batch = train.batch_of(played, args, accelerator, fmt.pad_id)
-        assert len(batch.full["loss_mask"]) == (sum(counts[history]) if history == "drop" else len(played))
+        assert len(batch.full.loss_mask) == (sum(counts[history]) if history == "drop" else len(played))
         train.old_logprobs(models, batch, args, accelerator)
         advantages, _ = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, None, batch.episodes)
         attach(batch, advantages, None)
@@ -235,7 +235,7 @@ def test_an_episode_split_over_mini_batches_counts_once():
     rows, episodes = rows_of(played)
     batch = make_batch(rows, fmt.pad_id, [[[i]] for i in range(len(rows))], "cpu", episodes=episodes)  # a row each
     halves = [batch.micro[0::2], batch.micro[1::2]]  # (every other row: an episode's turns in both)
-    assert all(len({int(e) for m in half for e in m["segments"].unique() if e >= 0}) > 1 for half in halves)
+    assert all(len({int(e) for m in half for e in m.segments.unique() if e >= 0}) > 1 for half in halves)
     assert sum(count_sequences(half) for half in halves) == pytest.approx(len(played))
     assert count_sequences(batch.micro) == pytest.approx(len(played))
 

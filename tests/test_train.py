@@ -17,6 +17,7 @@ import eval as eval_script
 import train
 from envs.babyai import BabyAI
 from rl import advantages as adv_lib
+from rl import losses
 from rl import plots
 from rl import zero3
 from rl.engines.setup import engine_kind
@@ -418,13 +419,13 @@ def test_too_many_env_failures_stop_the_run_before_the_update(monkeypatch, tmp_p
 
 
 def nan_policy_loss(monkeypatch):
-    real = train.policy_loss
+    real = losses.policy_loss
 
     def poisoned(*args, **kwargs):
         loss, clipped = real(*args, **kwargs)
         return loss * float("nan"), clipped
 
-    monkeypatch.setattr(train, "policy_loss", poisoned)
+    monkeypatch.setattr(losses, "policy_loss", poisoned)
 
 
 @pytest.mark.slow
@@ -467,7 +468,7 @@ def test_truncated_trajectories_are_trained_on_their_reward_failed_ones_not_at_a
     per_trajectory = advantages[:, 3]  # the first trained token
     expected = adv_lib.grpo(torch.tensor([1.0, 0.5, 0.0]), torch.tensor([0, 0, 0]))
     assert torch.allclose(per_trajectory[:3], expected) and per_trajectory[1] == 0  # 0.5 is the group's mean
-    assert batch.full["loss_mask"][1].sum() == 2 and batch.full["loss_mask"][3].sum() == 0
+    assert batch.full.loss_mask[1].sum() == 2 and batch.full.loss_mask[3].sum() == 0
     assert per_trajectory[3] == 0
 
 
