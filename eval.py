@@ -68,11 +68,12 @@ import tyro
 from tqdm import tqdm
 
 import envs
-from envs.guard import close_envs, make_envs
+from envs.guard import EnvArgs, close_envs
 from rl import api, plots
-from rl.agent import check_layout, make_agent
-from rl.chat import Reasoning, chat_format, template_options
+from rl.agent import LayoutArgs, chat_format, check_layout, make_agent
+from rl.chat import Reasoning
 from rl.checkpoint import write_atomic
+from rl.flags import GROUP
 from rl.horizon import AUTO, horizon_at
 from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, deterministic_kernels, full_weights, is_adapter,
                       load_model, load_tokenizer, stop_on_nondeterministic)
@@ -130,18 +131,8 @@ class Args:
     """upstream evaluates with temperature 1; 0 is greedy"""
     top_p: float = 1.0
     """nucleus sampling: draw from the smallest set of tokens holding this much probability"""
-    env_options: dict[str, str] = field(default_factory=dict)
-    """keyword options for envs.make, added to the run's own, e.g. --env-options reward normalized"""
-    env_timeout: float = 0.0
-    """seconds an env reset or step may take before its episode ends as failed (counted under `errors`)
-    and the env is replaced; 0: the env's default (its call_timeout in envs.ENVS)"""
-    env_url: Annotated[tuple[str, ...] | None, tyro.conf.arg(metavar="URL [URL ...]")] = None
-    """play on AgentGym env servers (ours, `python -m envs.serve`, or upstream's) at these URLs instead of in process;
-    several take the env instances round robin, an even share each"""
-    env_delay: str = "0"
-    """slow every env down, for benchmarks: each step (webarena: each reset too) sleeps a drawn latency after the env
-    answers: SECONDS, webarena (our WebArena env's measured distribution), lognormal:MEDIAN,SIGMA, SPEC*X; 0: none
-    (envs/latency.py)"""
+    env_args: Annotated[EnvArgs, GROUP] = field(default_factory=EnvArgs)
+    """(--env-options, --env-timeout, --env-url, --env-delay: envs/guard.py)"""
     batch_size: int = 64
     """episodes played at once"""
     engine: Literal["auto", "vllm", "hf"] = "auto"
@@ -227,7 +218,7 @@ def resolve_settings(args: Args) -> dict:
     if any(value < 1 for value in overrides.values()):
         raise SystemExit(f"--{' --'.join(k.replace('_', '-') for k, v in overrides.items() if v < 1)}: at least 1")
     own_options = config.get("env_options", {}) if config is not None and config["env"] == env else {}
-    options = {**envs.parse_options(own_options), **envs.parse_options(args.env_options)}
+    options = {**envs.parse_options(own_options), **envs.parse_options(args.env_args.env_options)}
     # a run's checkpoint plays its run's test tasks (the tiny preset's on BabyAI: the short-horizon levels')
     own_tasks = config.get("test_tasks") if protocol == "run" and config["env"] == env and args.split == "test" else None
     horizons = sorted(set(horizons)) if horizons else [overrides.get("horizon", limits["horizon"])]
@@ -263,8 +254,8 @@ def main(args: Args) -> dict:
     # -- every episode, k per task: once under the largest cap (a lower cap's episodes are its prefixes), or once
     # per cap for reflect, whose next attempt starts when one ends
     episodes = [(task, group) for group, task in enumerate(task_ids) for _ in range(args.k)]
-    environments = make_envs(env_name, min(args.batch_size, len(episodes)), settings["env_options"], args.env_timeout,
-                             args.env_url, delay=args.env_delay, seed=args.seed)
+    environments = args.env_args.make_envs(env_name, min(args.batch_size, len(episodes)), seed=args.seed,
+                                           options=settings["env_options"])
     env_settings = getattr(environments[0], "options", {})
     start = time.perf_counter()
     played: dict[int, list] = {}
@@ -282,7 +273,7 @@ def main(args: Args) -> dict:
     results = {"model": args.model, "split": settings["tasks"] or args.split, "k": args.k, "agent": agent.name,
                **({"attempts": agent.attempts} if agent.attempts > 1 else {}), "temperature": args.temperature,
                "top_p": args.top_p, "seed": args.seed, "engine": kind, "code": code_revision(), **settings,
-               "env_settings": env_settings, "env_url": args.env_url, **score(trajectories, env_name),
+               "env_settings": env_settings, "env_url": args.env_args.env_url, **score(trajectories, env_name),
                **({"served": engine.served()} if kind == "server" else {}),
                "per_task": per_task(trajectories), "seconds": round(time.perf_counter() - start, 1)}
     if kind == "api":  # where the model was served (never the key), what its calls cost, what it was sampled at
@@ -334,8 +325,8 @@ def load_engine(args: Args, settings: dict):
     if args.base_url is not None:
         raise SystemExit(f"--base-url is for --model {api.PREFIX}<name>: a model on a server, by the name it serves it under")
     tokenizer = load_tokenizer(args.model)
-    fmt = chat_format(tokenizer, settings["agent"], settings["chat_template_kwargs"], settings["reasoning_tags"],
-                      settings["reasoning"])
+    fmt = chat_format(tokenizer, LayoutArgs(settings["agent"], settings["reasoning_tags"], settings["chat_template_kwargs"],
+                                            settings["reasoning"]))
     if args.rollout_server:
         return "server", fmt, served_engine(args, settings, fmt)
     kind = engine_kind(args.engine)
@@ -395,7 +386,7 @@ def api_engine(args: Args, reasoning: Reasoning) -> api.APIEngine:
                            top_p=args.top_p, seed=args.seed, concurrency=args.api_concurrency,
                            retries=args.api_retries, timeout=args.api_timeout, backoff=args.api_backoff,
                            api_key_env=args.api_key_env, price_in=args.price_in, price_out=args.price_out,
-                           template_kwargs=template_options(args.chat_template_kwargs), reasoning=reasoning)
+                           template_kwargs=envs.parse_options(args.chat_template_kwargs, words=True), reasoning=reasoning)
     try:
         note = engine.check()
     except ConnectionError as error:

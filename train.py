@@ -36,45 +36,42 @@ from __future__ import annotations
 
 import rl  # noqa: F401 - first: sets OpenMP's wait policy before torch loads (see rl/__init__.py)
 
-import argparse
 import copy
 import functools
 import math
 import random
-import sys
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
-import tyro
 from tqdm import tqdm
 
 import envs
-from envs import latency
-from envs.guard import make_envs
+from envs.guard import EnvArgs
 from rl import advantages as adv_lib
-from rl.agent import check_layout, make_agent
+from rl import flags
+from rl.flags import GROUP, OFFLINE, check, replace  # noqa: F401 - check: train.check
+from rl.agent import LayoutArgs, chat_format
 from rl.batch import Batch, arrange, attach, example_micro_batches, make_batch, minibatch_counts, rows_of, scatter
-from rl.chat import chat_format
 from rl.data import examples_of, held_out, offline_steps, read_data, to_record
 from rl.dpo import DPOSums, dpo_terms
-from rl.engines import build_engine, check_engine, check_sampling, own_stream, stream_seed, sync
-from rl.horizon import AUTO, LADDER, auto_horizon, caps_of, describe, horizon_at, known_before
+from rl.engines import build_engine, own_stream, stream_seed, sync
+from rl.horizon import AUTO, auto_horizon, caps_of, describe, horizon_at, known_before
 from rl.logprobs import pad, token_logprobs, token_values
 from rl.losses import MISMATCH_CAP, aggregate, importance_weights, kl, policy_loss, value_loss
 from rl.memory import print_plan
-from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, Models, build_models, context_limit, has_reference,
-                      check_models, load_tokenizer, make_accelerator, reference, restart, stop_on_nondeterministic)
+from rl.model import (EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, Models, build_models, context_limit, has_reference,
+                      load_tokenizer, make_accelerator, reference, restart, stop_on_nondeterministic)
 from rl.metrics import (Costs, UpdateSums, async_metrics, eval_line, eval_metrics, evol_line, offline_line, rl_line,
                         step_metrics, weight_sums)
 from rl.optimizer import accumulate, optimizer_steps, reducer, stop_on_nonfinite
 from rl.records import read_metrics, rollout_records
-from rl.run import (Logs, close, eval_due, evaluation_plan, find_checkpoint, finish, phase, resumable_config, resume, run_config,
-                    run_directory, run_of, save_checkpoint, stop_on_env_failures)
+from rl.run import (Logs, close, eval_due, evaluation_plan, finish, phase, resume, run_config, run_directory,
+                    save_checkpoint, stop_on_env_failures)
 from rl.scores import score, spread
 from rl.sft import SFTSums, sft_terms
 from rollout import ENV_THREADS, ChatFormat, EngineStalled, RolloutStats, Stream, Trajectory, play, rollout
@@ -89,8 +86,6 @@ class Args:
     """Hugging Face id or local directory; `tiny-agent` is the embedded CPU model"""
     preset: Literal["auto", "paper", "tiny"] = "auto"
     """default values: `paper` (the paper's recipe), `tiny` (CPU demo); auto: tiny for the embedded model"""
-    env_options: dict[str, str] = field(default_factory=dict)
-    """keyword options for envs.make, e.g. --env-options reward normalized"""
     train_tasks: str | None = None
     """task id file in AgentGym-RL-Data-ID format ([{"item_id": "babyai_12"}, ...]); default: the shipped train split
     (the tiny preset's on BabyAI: 5 levels where the embedded agent learns fastest, envs/data/babyai_tiny_train.json)"""
@@ -174,36 +169,16 @@ class Args:
     """tokens per assistant turn"""
     max_tokens: int = 8192
     """tokens per trajectory (prompt + every turn); an episode ends when it is spent"""
-    agent: Literal["react", "plan", "reflect", "tools"] = "react"
-    """how episodes are laid out (rl/agent.py): react, AgentGym's Thought/Action; plan, a plan written before the
-    first action and revised when needed (trained like any action); reflect, up to --attempts attempts a task,
-    each after a reflection on the failed ones (each attempt its own trajectory and reward); tools, the env's
-    actions as native tool calls in the chat template's own format (rl/chat.py)"""
-    reasoning_tags: tuple[str, str] | None = None
-    """a reasoning model's block, which the env never reads (e.g. '<think>' '</think>'); default: the template's"""
-    chat_template_kwargs: dict[str, str] = field(default_factory=dict)
-    """options for the chat template's every rendering, e.g. --chat-template-kwargs enable_thinking false (Qwen3)"""
-    reasoning: Literal["keep", "drop"] = "keep"
-    """keep: one sequence an episode, every turn appended (earlier reasoning stays in the context); drop: each turn's
-    prompt is the chat template's rendering so far (earlier reasoning gone), each turn its own sequence (grpo, rloo, gigpo)"""
-    attempts: int = 3
-    """--agent reflect: attempts a task gets (it stops at its first success)"""
+    layout_args: Annotated[LayoutArgs, GROUP] = field(default_factory=LayoutArgs)
+    """(--agent, --reasoning-tags, --chat-template-kwargs, --reasoning, --attempts: rl/agent.py)"""
     temperature: float = 1.0
     """sampling temperature; the trainer scores tokens under the same softmax(logits / T)"""
     top_p: float = 1.0
     """nucleus sampling: draw from the smallest set of tokens holding this much probability"""
     gen_batch_size: int = 64
     """trajectories per generation call (hf engine)"""
-    env_timeout: float = 0.0
-    """seconds an env reset or step may take before its trajectory ends as failed and the env is
-    replaced; 0: the env's default (its call_timeout in envs.ENVS)"""
-    env_url: Annotated[tuple[str, ...] | None, tyro.conf.arg(metavar="URL [URL ...]")] = None
-    """play on AgentGym env servers (ours, `python -m envs.serve`, or upstream's) at these URLs instead of in process;
-    several take the env instances round robin, an even share each"""
-    env_delay: str = "0"
-    """slow every env down, for benchmarks: each step (webarena: each reset too) sleeps a drawn latency after the env
-    answers, within --env-timeout: SECONDS, webarena (our WebArena env's measured distribution), lognormal:MEDIAN,SIGMA,
-    SPEC*X (webarena*10: its shape at 10x its seconds); 0: none (envs/latency.py)"""
+    env_args: Annotated[EnvArgs, GROUP] = field(default_factory=EnvArgs)
+    """(--env-options, --env-timeout, --env-url, --env-delay: envs/guard.py)"""
     max_error_rate: float = 0.25
     """stop the run when more than this share of a step's trajectories end in an env failure, not train on the rest"""
 
@@ -377,8 +352,6 @@ PRESETS = {
 OFFLINE_LR = {("paper", "sft"): 1e-5, ("paper", "agentevol"): 1e-5, ("paper", "dpo"): 5e-7,
               ("tiny", "sft"): 1e-3, ("tiny", "agentevol"): 1e-3, ("tiny", "dpo"): 1e-4}
 
-OFFLINE = ("sft", "dpo", "agentevol")
-
 # The tiny preset's task sets, by env (envs/data, scripts/babyai_splits.py): on BabyAI the 5 fixed-goal levels
 # whose expert finishes within 6 turns, where the embedded agent learns fastest (held-out success 8-11% at
 # first, 22-40% after the default run); on the others a group rarely differs in reward.
@@ -415,18 +388,16 @@ def main(args: Args) -> Path | None:
     # (each call bounded by --env-timeout; an env that failed is replaced: envs/guard.py)
     # (--max-staleness k: a block of envs for each of the k + 1 steps' tasks under way; evaluations get their own)
     per_step, blocks = args.tasks_per_step // accelerator.num_processes * args.n, 1 + (args.max_staleness or 0)
-    environments = make_envs(args.env, per_step * blocks, envs.parse_options(args.env_options), args.env_timeout,
-                             args.env_url, accelerator.process_index, delay=args.env_delay, seed=args.seed)
+    environments = args.env_args.make_envs(args.env, per_step * blocks, accelerator.process_index, args.seed)
     pool = ThreadPoolExecutor(max_workers=min(ENV_THREADS, len(environments)))
     test_ids = test_task_ids(args) if args.eval_every else []  # played on the same envs every --eval-every steps
-    players = make_envs(args.env, per_step, envs.parse_options(args.env_options), args.env_timeout, args.env_url,
-                        accelerator.process_index, delay=args.env_delay, seed=args.seed + 1) \
+    players = args.env_args.make_envs(args.env, per_step, accelerator.process_index, args.seed + 1) \
         if test_ids and args.max_staleness is not None else environments
     engine = logs = stream = None
     try:  # (everything from here on closes what it opened, also on a stop or an error)
         # -- models, the sampler, and the training state when resuming
         tokenizer = load_tokenizer(args.model)
-        fmt = chat_format(tokenizer, args.agent, args.chat_template_kwargs, args.reasoning_tags, args.reasoning)
+        fmt = chat_format(tokenizer, args.layout_args)
         models = build_models(args, accelerator, policy_from=args.resume if resuming else args.model)
         max_tokens = context_limit(args, accelerator.unwrap_model(models.policy), say=accelerator.is_main_process)
         engine = build_engine(args, fmt, models, accelerator, max_tokens)
@@ -465,7 +436,7 @@ def main(args: Args) -> Path | None:
                     engine.reseed(stream_seed(args.seed + accelerator.process_index, step))
                 trajectories = stream.take(step, bar) if stream is not None else rollout(  # (--max-staleness: see Stream)
                     engine, fmt, environments, task_ids, groups, horizon=horizon, pool=pool, stats=costs.rollout,
-                    max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, agent=make_agent(args.agent, args.attempts),
+                    max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, agent=args.layout_args.make_agent(),
                     progress=bar)
                 stop_on_env_failures(trajectories, args.max_error_rate, accelerator, run_dir, step)
 
@@ -552,7 +523,7 @@ def streamed(engine, fmt: ChatFormat, environments: list, train_ids: list[int], 
 
     seed = args.seed + accelerator.process_index
     return Stream(engine, fmt, environments, tasks_of, staleness=args.max_staleness, first=first, last=args.steps,
-                  max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, agent=make_agent(args.agent, args.attempts),
+                  max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, agent=args.layout_args.make_agent(),
                   pool=pool, reseed=(lambda j: engine.reseed(stream_seed(seed, j))) if args.deterministic else None)
 
 
@@ -755,7 +726,7 @@ def play_share(engine, fmt: ChatFormat, environments: list, task_ids: list[int],
     sync(engine, models.policy, accelerator, step)
     mine, groups = my_tasks(task_ids, n, accelerator)
     played = play(engine, fmt, environments, mine, groups, horizon=horizon, max_new_tokens=args.max_new_tokens,
-                  max_tokens=max_tokens, agent=make_agent(args.agent, args.attempts), progress=progress) if mine else []
+                  max_tokens=max_tokens, agent=args.layout_args.make_agent(), progress=progress) if mine else []
     engine.sleep()
     return gather_object(played)
 
@@ -775,10 +746,10 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
     steps and at the end, and with --eval-every the policy played on the test split then too."""
     resuming = args.resume not in (None, "auto")
     run_dir = run_directory(args, resuming, accelerator)
-    train, validation = held_out(read_data(args.data, args.env, args.agent), args.validation, args.seed)
-    experience = read_data(args.experience, args.env, args.agent) if args.experience else None
+    train, validation = held_out(read_data(args.data, args.env, args.layout_args.agent), args.validation, args.seed)
+    experience = read_data(args.experience, args.env, args.layout_args.agent) if args.experience else None
     tokenizer = load_tokenizer(args.model)
-    fmt = chat_format(tokenizer, args.agent, args.chat_template_kwargs, args.reasoning_tags, args.reasoning)
+    fmt = chat_format(tokenizer, args.layout_args)
     models = build_models(args, accelerator, policy_from=args.resume if resuming else args.model)
     max_tokens = context_limit(args, accelerator.unwrap_model(models.policy), say=accelerator.is_main_process)
 
@@ -789,9 +760,8 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
 
     # -- the test tasks, envs and an engine, when the policy is played during training
     test_ids = test_task_ids(args) if args.eval_every else []
-    environments = make_envs(args.env, min(args.gen_batch_size, -(-len(test_ids) // accelerator.num_processes)),
-                             envs.parse_options(args.env_options), args.env_timeout, args.env_url,
-                             accelerator.process_index, delay=args.env_delay, seed=args.seed) if test_ids else []
+    environments = args.env_args.make_envs(args.env, min(args.gen_batch_size, -(-len(test_ids) // accelerator.num_processes)),
+                                           accelerator.process_index, args.seed) if test_ids else []
     engine = build_engine(args, fmt, models, accelerator, max_tokens) if test_ids else None
     trainer_state = resume(accelerator, models, engine, Path(args.resume)) if resuming else {"step": 0, "logs": {}}
     config = run_config(args, run_dir, resuming, accelerator, mixed, engine, environments[0] if environments else None)
@@ -891,9 +861,9 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
     explores --n times a task at the run's temperature (AgentGym's script explores greedily, do_sample False, which
     would make a task's samples identical), and can go on from the last iteration's weights (AgentGym: the base)."""
     run_dir = run_directory(args, False, accelerator)
-    expert, validation = held_out(read_data(args.data, args.env, args.agent), args.validation, args.seed)
+    expert, validation = held_out(read_data(args.data, args.env, args.layout_args.agent), args.validation, args.seed)
     tokenizer = load_tokenizer(args.model)
-    fmt = chat_format(tokenizer, args.agent, args.chat_template_kwargs, args.reasoning_tags, args.reasoning)
+    fmt = chat_format(tokenizer, args.layout_args)
     models = build_models(args, accelerator, policy_from=args.model)
     initial = copy.deepcopy(models.optimizer.state_dict()), copy.deepcopy(models.scheduler.state_dict())
     max_tokens = context_limit(args, accelerator.unwrap_model(models.policy), say=accelerator.is_main_process)
@@ -904,8 +874,7 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
     explore_ids = spread(train_ids, args.explore_tasks) if args.explore_tasks else train_ids
     test_ids = test_task_ids(args)
     count = min(args.gen_batch_size, -(-max(len(explore_ids) * args.n, len(test_ids)) // accelerator.num_processes))
-    environments = make_envs(args.env, count, envs.parse_options(args.env_options), args.env_timeout, args.env_url,
-                             accelerator.process_index, delay=args.env_delay, seed=args.seed)
+    environments = args.env_args.make_envs(args.env, count, accelerator.process_index, args.seed)
     engine = build_engine(args, fmt, models, accelerator, max_tokens)
     config = run_config(args, run_dir, False, accelerator, mixed, engine, environments[0])
     if accelerator.is_main_process:
@@ -948,44 +917,12 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
 
 
 # ----------------------------------------------------------------------------------------------
-# Flags: the preset that applies, what a resumed run may change, and the settings that cannot work
+# Flags: the preset that applies (rl/flags.py reads them, resumes a run's own and checks them)
 
 
-# What a resumed run may change: how long it goes on, how it is logged and checkpointed, the engine
-# that samples and its sizing (for another GPU; the samples then differ from an uninterrupted run's),
-# and the env infrastructure (where the env server is, how long a call may take, what stops the run).
-# Everything else is the run's own setting, so that it continues as it started, in its own directory.
-RESUMABLE = ("steps", "epochs", "save_every", "keep_checkpoints", "log_rollouts_every", "track", "wandb_project", "gen_batch_size", "resume",
-             "out_dir", "engine", "vllm_dtype", "vllm_gpu_memory_utilization", "vllm_max_model_len",
-             "vllm_tensor_parallel_size", "vllm_sleep", "sync_tolerance", "rollout_server", "env_timeout", "env_url", "env_delay", "max_error_rate",
-             "max_nonfinite_updates")
-
-
-def parse_args(argv: list[str] | None = None) -> Args:
-    """tyro over the preset that applies: `tiny` for the embedded model, `paper` otherwise; when
-    resuming, over the run's own settings."""
-    argv = sys.argv[1:] if argv is None else argv
-    peek = argparse.ArgumentParser(add_help=False)
-    peek.add_argument("--model", default=Args.model)
-    peek.add_argument("--preset", default="auto")
-    peek.add_argument("--algo", default=Args.algo)
-    peek.add_argument("--env", default=PRESETS["tiny"].env)
-    peek.add_argument("--agent", default=Args.agent)
-    peek.add_argument("--resume", default=None)
-    peek.add_argument("--run-name", "--run_name", dest="run_name", default=None)  # (tyro takes both spellings)
-    peek.add_argument("--out-dir", "--out_dir", dest="out_dir", default=Args.out_dir)
-    peek.add_argument("--steps", default=None)
-    peek.add_argument("--epochs", default=None)
-    known, _ = peek.parse_known_args(argv)
-    if known.steps is not None and known.epochs is not None:  # (a preset's or a resumed run's steps are not given)
-        raise SystemExit("--steps and --epochs both set how long the run is (--epochs N: N passes over the train "
-                         "split, or over --data): give one")
-    checkpoint = find_checkpoint(known.resume, known.out_dir, known.run_name) if known.resume else None
-    if checkpoint is not None:
-        return resumed_args(argv, checkpoint)
-    preset = known.preset if known.preset != "auto" else preset_of(known.model)
-    if preset not in PRESETS:
-        raise SystemExit(f"unknown preset {preset!r}; choose one of: auto, {', '.join(PRESETS)}")
+def preset_defaults(preset: str, known) -> Args:
+    """The defaults of `preset` as they apply to the run that the peeked flags `known` (--algo, --env, --agent)
+    describe: the offline programs' learning rates and one turn cap, the tiny preset's task sets and tool turns."""
     default = replace(PRESETS[preset], preset=preset)
     if (preset, known.algo) in OFFLINE_LR:  # (and one turn cap: ScalingInter-RL's stages are steps of RL)
         default = replace(default, lr=OFFLINE_LR[preset, known.algo], horizon=default.horizon[-1:])
@@ -994,179 +931,12 @@ def parse_args(argv: list[str] | None = None) -> Args:
         default = replace(default, train_tasks=str(envs.DATA_DIR / train), test_tasks=str(envs.DATA_DIR / test))
     elif preset == "tiny":
         default = replace(default, eval_tasks=TINY_EVAL_TASKS)
-    default = replace(default, **EMBEDDED_TOOLS) if preset == "tiny" and known.agent == "tools" else default
-    args = tyro.cli(Args, args=argv, default=default, description=__doc__.split("\n\n")[0])
-    if args.horizon == (AUTO,):  # (the ladder it climbs, written out in the run's config)
-        args = replace(args, horizon=(AUTO, *(default.horizon if len(default.horizon) > 1 else LADDER)))
-    return replace(args, preset=preset)
+    return replace(default, **EMBEDDED_TOOLS) if preset == "tiny" and known.agent == "tools" else default
 
 
-def preset_of(model: str) -> str:
-    """`--preset auto`: tiny for the embedded model and for a checkpoint of a run that used it (so that SFT
-    then GRPO on the tiny model chain without flags), the run's own for any other run's checkpoint, else
-    paper."""
-    config = run_of(model)
-    if config is not None:
-        return config.get("preset", "paper")
-    return "tiny" if model in EMBEDDED else "paper"
-
-
-def resumed_args(argv: list[str], checkpoint: Path) -> Args:
-    """The run's settings from its config.json, with the flags of this command line that RESUMABLE
-    allows; any other flag that differs stops the run, naming it."""
-    config = resumable_config(checkpoint)
-    saved = replace(PRESETS[config.get("preset", "paper")], **{
-        f.name: tuple(config[f.name]) if isinstance(config[f.name], list) else config[f.name]
-        for f in fields(Args) if f.name in config})
-    args = tyro.cli(Args, args=argv, default=saved, description=__doc__.split("\n\n")[0])
-    args = replace(args, resume=str(checkpoint))
-    if args.horizon == (AUTO,) and saved.horizon[0] == AUTO:  # (`auto` alone: the ladder the run wrote out, as parse_args)
-        args = replace(args, horizon=saved.horizon)
-    if args.steps != saved.steps and args.epochs == saved.epochs:  # --steps replaces the run's --epochs
-        args = replace(args, epochs=None)
-    changed = [f.name for f in fields(Args) if f.name not in RESUMABLE and getattr(args, f.name) != getattr(saved, f.name)]
-    if changed:
-        given = ", ".join(f"--{name.replace('_', '-')} {getattr(args, name)} (the run's: {getattr(saved, name)})"
-                          for name in changed)
-        raise SystemExit(f"--resume continues the run with its own settings, and this command line changes {given}. "
-                         f"Drop those flags, or start a new run; on resume only "
-                         f"{', '.join('--' + n.replace('_', '-') for n in RESUMABLE)} may change.")
-    return args
-
-
-def check(args: Args, world: int, distributed: str = "NO") -> None:
-    """Stop early, with what to do, on settings that cannot work. `distributed`: Accelerate's
-    distributed type (NO, MULTI_GPU, FSDP, DEEPSPEED, ...)."""
-    if distributed == "MEGATRON_LM":
-        raise SystemExit("train.py does not run under Megatron-LM: shard with FSDP2 (configs/fsdp2.yaml) or DeepSpeed "
-                         "ZeRO-3 (configs/zero3.yaml), or launch data-parallel (configs/ddp.yaml)")
-    if distributed in ("FSDP", "DEEPSPEED") and args.algo == "agentevol":
-        raise SystemExit("agentevol resets the policy in place between iterations, which a sharded model does not "
-                         "support here: run it data-parallel (configs/ddp.yaml) or on one GPU")
-    for flag in ("steps", "tasks_per_step", "n", "max_new_tokens", "ppo_epochs", "minibatches", "micro_batch_size",
-                 "max_nonfinite_updates", "log_rollouts_every", "attempts"):
-        if getattr(args, flag) < 1:  # 0 would silently skip every rollout or update
-            raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
-    if args.epochs is not None and args.epochs < 1:
-        raise SystemExit("--epochs must be at least 1")
-    if args.launch_config and not Path(args.launch_config).is_file():
-        raise SystemExit(f"--launch-config {args.launch_config} does not exist: give one of configs/*.yaml")
-    if args.keep_checkpoints < 0 or args.env_timeout < 0:
-        raise SystemExit("--keep-checkpoints and --env-timeout take 0 (all, the env's default) or more")
-    try:
-        latency.parse(args.env_delay)
-    except ValueError as error:
-        raise SystemExit(str(error)) from None
-    if not 0 <= args.max_error_rate <= 1:
-        raise SystemExit("--max-error-rate is a share of a step's trajectories, in [0, 1]")
-    if args.env not in envs.ENVS:
-        raise SystemExit(f"unknown env {args.env!r}; choose one of: {', '.join(envs.ENVS)}")
-    for flag in ("train_tasks", "test_tasks"):
-        try:  # (read again where they are played; a bad file stops here, before anything loads)
-            if getattr(args, flag):
-                envs.load_task_ids(getattr(args, flag), args.env)
-        except envs.TaskFileError as error:
-            raise SystemExit(f"--{flag.replace('_', '-')}: {error}") from None
-    if args.n < 2 and adv_lib.is_grouped(args.algo):
-        raise SystemExit(f"{args.algo} compares the samples of a task with each other: use --n 2 or more")
-    if args.step_weight < 0:
-        raise SystemExit(f"--step-weight {args.step_weight:g}: gigpo's omega weighs the turn-level advantage, 0 (none) "
-                         "or more")
-    if args.step_weight != Args.step_weight and args.algo != "gigpo":
-        raise SystemExit(f"--step-weight weighs gigpo's turn-level advantage, which --algo {args.algo} does not have: "
-                         "use it with --algo gigpo")
-    if args.gamma is not None and not 0 < args.gamma <= 1:
-        raise SystemExit(f"--gamma {args.gamma:g} is a discount: give one in (0, 1]")
-    if args.gamma is not None and args.algo not in ("reinforce_pp", "ppo", "gigpo"):
-        raise SystemExit(f"--gamma discounts the returns of reinforce_pp, ppo and gigpo; --algo {args.algo} has none")
-    check_horizon(args)
-    if args.critic_warmup > 1 and args.algo != "ppo":
-        raise SystemExit(f"--critic-warmup trains only the critic for a while, and --algo {args.algo} has none: "
-                         "use it with --algo ppo")
-    if args.dual_clip is not None and args.dual_clip <= 1:
-        raise SystemExit("--dual-clip must be larger than 1")
-    if args.algo == "ppo" and args.mixed_precision == "fp16":
-        raise SystemExit("--algo ppo steps two optimizers, which fp16's loss scaling does not support here: "
-                         "use --mixed-precision bf16")
-    if args.max_new_tokens >= args.max_tokens:
-        raise SystemExit("--max-new-tokens must be smaller than --max-tokens")
-    check_engine(args)
-    check_sampling(args.top_p)
-    check_models(args, distributed)
-    if args.eval_every < 0 or args.eval_tasks < 0 or args.eval_k < 1:
-        raise SystemExit("--eval-every and --eval-tasks take 0 (never, all) or more, --eval-k 1 or more")
-    check_layout(args.agent, args.env, args.algo, args.reasoning)
-    if args.algo in OFFLINE:
-        return check_offline(args, world)
-    if args.data or args.experience:
-        raise SystemExit(f"--data and --experience are what sft, dpo and agentevol learn from; --algo {args.algo} "
-                         "learns from its own rollouts")
-    if args.tasks_per_step % world:
-        raise SystemExit(f"--tasks-per-step {args.tasks_per_step} must be divisible by the {world} processes")
-    if args.max_staleness is not None and (args.max_staleness < 0 or args.is_cap < 1):
-        raise SystemExit("--max-staleness takes 0 (the asynchronous loop, no staleness) or more, --is-cap 1 or more")
-    if args.is_cap != Args.is_cap and args.max_staleness is None:
-        raise SystemExit("--is-cap truncates the importance weights of stale tokens, which only --max-staleness makes: "
-                         "give --max-staleness too, or leave --is-cap out")
-    if args.mismatch_cap is not None and args.mismatch == "none":
-        raise SystemExit("--mismatch-cap bounds --mismatch tis's weights or mis's band: give --mismatch tis or mis with it")
-    if args.mismatch_cap is not None and args.mismatch_cap <= 1:
-        raise SystemExit(f"--mismatch-cap {args.mismatch_cap:g} must be above 1: tis truncates the weights at C, mis keeps "
-                         "the sequences whose geometric-mean ratio is within [1/C, C]")
-    if args.max_staleness is not None and args.agent == "reflect":
-        raise SystemExit("--agent reflect's attempts wait for each other's reflections: train it without --max-staleness")
-    trajectories = args.tasks_per_step // world * args.n
-    micro_batches = (trajectories + args.micro_batch_size - 1) // args.micro_batch_size
-    if args.max_tokens_per_micro_batch < 0 or args.pack and not args.max_tokens_per_micro_batch:
-        raise SystemExit("--pack fills rows of --max-tokens-per-micro-batch tokens: give that too (e.g. 16384)")
-    if args.max_tokens_per_micro_batch and trajectories < args.minibatches:
-        raise SystemExit(f"--minibatches {args.minibatches} is more than the {trajectories} trajectories each process has")
-    if not args.max_tokens_per_micro_batch and micro_batches < args.minibatches:
-        raise SystemExit(f"--minibatches {args.minibatches} is more than the {micro_batches} micro-batches of "
-                         f"--micro-batch-size {args.micro_batch_size} that each process has")
-
-
-def check_horizon(args: Args) -> None:
-    """--horizon: caps of at least 1 that only grow, `auto` before them or not at all, and its rule's settings."""
-    caps = caps_of(args.horizon)
-    if not caps or min(caps) < 1 or args.horizon_every < 1:
-        raise SystemExit("--horizon takes one or more turn caps of at least 1 (after `auto`, when given), "
-                         "--horizon-every at least 1 step")
-    if AUTO in args.horizon[1:]:
-        raise SystemExit(f"--horizon {' '.join(map(str, args.horizon))}: `auto` goes first, then the caps it climbs "
-                         "(e.g. --horizon auto 10 20 30)")
-    if list(caps) != sorted(caps):
-        raise SystemExit(f"--horizon {' '.join(map(str, args.horizon))}: ScalingInter-RL's stages only grow")
-    if args.horizon_patience < 1 or not 0 <= args.horizon_cut <= 1:
-        raise SystemExit("--horizon-patience takes 1 step or more, --horizon-cut a share in [0, 1]")
-    if args.horizon[0] == AUTO and args.algo in OFFLINE:
-        raise SystemExit(f"--horizon auto grows the turn cap over steps of RL; --algo {args.algo} takes one cap")
-
-
-def check_offline(args: Args, world: int) -> None:
-    """check()'s part for sft, dpo and agentevol."""
-    if not args.data:
-        raise SystemExit(f"--algo {args.algo} learns from trajectory files: give --data FILE ... (AgentGym's AgentTraj "
-                         "format; `python scripts/make_expert_data.py --env ENV` writes the oracle's, and a run's "
-                         "rollouts.jsonl or eval.py's episodes read too)")
-    if args.max_staleness is not None or args.mismatch != "none":
-        raise SystemExit(f"--max-staleness and --mismatch weigh the tokens of RL's rollouts; --algo {args.algo} learns "
-                         "from trajectory files")
-    if args.experience and args.algo != "dpo":
-        raise SystemExit("--experience holds the rejected side of DPO's pairs: use it with --algo dpo")
-    if args.batch_size < 1 or args.batch_size % world:
-        raise SystemExit(f"--batch-size {args.batch_size} must be at least 1 and divisible by the {world} processes")
-    if not 0 <= args.validation < 1:
-        raise SystemExit("--validation is the share of --data's tasks held out, in [0, 1)")
-    if args.beta <= 0 or args.margin < 0:
-        raise SystemExit("--beta must be above 0 and --margin at least 0")
-    if args.iterations < 1 or args.explore_tasks < 0:
-        raise SystemExit("--iterations takes 1 or more, --explore-tasks 0 (all) or more")
-    if args.algo == "agentevol" and len(args.horizon) > 1:
-        raise SystemExit("--horizon takes one turn cap with agentevol (ScalingInter-RL's stages are steps of RL)")
-    if args.algo == "agentevol" and args.resume is not None:
-        raise SystemExit("--resume does not continue an agentevol run yet: each iteration's model is in "
-                         "runs/<run>/checkpoints/step_<iteration>; start a new run from it with --model")
+def parse_args(argv: list[str] | None = None) -> Args:
+    """train.py's flags over the preset that applies, or a resumed run's own settings (rl/flags.py)."""
+    return flags.parse_args(Args, PRESETS, preset_defaults, argv, __doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

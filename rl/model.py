@@ -206,16 +206,16 @@ def load_value_model(name: str, dtype: torch.dtype = torch.float32):
 # The models a run trains and scores with, prepared by Accelerate (one process, data-parallel or sharded)
 
 
-def check_models(args, distributed: str) -> None:
+def check_models(algo: str, lora_rank: int, lora_alpha: float, offload_reference: bool, distributed: str) -> None:
     """train.py's model flags that cannot work (`distributed`: Accelerate's distributed type), each one sentence."""
-    if args.offload_reference and args.algo == "dpo":
+    if offload_reference and algo == "dpo":
         raise SystemExit("--offload-reference: DPO scores the reference in every micro-batch, which would move it "
                          "each time; use --lora-rank (no copy at all) or configs/fsdp2_offload.yaml")
-    if args.offload_reference and (args.lora_rank or distributed in ("FSDP", "DEEPSPEED")):
+    if offload_reference and (lora_rank or distributed in ("FSDP", "DEEPSPEED")):
         raise SystemExit("--offload-reference moves the frozen reference to CPU memory: with --lora-rank there is none "
                          "(the policy with its adapters off is the reference), and a sharded run offloads with "
                          "configs/fsdp2_offload.yaml (or DeepSpeed's offload_param_device: cpu)")
-    if args.lora_rank < 0 or args.lora_alpha <= 0:
+    if lora_rank < 0 or lora_alpha <= 0:
         raise SystemExit("--lora-rank takes 0 (full fine-tune) or more, --lora-alpha a positive number")
 
 

@@ -309,14 +309,14 @@ def check_rollout(label: str, args, accelerator, models, tokenizer, work: Worklo
 
     import envs
     import train
-    from rl.chat import chat_format
+    from rl.agent import chat_format
     from rl.engines import build_engine
     from rl.logprobs import token_logprobs
     from rollout import rollout
     from test_token_exactness import Spy, check_exact
 
     args = replace(args, max_tokens=work.context)
-    fmt = chat_format(tokenizer, args.agent, args.chat_template_kwargs, args.reasoning_tags, args.reasoning)
+    fmt = chat_format(tokenizer, args.layout_args)
     spy = Spy(build_engine(args, fmt, models, accelerator, args.max_tokens), fmt)
     tasks = envs.splits("babyai")["test"][:work.episodes // 2]
     environments = [envs.make("babyai") for _ in range(2 * len(tasks))]

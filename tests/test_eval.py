@@ -12,7 +12,7 @@ import pytest
 import envs
 import eval as eval_script
 from rl.agent import make_agent
-from rl.chat import chat_format
+from rl.agent import LayoutArgs, chat_format
 from rl.engines import ExpertEngine, RoundEngine, Sample
 from rl.model import load_tokenizer
 from rollout import ChatFormat, rollout
@@ -104,7 +104,7 @@ class Script(RoundEngine):
 def test_a_cut_episode_counts_only_its_own_invalid_and_malformed_turns():
     """A horizon sweep reported a malformed share of 1.0 at a cap whose turns were all well formed: the cut kept the
     whole episode's counts."""
-    fmt = chat_format(load_tokenizer("tiny-agent"), "react", {}, ("<think>", "</think>"), "keep")
+    fmt = chat_format(load_tokenizer("tiny-agent"), LayoutArgs(reasoning_tags=("<think>", "</think>")))
 
     def played(horizon):
         env = envs.make("babyai")

@@ -52,7 +52,7 @@ def test_the_docs_of_reasoning_drop_name_every_estimator_it_accepts():
     from rl.advantages import is_grouped
 
     accepted = [algo for algo in typing.get_args(typing.get_type_hints(train.Args)["algo"]) if is_grouped(algo)]
-    docstring = (ROOT / "train.py").read_text().split("reasoning: Literal")[1].split('"""')[1]
+    docstring = (ROOT / "rl" / "agent.py").read_text().split("reasoning: Literal")[1].split('"""')[1]
     row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| estimators |"))
     assert "gigpo" in accepted
     for algo in accepted:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import eval as eval_script
+from rl.flags import build
 import train
 from rl.model import EMBEDDED, load_model, load_tokenizer
 
@@ -73,7 +74,7 @@ def test_an_env_server_that_never_answers_is_one_sentence(silent_server, tmp_pat
     for message in (
         stopped(lambda: train.main(train.parse_args([*SMALL, "--env-url", silent_server, "--env-timeout", "1",
                                                      "--out-dir", str(tmp_path)]))),
-        stopped(lambda: eval_script.main(eval_script.Args(env_url=silent_server, env_timeout=1, engine="hf", limit=2,
+        stopped(lambda: eval_script.main(build(eval_script.Args, env_url=silent_server, env_timeout=1, engine="hf", limit=2,
                                                           out=str(tmp_path / "e")))),
     ):
         assert silent_server in message and "no answer within 1 s" in message

@@ -22,7 +22,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow  # (every test here plays on a rollout server, a vLLM process of its own)
 
 import envs  # noqa: E402
-from rl.chat import chat_format  # noqa: E402
+from rl.agent import LayoutArgs, chat_format  # noqa: E402
 from rl.engines import SyncError  # noqa: E402
 from rl.model import full_weights, load_model, load_tokenizer  # noqa: E402
 from rl.remote_engine import RemoteEngine  # noqa: E402
@@ -96,7 +96,7 @@ def server():
 @pytest.fixture(scope="module")
 def tiny():
     tokenizer = load_tokenizer("tiny-agent")
-    return chat_format(tokenizer, "react", {}, None, "keep"), load_model("tiny-agent")
+    return chat_format(tokenizer, LayoutArgs()), load_model("tiny-agent")
 
 
 def engine_on(fmt, model, *addresses, **options):
@@ -549,11 +549,11 @@ def test_a_deterministic_server_on_a_gpu_asks_for_batch_invariant_kernels(monkey
 
 HANGING_TRAINER = r'''
 import sys, time
-from rl.chat import chat_format
+from rl.agent import LayoutArgs, chat_format
 from rl.model import full_weights, load_model, load_tokenizer
 from rl.remote_engine import RemoteEngine
 from rl.rollout_server import identity
-fmt = chat_format(load_tokenizer("tiny-agent"), "react", {}, None, "keep"); model = load_model("tiny-agent")
+fmt = chat_format(load_tokenizer("tiny-agent"), LayoutArgs()); model = load_model("tiny-agent")
 engine = RemoteEngine([sys.argv[1]], fmt, temperature=1.0, top_p=1.0, owner=True, identity=identity(model.config, fmt.tokenizer))
 def hanging():
     for k, item in enumerate(full_weights(model)):

@@ -13,7 +13,8 @@ import pytest
 import envs
 from envs import tools as env_tools
 from rl.agent import REACT, TOOLS_GUIDE, make_agent
-from rl.chat import CallError, ChatFormat, chat_format, parse_calls, read_call
+from rl.agent import LayoutArgs, chat_format
+from rl.chat import CallError, ChatFormat, parse_calls, read_call
 from rl.engines import ExpertEngine, Sample
 from rl.model import load_tokenizer
 from rollout import rollout
@@ -92,9 +93,9 @@ def test_a_valid_call_is_the_action_the_env_takes_and_reasoning_stays_out(hermes
 
 def test_a_template_without_tool_calls_is_refused_in_one_sentence(real_tokenizer):
     tokenizer = real_tokenizer("llama3")  # Llama 3's template has no tools
-    chat_format(tokenizer, "react", {}, None)  # other formats do not need tool calls
+    chat_format(tokenizer, LayoutArgs("react"))  # other formats do not need tool calls
     with pytest.raises(SystemExit, match="renders no tool calls in a format this project reads"):
-        chat_format(tokenizer, "tools", {}, None)
+        chat_format(tokenizer, LayoutArgs("tools"))
 
 
 class Malformed(ExpertEngine):
