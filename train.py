@@ -54,7 +54,7 @@ import envs
 from envs.guard import EnvArgs
 from rl import advantages as adv_lib
 from rl import flags
-from rl.flags import GROUP, OFFLINE, check, replace  # noqa: F401 - check: train.check
+from rl.flags import GROUP, OFFLINE, build, check, replace  # noqa: F401 - check: train.check
 from rl.agent import LayoutArgs, chat_format
 from rl.batch import Batch, arrange, attach, example_micro_batches, make_batch, minibatch_counts, rows_of, scatter
 from rl.data import examples_of, held_out, offline_steps, read_data, to_record
@@ -64,7 +64,7 @@ from rl.horizon import AUTO, auto_horizon, caps_of, describe, horizon_at, known_
 from rl.logprobs import pad, token_logprobs, token_values
 from rl.losses import MISMATCH_CAP, aggregate, importance_weights, kl, policy_loss, value_loss
 from rl.memory import print_plan
-from rl.model import (EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, Models, build_models, context_limit, has_reference,
+from rl.model import (EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, ModelArgs, Models, build_models, context_limit, has_reference,
                       load_tokenizer, make_accelerator, reference, restart, stop_on_nondeterministic)
 from rl.metrics import (Costs, UpdateSums, async_metrics, eval_line, eval_metrics, evol_line, offline_line, rl_line,
                         step_metrics, weight_sums)
@@ -225,12 +225,9 @@ class Args:
     """--mismatch tis, mis: C, the cap of the weight (tis) or the band [1 / C, C] (mis); default: 2"""
 
     # -- optimisation
-    lr: float = 1e-6
-    """policy learning rate (AdamW)"""
-    warmup_steps: int = 0
-    """linear learning-rate warm-up, in optimizer steps"""
-    weight_decay: float = 0.01
-    """AdamW weight decay, policy and critic"""
+    model_args: Annotated[ModelArgs, GROUP] = field(default_factory=ModelArgs)
+    """(--lr, --warmup-steps, --weight-decay, --critic-lr, --critic-lr-warmup-steps, --mixed-precision, --lora-*,
+    --offload-reference, --gradient-checkpointing: rl/model.py)"""
     grad_clip: float = 1.0
     """clip the gradient norm of each optimizer step to this"""
     ppo_epochs: int = 1
@@ -265,30 +262,11 @@ class Args:
     """weight of the entropy bonus (subtracted from the loss)"""
 
     # -- critic (ppo)
-    critic_lr: float = 1e-5
-    """learning rate of PPO's critic (upstream's critic.optim.lr)"""
-    critic_lr_warmup_steps: int = 0
-    """linear learning-rate warm-up of the critic, in optimizer steps"""
     critic_warmup: int = 0
     """the policy trains from step k on, only the critic before (upstream's trainer.critic_warmup: k - 1
     critic-only steps)"""
     value_clip: float = 0.5
     """value-loss clip around the old values"""
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
-    """auto: bf16 on GPU, fp32 on CPU"""
-    lora_rank: int = 0
-    """train LoRA adapters of this rank (PEFT) instead of every weight; 0: full fine-tune. The reference is then
-    the policy with its adapters off (no second copy of the model), and checkpoints hold the adapter"""
-    lora_alpha: float = 32.0
-    """LoRA's scale numerator: adapters add (alpha / rank) B A"""
-    lora_target_modules: tuple[str, ...] = ("all-linear",)
-    """modules that get adapters, e.g. q_proj k_proj v_proj o_proj; all-linear: every linear layer but the output layer"""
-    offload_reference: bool = False
-    """keep the frozen reference in CPU memory, on the GPU only while it scores a step (one GPU or data-parallel; a
-    sharded run offloads every model with configs/fsdp2_offload.yaml)"""
-    gradient_checkpointing: bool = True
-    """recompute activations in the backward pass: less memory (upstream's setting; without it a micro-batch of 8k
-    tokens on a 3B model keeps ~36 GiB of activations: --dry-run), about a third more compute"""
     max_nonfinite_updates: int = 3
     """an optimizer step whose loss or gradient is NaN or infinite is skipped; this many in a row stop the
     run, and the batch is saved under the run directory for debugging"""
@@ -331,7 +309,7 @@ PRESETS = {
     "paper": Args(),
     # the default run, `python train.py`: ScalingInter-RL on 5 BabyAI levels (TINY_TASKS), 3 turns
     # then 6, and the held-out comparison of the initial and final policies (step 0 and the last evaluation)
-    "tiny": Args(
+    "tiny": build(Args,
         env=EMBEDDED_ROLLOUT["env"], horizon=(3, EMBEDDED_ROLLOUT["horizon"]), horizon_every=8,
         max_new_tokens=EMBEDDED_ROLLOUT["max_new_tokens"], max_tokens=EMBEDDED_ROLLOUT["max_tokens"], steps=16,
         tasks_per_step=8, n=8, lr=2e-4, minibatches=1, micro_batch_size=4, gradient_checkpointing=False, save_every=0,
@@ -369,15 +347,17 @@ TINY_EVAL_TASKS = 16
 def main(args: Args) -> Path | None:
     from accelerate.utils import gather_object, set_seed
 
-    accelerator, mixed = make_accelerator(args)
+    accelerator, mixed = make_accelerator(args.model_args.mixed_precision, args.grad_clip, args.deterministic)
     check(args, accelerator.num_processes, accelerator.distributed_type.value)
     set_seed(args.seed + accelerator.process_index)
     if args.dry_run:  # the memory plan, before anything heavy
-        return print_plan(args, accelerator)
+        return print_plan(accelerator, args.model, args.algo, args.kl_coef, args.model_args, args,
+                          args.max_tokens_per_micro_batch or args.micro_batch_size * args.max_tokens, args.max_tokens,
+                          args.launch_config, args.gpu_gib)
     if args.algo in OFFLINE:  # learning from trajectory files: the same models, checkpoints and logs
         return evolve(args, accelerator, mixed) if args.algo == "agentevol" else learn(args, accelerator, mixed)
     resuming = args.resume not in (None, "auto")  # "auto" without a checkpoint yet: a new run under --run-name
-    run_dir = run_directory(args, resuming, accelerator)
+    run_dir = run_directory(accelerator, args.out_dir, args.run_name, f"{args.env}-{args.algo}", args.resume, resuming)
 
     # -- tasks, and one env per trajectory of this process, created once and reset every step
     train_ids = envs.load_task_ids(args.train_tasks, args.env) if args.train_tasks else envs.splits(args.env)["train"]
@@ -398,8 +378,10 @@ def main(args: Args) -> Path | None:
         # -- models, the sampler, and the training state when resuming
         tokenizer = load_tokenizer(args.model)
         fmt = chat_format(tokenizer, args.layout_args)
-        models = build_models(args, accelerator, policy_from=args.resume if resuming else args.model)
-        max_tokens = context_limit(args, accelerator.unwrap_model(models.policy), say=accelerator.is_main_process)
+        models = build_models(accelerator, args.resume if resuming else args.model, args.model, args.algo, args.kl_coef,
+                              args.model_args)
+        max_tokens = context_limit(args.max_tokens, args.model, accelerator.unwrap_model(models.policy),
+                               say=accelerator.is_main_process)
         engine = build_engine(args, fmt, models, accelerator, max_tokens)
         trainer_state = resume(accelerator, models, engine, Path(args.resume)) if resuming else {"step": 0, "logs": {}}
         start_step = trainer_state["step"] + 1
@@ -408,13 +390,14 @@ def main(args: Args) -> Path | None:
         stream = streamed(engine, fmt, environments, train_ids, start_step, max_tokens, pool, args, accelerator, history)
 
         # -- the run's record (logs cut back to the checkpoint's when resuming)
-        config = run_config(args, run_dir, resuming, accelerator, mixed, engine, environments[0])
+        config = run_config(flags.flat(args), run_dir, resuming, accelerator, mixed, engine, environments[0])
         if accelerator.is_main_process:
             print(f"run {run_dir.name}: {args.env}, {args.model} ({args.preset} preset), {args.algo}, {args.steps} steps of "
                   f"{args.tasks_per_step} tasks x {args.n} samples, {describe(args.horizon, args.horizon_every, args.steps)}, "
-                  f"{evaluation_plan(args, len(test_ids), start_step, initial=start_step == 1)}"
+                  f"{evaluation_plan(len(test_ids), args.eval_k, args.eval_every, start_step, args.steps, initial=start_step == 1)}"
                   f" -> {run_dir}" + (f", resumed at step {start_step}" if resuming else ""))
-        logs = Logs(args, run_dir, config, active=accelerator.is_main_process, resume_sizes=trainer_state["logs"])
+        logs = Logs(run_dir, config, accelerator.is_main_process, trainer_state["logs"],
+                        args.wandb_project if args.track else None)
 
         # (the step bar shows the phase under way: rollout, update or eval, and how far it got)
         progress = tqdm(range(start_step, args.steps + 1), disable=not accelerator.is_main_process, desc="train",
@@ -584,7 +567,7 @@ def old_logprobs(models: Models, batch: Batch, args: Args, accelerator, between=
         if between is not None and (need_old or models.critic is not None):  # (only where a pass ran)
             between()
     if has_reference(models):  # in a pass of its own: under LoRA the reference is the policy with its adapters off
-        with reference(models, accelerator, args.offload_reference) as ref:
+        with reference(models, accelerator, args.model_args.offload_reference) as ref:
             for micro in batch.micro:
                 inputs = (micro["input_ids"], micro.get("attention_mask"), micro["loss_mask"])
                 with accelerator.autocast():
@@ -745,18 +728,20 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
     """--algo sft or dpo: optimizer steps over --data's examples, the validation loss at --eval-every
     steps and at the end, and with --eval-every the policy played on the test split then too."""
     resuming = args.resume not in (None, "auto")
-    run_dir = run_directory(args, resuming, accelerator)
+    run_dir = run_directory(accelerator, args.out_dir, args.run_name, f"{args.env}-{args.algo}", args.resume, resuming)
     train, validation = held_out(read_data(args.data, args.env, args.layout_args.agent), args.validation, args.seed)
     experience = read_data(args.experience, args.env, args.layout_args.agent) if args.experience else None
     tokenizer = load_tokenizer(args.model)
     fmt = chat_format(tokenizer, args.layout_args)
-    models = build_models(args, accelerator, policy_from=args.resume if resuming else args.model)
-    max_tokens = context_limit(args, accelerator.unwrap_model(models.policy), say=accelerator.is_main_process)
+    models = build_models(accelerator, args.resume if resuming else args.model, args.model, args.algo, args.kl_coef,
+                          args.model_args)
+    max_tokens = context_limit(args.max_tokens, args.model, accelerator.unwrap_model(models.policy),
+                               say=accelerator.is_main_process)
 
     # -- the examples: conversations (sft) or pairs (dpo), a share of the tasks held out for validation
     examples = examples_of(fmt, train, max_tokens, args.algo == "dpo", args.margin, experience)
     held = examples_of(fmt, validation, max_tokens, args.algo == "dpo", args.margin, experience)
-    args = replace(args, steps=offline_steps(args, len(examples)))
+    args = replace(args, steps=offline_steps(len(examples), args.batch_size, args.epochs, args.steps, pairs=args.algo == "dpo"))
 
     # -- the test tasks, envs and an engine, when the policy is played during training
     test_ids = test_task_ids(args) if args.eval_every else []
@@ -764,14 +749,15 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
                                            accelerator.process_index, args.seed) if test_ids else []
     engine = build_engine(args, fmt, models, accelerator, max_tokens) if test_ids else None
     trainer_state = resume(accelerator, models, engine, Path(args.resume)) if resuming else {"step": 0, "logs": {}}
-    config = run_config(args, run_dir, resuming, accelerator, mixed, engine, environments[0] if environments else None)
+    config = run_config(flags.flat(args), run_dir, resuming, accelerator, mixed, engine, environments[0] if environments else None)
     if accelerator.is_main_process:
         print(f"run {run_dir.name}: {args.algo} on {args.model} ({args.preset} preset), {len(examples)} "
               f"{'pairs' if args.algo == 'dpo' else 'conversations'} of {len(train)} episodes ({len(held)} held out), "
               f"{args.steps} steps of {args.batch_size}, "
-              f"{evaluation_plan(args, len(test_ids), trainer_state['step'] + 1, initial=False)} -> {run_dir}"
+              f"{evaluation_plan(len(test_ids), args.eval_k, args.eval_every, trainer_state['step'] + 1, args.steps, initial=False)} -> {run_dir}"
               + (f", resumed at step {trainer_state['step'] + 1}" if resuming else ""))
-    logs = Logs(args, run_dir, config, active=accelerator.is_main_process, resume_sizes=trainer_state["logs"])
+    logs = Logs(run_dir, config, accelerator.is_main_process, trainer_state["logs"],
+                    args.wandb_project if args.track else None)
 
     progress = tqdm(range(trainer_state["step"] + 1, args.steps + 1), disable=not accelerator.is_main_process,
                     desc=args.algo, dynamic_ncols=True, initial=trainer_state["step"], total=args.steps)
@@ -842,7 +828,7 @@ def offline_terms(models: Models, micro: dict, args: Args, accelerator,
     the DPO loss of its pairs against the reference, rl/dpo.py), its statistics, and whether they are finite."""
     micro = {key: value.to(accelerator.device) for key, value in micro.items()}
     if args.algo == "dpo":
-        loss, sums, finite = dpo_terms(models, micro, args.beta, args.offload_reference, accelerator)
+        loss, sums, finite = dpo_terms(models, micro, args.beta, args.model_args.offload_reference, accelerator)
     else:
         loss, sums, finite = sft_terms(models.policy, micro, accelerator)
     return loss / max(size, 1e-9), sums, finite
@@ -860,13 +846,14 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
     its model is checkpoints/step_<iteration>, its explored episodes are in rollouts.jsonl. Unlike AgentGym's, it
     explores --n times a task at the run's temperature (AgentGym's script explores greedily, do_sample False, which
     would make a task's samples identical), and can go on from the last iteration's weights (AgentGym: the base)."""
-    run_dir = run_directory(args, False, accelerator)
+    run_dir = run_directory(accelerator, args.out_dir, args.run_name, f"{args.env}-{args.algo}", args.resume, False)
     expert, validation = held_out(read_data(args.data, args.env, args.layout_args.agent), args.validation, args.seed)
     tokenizer = load_tokenizer(args.model)
     fmt = chat_format(tokenizer, args.layout_args)
-    models = build_models(args, accelerator, policy_from=args.model)
+    models = build_models(accelerator, args.model, args.model, args.algo, args.kl_coef, args.model_args)
     initial = copy.deepcopy(models.optimizer.state_dict()), copy.deepcopy(models.scheduler.state_dict())
-    max_tokens = context_limit(args, accelerator.unwrap_model(models.policy), say=accelerator.is_main_process)
+    max_tokens = context_limit(args.max_tokens, args.model, accelerator.unwrap_model(models.policy),
+                               say=accelerator.is_main_process)
     held = examples_of(fmt, validation, max_tokens)
 
     # -- the tasks explored and tested, envs to play them on, the engine
@@ -876,12 +863,12 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
     count = min(args.gen_batch_size, -(-max(len(explore_ids) * args.n, len(test_ids)) // accelerator.num_processes))
     environments = args.env_args.make_envs(args.env, count, accelerator.process_index, args.seed)
     engine = build_engine(args, fmt, models, accelerator, max_tokens)
-    config = run_config(args, run_dir, False, accelerator, mixed, engine, environments[0])
+    config = run_config(flags.flat(args), run_dir, False, accelerator, mixed, engine, environments[0])
     if accelerator.is_main_process:
         print(f"run {run_dir.name}: agentevol on {args.model} ({args.preset} preset), {args.iterations} iterations "
               f"exploring {len(explore_ids)} tasks x {args.n}, {len(expert)} expert episodes ({len(validation)} held "
               f"out), testing on {len(test_ids)} tasks x {args.eval_k} after every iteration -> {run_dir}")
-    logs = Logs(args, run_dir, config, active=accelerator.is_main_process, resume_sizes={})
+    logs = Logs(run_dir, config, accelerator.is_main_process, {}, args.wandb_project if args.track else None)
     try:
         for iteration in range(args.iterations + 1):
             start = time.perf_counter()
@@ -892,9 +879,9 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
                 kept = [to_record(t) for t in explored if t.error is None
                         and (t.reward >= args.threshold if args.threshold is not None else t.success)]
                 if args.retrain_from == "base":
-                    restart(models, args, accelerator, initial)
+                    restart(models, args.model, bool(args.model_args.lora_rank), accelerator, initial)
             examples = examples_of(fmt, expert + kept, max_tokens)
-            steps = offline_steps(args, len(examples))
+            steps = offline_steps(len(examples), args.batch_size, args.epochs, args.steps, pairs=args.algo == "dpo")
             for step in tqdm(range(1, steps + 1), desc=f"iteration {iteration}", leave=False, dynamic_ncols=True,
                              disable=not accelerator.is_main_process):
                 metrics = offline_step(models, examples, step, args, accelerator, fmt.pad_id)

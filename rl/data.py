@@ -193,14 +193,14 @@ def examples_of(fmt, records: list[dict], max_tokens: int, pairs: bool = False, 
     return [(encoded(fmt, chosen, max_tokens), encoded(fmt, rejected, max_tokens)) for chosen, rejected in pairs]
 
 
-def offline_steps(args, examples: int) -> int:
-    """Optimizer steps of train.py's sft or dpo run (agentevol: of each iteration; `args`: its Args) over `examples`
-    conversations or pairs: --epochs passes (the last incomplete batch dropped, as RL's task order), else --steps."""
-    if examples < args.batch_size:
-        raise SystemExit(f"{examples} training {'pairs' if args.algo == 'dpo' else 'conversations'} are fewer than "
-                         f"--batch-size {args.batch_size}: lower it, or give more --data"
-                         + (" (or a lower --margin)" if args.algo == "dpo" else ""))
-    return args.epochs * (examples // args.batch_size) if args.epochs is not None else args.steps
+def offline_steps(examples: int, batch_size: int, epochs: int | None, steps: int, pairs: bool = False) -> int:
+    """Optimizer steps of train.py's sft or dpo run (agentevol: of each iteration) over `examples` conversations or
+    (`pairs`, dpo) pairs: `epochs` passes (the last incomplete batch dropped, as RL's task order), else `steps`."""
+    if examples < batch_size:
+        raise SystemExit(f"{examples} training {'pairs' if pairs else 'conversations'} are fewer than "
+                         f"--batch-size {batch_size}: lower it, or give more --data"
+                         + (" (or a lower --margin)" if pairs else ""))
+    return epochs * (examples // batch_size) if epochs is not None else steps
 
 
 def encoded(fmt, record: dict, max_tokens: int) -> tuple[list[int], list[int]]:

@@ -29,7 +29,7 @@ import envs
 from rl import advantages as adv_lib
 from rl.engines import check_engine, check_sampling
 from rl.horizon import AUTO, LADDER, caps_of
-from rl.model import EMBEDDED, check_models
+from rl.model import EMBEDDED
 from rl.run import find_checkpoint, resumable_config, run_of
 
 # A nested flag group's fields are flags of their own names: `env_args: Annotated[EnvArgs, GROUP] = field(...)`.
@@ -180,7 +180,7 @@ def check(args, world: int, distributed: str = "NO") -> None:
         raise SystemExit("--max-new-tokens must be smaller than --max-tokens")
     check_engine(args)
     check_sampling(args.top_p)
-    check_models(args.algo, args.lora_rank, args.lora_alpha, args.offload_reference, distributed)
+    args.model_args.check(args.algo, distributed)
     if args.eval_every < 0 or args.eval_tasks < 0 or args.eval_k < 1:
         raise SystemExit("--eval-every and --eval-tasks take 0 (never, all) or more, --eval-k 1 or more")
     args.layout_args.check(args.env, args.algo)
@@ -220,7 +220,7 @@ def check_estimator(args) -> None:
                          "use it with --algo ppo")
     if args.dual_clip is not None and args.dual_clip <= 1:
         raise SystemExit("--dual-clip must be larger than 1")
-    if args.algo == "ppo" and args.mixed_precision == "fp16":
+    if args.algo == "ppo" and args.model_args.mixed_precision == "fp16":
         raise SystemExit("--algo ppo steps two optimizers, which fp16's loss scaling does not support here: "
                          "use --mixed-precision bf16")
 

@@ -18,7 +18,6 @@ import os
 import shutil
 import time
 import types
-from dataclasses import asdict
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -38,23 +37,25 @@ CONFIG = "config.json"
 # The run directory and its config.json
 
 
-def run_directory(args, resuming: bool, accelerator) -> Path:
-    """Where the run writes, the same on every process. A resumed run goes on in its own directory (from a
-    checkpoint older than its newest, the newer ones and a copy of the logs are moved aside first); a new
-    one refuses a directory that holds another run (its logs would mix), unless --resume auto restarts it."""
+def run_directory(accelerator, out_dir: str, run_name: str | None, prefix: str, resume: str | None,
+                  resuming: bool) -> Path:
+    """Where the run writes, the same on every process: <out_dir>/<run_name>, by default <prefix>-<time>. A resumed
+    run (`resuming`: from checkpoint `resume`) goes on in its own directory (from a checkpoint older than its newest,
+    the newer ones and a copy of the logs are moved aside first); a new one refuses a directory that holds another run
+    (its logs would mix), unless `resume` is "auto" (--resume auto restarts it)."""
     from accelerate.utils import broadcast_object_list
 
     if resuming:
-        run_dir = Path(args.resume).parent.parent
-        if accelerator.is_main_process and (aside := checkpoint_lib.supersede(run_dir, Path(args.resume), Logs.FILES)):
-            print(f"{args.resume} is older than the run's newest checkpoint: the newer ones, and a copy of the logs "
+        run_dir = Path(resume).parent.parent
+        if accelerator.is_main_process and (aside := checkpoint_lib.supersede(run_dir, Path(resume), Logs.FILES)):
+            print(f"{resume} is older than the run's newest checkpoint: the newer ones, and a copy of the logs "
                   f"before they are cut back to this checkpoint, are now in {aside}")
         accelerator.wait_for_everyone()
         return run_dir
-    name = [args.run_name or f"{args.env}-{args.algo}-{time.strftime('%Y%m%d-%H%M%S')}"]
-    run_dir = Path(args.out_dir) / broadcast_object_list(name)[0]  # one timestamp for every process
+    name = [run_name or f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"]
+    run_dir = Path(out_dir) / broadcast_object_list(name)[0]  # one timestamp for every process
     if (run_dir / CONFIG).exists():
-        if args.resume != "auto":
+        if resume != "auto":
             raise SystemExit(f"{run_dir} already holds a run: continue it with --resume auto --run-name {run_dir.name}, "
                              "or choose another --run-name")
         if accelerator.is_main_process:
@@ -62,10 +63,10 @@ def run_directory(args, resuming: bool, accelerator) -> Path:
     return run_dir
 
 
-def run_config(args, run_dir: Path, resuming: bool, accelerator, mixed: str, engine, env) -> dict:
-    """The run's config.json: every setting, and what it ran on. Written once, when the run starts; a
-    resumed run keeps it (it runs with those settings), and its wandb run."""
-    config = {**asdict(args), "run_name": run_dir.name, "mixed_precision": mixed, "processes": accelerator.num_processes,
+def run_config(settings: dict, run_dir: Path, resuming: bool, accelerator, mixed: str, engine, env) -> dict:
+    """The run's config.json: every setting (`settings`: each flag's value by its name, rl/flags.flat), and what it
+    ran on. Written once, when the run starts; a resumed run keeps it (it runs with those settings), and its wandb run."""
+    config = {**settings, "run_name": run_dir.name, "mixed_precision": mixed, "processes": accelerator.num_processes,
               "engine_used": engine.name if engine is not None else None,
               "env_settings": env.options if env is not None else {},  # every setting in effect, defaults too
               "wandb_id": os.urandom(6).hex()}  # (not the seeded random: a new run must not reuse an old id)
@@ -143,15 +144,16 @@ def eval_due(step: int, every: int, last: int) -> bool:
     return every > 0 and (step % every == 0 or step == last)
 
 
-def evaluation_plan(args, tasks: int, start: int, initial: bool) -> str:
+def evaluation_plan(tasks: int, k: int, every: int, start: int, last: int, initial: bool) -> str:
     """What the run's evaluations will play, for its start line, e.g. "evaluating 16 test tasks x 2 at steps 0 and
-    16": the `initial` policy (step 0, RL only) and --eval-every's steps from `start` on (`args`: train.py's Args)."""
-    steps = [0] * initial + [s for s in range(start, args.steps + 1) if eval_due(s, args.eval_every, args.steps)]
+    16": `tasks` x `k` (--eval-k) at the `initial` policy (step 0, RL only) and at --eval-every's steps (`every`) from
+    `start` to the `last`."""
+    steps = [0] * initial + [s for s in range(start, last + 1) if eval_due(s, every, last)]
     if not tasks or not steps:
-        return "no evaluation (--eval-every 0)" if not args.eval_every else "no evaluation left"
+        return "no evaluation (--eval-every 0)" if not every else "no evaluation left"
     head = steps[:-1] if len(steps) <= 4 else steps[:3] + ["..."]
     at = f"s {', '.join(map(str, head))} and {steps[-1]}" if len(steps) > 1 else f" {steps[0]}"
-    return f"evaluating {tasks} test tasks x {args.eval_k} at step{at}"
+    return f"evaluating {tasks} test tasks x {k} at step{at}"
 
 
 class Logs:
@@ -165,7 +167,8 @@ class Logs:
 
     FILES = ("rollouts.jsonl", "evaluations.jsonl", "metrics.jsonl")
 
-    def __init__(self, args, run_dir: Path, config: dict, active: bool, resume_sizes: dict[str, int]):
+    def __init__(self, run_dir: Path, config: dict, active: bool, resume_sizes: dict[str, int],
+                 wandb_project: str | None = None):
         self.active, self.tracker = active, None
         if not active:
             return
@@ -179,14 +182,14 @@ class Logs:
             with open(path, "a") as f:
                 f.truncate(size)
             self.files[name] = open(path, "a")
-        if args.track:
+        if wandb_project is not None:  # (--track)
             import wandb
 
             if "WANDB_MODE" not in os.environ and not os.environ.get("WANDB_API_KEY"):
                 os.environ["WANDB_MODE"] = "offline"
                 print(f"wandb: no API key configured, logging offline to {run_dir}/wandb (wandb sync to upload)")
             # one wandb run for the whole run, however often it resumes (wandb ignores re-logged steps)
-            self.tracker = wandb.init(project=args.wandb_project, name=config["run_name"], config=config,
+            self.tracker = wandb.init(project=wandb_project, name=config["run_name"], config=config,
                                       dir=str(run_dir), id=config["wandb_id"], resume="allow")
 
     def sizes(self) -> dict[str, int]:

@@ -72,7 +72,7 @@ def test_old_log_probs_are_the_adapted_policys(tmp_path):
     args = train.parse_args(["--lora-rank", "8", "--minibatches", "2", "--kl-in-reward", "--tasks-per-step", "4",
                              "--n", "2", "--out-dir", str(tmp_path)])
     torch.manual_seed(0)
-    models = build_models(args, accelerator, args.model)
+    models = build_models(accelerator, args.model, args.model, args.algo, args.kl_coef, args.model_args)
     policy = accelerator.unwrap_model(models.policy)
     for name, parameter in policy.named_parameters():
         if "lora_B" in name:  # adapters that have moved (B starts at 0: the adapted model is the base model)

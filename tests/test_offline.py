@@ -97,7 +97,7 @@ def test_sft_learns_the_expert_and_its_checkpoint_chains_into_eval_and_grpo(tmp_
     assert results["protocol"] == "run" and results["horizon"] == 6 and results["tasks"] == 4
     grpo = train.parse_args(["--model", str(checkpoint), "--steps", "1", "--tasks-per-step", "2", "--n", "2",
                              "--horizon", "2", "--max-new-tokens", "16", "--out-dir", str(tmp_path), "--run-name", "grpo"])
-    assert grpo.preset == "tiny" and grpo.lr == train.PRESETS["tiny"].lr
+    assert grpo.preset == "tiny" and grpo.model_args.lr == train.PRESETS["tiny"].model_args.lr
     assert (train.main(grpo) / "checkpoints" / "step_1" / "model.safetensors").is_file()
 
 

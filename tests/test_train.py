@@ -262,7 +262,7 @@ def test_a_resumed_run_equals_the_uninterrupted_run(tmp_path, algo):
 def test_resume_keeps_the_runs_settings(trained):
     ckpt = str(trained / "checkpoints" / "step_2")
     args = train.parse_args(["--resume", ckpt, "--steps", "5"])  # the flags RESUMABLE allows
-    assert args.steps == 5 and args.lr == 1e-4 and args.model == "tiny-agent" and args.tasks_per_step == 2
+    assert args.steps == 5 and args.model_args.lr == 1e-4 and args.model == "tiny-agent" and args.tasks_per_step == 2
     for flag, value in (["--lr", "0.5"], ["--algo", "rloo"], ["--model", "Qwen/Qwen2.5-3B-Instruct"], ["--seed", "7"],
                         ["--n", "4"], ["--run-name", "another"]):
         with pytest.raises(SystemExit, match=f"changes {flag} "):
@@ -278,9 +278,9 @@ def test_resume_keeps_the_runs_settings(trained):
 def test_presets_follow_the_model():
     assert train.parse_args([]).preset == "tiny"
     paper = train.parse_args(["--model", "Qwen/Qwen2.5-3B-Instruct"])
-    assert paper.preset == "paper" and paper.lr == 1e-6 and paper.kl_coef == 0.001 and paper.clip == 0.2
+    assert paper.preset == "paper" and paper.model_args.lr == 1e-6 and paper.kl_coef == 0.001 and paper.clip == 0.2
     assert paper.entropy_coef == 0.001 and paper.temperature == 1.0
-    assert train.parse_args(["--lr", "0.5"]).lr == 0.5  # a flag overrides the preset
+    assert train.parse_args(["--lr", "0.5"]).model_args.lr == 0.5  # a flag overrides the preset
     tiny = train.parse_args([])  # on BabyAI, the tiny preset's tasks are the levels where the tiny agent learns
     assert Path(tiny.train_tasks).name == "babyai_tiny_train.json" and Path(tiny.test_tasks).name == "babyai_tiny_test.json"
     assert train.parse_args(["--env", "textcraft"]).train_tasks is None and paper.train_tasks is None
@@ -474,9 +474,9 @@ def test_truncated_trajectories_are_trained_on_their_reward_failed_ones_not_at_a
 def test_the_token_budget_stays_within_the_models_context_window():
     args = tiny_args(Path("/tmp/unused"), max_tokens=4096)
     policy = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=1024))
-    assert context_limit(args, policy) == 1024
+    assert context_limit(args.max_tokens, args.model, policy) == 1024
     policy.config.max_position_embeddings = 32768
-    assert context_limit(args, policy) == 4096
+    assert context_limit(args.max_tokens, args.model, policy) == 4096
 
 
 def test_each_model_keeps_its_own_nan_streak():
