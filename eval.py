@@ -28,7 +28,7 @@ Which limits an episode plays under is a protocol (`--protocol`), recorded with 
 
 `--model openai:<name>` evaluates a model behind an OpenAI-compatible chat endpoint (--base-url: a hosted
 API, or a checkpoint served by `python -m vllm.entrypoints.openai.api_server`) through the same episodes,
-limits and scores, text in, text out (rl/api.py: retries, --api-concurrency, how the token budget is held).
+limits and scores, text in, text out (rl/engines/api.py: retries, --api-concurrency, how the token budget is held).
 No local model or tokenizer is loaded. The key comes from $OPENAI_API_KEY (or --api-key-env) and is never
 written; each episode's token usage and cost (--price-in/--price-out) go to the .jsonl, their sums and the
 base URL to the .json. A server that cannot be reached stops the eval before any episode; one that fails
@@ -69,7 +69,7 @@ from tqdm import tqdm
 
 import envs
 from envs.guard import EnvArgs, close_envs
-from rl import api, plots
+from rl import plots
 from rl.agent import LayoutArgs, chat_format, check_layout, make_agent
 from rl.chat import Reasoning
 from rl.checkpoint import write_atomic
@@ -80,7 +80,8 @@ from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, deterministic_
 from rl.records import read_metrics
 from rl.run import run_of
 from rl.scores import endings, paired, score, spread
-from rl.engines import check_sampling, engine_kind, make_engine
+from rl.engines import api
+from rl.engines.setup import check_sampling, engine_kind, make_engine
 from rollout import EngineStalled, category, on_bar, play
 
 # The context of upstream's eval engine (vLLM's max_model_len in its eval scripts); its turn cap and tokens a
@@ -279,7 +280,7 @@ def main(args: Args) -> dict:
     if kind == "api":  # where the model was served (never the key), what its calls cost, what it was sampled at
         results |= {"base_url": engine.base_url, "usage": api.total_usage(trajectories),
                     "prices": {"in": args.price_in, "out": args.price_out}, **engine.sampling}
-        if engine.refused:  # a hosted reasoning model's rules (rl/api.py): the parameters it refused
+        if engine.refused:  # a hosted reasoning model's rules (rl/engines/api.py): the parameters it refused
             results["refused"] = sorted(engine.refused)
         asked = {"temperature": args.temperature, "top_p": args.top_p}
         if engine.sampling != asked:
@@ -349,8 +350,8 @@ def served_engine(args: Args, settings: dict, fmt):
     evaluated: unless every server loaded exactly it (and has had no weights sent since), its weights (a LoRA
     checkpoint's merged) are broadcast to them first and checked with the probe."""
     from rl.model import load_config, resolve
-    from rl.remote_engine import RemoteEngine
-    from rl.rollout_server import identity
+    from rl.engines.remote import RemoteEngine
+    from rl.engines.server import identity
 
     if args.engine != "auto":
         raise SystemExit("--rollout-server plays on vLLM servers: leave --engine out")

@@ -47,8 +47,8 @@ chat template's rendering of the conversation so far (a template that drops earl
 followed), and each turn's prompt and sampled tokens are kept as a sequence of their own
 (Trajectory.sequences), which train.py trains as a row each.
 
-Engines (rl/engines.py): HFEngine, VLLMEngine and ExpertEngine (the envs' scripted oracles). A text
-engine (rl/api.py's APIEngine: a model behind an HTTP API, for eval) returns the reply as text
+Engines (rl/engines/): HFEngine, VLLMEngine and ExpertEngine (the envs' scripted oracles). A text
+engine (rl/engines/api.py's APIEngine: a model behind an HTTP API, for eval) returns the reply as text
 (Sample.text): it becomes the assistant message exactly as a decoded turn would, and no tokens are
 appended, so such a trajectory's token_ids stay empty.
 
@@ -80,7 +80,10 @@ from envs import Env, StepResult
 from rl.agent import REACT, Agent
 from rl.chat import ChatFormat, openai_calls  # (ChatFormat: rollout's callers import it from here too)
 from rl.records import FORMAT, encode_array
-from rl.engines import ExpertEngine, HFEngine, Sample, VLLMEngine  # noqa: F401 - the engines rollouts run on
+from rl.engines import Sample
+from rl.engines.expert import ExpertEngine
+from rl.engines.hf import HFEngine  # noqa: F401 - the engines rollouts run on, imported from here too
+from rl.engines.vllm import VLLMEngine  # noqa: F401 - (as HFEngine)
 
 # ----------------------------------------------------------------------------------------------
 # Data
@@ -119,7 +122,7 @@ class Trajectory:
     attempt: int = 1  # reflect: which attempt at the task this is (rl/agent.py)
     final: bool = True  # reflect: False when another attempt followed this one
     reflection: str | None = None  # reflect: what the policy wrote after this attempt failed
-    usage: dict[str, float] = field(default_factory=dict)  # an API model's calls, tokens and cost (rl/api.py)
+    usage: dict[str, float] = field(default_factory=dict)  # an API model's calls, tokens and cost (rl/engines/api.py)
     tools: list[dict] | None = None  # --agent tools: the tools the model was given (OpenAI function schemas)
     # --reasoning drop: each turn's own sequence (the template's rendering of the conversation before it, then the
     # turn's sampled tokens), as (token ids, loss mask, log-probs); token_ids & co. then hold the latest turn's
@@ -777,7 +780,7 @@ def _start(fmt: ChatFormat, agent: Agent, row: int, env: Env, task_id: int, grou
 
 def _act(fmt: ChatFormat, traj: Trajectory, sample: Sample) -> None:
     """Append a sampled turn, trained on, and the message the env will read."""
-    if sample.text is None:  # (a text engine, rl/api.py, has no tokens to append: the reply only)
+    if sample.text is None:  # (a text engine, rl/engines/api.py, has no tokens to append: the reply only)
         traj.add(sample.token_ids, sample.logprobs, trained=True)
         if sample.token_ids[-1:] != [fmt.end_of_turn]:
             # cut off by the limit, or stopped on another eos: the template needs the end-of-turn token,

@@ -10,7 +10,7 @@ Each step (main): sample `tasks_per_step` tasks of the train split, roll out `n`
 at most the turns the horizon schedule allows at this step (rl/horizon.py), score each by its last reward, turn the
 scores into advantages (rl/advantages.py: `--algo` grpo, rloo, gigpo, reinforce_pp, or ppo with a critic and GAE), update
 the policy with PPO's clipped loss, a KL penalty to the frozen initial model and an entropy bonus (update_policy),
-and copy the new weights into the rollout engine (rl/engines.py: sync). Each process rolls out its own share of the
+and copy the new weights into the rollout engine (rl/engines/setup.py: sync). Each process rolls out its own share of the
 tasks. The run directory (rl/run.py) gets every trajectory, the metrics (wandb with --track) and checkpoints. The
 same models, accumulation, logs and checkpoints learn from trajectory files (--data: learn, evolve):
 
@@ -59,7 +59,7 @@ from rl.agent import LayoutArgs, chat_format
 from rl.batch import Batch, arrange, attach, example_micro_batches, make_batch, minibatch_counts, rows_of, scatter
 from rl.data import examples_of, held_out, offline_steps, read_data, to_record
 from rl.dpo import DPOSums, dpo_terms
-from rl.engines import build_engine, own_stream, stream_seed, sync
+from rl.engines.setup import build_engine, own_stream, stream_seed, sync
 from rl.horizon import AUTO, auto_horizon, caps_of, describe, horizon_at, known_before
 from rl.logprobs import pad, token_logprobs, token_values
 from rl.losses import MISMATCH_CAP, aggregate, importance_weights, kl, policy_loss, value_loss

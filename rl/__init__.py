@@ -1,4 +1,4 @@
-"""The learning side: one idea per file.
+"""The learning side, one idea per file, and in engines/ the inference side.
 
     logprobs.py    trajectories -> padded tensors; per-token log-probs and entropy under a model
     advantages.py  outcome rewards -> per-token advantages (GRPO, ...), one dispatch by --algo
@@ -10,11 +10,12 @@
     memory.py      peak memory of a phase of a step (GPU allocated, else resident set), and the --dry-run plan
     chat.py        the chat layout: messages and tool schemas -> tokens, the reasoning block of a reply, tool calls
     agent.py       agent formats: how an episode's messages are laid out (react, plan, reflect, tools)
-    engines.py     generation engines behind one contract: HF, vLLM, the envs' experts; the trainer's, synced
-    api.py         a model behind an OpenAI-compatible endpoint as an engine (eval.py --model openai:<name>)
-    rollout_server.py  vLLM on GPUs of its own behind the engine contract over HTTP (python -m rl.rollout_server);
-                   the weights group and the tensors on it
-    remote_engine.py   the engine on rollout servers (--rollout-server): turns over HTTP, weights broadcast, faults
+    engines/       the inference side, a room of its own: generation engines behind one contract (its
+                   __init__.py, with the weight-sync probe), one file each: hf.py, vllm.py, expert.py (the envs'
+                   experts), api.py (a model behind an OpenAI-compatible endpoint: eval.py --model openai:<name>),
+                   server.py (vLLM on GPUs of its own behind the contract over HTTP, the weights group) and
+                   remote.py (its client: --rollout-server); setup.py makes the scripts' engine and syncs it
+    rollout_server.py  the command `python -m rl.rollout_server` (runs rl/engines/server.py)
     batch.py       a step's trajectories -> micro-batches (token budgets, packing), equal across processes; SFT's rows
     optimizer.py   gradient accumulation over a mini-batch, optimizer steps, NaN/inf skips, the cross-process reducer
     run.py         the run directory: config.json, logs and wandb, checkpoints saved and resumed, the end of a run

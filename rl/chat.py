@@ -19,7 +19,7 @@ makes every reply start inside it, so the reply holds only the closing tag. A re
 has no answer: the rollout answers it as an invalid action and the episode goes on. Without a template to read
 (an API model) a reply with no tag at all is the answer. The conversation keeps a local model's reply whole, as
 sampled (R1's and Qwen3's templates render it without everything up to its last closing tag); an API model's
-reasoning is kept apart, as the message's reasoning_content (rl/api.py).
+reasoning is kept apart, as the message's reasoning_content (rl/engines/api.py).
 
 Earlier reasoning (`history`, --reasoning). Such templates drop the reasoning of earlier turns when they render a
 conversation, so a new turn's rendering is no longer the last one's plus the reply. `keep` (the default): the

@@ -27,7 +27,7 @@ import tyro
 
 import envs
 from rl import advantages as adv_lib
-from rl.engines import check_engine, check_sampling
+from rl.engines.setup import check_engine, check_sampling
 from rl.horizon import AUTO, LADDER, caps_of
 from rl.model import EMBEDDED
 from rl.run import find_checkpoint, resumable_config, run_of

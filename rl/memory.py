@@ -164,7 +164,7 @@ def print_plan(accelerator, model: str, algo: str, kl_coef: float, settings, eng
     import yaml
 
     from rl import zero3
-    from rl.engines import engine_kind
+    from rl.engines.setup import engine_kind
     from rl.logprobs import CHUNK_ELEMENTS
     from rl.model import load_config, sharded
 

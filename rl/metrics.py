@@ -177,7 +177,7 @@ def step_metrics(records: list[dict], sampled: list[tuple[int, float]], costs: C
         **({"perf/prefix_hit_rate": engine_metrics["prefix_hit_rate"]} if "prefix_hit_rate" in engine_metrics else {}),
         **{key: value for key, value in engine_metrics.items() if key.startswith("sync/")},
         **({"rollout/server_lost_turns": engine_metrics["server_lost_turns"]} if "server_lost_turns" in engine_metrics
-           else {}),  # turns a rollout server failed (it died or stalled; rl/remote_engine.py)
+           else {}),  # turns a rollout server failed (it died or stalled; rl/engines/remote.py)
         "charts/lr": models.scheduler.get_last_lr()[0],
     }
     per_token, per_critic_token = max(sums.tokens, 1.0), max(sums.critic_tokens, 1.0)

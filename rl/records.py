@@ -16,7 +16,7 @@ A record (log format 2):
     advantages                             one number where it is constant over the trajectory (GRPO,
                                            RLOO, outcome REINFORCE++), else one per action token
     values, returns                        PPO's critic values and GAE returns, per action token
-    usage                                  API models only (rl/api.py): calls, prompt_tokens, completion_tokens,
+    usage                                  API models only (rl/engines/api.py): calls, prompt_tokens, completion_tokens,
                                            reasoning_tokens (of the completion tokens) and cost (dollars) summed
                                            over the episode; token_ids are empty
 

@@ -21,7 +21,7 @@ resident set's high-water mark) is its own:
   the engine-vs-trainer log-prob mismatch and the weight-sync time.
 - server: the rollout section's step played on the in-process vLLM engine and on a rollout server
   (`python -m rl.rollout_server`, started here as a process of its own on loopback) through its client
-  engine (rl/remote_engine.RemoteEngine), the two alternated --repeats times (medians): rollout tokens/s
+  engine (rl/engines/remote.RemoteEngine), the two alternated --repeats times (medians): rollout tokens/s
   each way, what the loopback costs (the /poll round trips, the JSON they carry, an empty round trip's
   time, the CPU seconds of client and server: on a CPU-only machine the server generates on the same
   cores), and the weight sync each way (in process: reload and probe; server: broadcast over gloo or
@@ -447,7 +447,8 @@ def step_inputs(args: Args, section: str) -> tuple[list[int], list[int], list]:
 def phase_rollout(args: Args) -> dict:
     import torch
 
-    from rl.engines import HFEngine, VLLMEngine
+    from rl.engines.hf import HFEngine
+    from rl.engines.vllm import VLLMEngine
     from rl.memory import peak_gib, reset_peak
     from rl.model import load_model, load_tokenizer, resolve
     from rollout import ChatFormat, RolloutStats, rollout
@@ -549,11 +550,11 @@ def phase_server(args: Args) -> dict:
     import httpx
     import torch
 
-    from rl.engines import VLLMEngine, vllm_available
+    from rl.engines.remote import RemoteEngine
+    from rl.engines.server import identity
+    from rl.engines.vllm import VLLMEngine, vllm_available
     from rl.memory import peak_gib
     from rl.model import load_model, load_tokenizer, resolve
-    from rl.remote_engine import RemoteEngine
-    from rl.rollout_server import identity
     from rollout import ChatFormat, RolloutStats, rollout
 
     if not vllm_available():

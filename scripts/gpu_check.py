@@ -310,7 +310,7 @@ def check_rollout(label: str, args, accelerator, models, tokenizer, work: Worklo
     import envs
     import train
     from rl.agent import chat_format
-    from rl.engines import build_engine
+    from rl.engines.setup import build_engine
     from rl.logprobs import token_logprobs
     from rollout import rollout
     from test_token_exactness import Spy, check_exact

@@ -1,5 +1,5 @@
 """A rollout server's weights group on one GPU, without vLLM (`python scripts/gpu_weight_broadcast.py`): the trainer's
-side of the broadcast (rl/rollout_server.py) from CUDA tensors in bf16 to a process on the same GPU, which backend_to
+side of the broadcast (rl/engines/server.py) from CUDA tensors in bf16 to a process on the same GPU, which backend_to
 must reach over gloo (NCCL refuses two ranks on one device), received whole and equal. Measured on an H100
 (2026-11-26): 51 tensors, 85.5 MiB in 0.25 s."""
 
@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rl.rollout_server import backend_to, gpus, received, send_tensor, weight_group  # noqa: E402
+from rl.engines.server import backend_to, gpus, received, send_tensor, weight_group  # noqa: E402
 
 
 def free_port():

@@ -10,7 +10,8 @@ import pytest
 
 import envs
 from rl.agent import PLAN_GUIDE, REACT, REFLECT_ASK, REFLECTIONS, make_agent
-from rl.engines import ExpertEngine, RoundEngine, Sample
+from rl.engines import RoundEngine, Sample
+from rl.engines.expert import ExpertEngine
 from rl.model import load_model, load_tokenizer
 from rollout import ATTEMPT_GROUPS, ChatFormat, HFEngine, RolloutStats, rollout
 from test_token_exactness import Spy, check_exact

@@ -1,4 +1,4 @@
-"""eval.py --model openai:<name> (rl/api.py), against real HTTP servers on loopback.
+"""eval.py --model openai:<name> (rl/engines/api.py), against real HTTP servers on loopback.
 
 - vLLM's own OpenAI-compatible server, started here on the embedded model: greedy episodes score the same
   tasks as the in-process engine (the same conversations, word for word), and a prompt past its context
@@ -36,7 +36,7 @@ import pytest
 
 import envs
 import eval as eval_script
-from rl.api import APIEngine, total_usage
+from rl.engines.api import APIEngine, total_usage
 from rl.model import EMBEDDED
 from rl.scores import spread
 from rollout import Trajectory

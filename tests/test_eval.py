@@ -13,7 +13,8 @@ import envs
 import eval as eval_script
 from rl.agent import make_agent
 from rl.agent import LayoutArgs, chat_format
-from rl.engines import ExpertEngine, RoundEngine, Sample
+from rl.engines import RoundEngine, Sample
+from rl.engines.expert import ExpertEngine
 from rl.model import load_tokenizer
 from rollout import ChatFormat, rollout
 

@@ -25,7 +25,7 @@ import eval as eval_script
 from envs import tools as env_tools
 from envs.tools import MAX_CHARS
 from rl.agent import make_agent
-from rl.api import APIEngine, APIFormat
+from rl.engines.api import APIEngine, APIFormat
 from rl.chat import ChatFormat, openai_calls
 from rl.engines import RoundEngine, Sample
 from rollout import Trajectory, rollout

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import eval as eval_script
 import train
-from rl.engines import engine_kind
+from rl.engines.setup import engine_kind
 from rl.losses import kl
 from rl.logprobs import token_logprobs
 from rl.model import EMBEDDED, build_models, full_weights, is_adapter, load_model

@@ -7,7 +7,7 @@ from accelerate import Accelerator
 
 import train
 from rl.memory import activation_bytes, parameters, plan, server_plan
-from rl import engines
+from rl.engines import setup as engine_setup
 from rl import model as model_lib
 from rl.model import build_models, load_model
 
@@ -109,7 +109,7 @@ def test_with_rollout_servers_the_trainer_holds_no_engine_and_the_servers_gpus_a
     server GPU at tensor parallel --vllm-tensor-parallel-size: 1/K of the bf16 weights, the rest of 0.9 KV cache."""
     model = qwen_7b(tmp_path / "qwen2.5-7b")
     common = ["--dry-run", "--model", model, "--launch-config", "configs/fsdp2.yaml", "--gpu-gib", "80"]
-    monkeypatch.setattr(engines, "vllm_available", lambda: True)  # (the colocated plan's, whether installed or not)
+    monkeypatch.setattr(engine_setup, "vllm_available", lambda: True)  # (the colocated plan's, whether installed or not)
     train.main(train.parse_args([*common, "--engine", "vllm"]))
     colocated = capsys.readouterr().out
     train.main(train.parse_args([*common, "--rollout-server", "10.0.0.2:8900", "10.0.0.2:8901",

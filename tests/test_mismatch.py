@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 import train
-from rl.engines import HFEngine, engine_kind
+from rl.engines.hf import HFEngine
+from rl.engines.setup import engine_kind
 from rl.records import decode_array
 from test_async import register_ragged, run
 

@@ -16,7 +16,7 @@ import envs
 import eval as eval_script
 import train
 from rl.data import encode, read_trajectories
-from rl.engines import HFEngine
+from rl.engines.hf import HFEngine
 from rl.model import load_model, load_tokenizer
 from rl.batch import pack
 from rl.sft import sft_loss

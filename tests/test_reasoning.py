@@ -14,7 +14,9 @@ import torch
 import envs
 from rl.agent import REACT, make_agent
 from rl.chat import DEFAULT_REASONING, ChatFormat, Reasoning, reasoning_of
-from rl.engines import ExpertEngine, HFEngine, Sample
+from rl.engines import Sample
+from rl.engines.expert import ExpertEngine
+from rl.engines.hf import HFEngine
 from rl.model import load_tokenizer
 from rollout import rollout
 from test_token_exactness import Spy, check_exact

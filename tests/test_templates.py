@@ -26,7 +26,8 @@ from rl.agent import make_agent
 from rl.agent import LayoutArgs, chat_format
 from rl.chat import ChatFormat
 from rl.data import encode, to_record
-from rl.engines import HFEngine, RoundEngine, Sample
+from rl.engines import RoundEngine, Sample
+from rl.engines.hf import HFEngine
 from rollout import rollout
 from test_token_exactness import Spy, check_exact, random_model
 

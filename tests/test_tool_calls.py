@@ -15,7 +15,8 @@ from envs import tools as env_tools
 from rl.agent import REACT, TOOLS_GUIDE, make_agent
 from rl.agent import LayoutArgs, chat_format
 from rl.chat import CallError, ChatFormat, parse_calls, read_call
-from rl.engines import ExpertEngine, Sample
+from rl.engines import Sample
+from rl.engines.expert import ExpertEngine
 from rl.model import load_tokenizer
 from rollout import rollout
 from test_token_exactness import Spy, check_exact

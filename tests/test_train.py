@@ -19,7 +19,7 @@ from envs.babyai import BabyAI
 from rl import advantages as adv_lib
 from rl import plots
 from rl import zero3
-from rl.engines import engine_kind
+from rl.engines.setup import engine_kind
 from rl.metrics import UpdateSums
 from rl.model import EMBEDDED, Models, context_limit
 from rl.optimizer import count_nonfinite
@@ -238,7 +238,7 @@ def test_resume_continues_from_the_checkpoint(trained, tmp_path):
 def test_a_resumed_run_equals_the_uninterrupted_run(tmp_path, algo):
     """Stopped after step 1 and resumed, a run logs the same metrics, step for step, as one that never
     stopped: the sampler's random stream, optimizers, critic and data order all continue. On the HF
-    engine: vLLM's sampling stream is not restored (see rl/engines.py, VLLMEngine, "seeds")."""
+    engine: vLLM's sampling stream is not restored (see rl/engines/vllm.py, VLLMEngine, "seeds")."""
     flags = {"engine": "hf", "algo": algo, "n": 2, "lr": 0.01, "critic_lr": 0.01, "ppo_epochs": 2}
     whole = train.main(tiny_args(tmp_path / "whole", steps=3, **flags))
     part = train.main(tiny_args(tmp_path / "part", steps=1, **flags))

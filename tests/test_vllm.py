@@ -14,10 +14,12 @@ if not os.environ.get("CI"):  # CI installs vLLM (setup.sh) and must run these; 
     pytest.importorskip("vllm")
 
 import envs  # noqa: E402
-import rl.engines  # noqa: E402
+import rl.engines.vllm  # noqa: E402
 from envs import Env, StepResult  # noqa: E402
 from rl.agent import REACT  # noqa: E402
-from rl.engines import HFEngine, SyncError, VLLMEngine  # noqa: E402
+from rl.engines import SyncError  # noqa: E402
+from rl.engines.hf import HFEngine  # noqa: E402
+from rl.engines.vllm import VLLMEngine  # noqa: E402
 from rl.logprobs import token_logprobs  # noqa: E402
 from rl.model import load_model, load_tokenizer, resolve  # noqa: E402
 from rollout import ChatFormat, RolloutStats, Trajectory, rollout  # noqa: E402
@@ -152,7 +154,7 @@ def test_weights_reach_the_engine_after_every_update(tiny, monkeypatch):
 
         # a sync without the tied-output-layer fix leaves the engine on stale logits: caught
         train_steps(model, 1, seed=10)
-        monkeypatch.setattr(rl.engines, "_repack_lm_head", lambda module: None)
+        monkeypatch.setattr(rl.engines.vllm, "_repack_lm_head", lambda module: None)
         with pytest.raises(SyncError, match="weight sync failed"):
             engine.load_weights(model)
         assert engine.load_weights(model, verify=False)["probe_diff"] > engine.tolerance

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-import rl.engines
+import rl.engines.setup
+import rl.engines.vllm
 import rollout as rollout_module
 from envs import Env, StepResult
 from rl.engines import RoundEngine, Sample
@@ -18,7 +19,7 @@ from rl.model import load_tokenizer
 from rollout import ChatFormat, EngineStalled, rollout
 
 
-class Sleepy(rl.engines.VLLMEngine if rl.engines.vllm_available() else object):
+class Sleepy(rl.engines.vllm.VLLMEngine if rl.engines.vllm.vllm_available() else object):
     """VLLMEngine in sleep mode on CPU: sleep pauses the engine core's scheduler as vLLM's sleep(level=1)
     begins (its requests aborted, its caches cleared) and wake resumes it, as wake_up() ends. Counts the
     pauses and every request added while the scheduler was paused."""
@@ -57,7 +58,7 @@ def test_training_with_evaluations_never_submits_to_a_sleeping_engine(staleness,
     pytest.importorskip("vllm")
     import train
 
-    monkeypatch.setattr(rl.engines, "VLLMEngine", Sleepy)
+    monkeypatch.setattr(rl.engines.setup, "VLLMEngine", Sleepy)  # (where make_engine finds it)
     monkeypatch.setattr(Sleepy, "engines", [])
     monkeypatch.setattr(rollout_module, "STALL_S", 60.0)  # (a hang fails the test in a minute)
     run_dir = train.main(train.parse_args([

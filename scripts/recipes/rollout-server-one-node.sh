@@ -11,7 +11,7 @@
 # Then, on the node (the server starts, is waited for while it loads the model, and is stopped when training ends):
 #   bash scripts/recipes/rollout-server-one-node.sh
 #   RECIPE=textcraft_scalinginter-rl TASKS_PER_STEP=30 bash scripts/recipes/rollout-server-one-node.sh --epochs 1
-# Not yet run on GPUs here: NCCL between the trainer's GPU and the server's is untested (rl/rollout_server.py).
+# Not yet run on GPUs here: NCCL between the trainer's GPU and the server's is untested (rl/engines/server.py).
 set -euo pipefail
 export MODEL=${MODEL:-Qwen/Qwen2.5-7B-Instruct}
 RECIPE=${RECIPE:-babyai_agentgym-rl}

@@ -12,7 +12,7 @@
 # Then:
 #   bash scripts/recipes/rollout-server-two-nodes.sh serve                               # node A, until stopped
 #   SERVER_HOST=10.0.0.2 bash scripts/recipes/rollout-server-two-nodes.sh train --epochs 1   # node B: A's address
-# Not yet run on GPUs here: NCCL between nodes is untested (rl/rollout_server.py).
+# Not yet run on GPUs here: NCCL between nodes is untested (rl/engines/server.py).
 set -euo pipefail
 export MODEL=${MODEL:-Qwen/Qwen2.5-7B-Instruct}
 RECIPE=${RECIPE:-babyai_agentgym-rl}

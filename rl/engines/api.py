@@ -5,7 +5,7 @@
         --port 8000 --max-model-len 32768
     python eval.py --model openai:step8 --base-url http://127.0.0.1:8000/v1
 
-APIEngine honours rl/engines.py's contract (submit / poll / pending / continuous / abort / close / metrics), so
+APIEngine honours rl/engines' contract (submit / poll / pending / continuous / abort / close / metrics), so
 an API model plays through rollout.py's own loop, with the same envs, turn caps, splits and scores as a local
 one. It is text in, text out: each turn POSTs the trajectory's messages (the chat so far, which rollout.py
 keeps) to {base_url}/chat/completions and hands the reply's text back as Sample(text=...). The server applies

@@ -1,7 +1,7 @@
-"""The engine contract played on rollout servers (rl/rollout_server.py): `--rollout-server HOST:PORT [HOST:PORT ...]`.
+"""The engine contract played on rollout servers (server.py): `--rollout-server HOST:PORT [HOST:PORT ...]`.
 
     engine = RemoteEngine(["10.0.0.2:8900"], fmt, temperature=1.0, top_p=1.0, seed=0, identity=..., owner=True, rank=0)
-    engine.submit(traj, limit); engine.poll(); ...     # as every engine (rl/engines.py)
+    engine.submit(traj, limit); engine.poll(); ...     # as every engine (rl/engines)
     engine.load_weights(model, weights=full_weights(model))   # after each update: the broadcast, then the probe
 
 Each trajectory has a home server for its whole episode (its turns extend each other, so each reuses the last one's
@@ -18,7 +18,7 @@ run over one server replays the in-process engine's rollouts (the server must ru
 
 Weights: every process of the trainer calls load_weights alike (a sharded model is gathered collectively); the
 trainer's rank 0 (`owner`) broadcasts each tensor, cast to the server's dtype, over a process group of its own
-with each server's workers (rl/rollout_server.weight_group: NCCL when both ends have GPUs, gloo otherwise), then
+with each server's workers (server.weight_group: NCCL when both ends have GPUs, gloo otherwise), then
 checks the server with the probe exactly as the in-process sync does. The weights carry a version (the count of
 syncs); every turn asks for it, and a server without it (restarted, or it missed an update) is not sampled from:
 the server checks it on its engine thread as it adds the turn (an update between the check and the turn cannot
@@ -29,7 +29,7 @@ Faults: a server that cannot be reached, answers an error or generates nothing f
 turns fails only its trajectories (Sample.error: their finish is "error", counted, left out of the update) and is
 set aside. At the next sync the trainer reaches again for every server set aside: one that answers is checked
 (the same model), given a new group and the weights; if none answers within `reconnect_s`, the run stops with a
-message. A broadcast that breaks off stops the run (sync in rl/engines.py), on every process together.
+message. A broadcast that breaks off stops the run (sync in setup.py), on every process together.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import httpx
 import torch
 
 from rl.engines import PROBE, PROBE_TOLERANCE, Sample, Seeded, trainer_probe, verify_probe
-from rl.rollout_server import backend_to, differences, send_tensor, weight_group
+from rl.engines.server import backend_to, differences, send_tensor, weight_group
 
 # The longest a poll waits on a server for one of its turns to finish: short, since a trajectory whose env answered
 # meanwhile is submitted only after the poll (a round trip costs ~2 ms on loopback)
@@ -274,7 +274,7 @@ class RemoteEngine(Seeded):
         """Every process: iterate the weights (a sharded model's gather is collective), and take the trainer's side of
         the probe. The owner (rank 0) also reaches the servers set aside, broadcasts every tensor to every server
         that is up, waits for them to load it and probes each. Returns the seconds, bytes, and the worst mean probe
-        difference, or {"error": why} (rl/engines.sync stops every process on it)."""
+        difference, or {"error": why} (setup.sync stops every process on it)."""
         if self.requests:
             raise RuntimeError("the engine's weights change between rollouts, not during one")
         start = time.perf_counter()

@@ -1,0 +1,36 @@
+"""ExpertEngine: the envs' scripted experts behind the engine contract (rl/engines), for SFT data and tests."""
+
+from __future__ import annotations
+
+import envs as envs_lib
+import envs.tools  # noqa: F401 - envs_lib.tools: the experts' calls under --agent tools
+from rl.engines import RoundEngine, Sample
+
+
+class ExpertEngine(RoundEngine):
+    """The envs' scripted experts (envs.oracle) behind the engine interface: each "sample" is the
+    expert's response to the latest observation (under --agent tools, the tool call that stands for
+    it, written as the chat template writes calls), tokenized, plus the end-of-turn token. Makes SFT
+    data, and test rollouts, with exactly the token layout of RL rollouts."""
+
+    name = "expert"
+
+    def __init__(self, fmt, environments: list):
+        super().__init__()
+        self.fmt, self.environments, self.experts = fmt, environments, {}
+
+    def generate(self, batch: list, limits: list[int]) -> list[Sample]:
+        samples = []
+        for traj, limit in zip(batch, limits):
+            if traj.turns == 0:  # first turn after a reset: a fresh expert for this episode
+                self.experts[traj.row] = envs_lib.oracle(self.environments[traj.row])
+            try:
+                text = self.experts[traj.row](traj.messages[-1]["content"])
+            except RuntimeError as error:  # a task this expert cannot play
+                samples.append(Sample([], error=f"expert failed: {error}"))
+                continue
+            if traj.tools:  # --agent tools: the expert's action as the one call that stands for it
+                text = self.fmt.call_text(*envs_lib.tools.call_of(traj.env, text))
+            ids = (self.fmt.encode(text) + [self.fmt.end_of_turn])[:max(limit, 0)]
+            samples.append(Sample(ids, [0.0] * len(ids)))
+        return samples
