@@ -55,7 +55,6 @@ from __future__ import annotations
 import rl  # noqa: F401 - first: sets OpenMP's wait policy before torch loads (see rl/__init__.py)
 
 import json
-import os
 import random
 import subprocess
 import time
@@ -71,17 +70,17 @@ import envs
 from envs.guard import EnvArgs, close_envs
 from rl import plots
 from rl.agent import LayoutArgs, chat_format, check_layout, make_agent
-from rl.chat import Reasoning
 from rl.checkpoint import write_atomic
 from rl.flags import GROUP
 from rl.horizon import AUTO, horizon_at
-from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, deterministic_kernels, full_weights, is_adapter,
-                      load_model, load_tokenizer, stop_on_nondeterministic)
+from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, deterministic_kernels,
+                      load_tokenizer, stop_on_nondeterministic)
 from rl.records import read_metrics
 from rl.run import run_of
 from rl.scores import endings, paired, score, spread
 from rl.engines import api
-from rl.engines.setup import check_sampling, engine_kind, make_engine
+from rl.engines.api import APIArgs
+from rl.engines.setup import EngineArgs, build_engine, engine_kind
 from rollout import EngineStalled, category, on_bar, play
 
 # The context of upstream's eval engine (vLLM's max_model_len in its eval scripts); its turn cap and tokens a
@@ -128,45 +127,14 @@ class Args:
     """tokens per assistant turn; default: set by --protocol"""
     max_tokens: int | None = None
     """tokens per trajectory (prompt + every turn); default: set by --protocol"""
-    temperature: float = 1.0
-    """upstream evaluates with temperature 1; 0 is greedy"""
-    top_p: float = 1.0
-    """nucleus sampling: draw from the smallest set of tokens holding this much probability"""
+    engine_args: Annotated[EngineArgs, GROUP] = field(default_factory=lambda: EngineArgs(vllm_gpu_memory_utilization=0.85))
+    """(--engine, --vllm-*, --rollout-server, --deterministic, --temperature, --top-p: rl/engines/setup.py)"""
     env_args: Annotated[EnvArgs, GROUP] = field(default_factory=EnvArgs)
     """(--env-options, --env-timeout, --env-url, --env-delay: envs/guard.py)"""
     batch_size: int = 64
     """episodes played at once"""
-    engine: Literal["auto", "vllm", "hf"] = "auto"
-    """vllm: vLLM's engine (continuous batching, prefix caching); hf: Hugging Face sampling; auto: vllm
-    when it is installed"""
-    vllm_gpu_memory_utilization: float = 0.85
-    """share of the GPU's memory vLLM takes (nothing else shares the GPU in eval)"""
-    vllm_tensor_parallel_size: int = 1
-    """GPUs per vLLM engine (tensor parallel)"""
-    vllm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """the vLLM engine's weights and compute; auto: bfloat16 on a GPU, float32 on a CPU"""
-    rollout_server: tuple[str, ...] = ()
-    """HOST:PORT of rollout servers (`python -m rl.rollout_server`) to play on; --model's weights are sent to them
-    first unless they loaded exactly it"""
-    deterministic: bool = False
-    """the same seed, the same episodes on vLLM too (HF sampling always repeats): vLLM generates in rounds, each
-    request seeded from the seed's stream; slower (README)"""
-    base_url: str | None = None
-    """--model openai:<name>: the OpenAI-compatible endpoint; default $OPENAI_BASE_URL, else OpenAI's"""
-    api_key_env: str = "OPENAI_API_KEY"
-    """--model openai:<name>: the environment variable holding the API key (never written anywhere)"""
-    api_concurrency: int = 8
-    """--model openai:<name>: requests in flight at once"""
-    api_retries: int = 4
-    """--model openai:<name>: retries of a request after a connection error, a timeout, HTTP 429 or 5xx"""
-    api_timeout: float = 120.0
-    """--model openai:<name>: seconds a request may wait for the server before it counts as timed out"""
-    api_backoff: float = 1.0
-    """--model openai:<name>: seconds before the first retry, doubled for each next one (plus jitter)"""
-    price_in: float = 0.0
-    """--model openai:<name>: dollars per million prompt tokens, for the cost in the results"""
-    price_out: float = 0.0
-    """--model openai:<name>: dollars per million completion tokens"""
+    api_args: Annotated[APIArgs, GROUP] = field(default_factory=APIArgs)
+    """(--base-url, --api-*, --price-in, --price-out: rl/engines/api.py)"""
     seed: int = 0
     """seeds the sampler"""
     out: str | None = None
@@ -236,8 +204,8 @@ def resolve_settings(args: Args) -> dict:
 def main(args: Args) -> dict:
     if args.compare:
         return compare(*args.compare)
-    check_sampling(args.top_p)
-    if args.deterministic:  # (before anything starts CUDA)
+    args.engine_args.check(api=args.model.startswith(api.PREFIX))
+    if args.engine_args.deterministic:  # (before anything starts CUDA)
         deterministic_kernels()
     settings = resolve_settings(args)
     env_name = settings["env"]
@@ -248,7 +216,9 @@ def main(args: Args) -> dict:
     except ValueError as error:
         raise SystemExit(str(error)) from error
 
-    kind, fmt, engine = load_engine(args, settings)
+    kind, fmt = engine_format(args, settings)
+    engine = build_engine(args.engine_args, fmt, args.model, settings["max_tokens"], args.seed, args.batch_size,
+                          api_args=args.api_args)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
 
@@ -272,17 +242,17 @@ def main(args: Args) -> dict:
         close_envs(environments)
     trajectories = played[settings["horizons"][-1]]
     results = {"model": args.model, "split": settings["tasks"] or args.split, "k": args.k, "agent": agent.name,
-               **({"attempts": agent.attempts} if agent.attempts > 1 else {}), "temperature": args.temperature,
-               "top_p": args.top_p, "seed": args.seed, "engine": kind, "code": code_revision(), **settings,
+               **({"attempts": agent.attempts} if agent.attempts > 1 else {}), "temperature": args.engine_args.temperature,
+               "top_p": args.engine_args.top_p, "seed": args.seed, "engine": kind, "code": code_revision(), **settings,
                "env_settings": env_settings, "env_url": args.env_args.env_url, **score(trajectories, env_name),
                **({"served": engine.served()} if kind == "server" else {}),
                "per_task": per_task(trajectories), "seconds": round(time.perf_counter() - start, 1)}
     if kind == "api":  # where the model was served (never the key), what its calls cost, what it was sampled at
         results |= {"base_url": engine.base_url, "usage": api.total_usage(trajectories),
-                    "prices": {"in": args.price_in, "out": args.price_out}, **engine.sampling}
+                    "prices": {"in": args.api_args.price_in, "out": args.api_args.price_out}, **engine.sampling}
         if engine.refused:  # a hosted reasoning model's rules (rl/engines/api.py): the parameters it refused
             results["refused"] = sorted(engine.refused)
-        asked = {"temperature": args.temperature, "top_p": args.top_p}
+        asked = {"temperature": args.engine_args.temperature, "top_p": args.engine_args.top_p}
         if engine.sampling != asked:
             results["asked"] = asked
     if len(settings["horizons"]) > 1:
@@ -313,89 +283,21 @@ def evaluation_tasks(args: Args, settings: dict) -> list[int]:
     return task_ids
 
 
-def load_engine(args: Args, settings: dict):
-    """(kind, format, engine) that episodes play on: the local model on vLLM or HF sampling, or for --model
-    openai:<name> the server at --base-url (no local model or tokenizer is loaded then)."""
-    if args.vllm_dtype != "auto" and (args.model.startswith(api.PREFIX) or args.rollout_server
-                                      or engine_kind(args.engine) == "hf"):
-        raise SystemExit(f"--vllm-dtype {args.vllm_dtype} sets the in-process vLLM engine's dtype; this evaluation has "
-                         "none (a rollout server has its own --dtype)")
-    if args.model.startswith(api.PREFIX):
-        fmt = api.APIFormat(settings["reasoning_tags"])
-        return "api", fmt, api_engine(args, fmt.reasoning)
-    if args.base_url is not None:
-        raise SystemExit(f"--base-url is for --model {api.PREFIX}<name>: a model on a server, by the name it serves it under")
-    tokenizer = load_tokenizer(args.model)
-    fmt = chat_format(tokenizer, LayoutArgs(settings["agent"], settings["reasoning_tags"], settings["chat_template_kwargs"],
-                                            settings["reasoning"]))
-    if args.rollout_server:
-        return "server", fmt, served_engine(args, settings, fmt)
-    kind = engine_kind(args.engine)
-    model = None
-    if kind == "hf" or is_adapter(args.model):
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        model = load_model(args.model, dtype=torch.bfloat16 if device == "cuda" else torch.float32).to(device).eval()
-    engine = make_engine(kind, args.model, fmt, model, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                         batch_size=args.batch_size, max_model_len=settings["max_tokens"],
-                         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                         tensor_parallel_size=args.vllm_tensor_parallel_size, deterministic=args.deterministic,
-                         dtype=args.vllm_dtype)
-    if kind == "vllm" and model is not None:  # a LoRA checkpoint: vLLM loaded its base; the adapter goes in merged
-        engine.load_weights(model, weights=full_weights(model))
-    return kind, fmt, engine
-
-
-def served_engine(args: Args, settings: dict, fmt):
-    """The engine on --rollout-server, checked to serve --model's architecture and vocabulary. --model is what gets
-    evaluated: unless every server loaded exactly it (and has had no weights sent since), its weights (a LoRA
-    checkpoint's merged) are broadcast to them first and checked with the probe."""
-    from rl.model import load_config, resolve
-    from rl.engines.remote import RemoteEngine
-    from rl.engines.server import identity
-
-    if args.engine != "auto":
-        raise SystemExit("--rollout-server plays on vLLM servers: leave --engine out")
-    engine = RemoteEngine(list(args.rollout_server), fmt, temperature=args.temperature, top_p=args.top_p,
-                          seed=args.seed, deterministic=args.deterministic, owner=True,
-                          identity=identity(load_config(args.model), fmt.tokenizer), max_model_len=settings["max_tokens"])
-    loaded = resolve(args.model)
-    loaded = str(Path(loaded).resolve()) if Path(loaded).exists() else loaded  # (as a server names its model)
-    engine.version = 0  # (the servers' weights as they loaded them: a trainer's broadcast meanwhile fails the turns)
-    if is_adapter(args.model) or any((s.info["model"], s.info["version"]) != (loaded, 0) for s in engine.servers):
-        model = load_model(args.model)
-        synced = engine.load_weights(model, weights=full_weights(model), verify=False)
-        problem = synced.get("error")
-        if problem is None and not synced["probe_diff"] <= engine.tolerance:
-            problem = f"the probe's log-probs differ from --model's by {synced['probe_diff']:.3g}"
-        if problem is not None:
-            engine.close()
-            raise SystemExit(f"--rollout-server: --model's weights did not reach the servers: {problem}")
-    return engine
-
-
-def api_engine(args: Args, reasoning: Reasoning) -> api.APIEngine:
-    """The engine for a model behind an OpenAI-compatible endpoint (`reasoning`: the tags of reasoning a server
-    leaves inline), after one request that shows the server answers and takes the key."""
-    if args.engine != "auto":
+def engine_format(args: Args, settings: dict) -> tuple[str, object]:
+    """The kind of engine episodes play on (api for --model openai:<name>, whose server templates the messages;
+    server for --rollout-server; else vllm or hf) and the format they are laid out in (`settings`' layout)."""
+    on_api = args.model.startswith(api.PREFIX)
+    if on_api and args.engine_args.engine != "auto":
         raise SystemExit(f"--engine chooses a local model's engine; --model {args.model} runs on its server")
-    if args.api_concurrency < 1 or args.api_retries < 0 or args.api_timeout <= 0 or args.api_backoff < 0:
-        raise SystemExit("need --api-concurrency >= 1, --api-retries >= 0, --api-timeout > 0 and --api-backoff >= 0")
-    base_url = args.base_url or os.environ.get("OPENAI_BASE_URL") or api.DEFAULT_URL
-    if not os.environ.get(args.api_key_env):
-        print(f"no API key in ${args.api_key_env}: requests go without one (a local server needs none)")
-    engine = api.APIEngine(base_url, args.model.removeprefix(api.PREFIX), temperature=args.temperature,
-                           top_p=args.top_p, seed=args.seed, concurrency=args.api_concurrency,
-                           retries=args.api_retries, timeout=args.api_timeout, backoff=args.api_backoff,
-                           api_key_env=args.api_key_env, price_in=args.price_in, price_out=args.price_out,
-                           template_kwargs=envs.parse_options(args.chat_template_kwargs, words=True), reasoning=reasoning)
-    try:
-        note = engine.check()
-    except ConnectionError as error:
-        engine.close()
-        raise SystemExit(f"{error}\nCheck --base-url (it ends in /v1 for most servers) and that the server is up.")
-    if note:
-        print(note)
-    return engine
+    if not on_api and args.api_args.base_url is not None:
+        raise SystemExit(f"--base-url is for --model {api.PREFIX}<name>: a model on a server, by the name it serves it under")
+    if args.engine_args.rollout_server and args.engine_args.engine != "auto":
+        raise SystemExit("--rollout-server plays on vLLM servers: leave --engine out")
+    if on_api:  # (no local model or tokenizer is loaded)
+        return "api", api.APIFormat(settings["reasoning_tags"], envs.parse_options(args.chat_template_kwargs, words=True))
+    layout = LayoutArgs(settings["agent"], settings["reasoning_tags"], settings["chat_template_kwargs"], settings["reasoning"])
+    fmt = chat_format(load_tokenizer(args.model), layout)
+    return "server" if args.engine_args.rollout_server else engine_kind(args.engine_args.engine), fmt
 
 
 def output_path(args: Args, env_name: str, settings: dict) -> Path:

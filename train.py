@@ -59,7 +59,7 @@ from rl.agent import LayoutArgs, chat_format
 from rl.batch import Batch, arrange, attach, example_micro_batches, make_batch, minibatch_counts, rows_of, scatter
 from rl.data import examples_of, held_out, offline_steps, read_data, to_record
 from rl.dpo import DPOSums, dpo_terms
-from rl.engines.setup import build_engine, own_stream, stream_seed, sync
+from rl.engines.setup import TrainerEngineArgs, build_engine, own_stream, stream_seed, sync
 from rl.horizon import AUTO, auto_horizon, caps_of, describe, horizon_at, known_before
 from rl.logprobs import pad, token_logprobs, token_values
 from rl.losses import MISMATCH_CAP, aggregate, importance_weights, kl, policy_loss, value_loss
@@ -171,10 +171,6 @@ class Args:
     """tokens per trajectory (prompt + every turn); an episode ends when it is spent"""
     layout_args: Annotated[LayoutArgs, GROUP] = field(default_factory=LayoutArgs)
     """(--agent, --reasoning-tags, --chat-template-kwargs, --reasoning, --attempts: rl/agent.py)"""
-    temperature: float = 1.0
-    """sampling temperature; the trainer scores tokens under the same softmax(logits / T)"""
-    top_p: float = 1.0
-    """nucleus sampling: draw from the smallest set of tokens holding this much probability"""
     gen_batch_size: int = 64
     """trajectories per generation call (hf engine)"""
     env_args: Annotated[EnvArgs, GROUP] = field(default_factory=EnvArgs)
@@ -183,30 +179,9 @@ class Args:
     """stop the run when more than this share of a step's trajectories end in an env failure, not train on the rest"""
 
     # -- rollout engine
-    engine: Literal["auto", "vllm", "hf"] = "auto"
-    """vllm: vLLM in every process (continuous batching, prefix caching), the trainer's weights copied in and checked
-    after every update; hf: Hugging Face sampling on the trainer's own weights; auto: vllm when it is installed"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """share of the GPU's memory the vLLM engine takes (weights and KV cache); the trainer has the rest.
-    0.3 leaves a 3B full fine-tune its ~50 GB on one 80 GB GPU"""
-    vllm_max_model_len: int = 0
-    """the vLLM engine's context length; 0: --max-tokens"""
-    vllm_tensor_parallel_size: int = 1
-    """GPUs per vLLM engine (tensor parallel); 1: one engine per process, each generating its own tasks"""
-    rollout_server: tuple[str, ...] = ()
-    """HOST:PORT of rollout servers (`python -m rl.rollout_server`, on GPUs of their own; any tensor parallel size) to
-    play rollouts on, not an engine in every process; the weights reach them over torch.distributed (README)"""
-    vllm_sleep: bool = True
-    """GPU: the engine frees its KV cache and offloads its weights while the trainer scores and updates"""
-    vllm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """the vLLM engine's weights and compute; auto: bfloat16 on a GPU, float32 on a CPU (where the trainer is fp32)"""
-    sync_tolerance: float = 0.0
-    """largest mean engine-vs-trainer log-prob difference on the probe accepted after a weight sync
-    (the run stops past it); 0: by the engine's dtype, 1e-3 for fp32, 0.1 for bf16"""
-    deterministic: bool = False
-    """the same seed, the same run, on vLLM too (HF sampling always is), resumed or not: vLLM generates in rounds,
-    each request seeded from a stream that every rollout restarts from (seed, step); vLLM loses 10-20% of its
-    tokens/s on CPU (README)"""
+    engine_args: Annotated[TrainerEngineArgs, GROUP] = field(default_factory=TrainerEngineArgs)
+    """(--engine, --vllm-*, --rollout-server, --sync-tolerance, --deterministic, --temperature, --top-p:
+    rl/engines/setup.py)"""
 
     # -- asynchronous training
     max_staleness: int | None = None
@@ -347,11 +322,12 @@ TINY_EVAL_TASKS = 16
 def main(args: Args) -> Path | None:
     from accelerate.utils import gather_object, set_seed
 
-    accelerator, mixed = make_accelerator(args.model_args.mixed_precision, args.grad_clip, args.deterministic)
+    accelerator, mixed = make_accelerator(args.model_args.mixed_precision, args.grad_clip, args.engine_args.deterministic)
     check(args, accelerator.num_processes, accelerator.distributed_type.value)
     set_seed(args.seed + accelerator.process_index)
     if args.dry_run:  # the memory plan, before anything heavy
-        return print_plan(accelerator, args.model, args.algo, args.kl_coef, args.model_args, args,
+        return print_plan(accelerator, args.model, args.algo, args.kl_coef, args.model_args, args.engine_args,
+                          args.gen_batch_size,
                           args.max_tokens_per_micro_batch or args.micro_batch_size * args.max_tokens, args.max_tokens,
                           args.launch_config, args.gpu_gib)
     if args.algo in OFFLINE:  # learning from trajectory files: the same models, checkpoints and logs
@@ -382,7 +358,8 @@ def main(args: Args) -> Path | None:
                               args.model_args)
         max_tokens = context_limit(args.max_tokens, args.model, accelerator.unwrap_model(models.policy),
                                say=accelerator.is_main_process)
-        engine = build_engine(args, fmt, models, accelerator, max_tokens)
+        engine = build_engine(args.engine_args, fmt, args.model, max_tokens, args.seed + accelerator.process_index,
+                              args.gen_batch_size, accelerator=accelerator, policy=models.policy)
         trainer_state = resume(accelerator, models, engine, Path(args.resume)) if resuming else {"step": 0, "logs": {}}
         start_step = trainer_state["step"] + 1
         sync(engine, models.policy, accelerator, start_step - 1)  # from the first step on: the trainer's weights
@@ -415,7 +392,7 @@ def main(args: Args) -> Path | None:
             costs = Costs(RolloutStats())
             with costs.measure("rollout"):
                 bar = phase(progress, "rollout", len(task_ids))
-                if stream is None and args.deterministic:  # this step's samples depend on (seed, step) and the weights
+                if stream is None and args.engine_args.deterministic:  # this step's samples depend on (seed, step) and the weights
                     engine.reseed(stream_seed(args.seed + accelerator.process_index, step))
                 trajectories = stream.take(step, bar) if stream is not None else rollout(  # (--max-staleness: see Stream)
                     engine, fmt, environments, task_ids, groups, horizon=horizon, pool=pool, stats=costs.rollout,
@@ -507,7 +484,7 @@ def streamed(engine, fmt: ChatFormat, environments: list, train_ids: list[int], 
     seed = args.seed + accelerator.process_index
     return Stream(engine, fmt, environments, tasks_of, staleness=args.max_staleness, first=first, last=args.steps,
                   max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, agent=args.layout_args.make_agent(),
-                  pool=pool, reseed=(lambda j: engine.reseed(stream_seed(seed, j))) if args.deterministic else None)
+                  pool=pool, reseed=(lambda j: engine.reseed(stream_seed(seed, j))) if args.engine_args.deterministic else None)
 
 
 def horizon_for(step: int, args: Args, history: list[dict]) -> tuple[int, str | None]:
@@ -561,7 +538,7 @@ def old_logprobs(models: Models, batch: Batch, args: Args, accelerator, between=
         positions = micro.get("position_ids")
         with accelerator.autocast():
             if need_old:
-                micro["old_logprobs"], _ = token_logprobs(models.policy, *inputs, args.temperature, position_ids=positions)
+                micro["old_logprobs"], _ = token_logprobs(models.policy, *inputs, args.engine_args.temperature, position_ids=positions)
             if models.critic is not None:
                 micro["old_values"] = token_values(models.critic, *inputs, position_ids=positions)
         if between is not None and (need_old or models.critic is not None):  # (only where a pass ran)
@@ -571,7 +548,7 @@ def old_logprobs(models: Models, batch: Batch, args: Args, accelerator, between=
             for micro in batch.micro:
                 inputs = (micro["input_ids"], micro.get("attention_mask"), micro["loss_mask"])
                 with accelerator.autocast():
-                    micro["ref_logprobs"], _ = token_logprobs(ref, *inputs, args.temperature,
+                    micro["ref_logprobs"], _ = token_logprobs(ref, *inputs, args.engine_args.temperature,
                                                               position_ids=micro.get("position_ids"))
                 if between is not None:
                     between()
@@ -645,7 +622,7 @@ def update_policy(models: Models, micro: dict, counts: dict, args: Args, acceler
     counts = counts | {"segments": micro["segments"], "weights": micro.get("weights")}  # (see rl/batch.py)
     with accelerator.autocast():
         logprobs, entropy = token_logprobs(models.policy, micro["input_ids"], micro.get("attention_mask"), mask,
-                                           args.temperature, with_entropy=True, position_ids=micro.get("position_ids"))
+                                           args.engine_args.temperature, with_entropy=True, position_ids=micro.get("position_ids"))
     old = micro["old_logprobs"] if "old_logprobs" in micro else logprobs.detach()
     micro.setdefault("trainer_logprobs", old.detach())  # the first pass's, for the rollout log
     pg, clipped = policy_loss(logprobs, old, micro["advantages"], args.clip, args.clip_high, args.dual_clip)
@@ -747,7 +724,8 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
     test_ids = test_task_ids(args) if args.eval_every else []
     environments = args.env_args.make_envs(args.env, min(args.gen_batch_size, -(-len(test_ids) // accelerator.num_processes)),
                                            accelerator.process_index, args.seed) if test_ids else []
-    engine = build_engine(args, fmt, models, accelerator, max_tokens) if test_ids else None
+    engine = build_engine(args.engine_args, fmt, args.model, max_tokens, args.seed + accelerator.process_index,
+                          args.gen_batch_size, accelerator=accelerator, policy=models.policy) if test_ids else None
     trainer_state = resume(accelerator, models, engine, Path(args.resume)) if resuming else {"step": 0, "logs": {}}
     config = run_config(flags.flat(args), run_dir, resuming, accelerator, mixed, engine, environments[0] if environments else None)
     if accelerator.is_main_process:
@@ -862,7 +840,8 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
     test_ids = test_task_ids(args)
     count = min(args.gen_batch_size, -(-max(len(explore_ids) * args.n, len(test_ids)) // accelerator.num_processes))
     environments = args.env_args.make_envs(args.env, count, accelerator.process_index, args.seed)
-    engine = build_engine(args, fmt, models, accelerator, max_tokens)
+    engine = build_engine(args.engine_args, fmt, args.model, max_tokens, args.seed + accelerator.process_index,
+                          args.gen_batch_size, accelerator=accelerator, policy=models.policy)
     config = run_config(flags.flat(args), run_dir, False, accelerator, mixed, engine, environments[0])
     if accelerator.is_main_process:
         print(f"run {run_dir.name}: agentevol on {args.model} ({args.preset} preset), {args.iterations} iterations "

@@ -27,7 +27,6 @@ import tyro
 
 import envs
 from rl import advantages as adv_lib
-from rl.engines.setup import check_engine, check_sampling
 from rl.horizon import AUTO, LADDER, caps_of
 from rl.model import EMBEDDED
 from rl.run import find_checkpoint, resumable_config, run_of
@@ -178,8 +177,7 @@ def check(args, world: int, distributed: str = "NO") -> None:
     check_horizon(args)
     if args.max_new_tokens >= args.max_tokens:
         raise SystemExit("--max-new-tokens must be smaller than --max-tokens")
-    check_engine(args)
-    check_sampling(args.top_p)
+    args.engine_args.check(args.max_tokens)
     args.model_args.check(args.algo, distributed)
     if args.eval_every < 0 or args.eval_tasks < 0 or args.eval_k < 1:
         raise SystemExit("--eval-every and --eval-tasks take 0 (never, all) or more, --eval-k 1 or more")

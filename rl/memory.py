@@ -155,12 +155,12 @@ def server_plan(config, *, tensor_parallel: int, gpu_gib: float, context: int,
             "divides_heads": config.num_attention_heads % tensor_parallel == 0}
 
 
-def print_plan(accelerator, model: str, algo: str, kl_coef: float, settings, engine_args, micro_tokens: int,
-               max_tokens: int, launch_config: str | None = None, gpu_gib: float = 0.0) -> None:
+def print_plan(accelerator, model: str, algo: str, kl_coef: float, settings, engine_args, gen_batch: int,
+               micro_tokens: int, max_tokens: int, launch_config: str | None = None, gpu_gib: float = 0.0) -> None:
     """`train.py --dry-run`: the run's estimated peak memory per GPU, by phase and by what holds it, and whether it
     fits; under --rollout-server, the servers' GPUs too. `settings`: the models' flags (rl/model.ModelArgs),
-    `engine_args` the engine's, `micro_tokens` a micro-batch's tokens, `launch_config` --launch-config, `gpu_gib`
-    --gpu-gib."""
+    `engine_args` the engine's (rl/engines/setup.TrainerEngineArgs), `gen_batch` --gen-batch-size, `micro_tokens` a
+    micro-batch's tokens, `launch_config` --launch-config, `gpu_gib` --gpu-gib."""
     import yaml
 
     from rl import zero3
@@ -195,7 +195,7 @@ def print_plan(accelerator, model: str, algo: str, kl_coef: float, settings, eng
                     checkpointing=settings.gradient_checkpointing,
                     engine="server" if engine_args.rollout_server else engine_kind(engine_args.engine),
                     engine_share=engine_args.vllm_gpu_memory_utilization, engine_sleeps=engine_args.vllm_sleep, gpu_gib=gpu_gib,
-                    batch=engine_args.gen_batch_size, context=max_tokens,
+                    batch=gen_batch, context=max_tokens,
                     logits_elements=min(CHUNK_ELEMENTS, micro_tokens * config.vocab_size), bf16_weights=deepspeed_bf16,
                     offload=offload, persistent_gradients=deepspeed)
     if not accelerator.is_main_process:

@@ -235,7 +235,8 @@ def planned_update(args, accelerator) -> float:
     config = load_config(args.model)
     micro_tokens = args.max_tokens_per_micro_batch or args.micro_batch_size * args.max_tokens
     gpu_gib = torch.cuda.get_device_properties(0).total_memory / GiB if torch.cuda.is_available() else 80.0
-    estimate = plan(config, algo=args.algo, lora_rank=args.model_args.lora_rank, lora_targets=args.model_args.lora_target_modules,
+    estimate = plan(config, algo=args.algo, lora_rank=args.model_args.lora_rank,
+                    lora_targets=args.model_args.lora_target_modules,
                     processes=accelerator.num_processes, sharded=sharded(accelerator),
                     reference=args.algo == "dpo" or args.kl_coef > 0, offload_reference=args.model_args.offload_reference,
                     micro_tokens=micro_tokens, checkpointing=args.model_args.gradient_checkpointing, engine="server",
@@ -317,7 +318,8 @@ def check_rollout(label: str, args, accelerator, models, tokenizer, work: Worklo
 
     args = replace(args, max_tokens=work.context)
     fmt = chat_format(tokenizer, args.layout_args)
-    spy = Spy(build_engine(args, fmt, models, accelerator, args.max_tokens), fmt)
+    spy = Spy(build_engine(args.engine_args, fmt, args.model, args.max_tokens, args.seed + accelerator.process_index,
+                           args.gen_batch_size, accelerator=accelerator, policy=models.policy), fmt)
     tasks = envs.splits("babyai")["test"][:work.episodes // 2]
     environments = [envs.make("babyai") for _ in range(2 * len(tasks))]
     start = time.perf_counter()
@@ -344,7 +346,7 @@ def check_rollout(label: str, args, accelerator, models, tokenizer, work: Worklo
         for micro in batch.micro:
             with accelerator.autocast():
                 logprobs, _ = token_logprobs(models.policy, micro["input_ids"], micro.get("attention_mask"),
-                                             micro["loss_mask"], args.temperature,
+                                             micro["loss_mask"], args.engine_args.temperature,
                                              position_ids=micro.get("position_ids"))
             gaps.append((logprobs.float() - micro["sampler_logprobs"])[micro["loss_mask"] > 0].abs().cpu())
     gap = torch.cat(gaps)

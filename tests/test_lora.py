@@ -11,6 +11,7 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 
 import eval as eval_script
+from rl.flags import build
 import train
 from rl.engines.setup import engine_kind
 from rl.losses import kl
@@ -83,7 +84,7 @@ def test_old_log_probs_are_the_adapted_policys(tmp_path):
     batch = train.batch_of(played, args, accelerator, 0)
     train.old_logprobs(models, batch, args, accelerator)
     for micro in batch.micro:
-        inputs = (micro["input_ids"], micro.get("attention_mask"), micro["loss_mask"], args.temperature)
+        inputs = (micro["input_ids"], micro.get("attention_mask"), micro["loss_mask"], args.engine_args.temperature)
         with torch.no_grad():
             adapted, _ = token_logprobs(policy, *inputs, position_ids=micro.get("position_ids"))
             with policy.disable_adapter():
@@ -123,7 +124,7 @@ def test_the_adapter_reloads_into_eval_and_the_engine(run, tmp_path):
     """eval.py on the adapter checkpoint: its vLLM engine loads the base, gets the merged adapter, and its probe
     log-probs equal the trainer's (load_weights checks that); greedy episodes equal the HF engine's on the adapter."""
     checkpoint = str(run / "checkpoints" / "step_2")
-    results = {engine: eval_script.main(eval_script.Args(model=checkpoint, limit=4, k=1, temperature=0.0, engine=engine,
+    results = {engine: eval_script.main(build(eval_script.Args, model=checkpoint, limit=4, k=1, temperature=0.0, engine=engine,
                                                          out=str(tmp_path / engine)))
                for engine in ("hf", "vllm")}
     episodes = {engine: [json.loads(line) for line in (tmp_path / f"{engine}.jsonl").read_text().splitlines()]

@@ -330,6 +330,7 @@ def test_lora_trains_over_a_server_and_its_checkpoint_evaluates_there(server, tm
     checkpoint over the server (which loaded the base: the merged adapter is broadcast to it first) plays the greedy
     episodes the in-process vLLM engine plays, and records what the server served."""
     import eval as eval_script
+    from rl.flags import build
 
     done = subprocess.run([sys.executable, "train.py", "--rollout-server", server.address, "--lora-rank", "8",
                            "--minibatches", "2", "--micro-batch-size", "1", "--steps", "1", *SMALL, "--out-dir", str(tmp_path), "--run-name", "lora"],
@@ -338,7 +339,7 @@ def test_lora_trains_over_a_server_and_its_checkpoint_evaluates_there(server, tm
     metrics = [json.loads(line) for line in (tmp_path / "lora" / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["charts/step"] == 1 and metrics[-1]["sync/probe_diff"] < 1e-3
     checkpoint = str(tmp_path / "lora" / "checkpoints" / "step_1")
-    results = {kind: eval_script.main(eval_script.Args(model=checkpoint, limit=4, k=1, temperature=0.0,
+    results = {kind: eval_script.main(build(eval_script.Args, model=checkpoint, limit=4, k=1, temperature=0.0,
                                                        out=str(tmp_path / kind), **options))
                for kind, options in (("local", {"engine": "vllm"}), ("served", {"rollout_server": (server.address,)}))}
     episodes = {kind: [json.loads(line)["messages"] for line in (tmp_path / f"{kind}.jsonl").read_text().splitlines()]

@@ -483,7 +483,7 @@ def test_training_and_eval_over_env_url_equal_in_process(babyai_url, tmp_path):
     assert remote_rollouts == local_rollouts and remote_metrics == local_metrics
     assert json.loads((remote_dir / "config.json").read_text())["env_url"] == urls
 
-    scored = [remote_eval, eval_script.main(eval_script.Args(model=checkpoint, engine="hf", limit=3,
+    scored = [remote_eval, eval_script.main(build(eval_script.Args, model=checkpoint, engine="hf", limit=3,
                                                              out=str(tmp_path / "local")))]
     assert scored[0]["errors"] == 0 and list(scored[0]["env_url"]) == urls
     assert {k: v for k, v in scored[0].items() if k not in ("seconds", "env_settings", "env_url")} == \

@@ -216,6 +216,7 @@ def test_training_and_eval_play_through_tool_calls(tmp_path):
     which plays the run's own layout: every episode opens with the tools, every reply is read as calls, and a run's
     malformed replies are counted."""
     import eval as eval_script
+    from rl.flags import build
     import train
 
     args = train.parse_args(["--agent", "tools", "--steps", "1", "--tasks-per-step", "2", "--n", "2", "--horizon", "2",
@@ -226,7 +227,7 @@ def test_training_and_eval_play_through_tool_calls(tmp_path):
     assert len(records) == 4 and all(TOOLS_GUIDE in r["messages"][0]["content"] for r in records)
     metrics = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     assert 0 <= metrics["rollout/malformed_rate"] <= metrics["rollout/invalid_action_rate"] + 1e-9
-    results = eval_script.main(eval_script.Args(model=str(run_dir / "checkpoints" / "step_1"), limit=2, k=1,
+    results = eval_script.main(build(eval_script.Args, model=str(run_dir / "checkpoints" / "step_1"), limit=2, k=1,
                                                 out=str(tmp_path / "eval")))
     assert results["agent"] == "tools" and results["max_new_tokens"] == 96 and 0 <= results["malformed"] <= 1
     episodes = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 import envs
 import eval as eval_script
+from rl.flags import build
 import train
 from envs.babyai import BabyAI
 from rl import advantages as adv_lib
@@ -178,7 +179,7 @@ def test_gain_is_paired_by_task():
 def test_eval_scores_the_checkpoint(trained, tmp_path):
     ckpt = trained / "checkpoints" / "step_2"
     out = tmp_path / "result"
-    results = eval_script.main(eval_script.Args(model=str(ckpt), limit=3, k=2, out=str(out)))
+    results = eval_script.main(build(eval_script.Args, model=str(ckpt), limit=3, k=2, out=str(out)))
     assert results["env"] == "babyai" and results["horizon"] == 2  # the run's own settings
     assert results["protocol"] == "run" and results["overrides"] == []
     assert results["tasks"] == 3 and 0.0 <= results["avg@k"] <= 1.0 and 0.0 <= results["pass@k"] <= 1.0
@@ -208,17 +209,17 @@ def test_eval_protocols(trained):
     has its own turn cap per env, 512 tokens a turn (200 for SciWorld) and a 32k context."""
     ckpt = str(trained / "checkpoints" / "step_2")
     resolve = eval_script.resolve_settings
-    run = resolve(eval_script.Args(model=ckpt))
+    run = resolve(build(eval_script.Args, model=ckpt))
     assert (run["protocol"], run["horizon"], run["max_new_tokens"], run["max_tokens"]) == ("run", 2, 16, 3072)
-    upstream = resolve(eval_script.Args(model=ckpt, protocol="agentgym"))
+    upstream = resolve(build(eval_script.Args, model=ckpt, protocol="agentgym"))
     assert (upstream["env"], upstream["horizon"], upstream["max_new_tokens"], upstream["max_tokens"]) == ("babyai", 20, 512, 32768)
-    sciworld = resolve(eval_script.Args(model="Qwen/Qwen2.5-7B-Instruct", env="sciworld"))
+    sciworld = resolve(build(eval_script.Args, model="Qwen/Qwen2.5-7B-Instruct", env="sciworld"))
     assert (sciworld["protocol"], sciworld["horizon"], sciworld["max_new_tokens"]) == ("agentgym", 30, 200)
-    flagged = resolve(eval_script.Args(model=ckpt, protocol="agentgym", horizon=5))
+    flagged = resolve(build(eval_script.Args, model=ckpt, protocol="agentgym", horizon=5))
     assert flagged["horizon"] == 5 and flagged["overrides"] == ["horizon"] and flagged["max_new_tokens"] == 512
-    assert resolve(eval_script.Args())["protocol"] == "tiny"
+    assert resolve(build(eval_script.Args))["protocol"] == "tiny"
     with pytest.raises(SystemExit, match="--protocol run takes a checkpoint"):
-        resolve(eval_script.Args(model="Qwen/Qwen2.5-7B-Instruct", protocol="run"))
+        resolve(build(eval_script.Args, model="Qwen/Qwen2.5-7B-Instruct", protocol="run"))
 
 
 @pytest.mark.slow
