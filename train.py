@@ -57,20 +57,20 @@ from rl import flags
 from rl.flags import GROUP, OFFLINE, build, check, replace  # noqa: F401 - check: train.check
 from rl.agent import LayoutArgs, chat_format
 from rl.batch import Batch, arrange, attach, example_micro_batches, make_batch, minibatch_counts, rows_of, scatter
-from rl.data import examples_of, held_out, offline_steps, read_data, to_record
+from rl.data import OfflineArgs, examples_of, held_out, offline_steps, read_data, to_record
 from rl.dpo import DPOSums, dpo_terms
 from rl.engines.setup import TrainerEngineArgs, build_engine, own_stream, stream_seed, sync
 from rl.horizon import AUTO, auto_horizon, caps_of, describe, horizon_at, known_before
 from rl.logprobs import pad, token_logprobs, token_values
 from rl.losses import MISMATCH_CAP, aggregate, importance_weights, kl, policy_loss, value_loss
-from rl.memory import print_plan
+from rl.memory import PlanArgs, print_plan
 from rl.model import (EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, ModelArgs, Models, build_models, context_limit, has_reference,
                       load_tokenizer, make_accelerator, reference, restart, stop_on_nondeterministic)
 from rl.metrics import (Costs, UpdateSums, async_metrics, eval_line, eval_metrics, evol_line, offline_line, rl_line,
                         step_metrics, weight_sums)
 from rl.optimizer import accumulate, optimizer_steps, reducer, stop_on_nonfinite
 from rl.records import read_metrics, rollout_records
-from rl.run import (Logs, close, eval_due, evaluation_plan, finish, phase, resume, run_config, run_directory,
+from rl.run import (Logs, RunArgs, close, eval_due, evaluation_plan, finish, phase, resume, run_config, run_directory,
                     save_checkpoint, stop_on_env_failures)
 from rl.scores import score, spread
 from rl.sft import SFTSums, sft_terms
@@ -110,30 +110,7 @@ class Args:
     """GAE lambda (ppo)"""
 
     # -- SFT, DPO, AgentEvol: learning from trajectory files
-    data: tuple[str, ...] = ()
-    """trajectory files to learn from: AgentGym's AgentTraj JSON/JSONL (scripts/make_expert_data.py writes
-    them), a run's rollouts.jsonl or eval.py's episodes"""
-    experience: tuple[str, ...] = ()
-    """dpo: the model's own episodes, each paired (rejected) with its task's episode in --data (chosen),
-    as AgentGym's make_dpo_dataset; without it, pairs are made within --data's tasks"""
-    batch_size: int = 16
-    """conversations (dpo: pairs) per optimizer step"""
-    validation: float = 0.05
-    """share of --data's tasks held out for the validation loss"""
-    beta: float = 0.5
-    """dpo: strength of the pull toward the reference model (AgentGym's train_dpo.sh: 0.5)"""
-    margin: float = 0.5
-    """dpo: a pair's chosen episode scored at least this much more than its rejected one"""
-    iterations: int = 2
-    """agentevol: rounds of explore, keep the successes, retrain, evaluate, after a first round of behaviour
-    cloning on --data alone"""
-    explore_tasks: int = 0
-    """agentevol: train tasks explored per iteration (--n episodes each), spread over the split; 0: all"""
-    threshold: float | None = None
-    """agentevol: keep explored episodes with at least this reward; default: those the env counts as solved"""
-    retrain_from: Literal["base", "continue"] = "base"
-    """agentevol: each iteration retrains --model afresh on the merged data (base, as AgentGym), or goes on
-    from the last iteration's weights (continue)"""
+    offline_args: Annotated[OfflineArgs, GROUP] = field(default_factory=OfflineArgs)  # rl/data.py
 
     # -- evaluation during training
     eval_every: int = 0
@@ -169,19 +146,15 @@ class Args:
     """tokens per assistant turn"""
     max_tokens: int = 8192
     """tokens per trajectory (prompt + every turn); an episode ends when it is spent"""
-    layout_args: Annotated[LayoutArgs, GROUP] = field(default_factory=LayoutArgs)
-    """(--agent, --reasoning-tags, --chat-template-kwargs, --reasoning, --attempts: rl/agent.py)"""
+    layout_args: Annotated[LayoutArgs, GROUP] = field(default_factory=LayoutArgs)  # rl/agent.py
     gen_batch_size: int = 64
     """trajectories per generation call (hf engine)"""
-    env_args: Annotated[EnvArgs, GROUP] = field(default_factory=EnvArgs)
-    """(--env-options, --env-timeout, --env-url, --env-delay: envs/guard.py)"""
+    env_args: Annotated[EnvArgs, GROUP] = field(default_factory=EnvArgs)  # envs/guard.py
     max_error_rate: float = 0.25
     """stop the run when more than this share of a step's trajectories end in an env failure, not train on the rest"""
 
     # -- rollout engine
-    engine_args: Annotated[TrainerEngineArgs, GROUP] = field(default_factory=TrainerEngineArgs)
-    """(--engine, --vllm-*, --rollout-server, --sync-tolerance, --deterministic, --temperature, --top-p:
-    rl/engines/setup.py)"""
+    engine_args: Annotated[TrainerEngineArgs, GROUP] = field(default_factory=TrainerEngineArgs)  # rl/engines/setup.py
 
     # -- asynchronous training
     max_staleness: int | None = None
@@ -200,9 +173,7 @@ class Args:
     """--mismatch tis, mis: C, the cap of the weight (tis) or the band [1 / C, C] (mis); default: 2"""
 
     # -- optimisation
-    model_args: Annotated[ModelArgs, GROUP] = field(default_factory=ModelArgs)
-    """(--lr, --warmup-steps, --weight-decay, --critic-lr, --critic-lr-warmup-steps, --mixed-precision, --lora-*,
-    --offload-reference, --gradient-checkpointing: rl/model.py)"""
+    model_args: Annotated[ModelArgs, GROUP] = field(default_factory=ModelArgs)  # rl/model.py
     grad_clip: float = 1.0
     """clip the gradient norm of each optimizer step to this"""
     ppo_epochs: int = 1
@@ -247,37 +218,12 @@ class Args:
     run, and the batch is saved under the run directory for debugging"""
 
     # -- planning
-    dry_run: bool = False
-    """print the estimated peak memory per GPU of this run (weights, optimizer states, activations, engine) and
-    whether it fits, then stop: only the model's config is read"""
-    launch_config: str | None = None
-    """with --dry-run: the Accelerate config the run will be launched with (configs/*.yaml), to plan it from any
-    machine; default: how this process was launched"""
-    gpu_gib: float = 0.0
-    """with --dry-run: GPU memory to plan for; 0: this machine's GPU, else 80 (an H100)"""
+    plan_args: Annotated[PlanArgs, GROUP] = field(default_factory=PlanArgs)  # rl/memory.py
 
     # -- bookkeeping
     seed: int = 1
     """seeds the task order, the sampler and the update's shuffling"""
-    run_name: str | None = None
-    """default: <env>-<algo>-<time>"""
-    out_dir: str = "runs"
-    """runs are written to <out_dir>/<run_name>"""
-    save_every: int = 50
-    """checkpoint every k steps (and at the end); 0: only at the end"""
-    keep_checkpoints: int = 0
-    """keep only the k newest checkpoints; 0: keep all"""
-    resume: str | None = None
-    """continue a run with its own settings (its config.json; only the flags in RESUMABLE may change):
-    a checkpoint directory (runs/<run>/checkpoints/step_<k>), a run directory (its newest complete
-    checkpoint), or `auto`: the newest checkpoint of <out-dir>/<run-name> if there is one, else a new run
-    under that name (the same command line then survives any number of crashes)"""
-    log_rollouts_every: int = 1
-    """write every k-th step's trajectories to rollouts.jsonl (metrics go to metrics.jsonl every step)"""
-    track: bool = False
-    """log to wandb (offline mode when no API key is configured), with a few trajectories a step as a table"""
-    wandb_project: str = "agentgym-rl"
-    """the wandb project of --track"""
+    run_args: Annotated[RunArgs, GROUP] = field(default_factory=RunArgs)  # rl/run.py
 
 
 PRESETS = {
@@ -325,15 +271,14 @@ def main(args: Args) -> Path | None:
     accelerator, mixed = make_accelerator(args.model_args.mixed_precision, args.grad_clip, args.engine_args.deterministic)
     check(args, accelerator.num_processes, accelerator.distributed_type.value)
     set_seed(args.seed + accelerator.process_index)
-    if args.dry_run:  # the memory plan, before anything heavy
-        return print_plan(accelerator, args.model, args.algo, args.kl_coef, args.model_args, args.engine_args,
-                          args.gen_batch_size,
-                          args.max_tokens_per_micro_batch or args.micro_batch_size * args.max_tokens, args.max_tokens,
-                          args.launch_config, args.gpu_gib)
+    if args.plan_args.dry_run:  # the memory plan, before anything heavy
+        return print_plan(accelerator, args.plan_args, args.model, args.algo, args.kl_coef, args.model_args,
+                          args.engine_args, args.gen_batch_size,
+                          args.max_tokens_per_micro_batch or args.micro_batch_size * args.max_tokens, args.max_tokens)
     if args.algo in OFFLINE:  # learning from trajectory files: the same models, checkpoints and logs
         return evolve(args, accelerator, mixed) if args.algo == "agentevol" else learn(args, accelerator, mixed)
-    resuming = args.resume not in (None, "auto")  # "auto" without a checkpoint yet: a new run under --run-name
-    run_dir = run_directory(accelerator, args.out_dir, args.run_name, f"{args.env}-{args.algo}", args.resume, resuming)
+    resuming = args.run_args.resuming
+    run_dir = run_directory(accelerator, args.run_args, f"{args.env}-{args.algo}")
 
     # -- tasks, and one env per trajectory of this process, created once and reset every step
     train_ids = envs.load_task_ids(args.train_tasks, args.env) if args.train_tasks else envs.splits(args.env)["train"]
@@ -354,13 +299,13 @@ def main(args: Args) -> Path | None:
         # -- models, the sampler, and the training state when resuming
         tokenizer = load_tokenizer(args.model)
         fmt = chat_format(tokenizer, args.layout_args)
-        models = build_models(accelerator, args.resume if resuming else args.model, args.model, args.algo, args.kl_coef,
-                              args.model_args)
+        models = build_models(accelerator, args.run_args.resume if resuming else args.model, args.model, args.algo,
+                              args.kl_coef, args.model_args)
         max_tokens = context_limit(args.max_tokens, args.model, accelerator.unwrap_model(models.policy),
                                say=accelerator.is_main_process)
         engine = build_engine(args.engine_args, fmt, args.model, max_tokens, args.seed + accelerator.process_index,
                               args.gen_batch_size, accelerator=accelerator, policy=models.policy)
-        trainer_state = resume(accelerator, models, engine, Path(args.resume)) if resuming else {"step": 0, "logs": {}}
+        trainer_state = resume(accelerator, models, engine, Path(args.run_args.resume)) if resuming else {"step": 0, "logs": {}}
         start_step = trainer_state["step"] + 1
         sync(engine, models.policy, accelerator, start_step - 1)  # from the first step on: the trainer's weights
         history = logged_steps(run_dir, start_step) if resuming else []  # (the steps' metrics: --horizon auto's input)
@@ -374,7 +319,7 @@ def main(args: Args) -> Path | None:
                   f"{evaluation_plan(len(test_ids), args.eval_k, args.eval_every, start_step, args.steps, initial=start_step == 1)}"
                   f" -> {run_dir}" + (f", resumed at step {start_step}" if resuming else ""))
         logs = Logs(run_dir, config, accelerator.is_main_process, trainer_state["logs"],
-                        args.wandb_project if args.track else None)
+                        args.run_args.wandb_project if args.run_args.track else None)
 
         # (the step bar shows the phase under way: rollout, update or eval, and how far it got)
         progress = tqdm(range(start_step, args.steps + 1), disable=not accelerator.is_main_process, desc="train",
@@ -437,12 +382,12 @@ def main(args: Args) -> Path | None:
             metrics |= evaluation | {"perf/step_s": step_s, "perf/engine_idle_share": 1 - costs.rollout.generate_s / step_s,
                                      "charts/step": step}
             logs.write(step, metrics, rl_line(step, metrics), evaluations=evaluated,
-                       rollouts=records if step % args.log_rollouts_every == 0 else [])
+                       rollouts=records if step % args.run_args.log_rollouts_every == 0 else [])
             history.append(metrics)
 
-            if step == args.steps or (args.save_every and step % args.save_every == 0):
+            if step == args.steps or (args.run_args.save_every and step % args.run_args.save_every == 0):
                 save_checkpoint(accelerator, models, engine, tokenizer, run_dir / "checkpoints" / f"step_{step}", step, logs,
-                                args.keep_checkpoints)
+                                args.run_args.keep_checkpoints)
     finally:  # also when a stop (env failures, NaN, a stalled engine) or an error ends the run: no JVM or browser left behind
         if stream is not None:
             stream.close()
@@ -704,21 +649,21 @@ def test_task_ids(args: Args) -> list[int]:
 def learn(args: Args, accelerator, mixed: str) -> Path:
     """--algo sft or dpo: optimizer steps over --data's examples, the validation loss at --eval-every
     steps and at the end, and with --eval-every the policy played on the test split then too."""
-    resuming = args.resume not in (None, "auto")
-    run_dir = run_directory(accelerator, args.out_dir, args.run_name, f"{args.env}-{args.algo}", args.resume, resuming)
-    train, validation = held_out(read_data(args.data, args.env, args.layout_args.agent), args.validation, args.seed)
-    experience = read_data(args.experience, args.env, args.layout_args.agent) if args.experience else None
+    resuming = args.run_args.resuming
+    run_dir = run_directory(accelerator, args.run_args, f"{args.env}-{args.algo}")
+    train, validation = held_out(read_data(args.offline_args.data, args.env, args.layout_args.agent), args.offline_args.validation, args.seed)
+    experience = read_data(args.offline_args.experience, args.env, args.layout_args.agent) if args.offline_args.experience else None
     tokenizer = load_tokenizer(args.model)
     fmt = chat_format(tokenizer, args.layout_args)
-    models = build_models(accelerator, args.resume if resuming else args.model, args.model, args.algo, args.kl_coef,
-                          args.model_args)
+    models = build_models(accelerator, args.run_args.resume if resuming else args.model, args.model, args.algo,
+                          args.kl_coef, args.model_args)
     max_tokens = context_limit(args.max_tokens, args.model, accelerator.unwrap_model(models.policy),
                                say=accelerator.is_main_process)
 
     # -- the examples: conversations (sft) or pairs (dpo), a share of the tasks held out for validation
-    examples = examples_of(fmt, train, max_tokens, args.algo == "dpo", args.margin, experience)
-    held = examples_of(fmt, validation, max_tokens, args.algo == "dpo", args.margin, experience)
-    args = replace(args, steps=offline_steps(len(examples), args.batch_size, args.epochs, args.steps, pairs=args.algo == "dpo"))
+    examples = examples_of(fmt, train, max_tokens, args.algo == "dpo", args.offline_args.margin, experience)
+    held = examples_of(fmt, validation, max_tokens, args.algo == "dpo", args.offline_args.margin, experience)
+    args = replace(args, steps=offline_steps(len(examples), args.offline_args.batch_size, args.epochs, args.steps, pairs=args.algo == "dpo"))
 
     # -- the test tasks, envs and an engine, when the policy is played during training
     test_ids = test_task_ids(args) if args.eval_every else []
@@ -726,16 +671,16 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
                                            accelerator.process_index, args.seed) if test_ids else []
     engine = build_engine(args.engine_args, fmt, args.model, max_tokens, args.seed + accelerator.process_index,
                           args.gen_batch_size, accelerator=accelerator, policy=models.policy) if test_ids else None
-    trainer_state = resume(accelerator, models, engine, Path(args.resume)) if resuming else {"step": 0, "logs": {}}
+    trainer_state = resume(accelerator, models, engine, Path(args.run_args.resume)) if resuming else {"step": 0, "logs": {}}
     config = run_config(flags.flat(args), run_dir, resuming, accelerator, mixed, engine, environments[0] if environments else None)
     if accelerator.is_main_process:
         print(f"run {run_dir.name}: {args.algo} on {args.model} ({args.preset} preset), {len(examples)} "
               f"{'pairs' if args.algo == 'dpo' else 'conversations'} of {len(train)} episodes ({len(held)} held out), "
-              f"{args.steps} steps of {args.batch_size}, "
+              f"{args.steps} steps of {args.offline_args.batch_size}, "
               f"{evaluation_plan(len(test_ids), args.eval_k, args.eval_every, trainer_state['step'] + 1, args.steps, initial=False)} -> {run_dir}"
               + (f", resumed at step {trainer_state['step'] + 1}" if resuming else ""))
     logs = Logs(run_dir, config, accelerator.is_main_process, trainer_state["logs"],
-                    args.wandb_project if args.track else None)
+                    args.run_args.wandb_project if args.run_args.track else None)
 
     progress = tqdm(range(trainer_state["step"] + 1, args.steps + 1), disable=not accelerator.is_main_process,
                     desc=args.algo, dynamic_ncols=True, initial=trainer_state["step"], total=args.steps)
@@ -750,9 +695,9 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
                                              progress) if test_ids and eval_due(step, args.eval_every, args.steps) else ({}, [])
             metrics |= evaluation | {"perf/step_s": time.perf_counter() - step_start, "charts/step": step}
             logs.write(step, metrics, offline_line(step, metrics), evaluations=evaluated)
-            if step == args.steps or (args.save_every and step % args.save_every == 0):
+            if step == args.steps or (args.run_args.save_every and step % args.run_args.save_every == 0):
                 save_checkpoint(accelerator, models, engine, tokenizer, run_dir / "checkpoints" / f"step_{step}", step,
-                                logs, args.keep_checkpoints)
+                                logs, args.run_args.keep_checkpoints)
     finally:
         close(engine, environments, logs)
     return finish(run_dir, accelerator)
@@ -761,7 +706,7 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
 def offline_step(models: Models, examples: list, step: int, args: Args, accelerator, pad_id: int) -> dict[str, float]:
     """One optimizer step on the step's batch (shuffled epochs over the examples, as RL's task order:
     a pure function of the step), and its metrics."""
-    batch = [examples[i] for i in tasks_for(step, list(range(len(examples))), args.batch_size, args.seed)]
+    batch = [examples[i] for i in tasks_for(step, list(range(len(examples))), args.offline_args.batch_size, args.seed)]
     models.policy.train()
     sums, finite = offline_pass(models, batch, args, accelerator, pad_id, train=True)
     grad_norms = optimizer_steps(models, finite, args.grad_clip, accelerator, step, sums)
@@ -806,7 +751,7 @@ def offline_terms(models: Models, micro: dict, args: Args, accelerator,
     the DPO loss of its pairs against the reference, rl/dpo.py), its statistics, and whether they are finite."""
     micro = {key: value.to(accelerator.device) for key, value in micro.items()}
     if args.algo == "dpo":
-        loss, sums, finite = dpo_terms(models, micro, args.beta, args.model_args.offload_reference, accelerator)
+        loss, sums, finite = dpo_terms(models, micro, args.offline_args.beta, args.model_args.offload_reference, accelerator)
     else:
         loss, sums, finite = sft_terms(models.policy, micro, accelerator)
     return loss / max(size, 1e-9), sums, finite
@@ -824,8 +769,8 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
     its model is checkpoints/step_<iteration>, its explored episodes are in rollouts.jsonl. Unlike AgentGym's, it
     explores --n times a task at the run's temperature (AgentGym's script explores greedily, do_sample False, which
     would make a task's samples identical), and can go on from the last iteration's weights (AgentGym: the base)."""
-    run_dir = run_directory(accelerator, args.out_dir, args.run_name, f"{args.env}-{args.algo}", args.resume, False)
-    expert, validation = held_out(read_data(args.data, args.env, args.layout_args.agent), args.validation, args.seed)
+    run_dir = run_directory(accelerator, args.run_args, f"{args.env}-{args.algo}")
+    expert, validation = held_out(read_data(args.offline_args.data, args.env, args.layout_args.agent), args.offline_args.validation, args.seed)
     tokenizer = load_tokenizer(args.model)
     fmt = chat_format(tokenizer, args.layout_args)
     models = build_models(accelerator, args.model, args.model, args.algo, args.kl_coef, args.model_args)
@@ -836,7 +781,7 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
 
     # -- the tasks explored and tested, envs to play them on, the engine
     train_ids = envs.load_task_ids(args.train_tasks, args.env) if args.train_tasks else envs.splits(args.env)["train"]
-    explore_ids = spread(train_ids, args.explore_tasks) if args.explore_tasks else train_ids
+    explore_ids = spread(train_ids, args.offline_args.explore_tasks) if args.offline_args.explore_tasks else train_ids
     test_ids = test_task_ids(args)
     count = min(args.gen_batch_size, -(-max(len(explore_ids) * args.n, len(test_ids)) // accelerator.num_processes))
     environments = args.env_args.make_envs(args.env, count, accelerator.process_index, args.seed)
@@ -844,23 +789,24 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
                           args.gen_batch_size, accelerator=accelerator, policy=models.policy)
     config = run_config(flags.flat(args), run_dir, False, accelerator, mixed, engine, environments[0])
     if accelerator.is_main_process:
-        print(f"run {run_dir.name}: agentevol on {args.model} ({args.preset} preset), {args.iterations} iterations "
+        print(f"run {run_dir.name}: agentevol on {args.model} ({args.preset} preset), {args.offline_args.iterations} iterations "
               f"exploring {len(explore_ids)} tasks x {args.n}, {len(expert)} expert episodes ({len(validation)} held "
               f"out), testing on {len(test_ids)} tasks x {args.eval_k} after every iteration -> {run_dir}")
-    logs = Logs(run_dir, config, accelerator.is_main_process, {}, args.wandb_project if args.track else None)
+    logs = Logs(run_dir, config, accelerator.is_main_process, {},
+                args.run_args.wandb_project if args.run_args.track else None)
     try:
-        for iteration in range(args.iterations + 1):
+        for iteration in range(args.offline_args.iterations + 1):
             start = time.perf_counter()
             explored, kept = [], []
             if iteration > 0:  # explore with the last iteration's policy, keep the successes
                 explored = play_share(engine, fmt, environments, explore_ids, args.n, models, args, accelerator,
                                       max_tokens, iteration, horizon=args.horizon[-1])
                 kept = [to_record(t) for t in explored if t.error is None
-                        and (t.reward >= args.threshold if args.threshold is not None else t.success)]
-                if args.retrain_from == "base":
+                        and (t.reward >= args.offline_args.threshold if args.offline_args.threshold is not None else t.success)]
+                if args.offline_args.retrain_from == "base":
                     restart(models, args.model, bool(args.model_args.lora_rank), accelerator, initial)
             examples = examples_of(fmt, expert + kept, max_tokens)
-            steps = offline_steps(len(examples), args.batch_size, args.epochs, args.steps, pairs=args.algo == "dpo")
+            steps = offline_steps(len(examples), args.offline_args.batch_size, args.epochs, args.steps, pairs=args.algo == "dpo")
             for step in tqdm(range(1, steps + 1), desc=f"iteration {iteration}", leave=False, dynamic_ncols=True,
                              disable=not accelerator.is_main_process):
                 metrics = offline_step(models, examples, step, args, accelerator, fmt.pad_id)
@@ -876,7 +822,7 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
             logs.write(iteration, metrics, evol_line(iteration, metrics), evaluations=evaluated,
                        rollouts=[{"step": iteration, **t.log_record()} for t in explored])
             save_checkpoint(accelerator, models, engine, tokenizer, run_dir / "checkpoints" / f"step_{iteration}",
-                            iteration, logs, args.keep_checkpoints)
+                            iteration, logs, args.run_args.keep_checkpoints)
     finally:
         close(engine, environments, logs)
     return finish(run_dir, accelerator)

@@ -93,7 +93,7 @@ def parse_args(Args: type, presets: dict, preset_defaults: Callable, argv: list[
     peek.add_argument("--agent", default=Args().layout_args.agent)
     peek.add_argument("--resume", default=None)
     peek.add_argument("--run-name", "--run_name", dest="run_name", default=None)  # (tyro takes both spellings)
-    peek.add_argument("--out-dir", "--out_dir", dest="out_dir", default=Args.out_dir)
+    peek.add_argument("--out-dir", "--out_dir", dest="out_dir", default=Args().run_args.out_dir)
     peek.add_argument("--steps", default=None)
     peek.add_argument("--epochs", default=None)
     known, _ = peek.parse_known_args(argv)
@@ -160,15 +160,13 @@ def check(args, world: int, distributed: str = "NO") -> None:
         raise SystemExit("agentevol resets the policy in place between iterations, which a sharded model does not "
                          "support here: run it data-parallel (configs/ddp.yaml) or on one GPU")
     for flag in ("steps", "tasks_per_step", "n", "max_new_tokens", "ppo_epochs", "minibatches", "micro_batch_size",
-                 "max_nonfinite_updates", "log_rollouts_every"):
+                 "max_nonfinite_updates"):
         if getattr(args, flag) < 1:  # 0 would silently skip every rollout or update
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
     if args.epochs is not None and args.epochs < 1:
         raise SystemExit("--epochs must be at least 1")
-    if args.launch_config and not Path(args.launch_config).is_file():
-        raise SystemExit(f"--launch-config {args.launch_config} does not exist: give one of configs/*.yaml")
-    if args.keep_checkpoints < 0:
-        raise SystemExit("--keep-checkpoints takes 0 (all) or more")
+    args.plan_args.check()
+    args.run_args.check()
     if not 0 <= args.max_error_rate <= 1:
         raise SystemExit("--max-error-rate is a share of a step's trajectories, in [0, 1]")
     args.env_args.check()
@@ -243,7 +241,7 @@ def check_horizon(args) -> None:
 def check_rollouts(args, world: int) -> None:
     """check()'s part for RL: the tasks' split over processes, the asynchronous loop's and the mismatch's flags, the
     micro-batches."""
-    if args.data or args.experience:
+    if args.offline_args.data or args.offline_args.experience:
         raise SystemExit(f"--data and --experience are what sft, dpo and agentevol learn from; --algo {args.algo} "
                          "learns from its own rollouts")
     if args.tasks_per_step % world:
@@ -273,25 +271,12 @@ def check_rollouts(args, world: int) -> None:
 
 def check_offline(args, world: int) -> None:
     """check()'s part for sft, dpo and agentevol."""
-    if not args.data:
-        raise SystemExit(f"--algo {args.algo} learns from trajectory files: give --data FILE ... (AgentGym's AgentTraj "
-                         "format; `python scripts/make_expert_data.py --env ENV` writes the oracle's, and a run's "
-                         "rollouts.jsonl or eval.py's episodes read too)")
+    args.offline_args.check(args.algo, world)
     if args.max_staleness is not None or args.mismatch != "none":
         raise SystemExit(f"--max-staleness and --mismatch weigh the tokens of RL's rollouts; --algo {args.algo} learns "
                          "from trajectory files")
-    if args.experience and args.algo != "dpo":
-        raise SystemExit("--experience holds the rejected side of DPO's pairs: use it with --algo dpo")
-    if args.batch_size < 1 or args.batch_size % world:
-        raise SystemExit(f"--batch-size {args.batch_size} must be at least 1 and divisible by the {world} processes")
-    if not 0 <= args.validation < 1:
-        raise SystemExit("--validation is the share of --data's tasks held out, in [0, 1)")
-    if args.beta <= 0 or args.margin < 0:
-        raise SystemExit("--beta must be above 0 and --margin at least 0")
-    if args.iterations < 1 or args.explore_tasks < 0:
-        raise SystemExit("--iterations takes 1 or more, --explore-tasks 0 (all) or more")
     if args.algo == "agentevol" and len(args.horizon) > 1:
         raise SystemExit("--horizon takes one turn cap with agentevol (ScalingInter-RL's stages are steps of RL)")
-    if args.algo == "agentevol" and args.resume is not None:
+    if args.algo == "agentevol" and args.run_args.resume is not None:
         raise SystemExit("--resume does not continue an agentevol run yet: each iteration's model is in "
                          "runs/<run>/checkpoints/step_<iteration>; start a new run from it with --model")

@@ -15,6 +15,7 @@ engine, and `server_plan` adds what each rollout server's GPUs hold (python -m r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -155,12 +156,31 @@ def server_plan(config, *, tensor_parallel: int, gpu_gib: float, context: int,
             "divides_heads": config.num_attention_heads % tensor_parallel == 0}
 
 
-def print_plan(accelerator, model: str, algo: str, kl_coef: float, settings, engine_args, gen_batch: int,
-               micro_tokens: int, max_tokens: int, launch_config: str | None = None, gpu_gib: float = 0.0) -> None:
+@dataclass
+class PlanArgs:
+    """train.py's --dry-run and what it plans for (its flags, nested in train.py's Args under their own names)."""
+
+    dry_run: bool = False
+    """print the estimated peak memory per GPU of this run (weights, optimizer states, activations, engine) and
+    whether it fits, then stop: only the model's config is read"""
+    launch_config: str | None = None
+    """with --dry-run: the Accelerate config the run will be launched with (configs/*.yaml), to plan it from any
+    machine; default: how this process was launched"""
+    gpu_gib: float = 0.0
+    """with --dry-run: GPU memory to plan for; 0: this machine's GPU, else 80 (an H100)"""
+
+    def check(self) -> None:
+        """Stop early, with what to do, on settings that cannot work."""
+        if self.launch_config and not Path(self.launch_config).is_file():
+            raise SystemExit(f"--launch-config {self.launch_config} does not exist: give one of configs/*.yaml")
+
+
+def print_plan(accelerator, plan_args: PlanArgs, model: str, algo: str, kl_coef: float, settings, engine_args,
+               gen_batch: int, micro_tokens: int, max_tokens: int) -> None:
     """`train.py --dry-run`: the run's estimated peak memory per GPU, by phase and by what holds it, and whether it
     fits; under --rollout-server, the servers' GPUs too. `settings`: the models' flags (rl/model.ModelArgs),
     `engine_args` the engine's (rl/engines/setup.TrainerEngineArgs), `gen_batch` --gen-batch-size, `micro_tokens` a
-    micro-batch's tokens, `launch_config` --launch-config, `gpu_gib` --gpu-gib."""
+    micro-batch's tokens."""
     import yaml
 
     from rl import zero3
@@ -168,8 +188,8 @@ def print_plan(accelerator, model: str, algo: str, kl_coef: float, settings, eng
     from rl.logprobs import CHUNK_ELEMENTS
     from rl.model import load_config, sharded
 
-    if launch_config:
-        launch = yaml.safe_load(Path(launch_config).read_text())
+    if plan_args.launch_config:
+        launch = yaml.safe_load(Path(plan_args.launch_config).read_text())
         processes = int(launch.get("num_processes", 1))
         is_sharded = launch.get("distributed_type") in ("FSDP", "DEEPSPEED")
         precision = settings.mixed_precision if settings.mixed_precision != "auto" else launch.get("mixed_precision")
@@ -178,7 +198,7 @@ def print_plan(accelerator, model: str, algo: str, kl_coef: float, settings, eng
         offload = (launch.get("fsdp_config", {}).get("fsdp_offload_params") is True
                    or "cpu" in {(launch.get("deepspeed_config") or {}).get(key) for key in
                                 ("offload_param_device", "offload_optimizer_device")})
-        how, kind = launch_config, launch.get("distributed_type", "NO")
+        how, kind = plan_args.launch_config, launch.get("distributed_type", "NO")
     else:
         processes, is_sharded = accelerator.num_processes, sharded(accelerator)
         deepspeed = zero3.active(accelerator)
@@ -188,7 +208,7 @@ def print_plan(accelerator, model: str, algo: str, kl_coef: float, settings, eng
             or bool(getattr(policy, "offload_params", False))
         how, kind = "this launch", accelerator.distributed_type.value
     config = load_config(model)  # (a LoRA checkpoint's: its base's)
-    gpu_gib = gpu_gib or (torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0)
+    gpu_gib = plan_args.gpu_gib or (torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0)
     estimate = plan(config, algo=algo, lora_rank=settings.lora_rank, lora_targets=settings.lora_target_modules,
                     processes=processes, sharded=is_sharded, reference=algo == "dpo" or kl_coef > 0,
                     offload_reference=settings.offload_reference, micro_tokens=micro_tokens,

@@ -18,6 +18,7 @@ import os
 import shutil
 import time
 import types
+from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -33,29 +34,66 @@ from rl.scores import gain
 CONFIG = "config.json"
 
 
+@dataclass
+class RunArgs:
+    """Where train.py's run is written, what it keeps and where it is logged, and the run it resumes (its flags,
+    nested in train.py's Args under their own names)."""
+
+    run_name: str | None = None
+    """default: <env>-<algo>-<time>"""
+    out_dir: str = "runs"
+    """runs are written to <out_dir>/<run_name>"""
+    save_every: int = 50
+    """checkpoint every k steps (and at the end); 0: only at the end"""
+    keep_checkpoints: int = 0
+    """keep only the k newest checkpoints; 0: keep all"""
+    resume: str | None = None
+    """continue a run with its own settings (its config.json; only the flags in RESUMABLE may change):
+    a checkpoint directory (runs/<run>/checkpoints/step_<k>), a run directory (its newest complete
+    checkpoint), or `auto`: the newest checkpoint of <out-dir>/<run-name> if there is one, else a new run
+    under that name (the same command line then survives any number of crashes)"""
+    log_rollouts_every: int = 1
+    """write every k-th step's trajectories to rollouts.jsonl (metrics go to metrics.jsonl every step)"""
+    track: bool = False
+    """log to wandb (offline mode when no API key is configured), with a few trajectories a step as a table"""
+    wandb_project: str = "agentgym-rl"
+    """the wandb project of --track"""
+
+    @property
+    def resuming(self) -> bool:
+        """Whether the run goes on from a checkpoint (`auto` without one yet: a new run under --run-name)."""
+        return self.resume not in (None, "auto")
+
+    def check(self) -> None:
+        """Stop early, with what to do, on settings that cannot work."""
+        if self.keep_checkpoints < 0:
+            raise SystemExit("--keep-checkpoints takes 0 (all) or more")
+        if self.log_rollouts_every < 1:
+            raise SystemExit("--log-rollouts-every must be at least 1")
+
+
 # ----------------------------------------------------------------------------------------------
 # The run directory and its config.json
 
 
-def run_directory(accelerator, out_dir: str, run_name: str | None, prefix: str, resume: str | None,
-                  resuming: bool) -> Path:
+def run_directory(accelerator, run: RunArgs, prefix: str) -> Path:
     """Where the run writes, the same on every process: <out_dir>/<run_name>, by default <prefix>-<time>. A resumed
-    run (`resuming`: from checkpoint `resume`) goes on in its own directory (from a checkpoint older than its newest,
+    run (from checkpoint --resume) goes on in its own directory (from a checkpoint older than its newest,
     the newer ones and a copy of the logs are moved aside first); a new one refuses a directory that holds another run
-    (its logs would mix), unless `resume` is "auto" (--resume auto restarts it)."""
+    (its logs would mix), unless --resume auto restarts it."""
     from accelerate.utils import broadcast_object_list
 
-    if resuming:
-        run_dir = Path(resume).parent.parent
-        if accelerator.is_main_process and (aside := checkpoint_lib.supersede(run_dir, Path(resume), Logs.FILES)):
-            print(f"{resume} is older than the run's newest checkpoint: the newer ones, and a copy of the logs "
+    if run.resuming:
+        run_dir = Path(run.resume).parent.parent
+        if accelerator.is_main_process and (aside := checkpoint_lib.supersede(run_dir, Path(run.resume), Logs.FILES)):
+            print(f"{run.resume} is older than the run's newest checkpoint: the newer ones, and a copy of the logs "
                   f"before they are cut back to this checkpoint, are now in {aside}")
         accelerator.wait_for_everyone()
         return run_dir
-    name = [run_name or f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"]
-    run_dir = Path(out_dir) / broadcast_object_list(name)[0]  # one timestamp for every process
+    name = [run.run_name or f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"]
+    run_dir = Path(run.out_dir) / broadcast_object_list(name)[0]  # one timestamp for every process
     if (run_dir / CONFIG).exists():
-        if resume != "auto":
+        if run.resume != "auto":
             raise SystemExit(f"{run_dir} already holds a run: continue it with --resume auto --run-name {run_dir.name}, "
                              "or choose another --run-name")
         if accelerator.is_main_process:
