@@ -69,7 +69,7 @@ from tqdm import tqdm
 import envs
 from envs.guard import EnvArgs, close_envs
 from rl import plots
-from rl.agent import LayoutArgs, chat_format, check_layout, make_agent
+from rl.agent import LayoutArgs, chat_format
 from rl.checkpoint import write_atomic
 from rl.flags import GROUP
 from rl.horizon import AUTO, horizon_at
@@ -79,7 +79,6 @@ from rl.records import read_metrics
 from rl.run import run_of
 from rl.scores import endings, paired, score, spread
 from rl.engines import api
-from rl.engines.api import APIArgs
 from rl.engines.setup import EngineArgs, build_engine, engine_kind
 from rollout import EngineStalled, category, on_bar, play
 
@@ -127,14 +126,12 @@ class Args:
     """tokens per assistant turn; default: set by --protocol"""
     max_tokens: int | None = None
     """tokens per trajectory (prompt + every turn); default: set by --protocol"""
+    # rl/engines/setup.py (vLLM takes 0.85 of the GPU here: nothing else shares it in eval), envs/guard.py
     engine_args: Annotated[EngineArgs, GROUP] = field(default_factory=lambda: EngineArgs(vllm_gpu_memory_utilization=0.85))
-    """(--engine, --vllm-*, --rollout-server, --deterministic, --temperature, --top-p: rl/engines/setup.py)"""
     env_args: Annotated[EnvArgs, GROUP] = field(default_factory=EnvArgs)
-    """(--env-options, --env-timeout, --env-url, --env-delay: envs/guard.py)"""
     batch_size: int = 64
     """episodes played at once"""
-    api_args: Annotated[APIArgs, GROUP] = field(default_factory=APIArgs)
-    """(--base-url, --api-*, --price-in, --price-out: rl/engines/api.py)"""
+    api_args: Annotated[api.APIArgs, GROUP] = field(default_factory=api.APIArgs)  # rl/engines/api.py
     seed: int = 0
     """seeds the sampler"""
     out: str | None = None
@@ -204,19 +201,19 @@ def resolve_settings(args: Args) -> dict:
 def main(args: Args) -> dict:
     if args.compare:
         return compare(*args.compare)
-    args.engine_args.check(api=args.model.startswith(api.PREFIX))
+    args.engine_args.check(args.model)
+    args.api_args.check(args.model)
     if args.engine_args.deterministic:  # (before anything starts CUDA)
         deterministic_kernels()
     settings = resolve_settings(args)
     env_name = settings["env"]
     task_ids = evaluation_tasks(args, settings)
-    try:
-        agent = make_agent(settings["agent"], args.attempts)
-        check_layout(agent.name, env_name, history=settings["reasoning"])
-    except ValueError as error:
-        raise SystemExit(str(error)) from error
+    layout = LayoutArgs(settings["agent"], settings["reasoning_tags"], settings["chat_template_kwargs"],
+                        settings["reasoning"], args.attempts)
+    layout.check(env_name)
+    agent = layout.make_agent()
 
-    kind, fmt = engine_format(args, settings)
+    kind, fmt = engine_format(args, layout)
     engine = build_engine(args.engine_args, fmt, args.model, settings["max_tokens"], args.seed, args.batch_size,
                           api_args=args.api_args)
     random.seed(args.seed)
@@ -283,19 +280,13 @@ def evaluation_tasks(args: Args, settings: dict) -> list[int]:
     return task_ids
 
 
-def engine_format(args: Args, settings: dict) -> tuple[str, object]:
+def engine_format(args: Args, layout: LayoutArgs) -> tuple[str, object]:
     """The kind of engine episodes play on (api for --model openai:<name>, whose server templates the messages;
-    server for --rollout-server; else vllm or hf) and the format they are laid out in (`settings`' layout)."""
-    on_api = args.model.startswith(api.PREFIX)
-    if on_api and args.engine_args.engine != "auto":
-        raise SystemExit(f"--engine chooses a local model's engine; --model {args.model} runs on its server")
-    if not on_api and args.api_args.base_url is not None:
-        raise SystemExit(f"--base-url is for --model {api.PREFIX}<name>: a model on a server, by the name it serves it under")
+    server for --rollout-server; else vllm or hf) and the format they are laid out in."""
     if args.engine_args.rollout_server and args.engine_args.engine != "auto":
         raise SystemExit("--rollout-server plays on vLLM servers: leave --engine out")
-    if on_api:  # (no local model or tokenizer is loaded)
-        return "api", api.APIFormat(settings["reasoning_tags"], envs.parse_options(args.chat_template_kwargs, words=True))
-    layout = LayoutArgs(settings["agent"], settings["reasoning_tags"], settings["chat_template_kwargs"], settings["reasoning"])
+    if args.model.startswith(api.PREFIX):  # (no local model or tokenizer is loaded)
+        return "api", api.APIFormat(layout.reasoning_tags, envs.parse_options(args.chat_template_kwargs, words=True))
     fmt = chat_format(load_tokenizer(args.model), layout)
     return "server" if args.engine_args.rollout_server else engine_kind(args.engine_args.engine), fmt
 

@@ -159,7 +159,7 @@ class LayoutArgs:
     attempts: int = 3
     """--agent reflect: attempts a task gets (it stops at its first success)"""
 
-    def check(self, env_name: str, algo: str) -> None:
+    def check(self, env_name: str, algo: str | None = None) -> None:
         """Stop early, with what to do, on a layout that cannot work for this env and --algo (check_layout)."""
         if self.attempts < 1:
             raise SystemExit("--attempts must be at least 1")

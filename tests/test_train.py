@@ -280,7 +280,7 @@ def test_presets_follow_the_model():
     assert train.parse_args([]).preset == "tiny"
     paper = train.parse_args(["--model", "Qwen/Qwen2.5-3B-Instruct"])
     assert paper.preset == "paper" and paper.model_args.lr == 1e-6 and paper.kl_coef == 0.001 and paper.clip == 0.2
-    assert paper.entropy_coef == 0.001 and paper.temperature == 1.0
+    assert paper.entropy_coef == 0.001 and paper.engine_args.temperature == 1.0
     assert train.parse_args(["--lr", "0.5"]).model_args.lr == 0.5  # a flag overrides the preset
     tiny = train.parse_args([])  # on BabyAI, the tiny preset's tasks are the levels where the tiny agent learns
     assert Path(tiny.train_tasks).name == "babyai_tiny_train.json" and Path(tiny.test_tasks).name == "babyai_tiny_test.json"

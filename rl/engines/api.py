@@ -113,6 +113,14 @@ class APIArgs:
     """--model openai:<name>: dollars per million prompt tokens, for the cost in the results"""
     price_out: float = 0.0
     """--model openai:<name>: dollars per million completion tokens"""
+
+    def check(self, model: str) -> None:
+        """Stop early, with what to do, on settings that cannot work for --model `model`."""
+        if not model.startswith(PREFIX) and self.base_url is not None:
+            raise SystemExit(f"--base-url is for --model {PREFIX}<name>: a model on a server, by the name it serves it "
+                             "under")
+        if self.api_concurrency < 1 or self.api_retries < 0 or self.api_timeout <= 0 or self.api_backoff < 0:
+            raise SystemExit("need --api-concurrency >= 1, --api-retries >= 0, --api-timeout > 0 and --api-backoff >= 0")
 # what an episode's calls cost: calls answered with a reply, the server's token counts (reasoning_tokens: those of
 # the completion tokens the model reasoned with, where the server reports them), dollars
 NO_USAGE = {"calls": 0, "prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0, "cost": 0.0}

@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 
 from rl.engines import SyncError, api
+from rl.engines.api import PREFIX as API_PREFIX
 from rl.engines.hf import HFEngine
 from rl.engines.vllm import VLLMEngine, vllm_available
 
@@ -109,10 +110,13 @@ class EngineArgs:
     top_p: float = 1.0
     """nucleus sampling: draw from the smallest set of tokens holding this much probability"""
 
-    def check(self, api: bool = False) -> None:
-        """Stop early, with what to do, on settings that cannot work (`api`: the model is on an OpenAI-compatible
-        endpoint, where no engine runs here)."""
+    def check(self, model: str = "") -> None:
+        """Stop early, with what to do, on settings that cannot work for `model` (eval.py's --model: openai:<name>
+        is on an OpenAI-compatible endpoint, where no engine runs here)."""
         check_sampling(self.top_p)
+        api = model.startswith(API_PREFIX)
+        if api and self.engine != "auto":
+            raise SystemExit(f"--engine chooses a local model's engine; --model {model} runs on its server")
         if self.vllm_dtype != "auto" and (api or self.rollout_server or engine_kind(self.engine) == "hf"):
             raise SystemExit(f"--vllm-dtype {self.vllm_dtype} sets the in-process vLLM engine's dtype: "
                              + ("a model behind an API has none" if api else "a rollout server has its own (python -m "
@@ -236,8 +240,6 @@ def _api_engine(engine_args: EngineArgs, fmt, model: str, seed: int, api_args) -
     answers and takes the key."""
     import os
 
-    if api_args.api_concurrency < 1 or api_args.api_retries < 0 or api_args.api_timeout <= 0 or api_args.api_backoff < 0:
-        raise SystemExit("need --api-concurrency >= 1, --api-retries >= 0, --api-timeout > 0 and --api-backoff >= 0")
     base_url = api_args.base_url or os.environ.get("OPENAI_BASE_URL") or api.DEFAULT_URL
     if not os.environ.get(api_args.api_key_env):
         print(f"no API key in ${api_args.api_key_env}: requests go without one (a local server needs none)")
