@@ -1,17 +1,19 @@
 """train.py's flags: the preset that applies (parse_args, preset_of), what a resumed run may change (RESUMABLE,
-resumed_args), the settings that cannot work (check); and how a script's Args with flag groups in it is read and
-changed by the flags' own names (flat, replace).
+resumed_args), the settings that cannot work (check); and an Args with flag groups in it, read and changed by the
+flags' own names (flat, replace, build).
 
-    args = parse_args(Args, PRESETS, preset_defaults, argv, description)   # train.py's __main__
+    args = parse_args(Args, PRESETS, preset_defaults, argv, description)   # train.py's parse_args
     args = replace(args, deterministic=True, steps=4)   # a flag of a group (EngineArgs) and one of Args, by name
     args = build(eval.Args, model="tiny-agent", env_url=("http://host:8000",))   # likewise, over the defaults
     config = flat(args)                                  # config.json: one level, every flag by its name
 
-train.py and eval.py nest the flag groups they share (envs/guard.EnvArgs, rl/agent.LayoutArgs, rl/engines'
-EngineArgs) with GROUP, tyro's empty prefix, so that every flag keeps its name (--env-url, not --env-args.env-url)
-and config.json stays flat: old runs still resume and eval.py still reads config["max_new_tokens"]. train.py's
-Args and PRESETS are passed in (this module must not import train.py). Each group checks its own flags (its
-`check`); `check` here holds the rules across groups and train.py's own.
+A flag group is a dataclass of flags next to the code that reads them, with its own `check`: EnvArgs
+(envs/guard.py), LayoutArgs (rl/agent.py) and EngineArgs (rl/engines/setup.py), which train.py and eval.py share,
+and train.py's ModelArgs (rl/model.py), OfflineArgs (rl/data.py), PlanArgs (rl/memory.py), RunArgs (rl/run.py),
+TrainerEngineArgs; eval.py's APIArgs (rl/engines/api.py). A script's Args nests them with GROUP, tyro's empty
+prefix, so every flag keeps its name (--env-url, not --env-args.env-url) and config.json stays flat: old runs
+still resume and eval.py still reads config["max_new_tokens"]. `check` here holds the rules across groups and on
+train.py's own flags. train.py's Args and PRESETS are passed in: this module must not import train.py.
 """
 
 from __future__ import annotations
