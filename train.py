@@ -54,7 +54,7 @@ import envs
 from envs.guard import EnvArgs
 from rl import advantages as adv_lib
 from rl import flags
-from rl.flags import GROUP, OFFLINE, build, check, replace  # noqa: F401 - check: train.check
+from rl.flags import GROUP, OFFLINE, build, check, replace
 from rl.agent import LayoutArgs, chat_format
 from rl.batch import Batch, arrange, attach, example_micro_batches, make_batch, minibatch_counts, rows_of, scatter
 from rl.data import OfflineArgs, examples_of, held_out, offline_steps, read_data, to_record
@@ -302,7 +302,7 @@ def main(args: Args) -> Path | None:
         models = build_models(accelerator, args.run_args.resume if resuming else args.model, args.model, args.algo,
                               args.kl_coef, args.model_args)
         max_tokens = context_limit(args.max_tokens, args.model, accelerator.unwrap_model(models.policy),
-                               say=accelerator.is_main_process)
+                                   say=accelerator.is_main_process)
         engine = build_engine(args.engine_args, fmt, args.model, max_tokens, args.seed + accelerator.process_index,
                               args.gen_batch_size, accelerator=accelerator, policy=models.policy)
         trainer_state = resume(accelerator, models, engine, Path(args.run_args.resume)) if resuming else {"step": 0, "logs": {}}
@@ -319,7 +319,7 @@ def main(args: Args) -> Path | None:
                   f"{evaluation_plan(len(test_ids), args.eval_k, args.eval_every, start_step, args.steps, initial=start_step == 1)}"
                   f" -> {run_dir}" + (f", resumed at step {start_step}" if resuming else ""))
         logs = Logs(run_dir, config, accelerator.is_main_process, trainer_state["logs"],
-                        args.run_args.wandb_project if args.run_args.track else None)
+                    args.run_args.wandb_project if args.run_args.track else None)
 
         # (the step bar shows the phase under way: rollout, update or eval, and how far it got)
         progress = tqdm(range(start_step, args.steps + 1), disable=not accelerator.is_main_process, desc="train",
@@ -680,7 +680,7 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
               f"{evaluation_plan(len(test_ids), args.eval_k, args.eval_every, trainer_state['step'] + 1, args.steps, initial=False)} -> {run_dir}"
               + (f", resumed at step {trainer_state['step'] + 1}" if resuming else ""))
     logs = Logs(run_dir, config, accelerator.is_main_process, trainer_state["logs"],
-                    args.run_args.wandb_project if args.run_args.track else None)
+                args.run_args.wandb_project if args.run_args.track else None)
 
     progress = tqdm(range(trainer_state["step"] + 1, args.steps + 1), disable=not accelerator.is_main_process,
                     desc=args.algo, dynamic_ncols=True, initial=trainer_state["step"], total=args.steps)
