@@ -51,12 +51,14 @@ from __future__ import annotations
 
 import struct
 import zlib
+from dataclasses import dataclass, field
 from typing import Callable
 
 import gymnasium
 import minigrid  # noqa: F401  (registers the BabyAI levels)
 import numpy as np
 from minigrid.core.constants import DIR_TO_VEC, IDX_TO_COLOR, IDX_TO_OBJECT
+from minigrid.core.world_object import WorldObj
 from minigrid.envs.babyai.core import roomgrid_level
 from minigrid.envs.babyai.core.verifier import GoToInstr, OpenInstr, PickupInstr, SeqInstr
 from minigrid.utils.baby_ai_bot import BabyAIBot
@@ -207,17 +209,68 @@ def _progress(instr) -> str:
     return f"({done} {_progress(instr.instr_a)} {_progress(instr.instr_b)})"
 
 
+@dataclass
+class _Seen:
+    """An object in view, named as the text names it ("red ball", "blue locked door"), its cell, and its distance
+    (grid steps from the agent)."""
+    name: str
+    pos: tuple[int, int]
+    dist: int
+
+
+@dataclass
+class _View:
+    """What describe() reads off the 7x7 view: the agent's cell, heading and forward and right unit vectors, the
+    cells in view (path search's area), the objects in view nearest first, the walls and boxes straight ahead
+    nearest first (`barriers`: name and steps ahead), the cells path search may not enter, what the agent carries."""
+    pos: np.ndarray
+    heading: int
+    fwd: np.ndarray
+    right: np.ndarray
+    area: set[tuple[int, int]]
+    objects: list[_Seen]
+    barriers: list[tuple[str, int]]
+    blocked: set[tuple[int, int]]
+    carrying: WorldObj | None
+
+    def path_to(self, obj: _Seen, arrive: bool = False) -> list[int] | None:
+        return _shortest_path(self.pos, self.heading, obj.pos, self.blocked, self.area, arrive)
+
+
+@dataclass
+class _Menu:
+    """The available macro actions (name -> primitive actions; insertion order is the order the agent sees), the
+    error message for each action that is not available, and the cell each object macro leads to."""
+    actions: dict[str, list[int]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    targets: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
 def describe(game, image) -> tuple[str, dict[str, list[int]], dict[str, str], dict[str, tuple[int, int]]]:
     """AgentGym's text view of the agent's 7x7 egocentric `image`: the description, the available
     macro actions (name -> primitive actions, in upstream's order), the fine-grained error message
     for each action that is not available, and the cell each object macro leads to."""
+    view = _scan(game, image)
+    menu = _Menu()
+    # The action families in upstream's order.
+    _move(view, menu)
+    if view.carrying is None:
+        _object_macros(view, menu, "pickup", ("wall", "door", "goal"), [PICKUP])
+    _drop(view, menu)
+    _doors(view, menu)
+    _goal(view, menu)
+    _object_macros(view, menu, "go to", ("wall", "goal"), [])
+    menu.actions["check available actions"] = []
+    return _description(view), menu.actions, menu.errors, menu.targets
+
+
+def _scan(game, image) -> _View:
+    """The visible things, scanned row by row from the far edge, then sorted (stably) by distance."""
     view = game.agent_view_size
     pos = np.array(game.agent_pos)
     d = game.agent_dir
     fwd, right = DIR_TO_VEC[d], DIR_TO_VEC[(d + 1) % 4]
     top_left = pos + fwd * (view - 1) - right * (view // 2)
-
-    # Visible things, scanned row by row from the far edge, then sorted (stably) by distance.
     objects, barriers, area = [], [], set()
     for j in range(view):
         for i in range(view):
@@ -230,128 +283,128 @@ def describe(game, image) -> tuple[str, dict[str, list[int]], dict[str, str], di
             color = IDX_TO_COLOR[image[i, j, 1]]
             if kind in ("door", "key", "ball", "box", "goal", "lava", "wall"):
                 name = f"{color} {DOOR_STATES[image[i, j, 2]]} door" if kind == "door" else f"{color} {kind}"
-                objects.append({"name": name, "pos": (int(cell[0]), int(cell[1])), "dist": int(abs(rel).sum())})
+                objects.append(_Seen(name, (int(cell[0]), int(cell[1])), int(abs(rel).sum())))
             if kind in ("box", "wall") and _cross(fwd, rel) == 0:
-                barriers.append({"name": kind, "dist": int(np.dot(fwd, rel))})
-    objects.sort(key=lambda o: o["dist"])
-    barriers.sort(key=lambda b: b["dist"])
-    blocked = {o["pos"] for o in objects if any(b in o["name"] for b in BLOCKING)}
-    carrying = game.carrying
+                barriers.append((kind, int(np.dot(fwd, rel))))
+    objects.sort(key=lambda o: o.dist)
+    barriers.sort(key=lambda b: b[1])
+    blocked = {o.pos for o in objects if any(b in o.name for b in BLOCKING)}
+    return _View(pos, d, fwd, right, area, objects, barriers, blocked, game.carrying)
 
-    def path_to(obj, arrive=False):
-        return _shortest_path(pos, d, obj["pos"], blocked, area, arrive)
 
-    # -- description
-    if objects:
+def _description(view: _View) -> str:
+    """The observation's text: every object in view but walls, numbered by name, where it lies; the barrier
+    straight ahead; what the agent carries."""
+    if view.objects:
         text = "In front of you in this room, you can see several objects: "
         seen: dict[str, int] = {}
-        for obj in objects:
-            if "wall" in obj["name"]:
+        for obj in view.objects:
+            if "wall" in obj.name:
                 continue
-            rel = np.array(obj["pos"]) - pos
-            ahead, side = int(np.dot(fwd, rel)), int(np.dot(right, rel))
+            rel = np.array(obj.pos) - view.pos
+            ahead, side = int(np.dot(view.fwd, rel)), int(np.dot(view.right, rel))
             if side == 0:
                 where = f"right in front of you {ahead} steps away. "
             else:
                 where = f"{ahead} steps in front of you and {abs(side)} steps to your {'right' if side > 0 else 'left'}. "
-            seen[obj["name"]] = seen.get(obj["name"], 0) + 1
-            text += f"There is a {obj['name']} {seen[obj['name']]} {where} "
+            seen[obj.name] = seen.get(obj.name, 0) + 1
+            text += f"There is a {obj.name} {seen[obj.name]} {where} "
     else:
         text = "You cannot see any objects within sight."
     text += "The room has walls around you. "
-    if barriers:
-        text += f"You are facing a {barriers[0]['name']} {barriers[0]['dist']} steps away. "
+    if view.barriers:
+        name, dist = view.barriers[0]
+        text += f"You are facing a {name} {dist} steps away. "
+    carrying = view.carrying
     text += f"You are carrying a {carrying.color} {carrying.type}." if carrying else "You are not carrying anything."
+    return text
 
-    # -- available actions, in upstream's order
-    actions: dict[str, list[int]] = {"turn left": [LEFT], "turn right": [RIGHT]}
-    errors: dict[str, str] = {}
-    targets: dict[str, tuple[int, int]] = {}
-    if not barriers or barriers[0]["dist"] > 1:
-        actions["move forward"] = [FORWARD]
+
+def _move(view: _View, menu: _Menu) -> None:
+    menu.actions["turn left"] = [LEFT]
+    menu.actions["turn right"] = [RIGHT]
+    if not view.barriers or view.barriers[0][1] > 1:
+        menu.actions["move forward"] = [FORWARD]
     else:
-        errors["move forward"] = "There is a barrier in front of you, you can't move forward."
+        menu.errors["move forward"] = "There is a barrier in front of you, you can't move forward."
 
-    if carrying is None:
-        # Numbering counts only reachable objects of a name, as upstream does.
-        count: dict[str, int] = {}
-        for obj in objects:
-            if any(k in obj["name"] for k in ("wall", "door", "goal")):
-                continue
-            path = path_to(obj)
-            key = f"pickup {obj['name']} {count.get(obj['name'], 0) + 1}"
-            if path is None:
-                errors[key] = f"You cannot {key}, as there is no path leading to it."
-            else:
-                count[obj["name"]] = count.get(obj["name"], 0) + 1
-                actions[key] = path + [PICKUP]
-                targets[key] = obj["pos"]
 
-    if carrying is not None:
-        ahead = (int(pos[0] + fwd[0]), int(pos[1] + fwd[1]))
-        if ahead in blocked:
-            errors["drop"] = "You cannot drop the object, as there is already an object in front of you."
+def _object_macros(view: _View, menu: _Menu, verb: str, skip: tuple[str, ...], last: list[int]) -> None:
+    """"<verb> <object> <n>" for each object in view not named by `skip`: the path to face it, then `last`.
+    Numbering counts only reachable objects of a name, as upstream does."""
+    count: dict[str, int] = {}
+    for obj in view.objects:
+        if any(k in obj.name for k in skip):
+            continue
+        path = view.path_to(obj)
+        key = f"{verb} {obj.name} {count.get(obj.name, 0) + 1}"
+        if path is None:
+            menu.errors[key] = f"You cannot {key}, as there is no path leading to it."
         else:
-            actions["drop"] = [DROP]
-    else:
-        errors["drop"] = "You cannot drop the object, as you are not carrying anything."
+            count[obj.name] = count.get(obj.name, 0) + 1
+            menu.actions[key] = path + last
+            menu.targets[key] = obj.pos
 
+
+def _drop(view: _View, menu: _Menu) -> None:
+    if view.carrying is None:
+        menu.errors["drop"] = "You cannot drop the object, as you are not carrying anything."
+        return
+    ahead = (int(view.pos[0] + view.fwd[0]), int(view.pos[1] + view.fwd[1]))
+    if ahead in view.blocked:
+        menu.errors["drop"] = "You cannot drop the object, as there is already an object in front of you."
+    else:
+        menu.actions["drop"] = [DROP]
+
+
+def _doors(view: _View, menu: _Menu) -> None:
+    """"go through" an open door (walking onto it); "toggle and go through" a closed door, or a locked one with the
+    key of its colour, and "toggle" when such a door is right ahead."""
+    carrying = view.carrying
     doors: dict[str, int] = {}
-    for obj in objects:
-        if "door" not in obj["name"]:
+    for obj in view.objects:
+        if "door" not in obj.name:
             continue
-        doors[obj["name"]] = doors.get(obj["name"], 0) + 1
-        name = f"{obj['name']} {doors[obj['name']]}"
-        if "open door" in obj["name"]:
-            path = path_to(obj, arrive=True)
+        doors[obj.name] = doors.get(obj.name, 0) + 1
+        name = f"{obj.name} {doors[obj.name]}"
+        if "open door" in obj.name:
+            path = view.path_to(obj, arrive=True)
             if path is None:
-                errors[f"go through {name}"] = f"You cannot go through {name}, as there is no path leading to it."
+                menu.errors[f"go through {name}"] = f"You cannot go through {name}, as there is no path leading to it."
             else:
-                actions[f"go through {name}"] = path
-                targets[f"go through {name}"] = obj["pos"]
+                menu.actions[f"go through {name}"] = path
+                menu.targets[f"go through {name}"] = obj.pos
             continue
-        if "locked door" in obj["name"]:
-            key = f"toggle and go through {name}"
+        key = f"toggle and go through {name}"
+        if "locked door" in obj.name:
             if carrying is None or carrying.type != "key":
-                errors[key] = f"You cannot {key}, as you are not carrying a key."
+                menu.errors[key] = f"You cannot {key}, as you are not carrying a key."
                 continue
-            if carrying.color != obj["name"].split(" ")[0]:
-                errors[key] = f"You cannot {key}, as the color of the key you are carrying does not match the color of door."
+            if carrying.color != obj.name.split(" ")[0]:
+                menu.errors[key] = (f"You cannot {key}, as the color of the key you are carrying does not match "
+                                    "the color of door.")
                 continue
-        path = path_to(obj)
+        path = view.path_to(obj)
         if path is None:
-            errors[f"toggle and go through {name}"] = f"You cannot toggle and go through {name}, as there is no path leading to it."
+            menu.errors[key] = f"You cannot {key}, as there is no path leading to it."
         else:
-            actions[f"toggle and go through {name}"] = path + [TOGGLE, FORWARD]
-            targets[f"toggle and go through {name}"] = obj["pos"]
+            menu.actions[key] = path + [TOGGLE, FORWARD]
+            menu.targets[key] = obj.pos
             if not path:
-                actions["toggle"] = [TOGGLE]
-        if "closed door" in obj["name"]:
-            errors[f"go through {name}"] = f"You cannot go through {name}, as it is closed. You should toggle it first."
+                menu.actions["toggle"] = [TOGGLE]
+        if "closed door" in obj.name:
+            menu.errors[f"go through {name}"] = (f"You cannot go through {name}, as it is closed. "
+                                                 "You should toggle it first.")
 
-    for obj in objects:
-        if "goal" in obj["name"]:
-            path = path_to(obj, arrive=True)
+
+def _goal(view: _View, menu: _Menu) -> None:
+    for obj in view.objects:
+        if "goal" in obj.name:
+            path = view.path_to(obj, arrive=True)
             if path is None:
-                errors["go to goal"] = "You cannot go to the goal, as there is no path leading to it."
+                menu.errors["go to goal"] = "You cannot go to the goal, as there is no path leading to it."
             else:
-                actions["go to goal"] = path
-
-    count = {}
-    for obj in objects:
-        if "wall" in obj["name"] or "goal" in obj["name"]:
-            continue
-        path = path_to(obj)
-        key = f"go to {obj['name']} {count.get(obj['name'], 0) + 1}"
-        if path is None:
-            errors[key] = f"You cannot {key}, as there is no path leading to it."
-        else:
-            count[obj["name"]] = count.get(obj["name"], 0) + 1
-            actions[key] = path
-            targets[key] = obj["pos"]
-
-    actions["check available actions"] = []
-    return text, actions, errors, targets
+                menu.actions["go to goal"] = path
 
 
 class BabyAI(Env):

@@ -1,14 +1,14 @@
-"""README's table of train.py's main flags, its defaults column written from the code: the paper preset's values
-and the tiny preset's (the default run's, on BabyAI), read off `train.parse_args`, so that the table cannot go
-stale as the presets change. The rows (which flags, and what they mean) are the README's own.
+"""The table of train.py's main flags (docs/flags.md), its defaults column written from the code: the paper
+preset's values and the tiny preset's (the default run's, on BabyAI), read off `train.parse_args`, so that the table
+cannot go stale as the presets change. The rows (which flags, and what they mean) are the page's own.
 
     python scripts/flags.py            # prints the table as the code says it should be
-    python scripts/flags.py --write    # and writes it into README.md
+    python scripts/flags.py --write    # and writes it into docs/flags.md
 
 A value is shown as the flag takes it (on/off, a space between a tuple's values, 2e-4); 0 or None, where the
 flag's docstring says what that means ("0: never", "default: the shipped train split"), as those words. A row's
 cell is "paper / tiny" where the presets differ, one value list where they agree. tests/test_flags.py checks that
-README.md holds what this prints.
+docs/flags.md holds what this prints.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 import train  # noqa: E402
 from rl.flags import flat  # noqa: E402
 
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "flags.md"
 HEADER = "| flag | default (paper / tiny) | meaning |"
 
 
@@ -73,9 +73,9 @@ def defaults_cell(names: list[str], paper, tiny, docs: dict[str, str]) -> str:
     return cells[0] if cells[0] == cells[1] else f"{cells[0]} / {cells[1]}"
 
 
-def table(readme: str) -> tuple[str, str]:
-    """(README's flag table as it is, as the code says it should be)."""
-    lines = readme.splitlines()
+def table(page: str) -> tuple[str, str]:
+    """(The page's flag table as it is, as the code says it should be)."""
+    lines = page.splitlines()
     start = lines.index(HEADER)
     end = next(i for i in range(start, len(lines) + 1) if i == len(lines) or not lines[i].startswith("|"))
     names = set(flat(train.Args()))
@@ -89,21 +89,22 @@ def table(readme: str) -> tuple[str, str]:
         flags = [flag.replace("-", "_") for flag in re.findall(r"--([a-z0-9-]+)", cells[0])]
         unknown = [flag for flag in flags if flag not in names]
         if unknown:
-            raise SystemExit(f"README's flag table names --{unknown[0].replace('_', '-')}, which train.py's Args lacks")
+            raise SystemExit(f"docs/flags.md's flag table names --{unknown[0].replace('_', '-')}, "
+                             "which train.py's Args lacks")
         rows.append("| " + " | ".join([cells[0], defaults_cell(flags, paper, tiny, docs), *cells[2:]]).replace("  ", " ") + " |")
     return "\n".join(lines[start:end]), "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--write", action="store_true", help="write the table into README.md")
+    parser.add_argument("--write", action="store_true", help="write the table into docs/flags.md")
     args = parser.parse_args(argv)
-    readme = README.read_text()
-    old, new = table(readme)
+    page = PAGE.read_text()
+    old, new = table(page)
     print(new)
     if args.write and new != old:
-        README.write_text(readme.replace(old, new))
-        print(f"wrote {README}", file=sys.stderr)
+        PAGE.write_text(page.replace(old, new))
+        print(f"wrote {PAGE}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -38,11 +38,21 @@ def trained(tmp_path_factory):
     evaluations of 4 test tasks x 2 at steps 0 and 2, on the default engine (vLLM where it is installed). Its lr,
     1e-4, is not the preset's (a resumed run must keep the run's own) and small enough that the policy still writes
     whole characters at step 2 (at 0.01 it samples stray bytes, which the viewer shows as raw pieces). A test that
-    writes into a run (resumes it, draws its curves) works on a copy."""
-    argv = ["--steps", "2", "--tasks-per-step", "2", "--n", "2", "--horizon", "2", "--max-new-tokens", "16",
-            "--lr", "1e-4", "--eval-every", "2", "--eval-tasks", "4",
-            "--out-dir", str(tmp_path_factory.mktemp("trained")), "--run-name", "grpo"]
-    return train.main(train.parse_args(argv))
+    writes into a run (resumes it, draws its curves) works on a copy. Under xdist the run is made once for all
+    workers: the first to ask makes it in their common temporary folder, under a lock the others wait on."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # (each worker's base is a folder of the session's)
+    made = shared / "trained.json"
+    with FileLock(str(shared / "trained.lock")):
+        if not made.exists():
+            argv = ["--steps", "2", "--tasks-per-step", "2", "--n", "2", "--horizon", "2", "--max-new-tokens", "16",
+                    "--lr", "1e-4", "--eval-every", "2", "--eval-tasks", "4",
+                    "--out-dir", str(tmp_path_factory.mktemp("trained")), "--run-name", "grpo"]
+            made.write_text(json.dumps(str(train.main(train.parse_args(argv)))))
+    return Path(json.loads(made.read_text()))
 
 
 @pytest.fixture
@@ -119,3 +129,16 @@ def real_tokenizer(tmp_path_factory):
         return tokenizer
 
     return speaking
+
+
+@pytest.hookimpl(tryfirst=True)  # (before `-m` deselects: the slow tests are counted in the fast subset too)
+def pytest_collection_modifyitems(items):
+    """Files with the most slow tests first, then (xdist's own order) the most tests. Under xdist (pytest.ini: --dist
+    loadfile --no-loadscope-reorder) a file goes whole to the next free worker in this order, so the long files start
+    early and the last ones handed out are short: no worker is left alone with a long file at the end (by test count
+    alone the one-test GPU-check smoke, the soaks and the learning runs came last). A file's own order is kept."""
+    slow, tests = {}, {}
+    for item in items:
+        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+        tests[item.path] = tests.get(item.path, 0) + 1
+    items.sort(key=lambda item: (-slow[item.path], -tests[item.path]))

@@ -1,4 +1,4 @@
-"""Countdown: the smallest env, added by the README's recipe in tests/test_add_env.py (this module plus one
+"""Countdown: the smallest env, added by docs/environments.md's recipe in tests/test_add_env.py (this module plus one
 registry line). Task t ends in success after t % 3 + 1 replies, whatever they say, so a run's outcomes are
 known in advance: under a horizon of 2 the tasks of category "three" end at the horizon, the others solved."""
 

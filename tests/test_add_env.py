@@ -1,4 +1,4 @@
-"""The README's "Add an environment" recipe, followed once: a module (tests/countdown_env.py, with its splits in
+"""docs/environments.md's "Add an environment" recipe, followed once: a module (tests/countdown_env.py, with its splits in
 tests/data/) and one registry line, and train.py, eval.py under its default protocol for a model, and
 envs/serve.py with envs/remote.py take the new env with no other edit. Countdown's outcomes do not depend on
 what the model says (task t is solved after t % 3 + 1 replies), so every score here is known in advance."""

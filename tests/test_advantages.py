@@ -1,6 +1,6 @@
 """Advantage estimators against numbers worked out by hand, on multi-turn masks: action tokens
 (mask 1) in several turns, separated by observation tokens (mask 0) that must stay transparent; and
-the README's recipe for adding one, followed."""
+the recipe for adding one (docs/algorithms.md), followed."""
 
 import dataclasses
 import json
@@ -132,7 +132,7 @@ def test_whitening_statistics_can_be_summed_over_processes():
 
 
 def median_baseline(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """A test estimator, step 1 of README's "Add an advantage estimator": each sample's score minus the median of
+    """A test estimator, step 1 of docs/algorithms.md's "Add an advantage estimator": each sample's score minus the median of
     the other samples of its task."""
     def within(s):
         return s - torch.stack([torch.cat([s[:i], s[i + 1:]]).median() for i in range(len(s))])

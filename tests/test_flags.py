@@ -1,4 +1,4 @@
-"""README's flag table: its defaults are what train.py's presets give (scripts/flags.py writes them); flags that
+"""docs/flags.md's flag table: its defaults are what train.py's presets give (scripts/flags.py writes them); flags that
 would be silently ignored, or cannot work, stop train.py with one sentence."""
 
 import subprocess
@@ -13,13 +13,13 @@ import train
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_readme_flag_table_is_what_the_presets_give():
+def test_the_flag_table_is_what_the_presets_give():
     done = subprocess.run([sys.executable, "scripts/flags.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    readme = (ROOT / "README.md").read_text()
+    page = (ROOT / "docs" / "flags.md").read_text()
     table = done.stdout.strip()
-    assert table in readme, ("README.md's flag table differs from the code's defaults; `python scripts/flags.py --write` "
-                             "rewrites it:\n" + "\n".join(line for line in table.splitlines() if line not in readme))
+    assert table in page, ("docs/flags.md's flag table differs from the code's defaults; `python scripts/flags.py --write` "
+                             "rewrites it:\n" + "\n".join(line for line in table.splitlines() if line not in page))
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -53,7 +53,8 @@ def test_the_docs_of_reasoning_drop_name_every_estimator_it_accepts():
 
     accepted = [algo for algo in typing.get_args(typing.get_type_hints(train.Args)["algo"]) if is_grouped(algo)]
     docstring = (ROOT / "rl" / "agent.py").read_text().split("reasoning: Literal")[1].split('"""')[1]
-    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| estimators |"))
+    row = next(line for line in (ROOT / "docs" / "reasoning-and-tools.md").read_text().splitlines()
+               if line.startswith("| estimators |"))
     assert "gigpo" in accepted
     for algo in accepted:
         train.check(train.parse_args(["--algo", algo, "--reasoning", "drop"]), 1)

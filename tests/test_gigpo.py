@@ -143,6 +143,7 @@ CROSSINGS = {
 }
 
 
+@pytest.mark.slow  # training runs (2 and 4 steps): about 15 s of CPU each
 @pytest.mark.parametrize("crossing", list(CROSSINGS), ids=list(CROSSINGS))
 def test_gigpo_trains_from_the_command_line_and_logs_its_anchor_groups(tmp_path, crossing):
     steps = 4 if crossing != "sync" else 2

@@ -83,6 +83,7 @@ def test_which_steps_decide_a_cap():
     assert describe(("auto", 3, 6), 100, 10) == "horizon auto 3, 6 turns"
 
 
+@pytest.mark.slow  # two training runs (3 steps, resumed to 5): about 7 s of CPU
 def test_auto_in_the_loop_resumes_on_the_same_cap(tmp_path):
     """A cut share of at most 1 always holds, so the cap climbs after every 2 steps at it: 1, 1, 2, 2, 3. Resumed after
     step 3 (one step at cap 2), the run must go on at cap 2 for one more step: it reads its history back from

@@ -29,7 +29,8 @@ def alone(model, ids, mask):
     return logprobs[0]
 
 
-@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+# (eager attention over the packed rows of 2,366 tokens: about 15 s of CPU)
+@pytest.mark.parametrize("attention", [pytest.param("eager", marks=pytest.mark.slow), "sdpa"])
 def test_packed_rows_score_each_conversation_as_if_alone(conversations, attention):
     """Log-probs, entropies and a critic's values of packed rows equal those of each conversation alone, under
     each attention implementation."""

@@ -13,7 +13,7 @@ scripts/fuzz_envs.py (sane actions mixed with invalid and malformed text up to 1
 
 CI runs short soaks (on 2 cores: 15-45 s each for BabyAI, TextCraft, SearchQA, 1-2 minutes for SciWorld, WebArena
 and training while other jobs share the cores); SOAK_SCALE=k runs k times the calls and steps, and pytest -s prints
-each soak's line (the README's figures): `SOAK_SCALE=5 python -m pytest -q -n 0 -s tests/test_soak.py`. An env that
+each soak's line (docs/troubleshooting.md's figures): `SOAK_SCALE=5 python -m pytest -q -n 0 -s tests/test_soak.py`. An env that
 kept every model text fails all three bounds of its soak (TextCraft, 3,000 calls: +165 MiB, +59 MiB per 1,000 calls).
 """
 
@@ -209,7 +209,7 @@ def soak_env(name: str, calls: int, warmup: int, samples: int = 25) -> Samples:
 
 
 # Calls after the warm-up in CI (SOAK_SCALE multiplies them), warm-up calls, and the bounds: RSS growth (MiB), RSS
-# slope (MiB per 1,000 calls), growth of this process's Python blocks. Measured (README, "Memory over long runs"): the
+# slope (MiB per 1,000 calls), growth of this process's Python blocks. Measured (docs/troubleshooting.md): the
 # in-process envs' RSS rises by up to 12 MiB in the first 20,000 calls and then stays (BabyAI over 100,000 calls:
 # +11.6 MiB, slope +0.08): the allocator's fragmentation after texts of up to 1 MiB, with the Python blocks flat. Their
 # bounds are twice that growth and four times the steepest slope seen (0.76); keeping each hostile text would add ~9

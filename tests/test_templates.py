@@ -4,8 +4,8 @@ and off): token-in-token-out holds (under keep each turn's prompt is the last on
 observation; under drop it is the template's own rendering of the conversation, as a client would send it), the loss
 mask is exactly the sampled tokens (and SFT data made of the episode's log is the same tokens), the tools render as
 the template renders them, a reply's call is read in the template's own format and the env gets exactly its action,
-reasoning never reaches the env, and a template this project cannot lay out is refused with one sentence. README's
-"Chat templates" table is STATUS below.
+reasoning never reaches the env, and a template this project cannot lay out is refused with one sentence. The
+"Chat templates" table of docs/reasoning-and-tools.md is STATUS below.
 
 Replies are scripted as a model of that template writes them (its reasoning block, then the env expert's reply or
 its call in the template's format) and tokenized as HFEngine returns a sample (the reply's ids, then the end-of-turn
@@ -33,10 +33,10 @@ from test_token_exactness import Spy, check_exact, random_model
 
 RECORDED = Path(__file__).parent / "data" / "expert_turns.json"
 
-# template -> {(agent, reasoning): status}, the table in README ("Chat templates"). exact: under keep the trajectory's
-# tokens are the template's rendering of the conversation at every turn; own: they are the sampled tokens and differ
-# from the rendering, which drops earlier reasoning (drop lays each turn out as the template does); refused: the run
-# stops at start with one sentence. Qwen3's hybrid templates (qwen3, qwen3_first_release) are audited with
+# template -> {(agent, reasoning): status}, the table in docs/reasoning-and-tools.md ("Chat templates"). exact: under
+# keep the trajectory's tokens are the template's rendering of the conversation at every turn; own: they are the
+# sampled tokens and differ from the rendering, which drops earlier reasoning (drop lays each turn out as the template
+# does); refused: the run stops at start with one sentence. Qwen3's hybrid templates (qwen3, qwen3_first_release) are audited with
 # enable_thinking on and off ("qwen3:nothink").
 EXACT, OWN, REFUSED = "exact", "own tokens", "refused"
 STATUS = {
@@ -296,12 +296,13 @@ def test_harmony_is_refused_in_one_sentence(real_tokenizer):
             chat_format(real_tokenizer("gptoss"), LayoutArgs(agent))
 
 
-def test_the_readme_table_is_the_audit():
-    """README's "Chat templates" table says what STATUS says (a row "as `qwen3`" as qwen3's, in either thinking mode)."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme[readme.index("### Chat templates"):]
+def test_the_docs_table_is_the_audit():
+    """docs/reasoning-and-tools.md's "Chat templates" table says what STATUS says (a row "as `qwen3`" as qwen3's, in
+    either thinking mode)."""
+    page = (Path(__file__).parents[1] / "docs" / "reasoning-and-tools.md").read_text()
+    section = page[page.index("## Chat templates\n"):]
     rows = {}
-    for line in section[:section.index("\n## ")].splitlines():
+    for line in section[:section.index("\n#", 1)].splitlines():
         if line.startswith("| `"):
             cells = line.split(" | ")
             name = re.match(r"\| `(\w+)`", line).group(1) + (":nothink" if "enable_thinking false" in cells[0] else "")

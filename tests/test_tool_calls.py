@@ -205,7 +205,7 @@ def test_an_env_without_tools_is_refused_in_one_sentence(tmp_path, monkeypatch):
     import train
     from test_add_env import COUNTDOWN
 
-    monkeypatch.setitem(envs.ENVS, "countdown", COUNTDOWN)  # (the README's recipe env, which declares no tools)
+    monkeypatch.setitem(envs.ENVS, "countdown", COUNTDOWN)  # (the docs' recipe env, which declares no tools)
     with pytest.raises(SystemExit, match="the countdown env declares no TOOLS, so it cannot be played with --agent tools"):
         train.main(train.parse_args(["--env", "countdown", "--agent", "tools", "--out-dir", str(tmp_path)]))
 

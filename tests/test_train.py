@@ -32,7 +32,7 @@ from rollout import Trajectory
 
 
 
-# every step's metrics (README, "Metrics")
+# every step's metrics (docs/viewer-and-metrics.md, "Metrics")
 STEP_METRICS = [
     "rollout/reward", "rollout/success", "rollout/turns", "rollout/horizon", "rollout/errors",
     "finish/done", "finish/horizon", "finish/max_tokens", "finish/error", "rollout/invalid_action_rate",
@@ -96,7 +96,7 @@ def test_rollout_log_has_every_trajectory(trained):
     metrics = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
     assert [m["charts/step"] for m in metrics] == [0, 1, 2]  # step 0: the initial policy's evaluation
     metrics = metrics[1:]
-    for m in metrics:  # every metric the README lists, grouped by name
+    for m in metrics:  # every metric the docs list, grouped by name
         assert set(STEP_METRICS) <= set(m), set(STEP_METRICS) - set(m)
         assert sum(m[f"finish/{name}"] for name in ("done", "horizon", "max_tokens", "error")) == pytest.approx(1)
         categories = {r["category"] for r in lines if r["step"] == m["charts/step"]}

@@ -349,77 +349,31 @@ class Shop(App):
         return sum(BY_SKU[sku].price * qty for sku, qty in cart.items())
 
     def route(self, request: Request) -> Response:
-        path, s = request.path, request.session
+        """Magento's URLs, in the order they are matched: the catalogue, the cart and checkout, signing in and
+        out, then (signed in only) the account, orders and wish list, and a review posted."""
+        path, post = request.path, request.method == "POST"
         if path == "/":
-            featured = "".join(f"<li class='item'><a href='/{p.slug}.html'>{e(p.name)}</a> "
-                               f"<span class='price'>${p.price:,.2f}</span></li>" for p in PRODUCTS[::5])
-            return Response(self.layout(request, "One Stop Market", (
-                "<h1>One Stop Market</h1><p>Welcome! Browse our categories or search.</p>"
-                f"<h2>Featured Products</h2><ul>{featured}</ul>")))
+            return self.home_page(request)
         if path == "/catalogsearch/result/":
-            q = request.query.get("q", "").strip()
-            words = q.lower().split()
-            found = [p for p in PRODUCTS if words and all(w in p.name.lower() for w in words)]
-            return self.listing(request, found, path, {"q": q}, f"Search results for: '{q}'")
+            return self.search_page(request)
         if path.endswith(".html") and path[1:-5] in CATEGORIES:
             slug = path[1:-5]
             return self.listing(request, [p for p in PRODUCTS if p.category == slug], path, {}, CATEGORIES[slug])
         if path.endswith(".html") and path[1:-5] in BY_SLUG:
             return self.product_page(request, BY_SLUG[path[1:-5]])
-        if path == "/checkout/cart/add" and request.method == "POST":
-            sku, qty = request.form["sku"], max(1, int(request.form.get("qty") or 1))
-            s["cart"][sku] = s["cart"].get(sku, 0) + qty
-            s["message"] = f"You added {BY_SKU[sku].name} to your shopping cart."
-            return redirect("/checkout/cart/")
-        if path == "/checkout/cart/delete" and request.method == "POST":
-            s["cart"].pop(request.form["sku"], None)
+        if path == "/checkout/cart/add" and post:
+            return self.add_to_cart(request)
+        if path == "/checkout/cart/delete" and post:
+            request.session["cart"].pop(request.form["sku"], None)
             return redirect("/checkout/cart/")
         if path == "/checkout/cart/":
-            rows = "".join(
-                f"<tr><td><a href='/{BY_SKU[sku].slug}.html'>{e(BY_SKU[sku].name)}</a></td><td>Qty: {qty}</td>"
-                f"<td>${BY_SKU[sku].price * qty:,.2f}</td><td><form method='post' action='/checkout/cart/delete'>"
-                f"<input type='hidden' name='sku' value='{sku}'><button type='submit'>Remove item</button></form></td></tr>"
-                for sku, qty in s["cart"].items())
-            body = ("<h1>Shopping Cart</h1>" + (
-                f"<table class='cart'><tr><th>Item</th><th>Qty</th><th>Subtotal</th><th></th></tr>{rows}</table>"
-                f"<p>Order Total: ${self.cart_total(s['cart']):,.2f}</p><a href='/checkout/'>Proceed to Checkout</a>"
-                if s["cart"] else "<p>You have no items in your shopping cart.</p>"))
-            return Response(self.layout(request, "Shopping Cart", body))
+            return self.cart_page(request)
         if path == "/checkout/":
-            if not s["cart"]:
-                return redirect("/checkout/cart/")
-            if request.method == "POST":
-                number = len(s["orders"]) + 1
-                s["orders"].append({"number": number, "items": dict(s["cart"]), "total": self.cart_total(s["cart"]),
-                                    "name": request.form.get("name", ""), "street": request.form.get("street", ""),
-                                    "city": request.form.get("city", ""), "status": "Pending"})
-                s["cart"] = {}
-                return redirect(f"/checkout/onepage/success/?order={number}")
-            name = SHOP_USER[2] if request.user else ""
-            return Response(self.layout(request, "Checkout", (
-                "<h1>Checkout</h1><h2>Shipping Address</h2><form method='post' action='/checkout/'>"
-                f"<label for='name'>Full Name</label> <input id='name' name='name' value='{e(name)}'><br>"
-                "<label for='street'>Street Address</label> <input id='street' name='street'><br>"
-                "<label for='city'>City</label> <input id='city' name='city'><br>"
-                f"<p>Order Total: ${self.cart_total(s['cart']):,.2f}</p>"
-                "<button type='submit'>Place Order</button></form>")))
+            return self.checkout(request)
         if path == "/checkout/onepage/success/":
-            number = int(request.query["order"])
-            return Response(self.layout(request, "Success", (
-                "<h1>Thank you for your purchase!</h1>"
-                f"<p>Your order number is: <a href='/sales/order/view/order_id/{number}/'>{number:09d}</a>.</p>")))
+            return self.success_page(request)
         if path == "/customer/account/login/":
-            if request.method == "POST":
-                if (request.form.get("login[username]"), request.form.get("login[password]")) == SHOP_USER[:2]:
-                    self.login(request, SHOP_USER[0])
-                    return redirect("/customer/account/")
-                s["message"] = "The account sign-in was incorrect or your account is disabled temporarily."
-                return redirect("/customer/account/login/")
-            return Response(self.layout(request, "Customer Login", (
-                "<h1>Customer Login</h1><form method='post' action='/customer/account/login/'>"
-                "<label for='email'>Email</label> <input id='email' name='login[username]' type='email'><br>"
-                "<label for='pass'>Password</label> <input id='pass' name='login[password]' type='password'><br>"
-                "<button type='submit'>Sign In</button></form>")))
+            return self.login_page(request)
         if path == "/customer/account/logout/":
             self.logout(request)
             return redirect("/")
@@ -427,48 +381,146 @@ class Shop(App):
                                  or path.startswith("/wishlist")):
             return redirect("/customer/account/login/")
         if path == "/customer/account/":
-            return Response(self.layout(request, "My Account", (
-                f"<h1>My Account</h1><p>{e(SHOP_USER[2])}</p><p>{e(SHOP_USER[0])}</p>"
-                "<a href='/sales/order/history/'>My Orders</a> <a href='/wishlist/'>My Wish List</a>")))
+            return self.account_page(request)
         if path == "/sales/order/history/":
-            rows = "".join(
-                f"<tr><td>{o['number']:09d}</td><td>${o['total']:,.2f}</td><td>{o['status']}</td>"
-                f"<td><a href='/sales/order/view/order_id/{o['number']}/'>View Order</a></td></tr>"
-                for o in reversed(s["orders"]))
-            return Response(self.layout(request, "My Orders", (
-                "<h1>My Orders</h1>" + (f"<table class='orders'><tr><th>Order #</th><th>Order Total</th>"
-                                        f"<th>Status</th><th>Action</th></tr>{rows}</table>"
-                                        if rows else "<p>You have placed no orders.</p>"))))
+            return self.orders_page(request)
         match = re.fullmatch(r"/sales/order/view/order_id/(\d+)/", path)
         if match:
-            number = int(match.group(1))
-            if not 1 <= number <= len(s["orders"]):
-                return not_found()
-            o = s["orders"][number - 1]
-            items = "".join(f"<li>{e(BY_SKU[sku].name)} (Qty: {qty})</li>" for sku, qty in o["items"].items())
-            return Response(self.layout(request, f"Order # {number:09d}", (
-                f"<h1>Order # {number:09d}</h1><p>Status: {o['status']}</p><ul class='order-items'>{items}</ul>"
-                f"<div class='shipping'>Ship to: {e(o['name'])}, {e(o['street'])}, {e(o['city'])}</div>"
-                f"<p>Grand Total: ${o['total']:,.2f}</p>")))
-        if path == "/wishlist/index/add" and request.method == "POST":
-            if request.form["sku"] not in s["wishlist"]:
-                s["wishlist"].append(request.form["sku"])
-            s["message"] = f"{BY_SKU[request.form['sku']].name} has been added to your Wish List."
-            return redirect("/wishlist/")
+            return self.order_page(request, int(match.group(1)))
+        if path == "/wishlist/index/add" and post:
+            return self.add_to_wishlist(request)
         if path == "/wishlist/":
-            items = "".join(f"<li class='item'><a href='/{BY_SKU[sku].slug}.html'>{e(BY_SKU[sku].name)}</a></li>"
-                            for sku in s["wishlist"])
-            return Response(self.layout(request, "My Wish List", (
-                f"<h1>My Wish List</h1><ol class='wishlist'>{items}</ol>" if items
-                else "<h1>My Wish List</h1><p>You have no items in your wish list.</p>")))
+            return self.wishlist_page(request)
         match = re.fullmatch(r"/review/product/post/([A-Z0-9-]+)", path)
-        if match and request.method == "POST":
-            p, f = BY_SKU[match.group(1)], request.form
-            s["reviews"].setdefault(p.sku, []).append(
-                (f.get("nickname", ""), int(f.get("rating") or 5), f.get("summary", ""), f.get("review", "")))
-            s["message"] = "You submitted your review for moderation."
-            return redirect(f"/{p.slug}.html")
+        if match and post:
+            return self.add_review(request, BY_SKU[match.group(1)])
         return not_found()
+
+    # -- the catalogue
+
+    def home_page(self, request: Request) -> Response:
+        featured = "".join(f"<li class='item'><a href='/{p.slug}.html'>{e(p.name)}</a> "
+                           f"<span class='price'>${p.price:,.2f}</span></li>" for p in PRODUCTS[::5])
+        return Response(self.layout(request, "One Stop Market", (
+            "<h1>One Stop Market</h1><p>Welcome! Browse our categories or search.</p>"
+            f"<h2>Featured Products</h2><ul>{featured}</ul>")))
+
+    def search_page(self, request: Request) -> Response:
+        q = request.query.get("q", "").strip()
+        words = q.lower().split()
+        found = [p for p in PRODUCTS if words and all(w in p.name.lower() for w in words)]
+        return self.listing(request, found, request.path, {"q": q}, f"Search results for: '{q}'")
+
+    def add_review(self, request: Request, p: Product) -> Response:
+        f = request.form
+        request.session["reviews"].setdefault(p.sku, []).append(
+            (f.get("nickname", ""), int(f.get("rating") or 5), f.get("summary", ""), f.get("review", "")))
+        request.session["message"] = "You submitted your review for moderation."
+        return redirect(f"/{p.slug}.html")
+
+    # -- the cart and checkout
+
+    def add_to_cart(self, request: Request) -> Response:
+        s = request.session
+        sku, qty = request.form["sku"], max(1, int(request.form.get("qty") or 1))
+        s["cart"][sku] = s["cart"].get(sku, 0) + qty
+        s["message"] = f"You added {BY_SKU[sku].name} to your shopping cart."
+        return redirect("/checkout/cart/")
+
+    def cart_page(self, request: Request) -> Response:
+        cart = request.session["cart"]
+        rows = "".join(
+            f"<tr><td><a href='/{BY_SKU[sku].slug}.html'>{e(BY_SKU[sku].name)}</a></td><td>Qty: {qty}</td>"
+            f"<td>${BY_SKU[sku].price * qty:,.2f}</td><td><form method='post' action='/checkout/cart/delete'>"
+            f"<input type='hidden' name='sku' value='{sku}'><button type='submit'>Remove item</button></form></td></tr>"
+            for sku, qty in cart.items())
+        body = ("<h1>Shopping Cart</h1>" + (
+            f"<table class='cart'><tr><th>Item</th><th>Qty</th><th>Subtotal</th><th></th></tr>{rows}</table>"
+            f"<p>Order Total: ${self.cart_total(cart):,.2f}</p><a href='/checkout/'>Proceed to Checkout</a>"
+            if cart else "<p>You have no items in your shopping cart.</p>"))
+        return Response(self.layout(request, "Shopping Cart", body))
+
+    def checkout(self, request: Request) -> Response:
+        """The shipping form; posted, it places the order and empties the cart."""
+        s = request.session
+        if not s["cart"]:
+            return redirect("/checkout/cart/")
+        if request.method == "POST":
+            number = len(s["orders"]) + 1
+            s["orders"].append({"number": number, "items": dict(s["cart"]), "total": self.cart_total(s["cart"]),
+                                "name": request.form.get("name", ""), "street": request.form.get("street", ""),
+                                "city": request.form.get("city", ""), "status": "Pending"})
+            s["cart"] = {}
+            return redirect(f"/checkout/onepage/success/?order={number}")
+        name = SHOP_USER[2] if request.user else ""
+        return Response(self.layout(request, "Checkout", (
+            "<h1>Checkout</h1><h2>Shipping Address</h2><form method='post' action='/checkout/'>"
+            f"<label for='name'>Full Name</label> <input id='name' name='name' value='{e(name)}'><br>"
+            "<label for='street'>Street Address</label> <input id='street' name='street'><br>"
+            "<label for='city'>City</label> <input id='city' name='city'><br>"
+            f"<p>Order Total: ${self.cart_total(s['cart']):,.2f}</p>"
+            "<button type='submit'>Place Order</button></form>")))
+
+    def success_page(self, request: Request) -> Response:
+        number = int(request.query["order"])
+        return Response(self.layout(request, "Success", (
+            "<h1>Thank you for your purchase!</h1>"
+            f"<p>Your order number is: <a href='/sales/order/view/order_id/{number}/'>{number:09d}</a>.</p>")))
+
+    # -- the customer's account
+
+    def login_page(self, request: Request) -> Response:
+        if request.method == "POST":
+            if (request.form.get("login[username]"), request.form.get("login[password]")) == SHOP_USER[:2]:
+                self.login(request, SHOP_USER[0])
+                return redirect("/customer/account/")
+            request.session["message"] = "The account sign-in was incorrect or your account is disabled temporarily."
+            return redirect("/customer/account/login/")
+        return Response(self.layout(request, "Customer Login", (
+            "<h1>Customer Login</h1><form method='post' action='/customer/account/login/'>"
+            "<label for='email'>Email</label> <input id='email' name='login[username]' type='email'><br>"
+            "<label for='pass'>Password</label> <input id='pass' name='login[password]' type='password'><br>"
+            "<button type='submit'>Sign In</button></form>")))
+
+    def account_page(self, request: Request) -> Response:
+        return Response(self.layout(request, "My Account", (
+            f"<h1>My Account</h1><p>{e(SHOP_USER[2])}</p><p>{e(SHOP_USER[0])}</p>"
+            "<a href='/sales/order/history/'>My Orders</a> <a href='/wishlist/'>My Wish List</a>")))
+
+    def orders_page(self, request: Request) -> Response:
+        rows = "".join(
+            f"<tr><td>{o['number']:09d}</td><td>${o['total']:,.2f}</td><td>{o['status']}</td>"
+            f"<td><a href='/sales/order/view/order_id/{o['number']}/'>View Order</a></td></tr>"
+            for o in reversed(request.session["orders"]))
+        return Response(self.layout(request, "My Orders", (
+            "<h1>My Orders</h1>" + (f"<table class='orders'><tr><th>Order #</th><th>Order Total</th>"
+                                    f"<th>Status</th><th>Action</th></tr>{rows}</table>"
+                                    if rows else "<p>You have placed no orders.</p>"))))
+
+    def order_page(self, request: Request, number: int) -> Response:
+        orders = request.session["orders"]
+        if not 1 <= number <= len(orders):
+            return not_found()
+        o = orders[number - 1]
+        items = "".join(f"<li>{e(BY_SKU[sku].name)} (Qty: {qty})</li>" for sku, qty in o["items"].items())
+        return Response(self.layout(request, f"Order # {number:09d}", (
+            f"<h1>Order # {number:09d}</h1><p>Status: {o['status']}</p><ul class='order-items'>{items}</ul>"
+            f"<div class='shipping'>Ship to: {e(o['name'])}, {e(o['street'])}, {e(o['city'])}</div>"
+            f"<p>Grand Total: ${o['total']:,.2f}</p>")))
+
+    def add_to_wishlist(self, request: Request) -> Response:
+        s = request.session
+        if request.form["sku"] not in s["wishlist"]:
+            s["wishlist"].append(request.form["sku"])
+        s["message"] = f"{BY_SKU[request.form['sku']].name} has been added to your Wish List."
+        return redirect("/wishlist/")
+
+    def wishlist_page(self, request: Request) -> Response:
+        items = "".join(f"<li class='item'><a href='/{BY_SKU[sku].slug}.html'>{e(BY_SKU[sku].name)}</a></li>"
+                        for sku in request.session["wishlist"])
+        return Response(self.layout(request, "My Wish List", (
+            f"<h1>My Wish List</h1><ol class='wishlist'>{items}</ol>" if items
+            else "<h1>My Wish List</h1><p>You have no items in your wish list.</p>")))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -515,7 +567,9 @@ class Forum(App):
                                     + pager(base, {}, page_no, pages, key="page")))
 
     def route(self, request: Request) -> Response:
-        path, s = request.path, request.session
+        """Postmill's URLs, in the order they are matched: the lists, logging in and out, a user's submissions, a
+        forum, submitting, and a post with its comment and vote actions."""
+        path = request.path
         if path == "/":
             return self.post_list(request, self.posts(request), "/", "Postmill", "Front page")
         if path == "/forums":
@@ -526,16 +580,7 @@ class Forum(App):
             found = [p for p in self.posts(request) if q and q in (p.title + " " + p.body).lower()]
             return self.post_list(request, found, "/search", f"Search results for '{q}'")
         if path == "/login":
-            if request.method == "POST":
-                if (request.form.get("_username"), request.form.get("_password")) == FORUM_USER:
-                    self.login(request, FORUM_USER[0])
-                    return redirect("/")
-                return Response(self.layout(request, "Log in", "<h1>Log in</h1><p role='alert'>Invalid credentials.</p>"))
-            return Response(self.layout(request, "Log in", (
-                "<h1>Log in</h1><form method='post' action='/login'>"
-                "<label for='username'>Username</label> <input id='username' name='_username'><br>"
-                "<label for='password'>Password</label> <input id='password' name='_password' type='password'><br>"
-                "<button type='submit'>Log in</button></form>")))
+            return self.login_page(request)
         if path == "/logout":
             self.logout(request)
             return redirect("/")
@@ -546,58 +591,81 @@ class Forum(App):
             return self.post_list(request, mine, path, f"{name}'s submissions", f"Submissions by {name}")
         match = re.fullmatch(r"/f/(\w+)", path)
         if match:
-            forum = match.group(1)
-            if forum not in FORUMS:
-                return not_found()
-            response = self.post_list(request, [p for p in self.posts(request) if p.forum == forum], path, f"f/{forum}")
-            submit = f"<a href='/submit/{forum}'>Submit a new post</a>"
-            response.body = response.body.replace("<main>", f"<main><p>{e(FORUMS[forum])}</p>{submit}", 1)
-            return response
+            return self.forum_page(request, match.group(1))
         match = re.fullmatch(r"/submit/(\w+)", path)
         if match:
-            forum = match.group(1)
-            if forum not in FORUMS:
-                return not_found()
-            if not request.user:
-                return redirect("/login")
-            if request.method == "POST" and request.form.get("title", "").strip():
-                with_id = Post(self.next_id, forum, request.form["title"].strip(), request.user,
-                               request.form.get("body", ""), 1)
-                self.next_id += 1
-                s["posts"].append(with_id)
-                return redirect(f"/f/{forum}/{with_id.id}/{with_id.slug}")
-            return Response(self.layout(request, "Create submission", (
-                f"<h1>Create submission in f/{forum}</h1><form method='post' action='/submit/{forum}'>"
-                "<label for='title'>Title</label> <input id='title' name='title'><br>"
-                "<label for='body'>Body</label> <textarea id='body' name='body'></textarea><br>"
-                "<button type='submit'>Create submission</button></form>")))
+            return self.submit(request, match.group(1))
         match = re.fullmatch(r"/f/(\w+)/(\d+)(?:/[\w-]*)?/?(comment|vote)?", path)
         if match:
-            post = {p.id: p for p in self.posts(request)}.get(int(match.group(2)))
-            if post is None or post.forum != match.group(1):
-                return not_found()
-            here = f"/f/{post.forum}/{post.id}/{post.slug}"
-            if match.group(3) and request.method == "POST":
-                if not request.user:
-                    return redirect("/login")
-                if match.group(3) == "comment" and request.form.get("comment", "").strip():
-                    s["comments"].setdefault(post.id, []).append((request.user, request.form["comment"].strip()))
-                if match.group(3) == "vote":
-                    s["votes"][post.id] = 1 if request.form.get("choice") == "1" else -1
-                return redirect(here)
-            comments = "".join(f"<li class='comment'><p>{e(a)} wrote:</p><p>{e(t)}</p></li>" for a, t in post.comments)
-            vote = "".join(f"<form method='post' action='{here}/vote' style='display:inline'>"
-                           f"<input type='hidden' name='choice' value='{v}'><button type='submit'>{label}</button></form>"
-                           for v, label in (("1", "Upvote"), ("-1", "Downvote")))
-            return Response(self.layout(request, post.title, (
-                f"<h1>{e(post.title)}</h1><p>Submitted by <a href='/user/{e(post.author)}'>{e(post.author)}</a> "
-                f"in <a href='/f/{post.forum}'>f/{post.forum}</a></p>"
-                f"<div class='submission__body'>{e(post.body)}</div>"
-                f"<p class='vote'>{vote} <span class='score'>{post.score}</span> points</p>"
-                f"<h2>{len(post.comments)} comments</h2><ol class='comments'>{comments}</ol>"
-                f"<form method='post' action='{here}/comment'><label for='comment'>Comment</label> "
-                "<textarea id='comment' name='comment'></textarea> <button type='submit'>Post</button></form>")))
+            return self.post_page(request, match.group(1), int(match.group(2)), match.group(3))
         return not_found()
+
+    def login_page(self, request: Request) -> Response:
+        if request.method == "POST":
+            if (request.form.get("_username"), request.form.get("_password")) == FORUM_USER:
+                self.login(request, FORUM_USER[0])
+                return redirect("/")
+            return Response(self.layout(request, "Log in", "<h1>Log in</h1><p role='alert'>Invalid credentials.</p>"))
+        return Response(self.layout(request, "Log in", (
+            "<h1>Log in</h1><form method='post' action='/login'>"
+            "<label for='username'>Username</label> <input id='username' name='_username'><br>"
+            "<label for='password'>Password</label> <input id='password' name='_password' type='password'><br>"
+            "<button type='submit'>Log in</button></form>")))
+
+    def forum_page(self, request: Request, forum: str) -> Response:
+        if forum not in FORUMS:
+            return not_found()
+        response = self.post_list(request, [p for p in self.posts(request) if p.forum == forum], request.path,
+                                  f"f/{forum}")
+        submit = f"<a href='/submit/{forum}'>Submit a new post</a>"
+        response.body = response.body.replace("<main>", f"<main><p>{e(FORUMS[forum])}</p>{submit}", 1)
+        return response
+
+    def submit(self, request: Request, forum: str) -> Response:
+        """The submission form (logged in only); posted with a title, it adds the post and shows it."""
+        if forum not in FORUMS:
+            return not_found()
+        if not request.user:
+            return redirect("/login")
+        if request.method == "POST" and request.form.get("title", "").strip():
+            with_id = Post(self.next_id, forum, request.form["title"].strip(), request.user,
+                           request.form.get("body", ""), 1)
+            self.next_id += 1
+            request.session["posts"].append(with_id)
+            return redirect(f"/f/{forum}/{with_id.id}/{with_id.slug}")
+        return Response(self.layout(request, "Create submission", (
+            f"<h1>Create submission in f/{forum}</h1><form method='post' action='/submit/{forum}'>"
+            "<label for='title'>Title</label> <input id='title' name='title'><br>"
+            "<label for='body'>Body</label> <textarea id='body' name='body'></textarea><br>"
+            "<button type='submit'>Create submission</button></form>")))
+
+    def post_page(self, request: Request, forum: str, post_id: int, action: str | None) -> Response:
+        """A post with its comments; `action` ("comment" or "vote", posted, logged in only) adds to it first."""
+        post = {p.id: p for p in self.posts(request)}.get(post_id)
+        if post is None or post.forum != forum:
+            return not_found()
+        here = f"/f/{post.forum}/{post.id}/{post.slug}"
+        if action and request.method == "POST":
+            if not request.user:
+                return redirect("/login")
+            if action == "comment" and request.form.get("comment", "").strip():
+                request.session["comments"].setdefault(post.id, []).append(
+                    (request.user, request.form["comment"].strip()))
+            if action == "vote":
+                request.session["votes"][post.id] = 1 if request.form.get("choice") == "1" else -1
+            return redirect(here)
+        comments = "".join(f"<li class='comment'><p>{e(a)} wrote:</p><p>{e(t)}</p></li>" for a, t in post.comments)
+        vote = "".join(f"<form method='post' action='{here}/vote' style='display:inline'>"
+                       f"<input type='hidden' name='choice' value='{v}'><button type='submit'>{label}</button></form>"
+                       for v, label in (("1", "Upvote"), ("-1", "Downvote")))
+        return Response(self.layout(request, post.title, (
+            f"<h1>{e(post.title)}</h1><p>Submitted by <a href='/user/{e(post.author)}'>{e(post.author)}</a> "
+            f"in <a href='/f/{post.forum}'>f/{post.forum}</a></p>"
+            f"<div class='submission__body'>{e(post.body)}</div>"
+            f"<p class='vote'>{vote} <span class='score'>{post.score}</span> points</p>"
+            f"<h2>{len(post.comments)} comments</h2><ol class='comments'>{comments}</ol>"
+            f"<form method='post' action='{here}/comment'><label for='comment'>Comment</label> "
+            "<textarea id='comment' name='comment'></textarea> <button type='submit'>Post</button></form>")))
 
 
 # ----------------------------------------------------------------------------------------------

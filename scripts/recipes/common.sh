@@ -5,8 +5,8 @@
 #
 # The paper trains Qwen2.5-3B- and 7B-Instruct on 8 GPUs. By default every data-parallel process holds the
 # whole policy (fp32 weights and AdamW, about 16 bytes a parameter, plus an fp32 reference), which suits 3B
-# on 80 GB GPUs; 7B needs sharded training: LAUNCH=configs/fsdp2.yaml (any Accelerate config; see README,
-# "Scale"). DRY_RUN=1 bash scripts/recipes/<recipe>.sh prints the launch's memory plan first (train.py --dry-run
+# on 80 GB GPUs; 7B needs sharded training: LAUNCH=configs/fsdp2.yaml (any Accelerate config; see
+# docs/scale.md). DRY_RUN=1 bash scripts/recipes/<recipe>.sh prints the launch's memory plan first (train.py --dry-run
 # with the recipe's flags, from any machine: no GPU held, no weights read). A recipe's --tasks-per-step must
 # divide by GPUS.
 #
