@@ -55,7 +55,6 @@ from __future__ import annotations
 import rl  # noqa: F401 - first: sets OpenMP's wait policy before torch loads (see rl/__init__.py)
 
 import json
-import os
 import random
 import subprocess
 import time
@@ -68,19 +67,19 @@ import tyro
 from tqdm import tqdm
 
 import envs
-from envs.guard import close_envs, make_envs
+from envs.guard import EnvArgs, close_envs
 from rl import plots
-from rl.agent import check_layout, make_agent
-from rl.chat import Reasoning, chat_format, template_options
+from rl.agent import LayoutArgs, chat_format
 from rl.checkpoint import write_atomic
+from rl.flags import GROUP
 from rl.horizon import AUTO, horizon_at
-from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, deterministic_kernels, full_weights, is_adapter,
-                      load_model, load_tokenizer, stop_on_nondeterministic)
+from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, deterministic_kernels,
+                      load_tokenizer, stop_on_nondeterministic)
 from rl.records import read_metrics
 from rl.run import run_of
 from rl.scores import endings, paired, score, spread
 from rl.engines import api
-from rl.engines.setup import check_sampling, engine_kind, make_engine
+from rl.engines.setup import EngineArgs, build_engine, engine_kind
 from rollout import EngineStalled, category, on_bar, play
 
 # The context of upstream's eval engine (vLLM's max_model_len in its eval scripts); its turn cap and tokens a
@@ -127,55 +126,12 @@ class Args:
     """tokens per assistant turn; default: set by --protocol"""
     max_tokens: int | None = None
     """tokens per trajectory (prompt + every turn); default: set by --protocol"""
-    temperature: float = 1.0
-    """upstream evaluates with temperature 1; 0 is greedy"""
-    top_p: float = 1.0
-    """nucleus sampling: draw from the smallest set of tokens holding this much probability"""
-    env_options: dict[str, str] = field(default_factory=dict)
-    """keyword options for envs.make, added to the run's own, e.g. --env-options reward normalized"""
-    env_timeout: float = 0.0
-    """seconds an env reset or step may take before its episode ends as failed (counted under `errors`)
-    and the env is replaced; 0: the env's default (its call_timeout in envs.ENVS)"""
-    env_url: Annotated[tuple[str, ...] | None, tyro.conf.arg(metavar="URL [URL ...]")] = None
-    """play on AgentGym env servers (ours, `python -m envs.serve`, or upstream's) at these URLs instead of in process;
-    several take the env instances round robin, an even share each"""
-    env_delay: str = "0"
-    """slow every env down, for benchmarks: each step (webarena: each reset too) sleeps a drawn latency after the env
-    answers: SECONDS, webarena (our WebArena env's measured distribution), lognormal:MEDIAN,SIGMA, SPEC*X; 0: none
-    (envs/latency.py)"""
+    # rl/engines/setup.py (vLLM takes 0.85 of the GPU here: nothing else shares it in eval), envs/guard.py
+    engine_args: Annotated[EngineArgs, GROUP] = field(default_factory=lambda: EngineArgs(vllm_gpu_memory_utilization=0.85))
+    env_args: Annotated[EnvArgs, GROUP] = field(default_factory=EnvArgs)
     batch_size: int = 64
     """episodes played at once"""
-    engine: Literal["auto", "vllm", "hf"] = "auto"
-    """vllm: vLLM's engine (continuous batching, prefix caching); hf: Hugging Face sampling; auto: vllm
-    when it is installed"""
-    vllm_gpu_memory_utilization: float = 0.85
-    """share of the GPU's memory vLLM takes (nothing else shares the GPU in eval)"""
-    vllm_tensor_parallel_size: int = 1
-    """GPUs per vLLM engine (tensor parallel)"""
-    vllm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """the vLLM engine's weights and compute; auto: bfloat16 on a GPU, float32 on a CPU"""
-    rollout_server: tuple[str, ...] = ()
-    """HOST:PORT of rollout servers (`python -m rl.rollout_server`) to play on; --model's weights are sent to them
-    first unless they loaded exactly it"""
-    deterministic: bool = False
-    """the same seed, the same episodes on vLLM too (HF sampling always repeats): vLLM generates in rounds, each
-    request seeded from the seed's stream; slower (README)"""
-    base_url: str | None = None
-    """--model openai:<name>: the OpenAI-compatible endpoint; default $OPENAI_BASE_URL, else OpenAI's"""
-    api_key_env: str = "OPENAI_API_KEY"
-    """--model openai:<name>: the environment variable holding the API key (never written anywhere)"""
-    api_concurrency: int = 8
-    """--model openai:<name>: requests in flight at once"""
-    api_retries: int = 4
-    """--model openai:<name>: retries of a request after a connection error, a timeout, HTTP 429 or 5xx"""
-    api_timeout: float = 120.0
-    """--model openai:<name>: seconds a request may wait for the server before it counts as timed out"""
-    api_backoff: float = 1.0
-    """--model openai:<name>: seconds before the first retry, doubled for each next one (plus jitter)"""
-    price_in: float = 0.0
-    """--model openai:<name>: dollars per million prompt tokens, for the cost in the results"""
-    price_out: float = 0.0
-    """--model openai:<name>: dollars per million completion tokens"""
+    api_args: Annotated[api.APIArgs, GROUP] = field(default_factory=api.APIArgs)  # rl/engines/api.py
     seed: int = 0
     """seeds the sampler"""
     out: str | None = None
@@ -228,7 +184,7 @@ def resolve_settings(args: Args) -> dict:
     if any(value < 1 for value in overrides.values()):
         raise SystemExit(f"--{' --'.join(k.replace('_', '-') for k, v in overrides.items() if v < 1)}: at least 1")
     own_options = config.get("env_options", {}) if config is not None and config["env"] == env else {}
-    options = {**envs.parse_options(own_options), **envs.parse_options(args.env_options)}
+    options = {**envs.parse_options(own_options), **envs.parse_options(args.env_args.env_options)}
     # a run's checkpoint plays its run's test tasks (the tiny preset's on BabyAI: the short-horizon levels')
     own_tasks = config.get("test_tasks") if protocol == "run" and config["env"] == env and args.split == "test" else None
     horizons = sorted(set(horizons)) if horizons else [overrides.get("horizon", limits["horizon"])]
@@ -245,27 +201,29 @@ def resolve_settings(args: Args) -> dict:
 def main(args: Args) -> dict:
     if args.compare:
         return compare(*args.compare)
-    check_sampling(args.top_p)
-    if args.deterministic:  # (before anything starts CUDA)
+    args.engine_args.check(args.model)
+    args.api_args.check(args.model)
+    if args.engine_args.deterministic:  # (before anything starts CUDA)
         deterministic_kernels()
     settings = resolve_settings(args)
     env_name = settings["env"]
     task_ids = evaluation_tasks(args, settings)
-    try:
-        agent = make_agent(settings["agent"], args.attempts)
-        check_layout(agent.name, env_name, history=settings["reasoning"])
-    except ValueError as error:
-        raise SystemExit(str(error)) from error
+    layout = LayoutArgs(settings["agent"], settings["reasoning_tags"], settings["chat_template_kwargs"],
+                        settings["reasoning"], args.attempts)
+    layout.check(env_name)
+    agent = layout.make_agent()
 
-    kind, fmt, engine = load_engine(args, settings)
+    kind, fmt = engine_format(args, layout)
+    engine = build_engine(args.engine_args, fmt, args.model, settings["max_tokens"], args.seed, args.batch_size,
+                          api_args=args.api_args)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
 
     # -- every episode, k per task: once under the largest cap (a lower cap's episodes are its prefixes), or once
     # per cap for reflect, whose next attempt starts when one ends
     episodes = [(task, group) for group, task in enumerate(task_ids) for _ in range(args.k)]
-    environments = make_envs(env_name, min(args.batch_size, len(episodes)), settings["env_options"], args.env_timeout,
-                             args.env_url, delay=args.env_delay, seed=args.seed)
+    environments = args.env_args.make_envs(env_name, min(args.batch_size, len(episodes)), seed=args.seed,
+                                           options=settings["env_options"])
     env_settings = getattr(environments[0], "options", {})
     start = time.perf_counter()
     played: dict[int, list] = {}
@@ -281,17 +239,17 @@ def main(args: Args) -> dict:
         close_envs(environments)
     trajectories = played[settings["horizons"][-1]]
     results = {"model": args.model, "split": settings["tasks"] or args.split, "k": args.k, "agent": agent.name,
-               **({"attempts": agent.attempts} if agent.attempts > 1 else {}), "temperature": args.temperature,
-               "top_p": args.top_p, "seed": args.seed, "engine": kind, "code": code_revision(), **settings,
-               "env_settings": env_settings, "env_url": args.env_url, **score(trajectories, env_name),
+               **({"attempts": agent.attempts} if agent.attempts > 1 else {}), "temperature": args.engine_args.temperature,
+               "top_p": args.engine_args.top_p, "seed": args.seed, "engine": kind, "code": code_revision(), **settings,
+               "env_settings": env_settings, "env_url": args.env_args.env_url, **score(trajectories, env_name),
                **({"served": engine.served()} if kind == "server" else {}),
                "per_task": per_task(trajectories), "seconds": round(time.perf_counter() - start, 1)}
     if kind == "api":  # where the model was served (never the key), what its calls cost, what it was sampled at
         results |= {"base_url": engine.base_url, "usage": api.total_usage(trajectories),
-                    "prices": {"in": args.price_in, "out": args.price_out}, **engine.sampling}
+                    "prices": {"in": args.api_args.price_in, "out": args.api_args.price_out}, **engine.sampling}
         if engine.refused:  # a hosted reasoning model's rules (rl/engines/api.py): the parameters it refused
             results["refused"] = sorted(engine.refused)
-        asked = {"temperature": args.temperature, "top_p": args.top_p}
+        asked = {"temperature": args.engine_args.temperature, "top_p": args.engine_args.top_p}
         if engine.sampling != asked:
             results["asked"] = asked
     if len(settings["horizons"]) > 1:
@@ -322,89 +280,15 @@ def evaluation_tasks(args: Args, settings: dict) -> list[int]:
     return task_ids
 
 
-def load_engine(args: Args, settings: dict):
-    """(kind, format, engine) that episodes play on: the local model on vLLM or HF sampling, or for --model
-    openai:<name> the server at --base-url (no local model or tokenizer is loaded then)."""
-    if args.vllm_dtype != "auto" and (args.model.startswith(api.PREFIX) or args.rollout_server
-                                      or engine_kind(args.engine) == "hf"):
-        raise SystemExit(f"--vllm-dtype {args.vllm_dtype} sets the in-process vLLM engine's dtype; this evaluation has "
-                         "none (a rollout server has its own --dtype)")
-    if args.model.startswith(api.PREFIX):
-        fmt = api.APIFormat(settings["reasoning_tags"])
-        return "api", fmt, api_engine(args, fmt.reasoning)
-    if args.base_url is not None:
-        raise SystemExit(f"--base-url is for --model {api.PREFIX}<name>: a model on a server, by the name it serves it under")
-    tokenizer = load_tokenizer(args.model)
-    fmt = chat_format(tokenizer, settings["agent"], settings["chat_template_kwargs"], settings["reasoning_tags"],
-                      settings["reasoning"])
-    if args.rollout_server:
-        return "server", fmt, served_engine(args, settings, fmt)
-    kind = engine_kind(args.engine)
-    model = None
-    if kind == "hf" or is_adapter(args.model):
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        model = load_model(args.model, dtype=torch.bfloat16 if device == "cuda" else torch.float32).to(device).eval()
-    engine = make_engine(kind, args.model, fmt, model, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                         batch_size=args.batch_size, max_model_len=settings["max_tokens"],
-                         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                         tensor_parallel_size=args.vllm_tensor_parallel_size, deterministic=args.deterministic,
-                         dtype=args.vllm_dtype)
-    if kind == "vllm" and model is not None:  # a LoRA checkpoint: vLLM loaded its base; the adapter goes in merged
-        engine.load_weights(model, weights=full_weights(model))
-    return kind, fmt, engine
-
-
-def served_engine(args: Args, settings: dict, fmt):
-    """The engine on --rollout-server, checked to serve --model's architecture and vocabulary. --model is what gets
-    evaluated: unless every server loaded exactly it (and has had no weights sent since), its weights (a LoRA
-    checkpoint's merged) are broadcast to them first and checked with the probe."""
-    from rl.model import load_config, resolve
-    from rl.engines.remote import RemoteEngine
-    from rl.engines.server import identity
-
-    if args.engine != "auto":
+def engine_format(args: Args, layout: LayoutArgs) -> tuple[str, object]:
+    """The kind of engine episodes play on (api for --model openai:<name>, whose server templates the messages;
+    server for --rollout-server; else vllm or hf) and the format they are laid out in."""
+    if args.engine_args.rollout_server and args.engine_args.engine != "auto":
         raise SystemExit("--rollout-server plays on vLLM servers: leave --engine out")
-    engine = RemoteEngine(list(args.rollout_server), fmt, temperature=args.temperature, top_p=args.top_p,
-                          seed=args.seed, deterministic=args.deterministic, owner=True,
-                          identity=identity(load_config(args.model), fmt.tokenizer), max_model_len=settings["max_tokens"])
-    loaded = resolve(args.model)
-    loaded = str(Path(loaded).resolve()) if Path(loaded).exists() else loaded  # (as a server names its model)
-    engine.version = 0  # (the servers' weights as they loaded them: a trainer's broadcast meanwhile fails the turns)
-    if is_adapter(args.model) or any((s.info["model"], s.info["version"]) != (loaded, 0) for s in engine.servers):
-        model = load_model(args.model)
-        synced = engine.load_weights(model, weights=full_weights(model), verify=False)
-        problem = synced.get("error")
-        if problem is None and not synced["probe_diff"] <= engine.tolerance:
-            problem = f"the probe's log-probs differ from --model's by {synced['probe_diff']:.3g}"
-        if problem is not None:
-            engine.close()
-            raise SystemExit(f"--rollout-server: --model's weights did not reach the servers: {problem}")
-    return engine
-
-
-def api_engine(args: Args, reasoning: Reasoning) -> api.APIEngine:
-    """The engine for a model behind an OpenAI-compatible endpoint (`reasoning`: the tags of reasoning a server
-    leaves inline), after one request that shows the server answers and takes the key."""
-    if args.engine != "auto":
-        raise SystemExit(f"--engine chooses a local model's engine; --model {args.model} runs on its server")
-    if args.api_concurrency < 1 or args.api_retries < 0 or args.api_timeout <= 0 or args.api_backoff < 0:
-        raise SystemExit("need --api-concurrency >= 1, --api-retries >= 0, --api-timeout > 0 and --api-backoff >= 0")
-    base_url = args.base_url or os.environ.get("OPENAI_BASE_URL") or api.DEFAULT_URL
-    if not os.environ.get(args.api_key_env):
-        print(f"no API key in ${args.api_key_env}: requests go without one (a local server needs none)")
-    engine = api.APIEngine(base_url, args.model.removeprefix(api.PREFIX), temperature=args.temperature,
-                           top_p=args.top_p, seed=args.seed, concurrency=args.api_concurrency,
-                           retries=args.api_retries, timeout=args.api_timeout, backoff=args.api_backoff,
-                           api_key_env=args.api_key_env, price_in=args.price_in, price_out=args.price_out,
-                           template_kwargs=template_options(args.chat_template_kwargs), reasoning=reasoning)
-    try:
-        note = engine.check()
-    except ConnectionError as error:
-        engine.close()
-        raise SystemExit(f"{error}\nCheck --base-url (it ends in /v1 for most servers) and that the server is up.")
-    if note:
-        print(note)
-    return engine
+    if args.model.startswith(api.PREFIX):  # (no local model or tokenizer is loaded)
+        return "api", api.APIFormat(layout.reasoning_tags, envs.parse_options(args.chat_template_kwargs, words=True))
+    fmt = chat_format(load_tokenizer(args.model), layout)
+    return "server" if args.engine_args.rollout_server else engine_kind(args.engine_args.engine), fmt
 
 
 def output_path(args: Args, env_name: str, settings: dict) -> Path:

@@ -37,50 +37,44 @@ from __future__ import annotations
 
 import rl  # noqa: F401 - first: sets OpenMP's wait policy before torch loads (see rl/__init__.py)
 
-import argparse
 import copy
 import functools
 import math
 import random
-import sys
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
-import tyro
 from tqdm import tqdm
 
 import envs
-from envs import latency
-from envs.guard import make_envs
+from envs.guard import EnvArgs
 from rl import advantages as adv_lib
-from rl import staleness
-from rl.agent import check_layout, make_agent
+from rl import flags, staleness
+from rl.agent import LayoutArgs, chat_format
 from rl.batch import (Batch, MicroBatch, StepTensors, arrange, attach, example_micro_batches, make_batch,
                       minibatch_counts, padded, rows_of, scatter)
-from rl.data import examples_of, held_out, offline_steps, read_data, to_record
+from rl.data import OfflineArgs, examples_of, held_out, offline_steps, read_data, to_record
 from rl.dpo import DPOSums, dpo_terms
-from rl.engines.setup import build_engine, check_engine, check_sampling, own_stream, stream_seed, sync
-from rl.horizon import AUTO, LADDER, auto_horizon, caps_of, horizon_at, known_before
+from rl.engines.setup import TrainerEngineArgs, build_engine, own_stream, stream_seed, sync
+from rl.flags import GROUP, OFFLINE, build, check, replace
+from rl.horizon import AUTO, auto_horizon, caps_of, describe, horizon_at, known_before
 from rl.logprobs import token_logprobs, token_values
 from rl.losses import Aggregation, Counts, KLEstimator, Mismatch, Objective, aggregate, kl, policy_objective, value_loss
-from rl.memory import print_plan
-from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, Models, has_reference, check_models, make_accelerator,
-                      reference, restart, stop_on_nondeterministic)
+from rl.memory import PlanArgs, print_plan
+from rl.model import (EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, ModelArgs, Models, build_models, context_limit, has_reference,
+                      load_tokenizer, make_accelerator, reference, restart, stop_on_nondeterministic)
 from rl.metrics import (Costs, UpdateSums, async_metrics, eval_line, eval_metrics, evol_line, offline_line,
                         policy_sums, rl_line, step_metrics)
 from rl.optimizer import accumulate, optimizer_steps, reducer, stop_on_nonfinite
 from rl.records import read_metrics, rollout_records
-from rl.run import (Logs, close, eval_due, evaluation_plan, find_checkpoint, finish, phase, resumable_config, resume, run_config,
-                    run_directory, run_of, save_checkpoint, set_up, start_line, stop_on_env_failures)
+from rl.run import (Logs, RunArgs, close, eval_due, evaluation_plan, finish, phase, resume, run_config, run_directory,
+                    save_checkpoint, stop_on_env_failures)
 from rl.scores import score, spread
 from rl.sft import SFTSums, sft_terms
 from rollout import ChatFormat, EngineStalled, Rollouts, RolloutStats, Tasks, Trajectory, play
-
-OFFLINE = ("sft", "dpo", "agentevol")  # the programs that learn from trajectory files; --algo's others: ESTIMATORS
-
 
 @dataclass
 class Args:
@@ -91,8 +85,6 @@ class Args:
     """Hugging Face id or local directory; `tiny-agent` is the embedded CPU model"""
     preset: Literal["auto", "paper", "tiny"] = "auto"
     """default values: `paper` (the paper's recipe), `tiny` (CPU demo); auto: tiny for the embedded model"""
-    env_options: dict[str, str] = field(default_factory=dict)
-    """keyword options for envs.make, e.g. --env-options reward normalized"""
     train_tasks: str | None = None
     """task id file in AgentGym-RL-Data-ID format ([{"item_id": "babyai_12"}, ...]); default: the shipped train split
     (the tiny preset's on BabyAI: 5 levels where the embedded agent learns fastest, envs/data/babyai_tiny_train.json)"""
@@ -117,30 +109,7 @@ class Args:
     """GAE lambda (ppo)"""
 
     # -- SFT, DPO, AgentEvol: learning from trajectory files
-    data: tuple[str, ...] = ()
-    """trajectory files to learn from: AgentGym's AgentTraj JSON/JSONL (scripts/make_expert_data.py writes
-    them), a run's rollouts.jsonl or eval.py's episodes"""
-    experience: tuple[str, ...] = ()
-    """dpo: the model's own episodes, each paired (rejected) with its task's episode in --data (chosen),
-    as AgentGym's make_dpo_dataset; without it, pairs are made within --data's tasks"""
-    batch_size: int = 16
-    """conversations (dpo: pairs) per optimizer step"""
-    validation: float = 0.05
-    """share of --data's tasks held out for the validation loss"""
-    beta: float = 0.5
-    """dpo: strength of the pull toward the reference model (AgentGym's train_dpo.sh: 0.5)"""
-    margin: float = 0.5
-    """dpo: a pair's chosen episode scored at least this much more than its rejected one"""
-    iterations: int = 2
-    """agentevol: rounds of explore, keep the successes, retrain, evaluate, after a first round of behaviour
-    cloning on --data alone"""
-    explore_tasks: int = 0
-    """agentevol: train tasks explored per iteration (--n episodes each), spread over the split; 0: all"""
-    threshold: float | None = None
-    """agentevol: keep explored episodes with at least this reward; default: those the env counts as solved"""
-    retrain_from: Literal["base", "continue"] = "base"
-    """agentevol: each iteration retrains --model afresh on the merged data (base, as AgentGym), or goes on
-    from the last iteration's weights (continue)"""
+    offline_args: Annotated[OfflineArgs, GROUP] = field(default_factory=OfflineArgs)  # rl/data.py
 
     # -- evaluation during training
     eval_every: int = 0
@@ -176,64 +145,15 @@ class Args:
     """tokens per assistant turn"""
     max_tokens: int = 8192
     """tokens per trajectory (prompt + every turn); an episode ends when it is spent"""
-    agent: Literal["react", "plan", "reflect", "tools"] = "react"
-    """how episodes are laid out (rl/agent.py): react, AgentGym's Thought/Action; plan, a plan written before the
-    first action and revised when needed (trained like any action); reflect, up to --attempts attempts a task,
-    each after a reflection on the failed ones (each attempt its own trajectory and reward); tools, the env's
-    actions as native tool calls in the chat template's own format (rl/chat.py)"""
-    reasoning_tags: tuple[str, str] | None = None
-    """a reasoning model's block, which the env never reads (e.g. '<think>' '</think>'); default: the template's"""
-    chat_template_kwargs: dict[str, str] = field(default_factory=dict)
-    """options for the chat template's every rendering, e.g. --chat-template-kwargs enable_thinking false (Qwen3)"""
-    reasoning: Literal["keep", "drop"] = "keep"
-    """keep: one sequence an episode, every turn appended (earlier reasoning stays in the context); drop: each turn's
-    prompt is the chat template's rendering so far (earlier reasoning gone), each turn its own sequence (grpo, rloo, gigpo)"""
-    attempts: int = 3
-    """--agent reflect: attempts a task gets (it stops at its first success)"""
-    temperature: float = 1.0
-    """sampling temperature; the trainer scores tokens under the same softmax(logits / T)"""
-    top_p: float = 1.0
-    """nucleus sampling: draw from the smallest set of tokens holding this much probability"""
+    layout_args: Annotated[LayoutArgs, GROUP] = field(default_factory=LayoutArgs)  # rl/agent.py
     gen_batch_size: int = 64
     """trajectories per generation call (hf engine)"""
-    env_timeout: float = 0.0
-    """seconds an env reset or step may take before its trajectory ends as failed and the env is
-    replaced; 0: the env's default (its call_timeout in envs.ENVS)"""
-    env_url: Annotated[tuple[str, ...] | None, tyro.conf.arg(metavar="URL [URL ...]")] = None
-    """play on AgentGym env servers (ours, `python -m envs.serve`, or upstream's) at these URLs instead of in process;
-    several take the env instances round robin, an even share each"""
-    env_delay: str = "0"
-    """slow every env down, for benchmarks: each step (webarena: each reset too) sleeps a drawn latency after the env
-    answers, within --env-timeout: SECONDS, webarena (our WebArena env's measured distribution), lognormal:MEDIAN,SIGMA,
-    SPEC*X (webarena*10: its shape at 10x its seconds); 0: none (envs/latency.py)"""
+    env_args: Annotated[EnvArgs, GROUP] = field(default_factory=EnvArgs)  # envs/guard.py
     max_error_rate: float = 0.25
     """stop the run when more than this share of a step's trajectories end in an env failure, not train on the rest"""
 
     # -- rollout engine
-    engine: Literal["auto", "vllm", "hf"] = "auto"
-    """vllm: vLLM in every process (continuous batching, prefix caching), the trainer's weights copied in and checked
-    after every update; hf: Hugging Face sampling on the trainer's own weights; auto: vllm when it is installed"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """share of the GPU's memory the vLLM engine takes (weights and KV cache); the trainer has the rest.
-    0.3 leaves a 3B full fine-tune its ~50 GB on one 80 GB GPU"""
-    vllm_max_model_len: int = 0
-    """the vLLM engine's context length; 0: --max-tokens"""
-    vllm_tensor_parallel_size: int = 1
-    """GPUs per vLLM engine (tensor parallel); 1: one engine per process, each generating its own tasks"""
-    rollout_server: tuple[str, ...] = ()
-    """HOST:PORT of rollout servers (`python -m rl.rollout_server`, on GPUs of their own; any tensor parallel size) to
-    play rollouts on, not an engine in every process; the weights reach them over torch.distributed (README)"""
-    vllm_sleep: bool = True
-    """GPU: the engine frees its KV cache and offloads its weights while the trainer scores and updates"""
-    vllm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """the vLLM engine's weights and compute; auto: bfloat16 on a GPU, float32 on a CPU (where the trainer is fp32)"""
-    sync_tolerance: float = 0.0
-    """largest mean engine-vs-trainer log-prob difference on the probe accepted after a weight sync
-    (the run stops past it); 0: by the engine's dtype, 1e-3 for fp32, 0.1 for bf16"""
-    deterministic: bool = False
-    """the same seed, the same run, on vLLM too (HF sampling always is), resumed or not: vLLM generates in rounds,
-    each request seeded from a stream that every rollout restarts from (seed, step); vLLM loses 10-20% of its
-    tokens/s on CPU (README)"""
+    engine_args: Annotated[TrainerEngineArgs, GROUP] = field(default_factory=TrainerEngineArgs)  # rl/engines/setup.py
 
     # -- asynchronous training
     max_staleness: int | None = None
@@ -252,12 +172,7 @@ class Args:
     """--mismatch tis, mis: C, the cap of the weight (tis) or the band [1 / C, C] (mis); default: 2"""
 
     # -- optimisation
-    lr: float = 1e-6
-    """policy learning rate (AdamW)"""
-    warmup_steps: int = 0
-    """linear learning-rate warm-up, in optimizer steps"""
-    weight_decay: float = 0.01
-    """AdamW weight decay, policy and critic"""
+    model_args: Annotated[ModelArgs, GROUP] = field(default_factory=ModelArgs)  # rl/model.py
     grad_clip: float = 1.0
     """clip the gradient norm of each optimizer step to this"""
     ppo_epochs: int = 1
@@ -292,73 +207,29 @@ class Args:
     """weight of the entropy bonus (subtracted from the loss)"""
 
     # -- critic (ppo)
-    critic_lr: float = 1e-5
-    """learning rate of PPO's critic (upstream's critic.optim.lr)"""
-    critic_lr_warmup_steps: int = 0
-    """linear learning-rate warm-up of the critic, in optimizer steps"""
     critic_warmup: int = 0
     """the policy trains from step k on, only the critic before (upstream's trainer.critic_warmup: k - 1
     critic-only steps)"""
     value_clip: float = 0.5
     """value-loss clip around the old values"""
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
-    """auto: bf16 on GPU, fp32 on CPU"""
-    lora_rank: int = 0
-    """train LoRA adapters of this rank (PEFT) instead of every weight; 0: full fine-tune. The reference is then
-    the policy with its adapters off (no second copy of the model), and checkpoints hold the adapter"""
-    lora_alpha: float = 32.0
-    """LoRA's scale numerator: adapters add (alpha / rank) B A"""
-    lora_target_modules: tuple[str, ...] = ("all-linear",)
-    """modules that get adapters, e.g. q_proj k_proj v_proj o_proj; all-linear: every linear layer but the output layer"""
-    offload_reference: bool = False
-    """keep the frozen reference in CPU memory, on the GPU only while it scores a step (one GPU or data-parallel; a
-    sharded run offloads every model with configs/fsdp2_offload.yaml)"""
-    gradient_checkpointing: bool = True
-    """recompute activations in the backward pass: less memory (upstream's setting; without it a micro-batch of 8k
-    tokens on a 3B model keeps ~36 GiB of activations: --dry-run), about a third more compute"""
     max_nonfinite_updates: int = 3
     """an optimizer step whose loss or gradient is NaN or infinite is skipped; this many in a row stop the
     run, and the batch is saved under the run directory for debugging"""
 
     # -- planning
-    dry_run: bool = False
-    """print the estimated peak memory per GPU of this run (weights, optimizer states, activations, engine) and
-    whether it fits, then stop: only the model's config is read"""
-    launch_config: str | None = None
-    """with --dry-run: the Accelerate config the run will be launched with (configs/*.yaml), to plan it from any
-    machine; default: how this process was launched"""
-    gpu_gib: float = 0.0
-    """with --dry-run: GPU memory to plan for; 0: this machine's GPU, else 80 (an H100)"""
+    plan_args: Annotated[PlanArgs, GROUP] = field(default_factory=PlanArgs)  # rl/memory.py
 
     # -- bookkeeping
     seed: int = 1
     """seeds the task order, the sampler and the update's shuffling"""
-    run_name: str | None = None
-    """default: <env>-<algo>-<time>"""
-    out_dir: str = "runs"
-    """runs are written to <out_dir>/<run_name>"""
-    save_every: int = 50
-    """checkpoint every k steps (and at the end); 0: only at the end"""
-    keep_checkpoints: int = 0
-    """keep only the k newest checkpoints; 0: keep all"""
-    resume: str | None = None
-    """continue a run with its own settings (its config.json; only the flags in RESUMABLE may change):
-    a checkpoint directory (runs/<run>/checkpoints/step_<k>), a run directory (its newest complete
-    checkpoint), or `auto`: the newest checkpoint of <out-dir>/<run-name> if there is one, else a new run
-    under that name (the same command line then survives any number of crashes)"""
-    log_rollouts_every: int = 1
-    """write every k-th step's trajectories to rollouts.jsonl (metrics go to metrics.jsonl every step)"""
-    track: bool = False
-    """log to wandb (offline mode when no API key is configured), with a few trajectories a step as a table"""
-    wandb_project: str = "agentgym-rl"
-    """the wandb project of --track"""
+    run_args: Annotated[RunArgs, GROUP] = field(default_factory=RunArgs)  # rl/run.py
 
 
 PRESETS = {
     "paper": Args(),
     # the default run, `python train.py`: ScalingInter-RL on 5 BabyAI levels (TINY_TASKS), 3 turns
     # then 6, and the held-out comparison of the initial and final policies (step 0 and the last evaluation)
-    "tiny": Args(
+    "tiny": build(Args,
         env=EMBEDDED_ROLLOUT["env"], horizon=(3, EMBEDDED_ROLLOUT["horizon"]), horizon_every=8,
         max_new_tokens=EMBEDDED_ROLLOUT["max_new_tokens"], max_tokens=EMBEDDED_ROLLOUT["max_tokens"], steps=16,
         tasks_per_step=8, n=8, lr=2e-4, minibatches=1, micro_batch_size=4, gradient_checkpointing=False, save_every=0,
@@ -396,15 +267,17 @@ TINY_EVAL_TASKS = 16
 def main(args: Args) -> Path | None:
     from accelerate.utils import gather_object, set_seed
 
-    accelerator, mixed = make_accelerator(args)
+    accelerator, mixed = make_accelerator(args.model_args.mixed_precision, args.grad_clip, args.engine_args.deterministic)
     check(args, accelerator.num_processes, accelerator.distributed_type.value)
     set_seed(args.seed + accelerator.process_index)
-    if args.dry_run:  # the memory plan, before anything heavy
-        return print_plan(args, accelerator)
+    if args.plan_args.dry_run:  # the memory plan, before anything heavy
+        return print_plan(accelerator, args.plan_args, args.model, args.algo, args.kl_coef, args.model_args,
+                          args.engine_args, args.gen_batch_size,
+                          args.max_tokens_per_micro_batch or args.micro_batch_size * args.max_tokens, args.max_tokens)
     if args.algo in OFFLINE:  # learning from trajectory files: the same models, checkpoints and logs
         return evolve(args, accelerator, mixed) if args.algo == "agentevol" else learn(args, accelerator, mixed)
-    resuming = args.resume not in (None, "auto")  # "auto" without a checkpoint yet: a new run under --run-name
-    run_dir = run_directory(args, resuming, accelerator)
+    resuming = args.run_args.resuming
+    run_dir = run_directory(accelerator, args.run_args, f"{args.env}-{args.algo}")
 
     # -- tasks, and one env per trajectory of this process, created once and reset every step
     train_ids = train_task_ids(args)
@@ -413,28 +286,26 @@ def main(args: Args) -> Path | None:
     # (each call bounded by --env-timeout; an env that failed is replaced: envs/guard.py)
     # (--max-staleness k: a block of envs for each of the k + 1 steps' tasks under way; evaluations get their own)
     per_step, blocks = args.tasks_per_step // accelerator.num_processes * args.n, staleness.blocks(args.max_staleness or 0)
-    environments = make_envs(args.env, per_step * blocks, envs.parse_options(args.env_options), args.env_timeout,
-                             args.env_url, accelerator.process_index, delay=args.env_delay, seed=args.seed)
+    environments = args.env_args.make_envs(args.env, per_step * blocks, accelerator.process_index, args.seed)
     test_ids = test_task_ids(args) if args.eval_every else []  # played on the same envs every --eval-every steps
-    players = make_envs(args.env, per_step, envs.parse_options(args.env_options), args.env_timeout, args.env_url,
-                        accelerator.process_index, delay=args.env_delay, seed=args.seed + 1) \
+    players = args.env_args.make_envs(args.env, per_step, accelerator.process_index, args.seed + 1) \
         if test_ids and args.max_staleness is not None else environments
     engine = logs = rollouts = None
     try:  # (everything from here on closes what it opened, also on a stop or an error)
         # -- models, the sampler, and the training state when resuming
-        tokenizer, fmt, models, max_tokens = set_up(args, accelerator, args.resume if resuming else args.model)
-        engine = build_engine(args, fmt, models, accelerator, max_tokens)
-        trainer_state = resume(accelerator, models, engine, Path(args.resume)) if resuming else {"step": 0, "logs": {}}
+        tokenizer, fmt, models, max_tokens = set_up(args, accelerator, args.run_args.resume if resuming else args.model)
+        engine = engine_of(args, fmt, models, accelerator, max_tokens)
+        trainer_state = resume(accelerator, models, engine, Path(args.run_args.resume)) if resuming else {"step": 0, "logs": {}}
         start_step = trainer_state["step"] + 1
         sync(engine, models.policy, accelerator, start_step - 1)  # from the first step on: the trainer's weights
         history = logged_steps(run_dir, start_step) if resuming else []  # (the steps' metrics: --horizon auto's input)
         rollouts = rollouts_of(engine, fmt, environments, train_ids, start_step, max_tokens, args, accelerator, history)
 
         # -- the run's record (logs cut back to the checkpoint's when resuming)
-        config = run_config(args, run_dir, resuming, accelerator, mixed, engine, environments[0])
+        config = run_config(flags.flat(args), run_dir, resuming, accelerator, mixed, engine, environments[0])
         if accelerator.is_main_process:
             print(start_line(args, run_dir, len(test_ids), start_step, resuming))
-        logs = Logs(args, run_dir, config, active=accelerator.is_main_process, resume_sizes=trainer_state["logs"])
+        logs = logs_of(args, run_dir, config, accelerator, trainer_state["logs"])
 
         # (the step bar shows the phase under way: rollout, update or eval, and how far it got)
         progress = tqdm(range(start_step, args.steps + 1), disable=not accelerator.is_main_process, desc="train",
@@ -483,13 +354,13 @@ def main(args: Args) -> Path | None:
             metrics |= evaluation | {"perf/step_s": step_s, "perf/engine_idle_share": 1 - costs.rollout.generate_s / step_s,
                                      "charts/step": step}
             logs.write(step, metrics, rl_line(step, metrics), evaluations=evaluated,
-                       rollouts=records if step % args.log_rollouts_every == 0 else [])
+                       rollouts=records if step % args.run_args.log_rollouts_every == 0 else [])
             history.append(metrics)
             rollouts.resume(step)  # (at staleness 0 the next step's set opens here, its cap decided by this step's metrics)
 
-            if step == args.steps or (args.save_every and step % args.save_every == 0):
+            if step == args.steps or (args.run_args.save_every and step % args.run_args.save_every == 0):
                 save_checkpoint(accelerator, models, engine, tokenizer, run_dir / "checkpoints" / f"step_{step}", step, logs,
-                                args.keep_checkpoints)
+                                args.run_args.keep_checkpoints)
     finally:  # also when a stop (env failures, NaN, a stalled engine) or an error ends the run: no JVM or browser left behind
         close(engine, environments + (players if players is not environments else []), logs, rollouts=rollouts)
     return finish(run_dir, accelerator)
@@ -497,6 +368,37 @@ def main(args: Args) -> Path | None:
 
 # ----------------------------------------------------------------------------------------------
 # The phases of an RL step, in the order main() runs them
+
+
+def set_up(args: Args, accelerator, policy_from: str) -> tuple[object, ChatFormat, Models, int]:
+    """The tokenizer, its chat format for the agent's layout, the models (the policy's weights from `policy_from`)
+    and the trajectories' token limit (the smaller of --max-tokens and the policy's context window)."""
+    tokenizer = load_tokenizer(args.model)
+    fmt = chat_format(tokenizer, args.layout_args)
+    models = build_models(accelerator, policy_from, args.model, args.algo, args.kl_coef, args.model_args)
+    max_tokens = context_limit(args.max_tokens, args.model, accelerator.unwrap_model(models.policy),
+                               say=accelerator.is_main_process)
+    return tokenizer, fmt, models, max_tokens
+
+
+def engine_of(args: Args, fmt: ChatFormat, models: Models, accelerator, max_tokens: int):
+    """This process's rollout engine (rl/engines/setup.py), its sampler seeded by the process."""
+    return build_engine(args.engine_args, fmt, args.model, max_tokens, args.seed + accelerator.process_index,
+                        args.gen_batch_size, accelerator=accelerator, policy=models.policy)
+
+
+def logs_of(args: Args, run_dir: Path, config: dict, accelerator, sizes: dict) -> Logs:
+    """The run's logs (`sizes`: the files' sizes at the checkpoint resumed, cut back to them), wandb with --track."""
+    return Logs(run_dir, config, accelerator.is_main_process, sizes,
+                args.run_args.wandb_project if args.run_args.track else None)
+
+
+def start_line(args: Args, run_dir: Path, tests: int, start: int, resuming: bool) -> str:
+    """An RL run's first line: what it trains, how long, at which turn caps, its evaluations, where it writes."""
+    return (f"run {run_dir.name}: {args.env}, {args.model} ({args.preset} preset), {args.algo}, {args.steps} steps of "
+            f"{args.tasks_per_step} tasks x {args.n} samples, {describe(args.horizon, args.horizon_every, args.steps)}, "
+            f"{evaluation_plan(tests, args.eval_k, args.eval_every, start, args.steps, initial=start == 1)}"
+            f" -> {run_dir}" + (f", resumed at step {start}" if resuming else ""))
 
 
 def tasks_for(step: int, train_ids: list[int], per_step: int, seed: int) -> list[int]:
@@ -526,8 +428,8 @@ def rollouts_of(engine, fmt: ChatFormat, environments: list, train_ids: list[int
 
     seed = args.seed + accelerator.process_index
     return Rollouts(engine, fmt, environments, tasks_of, staleness=args.max_staleness or 0, first=first, last=args.steps,
-                    max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, agent=make_agent(args.agent, args.attempts),
-                    reseed=(lambda j: engine.reseed(stream_seed(seed, j))) if args.deterministic else None,
+                    max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, agent=args.layout_args.make_agent(),
+                    reseed=(lambda j: engine.reseed(stream_seed(seed, j))) if args.engine_args.deterministic else None,
                     versions=args.max_staleness is not None)  # (the flag decides what is recorded and logged)
 
 
@@ -574,18 +476,18 @@ def old_logprobs(models: Models, batch: Batch, args: Args, accelerator, between=
         inputs = (micro.input_ids, micro.attention_mask, micro.loss_mask)
         with accelerator.autocast():
             if need_old:
-                micro.old_logprobs, _ = token_logprobs(models.policy, *inputs, args.temperature,
+                micro.old_logprobs, _ = token_logprobs(models.policy, *inputs, args.engine_args.temperature,
                                                        position_ids=micro.position_ids)
             if models.critic is not None:
                 micro.old_values = token_values(models.critic, *inputs, position_ids=micro.position_ids)
         if between is not None and (need_old or models.critic is not None):  # (only where a pass ran)
             between()
     if has_reference(models):  # in a pass of its own: under LoRA the reference is the policy with its adapters off
-        with reference(models, accelerator, args.offload_reference) as ref:
+        with reference(models, accelerator, args.model_args.offload_reference) as ref:
             for micro in batch.micro:
                 with accelerator.autocast():
                     micro.ref_logprobs, _ = token_logprobs(ref, micro.input_ids, micro.attention_mask, micro.loss_mask,
-                                                           args.temperature, position_ids=micro.position_ids)
+                                                           args.engine_args.temperature, position_ids=micro.position_ids)
                 if between is not None:
                     between()
     scatter(batch, ("old_logprobs", "ref_logprobs", "old_values"))
@@ -652,7 +554,7 @@ def update_policy(models: Models, micro: MicroBatch, counts: Counts, args: Args,
     metrics, and whether they are finite."""
     with accelerator.autocast():
         logprobs, entropy = token_logprobs(models.policy, micro.input_ids, micro.attention_mask, micro.loss_mask,
-                                           args.temperature, with_entropy=True, position_ids=micro.position_ids)
+                                           args.engine_args.temperature, with_entropy=True, position_ids=micro.position_ids)
     loss, terms = policy_objective(logprobs, entropy, micro, counts, objective(args))
     if micro.trainer_logprobs is None:  # the first pass's, for the rollout log
         micro.trainer_logprobs = terms.old.detach()
@@ -707,7 +609,7 @@ def play_share(engine, fmt: ChatFormat, environments: list, task_ids: list[int],
     sync(engine, models.policy, accelerator, step)
     mine, groups = my_tasks(task_ids, n, accelerator)
     played = play(engine, fmt, environments, mine, groups, horizon=horizon, max_new_tokens=args.max_new_tokens,
-                  max_tokens=max_tokens, agent=make_agent(args.agent, args.attempts), progress=progress) if mine else []
+                  max_tokens=max_tokens, agent=args.layout_args.make_agent(), progress=progress) if mine else []
     engine.sleep()
     return gather_object(played)
 
@@ -733,32 +635,33 @@ def test_task_ids(args: Args) -> list[int]:
 def learn(args: Args, accelerator, mixed: str) -> Path:
     """--algo sft or dpo: optimizer steps over --data's examples, the validation loss at --eval-every
     steps and at the end, and with --eval-every the policy played on the test split then too."""
-    resuming = args.resume not in (None, "auto")
-    run_dir = run_directory(args, resuming, accelerator)
-    train, validation = held_out(read_data(args.data, args.env, args.agent), args.validation, args.seed)
-    experience = read_data(args.experience, args.env, args.agent) if args.experience else None
-    tokenizer, fmt, models, max_tokens = set_up(args, accelerator, args.resume if resuming else args.model)
+    resuming = args.run_args.resuming
+    run_dir = run_directory(accelerator, args.run_args, f"{args.env}-{args.algo}")
+    train, validation = held_out(read_data(args.offline_args.data, args.env, args.layout_args.agent), args.offline_args.validation, args.seed)
+    experience = read_data(args.offline_args.experience, args.env, args.layout_args.agent) if args.offline_args.experience else None
+    tokenizer, fmt, models, max_tokens = set_up(args, accelerator, args.run_args.resume if resuming else args.model)
 
     # -- the examples: conversations (sft) or pairs (dpo), a share of the tasks held out for validation
-    examples = examples_of(fmt, train, max_tokens, args.algo == "dpo", args.margin, experience)
-    held = examples_of(fmt, validation, max_tokens, args.algo == "dpo", args.margin, experience)
-    args = replace(args, steps=offline_steps(args, len(examples)))
+    examples = examples_of(fmt, train, max_tokens, args.algo == "dpo", args.offline_args.margin, experience)
+    held = examples_of(fmt, validation, max_tokens, args.algo == "dpo", args.offline_args.margin, experience)
+    args = replace(args, steps=offline_steps(len(examples), args.offline_args.batch_size, args.epochs, args.steps,
+                                             pairs=args.algo == "dpo"))
 
     # -- the test tasks, envs and an engine, when the policy is played during training
     test_ids = test_task_ids(args) if args.eval_every else []
-    environments = make_envs(args.env, min(args.gen_batch_size, -(-len(test_ids) // accelerator.num_processes)),
-                             envs.parse_options(args.env_options), args.env_timeout, args.env_url,
-                             accelerator.process_index, delay=args.env_delay, seed=args.seed) if test_ids else []
-    engine = build_engine(args, fmt, models, accelerator, max_tokens) if test_ids else None
-    trainer_state = resume(accelerator, models, engine, Path(args.resume)) if resuming else {"step": 0, "logs": {}}
-    config = run_config(args, run_dir, resuming, accelerator, mixed, engine, environments[0] if environments else None)
+    environments = args.env_args.make_envs(args.env, min(args.gen_batch_size, -(-len(test_ids) // accelerator.num_processes)),
+                                           accelerator.process_index, args.seed) if test_ids else []
+    engine = engine_of(args, fmt, models, accelerator, max_tokens) if test_ids else None
+    trainer_state = resume(accelerator, models, engine, Path(args.run_args.resume)) if resuming else {"step": 0, "logs": {}}
+    config = run_config(flags.flat(args), run_dir, resuming, accelerator, mixed, engine, environments[0] if environments else None)
     if accelerator.is_main_process:
         print(f"run {run_dir.name}: {args.algo} on {args.model} ({args.preset} preset), {len(examples)} "
               f"{'pairs' if args.algo == 'dpo' else 'conversations'} of {len(train)} episodes ({len(held)} held out), "
-              f"{args.steps} steps of {args.batch_size}, "
-              f"{evaluation_plan(args, len(test_ids), trainer_state['step'] + 1, initial=False)} -> {run_dir}"
+              f"{args.steps} steps of {args.offline_args.batch_size}, "
+              f"{evaluation_plan(len(test_ids), args.eval_k, args.eval_every, trainer_state['step'] + 1, args.steps, initial=False)}"
+              f" -> {run_dir}"
               + (f", resumed at step {trainer_state['step'] + 1}" if resuming else ""))
-    logs = Logs(args, run_dir, config, active=accelerator.is_main_process, resume_sizes=trainer_state["logs"])
+    logs = logs_of(args, run_dir, config, accelerator, trainer_state["logs"])
 
     progress = tqdm(range(trainer_state["step"] + 1, args.steps + 1), disable=not accelerator.is_main_process,
                     desc=args.algo, dynamic_ncols=True, initial=trainer_state["step"], total=args.steps)
@@ -773,9 +676,9 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
                                              progress) if test_ids and eval_due(step, args.eval_every, args.steps) else ({}, [])
             metrics |= evaluation | {"perf/step_s": time.perf_counter() - step_start, "charts/step": step}
             logs.write(step, metrics, offline_line(step, metrics), evaluations=evaluated)
-            if step == args.steps or (args.save_every and step % args.save_every == 0):
+            if step == args.steps or (args.run_args.save_every and step % args.run_args.save_every == 0):
                 save_checkpoint(accelerator, models, engine, tokenizer, run_dir / "checkpoints" / f"step_{step}", step,
-                                logs, args.keep_checkpoints)
+                                logs, args.run_args.keep_checkpoints)
     finally:
         close(engine, environments, logs)
     return finish(run_dir, accelerator)
@@ -784,7 +687,7 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
 def offline_step(models: Models, examples: list, step: int, args: Args, accelerator, pad_id: int) -> dict[str, float]:
     """One optimizer step on the step's batch (shuffled epochs over the examples, as RL's task order:
     a pure function of the step), and its metrics."""
-    batch = [examples[i] for i in tasks_for(step, list(range(len(examples))), args.batch_size, args.seed)]
+    batch = [examples[i] for i in tasks_for(step, list(range(len(examples))), args.offline_args.batch_size, args.seed)]
     models.policy.train()
     sums, finite = offline_pass(models, batch, args, accelerator, pad_id, train=True)
     grad_norms = optimizer_steps(models, finite, args.grad_clip, accelerator, step, sums)
@@ -829,7 +732,7 @@ def offline_terms(models: Models, micro: MicroBatch, args: Args, accelerator,
     the DPO loss of its pairs against the reference, rl/dpo.py), its statistics, and whether they are finite."""
     micro = micro.to(accelerator.device)
     if args.algo == "dpo":
-        loss, sums, finite = dpo_terms(models, micro, args.beta, args.offload_reference, accelerator)
+        loss, sums, finite = dpo_terms(models, micro, args.offline_args.beta, args.model_args.offload_reference, accelerator)
     else:
         loss, sums, finite = sft_terms(models.policy, micro, accelerator)
     return loss / max(size, 1e-9), sums, finite
@@ -847,39 +750,38 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
     its model is checkpoints/step_<iteration>, its explored episodes are in rollouts.jsonl. Unlike AgentGym's, it
     explores --n times a task at the run's temperature (AgentGym's script explores greedily, do_sample False, which
     would make a task's samples identical), and can go on from the last iteration's weights (AgentGym: the base)."""
-    run_dir = run_directory(args, False, accelerator)
-    expert, validation = held_out(read_data(args.data, args.env, args.agent), args.validation, args.seed)
+    run_dir = run_directory(accelerator, args.run_args, f"{args.env}-{args.algo}")
+    expert, validation = held_out(read_data(args.offline_args.data, args.env, args.layout_args.agent), args.offline_args.validation, args.seed)
     tokenizer, fmt, models, max_tokens = set_up(args, accelerator, args.model)
     initial = copy.deepcopy(models.optimizer.state_dict()), copy.deepcopy(models.scheduler.state_dict())
     held = examples_of(fmt, validation, max_tokens)
 
     # -- the tasks explored and tested, envs to play them on, the engine
     train_ids = envs.load_task_ids(args.train_tasks, args.env) if args.train_tasks else envs.splits(args.env)["train"]
-    explore_ids = spread(train_ids, args.explore_tasks) if args.explore_tasks else train_ids
+    explore_ids = spread(train_ids, args.offline_args.explore_tasks) if args.offline_args.explore_tasks else train_ids
     test_ids = test_task_ids(args)
     count = min(args.gen_batch_size, -(-max(len(explore_ids) * args.n, len(test_ids)) // accelerator.num_processes))
-    environments = make_envs(args.env, count, envs.parse_options(args.env_options), args.env_timeout, args.env_url,
-                             accelerator.process_index, delay=args.env_delay, seed=args.seed)
-    engine = build_engine(args, fmt, models, accelerator, max_tokens)
-    config = run_config(args, run_dir, False, accelerator, mixed, engine, environments[0])
+    environments = args.env_args.make_envs(args.env, count, accelerator.process_index, args.seed)
+    engine = engine_of(args, fmt, models, accelerator, max_tokens)
+    config = run_config(flags.flat(args), run_dir, False, accelerator, mixed, engine, environments[0])
     if accelerator.is_main_process:
-        print(f"run {run_dir.name}: agentevol on {args.model} ({args.preset} preset), {args.iterations} iterations "
+        print(f"run {run_dir.name}: agentevol on {args.model} ({args.preset} preset), {args.offline_args.iterations} iterations "
               f"exploring {len(explore_ids)} tasks x {args.n}, {len(expert)} expert episodes ({len(validation)} held "
               f"out), testing on {len(test_ids)} tasks x {args.eval_k} after every iteration -> {run_dir}")
-    logs = Logs(args, run_dir, config, active=accelerator.is_main_process, resume_sizes={})
+    logs = logs_of(args, run_dir, config, accelerator, {})
     try:
-        for iteration in range(args.iterations + 1):
+        for iteration in range(args.offline_args.iterations + 1):
             start = time.perf_counter()
             explored, kept = [], []
             if iteration > 0:  # explore with the last iteration's policy, keep the successes
                 explored = play_share(engine, fmt, environments, explore_ids, args.n, models, args, accelerator,
                                       max_tokens, iteration, horizon=args.horizon[-1])
                 kept = [to_record(t) for t in explored if t.error is None
-                        and (t.reward >= args.threshold if args.threshold is not None else t.success)]
-                if args.retrain_from == "base":
-                    restart(models, args, accelerator, initial)
+                        and (t.reward >= args.offline_args.threshold if args.offline_args.threshold is not None else t.success)]
+                if args.offline_args.retrain_from == "base":
+                    restart(models, args.model, bool(args.model_args.lora_rank), accelerator, initial)
             examples = examples_of(fmt, expert + kept, max_tokens)
-            steps = offline_steps(args, len(examples))
+            steps = offline_steps(len(examples), args.offline_args.batch_size, args.epochs, args.steps, pairs=args.algo == "dpo")
             for step in tqdm(range(1, steps + 1), desc=f"iteration {iteration}", leave=False, dynamic_ncols=True,
                              disable=not accelerator.is_main_process):
                 metrics = offline_step(models, examples, step, args, accelerator, fmt.pad_id)
@@ -895,7 +797,7 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
             logs.write(iteration, metrics, evol_line(iteration, metrics), evaluations=evaluated,
                        rollouts=[{"step": iteration, **t.log_record()} for t in explored])
             save_checkpoint(accelerator, models, engine, tokenizer, run_dir / "checkpoints" / f"step_{iteration}",
-                            iteration, logs, args.keep_checkpoints)
+                            iteration, logs, args.run_args.keep_checkpoints)
     finally:
         close(engine, environments, logs)
     return finish(run_dir, accelerator)
@@ -915,31 +817,9 @@ RESUMABLE = ("steps", "epochs", "save_every", "keep_checkpoints", "log_rollouts_
              "max_nonfinite_updates")
 
 
-def parse_args(argv: list[str] | None = None) -> Args:
-    """tyro over the preset that applies: `tiny` for the embedded model, `paper` otherwise; when
-    resuming, over the run's own settings."""
-    argv = sys.argv[1:] if argv is None else argv
-    peek = argparse.ArgumentParser(add_help=False)
-    peek.add_argument("--model", default=Args.model)
-    peek.add_argument("--preset", default="auto")
-    peek.add_argument("--algo", default=Args.algo)
-    peek.add_argument("--env", default=PRESETS["tiny"].env)
-    peek.add_argument("--agent", default=Args.agent)
-    peek.add_argument("--resume", default=None)
-    peek.add_argument("--run-name", "--run_name", dest="run_name", default=None)  # (tyro takes both spellings)
-    peek.add_argument("--out-dir", "--out_dir", dest="out_dir", default=Args.out_dir)
-    peek.add_argument("--steps", default=None)
-    peek.add_argument("--epochs", default=None)
-    known, _ = peek.parse_known_args(argv)
-    if known.steps is not None and known.epochs is not None:  # (a preset's or a resumed run's steps are not given)
-        raise SystemExit("--steps and --epochs both set how long the run is (--epochs N: N passes over the train "
-                         "split, or over --data): give one")
-    checkpoint = find_checkpoint(known.resume, known.out_dir, known.run_name) if known.resume else None
-    if checkpoint is not None:
-        return resumed_args(argv, checkpoint)
-    preset = known.preset if known.preset != "auto" else preset_of(known.model)
-    if preset not in PRESETS:
-        raise SystemExit(f"unknown preset {preset!r}; choose one of: auto, {', '.join(PRESETS)}")
+def preset_defaults(preset: str, known) -> Args:
+    """The defaults of `preset` as they apply to the run that the peeked flags `known` (--algo, --env, --agent)
+    describe: the offline programs' learning rates and one turn cap, the tiny preset's task sets and tool turns."""
     default = replace(PRESETS[preset], preset=preset)
     if (preset, known.algo) in OFFLINE_LR:  # (and one turn cap: ScalingInter-RL's stages are steps of RL)
         default = replace(default, lr=OFFLINE_LR[preset, known.algo], horizon=default.horizon[-1:])
@@ -948,181 +828,12 @@ def parse_args(argv: list[str] | None = None) -> Args:
         default = replace(default, train_tasks=str(envs.DATA_DIR / train), test_tasks=str(envs.DATA_DIR / test))
     elif preset == "tiny":
         default = replace(default, eval_tasks=TINY_EVAL_TASKS)
-    default = replace(default, **EMBEDDED_TOOLS) if preset == "tiny" and known.agent == "tools" else default
-    args = tyro.cli(Args, args=argv, default=default, description=__doc__.split("\n\n")[0])
-    if args.horizon == (AUTO,):  # (the ladder it climbs, written out in the run's config)
-        args = replace(args, horizon=(AUTO, *(default.horizon if len(default.horizon) > 1 else LADDER)))
-    return replace(args, preset=preset)
+    return replace(default, **EMBEDDED_TOOLS) if preset == "tiny" and known.agent == "tools" else default
 
 
-def preset_of(model: str) -> str:
-    """`--preset auto`: tiny for the embedded model and for a checkpoint of a run that used it (so that SFT
-    then GRPO on the tiny model chain without flags), the run's own for any other run's checkpoint, else
-    paper."""
-    config = run_of(model)
-    if config is not None:
-        return config.get("preset", "paper")
-    return "tiny" if model in EMBEDDED else "paper"
-
-
-def resumed_args(argv: list[str], checkpoint: Path) -> Args:
-    """The run's settings from its config.json, with the flags of this command line that RESUMABLE
-    allows; any other flag that differs stops the run, naming it."""
-    config = resumable_config(checkpoint)
-    saved = replace(PRESETS[config.get("preset", "paper")], **{
-        f.name: tuple(config[f.name]) if isinstance(config[f.name], list) else config[f.name]
-        for f in fields(Args) if f.name in config})
-    args = tyro.cli(Args, args=argv, default=saved, description=__doc__.split("\n\n")[0])
-    args = replace(args, resume=str(checkpoint))
-    if args.horizon == (AUTO,) and saved.horizon[0] == AUTO:  # (`auto` alone: the ladder the run wrote out, as parse_args)
-        args = replace(args, horizon=saved.horizon)
-    if args.steps != saved.steps and args.epochs == saved.epochs:  # --steps replaces the run's --epochs
-        args = replace(args, epochs=None)
-    changed = [f.name for f in fields(Args) if f.name not in RESUMABLE and getattr(args, f.name) != getattr(saved, f.name)]
-    if changed:
-        given = ", ".join(f"--{name.replace('_', '-')} {getattr(args, name)} (the run's: {getattr(saved, name)})"
-                          for name in changed)
-        raise SystemExit(f"--resume continues the run with its own settings, and this command line changes {given}. "
-                         f"Drop those flags, or start a new run; on resume only "
-                         f"{', '.join('--' + n.replace('_', '-') for n in RESUMABLE)} may change.")
-    return args
-
-
-def check(args: Args, world: int, distributed: str = "NO") -> None:
-    """Stop early, with what to do, on settings that cannot work. `distributed`: Accelerate's
-    distributed type (NO, MULTI_GPU, FSDP, DEEPSPEED, ...)."""
-    if distributed == "MEGATRON_LM":
-        raise SystemExit("train.py does not run under Megatron-LM: shard with FSDP2 (configs/fsdp2.yaml) or DeepSpeed "
-                         "ZeRO-3 (configs/zero3.yaml), or launch data-parallel (configs/ddp.yaml)")
-    if distributed in ("FSDP", "DEEPSPEED") and args.algo == "agentevol":
-        raise SystemExit("agentevol resets the policy in place between iterations, which a sharded model does not "
-                         "support here: run it data-parallel (configs/ddp.yaml) or on one GPU")
-    for flag in ("steps", "tasks_per_step", "n", "max_new_tokens", "ppo_epochs", "minibatches", "micro_batch_size",
-                 "max_nonfinite_updates", "log_rollouts_every", "attempts"):
-        if getattr(args, flag) < 1:  # 0 would silently skip every rollout or update
-            raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
-    if args.epochs is not None and args.epochs < 1:
-        raise SystemExit("--epochs must be at least 1")
-    if args.launch_config and not Path(args.launch_config).is_file():
-        raise SystemExit(f"--launch-config {args.launch_config} does not exist: give one of configs/*.yaml")
-    if args.keep_checkpoints < 0 or args.env_timeout < 0:
-        raise SystemExit("--keep-checkpoints and --env-timeout take 0 (all, the env's default) or more")
-    try:
-        latency.parse(args.env_delay)
-    except ValueError as error:
-        raise SystemExit(str(error)) from None
-    if not 0 <= args.max_error_rate <= 1:
-        raise SystemExit("--max-error-rate is a share of a step's trajectories, in [0, 1]")
-    if args.env not in envs.ENVS:
-        raise SystemExit(f"unknown env {args.env!r}; choose one of: {', '.join(envs.ENVS)}")
-    for flag in ("train_tasks", "test_tasks"):
-        try:  # (read again where they are played; a bad file stops here, before anything loads)
-            if getattr(args, flag):
-                envs.load_task_ids(getattr(args, flag), args.env)
-        except envs.TaskFileError as error:
-            raise SystemExit(f"--{flag.replace('_', '-')}: {error}") from None
-    estimator = adv_lib.ESTIMATORS.get(args.algo)  # (None: an offline program)
-    if args.n < 2 and estimator and estimator.grouped:
-        raise SystemExit(f"{args.algo} compares the samples of a task with each other: use --n 2 or more")
-    if args.step_weight < 0:
-        raise SystemExit(f"--step-weight {args.step_weight:g}: gigpo's omega weighs the turn-level advantage, 0 (none) "
-                         "or more")
-    if args.step_weight != Args.step_weight and not (estimator and estimator.anchors):
-        raise SystemExit(f"--step-weight weighs gigpo's turn-level advantage, which --algo {args.algo} does not have: "
-                         f"use it with --algo {adv_lib.names(lambda e: e.anchors, 'or')}")
-    if args.gamma is not None and not 0 < args.gamma <= 1:
-        raise SystemExit(f"--gamma {args.gamma:g} is a discount: give one in (0, 1]")
-    if args.gamma is not None and (estimator is None or estimator.gamma is None):
-        raise SystemExit(f"--gamma discounts the returns of {adv_lib.names(lambda e: e.gamma is not None)}; "
-                         f"--algo {args.algo} has none")
-    check_horizon(args)
-    if args.critic_warmup > 1 and not (estimator and estimator.critic):
-        raise SystemExit(f"--critic-warmup trains only the critic for a while, and --algo {args.algo} has none: "
-                         f"use it with --algo {adv_lib.names(lambda e: e.critic, 'or')}")
-    if args.dual_clip is not None and args.dual_clip <= 1:
-        raise SystemExit("--dual-clip must be larger than 1")
-    if estimator and estimator.critic and args.mixed_precision == "fp16":
-        raise SystemExit(f"--algo {args.algo} steps two optimizers, which fp16's loss scaling does not support here: "
-                         "use --mixed-precision bf16")
-    if args.max_new_tokens >= args.max_tokens:
-        raise SystemExit("--max-new-tokens must be smaller than --max-tokens")
-    check_engine(args)
-    check_sampling(args.top_p)
-    check_models(args, distributed)
-    if args.eval_every < 0 or args.eval_tasks < 0 or args.eval_k < 1:
-        raise SystemExit("--eval-every and --eval-tasks take 0 (never, all) or more, --eval-k 1 or more")
-    check_layout(args.agent, args.env, args.algo, args.reasoning)
-    if args.algo in OFFLINE:
-        return check_offline(args, world)
-    if args.data or args.experience:
-        raise SystemExit(f"--data and --experience are what sft, dpo and agentevol learn from; --algo {args.algo} "
-                         "learns from its own rollouts")
-    if args.tasks_per_step % world:
-        raise SystemExit(f"--tasks-per-step {args.tasks_per_step} must be divisible by the {world} processes")
-    if args.max_staleness is not None and (args.max_staleness < 0 or args.is_cap < 1):
-        raise SystemExit("--max-staleness takes 0 (the asynchronous loop, no staleness) or more, --is-cap 1 or more")
-    if args.is_cap != Args.is_cap and args.max_staleness is None:
-        raise SystemExit("--is-cap truncates the importance weights of stale tokens, which only --max-staleness makes: "
-                         "give --max-staleness too, or leave --is-cap out")
-    if args.mismatch_cap is not None and args.mismatch == "none":
-        raise SystemExit("--mismatch-cap bounds --mismatch tis's weights or mis's band: give --mismatch tis or mis with it")
-    if args.mismatch_cap is not None and args.mismatch_cap <= 1:
-        raise SystemExit(f"--mismatch-cap {args.mismatch_cap:g} must be above 1: tis truncates the weights at C, mis keeps "
-                         "the sequences whose geometric-mean ratio is within [1/C, C]")
-    if args.max_staleness is not None and args.agent == "reflect":
-        raise SystemExit("--agent reflect's attempts wait for each other's reflections: train it without --max-staleness")
-    trajectories = args.tasks_per_step // world * args.n
-    micro_batches = (trajectories + args.micro_batch_size - 1) // args.micro_batch_size
-    if args.max_tokens_per_micro_batch < 0 or args.pack and not args.max_tokens_per_micro_batch:
-        raise SystemExit("--pack fills rows of --max-tokens-per-micro-batch tokens: give that too (e.g. 16384)")
-    if args.max_tokens_per_micro_batch and trajectories < args.minibatches:
-        raise SystemExit(f"--minibatches {args.minibatches} is more than the {trajectories} trajectories each process has")
-    if not args.max_tokens_per_micro_batch and micro_batches < args.minibatches:
-        raise SystemExit(f"--minibatches {args.minibatches} is more than the {micro_batches} micro-batches of "
-                         f"--micro-batch-size {args.micro_batch_size} that each process has")
-
-
-def check_horizon(args: Args) -> None:
-    """--horizon: caps of at least 1 that only grow, `auto` before them or not at all, and its rule's settings."""
-    caps = caps_of(args.horizon)
-    if not caps or min(caps) < 1 or args.horizon_every < 1:
-        raise SystemExit("--horizon takes one or more turn caps of at least 1 (after `auto`, when given), "
-                         "--horizon-every at least 1 step")
-    if AUTO in args.horizon[1:]:
-        raise SystemExit(f"--horizon {' '.join(map(str, args.horizon))}: `auto` goes first, then the caps it climbs "
-                         "(e.g. --horizon auto 10 20 30)")
-    if list(caps) != sorted(caps):
-        raise SystemExit(f"--horizon {' '.join(map(str, args.horizon))}: ScalingInter-RL's stages only grow")
-    if args.horizon_patience < 1 or not 0 <= args.horizon_cut <= 1:
-        raise SystemExit("--horizon-patience takes 1 step or more, --horizon-cut a share in [0, 1]")
-    if args.horizon[0] == AUTO and args.algo in OFFLINE:
-        raise SystemExit(f"--horizon auto grows the turn cap over steps of RL; --algo {args.algo} takes one cap")
-
-
-def check_offline(args: Args, world: int) -> None:
-    """check()'s part for sft, dpo and agentevol."""
-    if not args.data:
-        raise SystemExit(f"--algo {args.algo} learns from trajectory files: give --data FILE ... (AgentGym's AgentTraj "
-                         "format; `python scripts/make_expert_data.py --env ENV` writes the oracle's, and a run's "
-                         "rollouts.jsonl or eval.py's episodes read too)")
-    if args.max_staleness is not None or args.mismatch != "none":
-        raise SystemExit(f"--max-staleness and --mismatch weigh the tokens of RL's rollouts; --algo {args.algo} learns "
-                         "from trajectory files")
-    if args.experience and args.algo != "dpo":
-        raise SystemExit("--experience holds the rejected side of DPO's pairs: use it with --algo dpo")
-    if args.batch_size < 1 or args.batch_size % world:
-        raise SystemExit(f"--batch-size {args.batch_size} must be at least 1 and divisible by the {world} processes")
-    if not 0 <= args.validation < 1:
-        raise SystemExit("--validation is the share of --data's tasks held out, in [0, 1)")
-    if args.beta <= 0 or args.margin < 0:
-        raise SystemExit("--beta must be above 0 and --margin at least 0")
-    if args.iterations < 1 or args.explore_tasks < 0:
-        raise SystemExit("--iterations takes 1 or more, --explore-tasks 0 (all) or more")
-    if args.algo == "agentevol" and len(args.horizon) > 1:
-        raise SystemExit("--horizon takes one turn cap with agentevol (ScalingInter-RL's stages are steps of RL)")
-    if args.algo == "agentevol" and args.resume is not None:
-        raise SystemExit("--resume does not continue an agentevol run yet: each iteration's model is in "
-                         "runs/<run>/checkpoints/step_<iteration>; start a new run from it with --model")
+def parse_args(argv: list[str] | None = None) -> Args:
+    """train.py's flags over the preset that applies, or a resumed run's own settings (rl/flags.py)."""
+    return flags.parse_args(Args, PRESETS, preset_defaults, argv, __doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

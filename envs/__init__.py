@@ -158,15 +158,24 @@ def call_timeout(name: str) -> float:
     return registration(name).call_timeout
 
 
-def parse_options(options: dict[str, str]) -> dict:
-    """Command-line option strings (--env-options KEY VALUE ...) to Python values where they parse as
-    literals (numbers, booleans, lists); anything else stays a string."""
+def parse_options(options: dict[str, str], words: bool = False) -> dict:
+    """Command-line option strings (--env-options, --chat-template-kwargs: KEY VALUE ...) to Python values where
+    they parse as literals (numbers, True/False/None, lists); anything else, and a value that is not a string,
+    stays as it is. `words` (--chat-template-kwargs): true, false, none and null in any case are True, False and
+    None too, as a template's variables (enable_thinking) mean them; an env's options keep them as strings, which
+    an env may read as its own words (WebArena's `map_services none`)."""
+    named = {"true": True, "false": False, "none": None, "null": None}
     out = {}
     for key, value in options.items():
-        try:
-            out[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
+        if not isinstance(value, str):
             out[key] = value
+        elif words and value.strip().lower() in named:
+            out[key] = named[value.strip().lower()]
+        else:
+            try:
+                out[key] = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                out[key] = value
     return out
 
 

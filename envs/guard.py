@@ -4,6 +4,7 @@
     env.reset(task_id); env.step(text)        # as the env's own, or its exception, or EnvTimeout
     environments = make_envs("webarena", 64, urls=["http://host1:8000", "http://host2:8000"])  # 32 on each
     environments = make_envs("babyai", 64, delay="webarena*0.5", seed=0)   # as slow as WebArena's pages, at half
+    environments = args.env_args.make_envs(args.env, 64, rank, seed)          # as the scripts' --env-* flags say
 
 Every reset and step runs in its own daemon thread and is waited for at most `timeout` seconds. A call
 that raises passes the exception on; one that does not answer in time (a hung simulator, a browser that
@@ -18,6 +19,8 @@ their next call, and every episode they start while it is down), never another s
 With a `delay` (--env-delay, envs/latency.py) each instance is a Delayed env inside its guard: the drawn seconds
 are part of the call the timeout bounds, as a slow page's would be, and a fresh instance goes on with its slot's
 random stream.
+
+EnvArgs holds the --env-* flags that train.py and eval.py share (each script's Args nests it without a prefix).
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import tyro
 
 import envs
 from envs.latency import Delayed, Draws, parse
@@ -158,3 +165,36 @@ def close_envs(environments: list[Guarded]) -> None:
     when a run ends, and hung ones cannot hold it up for long)."""
     if environments:
         wait([env._abandon() for env in environments], timeout=max(env.timeout for env in environments))
+
+
+@dataclass
+class EnvArgs:
+    """Where the env instances run and how long a call may take: the flags train.py and eval.py share."""
+
+    env_options: dict[str, str] = field(default_factory=dict)
+    """keyword options for envs.make, e.g. --env-options reward normalized (eval.py: added to the run's own)"""
+    env_timeout: float = 0.0
+    """seconds an env reset or step may take before its trajectory ends as failed (eval.py: counted under `errors`)
+    and the env is replaced; 0: the env's default (its call_timeout in envs.ENVS)"""
+    env_url: Annotated[tuple[str, ...] | None, tyro.conf.arg(metavar="URL [URL ...]")] = None
+    """play on AgentGym env servers (ours, `python -m envs.serve`, or upstream's) at these URLs instead of in process;
+    several take the env instances round robin, an even share each"""
+    env_delay: str = "0"
+    """slow every env down, for benchmarks: each step (webarena: each reset too) sleeps a drawn latency after the env
+    answers, within --env-timeout: SECONDS, webarena (our WebArena env's measured distribution), lognormal:MEDIAN,SIGMA,
+    SPEC*X (webarena*10: its shape at 10x its seconds); 0: none (envs/latency.py)"""
+
+    def check(self) -> None:
+        """Stop early, with what to do, on settings that cannot work."""
+        if self.env_timeout < 0:
+            raise SystemExit("--env-timeout takes 0 (the env's default) or more")
+        try:
+            parse(self.env_delay)
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
+
+    def make_envs(self, name: str, count: int, rank: int = 0, seed: int = 0, options: dict | None = None) -> list[Guarded]:
+        """`count` guarded instances of env `name` as these flags say (make_envs); `options`: the env's options,
+        by default --env-options as Python values (envs.parse_options)."""
+        options = envs.parse_options(self.env_options) if options is None else options
+        return make_envs(name, count, options, self.env_timeout, self.env_url, rank, delay=self.env_delay, seed=seed)

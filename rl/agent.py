@@ -37,6 +37,9 @@ the policy is trained on is still exactly one it sampled.
 Every format reads a reply after its reasoning block (ChatFormat.answer): a reply cut off inside its reasoning
 is answered as an invalid action, as a malformed one is, and the env never sees the reasoning.
 
+LayoutArgs holds the flags that choose the layout (--agent, --attempts, --reasoning, --reasoning-tags,
+--chat-template-kwargs); chat_format turns them and a tokenizer into the ChatFormat an episode is played in.
+
 Upstream's released code lays its conversations out as ReAct only; the planning, reflection and tool-calling
 prompts here are this project's.
 """
@@ -45,10 +48,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Literal
 
+import envs
 from envs import tools as env_tools
 from rl.advantages import ESTIMATORS, is_grouped, names
-from rl.chat import CallError, read_call
+from rl.chat import CallError, ChatFormat, read_call
 
 PLAN_GUIDE = ("Before your first action, write a plan for the whole task, its steps in order, between <plan> and "
               "</plan>; then reply as instructed above. In a later turn, write a new <plan>...</plan> first only "
@@ -133,6 +138,45 @@ class Agent:
 
 
 REACT = Agent()
+
+
+@dataclass
+class LayoutArgs:
+    """How an episode is laid out: train.py's flags (eval.py takes the same words as overrides of a run's own)."""
+
+    agent: Literal["react", "plan", "reflect", "tools"] = "react"
+    """how episodes are laid out (rl/agent.py): react, AgentGym's Thought/Action; plan, a plan written before the
+    first action and revised when needed (trained like any action); reflect, up to --attempts attempts a task,
+    each after a reflection on the failed ones (each attempt its own trajectory and reward); tools, the env's
+    actions as native tool calls in the chat template's own format (rl/chat.py)"""
+    reasoning_tags: tuple[str, str] | None = None
+    """a reasoning model's block, which the env never reads (e.g. '<think>' '</think>'); default: the template's"""
+    chat_template_kwargs: dict[str, str] = field(default_factory=dict)
+    """options for the chat template's every rendering, e.g. --chat-template-kwargs enable_thinking false (Qwen3)"""
+    reasoning: Literal["keep", "drop"] = "keep"
+    """keep: one sequence an episode, every turn appended (earlier reasoning stays in the context); drop: each turn's
+    prompt is the chat template's rendering so far (earlier reasoning gone), each turn its own sequence (grpo, rloo, gigpo)"""
+    attempts: int = 3
+    """--agent reflect: attempts a task gets (it stops at its first success)"""
+
+    def check(self, env_name: str, algo: str | None = None) -> None:
+        """Stop early, with what to do, on a layout that cannot work for this env and --algo (check_layout)."""
+        if self.attempts < 1:
+            raise SystemExit("--attempts must be at least 1")
+        check_layout(self.agent, env_name, algo, self.reasoning)
+
+    def make_agent(self) -> Agent:
+        return make_agent(self.agent, self.attempts)
+
+
+def chat_format(tokenizer, layout: LayoutArgs) -> ChatFormat:
+    """The format `layout`'s flags ask for: --chat-template-kwargs as the template's variables (envs.parse_options,
+    true/false/none as Python's), under --agent tools a template whose calls rl/chat.py reads, else one sentence."""
+    fmt = ChatFormat(tokenizer, envs.parse_options(layout.chat_template_kwargs, words=True), layout.reasoning_tags,
+                     layout.reasoning)
+    if layout.agent == "tools":
+        fmt.check_tools()
+    return fmt
 
 
 def check_layout(name: str, env_name: str, algo: str | None = None, history: str = "keep") -> None:

@@ -48,7 +48,6 @@ message closed by one end-of-turn token, around a fixed scaffolding.
 
 from __future__ import annotations
 
-import ast
 import json
 import math
 import re
@@ -237,34 +236,6 @@ def _for_template(messages: list[dict], style: str | None, close: str | None = N
                 calls.append({**call, "function": function})
             message = {**message, "tool_calls": calls}
         out.append(message)
-    return out
-
-
-def chat_format(tokenizer, agent: str, template_kwargs: dict[str, str], reasoning_tags: tuple[str, str] | None,
-                history: str = "keep") -> ChatFormat:
-    """The format of a script's flags (--agent, --chat-template-kwargs, --reasoning-tags, --reasoning): under --agent
-    tools, a template whose calls this module reads, else one sentence."""
-    fmt = ChatFormat(tokenizer, template_options(template_kwargs), reasoning_tags, history)
-    if agent == "tools":
-        fmt.check_tools()
-    return fmt
-
-
-def template_options(options: dict[str, str]) -> dict:
-    """--chat-template-kwargs KEY VALUE ... as the template's variables: true/false/none in any case, numbers and
-    other literals as Python values, anything else a string."""
-    words = {"true": True, "false": False, "none": None, "null": None}
-    out = {}
-    for key, value in options.items():
-        if not isinstance(value, str):
-            out[key] = value
-        elif value.strip().lower() in words:
-            out[key] = words[value.strip().lower()]
-        else:
-            try:
-                out[key] = ast.literal_eval(value)
-            except (ValueError, SyntaxError):
-                out[key] = value
     return out
 
 

@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from rl.chat import CallError
 from rl.dpo import expert_pairs, make_pairs
@@ -46,6 +48,54 @@ ROLES = {"human": "user", "gpt": "assistant", "tool": "tool"}  # ("tool": an env
 
 class DataError(ValueError):
     """A trajectory file or record that cannot be used; the message names which and why."""
+
+
+@dataclass
+class OfflineArgs:
+    """What train.py's sft, dpo and agentevol learn from and how (their flags, nested in its Args under their own
+    names)."""
+
+    data: tuple[str, ...] = ()
+    """trajectory files to learn from: AgentGym's AgentTraj JSON/JSONL (scripts/make_expert_data.py writes
+    them), a run's rollouts.jsonl or eval.py's episodes"""
+    experience: tuple[str, ...] = ()
+    """dpo: the model's own episodes, each paired (rejected) with its task's episode in --data (chosen),
+    as AgentGym's make_dpo_dataset; without it, pairs are made within --data's tasks"""
+    batch_size: int = 16
+    """conversations (dpo: pairs) per optimizer step"""
+    validation: float = 0.05
+    """share of --data's tasks held out for the validation loss"""
+    beta: float = 0.5
+    """dpo: strength of the pull toward the reference model (AgentGym's train_dpo.sh: 0.5)"""
+    margin: float = 0.5
+    """dpo: a pair's chosen episode scored at least this much more than its rejected one"""
+    iterations: int = 2
+    """agentevol: rounds of explore, keep the successes, retrain, evaluate, after a first round of behaviour
+    cloning on --data alone"""
+    explore_tasks: int = 0
+    """agentevol: train tasks explored per iteration (--n episodes each), spread over the split; 0: all"""
+    threshold: float | None = None
+    """agentevol: keep explored episodes with at least this reward; default: those the env counts as solved"""
+    retrain_from: Literal["base", "continue"] = "base"
+    """agentevol: each iteration retrains --model afresh on the merged data (base, as AgentGym), or goes on
+    from the last iteration's weights (continue)"""
+
+    def check(self, algo: str, world: int) -> None:
+        """Stop early, with what to do, on settings of --algo `algo` over `world` processes that cannot work."""
+        if not self.data:
+            raise SystemExit(f"--algo {algo} learns from trajectory files: give --data FILE ... (AgentGym's AgentTraj "
+                             "format; `python scripts/make_expert_data.py --env ENV` writes the oracle's, and a run's "
+                             "rollouts.jsonl or eval.py's episodes read too)")
+        if self.experience and algo != "dpo":
+            raise SystemExit("--experience holds the rejected side of DPO's pairs: use it with --algo dpo")
+        if self.batch_size < 1 or self.batch_size % world:
+            raise SystemExit(f"--batch-size {self.batch_size} must be at least 1 and divisible by the {world} processes")
+        if not 0 <= self.validation < 1:
+            raise SystemExit("--validation is the share of --data's tasks held out, in [0, 1)")
+        if self.beta <= 0 or self.margin < 0:
+            raise SystemExit("--beta must be above 0 and --margin at least 0")
+        if self.iterations < 1 or self.explore_tasks < 0:
+            raise SystemExit("--iterations takes 1 or more, --explore-tasks 0 (all) or more")
 
 
 def read_trajectories(path: str | Path) -> list[dict]:
@@ -194,14 +244,14 @@ def examples_of(fmt, records: list[dict], max_tokens: int, pairs: bool = False, 
     return [(encoded(fmt, chosen, max_tokens), encoded(fmt, rejected, max_tokens)) for chosen, rejected in pairs]
 
 
-def offline_steps(args, examples: int) -> int:
-    """Optimizer steps of train.py's sft or dpo run (agentevol: of each iteration; `args`: its Args) over `examples`
-    conversations or pairs: --epochs passes (the last incomplete batch dropped, as RL's task order), else --steps."""
-    if examples < args.batch_size:
-        raise SystemExit(f"{examples} training {'pairs' if args.algo == 'dpo' else 'conversations'} are fewer than "
-                         f"--batch-size {args.batch_size}: lower it, or give more --data"
-                         + (" (or a lower --margin)" if args.algo == "dpo" else ""))
-    return args.epochs * (examples // args.batch_size) if args.epochs is not None else args.steps
+def offline_steps(examples: int, batch_size: int, epochs: int | None, steps: int, pairs: bool = False) -> int:
+    """Optimizer steps of train.py's sft or dpo run (agentevol: of each iteration) over `examples` conversations or
+    (`pairs`, dpo) pairs: `epochs` passes (the last incomplete batch dropped, as RL's task order), else `steps`."""
+    if examples < batch_size:
+        raise SystemExit(f"{examples} training {'pairs' if pairs else 'conversations'} are fewer than "
+                         f"--batch-size {batch_size}: lower it, or give more --data"
+                         + (" (or a lower --margin)" if pairs else ""))
+    return epochs * (examples // batch_size) if epochs is not None else steps
 
 
 def encoded(fmt, record: dict, max_tokens: int) -> tuple[list[int], list[int]]:

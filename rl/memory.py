@@ -15,6 +15,7 @@ engine, and `server_plan` adds what each rollout server's GPUs hold (python -m r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -157,9 +158,31 @@ def server_plan(config, *, tensor_parallel: int, gpu_gib: float, context: int,
             "divides_heads": config.num_attention_heads % tensor_parallel == 0}
 
 
-def print_plan(args, accelerator) -> None:
-    """`train.py --dry-run` (`args`: its Args): the run's estimated peak memory per GPU, by phase and by what holds
-    it, and whether it fits; under --rollout-server, the servers' GPUs too."""
+@dataclass
+class PlanArgs:
+    """train.py's --dry-run and what it plans for (its flags, nested in train.py's Args under their own names)."""
+
+    dry_run: bool = False
+    """print the estimated peak memory per GPU of this run (weights, optimizer states, activations, engine) and
+    whether it fits, then stop: only the model's config is read"""
+    launch_config: str | None = None
+    """with --dry-run: the Accelerate config the run will be launched with (configs/*.yaml), to plan it from any
+    machine; default: how this process was launched"""
+    gpu_gib: float = 0.0
+    """with --dry-run: GPU memory to plan for; 0: this machine's GPU, else 80 (an H100)"""
+
+    def check(self) -> None:
+        """Stop early, with what to do, on settings that cannot work."""
+        if self.launch_config and not Path(self.launch_config).is_file():
+            raise SystemExit(f"--launch-config {self.launch_config} does not exist: give one of configs/*.yaml")
+
+
+def print_plan(accelerator, plan_args: PlanArgs, model: str, algo: str, kl_coef: float, settings, engine_args,
+               gen_batch: int, micro_tokens: int, max_tokens: int) -> None:
+    """`train.py --dry-run`: the run's estimated peak memory per GPU, by phase and by what holds it, and whether it
+    fits; under --rollout-server, the servers' GPUs too. `settings`: the models' flags (rl/model.ModelArgs),
+    `engine_args` the engine's (rl/engines/setup.TrainerEngineArgs), `gen_batch` --gen-batch-size, `micro_tokens` a
+    micro-batch's tokens."""
     import yaml
 
     from rl import zero3
@@ -167,17 +190,17 @@ def print_plan(args, accelerator) -> None:
     from rl.logprobs import CHUNK_ELEMENTS
     from rl.model import load_config, sharded
 
-    if args.launch_config:
-        launch = yaml.safe_load(Path(args.launch_config).read_text())
+    if plan_args.launch_config:
+        launch = yaml.safe_load(Path(plan_args.launch_config).read_text())
         processes = int(launch.get("num_processes", 1))
         is_sharded = launch.get("distributed_type") in ("FSDP", "DEEPSPEED")
-        precision = args.mixed_precision if args.mixed_precision != "auto" else launch.get("mixed_precision")
+        precision = settings.mixed_precision if settings.mixed_precision != "auto" else launch.get("mixed_precision")
         deepspeed = launch.get("distributed_type") == "DEEPSPEED"
         deepspeed_bf16 = deepspeed and precision == "bf16"
         offload = (launch.get("fsdp_config", {}).get("fsdp_offload_params") is True
                    or "cpu" in {(launch.get("deepspeed_config") or {}).get(key) for key in
                                 ("offload_param_device", "offload_optimizer_device")})
-        how, kind = args.launch_config, launch.get("distributed_type", "NO")
+        how, kind = plan_args.launch_config, launch.get("distributed_type", "NO")
     else:
         processes, is_sharded = accelerator.num_processes, sharded(accelerator)
         deepspeed = zero3.active(accelerator)
@@ -186,22 +209,21 @@ def print_plan(args, accelerator) -> None:
         offload = zero3.offloaded(accelerator) or type(policy).__name__ == "CPUOffloadPolicy" \
             or bool(getattr(policy, "offload_params", False))
         how, kind = "this launch", accelerator.distributed_type.value
-    config = load_config(args.model)  # (a LoRA checkpoint's: its base's)
-    gpu_gib = args.gpu_gib or (torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0)
-    micro_tokens = args.max_tokens_per_micro_batch or args.micro_batch_size * args.max_tokens
-    estimate = plan(config, algo=args.algo, lora_rank=args.lora_rank, lora_targets=args.lora_target_modules,
-                    processes=processes, sharded=is_sharded, reference=args.algo == "dpo" or args.kl_coef > 0,
-                    offload_reference=args.offload_reference, micro_tokens=micro_tokens,
-                    checkpointing=args.gradient_checkpointing,
-                    engine="server" if args.rollout_server else engine_kind(args.engine),
-                    engine_share=args.vllm_gpu_memory_utilization, engine_sleeps=args.vllm_sleep, gpu_gib=gpu_gib,
-                    batch=args.gen_batch_size, context=args.max_tokens,
+    config = load_config(model)  # (a LoRA checkpoint's: its base's)
+    gpu_gib = plan_args.gpu_gib or (torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0)
+    estimate = plan(config, algo=algo, lora_rank=settings.lora_rank, lora_targets=settings.lora_target_modules,
+                    processes=processes, sharded=is_sharded, reference=algo == "dpo" or kl_coef > 0,
+                    offload_reference=settings.offload_reference, micro_tokens=micro_tokens,
+                    checkpointing=settings.gradient_checkpointing,
+                    engine="server" if engine_args.rollout_server else engine_kind(engine_args.engine),
+                    engine_share=engine_args.vllm_gpu_memory_utilization, engine_sleeps=engine_args.vllm_sleep, gpu_gib=gpu_gib,
+                    batch=gen_batch, context=max_tokens,
                     logits_elements=min(CHUNK_ELEMENTS, micro_tokens * config.vocab_size), bf16_weights=deepspeed_bf16,
                     offload=offload, persistent_gradients=deepspeed)
     if not accelerator.is_main_process:
         return None
-    print(f"memory plan per GPU: {args.model} ({estimate['parameters']:,} parameters, {estimate['trained']:,} trained), "
-          f"{args.algo}, {how}: " + (f"{kind} over {processes} processes" if kind != "NO" else "one process, not distributed"))
+    print(f"memory plan per GPU: {model} ({estimate['parameters']:,} parameters, {estimate['trained']:,} trained), "
+          f"{algo}, {how}: " + (f"{kind} over {processes} processes" if kind != "NO" else "one process, not distributed"))
     for phase, held in estimate["phases"].items():
         print(f"  {phase}: {sum(held.values()) / 2**30:.1f} GiB")
         for what, size in held.items():
@@ -211,17 +233,18 @@ def print_plan(args, accelerator) -> None:
           "does not fit" + (" (under 5% to spare)" if spare > 0 else "") + "; to need less: --gradient-checkpointing, a smaller "
           "--max-tokens-per-micro-batch, --lora-rank 16, FSDP2 or ZeRO-3 over more GPUs (configs/fsdp2.yaml, zero3.yaml), "
           "configs/fsdp2_offload.yaml, --offload-reference, or a smaller --vllm-gpu-memory-utilization"))
-    if args.rollout_server:
-        print_server_plan(args, config, gpu_gib, processes, how)
+    if engine_args.rollout_server:
+        print_server_plan(engine_args, model, max_tokens, config, gpu_gib, processes, how)
     return None
 
 
-def print_server_plan(args, config, gpu_gib: float, processes: int, how: str) -> None:
+def print_server_plan(engine_args, model: str, max_tokens: int, config, gpu_gib: float, processes: int,
+                      how: str) -> None:
     """The second part of the plan under --rollout-server: each rollout server's GPUs, and how the GPUs are split."""
-    tp, servers = args.vllm_tensor_parallel_size, len(args.rollout_server)
-    context = args.vllm_max_model_len or args.max_tokens
+    tp, servers = engine_args.vllm_tensor_parallel_size, len(engine_args.rollout_server)
+    context = engine_args.vllm_max_model_len or max_tokens
     server = server_plan(config, tensor_parallel=tp, gpu_gib=gpu_gib, context=context)
-    print(f"memory plan per rollout server GPU: {args.model} at tensor parallel {tp}, --gpu-memory-utilization "
+    print(f"memory plan per rollout server GPU: {model} at tensor parallel {tp}, --gpu-memory-utilization "
           f"{SERVER_GPU_SHARE} (the server's default) of {gpu_gib:.0f} GiB; tensor parallel is "
           f"--vllm-tensor-parallel-size, which train.py takes above 1 only with --rollout-server: start each server "
           f"with --tensor-parallel-size {tp} --max-model-len {context}")

@@ -25,6 +25,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -207,35 +208,66 @@ def load_value_model(name: str, dtype: torch.dtype = torch.float32):
 # The models a run trains and scores with, prepared by Accelerate (one process, data-parallel or sharded)
 
 
-def check_models(args, distributed: str) -> None:
-    """train.py's model flags that cannot work (`distributed`: Accelerate's distributed type), each one sentence."""
-    if args.offload_reference and args.algo == "dpo":
-        raise SystemExit("--offload-reference: DPO scores the reference in every micro-batch, which would move it "
-                         "each time; use --lora-rank (no copy at all) or configs/fsdp2_offload.yaml")
-    if args.offload_reference and (args.lora_rank or distributed in ("FSDP", "DEEPSPEED")):
-        raise SystemExit("--offload-reference moves the frozen reference to CPU memory: with --lora-rank there is none "
-                         "(the policy with its adapters off is the reference), and a sharded run offloads with "
-                         "configs/fsdp2_offload.yaml (or DeepSpeed's offload_param_device: cpu)")
-    if args.lora_rank < 0 or args.lora_alpha <= 0:
-        raise SystemExit("--lora-rank takes 0 (full fine-tune) or more, --lora-alpha a positive number")
+@dataclass
+class ModelArgs:
+    """How train.py holds and trains its models: the optimizers' rates, the precision, LoRA, where the reference
+    lives, activation checkpointing (its flags, nested in train.py's Args under their own names)."""
+
+    lr: float = 1e-6
+    """policy learning rate (AdamW)"""
+    warmup_steps: int = 0
+    """linear learning-rate warm-up, in optimizer steps"""
+    weight_decay: float = 0.01
+    """AdamW weight decay, policy and critic"""
+    critic_lr: float = 1e-5
+    """learning rate of PPO's critic (upstream's critic.optim.lr)"""
+    critic_lr_warmup_steps: int = 0
+    """linear learning-rate warm-up of the critic, in optimizer steps"""
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    """auto: bf16 on GPU, fp32 on CPU"""
+    lora_rank: int = 0
+    """train LoRA adapters of this rank (PEFT) instead of every weight; 0: full fine-tune. The reference is then
+    the policy with its adapters off (no second copy of the model), and checkpoints hold the adapter"""
+    lora_alpha: float = 32.0
+    """LoRA's scale numerator: adapters add (alpha / rank) B A"""
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
+    """modules that get adapters, e.g. q_proj k_proj v_proj o_proj; all-linear: every linear layer but the output layer"""
+    offload_reference: bool = False
+    """keep the frozen reference in CPU memory, on the GPU only while it scores a step (one GPU or data-parallel; a
+    sharded run offloads every model with configs/fsdp2_offload.yaml)"""
+    gradient_checkpointing: bool = True
+    """recompute activations in the backward pass: less memory (upstream's setting; without it a micro-batch of 8k
+    tokens on a 3B model keeps ~36 GiB of activations: --dry-run), about a third more compute"""
+
+    def check(self, algo: str, distributed: str) -> None:
+        """Settings that cannot work (`distributed`: Accelerate's distributed type), each one sentence."""
+        if self.offload_reference and algo == "dpo":
+            raise SystemExit("--offload-reference: DPO scores the reference in every micro-batch, which would move it "
+                             "each time; use --lora-rank (no copy at all) or configs/fsdp2_offload.yaml")
+        if self.offload_reference and (self.lora_rank or distributed in ("FSDP", "DEEPSPEED")):
+            raise SystemExit("--offload-reference moves the frozen reference to CPU memory: with --lora-rank there is "
+                             "none (the policy with its adapters off is the reference), and a sharded run offloads with "
+                             "configs/fsdp2_offload.yaml (or DeepSpeed's offload_param_device: cpu)")
+        if self.lora_rank < 0 or self.lora_alpha <= 0:
+            raise SystemExit("--lora-rank takes 0 (full fine-tune) or more, --lora-alpha a positive number")
 
 
-def make_accelerator(args):
-    """Accelerate's set-up for this launch (configs/; `args`: train.py's Args, which train.py checks against it), and
-    the mixed precision it trains in. Schedulers step once per optimizer step (by default Accelerate steps them once
+def make_accelerator(mixed_precision: str = "auto", grad_clip: float = 1.0, deterministic: bool = False):
+    """Accelerate's set-up for this launch (configs/, which train.py checks its flags against), and the mixed
+    precision it trains in (--mixed-precision; auto: bf16 on a GPU). Schedulers step once per optimizer step (by default Accelerate steps them once
     per process); without any accelerator the processes talk over gloo (DeepSpeed would otherwise ask for oneCCL);
     DeepSpeed's config is settled (rl/zero3.py); with --deterministic, GPU kernels are deterministic too."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
-    if args.deterministic:
+    if deterministic:
         deterministic_kernels()
-    mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
+    mixed = mixed_precision if mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed and not torch.accelerator.is_available() else []
     accelerator = Accelerator(mixed_precision=mixed, step_scheduler_with_optimizer=False, kwargs_handlers=handlers)
     if zero3.active(accelerator):
-        zero3.configure(accelerator, args.grad_clip)
+        zero3.configure(accelerator, grad_clip)
     zero3.keep_out(accelerator)  # (no DeepSpeed import, and its warning, outside its launches)
     return accelerator, mixed
 
@@ -318,10 +350,10 @@ def sharded(accelerator) -> bool:
     return accelerator.distributed_type in ("FSDP", "DEEPSPEED")
 
 
-def build_models(args, accelerator, policy_from: str) -> Models:
-    """The policy (from `policy_from`: the model, or the checkpoint when resuming), the frozen reference,
-    PPO's critic (same architecture, own weights, a value head; its weights from the checkpoint when resuming),
-    their optimizers. `args`: train.py's Args.
+def build_models(accelerator, policy_from: str, model: str, algo: str, kl_coef: float, settings: ModelArgs) -> Models:
+    """The policy (from `policy_from`: `model`, or the checkpoint when resuming), the frozen reference (for dpo, and
+    for RL's KL penalty when `kl_coef` > 0), PPO's critic (same architecture, own weights, a value head; its weights
+    from the checkpoint when resuming), their optimizers, as `settings` say.
 
     The reference is loaded and run exactly as the policy (fp32 under autocast; both with bf16 weights under
     DeepSpeed's bf16), so the KL is 0 while their weights agree; upstream runs it in bf16 with CPU offload (here:
@@ -331,38 +363,41 @@ def build_models(args, accelerator, policy_from: str) -> Models:
     critic_from = Path(policy_from) / "state" / "critic.safetensors"
     critic_from = critic_from if critic_from.is_file() else None
     policy = load_model(policy_from, trainable=True)  # (a LoRA run's checkpoint: its base, the adapter on it)
-    if args.lora_rank and not is_adapter(policy_from):
-        policy = add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_target_modules)
-    if args.gradient_checkpointing:
+    if settings.lora_rank and not is_adapter(policy_from):
+        policy = add_lora(policy, settings.lora_rank, settings.lora_alpha, settings.lora_target_modules)
+    if settings.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         policy.config.use_cache = False
-        if args.lora_rank:
+        if settings.lora_rank:
             policy.enable_input_require_grads()  # (the frozen embeddings would cut the recomputed graph)
     # DPO's loss and RL's KL penalty score against the reference; behaviour cloning needs none
-    wanted = args.algo == "dpo" or (args.kl_coef > 0 and args.algo not in ("sft", "agentevol"))
+    wanted = algo == "dpo" or (kl_coef > 0 and algo not in ("sft", "agentevol"))
     ref = None
-    if wanted and not args.lora_rank:
+    if wanted and not settings.lora_rank:
         # loaded and run exactly as the policy (fp32 under autocast): at step 0 the KL is 0 (DPO's margins too),
         # and sharded as the policy is
-        ref = load_model(args.model)
+        ref = load_model(model)
         ref.requires_grad_(False).eval()
-        ref = shard(accelerator, ref) if sharded(accelerator) else ref.to("cpu" if args.offload_reference else accelerator.device)
+        ref = shard(accelerator, ref) if sharded(accelerator) else ref.to("cpu" if settings.offload_reference
+                                                                          else accelerator.device)
     trained = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay)
-    policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, linear_warmup(optimizer, args.warmup_steps))
-    models = Models(policy, optimizer, scheduler, ref, adapter_reference=wanted and bool(args.lora_rank))
-    if needs_critic(args.algo):
-        critic = load_value_model(args.model)
+    optimizer = torch.optim.AdamW(trained, lr=settings.lr, weight_decay=settings.weight_decay)
+    policy, optimizer, scheduler = accelerator.prepare(policy, optimizer,
+                                                       linear_warmup(optimizer, settings.warmup_steps))
+    models = Models(policy, optimizer, scheduler, ref, adapter_reference=wanted and bool(settings.lora_rank))
+    if needs_critic(algo):
+        critic = load_value_model(model)
         if critic_from is not None:  # resuming: its weights before Accelerate shards it
             (zero3.load_weights if zero3.active(accelerator) else load_safetensors_model)(critic, str(critic_from))
         critic.config.use_cache = False
-        if args.gradient_checkpointing:
+        if settings.gradient_checkpointing:
             critic.gradient_checkpointing_enable()
         fsdp = accelerator.distributed_type == "FSDP"
         if fsdp:  # sharded first, so that its optimizer holds the shards
             critic = shard(accelerator, critic)
-        critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay)
-        critic_scheduler = linear_warmup(critic_optimizer, args.critic_lr_warmup_steps)
+        critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=settings.critic_lr,
+                                             weight_decay=settings.weight_decay)
+        critic_scheduler = linear_warmup(critic_optimizer, settings.critic_lr_warmup_steps)
         if fsdp:
             models.critic = critic
             models.critic_optimizer = accelerator.prepare_optimizer(critic_optimizer)
@@ -385,25 +420,26 @@ def shard(accelerator, model):
     return fsdp2_prepare_model(accelerator, model)
 
 
-def context_limit(args, policy, say: bool = True) -> int:
-    """Tokens a trajectory may hold: --max-tokens, or the model's context window if that is shorter. A
+def context_limit(max_tokens: int, model: str, policy, say: bool = True) -> int:
+    """Tokens a trajectory may hold: --max-tokens, or the context window of `policy` (--model's) if that is shorter. A
     trajectory that would outgrow it ends as truncated (finish "max_tokens", see rollout.py)."""
-    window = getattr(policy.config, "max_position_embeddings", None) or args.max_tokens
-    if window < args.max_tokens and say:
-        print(f"--max-tokens {args.max_tokens} is more than {args.model}'s context window: trajectories end at {window} tokens")
-    return min(args.max_tokens, window)
+    window = getattr(policy.config, "max_position_embeddings", None) or max_tokens
+    if window < max_tokens and say:
+        print(f"--max-tokens {max_tokens} is more than {model}'s context window: trajectories end at {window} tokens")
+    return min(max_tokens, window)
 
 
-def restart(models: Models, args, accelerator, initial: tuple[dict, dict]) -> None:
-    """Back to --model's weights with the optimizer and schedule as they started (`initial`: their state dicts), in
-    place: the engine and Accelerate keep the same modules (train.py's agentevol, retraining from the base)."""
+def restart(models: Models, model: str, lora: bool, accelerator, initial: tuple[dict, dict]) -> None:
+    """Back to `model`'s weights (`lora`: fresh adapters on it) with the optimizer and schedule as they started
+    (`initial`: their state dicts), in place: the engine and Accelerate keep the same modules (train.py's agentevol,
+    retraining from the base)."""
     policy = accelerator.unwrap_model(models.policy)
-    if args.lora_rank:  # fresh adapters: the base model again
+    if lora:  # fresh adapters: the base model again
         for layer in policy.modules():
             if hasattr(layer, "reset_lora_parameters"):
                 for adapter in layer.active_adapters:
                     layer.reset_lora_parameters(adapter, init_lora_weights=True)
     else:
-        policy.load_state_dict(load_model(args.model).state_dict())
+        policy.load_state_dict(load_model(model).state_dict())
     models.optimizer.load_state_dict(copy.deepcopy(initial[0]))
     models.scheduler.load_state_dict(copy.deepcopy(initial[1]))

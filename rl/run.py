@@ -19,7 +19,7 @@ import os
 import shutil
 import time
 import types
-from dataclasses import asdict
+from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -29,36 +29,73 @@ from envs.guard import close_envs
 from rl import checkpoint as checkpoint_lib
 from rl import plots
 from rl import zero3
-from rl.chat import ChatFormat, chat_format
-from rl.model import Models, build_models, context_limit, load_tokenizer, sharded
-from rl.horizon import describe
+from rl.model import sharded
 from rl.scores import gain
 from rl.trajectory import Trajectory
 
 CONFIG = "config.json"
 
 
+@dataclass
+class RunArgs:
+    """Where train.py's run is written, what it keeps and where it is logged, and the run it resumes (its flags,
+    nested in train.py's Args under their own names)."""
+
+    run_name: str | None = None
+    """default: <env>-<algo>-<time>"""
+    out_dir: str = "runs"
+    """runs are written to <out_dir>/<run_name>"""
+    save_every: int = 50
+    """checkpoint every k steps (and at the end); 0: only at the end"""
+    keep_checkpoints: int = 0
+    """keep only the k newest checkpoints; 0: keep all"""
+    resume: str | None = None
+    """continue a run with its own settings (its config.json; only the flags in RESUMABLE may change):
+    a checkpoint directory (runs/<run>/checkpoints/step_<k>), a run directory (its newest complete
+    checkpoint), or `auto`: the newest checkpoint of <out-dir>/<run-name> if there is one, else a new run
+    under that name (the same command line then survives any number of crashes)"""
+    log_rollouts_every: int = 1
+    """write every k-th step's trajectories to rollouts.jsonl (metrics go to metrics.jsonl every step)"""
+    track: bool = False
+    """log to wandb (offline mode when no API key is configured), with a few trajectories a step as a table"""
+    wandb_project: str = "agentgym-rl"
+    """the wandb project of --track"""
+
+    @property
+    def resuming(self) -> bool:
+        """Whether the run goes on from a checkpoint (`auto` without one yet: a new run under --run-name)."""
+        return self.resume not in (None, "auto")
+
+    def check(self) -> None:
+        """Stop early, with what to do, on settings that cannot work."""
+        if self.keep_checkpoints < 0:
+            raise SystemExit("--keep-checkpoints takes 0 (all) or more")
+        if self.log_rollouts_every < 1:
+            raise SystemExit("--log-rollouts-every must be at least 1")
+
+
 # ----------------------------------------------------------------------------------------------
 # The run directory and its config.json
 
 
-def run_directory(args, resuming: bool, accelerator) -> Path:
-    """Where the run writes, the same on every process. A resumed run goes on in its own directory (from a
-    checkpoint older than its newest, the newer ones and a copy of the logs are moved aside first); a new
-    one refuses a directory that holds another run (its logs would mix), unless --resume auto restarts it."""
+def run_directory(accelerator, run: RunArgs, prefix: str) -> Path:
+    """Where the run writes, the same on every process: <out_dir>/<run_name>, by default <prefix>-<time>. A resumed
+    run (from checkpoint --resume) goes on in its own directory (from a checkpoint older than its newest,
+    the newer ones and a copy of the logs are moved aside first); a new one refuses a directory that holds another run
+    (its logs would mix), unless --resume auto restarts it."""
     from accelerate.utils import broadcast_object_list
 
-    if resuming:
-        run_dir = Path(args.resume).parent.parent
-        if accelerator.is_main_process and (aside := checkpoint_lib.supersede(run_dir, Path(args.resume), Logs.FILES)):
-            print(f"{args.resume} is older than the run's newest checkpoint: the newer ones, and a copy of the logs "
+    if run.resuming:
+        run_dir = Path(run.resume).parent.parent
+        if accelerator.is_main_process and (aside := checkpoint_lib.supersede(run_dir, Path(run.resume), Logs.FILES)):
+            print(f"{run.resume} is older than the run's newest checkpoint: the newer ones, and a copy of the logs "
                   f"before they are cut back to this checkpoint, are now in {aside}")
         accelerator.wait_for_everyone()
         return run_dir
-    name = [args.run_name or f"{args.env}-{args.algo}-{time.strftime('%Y%m%d-%H%M%S')}"]
-    run_dir = Path(args.out_dir) / broadcast_object_list(name)[0]  # one timestamp for every process
+    name = [run.run_name or f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"]
+    run_dir = Path(run.out_dir) / broadcast_object_list(name)[0]  # one timestamp for every process
     if (run_dir / CONFIG).exists():
-        if args.resume != "auto":
+        if run.resume != "auto":
             raise SystemExit(f"{run_dir} already holds a run: continue it with --resume auto --run-name {run_dir.name}, "
                              "or choose another --run-name")
         if accelerator.is_main_process:
@@ -66,10 +103,10 @@ def run_directory(args, resuming: bool, accelerator) -> Path:
     return run_dir
 
 
-def run_config(args, run_dir: Path, resuming: bool, accelerator, mixed: str, engine, env) -> dict:
-    """The run's config.json: every setting, and what it ran on. Written once, when the run starts; a
-    resumed run keeps it (it runs with those settings), and its wandb run."""
-    config = {**asdict(args), "run_name": run_dir.name, "mixed_precision": mixed, "processes": accelerator.num_processes,
+def run_config(settings: dict, run_dir: Path, resuming: bool, accelerator, mixed: str, engine, env) -> dict:
+    """The run's config.json: every setting (`settings`: each flag's value by its name, rl/flags.flat), and what it
+    ran on. Written once, when the run starts; a resumed run keeps it (it runs with those settings), and its wandb run."""
+    config = {**settings, "run_name": run_dir.name, "mixed_precision": mixed, "processes": accelerator.num_processes,
               "engine_used": engine.name if engine is not None else None,
               "env_settings": env.options if env is not None else {},  # every setting in effect, defaults too
               "wandb_id": os.urandom(6).hex()}  # (not the seeded random: a new run must not reuse an old id)
@@ -147,34 +184,16 @@ def eval_due(step: int, every: int, last: int) -> bool:
     return every > 0 and (step % every == 0 or step == last)
 
 
-def set_up(args, accelerator, policy_from: str) -> tuple[object, ChatFormat, Models, int]:
-    """The tokenizer, its chat format for the agent's layout, the models (the policy's weights from `policy_from`)
-    and the trajectories' token limit (the smaller of --max-tokens and the policy's context window); `args`: train.py's
-    Args."""
-    tokenizer = load_tokenizer(args.model)
-    fmt = chat_format(tokenizer, args.agent, args.chat_template_kwargs, args.reasoning_tags, args.reasoning)
-    models = build_models(args, accelerator, policy_from=policy_from)
-    max_tokens = context_limit(args, accelerator.unwrap_model(models.policy), say=accelerator.is_main_process)
-    return tokenizer, fmt, models, max_tokens
-
-
-def start_line(args, run_dir: Path, tests: int, start: int, resuming: bool) -> str:
-    """An RL run's first line: what it trains, how long, at which turn caps, its evaluations, where it writes."""
-    return (f"run {run_dir.name}: {args.env}, {args.model} ({args.preset} preset), {args.algo}, {args.steps} steps of "
-            f"{args.tasks_per_step} tasks x {args.n} samples, {describe(args.horizon, args.horizon_every, args.steps)}, "
-            f"{evaluation_plan(args, tests, start, initial=start == 1)}"
-            f" -> {run_dir}" + (f", resumed at step {start}" if resuming else ""))
-
-
-def evaluation_plan(args, tasks: int, start: int, initial: bool) -> str:
+def evaluation_plan(tasks: int, k: int, every: int, start: int, last: int, initial: bool) -> str:
     """What the run's evaluations will play, for its start line, e.g. "evaluating 16 test tasks x 2 at steps 0 and
-    16": the `initial` policy (step 0, RL only) and --eval-every's steps from `start` on (`args`: train.py's Args)."""
-    steps = [0] * initial + [s for s in range(start, args.steps + 1) if eval_due(s, args.eval_every, args.steps)]
+    16": `tasks` x `k` (--eval-k) at the `initial` policy (step 0, RL only) and at --eval-every's steps (`every`) from
+    `start` to the `last`."""
+    steps = [0] * initial + [s for s in range(start, last + 1) if eval_due(s, every, last)]
     if not tasks or not steps:
-        return "no evaluation (--eval-every 0)" if not args.eval_every else "no evaluation left"
+        return "no evaluation (--eval-every 0)" if not every else "no evaluation left"
     head = steps[:-1] if len(steps) <= 4 else steps[:3] + ["..."]
     at = f"s {', '.join(map(str, head))} and {steps[-1]}" if len(steps) > 1 else f" {steps[0]}"
-    return f"evaluating {tasks} test tasks x {args.eval_k} at step{at}"
+    return f"evaluating {tasks} test tasks x {k} at step{at}"
 
 
 class Logs:
@@ -188,7 +207,8 @@ class Logs:
 
     FILES = ("rollouts.jsonl", "evaluations.jsonl", "metrics.jsonl")
 
-    def __init__(self, args, run_dir: Path, config: dict, active: bool, resume_sizes: dict[str, int]):
+    def __init__(self, run_dir: Path, config: dict, active: bool, resume_sizes: dict[str, int],
+                 wandb_project: str | None = None):
         self.active, self.tracker = active, None
         if not active:
             return
@@ -202,14 +222,14 @@ class Logs:
             with open(path, "a") as f:
                 f.truncate(size)
             self.files[name] = open(path, "a")
-        if args.track:
+        if wandb_project is not None:  # (--track)
             import wandb
 
             if "WANDB_MODE" not in os.environ and not os.environ.get("WANDB_API_KEY"):
                 os.environ["WANDB_MODE"] = "offline"
                 print(f"wandb: no API key configured, logging offline to {run_dir}/wandb (wandb sync to upload)")
             # one wandb run for the whole run, however often it resumes (wandb ignores re-logged steps)
-            self.tracker = wandb.init(project=args.wandb_project, name=config["run_name"], config=config,
+            self.tracker = wandb.init(project=wandb_project, name=config["run_name"], config=config,
                                       dir=str(run_dir), id=config["wandb_id"], resume="allow")
 
     def sizes(self) -> dict[str, int]:

@@ -15,26 +15,34 @@ from __future__ import annotations
 
 import argparse
 import ast
+import inspect
 import math
 import re
 import sys
-from dataclasses import fields, replace
+from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import train  # noqa: E402
+from rl.flags import flat  # noqa: E402
 
 PAGE = ROOT / "docs" / "flags.md"
 HEADER = "| flag | default (paper / tiny) | meaning |"
 
 
-def docstrings() -> dict[str, str]:
-    """Each Args field's docstring (the string under it in train.py), on one line."""
-    tree = ast.parse((ROOT / "train.py").read_text())
-    body = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Args").body
-    return {field.target.id: " ".join(doc.value.value.split()) for field, doc in zip(body, body[1:])
+def docstrings(args=None) -> dict[str, str]:
+    """Each flag's docstring (the string under its field in train.py's Args, or in its flag group's class, such as
+    envs/guard.py's EnvArgs), on one line."""
+    args = train.Args() if args is None else args
+    tree = ast.parse(Path(inspect.getsourcefile(type(args))).read_text())
+    body = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == type(args).__name__).body
+    docs = {field.target.id: " ".join(doc.value.value.split()) for field, doc in zip(body, body[1:])
             if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)}
+    for f in fields(args):
+        if is_dataclass(getattr(args, f.name)):
+            docs |= docstrings(getattr(args, f.name))
+    return docs
 
 
 def shown(value, doc: str) -> str:
@@ -58,7 +66,7 @@ def shown(value, doc: str) -> str:
 
 def defaults_cell(names: list[str], paper, tiny, docs: dict[str, str]) -> str:
     """The defaults of one row's flags: "paper / tiny", or one list where both presets agree."""
-    sides = [[shown(getattr(args, name), docs.get(name, "")) for name in names] for args in (paper, tiny)]
+    sides = [[shown(flat(args)[name], docs.get(name, "")) for name in names] for args in (paper, tiny)]
     if not any(value for side in sides for value in side):
         return ""
     cells = [", ".join(value or "none" for value in side) for side in sides]
@@ -70,7 +78,7 @@ def table(page: str) -> tuple[str, str]:
     lines = page.splitlines()
     start = lines.index(HEADER)
     end = next(i for i in range(start, len(lines) + 1) if i == len(lines) or not lines[i].startswith("|"))
-    names = {f.name for f in fields(train.Args)}
+    names = set(flat(train.Args()))
     # the presets as a user meets them: `--preset` itself as its flag's default, not the preset it resolved to
     paper = replace(train.parse_args(["--preset", "paper"]), preset=train.Args.preset)
     tiny = replace(train.parse_args([]), preset=train.Args.preset)

@@ -235,10 +235,11 @@ def planned_update(args, accelerator) -> float:
     config = load_config(args.model)
     micro_tokens = args.max_tokens_per_micro_batch or args.micro_batch_size * args.max_tokens
     gpu_gib = torch.cuda.get_device_properties(0).total_memory / GiB if torch.cuda.is_available() else 80.0
-    estimate = plan(config, algo=args.algo, lora_rank=args.lora_rank, lora_targets=args.lora_target_modules,
+    estimate = plan(config, algo=args.algo, lora_rank=args.model_args.lora_rank,
+                    lora_targets=args.model_args.lora_target_modules,
                     processes=accelerator.num_processes, sharded=sharded(accelerator),
-                    reference=args.algo == "dpo" or args.kl_coef > 0, offload_reference=args.offload_reference,
-                    micro_tokens=micro_tokens, checkpointing=args.gradient_checkpointing, engine="server",
+                    reference=args.algo == "dpo" or args.kl_coef > 0, offload_reference=args.model_args.offload_reference,
+                    micro_tokens=micro_tokens, checkpointing=args.model_args.gradient_checkpointing, engine="server",
                     engine_share=0.0, engine_sleeps=True, gpu_gib=gpu_gib, batch=args.gen_batch_size,
                     context=args.max_tokens, logits_elements=min(CHUNK_ELEMENTS, micro_tokens * config.vocab_size))
     return sum(estimate["phases"]["update"].values()) / GiB
@@ -286,7 +287,7 @@ def check_update(label: str, args, accelerator, models, work: Workload, vocab: i
     measured, planned = peak_gib(), planned_update(args, accelerator)
     config = accelerator.unwrap_model(models.policy).config
     rate = tokens / seconds
-    flops = model_flops(config, tokens, action_tokens, bool(args.lora_rank)) / seconds
+    flops = model_flops(config, tokens, action_tokens, bool(args.model_args.lora_rank)) / seconds
     mfu = flops / peak[0] if peak[0] else None
     gpu = torch.cuda.is_available()
     memory = (f"peak {measured:.2f} GiB measured (torch.cuda.max_memory_allocated), {planned:.2f} GiB planned "
@@ -309,15 +310,16 @@ def check_rollout(label: str, args, accelerator, models, tokenizer, work: Worklo
 
     import envs
     import train
-    from rl.chat import chat_format
+    from rl.agent import chat_format
     from rl.engines.setup import build_engine
     from rl.logprobs import token_logprobs
     from rollout import rollout
     from test_token_exactness import Spy, check_exact
 
     args = replace(args, max_tokens=work.context)
-    fmt = chat_format(tokenizer, args.agent, args.chat_template_kwargs, args.reasoning_tags, args.reasoning)
-    spy = Spy(build_engine(args, fmt, models, accelerator, args.max_tokens), fmt)
+    fmt = chat_format(tokenizer, args.layout_args)
+    spy = Spy(build_engine(args.engine_args, fmt, args.model, args.max_tokens, args.seed + accelerator.process_index,
+                           args.gen_batch_size, accelerator=accelerator, policy=models.policy), fmt)
     tasks = envs.splits("babyai")["test"][:work.episodes // 2]
     environments = [envs.make("babyai") for _ in range(2 * len(tasks))]
     start = time.perf_counter()
@@ -344,7 +346,7 @@ def check_rollout(label: str, args, accelerator, models, tokenizer, work: Worklo
         for micro in batch.micro:
             with accelerator.autocast():
                 logprobs, _ = token_logprobs(models.policy, micro.input_ids, micro.attention_mask, micro.loss_mask,
-                                             args.temperature, position_ids=micro.position_ids)
+                                             args.engine_args.temperature, position_ids=micro.position_ids)
             gaps.append((logprobs.float() - micro.sampler_logprobs)[micro.loss_mask > 0].abs().cpu())
     gap = torch.cat(gaps)
     mean, worst = float(gap.mean()), float(gap.max())
@@ -381,7 +383,7 @@ def run_size(size: str, model: Path, accelerator, precision: str, work: Workload
         start = time.perf_counter()
         models = None
         try:
-            models = build_models(args, accelerator, policy_from=args.model)
+            models = build_models(accelerator, args.model, args.model, args.algo, args.kl_coef, args.model_args)
             print(f"[{prefix}{mode} {size}] models built in {time.perf_counter() - start:.1f} s "
                   f"(train.py {' '.join(flags[2:])})")
             for section in wanted:
@@ -460,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     models = {size: random_model(size, args.work, tokenizer_folder, template) for size in sizes}
-    accelerator, precision = make_accelerator(train_args(models[sizes[0]], work, lora=False)[0])
+    first = train_args(models[sizes[0]], work, lora=False)[0]
+    accelerator, precision = make_accelerator(first.model_args.mixed_precision, first.grad_clip, first.deterministic)
     peak = peak_flops(args.peak_tflops)
     if not args.fsdp2:
         ceiling = matmul_tflops()

@@ -27,7 +27,7 @@ from rl.checkpoint import write_atomic  # noqa: E402
 from rl.data import to_record  # noqa: E402
 from rl.model import load_tokenizer  # noqa: E402
 from rl.agent import make_agent  # noqa: E402
-from rl.chat import chat_format  # noqa: E402
+from rl.agent import LayoutArgs, chat_format  # noqa: E402
 from rollout import ExpertEngine, on_bar, play  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def main(argv=None) -> dict:
     task_ids = envs.load_task_ids(args.tasks, args.env) if args.tasks else envs.splits(args.env)[args.split]
     source = Path(args.tasks).stem if args.tasks else args.split  # (named in the default file and the summary line)
     task_ids = task_ids[:args.limit] if args.limit else task_ids
-    fmt = chat_format(load_tokenizer(args.model), args.agent, {}, None)
+    fmt = chat_format(load_tokenizer(args.model), LayoutArgs(args.agent))
     environments = [envs.make(args.env) for _ in range(min(args.batch_size, len(task_ids)))]
     solved, skipped, tokens = [], collections.Counter(), 0
     progress = tqdm(total=len(task_ids), desc=f"{args.env} experts", unit="episode")

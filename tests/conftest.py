@@ -61,6 +61,7 @@ def tiny_run(tmp_path):
     then, unless told not to, eval.py on 4 test tasks of its checkpoint. Returns (run directory,
     rollout-log records, eval results or None)."""
     import eval as eval_script
+    from rl.flags import build
 
     def run(env: str, *flags: str, evaluate: bool = True):
         args = train.parse_args(["--env", env, "--steps", "1", "--tasks-per-step", "2", "--n", "2", "--horizon", "2",
@@ -69,7 +70,7 @@ def tiny_run(tmp_path):
         records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
         results = None
         if evaluate:
-            results = eval_script.main(eval_script.Args(model=str(run_dir / "checkpoints" / "step_1"), limit=4, k=1,
+            results = eval_script.main(build(eval_script.Args, model=str(run_dir / "checkpoints" / "step_1"), limit=4, k=1,
                                                         out=str(tmp_path / "eval")))
         return run_dir, records, results
 

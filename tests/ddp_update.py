@@ -84,13 +84,13 @@ def poison(case: str, rank: int) -> None:
 
 
 def main(out_dir: Path) -> None:
-    accelerator, _ = make_accelerator(train.parse_args(["--tasks-per-step", "2"]))
+    accelerator, _ = make_accelerator()
     world, rank = accelerator.num_processes, accelerator.process_index
     mine = trajectories()[rank * 6 // world:(rank + 1) * 6 // world]
     for name, flags in (CASES | NAN_CASES).items():
         args = train.parse_args(["--tasks-per-step", "2", "--n", "3", "--micro-batch-size", "2", "--minibatches", "1",
                                  "--kl-coef", "0", *flags])
-        models = build_models(args, accelerator, args.model)
+        models = build_models(accelerator, args.model, args.model, args.algo, args.kl_coef, args.model_args)
         gradients = {}
         original = optimizer_lib.optimizer_step
 

@@ -10,6 +10,7 @@ import pytest
 
 import envs
 import eval as eval_script
+from rl.flags import build
 import train
 from envs.remote import RemoteEnv
 from envs.serve import build_app, parse_args
@@ -65,7 +66,7 @@ def test_eval_scores_the_new_env_under_the_default_protocol(countdown_url, tmp_p
     """A model that is neither the embedded one (by name) nor a run's checkpoint is scored under upstream's limits
     (--protocol auto: agentgym), which for a new env are those of its registry line."""
     def evaluate(name, **flags):
-        return eval_script.main(eval_script.Args(model=str(EMBEDDED["tiny-agent"]), env="countdown", engine="hf", k=2,
+        return eval_script.main(build(eval_script.Args, model=str(EMBEDDED["tiny-agent"]), env="countdown", engine="hf", k=2,
                                                  out=str(tmp_path / name), **flags))
 
     local = evaluate("local")

@@ -36,6 +36,7 @@ import pytest
 
 import envs
 import eval as eval_script
+from rl.flags import build
 from rl.engines.api import APIEngine, total_usage
 from rl.model import EMBEDDED
 from rl.scores import spread
@@ -126,8 +127,8 @@ def test_greedy_api_episodes_are_the_in_process_engines(served, tmp_path):
     sides, which these episodes never reach, so it does not bind."""
     common = dict(env="babyai", protocol="tiny", max_tokens=WINDOW, limit=12, temperature=0.0)
     # (the in-process run first: it overlaps the server's start-up)
-    local = eval_script.main(eval_script.Args(model="tiny-agent", engine="vllm", out=str(tmp_path / "local"), **common))
-    remote = eval_script.main(eval_script.Args(model="openai:tiny-agent", base_url=served.url(),
+    local = eval_script.main(build(eval_script.Args, model="tiny-agent", engine="vllm", out=str(tmp_path / "local"), **common))
+    remote = eval_script.main(build(eval_script.Args, model="openai:tiny-agent", base_url=served.url(),
                                                out=str(tmp_path / "api"), **common))
     mine, theirs = records(tmp_path / "local"), records(tmp_path / "api")
     assert [r["task_id"] for r in mine] == [r["task_id"] for r in theirs]
@@ -158,9 +159,9 @@ def test_greedy_tool_calls_through_the_server_are_the_in_process_engines(served_
     part after some turns: the server's prompt is a new tokenization of the conversation, and the tokens the
     in-process engine appended need not be the tokenizer's own spelling of their text.)"""
     common = dict(env="babyai", protocol="tiny", agent="tools", max_tokens=WINDOW, limit=8, temperature=0.0)
-    local = eval_script.main(eval_script.Args(model="tiny-agent-tools", engine="vllm", reasoning="drop",
+    local = eval_script.main(build(eval_script.Args, model="tiny-agent-tools", engine="vllm", reasoning="drop",
                                               out=str(tmp_path / "local"), **common))
-    remote = eval_script.main(eval_script.Args(model="openai:tiny-agent-tools", base_url=served_tools.url(),
+    remote = eval_script.main(build(eval_script.Args, model="openai:tiny-agent-tools", base_url=served_tools.url(),
                                                out=str(tmp_path / "api"), **common))
     mine, theirs = records(tmp_path / "local"), records(tmp_path / "api")
 
@@ -241,7 +242,7 @@ def reply(text=REPLY, prompt_tokens=100, completion_tokens=10):
 
 
 def api_args(url: str, out: Path, **flags) -> eval_script.Args:
-    return eval_script.Args(model="openai:fake-model", base_url=url, env="babyai", protocol="tiny", limit=4, horizon=2,
+    return build(eval_script.Args, model="openai:fake-model", base_url=url, env="babyai", protocol="tiny", limit=4, horizon=2,
                             api_key_env="AGENTGYM_RL_TEST_KEY", api_backoff=0.01, api_concurrency=3, out=str(out),
                             **flags)
 

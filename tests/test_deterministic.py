@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -109,7 +108,7 @@ def test_deterministic_on_a_gpu_makes_kernels_without_a_deterministic_one_an_err
     monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda mode, warn_only=False: modes.append((mode, warn_only)))
     monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
     monkeypatch.setattr(accelerate, "Accelerator", NoAccelerator)
-    make_accelerator(replace(train.parse_args([]), deterministic=True))
+    make_accelerator(deterministic=True)
     assert modes == [(True, False)]  # warn_only=True let a nondeterministic kernel pass with a warning
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     assert torch.utils.deterministic.fill_uninitialized_memory is False

@@ -18,6 +18,7 @@ import tyro
 
 import envs
 import eval as eval_script
+from rl.flags import build
 import train
 from envs.guard import EnvTimeout, close_envs, make_envs
 from rl.checkpoint import STATE
@@ -165,17 +166,17 @@ def stopped(call) -> str:
 
 
 def test_train_and_eval_take_several_urls_and_stop_on_one_that_cannot_be_reached(servers, tmp_path):
-    assert train.parse_args(["--env-url", *servers]).env_url == servers
-    assert train.parse_args(["--env-url", servers[0]]).env_url == (servers[0],)
-    assert train.parse_args([]).env_url is None
-    assert tyro.cli(eval_script.Args, args=["--env-url", *servers]).env_url == servers
-    assert tyro.cli(eval_script.Args, args=["--env-url", servers[0]]).env_url == (servers[0],)
+    assert train.parse_args(["--env-url", *servers]).env_args.env_url == servers
+    assert train.parse_args(["--env-url", servers[0]]).env_args.env_url == (servers[0],)
+    assert train.parse_args([]).env_args.env_url is None
+    assert tyro.cli(eval_script.Args, args=["--env-url", *servers]).env_args.env_url == servers
+    assert tyro.cli(eval_script.Args, args=["--env-url", servers[0]]).env_args.env_url == (servers[0],)
     # train.py makes 2 x 2 envs, eval.py 3: the third is on the server that is down, named by the one line
     down = free_url()
     for message in (
         stopped(lambda: train.main(train.parse_args([*SMALL, "--env-url", *servers, down, "--env-options", "retries", "0",
                                                      "--out-dir", str(tmp_path)]))),
-        stopped(lambda: eval_script.main(eval_script.Args(env_url=(*servers, down), env_options={"retries": "0"},
+        stopped(lambda: eval_script.main(build(eval_script.Args, env_url=(*servers, down), env_options={"retries": "0"},
                                                           engine="hf", limit=3, out=str(tmp_path / "e")))),
     ):
         assert message.startswith(f"cannot make a babyai env on the env server at {down} ") and servers[0] not in message
@@ -191,6 +192,6 @@ def test_a_run_that_stored_one_url_resumes_with_it_or_with_several(tmp_path):
     (tmp_path / "old" / "config.json").write_text(json.dumps({"preset": "tiny", "env_url": "http://old:36001"}))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (tyro warns of a default that is not of its field's type)
-        assert train.parse_args(["--resume", str(checkpoint)]).env_url == ("http://old:36001",)
-        assert train.parse_args(["--resume", str(checkpoint), "--env-url", "http://a:1", "http://b:1"]).env_url == \
+        assert train.parse_args(["--resume", str(checkpoint)]).env_args.env_url == ("http://old:36001",)
+        assert train.parse_args(["--resume", str(checkpoint), "--env-url", "http://a:1", "http://b:1"]).env_args.env_url == \
                ("http://a:1", "http://b:1")

@@ -11,8 +11,9 @@ import pytest
 
 import envs
 import eval as eval_script
+from rl.flags import build
 from rl.agent import make_agent
-from rl.chat import chat_format
+from rl.agent import LayoutArgs, chat_format
 from rl.engines import RoundEngine, Sample
 from rl.engines.expert import ExpertEngine
 from rl.model import load_tokenizer
@@ -105,7 +106,7 @@ class Script(RoundEngine):
 def test_a_cut_episode_counts_only_its_own_invalid_and_malformed_turns():
     """A horizon sweep reported a malformed share of 1.0 at a cap whose turns were all well formed: the cut kept the
     whole episode's counts."""
-    fmt = chat_format(load_tokenizer("tiny-agent"), "react", {}, ("<think>", "</think>"), "keep")
+    fmt = chat_format(load_tokenizer("tiny-agent"), LayoutArgs(reasoning_tags=("<think>", "</think>")))
 
     def played(horizon):
         env = envs.make("babyai")
@@ -159,7 +160,7 @@ def test_compare_pairs_tasks_per_category_with_intervals(tmp_path, capsys):
     (tmp_path / "b.json").write_text(json.dumps(result("babyai", b) | {"model": "n"}))
     assert {envs.category("babyai", t) for t in (0, 1, 2, 3)} == {"GoTo"}
     assert {envs.category("babyai", t) for t in (16, 17, 18, 19)} == {"Pickup"}
-    out = eval_script.main(eval_script.Args(compare=(str(tmp_path / "a.json"), str(tmp_path / "b.json"))))
+    out = eval_script.main(build(eval_script.Args, compare=(str(tmp_path / "a.json"), str(tmp_path / "b.json"))))
     rows = {row["category"]: row for row in out["categories"]}
     assert out["settings_differ"] == {"model": ("m", "n")}
     goto = rows["GoTo"]["success"]  # differences 1, 0, 1, 0: mean 0.5, sample variance 1/3
@@ -175,7 +176,7 @@ def test_compare_reads_results_without_per_task_scores_and_refuses_bad_input(tmp
     old = {"model": "m", "env": "babyai", "k": 1, "avg@k": 0.2, "success": 0.25, "categories": {"GoTo": {"avg@k": 0.1}}}
     (tmp_path / "old.json").write_text(json.dumps(old))
     (tmp_path / "new.json").write_text(json.dumps(result("babyai", {0: [[0.9, 1.0]]})))
-    out = eval_script.main(eval_script.Args(compare=(str(tmp_path / "old.json"), str(tmp_path / "new.json"))))
+    out = eval_script.main(build(eval_script.Args, compare=(str(tmp_path / "old.json"), str(tmp_path / "new.json"))))
     assert out["categories"][0]["tasks"] == 0 and out["categories"][0]["avg"]["before"] == 0.2
     assert "no intervals" in capsys.readouterr().out
     one = eval_script.compare(str(tmp_path / "new.json"), str(tmp_path / "new.json"))
@@ -188,7 +189,7 @@ def test_compare_reads_results_without_per_task_scores_and_refuses_bad_input(tmp
     for pair, message in [(("old.json", "missing.json"), "cannot read"), (("old.json", "torn.json"), "cannot read"),
                           (("old.json", "text.json"), "different envs")]:
         with pytest.raises(SystemExit, match=message):
-            eval_script.main(eval_script.Args(compare=tuple(str(tmp_path / p) for p in pair)))
+            eval_script.main(build(eval_script.Args, compare=tuple(str(tmp_path / p) for p in pair)))
 
 
 @pytest.mark.parametrize("flags, message", [

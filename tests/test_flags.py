@@ -52,7 +52,7 @@ def test_the_docs_of_reasoning_drop_name_every_estimator_it_accepts():
     from rl.advantages import is_grouped
 
     accepted = [algo for algo in typing.get_args(typing.get_type_hints(train.Args)["algo"]) if is_grouped(algo)]
-    docstring = (ROOT / "train.py").read_text().split("reasoning: Literal")[1].split('"""')[1]
+    docstring = (ROOT / "rl" / "agent.py").read_text().split("reasoning: Literal")[1].split('"""')[1]
     row = next(line for line in (ROOT / "docs" / "reasoning-and-tools.md").read_text().splitlines()
                if line.startswith("| estimators |"))
     assert "gigpo" in accepted
@@ -67,3 +67,20 @@ def test_eval_stops_on_a_top_p_that_leaves_nothing_to_draw(tmp_path):
     args = eval_script.tyro.cli(eval_script.Args, args=["--engine", "hf", "--top-p", "0", "--out", str(tmp_path / "e")])
     with pytest.raises(SystemExit, match="--top-p 0 is the share"):
         eval_script.main(args)
+
+
+def test_option_strings_keep_their_meaning_for_each_flag():
+    """One parser for --env-options and --chat-template-kwargs (envs.parse_options), which each keep what they meant:
+    a template's true/false/none are Python's (Jinja would take the string "false" for true), an env's stay its own
+    words (WebArena's `map_services none`); literals parse alike in both."""
+    import envs
+    from rl.agent import LayoutArgs, chat_format
+    from rl.model import load_tokenizer
+
+    given = {"enable_thinking": "false", "map_services": "none", "topk": "3", "strict": "False", "sites": "shopping"}
+    assert envs.parse_options(given) == {"enable_thinking": "false", "map_services": "none", "topk": 3, "strict": False,
+                                         "sites": "shopping"}
+    assert envs.parse_options(given, words=True) == {"enable_thinking": False, "map_services": None, "topk": 3,
+                                                     "strict": False, "sites": "shopping"}
+    fmt = chat_format(load_tokenizer("tiny-agent"), LayoutArgs(chat_template_kwargs={"enable_thinking": " FALSE "}))
+    assert fmt.template_kwargs == {"enable_thinking": False}

@@ -141,6 +141,6 @@ def test_auto_alone_resumes_with_the_same_command_line(tmp_path):
     (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 2}))
     (checkpoint / "state" / "schedulers.json").write_text("{}")
     resumed = train.parse_args(argv)
-    assert resumed.horizon == ("auto", 3, 6) and resumed.resume == str(checkpoint)
+    assert resumed.horizon == ("auto", 3, 6) and resumed.run_args.resume == str(checkpoint)
     with pytest.raises(SystemExit, match="--horizon"):  # another ladder is still a change
         train.parse_args(["--horizon", "auto", "4", "8", *argv[2:]])

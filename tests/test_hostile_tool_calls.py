@@ -22,6 +22,7 @@ from test_tools import needs_chromium
 
 import envs
 import eval as eval_script
+from rl.flags import build
 from envs import tools as env_tools
 from envs.tools import MAX_CHARS
 from rl.agent import make_agent
@@ -312,7 +313,7 @@ def test_an_api_eval_whose_replies_carry_hostile_calls_finishes_and_counts_them_
         return status, payload, headers
 
     with fake_api(answer) as (url, seen):
-        results = eval_script.main(eval_script.Args(
+        results = eval_script.main(build(eval_script.Args, 
             model="openai:fake-model", base_url=url, env="textcraft", agent="tools", protocol="tiny", limit=2,
             horizon=len(arguments), api_backoff=0.01, out=str(tmp_path / "eval")))
     records = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]

@@ -44,7 +44,7 @@ def test_two_processes_split_the_tasks_and_log_every_episode(tmp_path):
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(m["losses/value"]) and m["losses/critic_grad_norm"] > 0 for m in metrics)  # PPO's critic, DDP too
     # warm-ups count optimizer steps, whatever the number of processes: (k + 1) / 4 after k steps
-    lr = train.PRESETS["tiny"].lr
+    lr = train.PRESETS["tiny"].model_args.lr
     assert [m["charts/lr"] for m in metrics] == pytest.approx([lr * 2 / 4, lr * 3 / 4])
     assert [m["charts/critic_lr"] for m in metrics] == pytest.approx([1e-3 * 2 / 4, 1e-3 * 3 / 4])
 
@@ -107,7 +107,7 @@ def test_sharded_update_equals_the_one_process_update(tmp_path, one_process_upda
         # Adam's first step moves a weight by lr g / (|g| + eps), about lr whatever |g|: where |g| is within a few eps
         # (1e-8) of 0, the gradients' float noise (within atol above) changes that step visibly (measured: 1-3 of
         # 920,704 weights by up to 1.4e-5), so there the weights only agree to the step's size
-        lr = train.parse_args([]).lr
+        lr = train.parse_args([]).model_args.lr
         for name, gradient in one.items():
             settled = gradient.abs() > 1e-6
             torch.testing.assert_close(first[name][settled], single[name][settled], rtol=0, atol=1e-6, msg=f"{case}: {name}")
@@ -149,7 +149,7 @@ def test_a_sharded_run_checkpoints_and_resumes_exactly(tmp_path, sharding, mixed
     assert [m["charts/step"] for m in resumed] == [1, 2]
     for key in ("rollout/reward", "losses/kl", "losses/value", "losses/grad_norm", "critic/value", "charts/lr"):
         assert resumed[1][key] == uninterrupted[1][key], key
-    lr = train.PRESETS["tiny"].lr  # the warm-ups step with the optimizers: (k + 1) / 4 after k steps
+    lr = train.PRESETS["tiny"].model_args.lr  # the warm-ups step with the optimizers: (k + 1) / 4 after k steps
     assert [m["charts/lr"] for m in uninterrupted] == pytest.approx([lr * 2 / 4, lr * 3 / 4])
     assert [m["charts/critic_lr"] for m in uninterrupted] == pytest.approx([1e-3 * 2 / 4, 1e-3 * 3 / 4])
 

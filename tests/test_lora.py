@@ -11,6 +11,7 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 
 import eval as eval_script
+from rl.flags import build
 import train
 from rl.engines.setup import engine_kind
 from rl.losses import kl
@@ -72,7 +73,7 @@ def test_old_log_probs_are_the_adapted_policys(tmp_path):
     args = train.parse_args(["--lora-rank", "8", "--minibatches", "2", "--kl-in-reward", "--tasks-per-step", "4",
                              "--n", "2", "--out-dir", str(tmp_path)])
     torch.manual_seed(0)
-    models = build_models(args, accelerator, args.model)
+    models = build_models(accelerator, args.model, args.model, args.algo, args.kl_coef, args.model_args)
     policy = accelerator.unwrap_model(models.policy)
     for name, parameter in policy.named_parameters():
         if "lora_B" in name:  # adapters that have moved (B starts at 0: the adapted model is the base model)
@@ -83,7 +84,7 @@ def test_old_log_probs_are_the_adapted_policys(tmp_path):
     batch = train.batch_of(played, args, accelerator, 0)
     train.old_logprobs(models, batch, args, accelerator)
     for micro in batch.micro:
-        inputs = (micro.input_ids, micro.attention_mask, micro.loss_mask, args.temperature)
+        inputs = (micro.input_ids, micro.attention_mask, micro.loss_mask, args.engine_args.temperature)
         with torch.no_grad():
             adapted, _ = token_logprobs(policy, *inputs, position_ids=micro.position_ids)
             with policy.disable_adapter():
@@ -123,7 +124,7 @@ def test_the_adapter_reloads_into_eval_and_the_engine(run, tmp_path):
     """eval.py on the adapter checkpoint: its vLLM engine loads the base, gets the merged adapter, and its probe
     log-probs equal the trainer's (load_weights checks that); greedy episodes equal the HF engine's on the adapter."""
     checkpoint = str(run / "checkpoints" / "step_2")
-    results = {engine: eval_script.main(eval_script.Args(model=checkpoint, limit=4, k=1, temperature=0.0, engine=engine,
+    results = {engine: eval_script.main(build(eval_script.Args, model=checkpoint, limit=4, k=1, temperature=0.0, engine=engine,
                                                          out=str(tmp_path / engine)))
                for engine in ("hf", "vllm")}
     episodes = {engine: [json.loads(line) for line in (tmp_path / f"{engine}.jsonl").read_text().splitlines()]

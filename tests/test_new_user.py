@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import eval as eval_script
+from rl.flags import build
 import train
 from rl.model import EMBEDDED, load_model, load_tokenizer
 
@@ -38,7 +39,7 @@ def test_a_hub_id_offline_is_one_sentence_from_every_script(tmp_path):
     said = {stopped(lambda: load_tokenizer(HUB_ID)), stopped(lambda: load_model(HUB_ID)),
             stopped(lambda: train.main(train.parse_args(["--dry-run", "--model", HUB_ID]))),
             stopped(lambda: train.main(train.parse_args(["--model", HUB_ID, *SMALL, "--out-dir", str(tmp_path)]))),
-            stopped(lambda: eval_script.main(eval_script.Args(model=HUB_ID, engine="hf", limit=1, out=str(tmp_path / "e"))))}
+            stopped(lambda: eval_script.main(build(eval_script.Args, model=HUB_ID, engine="hf", limit=1, out=str(tmp_path / "e"))))}
     assert len(said) == 1, said
     message = said.pop()
     assert HUB_ID in message and "local model directory" in message and "HF_HUB_OFFLINE" in message
@@ -73,7 +74,7 @@ def test_an_env_server_that_never_answers_is_one_sentence(silent_server, tmp_pat
     for message in (
         stopped(lambda: train.main(train.parse_args([*SMALL, "--env-url", silent_server, "--env-timeout", "1",
                                                      "--out-dir", str(tmp_path)]))),
-        stopped(lambda: eval_script.main(eval_script.Args(env_url=silent_server, env_timeout=1, engine="hf", limit=2,
+        stopped(lambda: eval_script.main(build(eval_script.Args, env_url=silent_server, env_timeout=1, engine="hf", limit=2,
                                                           out=str(tmp_path / "e")))),
     ):
         assert silent_server in message and "no answer within 1 s" in message
@@ -94,7 +95,7 @@ def test_a_bad_task_file_is_one_line_naming_it(tmp_path, content, fault):
     for flag in ("--train-tasks", "--test-tasks"):
         message = stopped(lambda: train.check(train.parse_args([flag, str(path)]), world=1))
         assert message.startswith(f"{flag}: task id file {path}") and fault in message, message
-    message = stopped(lambda: eval_script.main(eval_script.Args(tasks=str(path), engine="hf", out=str(tmp_path / "e"))))
+    message = stopped(lambda: eval_script.main(build(eval_script.Args, tasks=str(path), engine="hf", out=str(tmp_path / "e"))))
     assert message.startswith(f"--tasks: task id file {path}") and fault in message, message
 
 
@@ -107,7 +108,7 @@ def test_a_model_without_a_chat_template_is_one_line(tmp_path):
     (model / "tokenizer_config.json").write_text(json.dumps(config))
     for message in (
         stopped(lambda: train.main(train.parse_args(["--model", str(model), *SMALL, "--out-dir", str(tmp_path)]))),
-        stopped(lambda: eval_script.main(eval_script.Args(model=str(model), engine="hf", limit=1, out=str(tmp_path / "e")))),
+        stopped(lambda: eval_script.main(build(eval_script.Args, model=str(model), engine="hf", limit=1, out=str(tmp_path / "e")))),
     ):
         assert message.startswith(f"{model} has no chat template"), message
 

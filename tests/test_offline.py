@@ -14,6 +14,7 @@ import torch
 
 import envs
 import eval as eval_script
+from rl.flags import build
 import train
 from rl.data import encode, read_trajectories
 from rl.engines.hf import HFEngine
@@ -93,11 +94,11 @@ def test_sft_learns_the_expert_and_its_checkpoint_chains_into_eval_and_grpo(tmp_
     assert matched_after > matched_before, (matched_before, matched_after)
 
     # the checkpoint is a model: eval.py plays it under the run's limits, GRPO starts from it with the tiny preset
-    results = eval_script.main(eval_script.Args(model=str(checkpoint), limit=4, engine="hf", out=str(tmp_path / "ev")))
+    results = eval_script.main(build(eval_script.Args, model=str(checkpoint), limit=4, engine="hf", out=str(tmp_path / "ev")))
     assert results["protocol"] == "run" and results["horizon"] == 6 and results["tasks"] == 4
     grpo = train.parse_args(["--model", str(checkpoint), "--steps", "1", "--tasks-per-step", "2", "--n", "2",
                              "--horizon", "2", "--max-new-tokens", "16", "--out-dir", str(tmp_path), "--run-name", "grpo"])
-    assert grpo.preset == "tiny" and grpo.lr == train.PRESETS["tiny"].lr
+    assert grpo.preset == "tiny" and grpo.model_args.lr == train.PRESETS["tiny"].model_args.lr
     assert (train.main(grpo) / "checkpoints" / "step_1" / "model.safetensors").is_file()
 
 
@@ -169,7 +170,7 @@ def test_one_agentevol_iteration_grows_its_buffer_and_keeps_test_success(tmp_pat
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_0", "step_1"]
 
     test = str(envs.DATA_DIR / "babyai_tiny_test.json")  # the tiny preset's test tasks, which agentevol played
-    base = eval_script.main(eval_script.Args(model="tiny-agent", tasks=test, limit=24, out=str(tmp_path / "base")))
+    base = eval_script.main(build(eval_script.Args, model="tiny-agent", tasks=test, limit=24, out=str(tmp_path / "base")))
     p = max(base["success"], 0.1)
     noise = 2 * math.sqrt(2 * p * (1 - p) / 24)  # two standard errors of a difference of two 24-task means
     assert metrics[1]["eval/success"] >= base["success"] - noise, (base["success"], metrics[1]["eval/success"])

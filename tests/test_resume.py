@@ -13,7 +13,7 @@ from accelerate import Accelerator
 
 import envs
 import train
-from rl.run import find_checkpoint, run_directory
+from rl.run import RunArgs, find_checkpoint, run_directory
 
 CRASH = Path(__file__).parent / "crash_train.py"
 # HF engine: its sampler's random stream is saved (vLLM's too under --deterministic: tests/test_deterministic.py).
@@ -96,4 +96,4 @@ def test_resume_auto_and_run_directories(tmp_path):
     assert find_checkpoint(str(run_dir), "runs", None) == run_dir / "checkpoints" / "step_10"
     # a new run (no --resume auto) does not write into a directory that holds another run
     with pytest.raises(SystemExit, match="already holds a run: continue it with --resume auto --run-name r"):
-        run_directory(train.parse_args(["--out-dir", str(tmp_path), "--run-name", "r"]), False, Accelerator())
+        run_directory(Accelerator(), RunArgs(out_dir=str(tmp_path), run_name="r"), "babyai-grpo")

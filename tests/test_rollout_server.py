@@ -22,7 +22,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow  # (every test here plays on a rollout server, a vLLM process of its own)
 
 import envs  # noqa: E402
-from rl.chat import chat_format  # noqa: E402
+from rl.agent import LayoutArgs, chat_format  # noqa: E402
 from rl.engines import SyncError  # noqa: E402
 from rl.model import full_weights, load_model, load_tokenizer  # noqa: E402
 from rl.engines.remote import RemoteEngine  # noqa: E402
@@ -96,7 +96,7 @@ def server():
 @pytest.fixture(scope="module")
 def tiny():
     tokenizer = load_tokenizer("tiny-agent")
-    return chat_format(tokenizer, "react", {}, None, "keep"), load_model("tiny-agent")
+    return chat_format(tokenizer, LayoutArgs()), load_model("tiny-agent")
 
 
 def engine_on(fmt, model, *addresses, **options):
@@ -330,6 +330,7 @@ def test_lora_trains_over_a_server_and_its_checkpoint_evaluates_there(server, tm
     checkpoint over the server (which loaded the base: the merged adapter is broadcast to it first) plays the greedy
     episodes the in-process vLLM engine plays, and records what the server served."""
     import eval as eval_script
+    from rl.flags import build
 
     done = subprocess.run([sys.executable, "train.py", "--rollout-server", server.address, "--lora-rank", "8",
                            "--minibatches", "2", "--micro-batch-size", "1", "--steps", "1", *SMALL, "--out-dir", str(tmp_path), "--run-name", "lora"],
@@ -338,7 +339,7 @@ def test_lora_trains_over_a_server_and_its_checkpoint_evaluates_there(server, tm
     metrics = [json.loads(line) for line in (tmp_path / "lora" / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["charts/step"] == 1 and metrics[-1]["sync/probe_diff"] < 1e-3
     checkpoint = str(tmp_path / "lora" / "checkpoints" / "step_1")
-    results = {kind: eval_script.main(eval_script.Args(model=checkpoint, limit=4, k=1, temperature=0.0,
+    results = {kind: eval_script.main(build(eval_script.Args, model=checkpoint, limit=4, k=1, temperature=0.0,
                                                        out=str(tmp_path / kind), **options))
                for kind, options in (("local", {"engine": "vllm"}), ("served", {"rollout_server": (server.address,)}))}
     episodes = {kind: [json.loads(line)["messages"] for line in (tmp_path / f"{kind}.jsonl").read_text().splitlines()]
@@ -549,11 +550,11 @@ def test_a_deterministic_server_on_a_gpu_asks_for_batch_invariant_kernels(monkey
 
 HANGING_TRAINER = r'''
 import sys, time
-from rl.chat import chat_format
+from rl.agent import LayoutArgs, chat_format
 from rl.model import full_weights, load_model, load_tokenizer
 from rl.engines.remote import RemoteEngine
 from rl.engines.server import identity
-fmt = chat_format(load_tokenizer("tiny-agent"), "react", {}, None, "keep"); model = load_model("tiny-agent")
+fmt = chat_format(load_tokenizer("tiny-agent"), LayoutArgs()); model = load_model("tiny-agent")
 engine = RemoteEngine([sys.argv[1]], fmt, temperature=1.0, top_p=1.0, owner=True, identity=identity(model.config, fmt.tokenizer))
 def hanging():
     for k, item in enumerate(full_weights(model)):

@@ -460,6 +460,7 @@ def test_command_line():
 def test_training_and_eval_over_env_url_equal_in_process(babyai_url, tmp_path):
     """train.py and eval.py on our own servers (--env-url, two of them) play, log and score exactly as in process."""
     import eval as eval_script
+    from rl.flags import build
     import train
 
     def run(name, *flags):
@@ -475,14 +476,14 @@ def test_training_and_eval_over_env_url_equal_in_process(babyai_url, tmp_path):
         urls = [babyai_url, second_url]
         remote_dir, remote_rollouts, remote_metrics = run("remote", "--env-url", *urls)
         checkpoint = str(remote_dir / "checkpoints" / "step_2")
-        remote_eval = eval_script.main(eval_script.Args(model=checkpoint, engine="hf", limit=3, env_url=tuple(urls),
+        remote_eval = eval_script.main(build(eval_script.Args, model=checkpoint, engine="hf", limit=3, env_url=tuple(urls),
                                                         out=str(tmp_path / "remote")))
     _, local_rollouts, local_metrics = run("local")
     assert all(r["error"] is None for r in remote_rollouts) and sum(r["turns"] for r in remote_rollouts) >= 8
     assert remote_rollouts == local_rollouts and remote_metrics == local_metrics
     assert json.loads((remote_dir / "config.json").read_text())["env_url"] == urls
 
-    scored = [remote_eval, eval_script.main(eval_script.Args(model=checkpoint, engine="hf", limit=3,
+    scored = [remote_eval, eval_script.main(build(eval_script.Args, model=checkpoint, engine="hf", limit=3,
                                                              out=str(tmp_path / "local")))]
     assert scored[0]["errors"] == 0 and list(scored[0]["env_url"]) == urls
     assert {k: v for k, v in scored[0].items() if k not in ("seconds", "env_settings", "env_url")} == \

@@ -23,7 +23,8 @@ import pytest
 import envs
 from envs import tools as env_tools
 from rl.agent import make_agent
-from rl.chat import ChatFormat, chat_format
+from rl.agent import LayoutArgs, chat_format
+from rl.chat import ChatFormat
 from rl.data import encode, to_record
 from rl.engines import RoundEngine, Sample
 from rl.engines.hf import HFEngine
@@ -68,7 +69,7 @@ def recorded():
 def case_format(real_tokenizer, case: str, reasoning: str = "keep") -> ChatFormat:
     template, _, variant = case.partition(":")
     kwargs = {"enable_thinking": "false"} if variant == "nothink" else {}
-    return chat_format(real_tokenizer(template), "react", kwargs, None, reasoning)
+    return chat_format(real_tokenizer(template), LayoutArgs(chat_template_kwargs=kwargs, reasoning=reasoning))
 
 
 class Replay(envs.Env):
@@ -163,7 +164,7 @@ def test_every_template_lays_out_every_env_token_exact(real_tokenizer, recorded,
     status = STATUS[case][agent]
     if status == REFUSED:
         with pytest.raises(SystemExit, match=r"renders no tool calls in a format this project reads.*use --agent react"):
-            chat_format(real_tokenizer(case.partition(":")[0]), agent, {}, None, reasoning)
+            chat_format(real_tokenizer(case.partition(":")[0]), LayoutArgs(agent, reasoning=reasoning))
         return
     fmt = case_format(real_tokenizer, case, reasoning)
     episode, tools = recorded[name], agent == "tools"
@@ -292,7 +293,7 @@ def test_calls_are_written_and_read_in_the_templates_own_format(real_tokenizer, 
 def test_harmony_is_refused_in_one_sentence(real_tokenizer):
     for agent in ("react", "tools"):
         with pytest.raises(SystemExit, match=r"speaks OpenAI's harmony format .* cannot lay out token by token: use another"):
-            chat_format(real_tokenizer("gptoss"), agent, {}, None)
+            chat_format(real_tokenizer("gptoss"), LayoutArgs(agent))
 
 
 def test_the_docs_table_is_the_audit():

@@ -13,7 +13,8 @@ import pytest
 import envs
 from envs import tools as env_tools
 from rl.agent import REACT, TOOLS_GUIDE, make_agent
-from rl.chat import CallError, ChatFormat, chat_format, parse_calls, read_call
+from rl.agent import LayoutArgs, chat_format
+from rl.chat import CallError, ChatFormat, parse_calls, read_call
 from rl.engines import Sample
 from rl.engines.expert import ExpertEngine
 from rl.model import load_tokenizer
@@ -93,9 +94,9 @@ def test_a_valid_call_is_the_action_the_env_takes_and_reasoning_stays_out(hermes
 
 def test_a_template_without_tool_calls_is_refused_in_one_sentence(real_tokenizer):
     tokenizer = real_tokenizer("llama3")  # Llama 3's template has no tools
-    chat_format(tokenizer, "react", {}, None)  # other formats do not need tool calls
+    chat_format(tokenizer, LayoutArgs("react"))  # other formats do not need tool calls
     with pytest.raises(SystemExit, match="renders no tool calls in a format this project reads"):
-        chat_format(tokenizer, "tools", {}, None)
+        chat_format(tokenizer, LayoutArgs("tools"))
 
 
 class Malformed(ExpertEngine):
@@ -215,6 +216,7 @@ def test_training_and_eval_play_through_tool_calls(tmp_path):
     which plays the run's own layout: every episode opens with the tools, every reply is read as calls, and a run's
     malformed replies are counted."""
     import eval as eval_script
+    from rl.flags import build
     import train
 
     args = train.parse_args(["--agent", "tools", "--steps", "1", "--tasks-per-step", "2", "--n", "2", "--horizon", "2",
@@ -225,7 +227,7 @@ def test_training_and_eval_play_through_tool_calls(tmp_path):
     assert len(records) == 4 and all(TOOLS_GUIDE in r["messages"][0]["content"] for r in records)
     metrics = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     assert 0 <= metrics["rollout/malformed_rate"] <= metrics["rollout/invalid_action_rate"] + 1e-9
-    results = eval_script.main(eval_script.Args(model=str(run_dir / "checkpoints" / "step_1"), limit=2, k=1,
+    results = eval_script.main(build(eval_script.Args, model=str(run_dir / "checkpoints" / "step_1"), limit=2, k=1,
                                                 out=str(tmp_path / "eval")))
     assert results["agent"] == "tools" and results["max_new_tokens"] == 96 and 0 <= results["malformed"] <= 1
     episodes = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 import envs
 import eval as eval_script
+from rl.flags import build
 import train
 from envs.babyai import BabyAI
 from rl import advantages as adv_lib
@@ -179,7 +180,7 @@ def test_gain_is_paired_by_task():
 def test_eval_scores_the_checkpoint(trained, tmp_path):
     ckpt = trained / "checkpoints" / "step_2"
     out = tmp_path / "result"
-    results = eval_script.main(eval_script.Args(model=str(ckpt), limit=3, k=2, out=str(out)))
+    results = eval_script.main(build(eval_script.Args, model=str(ckpt), limit=3, k=2, out=str(out)))
     assert results["env"] == "babyai" and results["horizon"] == 2  # the run's own settings
     assert results["protocol"] == "run" and results["overrides"] == []
     assert results["tasks"] == 3 and 0.0 <= results["avg@k"] <= 1.0 and 0.0 <= results["pass@k"] <= 1.0
@@ -209,17 +210,17 @@ def test_eval_protocols(trained):
     has its own turn cap per env, 512 tokens a turn (200 for SciWorld) and a 32k context."""
     ckpt = str(trained / "checkpoints" / "step_2")
     resolve = eval_script.resolve_settings
-    run = resolve(eval_script.Args(model=ckpt))
+    run = resolve(build(eval_script.Args, model=ckpt))
     assert (run["protocol"], run["horizon"], run["max_new_tokens"], run["max_tokens"]) == ("run", 2, 16, 3072)
-    upstream = resolve(eval_script.Args(model=ckpt, protocol="agentgym"))
+    upstream = resolve(build(eval_script.Args, model=ckpt, protocol="agentgym"))
     assert (upstream["env"], upstream["horizon"], upstream["max_new_tokens"], upstream["max_tokens"]) == ("babyai", 20, 512, 32768)
-    sciworld = resolve(eval_script.Args(model="Qwen/Qwen2.5-7B-Instruct", env="sciworld"))
+    sciworld = resolve(build(eval_script.Args, model="Qwen/Qwen2.5-7B-Instruct", env="sciworld"))
     assert (sciworld["protocol"], sciworld["horizon"], sciworld["max_new_tokens"]) == ("agentgym", 30, 200)
-    flagged = resolve(eval_script.Args(model=ckpt, protocol="agentgym", horizon=5))
+    flagged = resolve(build(eval_script.Args, model=ckpt, protocol="agentgym", horizon=5))
     assert flagged["horizon"] == 5 and flagged["overrides"] == ["horizon"] and flagged["max_new_tokens"] == 512
-    assert resolve(eval_script.Args())["protocol"] == "tiny"
+    assert resolve(build(eval_script.Args))["protocol"] == "tiny"
     with pytest.raises(SystemExit, match="--protocol run takes a checkpoint"):
-        resolve(eval_script.Args(model="Qwen/Qwen2.5-7B-Instruct", protocol="run"))
+        resolve(build(eval_script.Args, model="Qwen/Qwen2.5-7B-Instruct", protocol="run"))
 
 
 @pytest.mark.slow
@@ -263,7 +264,7 @@ def test_a_resumed_run_equals_the_uninterrupted_run(tmp_path, algo):
 def test_resume_keeps_the_runs_settings(trained):
     ckpt = str(trained / "checkpoints" / "step_2")
     args = train.parse_args(["--resume", ckpt, "--steps", "5"])  # the flags RESUMABLE allows
-    assert args.steps == 5 and args.lr == 1e-4 and args.model == "tiny-agent" and args.tasks_per_step == 2
+    assert args.steps == 5 and args.model_args.lr == 1e-4 and args.model == "tiny-agent" and args.tasks_per_step == 2
     for flag, value in (["--lr", "0.5"], ["--algo", "rloo"], ["--model", "Qwen/Qwen2.5-3B-Instruct"], ["--seed", "7"],
                         ["--n", "4"], ["--run-name", "another"]):
         with pytest.raises(SystemExit, match=f"changes {flag} "):
@@ -279,9 +280,9 @@ def test_resume_keeps_the_runs_settings(trained):
 def test_presets_follow_the_model():
     assert train.parse_args([]).preset == "tiny"
     paper = train.parse_args(["--model", "Qwen/Qwen2.5-3B-Instruct"])
-    assert paper.preset == "paper" and paper.lr == 1e-6 and paper.kl_coef == 0.001 and paper.clip == 0.2
-    assert paper.entropy_coef == 0.001 and paper.temperature == 1.0
-    assert train.parse_args(["--lr", "0.5"]).lr == 0.5  # a flag overrides the preset
+    assert paper.preset == "paper" and paper.model_args.lr == 1e-6 and paper.kl_coef == 0.001 and paper.clip == 0.2
+    assert paper.entropy_coef == 0.001 and paper.engine_args.temperature == 1.0
+    assert train.parse_args(["--lr", "0.5"]).model_args.lr == 0.5  # a flag overrides the preset
     tiny = train.parse_args([])  # on BabyAI, the tiny preset's tasks are the levels where the tiny agent learns
     assert Path(tiny.train_tasks).name == "babyai_tiny_train.json" and Path(tiny.test_tasks).name == "babyai_tiny_test.json"
     assert train.parse_args(["--env", "textcraft"]).train_tasks is None and paper.train_tasks is None
@@ -475,9 +476,9 @@ def test_truncated_trajectories_are_trained_on_their_reward_failed_ones_not_at_a
 def test_the_token_budget_stays_within_the_models_context_window():
     args = tiny_args(Path("/tmp/unused"), max_tokens=4096)
     policy = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=1024))
-    assert context_limit(args, policy) == 1024
+    assert context_limit(args.max_tokens, args.model, policy) == 1024
     policy.config.max_position_embeddings = 32768
-    assert context_limit(args, policy) == 4096
+    assert context_limit(args.max_tokens, args.model, policy) == 4096
 
 
 def test_each_model_keeps_its_own_nan_streak():

@@ -84,12 +84,43 @@ import urllib.error
 import urllib.request
 import zlib
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 from rl.chat import Reasoning, parse_calls, reasoning_of, without_calls
 from rl.engines import Sample
 
 PREFIX = "openai:"  # --model openai:<name> names a served model
 DEFAULT_URL = "https://api.openai.com/v1"
+
+
+@dataclass
+class APIArgs:
+    """eval.py's flags for --model openai:<name> (nested in its Args under their own names)."""
+
+    base_url: str | None = None
+    """--model openai:<name>: the OpenAI-compatible endpoint; default $OPENAI_BASE_URL, else OpenAI's"""
+    api_key_env: str = "OPENAI_API_KEY"
+    """--model openai:<name>: the environment variable holding the API key (never written anywhere)"""
+    api_concurrency: int = 8
+    """--model openai:<name>: requests in flight at once"""
+    api_retries: int = 4
+    """--model openai:<name>: retries of a request after a connection error, a timeout, HTTP 429 or 5xx"""
+    api_timeout: float = 120.0
+    """--model openai:<name>: seconds a request may wait for the server before it counts as timed out"""
+    api_backoff: float = 1.0
+    """--model openai:<name>: seconds before the first retry, doubled for each next one (plus jitter)"""
+    price_in: float = 0.0
+    """--model openai:<name>: dollars per million prompt tokens, for the cost in the results"""
+    price_out: float = 0.0
+    """--model openai:<name>: dollars per million completion tokens"""
+
+    def check(self, model: str) -> None:
+        """Stop early, with what to do, on settings that cannot work for --model `model`."""
+        if not model.startswith(PREFIX) and self.base_url is not None:
+            raise SystemExit(f"--base-url is for --model {PREFIX}<name>: a model on a server, by the name it serves it "
+                             "under")
+        if self.api_concurrency < 1 or self.api_retries < 0 or self.api_timeout <= 0 or self.api_backoff < 0:
+            raise SystemExit("need --api-concurrency >= 1, --api-retries >= 0, --api-timeout > 0 and --api-backoff >= 0")
 # what an episode's calls cost: calls answered with a reply, the server's token counts (reasoning_tokens: those of
 # the completion tokens the model reasoned with, where the server reports them), dollars
 NO_USAGE = {"calls": 0, "prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0, "cost": 0.0}
@@ -116,8 +147,9 @@ class APIFormat:
     call_style = "hermes"
     history = "keep"  # (nothing is laid out here: the server renders the whole conversation every turn)
 
-    def __init__(self, reasoning_tags: tuple[str, str] | None = None):
+    def __init__(self, reasoning_tags: tuple[str, str] | None = None, template_kwargs: dict | None = None):
         self.reasoning = reasoning_of(None, reasoning_tags)
+        self.template_kwargs = dict(template_kwargs or {})  # (the server's chat template options, sent with requests)
 
     def prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return []
