@@ -38,7 +38,6 @@ from __future__ import annotations
 import rl  # noqa: F401 - first: sets OpenMP's wait policy before torch loads (see rl/__init__.py)
 
 import copy
-import functools
 import math
 import random
 import time
@@ -54,10 +53,8 @@ from envs.guard import EnvArgs
 from rl import advantages as adv_lib
 from rl import flags, staleness
 from rl.agent import LayoutArgs, chat_format
-from rl.batch import (Batch, MicroBatch, StepTensors, arrange, attach, example_micro_batches, make_batch,
-                      minibatch_counts, padded, rows_of, scatter)
+from rl.batch import Batch, MicroBatch, StepTensors, arrange, attach, make_batch, minibatch_counts, rows_of, scatter
 from rl.data import OfflineArgs, examples_of, held_out, offline_steps, read_data, to_record
-from rl.dpo import DPOSums, dpo_terms
 from rl.engines.setup import TrainerEngineArgs, build_engine, own_stream, stream_seed, sync
 from rl.flags import GROUP, OFFLINE, build, check, replace
 from rl.horizon import AUTO, auto_horizon, caps_of, describe, horizon_at, known_before
@@ -69,11 +66,12 @@ from rl.model import (EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, ModelArgs, Models, build
 from rl.metrics import (Costs, UpdateSums, async_metrics, eval_line, eval_metrics, evol_line, offline_line,
                         policy_sums, rl_line, step_metrics)
 from rl.optimizer import accumulate, optimizer_steps, reducer, stop_on_nonfinite
-from rl.records import read_metrics, rollout_records
-from rl.run import (Logs, RunArgs, close, eval_due, evaluation_plan, finish, phase, resume, run_config, run_directory,
-                    save_checkpoint, stop_on_env_failures)
+from rl.records import rollout_records
+from rl.run import (Logs, RunArgs, close, eval_due, evaluation_plan, finish, logged_steps, phase, resume, run_config,
+                    run_directory, save_checkpoint, stop_on_env_failures)
 from rl.scores import score, spread
-from rl.sft import SFTSums, sft_terms
+from rl.offline import offline_pass
+from rl.tasks import my_tasks, task_ids, tasks_for
 from rollout import ChatFormat, EngineStalled, Rollouts, RolloutStats, Tasks, Trajectory, play
 
 @dataclass
@@ -401,21 +399,6 @@ def start_line(args: Args, run_dir: Path, tests: int, start: int, resuming: bool
             f" -> {run_dir}" + (f", resumed at step {start}" if resuming else ""))
 
 
-def tasks_for(step: int, train_ids: list[int], per_step: int, seed: int) -> list[int]:
-    """The tasks of a training step: shuffled epochs over the train split, as upstream's data loader
-    (every task once per epoch, a new order each epoch, the last incomplete batch dropped). A pure
-    function of the step, so a resumed run sees the tasks it would have seen."""
-    epoch, k = divmod(step - 1, len(train_ids) // per_step)
-    order = random.Random(f"{seed}-epoch-{epoch}").sample(train_ids, len(train_ids))
-    return order[k * per_step:(k + 1) * per_step]
-
-
-def my_tasks(tasks: list[int], n: int, accelerator) -> tuple[list[int], list[int]]:
-    """This process's share of the tasks, each `n` times: (task ids, groups), a group for each task's n episodes."""
-    mine = [t for t in tasks[accelerator.process_index::accelerator.num_processes] for _ in range(n)]
-    return mine, [i // n for i in range(len(mine))]
-
-
 def rollouts_of(engine, fmt: ChatFormat, environments: list, train_ids: list[int], first: int, max_tokens: int,
                 args: Args, accelerator, history: list[dict]) -> Rollouts:
     """The run's rollouts (rollout.py's Rollouts), set j holding step j's tasks (my_tasks, the horizon schedule,
@@ -441,13 +424,6 @@ def horizon_for(step: int, args: Args, history: list[dict]) -> tuple[int, str | 
         return horizon_at(step, args.horizon, args.horizon_every), None
     known = [row for row in history if row["charts/step"] <= known_before(step, args.max_staleness)]
     return auto_horizon(caps_of(args.horizon), known, args.horizon_patience, args.horizon_cut, args.horizon_gain)
-
-
-def logged_steps(run_dir: Path, start_step: int) -> list[dict]:
-    """The metrics rows of a resumed run's steps before `start_step` (read before this run appends to the log)."""
-    path = run_dir / "metrics.jsonl"
-    rows = read_metrics(path) if path.is_file() else []
-    return [row for row in rows if "rollout/horizon" in row and row.get("charts/step", start_step) < start_step]
 
 
 def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: int, step: int | None = None) -> Batch:
@@ -616,7 +592,7 @@ def play_share(engine, fmt: ChatFormat, environments: list, task_ids: list[int],
 
 def train_task_ids(args: Args) -> list[int]:
     """The tasks training steps draw from: --train-tasks, or the train split; at least a step's."""
-    train_ids = envs.load_task_ids(args.train_tasks, args.env) if args.train_tasks else envs.splits(args.env)["train"]
+    train_ids = task_ids(args.train_tasks, args.env, "train")
     if len(train_ids) < args.tasks_per_step:
         raise SystemExit(f"the train split has {len(train_ids)} tasks, fewer than --tasks-per-step {args.tasks_per_step}")
     return train_ids
@@ -624,7 +600,7 @@ def train_task_ids(args: Args) -> list[int]:
 
 def test_task_ids(args: Args) -> list[int]:
     """The tasks an evaluation plays: --eval-tasks of --test-tasks (the test split), spread over it (0: all)."""
-    test_ids = envs.load_task_ids(args.test_tasks, args.env) if args.test_tasks else envs.splits(args.env)["test"]
+    test_ids = task_ids(args.test_tasks, args.env, "test")
     return spread(test_ids, args.eval_tasks) if args.eval_tasks else test_ids
 
 
@@ -637,14 +613,15 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
     steps and at the end, and with --eval-every the policy played on the test split then too."""
     resuming = args.run_args.resuming
     run_dir = run_directory(accelerator, args.run_args, f"{args.env}-{args.algo}")
-    train, validation = held_out(read_data(args.offline_args.data, args.env, args.layout_args.agent), args.offline_args.validation, args.seed)
-    experience = read_data(args.offline_args.experience, args.env, args.layout_args.agent) if args.offline_args.experience else None
+    offline, agent = args.offline_args, args.layout_args.agent
+    train, validation = held_out(read_data(offline.data, args.env, agent), offline.validation, args.seed)
+    experience = read_data(offline.experience, args.env, agent) if offline.experience else None
     tokenizer, fmt, models, max_tokens = set_up(args, accelerator, args.run_args.resume if resuming else args.model)
 
     # -- the examples: conversations (sft) or pairs (dpo), a share of the tasks held out for validation
-    examples = examples_of(fmt, train, max_tokens, args.algo == "dpo", args.offline_args.margin, experience)
-    held = examples_of(fmt, validation, max_tokens, args.algo == "dpo", args.offline_args.margin, experience)
-    args = replace(args, steps=offline_steps(len(examples), args.offline_args.batch_size, args.epochs, args.steps,
+    examples = examples_of(fmt, train, max_tokens, args.algo == "dpo", offline.margin, experience)
+    held = examples_of(fmt, validation, max_tokens, args.algo == "dpo", offline.margin, experience)
+    args = replace(args, steps=offline_steps(len(examples), offline.batch_size, args.epochs, args.steps,
                                              pairs=args.algo == "dpo"))
 
     # -- the test tasks, envs and an engine, when the policy is played during training
@@ -653,12 +630,13 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
                                            accelerator.process_index, args.seed) if test_ids else []
     engine = engine_of(args, fmt, models, accelerator, max_tokens) if test_ids else None
     trainer_state = resume(accelerator, models, engine, Path(args.run_args.resume)) if resuming else {"step": 0, "logs": {}}
-    config = run_config(flags.flat(args), run_dir, resuming, accelerator, mixed, engine, environments[0] if environments else None)
+    config = run_config(flags.flat(args), run_dir, resuming, accelerator, mixed, engine,
+                        environments[0] if environments else None)
     if accelerator.is_main_process:
         print(f"run {run_dir.name}: {args.algo} on {args.model} ({args.preset} preset), {len(examples)} "
               f"{'pairs' if args.algo == 'dpo' else 'conversations'} of {len(train)} episodes ({len(held)} held out), "
-              f"{args.steps} steps of {args.offline_args.batch_size}, "
-              f"{evaluation_plan(len(test_ids), args.eval_k, args.eval_every, trainer_state['step'] + 1, args.steps, initial=False)}"
+              f"{args.steps} steps of {offline.batch_size}, "
+              f"{evaluation_plan(len(test_ids), args.eval_k, args.eval_every, trainer_state['step'] + 1, args.steps, False)}"
               f" -> {run_dir}"
               + (f", resumed at step {trainer_state['step'] + 1}" if resuming else ""))
     logs = logs_of(args, run_dir, config, accelerator, trainer_state["logs"])
@@ -689,7 +667,7 @@ def offline_step(models: Models, examples: list, step: int, args: Args, accelera
     a pure function of the step), and its metrics."""
     batch = [examples[i] for i in tasks_for(step, list(range(len(examples))), args.offline_args.batch_size, args.seed)]
     models.policy.train()
-    sums, finite = offline_pass(models, batch, args, accelerator, pad_id, train=True)
+    sums, finite = offline_pass(models, batch, accelerator, pad_id, train=True, **offline_settings(args))
     grad_norms = optimizer_steps(models, finite, args.grad_clip, accelerator, step, sums)
     metrics = sums.metrics() | {"charts/lr": models.scheduler.get_last_lr()[0],
                                 "losses/nonfinite_updates": sums.nonfinite_updates}
@@ -702,40 +680,14 @@ def validate(models: Models, examples: list, args: Args, accelerator, pad_id: in
     if not examples:
         return {}
     models.policy.eval()
-    return offline_pass(models, examples, args, accelerator, pad_id, train=False)[0].metrics(prefix="val_")
+    return offline_pass(models, examples, accelerator, pad_id, train=False, **offline_settings(args))[0].metrics(
+        prefix="val_")
 
 
-def offline_pass(models: Models, examples: list, args: Args, accelerator, pad_id: int,
-                 train: bool) -> tuple[SFTSums | DPOSums, dict[str, bool]]:
-    """Forward (and when `train`, backward) over this process's share of a batch of examples (rl/optimizer.py's
-    accumulate), the loss divided by the batch's size over all processes (its action tokens for sft, its pairs for
-    dpo), so that the accumulated gradient is the batch's mean however it is split; every process runs as many
-    micro-batches. Returns the statistics summed over every process, and whether this process's losses were finite."""
-    share = examples[accelerator.process_index::accelerator.num_processes]
-    micros = example_micro_batches(share, args.micro_batch_size, pad_id, args.algo == "dpo") if share else []
-    local = sum(float(m.loss_mask.sum()) if args.algo != "dpo" else m.input_ids.shape[0] / 2 for m in micros)
-    reduce = reducer(accelerator)
-    local = torch.tensor([local], dtype=torch.float64)  # (a process with no share has the int 0: same dtype everywhere)
-    size = float(reduce(local)[0]) / accelerator.num_processes
-    count = int(reducer(accelerator, "max")(torch.tensor([len(micros)])))
-    blank = padded([([pad_id], [0])] * (2 if args.algo == "dpo" else 1), pad_id)  # (dpo: a chosen and a rejected row)
-    sums = DPOSums() if args.algo == "dpo" else SFTSums()
-    loss_of = functools.partial(offline_terms, models, args=args, accelerator=accelerator, size=size)
-    finite = accumulate(accelerator, micros, [("policy", models.policy, loss_of)], sums, count=count, blank=blank,
-                        train=train)
-    return sums.reduced(reduce), finite
-
-
-def offline_terms(models: Models, micro: MicroBatch, args: Args, accelerator,
-                  size: float) -> tuple[torch.Tensor, SFTSums | DPOSums, bool]:
-    """One micro-batch's loss, divided by the batch's `size` (sft: the NLL of its action tokens, rl/sft.py; dpo:
-    the DPO loss of its pairs against the reference, rl/dpo.py), its statistics, and whether they are finite."""
-    micro = micro.to(accelerator.device)
-    if args.algo == "dpo":
-        loss, sums, finite = dpo_terms(models, micro, args.offline_args.beta, args.model_args.offload_reference, accelerator)
-    else:
-        loss, sums, finite = sft_terms(models.policy, micro, accelerator)
-    return loss / max(size, 1e-9), sums, finite
+def offline_settings(args: Args) -> dict:
+    """The flags of an SFT or DPO pass (rl/offline.py)."""
+    return dict(dpo=args.algo == "dpo", micro_batch_size=args.micro_batch_size, beta=args.offline_args.beta,
+                offload_reference=args.model_args.offload_reference)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -751,37 +703,38 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
     explores --n times a task at the run's temperature (AgentGym's script explores greedily, do_sample False, which
     would make a task's samples identical), and can go on from the last iteration's weights (AgentGym: the base)."""
     run_dir = run_directory(accelerator, args.run_args, f"{args.env}-{args.algo}")
-    expert, validation = held_out(read_data(args.offline_args.data, args.env, args.layout_args.agent), args.offline_args.validation, args.seed)
+    offline = args.offline_args
+    expert, validation = held_out(read_data(offline.data, args.env, args.layout_args.agent), offline.validation, args.seed)
     tokenizer, fmt, models, max_tokens = set_up(args, accelerator, args.model)
     initial = copy.deepcopy(models.optimizer.state_dict()), copy.deepcopy(models.scheduler.state_dict())
     held = examples_of(fmt, validation, max_tokens)
 
     # -- the tasks explored and tested, envs to play them on, the engine
-    train_ids = envs.load_task_ids(args.train_tasks, args.env) if args.train_tasks else envs.splits(args.env)["train"]
-    explore_ids = spread(train_ids, args.offline_args.explore_tasks) if args.offline_args.explore_tasks else train_ids
+    train_ids = task_ids(args.train_tasks, args.env, "train")
+    explore_ids = spread(train_ids, offline.explore_tasks) if offline.explore_tasks else train_ids
     test_ids = test_task_ids(args)
     count = min(args.gen_batch_size, -(-max(len(explore_ids) * args.n, len(test_ids)) // accelerator.num_processes))
     environments = args.env_args.make_envs(args.env, count, accelerator.process_index, args.seed)
     engine = engine_of(args, fmt, models, accelerator, max_tokens)
     config = run_config(flags.flat(args), run_dir, False, accelerator, mixed, engine, environments[0])
     if accelerator.is_main_process:
-        print(f"run {run_dir.name}: agentevol on {args.model} ({args.preset} preset), {args.offline_args.iterations} iterations "
+        print(f"run {run_dir.name}: agentevol on {args.model} ({args.preset} preset), {offline.iterations} iterations "
               f"exploring {len(explore_ids)} tasks x {args.n}, {len(expert)} expert episodes ({len(validation)} held "
               f"out), testing on {len(test_ids)} tasks x {args.eval_k} after every iteration -> {run_dir}")
     logs = logs_of(args, run_dir, config, accelerator, {})
     try:
-        for iteration in range(args.offline_args.iterations + 1):
+        for iteration in range(offline.iterations + 1):
             start = time.perf_counter()
             explored, kept = [], []
             if iteration > 0:  # explore with the last iteration's policy, keep the successes
                 explored = play_share(engine, fmt, environments, explore_ids, args.n, models, args, accelerator,
                                       max_tokens, iteration, horizon=args.horizon[-1])
                 kept = [to_record(t) for t in explored if t.error is None
-                        and (t.reward >= args.offline_args.threshold if args.offline_args.threshold is not None else t.success)]
-                if args.offline_args.retrain_from == "base":
+                        and (t.reward >= offline.threshold if offline.threshold is not None else t.success)]
+                if offline.retrain_from == "base":
                     restart(models, args.model, bool(args.model_args.lora_rank), accelerator, initial)
             examples = examples_of(fmt, expert + kept, max_tokens)
-            steps = offline_steps(len(examples), args.offline_args.batch_size, args.epochs, args.steps, pairs=args.algo == "dpo")
+            steps = offline_steps(len(examples), offline.batch_size, args.epochs, args.steps)
             for step in tqdm(range(1, steps + 1), desc=f"iteration {iteration}", leave=False, dynamic_ncols=True,
                              disable=not accelerator.is_main_process):
                 metrics = offline_step(models, examples, step, args, accelerator, fmt.pad_id)
@@ -805,16 +758,6 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
 
 # ----------------------------------------------------------------------------------------------
 # Flags: the preset that applies, what a resumed run may change, and the settings that cannot work
-
-
-# What a resumed run may change: how long it goes on, how it is logged and checkpointed, the engine
-# that samples and its sizing (for another GPU; the samples then differ from an uninterrupted run's),
-# and the env infrastructure (where the env server is, how long a call may take, what stops the run).
-# Everything else is the run's own setting, so that it continues as it started, in its own directory.
-RESUMABLE = ("steps", "epochs", "save_every", "keep_checkpoints", "log_rollouts_every", "track", "wandb_project", "gen_batch_size", "resume",
-             "out_dir", "engine", "vllm_dtype", "vllm_gpu_memory_utilization", "vllm_max_model_len",
-             "vllm_tensor_parallel_size", "vllm_sleep", "sync_tolerance", "rollout_server", "env_timeout", "env_url", "env_delay", "max_error_rate",
-             "max_nonfinite_updates")
 
 
 def preset_defaults(preset: str, known) -> Args:

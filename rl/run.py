@@ -30,6 +30,7 @@ from rl import checkpoint as checkpoint_lib
 from rl import plots
 from rl import zero3
 from rl.model import sharded
+from rl.records import read_metrics
 from rl.scores import gain
 from rl.trajectory import Trajectory
 
@@ -182,6 +183,13 @@ def phase(bar, name: str, total: int):
 def eval_due(step: int, every: int, last: int) -> bool:
     """--eval-every's steps: every k-th, and the last."""
     return every > 0 and (step % every == 0 or step == last)
+
+
+def logged_steps(run_dir: Path, start_step: int) -> list[dict]:
+    """The metrics rows of a resumed run's steps before `start_step` (read before this run appends to the log)."""
+    path = run_dir / "metrics.jsonl"
+    rows = read_metrics(path) if path.is_file() else []
+    return [row for row in rows if "rollout/horizon" in row and row.get("charts/step", start_step) < start_step]
 
 
 def evaluation_plan(tasks: int, k: int, every: int, start: int, last: int, initial: bool) -> str:
