@@ -20,7 +20,7 @@ same models, accumulation, logs and checkpoints learn from trajectory files (--d
     python train.py --algo agentevol --data data/babyai_train_expert.jsonl --iterations 3 --n 4
 
 `--max-staleness k` trains asynchronously: the next k steps' episodes are played while the trainer updates, and
-decoupled PPO weighs the tokens sampled by older weights (rollout.py's Rollouts; README, "Asynchronous training").
+decoupled PPO weighs the tokens sampled by older weights (rollout.py's Rollouts; docs/async.md).
 `--mismatch tis|mis` weighs the tokens of the weights being updated for the engine's gap from the trainer (a bf16
 engine; rl/losses.py: one importance weight a token, the staleness's and the mismatch's).
 `--agent tools` plays through native tool calls and a reasoning model's block is never read by the env (rl/chat.py);
@@ -157,7 +157,7 @@ class Args:
     max_staleness: int | None = None
     """asynchronous: rollouts go on while the trainer updates, each step training on its tasks' episodes sampled by
     weights at most this many updates older than those it updates (decoupled PPO weighs them, --is-cap); 0 runs that
-    loop with no staleness, which is the synchronous loop exactly; default: the synchronous loop (README). With
+    loop with no staleness, which is the synchronous loop exactly; default: the synchronous loop (docs/async.md). With
     --deterministic and k >= 1 the same command line repeats the run; a resumed one plays the sets that were under
     way anew (they are not checkpointed), and --steps bounds the sets played, so either changes later steps"""
     is_cap: float = 2.0
@@ -165,7 +165,7 @@ class Args:
     mismatch: Mismatch = "none"
     """the engine-trainer gap of the tokens sampled by the weights being updated (a bf16 engine, other kernels):
     none, weight 1; tis, each token weighed min(pi_trainer / pi_engine, --mismatch-cap); mis, a sequence whose
-    geometric-mean ratio is outside [1 / cap, cap] left out (rl/losses.py; README, "Engine-trainer mismatch")"""
+    geometric-mean ratio is outside [1 / cap, cap] left out (rl/losses.py; docs/engines.md, "Engine-trainer mismatch")"""
     mismatch_cap: float | None = None
     """--mismatch tis, mis: C, the cap of the weight (tis) or the band [1 / C, C] (mis); default: 2"""
 
@@ -234,7 +234,7 @@ PRESETS = {
         critic_lr=1e-3,
         eval_every=16, eval_tasks=0, eval_k=2,
         # n: groups of 8, since at the agent's first 5-10% success a group of 4 has no success (no GRPO signal) about
-        # two times in three; measured over 3 seeds each (README, What to expect), the held-out gain was 14-29 points
+        # two times in three; measured over 3 seeds each (README, "What to expect"), the held-out gain was 14-29 points
         # with n 8, 8-11 with n 4 (and 10-11 with 16 tasks x 4, the same 64 episodes a step). lr: at n 4, 2e-4 beat 1e-4
         # and 5e-4. loss_agg: on the one-turn bandit of tests/test_learning.py at lr 1e-3,
         # token-mean takes GRPO from 27% to 69% in 6 steps, seq-mean-token-mean drifts to long replies and collapses
@@ -244,7 +244,7 @@ PRESETS = {
 
 # Learning from trajectory files takes its own learning rate: AgentGym's example scripts' for a real model
 # (behaviour cloning and AgentEvol 1e-5, DPO 5e-7), and for the embedded one what took its losses down in a few
-# dozen steps (measured: see the README).
+# dozen steps (measured: README, "What to expect").
 OFFLINE_LR = {("paper", "sft"): 1e-5, ("paper", "agentevol"): 1e-5, ("paper", "dpo"): 5e-7,
               ("tiny", "sft"): 1e-3, ("tiny", "agentevol"): 1e-3, ("tiny", "dpo"): 1e-4}
 
@@ -404,7 +404,7 @@ def rollouts_of(engine, fmt: ChatFormat, environments: list, train_ids: list[int
     """The run's rollouts (rollout.py's Rollouts), set j holding step j's tasks (my_tasks, the horizon schedule,
     under --deterministic a stream of seeds restarted from (seed, step)), from step `first` on, at --max-staleness k
     (none: 0, the synchronous loop): in-flight episodes are not checkpointed, a resumed run plays its next steps'
-    sets anew (README: a browser page or a JVM's state cannot be saved)."""
+    sets anew (docs/async.md: a browser page or a JVM's state cannot be saved)."""
     def tasks_of(j: int) -> Tasks:
         mine, groups = my_tasks(tasks_for(j, train_ids, args.tasks_per_step, args.seed), args.n, accelerator)
         return Tasks(mine, groups, horizon_for(j, args, history)[0])

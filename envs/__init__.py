@@ -36,7 +36,7 @@ and ships default splits as `envs/data/<name>_{train,test}.json` in AgentGym-RL-
 format: `[{"item_id": "<name>_<int>"}, ...]` (a module may point elsewhere with
 `default_split_files() -> (train_path, test_path)`). Modules are imported lazily, so one env's
 optional dependencies never break another. train.py, eval.py, envs/serve.py and envs/remote.py need
-nothing else (README: "Add an environment"; tests/test_add_env.py follows the recipe).
+nothing else (docs/environments.md: "Add an environment"; tests/test_add_env.py follows the recipe).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ starts no navigation waits up to 1 s for one (envs/webarena/actions.py, NAV_STAR
 evaluators, some of which load pages. So each is fitted (`fit`) as floor + a lognormal body by maximum
 likelihood (the mean and standard deviation of log(seconds - floor)), spliced at the empirical 95th percentile
 to a Pareto tail whose index is the maximum-likelihood (Hill) estimate over the top 5%. Resets the same, with no
-floor. README ("Slow envs") has the measured and fitted percentiles side by side; tests/test_latency.py refits the
+floor. docs/environments.md ("Slow envs") has the measured and fitted percentiles side by side; tests/test_latency.py refits the
 data file and checks the constants below. The fit is close at p50, p90 and p99 (within 11%) and in the mean; the
 Pareto tail has no upper bound, so it draws steps longer than any measured (the median of the largest of 1,529
 draws is 2.6 s, the measured largest 1.3 s): on the small local pages the env's own waits cap the tail, while
@@ -50,7 +50,7 @@ from statistics import NormalDist, fmean, pstdev
 from envs import Env, StepResult
 
 DATA_FILE = Path(__file__).parent / "data" / "webarena_latency.json"
-TAIL_SHARE = 0.05  # the share of calls fitted by the Pareto tail: where the lognormal starts to miss (README)
+TAIL_SHARE = 0.05  # the share of calls fitted by the Pareto tail: where the lognormal starts to miss (docs/environments.md)
 _NORMAL = NormalDist()
 
 

@@ -23,7 +23,7 @@ Adding an estimator: a function of AdvantageInputs -> (advantages [B, T], return
 ESTIMATORS, which says what it needs (grouped, a critic, a discount's default, anchor states); --algo's choices,
 the critic, the memory plan and the flag checks read the entry. One that compares the samples of a task (like
 GRPO, RLOO) is a function (returns [E], groups [E]) -> advantages [E] passed to AdvantageInputs.per_episode
-(README: "Add an advantage estimator"; tests/test_advantages.py follows the recipe for a grouped, a token-level and
+(docs/algorithms.md: "Add an advantage estimator"; tests/test_advantages.py follows the recipe for a grouped, a token-level and
 a critic-based one).
 """
 

@@ -24,7 +24,7 @@ reasoning is kept apart, as the message's reasoning_content (rl/engines/api.py).
 Earlier reasoning (`history`, --reasoning). Such templates drop the reasoning of earlier turns when they render a
 conversation, so a new turn's rendering is no longer the last one's plus the reply. `keep` (the default): the
 trajectory's own tokens are the context, every turn's reasoning stays in what the model sees; on-policy and exact,
-and longer than what the template renders at inference by the earlier turns' reasoning (README: "Reasoning models
+and longer than what the template renders at inference by the earlier turns' reasoning (docs/reasoning-and-tools.md: "Reasoning models
 and tool calling"). `drop`: each turn's prompt is the template's rendering of the conversation so far, what an
 inference server would show; rollout.py keeps each turn as a sequence of its own, exact from its prompt on.
 

@@ -33,7 +33,7 @@ from rl import artifacts, zero3
 from rl.advantages import needs_critic
 
 ROOT = Path(__file__).resolve().parent.parent
-# the embedded agent, and the same after SFT on BabyAI's expert episodes as tool calls (README: "Reasoning models and
+# the embedded agent, and the same after SFT on BabyAI's expert episodes as tool calls (docs/reasoning-and-tools.md: "Reasoning models and
 # tool calling": 93% of its greedy replies on the tiny test tasks are valid calls, against none before)
 EMBEDDED = {"tiny-agent": ROOT / "assets" / "tiny-agent", "tiny-agent-tools": ROOT / "assets" / "tiny-agent-tools"}
 # How the embedded model plays (its preset in train.py, and eval.py's settings for it): short turns

