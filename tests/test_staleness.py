@@ -55,3 +55,33 @@ def test_the_loop_opens_the_next_set_as_the_rule_says():
             assert [t.task_id for t in rollouts.take(2)] == train[4:6]
         finally:
             rollouts.close()
+
+
+@pytest.mark.slow  # (about 3 s: two short expert rollouts)
+def test_a_staleness_variant_is_an_edit_of_rl_staleness_alone(monkeypatch):
+    """A variant of the rule, written as rl/staleness.py would hold it, and nothing else changed: at k >= 1 too, a set
+    opens only once the engine has its first version (its envs no longer reset during the update before). The loop
+    follows it: at k = 1 set 3 (first version 1) waits for version 1 instead of opening when set 1's block comes free."""
+    monkeypatch.setattr(staleness, "opens", lambda j, k, under_way, version: not under_way
+                        and version >= staleness.first_version(j, k))
+    fmt = ChatFormat(load_tokenizer("tiny-agent"))
+    train = envs.splits("babyai")["train"]
+    opened = []
+
+    def tasks_of(j: int) -> Tasks:
+        opened.append(j)
+        return Tasks(train[2 * j:2 * j + 2], [0, 1], 3)
+
+    environments = [envs.make("babyai") for _ in range(2 * staleness.blocks(1))]
+    rollouts = Rollouts(ExpertEngine(fmt, environments), fmt, environments, tasks_of, staleness=1, first=1, last=3,
+                        max_new_tokens=64, max_tokens=16384)
+    try:
+        assert [t.task_id for t in rollouts.take(1)] == train[2:4]
+        rollouts.before_update()
+        rollouts.before_sync()
+        assert opened == [1, 2]  # (the rule as shipped: [1, 2, 3], set 1's block free)
+        rollouts.resume(1)
+        assert opened == [1, 2, 3]
+        assert [t.task_id for t in rollouts.take(2)] == train[4:6]
+    finally:
+        rollouts.close()
