@@ -447,8 +447,6 @@ def main(argv: list[str] | None = None) -> int:
                          f"network is, and carry .gpu (gpu_check.sh installs its wheels)")
     import torch
 
-    from rl.model import make_accelerator
-
     sizes = args.sizes or (["smoke"] if args.smoke else ["1.5b", "3b"])
     work = SMOKE if args.smoke else GPU
     args.work.mkdir(parents=True, exist_ok=True)
@@ -462,8 +460,7 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     models = {size: random_model(size, args.work, tokenizer_folder, template) for size in sizes}
-    first = train_args(models[sizes[0]], work, lora=False)[0]
-    accelerator, precision = make_accelerator(first.model_args.mixed_precision, first.grad_clip, first.deterministic)
+    accelerator, precision = accelerator_of(train_args(models[sizes[0]], work, lora=False)[0])
     peak = peak_flops(args.peak_tflops)
     if not args.fsdp2:
         ceiling = matmul_tflops()
@@ -480,6 +477,13 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--fsdp2 runs under `accelerate launch --config_file configs/fsdp2.yaml` (gpu_check.sh)")
         run_size(sizes[0], models[sizes[0]], accelerator, precision, work, ["update"], peak, record)
     return 0
+
+
+def accelerator_of(args):
+    """rl/model.make_accelerator for train.py's Args `args`, as train.py's main makes it."""
+    from rl.model import make_accelerator
+
+    return make_accelerator(args.model_args.mixed_precision, args.grad_clip, args.engine_args.deterministic)
 
 
 def _importable(name: str) -> bool:

@@ -202,7 +202,7 @@ def test_a_new_token_level_or_critic_based_estimator_is_one_function_and_its_ent
     if estimator.critic:
         train.check(dataclasses.replace(args, critic_warmup=2), world=1)
         with pytest.raises(SystemExit, match="two optimizers"):
-            train.check(dataclasses.replace(args, mixed_precision="fp16"), world=1)
+            train.check(train.replace(args, mixed_precision="fp16"), world=1)  # (a ModelArgs flag)
     else:
         with pytest.raises(SystemExit, match="--critic-warmup"):
             train.check(dataclasses.replace(args, critic_warmup=2), world=1)

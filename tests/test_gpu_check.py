@@ -43,3 +43,14 @@ def test_the_gpu_check_runs_every_section_in_its_cpu_smoke_mode(tmp_path):
                                                 "fsdp2 update full smoke"]
     assert all(row["ok"] and row["seconds"] > 0 for row in rows)
     assert "5 sections in" in out and "all checks passed" in out
+
+
+def test_the_gpu_check_makes_its_accelerator_from_train_pys_flag_groups():
+    """The accelerator as train.py's main makes it, from the flags of the Args that gpu_check parses (--deterministic
+    lives in the engine's flag group, --mixed-precision in the model's): the smoke run's first line, in a second."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check
+
+    args = gpu_check.train_args("tiny-agent", gpu_check.SMOKE, lora=False)[0]
+    accelerator, precision = gpu_check.accelerator_of(args)
+    assert precision == ("bf16" if accelerator.device.type == "cuda" else "no")
