@@ -540,7 +540,8 @@ def update_policy(models: Models, micro: MicroBatch, counts: Counts, args: Args,
 
 def objective(args: Args) -> Objective:
     """The policy objective's settings: the flags of its fields' names."""
-    return Objective(**{f.name: getattr(args, f.name) for f in fields(Objective) if hasattr(args, f.name)})
+    given = flags.flat(args)  # (a field inside a flag group too)
+    return Objective(**{f.name: given[f.name] for f in fields(Objective) if f.name in given})
 
 
 def update_critic(models: Models, micro: MicroBatch, counts: Counts, args: Args,
