@@ -188,8 +188,10 @@ def test_two_training_steps_over_a_server_equal_the_in_process_engines(server, t
 
 
 def test_a_broadcast_that_leaves_a_layer_out_or_sends_stale_weights_fails(server, tiny):
-    """A broadcast missing one weight: the server names the layer, refuses to generate (its trajectories fail) until
-    a whole one arrives; stale weights (the update never sent): the probe stops it; a whole broadcast then passes."""
+    """A broadcast missing one weight: the server names the layer, refuses to generate (its trajectories fail, each
+    with that reason, also those that find the server set aside) until a whole one arrives; stale weights (the update
+    never sent): the probe stops it; a whole broadcast then passes. The server is left whole whatever happens (the
+    module's other tests share it)."""
     fmt, model = tiny
     model = load_model("tiny-agent")
     engine = engine_on(fmt, model, server.address)
@@ -207,6 +209,7 @@ def test_a_broadcast_that_leaves_a_layer_out_or_sends_stale_weights_fails(server
         assert engine.load_weights(model)["probe_diff"] < 1e-5
         assert all(t.error is None for t in play(engine, fmt, count=2))
     finally:
+        engine.load_weights(load_model("tiny-agent"))
         engine.close()
 
 

@@ -164,7 +164,8 @@ class RemoteEngine(Seeded):
         rid = next(self.counter)
         server = self.home(traj)
         if server is None or not server.up:
-            reason = f"rollout server {server.address}: {server.reason}" if server else "no rollout server is up"
+            reason = (f"rollout server {server.address}: {server.reason}" if server else "no rollout server is up ("
+                      + "; ".join(f"{s.address}: {s.reason}" for s in self.servers) + ")")
             self.failed.append((traj, Sample([], error=reason)))
             self.counts["lost_turns"] += 1
             return
