@@ -18,7 +18,8 @@ import httpx
 import pytest
 import torch
 
-pytest.importorskip("vllm")
+if importlib.util.find_spec("vllm") is None:  # (not imported here: collecting the suite stays quick)
+    pytest.skip("vLLM is not installed", allow_module_level=True)
 pytestmark = pytest.mark.slow  # (every test here plays on a rollout server, a vLLM process of its own)
 
 import envs  # noqa: E402

