@@ -420,12 +420,20 @@ def shard(accelerator, model):
     return fsdp2_prepare_model(accelerator, model)
 
 
-def context_limit(max_tokens: int, model: str, policy, say: bool = True) -> int:
-    """Tokens a trajectory may hold: --max-tokens, or the context window of `policy` (--model's) if that is shorter. A
-    trajectory that would outgrow it ends as truncated (finish "max_tokens", see rollout.py)."""
-    window = getattr(policy.config, "max_position_embeddings", None) or max_tokens
+def context_window(config) -> int | None:
+    """A model's context window: the positions it was trained on (`config`: its config's max_position_embeddings);
+    None when the config names none."""
+    return getattr(config, "max_position_embeddings", None)
+
+
+def context_limit(max_tokens: int, model: str, config, say: bool = True, budget: str = "--max-tokens") -> int:
+    """Tokens a trajectory may hold: `max_tokens` (the setting `budget` names), or the context window of `model`
+    (`config`: its config's max_position_embeddings) if that is shorter, said in one line. train.py's rollouts and
+    eval.py's episodes (and the vLLM context they ask for) both stay within it: the model has never seen a position
+    past it. A trajectory that would outgrow it ends as truncated (finish "max_tokens", see rollout.py)."""
+    window = context_window(config) or max_tokens
     if window < max_tokens and say:
-        print(f"--max-tokens {max_tokens} is more than {model}'s context window: trajectories end at {window} tokens")
+        print(f"{budget} {max_tokens} is more than {model}'s context window: trajectories end at {window} tokens")
     return min(max_tokens, window)
 
 
