@@ -15,16 +15,15 @@ score: BabyAI's fractional reward, SciWorld's 0-100 progress); Pass@k is the fra
 at least one of the k episodes scored above 0. Both as AgentGym-RL computes them.
 
 Which limits an episode plays under is a protocol (`--protocol`), recorded with every result:
-- `run`: the training run's own settings, for a checkpoint inside runs/<run>/ (env, the turn cap of
-  the checkpoint's step, token limits, env options): the score the run itself would see;
+- `run`: the training run's own settings, for a checkpoint inside runs/<run>/ (env, the turn cap of the checkpoint's
+  step, token limits, env options): the score the run itself would see;
 - `tiny`: the embedded model's short turns and trajectories;
-- `agentgym`: upstream's evaluation (AgentGym-RL's examples/eval/*.sh): its horizon per env, 512
-  tokens a turn (200 for SciWorld), both in the env's line of envs.ENVS, and no trajectory budget below
-  the 32k context of its vLLM engine. Use it to compare with the paper's numbers.
-`auto` picks `run` for a run's checkpoint, `tiny` for the embedded model, `agentgym` otherwise;
---horizon, --max-new-tokens and --max-tokens override single limits. The results go to <out>.json
-(written atomically) and every episode to <out>.jsonl. Episodes run on vLLM when it is installed
-(`--engine`, as in train.py), else on Hugging Face sampling; the result records which.
+- `agentgym`: upstream's evaluation (AgentGym-RL's examples/eval/*.sh), to compare with the paper's numbers: its
+  horizon per env, 512 tokens a turn (200 for SciWorld; both in envs.ENVS), 32k a trajectory (its vLLM's context).
+`auto` picks `run` for a run's checkpoint, `tiny` for the embedded model, `agentgym` otherwise; --horizon,
+--max-new-tokens and --max-tokens override single limits; a budget past the model's context window is cut to it (a line
+says so). The results go to <out>.json (written atomically) and every episode to <out>.jsonl. Episodes run on vLLM
+when it is installed (`--engine`, as in train.py), else on Hugging Face sampling; the result records which.
 
 `--model openai:<name>` evaluates a model behind an OpenAI-compatible chat endpoint (--base-url: a hosted
 API, or a checkpoint served by `python -m vllm.entrypoints.openai.api_server`) through the same episodes,
@@ -73,7 +72,7 @@ from rl.agent import LayoutArgs, chat_format
 from rl.checkpoint import write_atomic
 from rl.flags import GROUP
 from rl.horizon import AUTO, horizon_at
-from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, deterministic_kernels,
+from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, context_limit, deterministic_kernels, load_config,
                       load_tokenizer, stop_on_nondeterministic)
 from rl.records import read_metrics
 from rl.run import run_of
@@ -165,16 +164,13 @@ def resolve_settings(args: Args) -> dict:
     if env not in envs.ENVS:
         raise SystemExit(f"unknown env {env!r}; choose one of: {', '.join(envs.ENVS)}")
     if protocol == "run":
-        limits = {"horizon": checkpoint_horizon(args.model, config), "max_new_tokens": config["max_new_tokens"],
-                  "max_tokens": config["max_tokens"]}
+        limits = {"horizon": checkpoint_horizon(args.model, config), **{k: config[k] for k in ("max_new_tokens", "max_tokens")}}
     elif protocol == "tiny":
         limits = {key: EMBEDDED_ROLLOUT[key] for key in ("horizon", "max_new_tokens", "max_tokens")}
-        if args.agent == "tools":
-            limits |= EMBEDDED_TOOLS
+        limits |= EMBEDDED_TOOLS if args.agent == "tools" else {}
     else:
-        upstream = envs.ENVS[env]
-        limits = {"horizon": upstream.upstream_horizon, "max_new_tokens": upstream.upstream_max_new_tokens,
-                  "max_tokens": UPSTREAM_CONTEXT}
+        up = envs.ENVS[env]
+        limits = {"horizon": up.upstream_horizon, "max_new_tokens": up.upstream_max_new_tokens, "max_tokens": UPSTREAM_CONTEXT}
     overrides = {key: getattr(args, key) for key in limits if getattr(args, key) is not None}
     horizons = (args.horizon,) if isinstance(args.horizon, int) else args.horizon  # (Args(horizon=6) from code)
     if horizons is not None:  # a sweep plays up to its largest horizon
@@ -183,18 +179,22 @@ def resolve_settings(args: Args) -> dict:
         overrides["horizon"] = max(horizons)
     if any(value < 1 for value in overrides.values()):
         raise SystemExit(f"--{' --'.join(k.replace('_', '-') for k, v in overrides.items() if v < 1)}: at least 1")
+    limits |= overrides
+    if not args.model.startswith(api.PREFIX):  # within the model's context window (a served model's: its server's)
+        limits["max_tokens"] = context_limit(limits["max_tokens"], args.model, load_config(args.model), budget=(
+            "--max-tokens" if "max_tokens" in overrides else f"--protocol {protocol}'s --max-tokens"))
     own_options = config.get("env_options", {}) if config is not None and config["env"] == env else {}
     options = {**envs.parse_options(own_options), **envs.parse_options(args.env_args.env_options)}
     # a run's checkpoint plays its run's test tasks (the tiny preset's on BabyAI: the short-horizon levels')
     own_tasks = config.get("test_tasks") if protocol == "run" and config["env"] == env and args.split == "test" else None
-    horizons = sorted(set(horizons)) if horizons else [overrides.get("horizon", limits["horizon"])]
+    horizons = sorted(set(horizons)) if horizons else [limits["horizon"]]
     # the layout: a run's checkpoint plays as its run was trained (agent format, template options, reasoning tags)
     own = config if protocol == "run" else {}
     layout = {"agent": args.agent or own.get("agent", "react"),
               "chat_template_kwargs": {**own.get("chat_template_kwargs", {}), **args.chat_template_kwargs},
               "reasoning_tags": args.reasoning_tags or (tuple(own["reasoning_tags"]) if own.get("reasoning_tags") else None),
               "reasoning": args.reasoning or own.get("reasoning", "keep")}
-    return {"env": env, "protocol": protocol, **limits, **overrides, "overrides": sorted(overrides), "env_options": options,
+    return {"env": env, "protocol": protocol, **limits, "overrides": sorted(overrides), "env_options": options,
             "tasks": args.tasks or own_tasks, "horizons": horizons, **layout}
 
 

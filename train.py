@@ -374,7 +374,7 @@ def set_up(args: Args, accelerator, policy_from: str) -> tuple[object, ChatForma
     tokenizer = load_tokenizer(args.model)
     fmt = chat_format(tokenizer, args.layout_args)
     models = build_models(accelerator, policy_from, args.model, args.algo, args.kl_coef, args.model_args)
-    max_tokens = context_limit(args.max_tokens, args.model, accelerator.unwrap_model(models.policy),
+    max_tokens = context_limit(args.max_tokens, args.model, accelerator.unwrap_model(models.policy).config,
                                say=accelerator.is_main_process)
     return tokenizer, fmt, models, max_tokens
 

