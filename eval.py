@@ -77,7 +77,7 @@ from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, deterministic_
                       load_tokenizer, stop_on_nondeterministic)
 from rl.records import read_metrics
 from rl.run import run_of
-from rl.scores import endings, paired, score, spread
+from rl.scores import actions, cells, endings, paired, score, spread
 from rl.engines import api
 from rl.engines.setup import EngineArgs, build_engine, engine_kind
 from rollout import EngineStalled, category, on_bar, play
@@ -340,13 +340,11 @@ def report(results: dict, settings: dict, k: int, trajectories: list) -> None:
               + (f"; set by flag: {', '.join(settings['overrides'])}" if settings["overrides"] else "")
               + ("; the server's context window holds the trajectory's" if results["engine"] == "api" else ""))
     print(f"protocol {settings['protocol']} ({limits}), agent {results['agent']}")
-    print(f"{settings['env']} {Path(str(results['split'])).name}: {results['tasks']} tasks x {k}  "
-          f"Avg@{k} {results['avg@k']:.4f}  Pass@{k} {results['pass@k']:.4f}  turns {results['turns']:.1f}"
+    print(f"{settings['env']} {Path(str(results['split'])).name}: {results['tasks']} tasks x {k}  {cells(results, k)}"
           + (f"  failed episodes {results['errors']} (scored 0; see the .jsonl)" if results["errors"] else ""))
     print(f"  {endings(results['finish'], settings['max_tokens'])}")
-    if results["agent"] == "tools" or results["malformed"]:
-        print(f"  valid replies {1 - results['malformed']:.1%} of turns (the rest held no action: "
-              + ("no call or a malformed one, or " if results["agent"] == "tools" else "") + "cut inside the reasoning)")
+    if said := actions(results, results["agent"]):
+        print(f"  {said}")
     if results["errors"]:
         print(f"  first failure: {next(t.error for t in trajectories if t.error is not None)}")
     if results["engine"] == "api":
@@ -360,7 +358,7 @@ def report(results: dict, settings: dict, k: int, trajectories: list) -> None:
                   f"{results['temperature']} and top_p {results['top_p']}, not the asked {results['asked']['temperature']} "
                   f"and {results['asked']['top_p']}")
     for name, c in results["categories"].items():
-        print(f"  {name:<24} {c['tasks']:>4} tasks  Avg@{k} {c['avg@k']:.4f}  Pass@{k} {c['pass@k']:.4f}")
+        print(f"  {name:<24} {c['tasks']:>4} tasks  {cells(c, k)}")
     for row in results.get("by_attempt", []):
         print(f"  after attempt {row['attempt']}: success {row['success']:.4f}, tasks solved {row['solved']:.4f}")
     if "sweep" in results:
