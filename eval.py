@@ -55,15 +55,14 @@ import rl  # noqa: F401 - first: sets OpenMP's wait policy before torch loads (s
 
 import json
 import random
-import subprocess
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
 import tyro
-from tqdm import tqdm
 
 import envs
 from envs.guard import EnvArgs, close_envs
@@ -72,14 +71,15 @@ from rl.agent import LayoutArgs, chat_format
 from rl.checkpoint import write_atomic
 from rl.flags import GROUP
 from rl.horizon import AUTO, horizon_at
+from rl.progress import play_until_stopped, stopped
 from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, context_limit, deterministic_kernels, load_config,
                       load_tokenizer, stop_on_nondeterministic)
 from rl.records import read_metrics
-from rl.run import run_of
-from rl.scores import endings, paired, score, spread
+from rl.run import code_revision, run_of
+from rl.scores import actions, cells, endings, paired, score, spread
 from rl.engines import api
 from rl.engines.setup import EngineArgs, build_engine, engine_kind
-from rollout import EngineStalled, category, on_bar, play
+from rollout import EngineStalled, category, play
 
 # The context of upstream's eval engine (vLLM's max_model_len in its eval scripts); its turn cap and tokens a
 # turn are each env's (envs.ENVS).
@@ -227,23 +227,26 @@ def main(args: Args) -> dict:
     env_settings = getattr(environments[0], "options", {})
     start = time.perf_counter()
     played: dict[int, list] = {}
-    try:
+    try:  # (Ctrl-C: the episodes that ended are written, and it stops, below)
         for horizon in (settings["horizons"] if agent.attempts > 1 else settings["horizons"][-1:]):
-            with tqdm(total=len(episodes), desc=f"eval {env_name}" + (f" ({horizon} turns)" if len(settings["horizons"]) > 1
-                                                                     else ""), unit="episode", dynamic_ncols=True) as bar:
-                played[horizon] = play(engine, fmt, environments, [t for t, _ in episodes], [g for _, g in episodes],
-                                       horizon=horizon, max_new_tokens=settings["max_new_tokens"],
-                                       max_tokens=settings["max_tokens"], agent=agent, progress=on_bar(bar))
+            name = f"eval {env_name}" + (f" ({horizon} turns)" if len(settings["horizons"]) > 1 else "")
+            played[horizon], stop = play_until_stopped(
+                partial(play, engine, fmt, environments, [t for t, _ in episodes], [g for _, g in episodes],
+                        horizon=horizon, max_new_tokens=settings["max_new_tokens"], max_tokens=settings["max_tokens"],
+                        agent=agent), name, len(episodes), horizon, agent.attempts)
+            if stop:
+                break
     finally:
         engine.close()
         close_envs(environments)
-    trajectories = played[settings["horizons"][-1]]
+    trajectories = played[horizon]
     results = {"model": args.model, "split": settings["tasks"] or args.split, "k": args.k, "agent": agent.name,
                **({"attempts": agent.attempts} if agent.attempts > 1 else {}), "temperature": args.engine_args.temperature,
                "top_p": args.engine_args.top_p, "seed": args.seed, "engine": kind, "code": code_revision(), **settings,
                "env_settings": env_settings, "env_url": args.env_args.env_url, **score(trajectories, env_name),
                **({"served": engine.served()} if kind == "server" else {}),
-               "per_task": per_task(trajectories), "seconds": round(time.perf_counter() - start, 1)}
+               "per_task": per_task(trajectories), "seconds": round(time.perf_counter() - start, 1),
+               **({"stopped": f"by Ctrl-C, after {len(trajectories)} of {len(episodes)} episodes"} if stop else {})}
     if kind == "api":  # where the model was served (never the key), what its calls cost, what it was sampled at
         results |= {"base_url": engine.base_url, "usage": api.total_usage(trajectories),
                     "prices": {"in": args.api_args.price_in, "out": args.api_args.price_out}, **engine.sampling}
@@ -252,7 +255,7 @@ def main(args: Args) -> dict:
         asked = {"temperature": args.engine_args.temperature, "top_p": args.engine_args.top_p}
         if engine.sampling != asked:
             results["asked"] = asked
-    if len(settings["horizons"]) > 1:
+    if len(settings["horizons"]) > 1 and not stop:
         results["sweep"] = [{"horizon": h, **score([t.cut(h) for t in played.get(h, trajectories)], env_name)}
                             for h in settings["horizons"]]
     out = output_path(args, env_name, settings)
@@ -261,6 +264,8 @@ def main(args: Args) -> dict:
     report(results, settings, args.k, trajectories)
     plotted = plots.draw(out.with_suffix(".json"))
     print(f"wrote {out.with_suffix('.json')}" + (f" and {plotted}" if plotted else ""))
+    if stop:
+        stopped(f"stopped by Ctrl-C: wrote the {len(trajectories)} episodes that had ended, of {len(episodes)}")
     return results
 
 
@@ -320,19 +325,6 @@ def result_text(results: dict) -> str:
     return json.dumps(rest, indent=2)[:-2] + ',\n  "per_task": {\n' + tasks + "\n  }\n}\n"
 
 
-def code_revision() -> str:
-    """The git commit the code ran at, "+dirty" when tracked files had changed; "unknown" outside a checkout."""
-    here = Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=here, capture_output=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    if commit.returncode != 0:
-        return "unknown"
-    return commit.stdout.strip() + ("+dirty" if dirty.returncode == 1 else "")
-
-
 def report(results: dict, settings: dict, k: int, trajectories: list) -> None:
     """The console summary: the limits, Avg@k and Pass@k overall and per category, how the episodes ended (a
     warning when most ran out of tokens), the first failure, an API model's usage, per attempt and per turn cap."""
@@ -340,13 +332,11 @@ def report(results: dict, settings: dict, k: int, trajectories: list) -> None:
               + (f"; set by flag: {', '.join(settings['overrides'])}" if settings["overrides"] else "")
               + ("; the server's context window holds the trajectory's" if results["engine"] == "api" else ""))
     print(f"protocol {settings['protocol']} ({limits}), agent {results['agent']}")
-    print(f"{settings['env']} {Path(str(results['split'])).name}: {results['tasks']} tasks x {k}  "
-          f"Avg@{k} {results['avg@k']:.4f}  Pass@{k} {results['pass@k']:.4f}  turns {results['turns']:.1f}"
+    print(f"{settings['env']} {Path(str(results['split'])).name}: {results['tasks']} tasks x {k}  {cells(results, k)}"
           + (f"  failed episodes {results['errors']} (scored 0; see the .jsonl)" if results["errors"] else ""))
     print(f"  {endings(results['finish'], settings['max_tokens'])}")
-    if results["agent"] == "tools" or results["malformed"]:
-        print(f"  valid replies {1 - results['malformed']:.1%} of turns (the rest held no action: "
-              + ("no call or a malformed one, or " if results["agent"] == "tools" else "") + "cut inside the reasoning)")
+    if said := actions(results, results["agent"]):
+        print(f"  {said}")
     if results["errors"]:
         print(f"  first failure: {next(t.error for t in trajectories if t.error is not None)}")
     if results["engine"] == "api":
@@ -360,7 +350,7 @@ def report(results: dict, settings: dict, k: int, trajectories: list) -> None:
                   f"{results['temperature']} and top_p {results['top_p']}, not the asked {results['asked']['temperature']} "
                   f"and {results['asked']['top_p']}")
     for name, c in results["categories"].items():
-        print(f"  {name:<24} {c['tasks']:>4} tasks  Avg@{k} {c['avg@k']:.4f}  Pass@{k} {c['pass@k']:.4f}")
+        print(f"  {name:<24} {c['tasks']:>4} tasks  {cells(c, k)}")
     for row in results.get("by_attempt", []):
         print(f"  after attempt {row['attempt']}: success {row['success']:.4f}, tasks solved {row['solved']:.4f}")
     if "sweep" in results:
@@ -445,6 +435,8 @@ if __name__ == "__main__":
         main(tyro.cli(Args, description=__doc__.split("\n\n")[0]))
     except EngineStalled as error:  # one sentence, not a traceback
         raise SystemExit(str(error)) from None
+    except KeyboardInterrupt:  # (Ctrl-C while playing is handled in main: the episodes that ended are written)
+        stopped("eval.py: stopped by Ctrl-C")
     except RuntimeError as error:  # --deterministic on a GPU: an op without a deterministic kernel, in one sentence
         stop_on_nondeterministic(error)
         raise

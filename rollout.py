@@ -168,13 +168,13 @@ class Rollouts:
         self.resetting: dict[Future, tuple[int, int, int, int, int]] = {}  # -> (set, index, task, group, horizon)
         self.clock = RolloutStats()
 
-    def take(self, j: int, progress: Callable[[int, int], None] | None = None) -> list[Trajectory]:
+    def take(self, j: int, progress: Callable[[list[Trajectory]], None] | None = None) -> list[Trajectory]:
         """Play until set j is complete, and return it in row order (the other sets go on later). `progress`, when
-        given, is called with the counts of set j's episodes that ended and of turns played since its last call."""
+        given, is called with set j's trajectories under way whenever one of them played a turn or ended."""
         if self.agent.attempts > 1:  # reflect: a set's attempts are sets of their own, played in turn
             return self._attempts(j, progress)
         begin, watchdog = time.perf_counter(), Watchdog(self.engine)
-        ended = played = 0
+        seen = []
         try:
             self._open()
             if j not in self.sets:
@@ -183,10 +183,11 @@ class Rollouts:
             while True:
                 self._open()
                 if progress is not None:
-                    now, turns = self._counts(j)
-                    if (now, turns) != (ended, played):
-                        progress(now - ended, turns - played)
-                        ended, played = now, turns
+                    started = [t for t in self.sets[j] if t is not None]
+                    now = [(t.live, t.turns) for t in started if t.turns or not t.live]
+                    if now != seen:
+                        progress(started)
+                        seen = now
                 if self._complete(j):
                     return sorted(self.sets.pop(j), key=lambda t: t.row)
                 watchdog.check()
@@ -357,11 +358,6 @@ class Rollouts:
     def _complete(self, j: int) -> bool:
         return j in self.sets and all(t is not None and not t.live for t in self.sets[j])
 
-    def _counts(self, j: int) -> tuple[int, int]:
-        """Set j's ended episodes and turns played."""
-        started = [t for t in self.sets[j] if t is not None]
-        return sum(not t.live for t in started), sum(t.turns for t in started)
-
 
 # ----------------------------------------------------------------------------------------------
 # One set at a time: rollout, reflect's attempts, play
@@ -370,12 +366,12 @@ class Rollouts:
 def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int], *,
             horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent = REACT,
             pool: ThreadPoolExecutor | None = None, stats: RolloutStats | None = None,
-            progress: Callable[[int, int], None] | None = None,
+            progress: Callable[[list[Trajectory]], None] | None = None,
             reflections: list[list[str]] | None = None) -> list[Trajectory]:
     """Play one episode per env: environments[i] plays task_ids[i], in group groups[i], for at most
     `horizon` turns, laid out by `agent` (rl/agent.py; reflect plays up to agent.attempts attempts, each a
-    trajectory, see attempts()). `progress`, when given, is called with the counts of episodes that ended and of
-    turns played since its last call (a long episode shows as turns before it ends). `stats`, when given,
+    trajectory, see attempts()). `progress`, when given, is called with the trajectories under way whenever one of
+    them played a turn or ended (rl/progress.py shows them). `stats`, when given,
     receives the rollout's timing and token counts (RolloutStats). `reflections`: each episode's past ones, which
     it opens with (attempts')."""
     assert len(environments) == len(task_ids) == len(groups)
@@ -394,14 +390,14 @@ def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int
 
 def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int], *,
              horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent, pool: ThreadPoolExecutor | None = None,
-             stats: RolloutStats | None = None, progress: Callable[[int, int], None] | None = None) -> list[Trajectory]:
+             stats: RolloutStats | None = None, progress: Callable[[list[Trajectory]], None] | None = None) -> list[Trajectory]:
     """Reflect's episodes: attempt after attempt at each task until it succeeds or agent.attempts are played.
     After a failed attempt the policy writes a reflection (reflect()), and the task's next attempt opens with
     all of its reflections. Returns every attempt's trajectory, attempt 1's first; an attempt's group is
     its task group's, moved by the attempt (group + (attempt - 1) x ATTEMPT_GROUPS), so that GRPO compares
     it with the same attempt of the other samples, and no attempt's group meets another task's (play's
     later rollouts number their groups on). An attempt that ended in an env failure ends its
-    episode. `progress` counts episodes (a task's attempts together) and every attempt's turns."""
+    episode. `progress` is called with each attempt's trajectories (as rollout's)."""
     reflections: list[list[str]] = [[] for _ in task_ids]
     rows, played, clock = list(range(len(task_ids))), [], RolloutStats()
     if isinstance(engine, ExpertEngine):  # (it keys its experts by env row, which attempts renumber; and never reflects)
@@ -413,7 +409,7 @@ def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[in
         batch = rollout(engine, fmt, [environments[r] for r in rows], [task_ids[r] for r in rows],
                         [groups[r] + (attempt - 1) * ATTEMPT_GROUPS for r in rows], horizon=horizon,
                         max_new_tokens=max_new_tokens, max_tokens=max_tokens, agent=replace(agent, attempts=1),
-                        pool=pool, stats=attempt_clock, progress=(lambda _, turns: progress(0, turns)) if progress else None,
+                        pool=pool, stats=attempt_clock, progress=progress,
                         reflections=[reflections[r] for r in rows])
         for traj in batch:
             traj.attempt = attempt
@@ -429,10 +425,7 @@ def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[in
                 if text is not None:
                     reflections[r].append(text)
         clock.add(attempt_clock)
-        going_on = [r for r, t in failed if not t.final]
-        if progress is not None:
-            progress(len(rows) - len(going_on), 0)
-        rows = going_on
+        rows = [r for r, t in failed if not t.final]
         if not rows:
             break
     if stats is not None:
@@ -481,10 +474,10 @@ def reflect(engine, fmt: ChatFormat, failed: list[Trajectory], agent: Agent, max
 
 def play(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int] | None = None, *,
          horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent = REACT, pool: ThreadPoolExecutor | None = None,
-         progress: Callable[[int, int], None] | None = None) -> list[Trajectory]:
+         progress: Callable[[list[Trajectory]], None] | None = None) -> list[Trajectory]:
     """Any number of episodes on a fixed set of envs: rollouts of as many at once as there are envs,
     in order, until every task id is played. `progress` is called as turns are played and episodes end
-    (see rollout; on_bar shows them on a tqdm bar). Groups default to one per episode."""
+    (see rollout; rl/progress.py's Progress shows them). Groups default to one per episode."""
     groups = list(range(len(task_ids))) if groups is None else groups
     trajectories: list[Trajectory] = []
     for start in range(0, len(task_ids), len(environments)):
@@ -493,21 +486,6 @@ def play(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], 
                                 groups[start:start + count], horizon=horizon, max_new_tokens=max_new_tokens,
                                 max_tokens=max_tokens, agent=agent, pool=pool, progress=progress)
     return trajectories
-
-
-def on_bar(bar) -> Callable[[int, int], None]:
-    """A progress callback for play() and rollout() that shows on a tqdm bar: episodes as its count, the turns
-    played so far beside it (long episodes, such as upstream's 20-30 turns of 512 tokens, move it before the
-    first one ends)."""
-    turns = 0
-
-    def advance(episodes: int, played: int) -> None:
-        nonlocal turns
-        turns += played
-        bar.set_postfix_str(f"{turns} turns", refresh=False)
-        bar.update(episodes)
-
-    return advance
 
 
 def _answered(result: StepResult, traj: Trajectory) -> Future:
@@ -604,7 +582,7 @@ def _act(fmt: ChatFormat, traj: Trajectory, sample: Sample) -> None:
     traj.messages.append({"role": "assistant", "content": _reply(fmt, sample)})
     if sample.reasoning:  # (a text engine's reasoning, returned apart from its reply: logged, never sent back)
         traj.messages[-1]["reasoning_content"] = sample.reasoning
-    traj.turns += 1
+    traj.turns, traj.sampled = traj.turns + 1, traj.sampled + len(sample.token_ids)
 
 
 def _reply(fmt: ChatFormat, sample: Sample) -> str:

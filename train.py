@@ -66,9 +66,10 @@ from rl.model import (EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, ModelArgs, Models, build
 from rl.metrics import (Costs, UpdateSums, async_metrics, eval_line, eval_metrics, evol_line, offline_line,
                         policy_sums, rl_line, step_metrics)
 from rl.optimizer import accumulate, optimizer_steps, reducer, stop_on_nonfinite
+from rl.progress import Progress, phase, step_bar, stopped
 from rl.records import rollout_records
-from rl.run import (Logs, RunArgs, close, eval_due, evaluation_plan, finish, logged_steps, phase, resume, run_config,
-                    run_directory, save_checkpoint, stop_on_env_failures)
+from rl.run import (Logs, RunArgs, close, eval_due, evaluation_plan, finish, logged_steps, resume, run_config,
+                    run_directory, save_checkpoint, stop_on_env_failures, stopped_run)
 from rl.scores import score, spread
 from rl.offline import offline_pass
 from rl.tasks import my_tasks, task_ids, tasks_for
@@ -301,13 +302,11 @@ def main(args: Args) -> Path | None:
 
         # -- the run's record (logs cut back to the checkpoint's when resuming)
         config = run_config(flags.flat(args), run_dir, resuming, accelerator, mixed, engine, environments[0])
-        if accelerator.is_main_process:
-            print(start_line(args, run_dir, len(test_ids), start_step, resuming))
+        accelerator.print(start_line(args, run_dir, len(test_ids), start_step, resuming))
         logs = logs_of(args, run_dir, config, accelerator, trainer_state["logs"])
 
         # (the step bar shows the phase under way: rollout, update or eval, and how far it got)
-        progress = tqdm(range(start_step, args.steps + 1), disable=not accelerator.is_main_process, desc="train",
-                        dynamic_ncols=True, initial=start_step - 1, total=args.steps)
+        progress = step_bar(start_step, args.steps, accelerator.is_main_process)
         if test_ids and start_step == 1:  # the initial policy, for the held-out comparison at the end (finish)
             evaluation, evaluated = evaluate(engine, fmt, players, test_ids, models, args, accelerator, max_tokens, 0,
                                              progress)
@@ -318,7 +317,7 @@ def main(args: Args) -> Path | None:
             horizon, why = horizon_for(step, args, history)  # ScalingInter-RL's stage, or --horizon auto's cap
             costs = Costs(RolloutStats())
             with costs.measure("rollout"):
-                trajectories = rollouts.take(step, phase(progress, "rollout", per_step))
+                trajectories = rollouts.take(step, Progress(progress, "rollout", per_step, horizon))
                 stop_on_env_failures(trajectories, args.max_error_rate, accelerator, run_dir, step)
 
             # -- the batch, its old/reference log-probs and values, advantages, the update, the engine's new weights
@@ -359,6 +358,8 @@ def main(args: Args) -> Path | None:
             if step == args.steps or (args.run_args.save_every and step % args.run_args.save_every == 0):
                 save_checkpoint(accelerator, models, engine, tokenizer, run_dir / "checkpoints" / f"step_{step}", step, logs,
                                 args.run_args.keep_checkpoints)
+    except KeyboardInterrupt:  # one line: the newest complete checkpoint, and how to go on from it
+        stopped_run(run_dir, accelerator.is_main_process)
     finally:  # also when a stop (env failures, NaN, a stalled engine) or an error ends the run: no JVM or browser left behind
         close(engine, environments + (players if players is not environments else []), logs, rollouts=rollouts)
     return finish(run_dir, accelerator)
@@ -573,7 +574,7 @@ def evaluate(engine, fmt: ChatFormat, environments: list, test_ids: list[int], m
     mine = len(test_ids[accelerator.process_index::accelerator.num_processes]) * args.eval_k
     with own_stream(engine, stream_seed(args.seed + accelerator.process_index, step, "eval")):  # (not the rollouts')
         episodes = play_share(engine, fmt, environments, test_ids, args.eval_k, models, args, accelerator, max_tokens,
-                              step, horizon, phase(bar, "eval", mine))
+                              step, horizon, Progress(bar, "eval", mine, horizon))
     return eval_metrics(score(episodes, args.env), horizon, max_tokens), [{"step": step, **t.log_record()} for t in episodes]
 
 
@@ -642,8 +643,7 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
               + (f", resumed at step {trainer_state['step'] + 1}" if resuming else ""))
     logs = logs_of(args, run_dir, config, accelerator, trainer_state["logs"])
 
-    progress = tqdm(range(trainer_state["step"] + 1, args.steps + 1), disable=not accelerator.is_main_process,
-                    desc=args.algo, dynamic_ncols=True, initial=trainer_state["step"], total=args.steps)
+    progress = step_bar(trainer_state["step"] + 1, args.steps, accelerator.is_main_process, args.algo)
     try:
         for step in progress:
             step_start = time.perf_counter()
@@ -786,6 +786,8 @@ if __name__ == "__main__":
         main(parse_args())
     except EngineStalled as error:  # one sentence, not a traceback
         raise SystemExit(str(error)) from None
+    except KeyboardInterrupt:  # (during an RL run main says where to resume from)
+        stopped("train.py: stopped by Ctrl-C")
     except RuntimeError as error:  # --deterministic on a GPU: an op without a deterministic kernel, in one sentence
         stop_on_nondeterministic(error)
         raise

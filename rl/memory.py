@@ -15,6 +15,7 @@ engine, and `server_plan` adds what each rollout server's GPUs hold (python -m r
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,12 +170,36 @@ class PlanArgs:
     """with --dry-run: the Accelerate config the run will be launched with (configs/*.yaml), to plan it from any
     machine; default: how this process was launched"""
     gpu_gib: float = 0.0
-    """with --dry-run: GPU memory to plan for; 0: this machine's GPU, else 80 (an H100)"""
+    """with --dry-run: GPU memory to plan for; 0: this machine's GPU, else (no GPU here) its RAM, or 80 (an H100)
+    with --launch-config"""
 
     def check(self) -> None:
         """Stop early, with what to do, on settings that cannot work."""
         if self.launch_config and not Path(self.launch_config).is_file():
             raise SystemExit(f"--launch-config {self.launch_config} does not exist: give one of configs/*.yaml")
+
+
+@dataclass(frozen=True)
+class Device:
+    """What a plan is for: its memory, and how the plan's first line names it ("memory plan <name>: ...")."""
+
+    gib: float
+    name: str
+
+
+def plan_device(gpu_gib: float, launch_config: str | None) -> Device:
+    """The memory --dry-run plans for: --gpu-gib; else this machine's GPU; else, with no GPU here, an 80 GiB GPU
+    (an H100) for a --launch-config planned from another machine, and this machine's RAM for a run on its CPU."""
+    if gpu_gib:
+        return Device(gpu_gib, f"per GPU, for a {gpu_gib:g} GiB GPU (--gpu-gib)")
+    if torch.cuda.is_available():
+        card = torch.cuda.get_device_properties(0)
+        gib = card.total_memory / GiB
+        return Device(gib, f"per GPU, for this machine's {card.name} ({gib:.0f} GiB)")
+    if launch_config:
+        return Device(80.0, "per GPU, for an 80 GiB GPU (an H100; no GPU here: --gpu-gib sets it)")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+    return Device(ram, f"for this machine's CPU, its {ram:.0f} GiB of RAM (no GPU here: --gpu-gib plans for one)")
 
 
 def print_plan(accelerator, plan_args: PlanArgs, model: str, algo: str, kl_coef: float, settings, engine_args,
@@ -210,7 +235,8 @@ def print_plan(accelerator, plan_args: PlanArgs, model: str, algo: str, kl_coef:
             or bool(getattr(policy, "offload_params", False))
         how, kind = "this launch", accelerator.distributed_type.value
     config = load_config(model)  # (a LoRA checkpoint's: its base's)
-    gpu_gib = plan_args.gpu_gib or (torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0)
+    device = plan_device(plan_args.gpu_gib, plan_args.launch_config)
+    gpu_gib = device.gib
     estimate = plan(config, algo=algo, lora_rank=settings.lora_rank, lora_targets=settings.lora_target_modules,
                     processes=processes, sharded=is_sharded, reference=algo == "dpo" or kl_coef > 0,
                     offload_reference=settings.offload_reference, micro_tokens=micro_tokens,
@@ -222,8 +248,9 @@ def print_plan(accelerator, plan_args: PlanArgs, model: str, algo: str, kl_coef:
                     offload=offload, persistent_gradients=deepspeed)
     if not accelerator.is_main_process:
         return None
-    print(f"memory plan per GPU: {model} ({estimate['parameters']:,} parameters, {estimate['trained']:,} trained), "
-          f"{algo}, {how}: " + (f"{kind} over {processes} processes" if kind != "NO" else "one process, not distributed"))
+    print(f"memory plan {device.name}: {model} ({estimate['parameters']:,} parameters, "
+          f"{estimate['trained']:,} trained), {algo}, {how}: "
+          + (f"{kind} over {processes} processes" if kind != "NO" else "one process, not distributed"))
     for phase, held in estimate["phases"].items():
         print(f"  {phase}: {sum(held.values()) / 2**30:.1f} GiB")
         for what, size in held.items():

@@ -258,7 +258,8 @@ def category_metrics(records: list[dict]) -> dict[str, float]:
 def eval_metrics(results: dict, horizon: int, max_tokens: int) -> dict[str, float]:
     """An evaluation's metrics (eval/) from rl/scores.py's score: Avg@k, Pass@k, success, turns and errors, Avg@k per
     category, how its episodes ended, and the limits they played under."""
-    metrics = {f"eval/{key}": results[key] for key in ("avg@k", "pass@k", "success", "turns", "errors", "malformed")}
+    metrics = {f"eval/{key}": results[key] for key in ("avg@k", "pass@k", "success", "turns", "errors",
+                                                        "invalid_action_rate", "malformed")}
     metrics |= {f"eval/{name}/avg@k": c["avg@k"] for name, c in results["categories"].items()}
     metrics |= {f"eval/finish/{name}": share for name, share in results["finish"].items()}
     return metrics | {"eval/horizon": horizon, "eval/max_tokens": max_tokens}
@@ -273,6 +274,7 @@ def rl_line(step: int, metrics: dict) -> str:
     return (
         f"step {step:>4} | reward {metrics['rollout/reward']:.3f} | success {metrics['rollout/success']:.2f} | "
         f"turns {metrics['rollout/turns']:.1f}/{metrics['rollout/horizon']} | "
+        f"invalid actions {metrics['rollout/invalid_action_rate']:.0%} | "
         + (f"tokens/s {metrics['perf/tokens_per_s']:.0f} | " if "perf/tokens_per_s" in metrics else "")
         + (f"kl {metrics['losses/kl']:.4f} | entropy {metrics['losses/entropy']:.3f} | "
            f"grad {metrics['losses/grad_norm']:.3f} | " if "losses/kl" in metrics
@@ -313,4 +315,5 @@ def eval_line(step: int, metrics: dict) -> str:
     """The printed line of an evaluation outside a training step."""
     return (f"eval {step:>4} | test success {metrics['eval/success']:.3f} | avg@k {metrics['eval/avg@k']:.3f} | "
             f"pass@k {metrics['eval/pass@k']:.3f} | turns {metrics['eval/turns']:.1f}/{metrics['eval/horizon']} | "
+            f"invalid actions {metrics['eval/invalid_action_rate']:.0%} | "
             + endings({name: metrics[f"eval/finish/{name}"] for name in FINISHES.values()}, metrics["eval/max_tokens"]))

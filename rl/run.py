@@ -17,10 +17,12 @@ import collections
 import json
 import os
 import shutil
+import subprocess
 import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
@@ -30,6 +32,7 @@ from rl import checkpoint as checkpoint_lib
 from rl import plots
 from rl import zero3
 from rl.model import sharded
+from rl.progress import STOPPED, stopped
 from rl.records import read_metrics
 from rl.scores import gain
 from rl.trajectory import Trajectory
@@ -144,6 +147,20 @@ def resumable_config(checkpoint: Path) -> dict:
     return config
 
 
+def code_revision() -> str:
+    """The git commit the code ran at (eval.py's results say it), "+dirty" when tracked files had changed; "unknown"
+    outside a checkout."""
+    here = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=here, capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if commit.returncode != 0:
+        return "unknown"
+    return commit.stdout.strip() + ("+dirty" if dirty.returncode == 1 else "")
+
+
 def find_checkpoint(resume: str, out_dir: str, run_name: str | None) -> Path | None:
     """The checkpoint --resume names: itself, a run directory's newest complete one, or with `auto` the
     newest of <out_dir>/<run_name> (None when it has none yet: a new run starts)."""
@@ -163,21 +180,7 @@ def find_checkpoint(resume: str, out_dir: str, run_name: str | None) -> Path | N
 
 
 # ----------------------------------------------------------------------------------------------
-# Logs, the start line's evaluations, and the progress shown while a step runs
-
-
-def phase(bar, name: str, total: int):
-    """A progress callback for a phase of a step, shown after the step bar (`bar`; None: nothing shown) as
-    "<name> done/total", with the turns played so far in a rollout (rollout.py calls it with both counts)."""
-    done = turns = 0
-
-    def advance(count: int = 1, played: int = 0) -> None:
-        nonlocal done, turns
-        done, turns = done + count, turns + played
-        if bar is not None:
-            bar.set_postfix_str(f"{name} {done}/{total}" + (f", {turns} turns" if turns else ""))
-
-    return advance
+# Logs and the start line's evaluations
 
 
 def eval_due(step: int, every: int, last: int) -> bool:
@@ -401,6 +404,17 @@ def stop_on_env_failures(trajectories: list[Trajectory], max_error_rate: float, 
                "--max-error-rate) and continue with --resume auto")
     accelerator.wait_for_everyone()  # (the file is written before any process exits)
     raise SystemExit(message if accelerator.is_main_process else 1)
+
+
+def stopped_run(run_dir: Path, main_process: bool) -> NoReturn:
+    """Ctrl-C stopped the run: one line, naming the newest complete checkpoint (one is written whole or not at all,
+    rl/checkpoint.py) and the flags that go on from it."""
+    if not main_process:  # (the others stop without a word)
+        raise SystemExit(STOPPED)
+    found = checkpoint_lib.checkpoints(run_dir)
+    again = f"--resume auto --run-name {run_dir.name} --out-dir {run_dir.parent}"
+    stopped("stopped by Ctrl-C: " + (f"continue from {found[-1]} with {again}" if found else
+                                     f"no checkpoint yet (--save-every); {again} starts the run over"))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -52,7 +52,11 @@ def score(trajectories: list[Trajectory], env_name: str) -> dict:
             "success": sum(t.success for t in episodes) / len(episodes),
             "turns": sum(t.turns for t in episodes) / len(episodes),
             "errors": sum(t.error is not None for t in episodes),
-            # turns whose reply held no action the env could take (no or a malformed tool call, a reply cut inside
+            # turns the env refused or could not read (rl/trajectory.py's invalid_actions: info["valid"] False, and the
+            # replies answered without the env below), as train.py's rollout/invalid_action_rate
+            "invalid_action_rate": sum(getattr(t, "invalid_actions", 0) for t in episodes)
+            / max(sum(t.turns for t in episodes), 1),
+            # of those, turns whose reply held no action the env could take (no or a malformed tool call, a reply cut inside
             # its reasoning): 1 - this is --agent tools' valid-call rate
             "malformed": sum(getattr(t, "malformed", 0) for t in episodes) / max(sum(t.turns for t in episodes), 1),
         }
@@ -71,6 +75,26 @@ def score(trajectories: list[Trajectory], env_name: str) -> dict:
                                 "solved": sum(any(w is not None and w <= a for w in ws) for ws in won.values()) / len(won)}
                                for a in range(1, played + 1)]
     return results
+
+
+def cells(summary: dict, k: int) -> str:
+    """A summary's scores on one line (score's overall or a category's): Avg@k, Pass@k, turns, invalid actions."""
+    return (f"Avg@{k} {summary['avg@k']:.4f}  Pass@{k} {summary['pass@k']:.4f}  turns {summary['turns']:.1f}  "
+            f"invalid actions {summary['invalid_action_rate']:.1%}")
+
+
+def actions(summary: dict, agent: str) -> str | None:
+    """A summary's line on its actions, where there is something to say: the replies that held one (under --agent
+    tools always, else when some did not), and a warning when the env refused or could not read most turns'."""
+    parts = []
+    if agent == "tools" or summary["malformed"]:
+        parts.append(f"valid replies {1 - summary['malformed']:.1%} of turns (the rest held no action: "
+                     + ("no call or a malformed one, or " if agent == "tools" else "") + "cut inside the reasoning)")
+    if summary["invalid_action_rate"] > 0.5:
+        parts.append(f"warning: the env refused or could not read {summary['invalid_action_rate']:.0%} of the turns' "
+                     f"actions: the model rarely acts as the {agent} layout asks, so the scores say more about the "
+                     "format than the task")
+    return " - ".join(parts) or None
 
 
 def endings(finish: dict[str, float], max_tokens: int) -> str:

@@ -51,6 +51,7 @@ class Trajectory:
     # -- each turn's
     horizon: int = 0  # the turn cap it played under
     turns: int = 0
+    sampled: int = 0  # the tokens its turns sampled (rl/progress.py counts them)
     valid: list[bool] = field(default_factory=list)  # False where the env reported the turn's action not valid
     actions: list[str | None] = field(default_factory=list)  # what each turn sent to env.step (None: nothing, malformed)
     turn_rewards: list[float] = field(default_factory=list)  # the env's reward after each turn (its last is `reward`)

@@ -20,15 +20,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tqdm import tqdm  # noqa: E402
-
 import envs  # noqa: E402
 from rl.checkpoint import write_atomic  # noqa: E402
 from rl.data import to_record  # noqa: E402
 from rl.model import load_tokenizer  # noqa: E402
 from rl.agent import make_agent  # noqa: E402
 from rl.agent import LayoutArgs, chat_format  # noqa: E402
-from rollout import ExpertEngine, on_bar, play  # noqa: E402
+from rl.progress import Progress, progress_bar  # noqa: E402
+from rollout import ExpertEngine, play  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -63,11 +62,11 @@ def main(argv=None) -> dict:
     fmt = chat_format(load_tokenizer(args.model), LayoutArgs(args.agent))
     environments = [envs.make(args.env) for _ in range(min(args.batch_size, len(task_ids)))]
     solved, skipped, tokens = [], collections.Counter(), 0
-    progress = tqdm(total=len(task_ids), desc=f"{args.env} experts", unit="episode")
+    progress = progress_bar(total=len(task_ids), desc=f"{args.env} experts", bar_format="{desc}{postfix} [{elapsed}]")
     try:
         played = play(ExpertEngine(fmt, environments), fmt, environments, task_ids, horizon=args.horizon,
                       max_new_tokens=4096, max_tokens=args.max_tokens, agent=make_agent(args.agent),
-                      progress=on_bar(progress))
+                      progress=Progress(progress, "", len(task_ids), args.horizon))
         for trajectory in played:
             if trajectory.error is None and trajectory.success:
                 solved.append(to_record(trajectory))

@@ -128,7 +128,7 @@ def test_a_server_killed_mid_run_fails_only_its_instances_trajectories(expert):
     with served(2) as (urls, processes):
         environments = make_envs("babyai", len(TASKS), {"retries": 1, "backoff": 0.01}, urls=urls)
 
-        def kill_second(ended: int, turns: int) -> None:  # (first called once every episode played its first turn)
+        def kill_second(trajectories) -> None:  # (first called once every episode played its first turn)
             if processes[1].poll() is None:
                 processes[1].kill()
                 processes[1].wait()

@@ -20,6 +20,7 @@ from rl.agent import LayoutArgs, chat_format
 from rl.engines import RoundEngine, Sample
 from rl.engines.expert import ExpertEngine
 from rl.model import EMBEDDED, load_tokenizer
+from rl.progress import Progress
 from rollout import ChatFormat, rollout
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -228,10 +229,14 @@ def test_progress_counts_turns_before_episodes_end():
     fmt = ChatFormat(load_tokenizer("tiny-agent"))
     environments = [envs.make("babyai") for _ in range(3)]
     calls = []
+    progress = Progress(None, "eval", 3, 6)
     played = rollout(ExpertEngine(fmt, environments), fmt, environments, [3, 40, 81], [0, 1, 2], horizon=6,
-                     max_new_tokens=64, max_tokens=3072, progress=lambda episodes, turns: calls.append((episodes, turns)))
-    assert sum(e for e, _ in calls) == 3 and sum(t for _, t in calls) == sum(t.turns for t in played) > 3
-    assert calls[0][1] == 3  # every episode's first turn, heard with the first call
+                     max_new_tokens=64, max_tokens=3072,
+                     progress=lambda trajectories: (progress(trajectories), calls.append(progress.counts())))
+    assert calls[-1].ended == 3 and calls[-1].turns == sum(t.turns for t in played) > 3
+    assert calls[-1].tokens == sum(sum(t.loss_mask) for t in played) > 0
+    assert calls[0].turns == 3  # every episode's first turn, heard with the first call
+    assert sorted(map(id, progress.finished)) == sorted(map(id, played))
 
 
 def windowed(tmp_path, window: int) -> Path:

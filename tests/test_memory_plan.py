@@ -1,6 +1,9 @@
 """train.py --dry-run (rl/memory.py): the plan's model state is what training allocates, its activations what a
 forward keeps, sharding divides them, and the plan needs no weights."""
 
+import os
+import types
+
 import pytest
 import torch
 from accelerate import Accelerator
@@ -70,7 +73,7 @@ def test_sharding_divides_the_state_and_a_plan_needs_no_weights(monkeypatch, cap
     monkeypatch.setattr(model_lib, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("weights loaded")))
     assert train.main(train.parse_args(["--dry-run", "--engine", "hf", "--gpu-gib", "0.01"])) is None
     printed = capsys.readouterr().out
-    assert "memory plan per GPU: tiny-agent" in printed and "does not fit" in printed
+    assert "memory plan per GPU, for a 0.01 GiB GPU (--gpu-gib): tiny-agent" in printed and "does not fit" in printed
     train.main(train.parse_args(["--dry-run", "--engine", "hf", "--launch-config", "configs/fsdp2.yaml", "--gpu-gib", "80"]))
     printed = capsys.readouterr().out
     assert "configs/fsdp2.yaml: FSDP over 8 processes" in printed and "fits" in printed
@@ -138,3 +141,27 @@ def test_with_rollout_servers_the_trainer_holds_no_engine_and_the_servers_gpus_a
     assert refused in capsys.readouterr().out
     with pytest.raises(SystemExit, match="rollout server"):  # (above 1 without a server: the in-process engine)
         train.main(train.parse_args([*common, "--engine", "vllm", "--vllm-tensor-parallel-size", "2"]))
+
+
+def test_a_plan_names_the_device_it_plans_for(monkeypatch, capsys):
+    """--dry-run on a machine without a GPU planned for an 80 GiB one and said "fits" without saying so: it plans for
+    this machine (its RAM; a GPU's memory where there is one) and its first line says which, or which it assumed."""
+    from rl import memory
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    train.main(train.parse_args(["--dry-run", "--engine", "hf"]))
+    first, *_, peak = capsys.readouterr().out.strip().splitlines()
+    assert first.startswith(f"memory plan for this machine's CPU, its {ram:.0f} GiB of RAM (no GPU here")
+    assert peak.startswith("peak ") and f" of {ram:.0f}: " in peak
+    train.main(train.parse_args(["--dry-run", "--engine", "hf", "--launch-config", "configs/fsdp2.yaml"]))
+    assert "memory plan per GPU, for an 80 GiB GPU (an H100; no GPU here" in capsys.readouterr().out
+
+    card = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=int(79.1 * 2**30))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: card)
+    assert memory.plan_device(0.0, None).gib == pytest.approx(79.1)
+    train.main(train.parse_args(["--dry-run", "--engine", "hf", "--mixed-precision", "no"]))  # (the CPU's Accelerator)
+    out = capsys.readouterr().out
+    assert out.startswith("memory plan per GPU, for this machine's NVIDIA H100 80GB HBM3 (79 GiB): tiny-agent")
+    assert " of 79: fits" in out

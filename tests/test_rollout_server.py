@@ -135,7 +135,7 @@ class Fault:
         engine.submit = submitted
 
     def when(self, fault):
-        def progress(episodes, played):
+        def progress(trajectories):
             if not self.struck:
                 fault()
                 self.struck = True
