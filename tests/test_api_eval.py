@@ -256,6 +256,7 @@ def first_observations(count: int) -> list[str]:
         env.close()
 
 
+@pytest.mark.slow  # (waits out its retries' back-off)
 def test_retries_refusals_usage_and_a_key_that_is_never_written(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("AGENTGYM_RL_TEST_KEY", KEY)
     refused, full = first_observations(4)[1:3]

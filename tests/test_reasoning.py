@@ -185,6 +185,7 @@ def test_drop_lays_each_turn_out_as_the_template_renders_it_token_exact(thinking
         assert record["turn_sequences"] == traj.turns and record["action_tokens"] == sum(map(len, spy.samples[traj.row]))
 
 
+@pytest.mark.slow  # (two training steps a layout)
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_drop_trains_an_episode_as_keep_does_where_the_template_drops_nothing(aggregation, tmp_path):
     """On a template that renders history as it was sampled (the embedded agent's) the two layouts score every action

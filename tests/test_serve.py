@@ -386,6 +386,7 @@ def test_fifty_concurrent_clients_with_malformed_requests():
             assert http.get("/").status_code == 200
 
 
+@pytest.mark.slow  # (waits out the idle expiry)
 def test_instance_cap_and_idle_expiry():
     with serving("textcraft", max_envs=2, idle_timeout=1.0) as url, httpx.Client(base_url=url) as http:
         first, second = (http.post("/create").json()["id"] for _ in range(2))

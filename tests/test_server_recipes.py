@@ -64,6 +64,7 @@ def gone(pid: str) -> bool:
     return False
 
 
+@pytest.mark.slow  # (each recipe starts its processes: ~5 s)
 def test_one_node_serves_on_two_gpus_and_trains_fsdp2_on_six(tmp_path):
     servers, argv, gpus = run_recipe(tmp_path, "rollout-server-one-node.sh", "--save-every", "5")
     [[pid, server_gpus, *flags]] = servers
@@ -79,6 +80,7 @@ def test_one_node_serves_on_two_gpus_and_trains_fsdp2_on_six(tmp_path):
     assert args.model == "Qwen/Qwen2.5-7B-Instruct" and args.kl_coef == 0.001  # the paper recipe's settings
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_two_nodes_serve_on_all_of_a_and_train_on_all_of_b(tmp_path, tp):
     servers, argv, _ = run_recipe(tmp_path, "rollout-server-two-nodes.sh", "serve", TP=str(tp), SERVE_S="1")

@@ -13,6 +13,8 @@ import torch
 if not os.environ.get("CI") and importlib.util.find_spec("vllm") is None:  # CI installs vLLM (setup.sh) and must
     pytest.skip("vLLM is not installed", allow_module_level=True)  # run these; elsewhere they are optional
 
+pytestmark = pytest.mark.slow  # (a vLLM engine of the module's own: ~10 s to start on 2 cores)
+
 import envs  # noqa: E402
 import rl.engines.vllm  # noqa: E402
 from envs import Env, StepResult  # noqa: E402
@@ -193,7 +195,6 @@ class Slow(Env):
         return StepResult("You see a wall.", 0.0, False, {})
 
 
-@pytest.mark.slow
 def test_continuous_batching_does_not_wait_for_the_slowest_env(tiny):
     fmt, _, engine = tiny
     shares = {}

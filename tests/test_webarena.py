@@ -535,6 +535,7 @@ def _logged_in(environment) -> bool:
     return "link 'MarvelsGrantMan136'" in environment.tree and "link 'Log in'" not in environment.tree
 
 
+@pytest.mark.slow  # (several browser sessions)
 @needs_chromium
 def test_an_episode_that_logs_out_leaves_every_other_episode_logged_in():
     """A log-out ends its session on the server. With one login shared by every env (upstream's cookie folder; this
