@@ -30,15 +30,16 @@ inference server would show; rollout.py keeps each turn as a sequence of its own
 
 Tool calls. `--agent tools` gives the model the env's actions as tools (OpenAI's function format, envs/tools.py),
 rendered by the template (`tools=`), and reads the calls in the reply in the template's own format: Hermes'
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Qwen3 and most open models) or Llama 3.1's
-bare JSON object `{"name": ..., "parameters": {...}}` (after an optional <|python_tag|>). The env's answer to a
-call comes back as a `tool` message, wrapped in what the template renders around one. A template that renders
-neither format is refused with one sentence. Llama 3.1's template writes a tool result as a JSON string (its content
-`| tojson`), so its results are wrapped the same way; Llama 3's templates trim every message, so an observation is
-trimmed too (a sampled reply stays as sampled). Calls are read as strict JSON: NaN, Infinity and numbers beyond a
-float (1e999), which Python's json would take, are refused, as is nesting deeper than MAX_DEPTH (a call's
-arguments are flat; deeper values would later be written back into the conversation by recursive encoders).
-Whatever a reply holds, reading it gives calls or a CallError, never another exception.
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Qwen3 and most open models) or Llama 3.1's bare
+JSON object `{"name": ..., "parameters": {...}}` (after an optional <|python_tag|>). The env's answer to a call
+comes back as a `tool` message, wrapped in what the template renders around one. A template that never reads `tools`
+(SmolLM2's, Llama 3's: no schemas rendered), or renders neither format, is refused with one sentence. Llama 3.1's
+template writes a tool result as a JSON string (its content `| tojson`), so its results are wrapped the same way;
+Llama 3's templates trim every message, so an observation is trimmed too (a sampled reply stays as sampled). Calls
+are read as strict JSON: NaN, Infinity and numbers beyond a float (1e999), which Python's json would take, are
+refused, as is nesting deeper than MAX_DEPTH (a call's arguments are flat; deeper values would later be written back
+into the conversation by recursive encoders). Whatever a reply holds, reading it gives calls or a CallError, never
+another exception.
 
 Harmony (gpt-oss) is refused at start: a reply there is several messages (reasoning on the analysis channel, then the
 answer on the final channel or a call on the commentary channel) ending in <|return|> or <|call|>, which the
@@ -99,6 +100,19 @@ def reasoning_of(template: str | None, tags: tuple[str, str] | None = None) -> R
     if template is None:
         return Reasoning(*DEFAULT_REASONING)
     return next((Reasoning(*pair) for pair in KNOWN_REASONING if pair[1] in template), None)
+
+
+def reads_tools(template: str) -> bool:
+    """Whether a template reads the `tools` it is given: one that never does renders no tool schemas (SmolLM2's and
+    Llama 3's ChatML-like templates), so a model under it is never told its actions as tools."""
+    import jinja2
+    import jinja2.meta
+
+    try:
+        parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError:  # (a tag of transformers' own, e.g. {% generation %}: left to the checks after)
+        return True
+    return "tools" in jinja2.meta.find_undeclared_variables(parsed)
 
 
 def call_style(template: str) -> str | None:
@@ -263,6 +277,7 @@ class ChatFormat:
                              "several messages on analysis, commentary and final channels), which this project cannot "
                              "lay out token by token: use another model")
         self.call_style, self.reasoning = call_style(template), reasoning_of(template, reasoning_tags)
+        self.reads_tools = reads_tools(template)
         history = [{"role": "user", "content": self._USER}, {"role": "assistant", "content": self._ASSISTANT}]
         text = self.render(history + [{"role": "user", "content": self._NEXT}], add_generation_prompt=True)
         specials = sorted(set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab()), key=len, reverse=True)
@@ -335,7 +350,11 @@ class ChatFormat:
     # -- tool calls (--agent tools)
 
     def check_tools(self) -> None:
-        """Stops the script with one sentence when the template renders no tool calls this module can read."""
+        """Stops the script with one sentence when the template renders no tool schemas, or no tool calls this
+        module can read."""
+        if not self.reads_tools:
+            raise SystemExit(f"{self.tokenizer.name_or_path}'s chat template renders no tool schemas (it never reads "
+                             "`tools`), so --agent tools cannot give the model the env's actions: use --agent react")
         if self.call_style is None:
             raise SystemExit(f"{self.tokenizer.name_or_path}'s chat template renders no tool calls in a format this "
                              f"project reads ({' or '.join(CALL_STYLES)}: Qwen2.5/Qwen3's <tool_call> blocks, Llama 3.1's "

@@ -145,6 +145,7 @@ def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
     tokenizer = _load(AutoTokenizer.from_pretrained, name)
+    tokenizer.name_or_path = name  # (messages name the model as the user did: smollm2-135m, not its cache directory)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -85,7 +85,7 @@ def tiny_run(tmp_path):
 # tokens are left out (its template's calls are refused: rl/chat.py).
 TOKENIZER_OF = {"qwen2_5": "qwen3", "qwen3": "qwen3", "qwen3_first_release": "qwen3", "qwen3_instruct_2507": "qwen3",
                 "qwen3_thinking_2507": "qwen3", "llama3": "llama3", "llama3_1": "llama3_1", "llama3_2": "llama3_1",
-                "deepseek_r1_distill": "r1_distill", "gptoss": "gptoss"}
+                "deepseek_r1_distill": "r1_distill", "gptoss": "gptoss", "smollm2": "smollm2"}
 RENAMED = {"llama3_1": ("llama3", {128004: "<|finetune_right_pad_id|>", 128008: "<|eom_id|>", 128010: "<|python_tag|>"}, {}),
            "r1_distill": ("qwen3", {151643: "<｜end▁of▁sentence｜>", 151644: "<｜User｜>", 151645: "<｜Assistant｜>",
                                     151646: "<｜begin▁of▁sentence｜>"},
@@ -96,7 +96,8 @@ RENAMED = {"llama3_1": ("llama3", {128004: "<|finetune_right_pad_id|>", 128008: 
 @pytest.fixture(scope="session")
 def real_tokenizer(tmp_path_factory):
     """real_tokenizer(template): the real tokenizer of the models that carry the real chat template `template` (a
-    name of rl/artifacts.py's templates/), speaking it; each tokenizer is loaded once a session (2-6 s each)."""
+    name of rl/artifacts.py's templates/, or smollm2: SmolLM2-135M-Instruct's own), speaking it; each tokenizer is
+    loaded once a session (2-6 s each)."""
     from transformers import AutoTokenizer
 
     from rl import artifacts
@@ -118,6 +119,8 @@ def real_tokenizer(tmp_path_factory):
                         data.update(special)
                         data.pop("chat_template", None)
                     (folder / file).write_text(json.dumps(data, ensure_ascii=False))
+            elif name == "smollm2":  # (the named model's own directory: its template is its tokenizer's)
+                folder = artifacts.named_model("smollm2-135m")
             else:
                 folder = artifacts.path(f"tokenizers/{name}/tokenizer.json").parent
             loaded[name] = AutoTokenizer.from_pretrained(str(folder))
@@ -125,7 +128,8 @@ def real_tokenizer(tmp_path_factory):
 
     def speaking(template):
         tokenizer = copy.copy(base(TOKENIZER_OF[template]))
-        tokenizer.chat_template = artifacts.path(f"templates/{template}.jinja").read_text()
+        if template != "smollm2":
+            tokenizer.chat_template = artifacts.path(f"templates/{template}.jinja").read_text()
         return tokenizer
 
     return speaking

@@ -1,11 +1,11 @@
-"""The template audit: every real chat template (rl/artifacts.py, byte-identical to the models' own) with its real
-tokenizer, on every env, under --agent react and tools and --reasoning keep and drop (and Qwen3's enable_thinking on
-and off): token-in-token-out holds (under keep each turn's prompt is the last one's plus the sampled tokens plus the
-observation; under drop it is the template's own rendering of the conversation, as a client would send it), the loss
-mask is exactly the sampled tokens (and SFT data made of the episode's log is the same tokens), the tools render as
-the template renders them, a reply's call is read in the template's own format and the env gets exactly its action,
-reasoning never reaches the env, and a template this project cannot lay out is refused with one sentence. The
-"Chat templates" table of docs/reasoning-and-tools.md is STATUS below.
+"""The template audit: every real chat template (rl/artifacts.py, byte-identical to the models' own; SmolLM2's from its
+named model) with its real tokenizer, on every env, under --agent react and tools and --reasoning keep and drop (and
+Qwen3's enable_thinking on and off): token-in-token-out holds (under keep each turn's prompt is the last one's plus
+the sampled tokens plus the observation; under drop it is the template's own rendering of the conversation, as a
+client would send it), the loss mask is exactly the sampled tokens (and SFT data made of the episode's log is the
+same tokens), the tools render as the template renders them, a reply's call is read in the template's own format and
+the env gets exactly its action, reasoning never reaches the env, and a template this project cannot lay out is
+refused with one sentence. The "Chat templates" table of docs/reasoning-and-tools.md is STATUS below.
 
 Replies are scripted as a model of that template writes them (its reasoning block, then the env expert's reply or
 its call in the template's format) and tokenized as HFEngine returns a sample (the reply's ids, then the end-of-turn
@@ -52,6 +52,7 @@ STATUS = {
     "llama3_2": {"react": EXACT, "tools": EXACT},
     "deepseek_r1_distill": {"react": OWN, "tools": REFUSED},  # opens <think>; calls in its own tokens, not read here
     "gptoss": {"react": REFUSED, "tools": REFUSED},  # harmony
+    "smollm2": {"react": EXACT, "tools": REFUSED},  # SmolLM2-135M-Instruct's ChatML: no tools in its template
 }
 # A call as each format writes it (the model's side, written here apart from rl/chat.py), and a tool's schema as the
 # template lists it in the prompt.
@@ -163,7 +164,7 @@ CASES = list(STATUS)
 def test_every_template_lays_out_every_env_token_exact(real_tokenizer, recorded, case, name, agent, reasoning):
     status = STATUS[case][agent]
     if status == REFUSED:
-        with pytest.raises(SystemExit, match=r"renders no tool calls in a format this project reads.*use --agent react"):
+        with pytest.raises(SystemExit, match=r"renders no tool (schemas|calls in a format this project reads).*use --agent react"):
             chat_format(real_tokenizer(case.partition(":")[0]), LayoutArgs(agent, reasoning=reasoning))
         return
     fmt = case_format(real_tokenizer, case, reasoning)

@@ -1,7 +1,8 @@
 """Native tool calling (--agent tools; rl/chat.py, rl/agent.py, envs/tools.py): calls are read in the chat template's
 own format (Hermes' <tool_call> blocks, Llama 3.1's JSON), every malformed call is an observation that says what was
 wrong and counts as an invalid action without touching the env, the experts play every env through tool calls
-exactly as through text, and those episodes are token-exact; a template that renders no calls is refused."""
+exactly as through text, and those episodes are token-exact; a template that renders no tool schemas (SmolLM2's)
+or no calls is refused."""
 
 import importlib.util
 import json
@@ -95,6 +96,19 @@ def test_a_valid_call_is_the_action_the_env_takes_and_reasoning_stays_out(hermes
 def test_a_template_without_tool_calls_is_refused_in_one_sentence(real_tokenizer):
     tokenizer = real_tokenizer("llama3")  # Llama 3's template has no tools
     chat_format(tokenizer, LayoutArgs("react"))  # other formats do not need tool calls
+    with pytest.raises(SystemExit, match="chat template renders no tool schemas"):
+        chat_format(tokenizer, LayoutArgs("tools"))
+    chat_format(real_tokenizer("qwen2_5"), LayoutArgs("tools"))  # (a template that renders tools passes)
+
+
+def test_smollm2_under_agent_tools_is_refused_naming_it_because_its_template_never_reads_tools():
+    tokenizer = load_tokenizer("smollm2-135m")  # its real ChatML template, which renders no tools
+    chat_format(tokenizer, LayoutArgs("react"))
+    with pytest.raises(SystemExit, match=r"^smollm2-135m's chat template renders no tool schemas \(it never reads "
+                                         r"`tools`\), so --agent tools .*: use --agent react$"):
+        chat_format(tokenizer, LayoutArgs("tools"))
+    # read off the template, not the name: the same template listing the tools gets past it (to the call format)
+    tokenizer.chat_template = "{% if tools %}{{ tools | tojson }}{% endif %}" + tokenizer.chat_template
     with pytest.raises(SystemExit, match="renders no tool calls in a format this project reads"):
         chat_format(tokenizer, LayoutArgs("tools"))
 
