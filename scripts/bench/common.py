@@ -65,11 +65,11 @@ class Args:
     """server: rollouts on each engine, alternated (the figures are medians)"""
 
     # -- engine
-    engine_tasks: int = 2
+    engine_tasks: int = 4
     """engine: tasks of --env, each played --engine-n times (small: a real model on CPU)"""
     engine_n: int = 2
     """engine: episodes per task"""
-    engine_horizon: int = 3
+    engine_horizon: int = 4
     """engine: turn cap per episode"""
     engine_max_new_tokens: int = 32
     """engine: tokens per turn"""
