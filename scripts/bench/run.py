@@ -16,6 +16,7 @@ from pathlib import Path
 
 from bench.asynchronous import async_rows, section_async
 from bench.common import ROOT, SCRIPT, SECTIONS, Args
+from bench.bare import bare_rows, phase_bare
 from bench.engine import engine_rows, phase_engine
 from bench.env import env_rows, phase_env
 from bench.rollout import phase_rollout, rollout_rows
@@ -45,7 +46,7 @@ def main(args: Args) -> None:
 
     if args.phase is not None:
         phases = {"env": phase_env, "rollout": phase_rollout, "server": phase_server, "trl": phase_trl,
-                  "engine": phase_engine}
+                  "engine": phase_engine, "bare": phase_bare}
         result = phases[args.phase](args)
         Path(args.phase_out).write_text(json.dumps(result, indent=2) + "\n")
         return
@@ -59,12 +60,13 @@ def main(args: Args) -> None:
     for section in args.sections:
         start = time.perf_counter()
         try:
-            if section == "update" or (section == "trl" and "update" not in results):
+            if section == "update" or (section in ("trl", "bare") and "update" not in results):
                 results["update"] = section_update(args, work)
             if section == "async":
                 results["async"] = section_async(args, work)
-            if section == "trl":
-                results["trl"] = run_phase(trl_python(args), args, "trl", work, results["update"]["run_dir"])
+            if section in ("trl", "bare"):
+                python = trl_python(args) if section == "trl" else sys.executable
+                results[section] = run_phase(python, args, section, work, results["update"]["run_dir"])
             elif section not in ("update", "async"):
                 results[section] = run_phase(sys.executable, args, section, work)
         except Exception as error:  # one broken section (no vLLM, no network for TRL) costs only its rows
@@ -105,6 +107,7 @@ def table(results: dict) -> str:
     lines += trl_rows(results.get("trl", {}), results.get("update", {}))
     lines += async_rows(results.get("async", {}))
     lines += engine_rows(results.get("engine", {}))
+    lines += bare_rows(results.get("bare", {}), results.get("update", {}))
     for section in SECTIONS:
         if "error" in results.get(section, {}):
             lines.append(f"| {section} | failed | {results[section]['error'][:120]} | |")
