@@ -20,9 +20,11 @@ resident set's high-water mark) is its own; each module's docstring says what it
 - trl (scripts/bench/update.py): the same GRPO update in TRL's GRPOTrainer on the update section's trajectories.
 - engine (scripts/bench/engine.py): HF against vLLM, and our vLLM rollout against vLLM's own LLM.generate on the same
   turn prompts and token counts, greedy, on a few short episodes (for a real model).
+- bare (scripts/bench/bare.py): the update section's micro-batches through a bare forward + backward + AdamW loop:
+  our update tokens/s over the bare loop's.
 
 The default runs env, rollout and update; server and async take tens of minutes on 2 cores, trl installs TRL into a
-throwaway venv, engine is meant for a real model: each runs when --sections names it.
+throwaway venv, engine and bare are meant for a real model: each runs when --sections names it.
 
 Timing on a shared machine is noisy: compare within one run. The JSON (--out) holds every figure, the
 machine and the date.

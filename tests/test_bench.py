@@ -13,6 +13,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench.asynchronous import async_figures, async_rows, plot_async  # noqa: E402
+from bench.bare import bare_rows  # noqa: E402
 from bench.common import Args  # noqa: E402
 from bench.engine import engine_rows, turn_prompts  # noqa: E402
 from bench.env import outcomes  # noqa: E402
@@ -188,3 +189,9 @@ def test_engine_section_replays_each_turn_and_compares_the_engines():
     assert "4 of 4 episodes token-identical) | 100 / 25 = 4.0x | |" in first
     assert "(prefix-cache hits 80% / 75%) | 100 / 110 = 0.91x | >= 0.9x |" in second
     assert engine_rows({"skipped": "no vLLM"}) == ["| engine | skipped | no vLLM | |"]
+
+
+def test_bare_rows_put_our_update_over_the_bare_loop():
+    rows = bare_rows({"update_tokens_per_s": 1000.0}, {"update_tokens_per_s": 850.0})
+    assert rows[-1] == "| bare | ours / bare update tokens/s | 0.85x | >= 0.8x |"
+    assert bare_rows({"error": "RuntimeError: ..."}, {}) == []
