@@ -1,7 +1,8 @@
 """Every speed figure of the project side by side, in one run on the same inputs: a table and a JSON file.
 
-    python scripts/bench.py                                  # everything, on the embedded model (~10 min, 2 CPU cores)
-    python scripts/bench.py --sections env rollout           # some sections
+    python scripts/bench.py                                  # env, rollout, update on the embedded model (~5 min, 2 CPU cores)
+    python scripts/bench.py --sections env rollout           # some sections (server, async, trl, engine: only so)
+    python scripts/bench.py --model smollm2-135m --sections engine   # the engines on a real model (a few minutes)
     python scripts/bench.py --model Qwen/Qwen2.5-0.5B-Instruct --train-args="--tasks-per-step 8 --n 4 --horizon 6"
 
 Sections, each in a process of its own, so that its peak memory (the GPU's allocated bytes, else the
@@ -17,6 +18,13 @@ resident set's high-water mark) is its own; each module's docstring says what it
 - async (scripts/bench/asynchronous.py): the synchronous loop and --max-staleness k on a long-tailed env latency
   workload: steps/h, env steps/h, engine idle share, reward.
 - trl (scripts/bench/update.py): the same GRPO update in TRL's GRPOTrainer on the update section's trajectories.
+- engine (scripts/bench/engine.py): HF against vLLM, and our vLLM rollout against vLLM's own LLM.generate on the same
+  turn prompts and token counts, greedy, on a few short episodes (for a real model).
+- bare (scripts/bench/bare.py): the update section's micro-batches through a bare forward + backward + AdamW loop:
+  our update tokens/s over the bare loop's.
+
+The default runs env, rollout and update; server and async take tens of minutes on 2 cores, trl installs TRL into a
+throwaway venv, engine and bare are meant for a real model: each runs when --sections names it.
 
 Timing on a shared machine is noisy: compare within one run. The JSON (--out) holds every figure, the
 machine and the date.

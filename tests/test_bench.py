@@ -13,7 +13,9 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench.asynchronous import async_figures, async_rows, plot_async  # noqa: E402
+from bench.bare import bare_rows  # noqa: E402
 from bench.common import Args  # noqa: E402
+from bench.engine import engine_rows, turn_prompts  # noqa: E402
 from bench.env import outcomes  # noqa: E402
 from bench.rollout import step_inputs  # noqa: E402
 from bench.run import main, table  # noqa: E402
@@ -163,3 +165,33 @@ def test_async_figures_and_rows_from_runs_metrics(tmp_path):
     runs = {"sync-seed1": rows([50, 50], [0.1, 0.2]), "k2-seed1": rows([30, 10], [0.1, 0.3])}
     assert plot_async(runs, tmp_path / "async.png") == str(tmp_path / "async.png")
     assert (tmp_path / "async.png").stat().st_size > 1000
+
+
+def test_default_sections_leave_out_the_long_ones_and_sections_picks_any():
+    assert tyro.cli(Args, args=[]).sections == ("env", "rollout", "update")
+    assert tyro.cli(Args, args=["--sections", "engine", "async"]).sections == ("engine", "async")
+    text = table({"date": "2026-11-27", "model": "tiny-agent", "machine": {"cpus": 2, "cpu": "cpu", "gpu": None},
+                  "seconds": {"env": 61.2, "rollout": 100.0}})
+    assert "| time | wall time of each section | env 61 s, rollout 100 s; total 161 s | default run <= 600 s |" in text
+
+
+def test_engine_section_replays_each_turn_and_compares_the_engines():
+    from types import SimpleNamespace
+
+    traj = SimpleNamespace(token_ids=[1, 2, 3, 4, 5, 6, 7], loss_mask=[0, 0, 1, 1, 0, 1, 0])
+    short = SimpleNamespace(token_ids=[1, 2, 3], loss_mask=[0, 1, 1])
+    assert turn_prompts([traj, short]) == [[([1, 2], 2), ([1], 2)], [([1, 2, 3, 4, 5], 1)]]
+    speed = {"tokens": 200, "tokens_per_s": 100.0, "prefix_hit_rate": 0.8}
+    engine = {"engines": {"hf": speed | {"tokens_per_s": 25.0}, "vllm": speed,
+                          "generate": speed | {"tokens_per_s": 110.0, "turns": 3, "prefix_hit_rate": 0.75}},
+              "episodes": 4, "same_episodes": 4, "horizon": 3, "max_new_tokens": 32, "env": "babyai"}
+    first, second = engine_rows(engine)
+    assert "4 of 4 episodes token-identical) | 100 / 25 = 4.0x | |" in first
+    assert "(prefix-cache hits 80% / 75%) | 100 / 110 = 0.91x | >= 0.9x |" in second
+    assert engine_rows({"skipped": "no vLLM"}) == ["| engine | skipped | no vLLM | |"]
+
+
+def test_bare_rows_put_our_update_over_the_bare_loop():
+    rows = bare_rows({"update_tokens_per_s": 1000.0}, {"update_tokens_per_s": 850.0})
+    assert rows[-1] == "| bare | ours / bare update tokens/s | 0.85x | >= 0.8x |"
+    assert bare_rows({"error": "RuntimeError: ..."}, {}) == []

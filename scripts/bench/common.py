@@ -14,14 +14,17 @@ from typing import Literal
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench.py"  # (each section's process runs it again, with --phase)
-SECTIONS = ("env", "rollout", "server", "update", "async", "trl")
+SECTIONS = ("env", "rollout", "server", "update", "async", "trl", "engine", "bare")
+QUICK = ("env", "rollout", "update")  # the default: minutes on 2 cores; the others are opt-in by --sections
 TRL_VERSION = "1.16.0"
 
 
 @dataclass
 class Args:
-    sections: tuple[Literal["env", "rollout", "server", "update", "async", "trl"], ...] = SECTIONS
-    """which sections to run, in this order (trl needs update's trajectories: it runs update when left out)"""
+    sections: tuple[Literal["env", "rollout", "server", "update", "async", "trl", "engine", "bare"], ...] = QUICK
+    """which sections to run, in this order (trl and bare need update's trajectories: they run update when left out);
+    the default leaves out the long ones (server, async: tens of minutes on 2 cores), trl (installs TRL), engine and
+    bare"""
     out: str = "runs/bench.json"
     """where the JSON results go"""
     model: str = "tiny-agent"
@@ -62,6 +65,16 @@ class Args:
     repeats: int = 3
     """server: rollouts on each engine, alternated (the figures are medians)"""
 
+    # -- engine
+    engine_tasks: int = 4
+    """engine: tasks of --env, each played --engine-n times (small: a real model on CPU)"""
+    engine_n: int = 2
+    """engine: episodes per task"""
+    engine_horizon: int = 4
+    """engine: turn cap per episode"""
+    engine_max_new_tokens: int = 32
+    """engine: tokens per turn"""
+
     # -- update, trl
     update_steps: int = 3
     """update: training steps of train.py (the first is warm-up)"""
@@ -84,12 +97,12 @@ class Args:
     """async: more train.py flags for every run, e.g. "--env textcraft" """
 
     # -- internal: one section in a process of its own
-    phase: Literal["env", "rollout", "server", "trl"] | None = None
+    phase: Literal["env", "rollout", "server", "trl", "engine", "bare"] | None = None
     """internal: the section this process runs (bench.py starts one process per section)"""
     phase_out: str | None = None
     """internal: where that section's process writes its figures"""
     run_dir: str | None = None
-    """internal: the update section's run, whose batches the trl section replays"""
+    """internal: the update section's run, whose batches the trl and bare sections replay"""
 
 
 def cpu_seconds(pid: int) -> float:

@@ -10,11 +10,14 @@ import platform
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict
 from pathlib import Path
 
 from bench.asynchronous import async_rows, section_async
 from bench.common import ROOT, SCRIPT, SECTIONS, Args
+from bench.bare import bare_rows, phase_bare
+from bench.engine import engine_rows, phase_engine
 from bench.env import env_rows, phase_env
 from bench.rollout import phase_rollout, rollout_rows
 from bench.server import phase_server, server_rows
@@ -42,7 +45,8 @@ def main(args: Args) -> None:
     from envs.latency import parse
 
     if args.phase is not None:
-        phases = {"env": phase_env, "rollout": phase_rollout, "server": phase_server, "trl": phase_trl}
+        phases = {"env": phase_env, "rollout": phase_rollout, "server": phase_server, "trl": phase_trl,
+                  "engine": phase_engine, "bare": phase_bare}
         result = phases[args.phase](args)
         Path(args.phase_out).write_text(json.dumps(result, indent=2) + "\n")
         return
@@ -51,20 +55,24 @@ def main(args: Args) -> None:
     except ValueError as error:
         raise SystemExit(str(error)) from None
     work = Path(tempfile.mkdtemp(prefix="bench-"))
-    results: dict = {"date": datetime.date.today().isoformat(), "machine": machine(), "model": args.model}
+    results: dict = {"date": datetime.date.today().isoformat(), "machine": machine(), "model": args.model,
+                     "seconds": {}}
     for section in args.sections:
+        start = time.perf_counter()
         try:
-            if section == "update" or (section == "trl" and "update" not in results):
+            if section == "update" or (section in ("trl", "bare") and "update" not in results):
                 results["update"] = section_update(args, work)
             if section == "async":
                 results["async"] = section_async(args, work)
-            if section == "trl":
-                results["trl"] = run_phase(trl_python(args), args, "trl", work, results["update"]["run_dir"])
+            if section in ("trl", "bare"):
+                python = trl_python(args) if section == "trl" else sys.executable
+                results[section] = run_phase(python, args, section, work, results["update"]["run_dir"])
             elif section not in ("update", "async"):
                 results[section] = run_phase(sys.executable, args, section, work)
         except Exception as error:  # one broken section (no vLLM, no network for TRL) costs only its rows
             results[section] = {"error": f"{type(error).__name__}: {error}"}
             print(f"{section}: {results[section]['error']}", file=sys.stderr, flush=True)
+        results["seconds"][section] = time.perf_counter() - start
     print(table(results))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
@@ -98,7 +106,13 @@ def table(results: dict) -> str:
     lines += update_rows(results.get("update", {}))
     lines += trl_rows(results.get("trl", {}), results.get("update", {}))
     lines += async_rows(results.get("async", {}))
+    lines += engine_rows(results.get("engine", {}))
+    lines += bare_rows(results.get("bare", {}), results.get("update", {}))
     for section in SECTIONS:
         if "error" in results.get(section, {}):
             lines.append(f"| {section} | failed | {results[section]['error'][:120]} | |")
+    seconds = results.get("seconds") or {}
+    if seconds:
+        lines.append("| time | wall time of each section | " + ", ".join(f"{name} {s:,.0f} s" for name, s in seconds.items())
+                     + f"; total {sum(seconds.values()):,.0f} s | default run <= 600 s |")
     return "\n".join(lines)
