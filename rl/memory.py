@@ -88,7 +88,7 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
          reference: bool, offload_reference: bool, micro_tokens: int, checkpointing: bool, engine: str,
          engine_share: float, engine_sleeps: bool, gpu_gib: float, batch: int, context: int,
          logits_elements: int, bf16_weights: bool = False, offload: bool = False,
-         persistent_gradients: bool = False) -> dict:
+         persistent_gradients: bool = False, cpu_kv_gib: float | None = None) -> dict:
     """Each phase's estimated peak per GPU, by what holds the memory. The trainer keeps fp32 weights (bf16 only
     under autocast) and AdamW's two fp32 moments per trained parameter; a sharded run (FSDP2) holds 1/processes
     of each, plus one whole layer at a time while it computes. Rollout: the weights and optimizer states stay, the
@@ -98,7 +98,9 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
     `bf16_weights`: DeepSpeed under bf16 keeps the models' weights in bf16, and the fp32 copy of the trained ones in
     its optimizer. `offload` (configs/*_offload.yaml): the shards of the weights, gradients and optimizer states live
     in CPU memory, the GPU holds the layer being computed.
-    `persistent_gradients`: DeepSpeed allocates its gradient partitions once, so they are held in every phase."""
+    `persistent_gradients`: DeepSpeed allocates its gradient partitions once, so they are held in every phase.
+    `cpu_kv_gib`: a plan for this machine's CPU, where vLLM takes no share of a GPU but its weights (fp32 on a CPU)
+    and VLLM_CPU_KVCACHE_SPACE GiB of KV cache."""
     total, trained = parameters(config, lora_rank, lora_targets)
     shards = processes if sharded else 1
     width, dtype = (2, "bf16") if bf16_weights else (4, "fp32")
@@ -114,6 +116,8 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
         held[f"critic weights and AdamW moments{cpu}"] = gpu * (12 + (width if bf16_weights else 0)) * total / shards
     if engine == "server":
         engine_bytes = 0
+    elif engine == "vllm" and cpu_kv_gib is not None:
+        engine_bytes = 4 * total + cpu_kv_gib * GiB
     elif engine == "vllm":
         engine_bytes = engine_share * gpu_gib * GiB
     else:  # KV cache of a generation batch: 2 (K, V) x layers x kv heads x head size, 16-bit
@@ -131,7 +135,8 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
     if offload_reference and reference and not lora_rank:
         update["reference while it scores"] = 4 * total
     engine_name = {"server": "no engine: rollouts on the rollout servers", "hf": "hf engine (KV cache)"}.get(
-        engine, f"vllm engine ({engine_share:g} of the GPU)")
+        engine, f"vllm engine ({engine_share:g} of the GPU)" if cpu_kv_gib is None else
+        f"vllm engine (fp32 weights, {cpu_kv_gib:g} GiB KV cache)")
     rollout = held | {engine_name: engine_bytes}
     updating = held | update | ({} if engine == "vllm" and engine_sleeps else {engine_name: engine_bytes})
     return {"parameters": total, "trained": trained, "gpu_gib": gpu_gib,
@@ -185,6 +190,7 @@ class Device:
 
     gib: float
     name: str
+    gpu: bool = True  # False: this machine's CPU and RAM
 
 
 def plan_device(gpu_gib: float, launch_config: str | None) -> Device:
@@ -199,7 +205,7 @@ def plan_device(gpu_gib: float, launch_config: str | None) -> Device:
     if launch_config:
         return Device(80.0, "per GPU, for an 80 GiB GPU (an H100; no GPU here: --gpu-gib sets it)")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
-    return Device(ram, f"for this machine's CPU, its {ram:.0f} GiB of RAM (no GPU here: --gpu-gib plans for one)")
+    return Device(ram, f"for this machine's CPU, its {ram:.0f} GiB of RAM (no GPU here: --gpu-gib plans for one)", gpu=False)
 
 
 def print_plan(accelerator, plan_args: PlanArgs, model: str, algo: str, kl_coef: float, settings, engine_args,
@@ -245,7 +251,8 @@ def print_plan(accelerator, plan_args: PlanArgs, model: str, algo: str, kl_coef:
                     engine_share=engine_args.vllm_gpu_memory_utilization, engine_sleeps=engine_args.vllm_sleep, gpu_gib=gpu_gib,
                     batch=gen_batch, context=max_tokens,
                     logits_elements=min(CHUNK_ELEMENTS, micro_tokens * config.vocab_size), bf16_weights=deepspeed_bf16,
-                    offload=offload, persistent_gradients=deepspeed)
+                    offload=offload, persistent_gradients=deepspeed,
+                    cpu_kv_gib=None if device.gpu else float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")))
     if not accelerator.is_main_process:
         return None
     print(f"memory plan {device.name}: {model} ({estimate['parameters']:,} parameters, "

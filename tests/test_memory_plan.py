@@ -147,6 +147,7 @@ def test_a_plan_names_the_device_it_plans_for(monkeypatch, capsys):
     """--dry-run on a machine without a GPU planned for an 80 GiB one and said "fits" without saying so: it plans for
     this machine (its RAM; a GPU's memory where there is one) and its first line says which, or which it assumed."""
     from rl import memory
+    from rl.model import load_config
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -154,6 +155,14 @@ def test_a_plan_names_the_device_it_plans_for(monkeypatch, capsys):
     first, *_, peak = capsys.readouterr().out.strip().splitlines()
     assert first.startswith(f"memory plan for this machine's CPU, its {ram:.0f} GiB of RAM (no GPU here")
     assert peak.startswith("peak ") and f" of {ram:.0f}: " in peak
+    # vLLM on a CPU takes no share of a GPU: its fp32 weights and VLLM_CPU_KVCACHE_SPACE GiB of KV cache (this
+    # plan once gave SmolLM2's engine 0.3 of the RAM, 7 GiB, where it took 1.5)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    train.main(train.parse_args(["--dry-run", "--engine", "vllm"]))
+    engine = next(line for line in capsys.readouterr().out.splitlines() if "vllm engine" in line)
+    weights = memory.parameters(load_config("tiny-agent"))[0] * 4
+    assert engine.split()[:6] == ["vllm", "engine", "(fp32", "weights,", "2", "GiB"]
+    assert float(engine.split()[-2]) == pytest.approx((weights + 2 * 2**30) / 2**30, abs=0.006)
     train.main(train.parse_args(["--dry-run", "--engine", "hf", "--launch-config", "configs/fsdp2.yaml"]))
     assert "memory plan per GPU, for an 80 GiB GPU (an H100; no GPU here" in capsys.readouterr().out
 
