@@ -83,10 +83,14 @@ def forward_inputs(model, input_ids, attention_mask, position_ids) -> dict:
         if masking is flash_attention_mask and input_ids.shape[0] > 1:
             raise SystemExit(f"{implementation} keeps packed sequences apart in one row a forward only, and this "
                              f"micro-batch has {input_ids.shape[0]}: give --micro-batch-size 1")
-    elif attention_mask is not None and right_padded(attention_mask) \
-            and not _module(model).config._attn_implementation.startswith("flash_attention"):
+    elif attention_mask is not None and right_padded(attention_mask) and not attention_of(model).startswith("flash"):
         attention_mask = None
     return {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
+
+
+def attention_of(model) -> str:
+    """The model's attention implementation (its config's), or "" for a model without one."""
+    return getattr(getattr(_module(model), "config", None), "_attn_implementation", None) or ""
 
 
 def right_padded(attention_mask: torch.Tensor) -> bool:

@@ -35,6 +35,11 @@ def interrupt_at(owner, name: str, n: int) -> None:
 
 
 if __name__ == "__main__":
+    # Ctrl-C as at a terminal: SIGINT delivered, and raising KeyboardInterrupt. A test process's subprocess may
+    # inherit SIGINT ignored or blocked from what ran in the test worker before (both survive exec), and Python then
+    # installs no handler: the signal below would be lost and the script run to its end (exit 0, seen under xdist)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     script, point, n, argv = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
     owner, name = {"step": (BabyAI, "step"), "checkpoint": (checkpoint_lib, "save_optimizer")}[point]
     interrupt_at(owner, name, n)
