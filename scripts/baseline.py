@@ -68,7 +68,7 @@ def row(env: str, engine: str, results: dict) -> str:
             f"{results['invalid_action_rate']:.0%} | {finish} | {results['seconds']:.0f} s |")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--limit", type=int, default=3, help="test tasks an env, spread over its split")
@@ -76,10 +76,10 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["vllm", "hf"], choices=["vllm", "hf"])
     parser.add_argument("--out", default="runs/baseline")
     parser.add_argument("--eval-args", default="", help="more eval.py flags, e.g. --eval-args='--horizon 10'")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    table = ["| env | engine | tasks | success (Avg@1) | turns | invalid actions | ended | eval time |",
+    table = ["| env | engine | tasks | Avg@1 (SciWorld: its 0-100 score) | turns | invalid actions | ended | eval time |",
              "|---|---|---:|---:|---:|---:|---|---:|"]
     summary = {}
     for env in args.envs:
@@ -98,6 +98,7 @@ def main() -> None:
     for env, engines in summary.items():
         if "same" in engines:
             print(f"{env}: {' and '.join(args.engines)} played the same actions in {engines['same']}")
+    return summary
 
 
 if __name__ == "__main__":
