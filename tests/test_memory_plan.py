@@ -166,6 +166,8 @@ def test_a_plan_names_the_device_it_plans_for(monkeypatch, capsys):
     weights = memory.parameters(load_config("tiny-agent"))[0] * 4
     assert engine.split()[:5] == ["vllm", "engine", "(2", "copies", "of"] and "2 GiB KV cache" in engine
     assert float(engine.split()[-2]) == pytest.approx((2 * weights + 2 * 2**30) / 2**30, abs=0.006)
+    train.main(train.parse_args(["--dry-run", "--engine", "vllm", "--vllm-dtype", "bfloat16"]))
+    assert "vllm engine (2 copies of the 16-bit weights, 2 GiB KV cache)" in capsys.readouterr().out
     train.main(train.parse_args(["--dry-run", "--engine", "hf"]))
     rollout, update = capsys.readouterr().out.split("  update:")
     assert "hf engine (KV cache)" in rollout and "hf engine" not in update

@@ -389,7 +389,8 @@ def _repack_lm_head(model) -> None:
 def _vllm_settings() -> None:
     """vLLM reads these when it is imported. Each is only a default: the environment wins."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: weights sync by reference
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (its default takes ~10)
+    if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # GiB of KV cache on CPU (its default takes ~10; empty: unset)
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its start-up warnings are noise here; the probe checks it
     # (vllm-cpu 0.32 logs some of them at import, before it applies that level: "Triton is installed, but
     # doesn't include CPU backend", which only says that CPU decoding runs without Triton kernels)
