@@ -290,12 +290,21 @@ def load_tokenizer(model: str | None):
 
 
 def token_texts(tokenizer, ids: list[int]) -> list[str]:
-    """Each token's own text; a token holding part of a character shows its raw piece instead."""
-    texts: dict[int, str] = {}
-    for i in set(ids):
-        text = tokenizer.decode([i], skip_special_tokens=False)
-        texts[i] = text if "\ufffd" not in text else (tokenizer.id_to_token(i) or text)
-    return [texts[i] for i in ids]
+    """Each token's own text, as a streaming detokenizer shows it: the pieces join into the whole decoded
+    trajectory. A character whose bytes span several tokens belongs to the token that completes it; the tokens
+    before show nothing (the view marks them by id). Each piece is decoded after its neighbour, so a tokenizer
+    that drops a leading space at the start of a decode (SentencePiece) keeps it inside the trajectory."""
+    pieces: list[str] = []
+    prefix = shown = 0  # ids[prefix:shown]: the context decoded before the pending tokens ids[shown:]
+    for k in range(len(ids)):
+        before = tokenizer.decode(ids[prefix:shown], skip_special_tokens=False)
+        text = tokenizer.decode(ids[prefix:k + 1], skip_special_tokens=False)
+        if text.endswith("\ufffd") and k + 1 < len(ids):  # an unfinished character: the next token may finish it
+            pieces.append("")
+            continue
+        pieces.append(text[len(before):])
+        prefix, shown = shown, k + 1
+    return pieces
 
 
 def per_token(value, positions: list[int], length: int) -> list[float | None] | None:

@@ -170,6 +170,29 @@ def test_token_view_is_the_logged_tokens_with_what_the_update_saw(root, server):
         assert tokens["value"] is None  # PPO only
 
 
+@pytest.mark.parametrize("name", ["tiny-agent", "qwen3", "smollm2"])
+def test_token_pieces_join_into_the_decoded_text_and_a_split_character_goes_to_the_token_that_finishes_it(
+        name, real_tokenizer):
+    tokenizer = view.load_tokenizer("tiny-agent") if name == "tiny-agent" else real_tokenizer(name).backend_tokenizer
+    text = "go to the red ball ¡señor! 日本 naïve\n\tcraft 3 oak planks 🙂 ꙮ"
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    pieces = view.token_texts(tokenizer, ids)
+    assert len(pieces) == len(ids) and "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=False) == text
+    assert "\ufffd" not in "".join(pieces)
+    for character in "¡ñ日本ï🙂ꙮ":  # each multi-byte character shows whole, in the one token that finishes it
+        assert sum(character in piece for piece in pieces) == 1
+    assert [p for p in pieces if p.strip()][:3] == ["go", " to", " the"]  # a whole token is its own text
+    # a character's leading bytes with nothing after them (a truncated sample) still show, as decode shows them
+    assert "" in pieces  # (a rare character, ꙮ, spans tokens in every vocabulary)
+    lead = [ids[pieces.index("")]]
+    cut = ids[:3] + lead
+    assert "".join(view.token_texts(tokenizer, cut)) == tokenizer.decode(cut, skip_special_tokens=False)
+    assert view.token_texts(tokenizer, cut)[-1].endswith("\ufffd")
+    # and a stray one in the middle goes, replaced, to the token after it: the pieces still join into the decode
+    stray = ids[:3] + lead + ids[:3]
+    assert "".join(view.token_texts(tokenizer, stray)) == tokenizer.decode(stray, skip_special_tokens=False)
+
+
 @pytest.mark.slow
 def test_env_state_replays_the_logged_episode(root, server):
     log = logs_by_label(server)["grpo: training rollouts"]
