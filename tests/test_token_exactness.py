@@ -309,8 +309,15 @@ def test_sampler_and_trainer_log_probs_agree(tiny):
     tokenizer, model = tiny
     fmt = ChatFormat(tokenizer)
     environments = [envs.make("babyai") for _ in range(4)]
-    trajectories = rollout(HFEngine(model, fmt, temperature=0.7, seed=5), fmt, environments, [1, 1, 2, 2], [0, 0, 1, 1],
-                           horizon=2, max_new_tokens=16, max_tokens=4096)
+    prefilled = []  # the rows of each turn's prefill: a prompt two rows share is prefilled once, then its cache copied
+    hook = model.register_forward_pre_hook(lambda _, args, kwargs: prefilled.append(kwargs["input_ids"].shape)
+                                           if kwargs["input_ids"].shape[1] > 1 else None, with_kwargs=True)
+    try:
+        trajectories = rollout(HFEngine(model, fmt, temperature=0.7, seed=5), fmt, environments, [1, 2, 1, 2],
+                               [0, 1, 0, 1], horizon=2, max_new_tokens=16, max_tokens=4096)
+    finally:
+        hook.remove()
+    assert prefilled[0][0] == 2 and trajectories[0].token_ids != trajectories[2].token_ids  # (each row drew its own)
     batch = collate(trajectories, fmt.pad_id)
     mask = batch["loss_mask"]
 

@@ -10,8 +10,8 @@ from rl.engines import RoundEngine, Sample
 
 
 class HFEngine(RoundEngine):
-    """Sampling with a Hugging Face causal LM and its KV cache. Prompts are left-padded; each row
-    stops at a stop token or its own token limit. Log-probs are taken under softmax(logits / T),
+    """Sampling with a Hugging Face causal LM and its KV cache. Prompts are left-padded, and a prompt that several
+    rows share is prefilled once; each row stops at a stop token or its own token limit. Log-probs are taken under softmax(logits / T),
     the distribution the trainer scores (top-p/top-k only narrow what is drawn)."""
 
     name = "hf"
@@ -52,10 +52,13 @@ class HFEngine(RoundEngine):
         model, device = self.model, self.model.device
         was_training = model.training
         model.eval()
-        width = max(map(len, prompts))
-        input_ids = torch.full((len(prompts), width), self.fmt.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
+        # rows with the same prompt (a GRPO group's first turn) are prefilled once, then share that KV cache
+        distinct: dict[tuple[int, ...], int] = {}
+        source = [distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts]
+        width = max(map(len, distinct))
+        input_ids = torch.full((len(distinct), width), self.fmt.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(distinct), width), dtype=torch.long)
+        for row, prompt in enumerate(distinct):
             input_ids[row, width - len(prompt):] = torch.tensor(prompt)
             attention[row, width - len(prompt):] = 1
         input_ids, attention = input_ids.to(device), attention.to(device)
@@ -63,6 +66,10 @@ class HFEngine(RoundEngine):
         cache = DynamicCache(config=model.config)
         logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
                        past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        if len(distinct) < len(prompts):
+            rows = torch.tensor(source, device=device)
+            cache.reorder_cache(rows)
+            logits, attention, positions = logits[rows], attention[rows], positions[rows]
         stop = torch.tensor(sorted(self.fmt.stop_ids), device=device)
         limit = torch.tensor(limits, device=device)
         finished = limit <= 0
