@@ -36,10 +36,11 @@ def logged(run_dir: Path) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_deterministic_vllm_runs_repeat_and_resume_exactly(tmp_path):
-    """Two 3-step runs with the same seed, and a 1-step run resumed to 3 steps, on vLLM with reflect (whose
-    reflections are requests too) and evaluations (steps 0 and 2, and the last): the same trajectories, token for
-    token, and the same metrics. The three first launches run side by side, so their envs answer in different
-    orders."""
+    """A 3-step run and a 1-step run with the same seed, the second then resumed to 3 steps, on vLLM with reflect
+    (whose reflections are requests too) and evaluations (steps 0 and 2, and the last): the same trajectories, token
+    for token, and the same metrics. The first two launches run side by side, so their envs answer in different
+    orders: their step 1 is a repeat of one seed's step in another process, and the resumed steps 2-3 repeat the
+    uninterrupted run's from a checkpoint. (A second whole 3-step run checked nothing these two do not.)"""
     pytest.importorskip("vllm")
     flags = ["--engine", "vllm", "--deterministic", "--agent", "reflect", "--attempts", "2", "--eval-every", "2",
              *SMALL, "--out-dir", str(tmp_path)]
@@ -54,16 +55,14 @@ def test_deterministic_vllm_runs_repeat_and_resume_exactly(tmp_path):
             _, err = process.communicate(timeout=600)
             assert process.returncode == 0, err[-3000:]
 
-    finish(launch("--steps", "3", "--run-name", "a"), launch("--steps", "3", "--run-name", "b"),
-           launch("--steps", "1", "--run-name", "r"))
+    finish(launch("--steps", "3", "--run-name", "a"), launch("--steps", "1", "--run-name", "r"))
     finish(subprocess.Popen([sys.executable, "train.py", "--resume", str(tmp_path / "r" / "checkpoints" / "step_1"),
                              "--steps", "3"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True))
-    a, b, resumed = (logged(tmp_path / name) for name in ("a", "b", "r"))
+    a, resumed = (logged(tmp_path / name) for name in ("a", "r"))
     assert sorted(a["metrics"]) == [0, 1, 2, 3] and sorted(a["rollouts"]) == [1, 2, 3]
     assert sorted(a["evaluations"]) == [0, 2, 3]
     assert any(t.get("attempt") == 2 for step in a["rollouts"].values() for t in step)  # reflect's second attempts
-    assert b == a
     # the resumed run also evaluated at step 1, its last step then: the rest is the uninterrupted run's
     assert "eval/avg@k" in resumed["metrics"][1] and resumed["evaluations"].pop(1)
     resumed["metrics"][1] = {k: v for k, v in resumed["metrics"][1].items() if not k.startswith("eval/")}
