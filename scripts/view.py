@@ -291,20 +291,52 @@ def load_tokenizer(model: str | None):
 
 def token_texts(tokenizer, ids: list[int]) -> list[str]:
     """Each token's own text, as a streaming detokenizer shows it: the pieces join into the whole decoded
-    trajectory. A character whose bytes span several tokens belongs to the token that completes it; the tokens
+    trajectory. A character whose bytes span several tokens belongs to the token that finishes it; the tokens
     before show nothing (the view marks them by id). Each piece is decoded after its neighbour, so a tokenizer
     that drops a leading space at the start of a decode (SentencePiece) keeps it inside the trajectory."""
+    def decode(part):
+        return tokenizer.decode(part, skip_special_tokens=False)
+
     pieces: list[str] = []
     prefix = shown = 0  # ids[prefix:shown]: the context decoded before the pending tokens ids[shown:]
     for k in range(len(ids)):
-        before = tokenizer.decode(ids[prefix:shown], skip_special_tokens=False)
-        text = tokenizer.decode(ids[prefix:k + 1], skip_special_tokens=False)
-        if text.endswith("\ufffd") and k + 1 < len(ids):  # an unfinished character: the next token may finish it
+        before, text = decode(ids[prefix:shown]), decode(ids[prefix:k + 1])
+        # an unfinished character waits for the next token, for at most the 4 bytes a character has
+        if text.endswith("\ufffd") and k + 1 < len(ids) and k + 1 - shown < 4:
             pieces.append("")
             continue
-        pieces.append(text[len(before):])
+        pieces.append(text[len(before):] if text.startswith(before) else text)
         prefix, shown = shown, k + 1
-    return pieces
+    whole = decode(ids)
+    return pieces if "".join(pieces) == whole else _rejoin(pieces, whole)
+
+
+def _rejoin(pieces: list[str], whole: str) -> list[str]:
+    """The pieces made to join into `whole`, where a decoder is not local (SentencePiece's byte fallback turns a whole
+    run of byte tokens to U+FFFD when one of them is bad): a piece that `whole` does not go on with shows nothing, and
+    the text it skipped goes to the last such token (else the token before), once a later piece is found again."""
+    out: list[str] = []
+    at, owed = 0, None  # at: where `whole` goes on; owed: the last token whose piece did not match
+    for piece in pieces:
+        if whole.startswith(piece, at):
+            out.append(piece)
+            at += len(piece)
+            continue
+        found = whole.find(piece, at)
+        if found < 0:
+            out.append("")
+            owed = len(out) - 1
+            continue
+        skipped = whole[at:found]
+        if owed is not None or out:
+            out[owed if owed is not None else -1] += skipped
+        else:
+            piece = skipped + piece
+        out.append(piece)
+        at, owed = found + len(piece), None
+    if at < len(whole):
+        out[owed if owed is not None else -1] += whole[at:]
+    return out
 
 
 def per_token(value, positions: list[int], length: int) -> list[float | None] | None:

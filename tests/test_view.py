@@ -193,6 +193,38 @@ def test_token_pieces_join_into_the_decoded_text_and_a_split_character_goes_to_t
     assert "".join(view.token_texts(tokenizer, stray)) == tokenizer.decode(stray, skip_special_tokens=False)
 
 
+def test_token_pieces_join_under_a_byte_fallback_decoder_and_cost_a_few_decodes_a_token():
+    """SentencePiece's byte fallback (Llama 2, Gemma) decodes a run of byte tokens together, U+FFFD for every byte of
+    it when one byte is bad: a character the run completed early is not in the whole decode, and the pieces still join
+    into it. A run of stray bytes waits for at most a character's 4 bytes: a few decodes a token, not one per token of
+    the run."""
+    from tokenizers import Tokenizer, decoders
+    from tokenizers.models import BPE
+
+    vocab = {"<unk>": 0, "A": 1, "▁": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    tokenizer = Tokenizer(BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    byte = lambda *values: [3 + v for v in values]  # noqa: E731
+    whole_character = [1, *byte(0xE6, 0x97, 0xA5), 2, 1]  # A 日 ▁ A
+    assert view.token_texts(tokenizer, whole_character) == ["A", "", "", "日", " ", "A"]
+    for ids in ([1, *byte(0xE6, 0x97, 0xA5), *byte(0xE6, 0x97), 1],  # 日, then a character cut short, in one run
+                [*byte(0xE6, 0x97), 1, *byte(0x80), 2, 1], byte(0x80) * 9):
+        pieces = view.token_texts(tokenizer, ids)
+        assert len(pieces) == len(ids) and "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=False), pieces
+
+    class Counting:
+        calls = 0
+
+        def decode(self, ids, skip_special_tokens=False):
+            Counting.calls += 1
+            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    stray = byte(0x80) * 1000
+    assert "".join(view.token_texts(Counting(), stray)) == tokenizer.decode(stray) and Counting.calls <= 3 * len(stray)
+    assert view._rejoin(["x", "b"], "ab") == ["a", "b"] and view._rejoin(["zz", "q"], "abc") == ["", "abc"]
+
+
 @pytest.mark.slow
 def test_env_state_replays_the_logged_episode(root, server):
     log = logs_by_label(server)["grpo: training rollouts"]
