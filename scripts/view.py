@@ -327,13 +327,13 @@ def _rejoin(pieces: list[str], whole: str) -> list[str]:
             out.append("")
             owed = len(out) - 1
             continue
-        skipped = whole[at:found]
-        if owed is not None or out:
-            out[owed if owed is not None else -1] += skipped
-        else:
+        skipped, at, owed_before = whole[at:found], found + len(piece), owed
+        if owed_before is not None or out:
+            out[owed_before if owed_before is not None else -1] += skipped
+        else:  # (the first token: the skipped text is its own)
             piece = skipped + piece
         out.append(piece)
-        at, owed = found + len(piece), None
+        owed = None
     if at < len(whole):
         out[owed if owed is not None else -1] += whole[at:]
     return out

@@ -223,6 +223,7 @@ def test_token_pieces_join_under_a_byte_fallback_decoder_and_cost_a_few_decodes_
     stray = byte(0x80) * 1000
     assert "".join(view.token_texts(Counting(), stray)) == tokenizer.decode(stray) and Counting.calls <= 3 * len(stray)
     assert view._rejoin(["x", "b"], "ab") == ["a", "b"] and view._rejoin(["zz", "q"], "abc") == ["", "abc"]
+    assert view._rejoin(["b", "c"], "abc") == ["ab", "c"]  # text skipped before the first token is its own
 
 
 @pytest.mark.slow

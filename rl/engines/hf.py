@@ -11,8 +11,8 @@ from rl.engines import RoundEngine, Sample
 
 class HFEngine(RoundEngine):
     """Sampling with a Hugging Face causal LM and its KV cache. Prompts are left-padded, and a prompt that several
-    rows share is prefilled once; each row stops at a stop token or its own token limit. Log-probs are taken under softmax(logits / T),
-    the distribution the trainer scores (top-p/top-k only narrow what is drawn)."""
+    rows share is prefilled once; each row stops at a stop token or its own token limit. Log-probs are taken under
+    softmax(logits / T), the distribution the trainer scores (top-p/top-k only narrow what is drawn)."""
 
     name = "hf"
 
