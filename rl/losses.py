@@ -168,7 +168,8 @@ def aggregate(terms, mask, mode: Aggregation = "token-mean", tokens: float | Non
     else:  # sums over each segment's action tokens (every token takes part, so that the graph always
         # reaches the terms: a micro-batch without action tokens still has a gradient, of zeros)
         ids, which = torch.where(mask > 0, segments, -1).flatten().unique(return_inverse=True)
-        per_sequence = terms.new_zeros(len(ids)).index_add(0, which, (terms * mask).flatten())
+        masked = (terms * mask).flatten()  # (in the wider of the two dtypes)
+        per_sequence = masked.new_zeros(len(ids)).index_add(0, which, masked)
         lengths = mask.new_zeros(len(ids)).index_add(0, which, mask.flatten())
     if mode == "seq-mean-token-mean" and weights is not None:
         per_sequence = (terms * mask * weights).sum()  # (each sequence's part of its mean; summed over sequences)

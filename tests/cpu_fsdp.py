@@ -24,6 +24,8 @@ def _init_with_fsdp_on_cpu(self, *args, fsdp_plugin=None, **kwargs):
     _init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
     if self.distributed_type == DistributedType.MULTI_CPU and os.environ.get("ACCELERATE_USE_FSDP") == "true":
         self.fsdp_plugin = fsdp_plugin or FullyShardedDataParallelPlugin()
+        if self._mixed_precision != "no":  # (as Accelerate does for the GPU types: its FSDP2 precision policy)
+            self.fsdp_plugin.set_mixed_precision(self._mixed_precision)
         self.distributed_type = DistributedType.FSDP
         state.PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 

@@ -91,6 +91,16 @@ def test_aggregation_modes_by_hand_and_under_micro_batching():
         aggregate(terms, mask, "sum")
 
 
+def test_aggregate_over_packed_segments_takes_16_bit_terms():
+    """Terms that come in bf16 (a model under a 16-bit output policy) against the fp32 mask: packed segments sum in
+    the wider dtype, as the unpacked modes do (index_add refused the mix, on an H200 under FSDP2)."""
+    terms = torch.tensor([[1.0, 2.0, 3.0, 4.0]], dtype=torch.bfloat16)
+    mask, segments = torch.tensor([[1.0, 1.0, 0.0, 1.0]]), torch.tensor([[0, 0, 1, 1]])
+    for mode, expected in (("seq-mean-token-mean", (1.5 + 4) / 2), ("seq-mean-token-sum", (3 + 4) / 2)):
+        packed = aggregate(terms, mask, mode, segments=segments)
+        assert packed.dtype == torch.float32 and packed.item() == pytest.approx(expected)
+
+
 def test_k3_gradient_stays_finite_far_from_the_reference():
     """exp of a huge log-ratio is inf; an unclamped k3 would send NaN gradients into the weights even
     from masked positions (0 * NaN is NaN)."""
