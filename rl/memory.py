@@ -71,23 +71,38 @@ def parameters(config, lora_rank: int = 0, lora_targets: tuple[str, ...] = ("all
     return total + adapters, adapters
 
 
-def activation_bytes(config, tokens: int, checkpointing: bool) -> int:
-    """What a forward keeps for its backward over `tokens` tokens, in 16-bit: per layer and token 16 h (the attention
-    block's inputs and outputs, norms) + 9 I (SwiGLU's gate, up, activation and product), h the hidden size and I
-    the MLP's; memory-efficient attention keeps no [s, s] scores. (Measured on the embedded model, Qwen2's layout with
-    SDPA: its forward keeps 1.01x this, weights aside.) With checkpointing, each layer keeps its input (2 h) and
-    one layer at a time is recomputed whole."""
+# What a forward keeps for its backward, in bytes per layer and token, h the hidden size and I the MLP's, by how it
+# computes: fp32; under autocast (fp32 weights, 16-bit matrix products: the residual stream stays fp32); with 16-bit
+# weights (FSDP2 gathers them so, DeepSpeed keeps them so). Measured with saved-tensor hooks on Qwen2's layout with SDPA
+# at Qwen2.5-1.5B's and -3B's layer shapes (tests/test_memory_plan.py): the MLP keeps SwiGLU's gate, up, activation and
+# product, memory-efficient attention no [s, s] scores. And the width of a layer's input (the residual stream).
+ACTIVATIONS = {"fp32": (37, 16, 4), "autocast": (39, 8, 4), "bf16": (24, 8, 2)}
+
+
+def compute_of(mixed: str, sharded: bool) -> str:
+    """How the trainer's forward computes (ACTIVATIONS' keys) under --mixed-precision `mixed` (Accelerate's: no, bf16,
+    fp16): a sharded run under 16-bit gathers its weights in 16-bit (FSDP2's policy, rl/model.fsdp2_precision) or
+    keeps them so (DeepSpeed); a whole model keeps fp32 weights under autocast."""
+    if mixed in ("no", None):
+        return "fp32"
+    return "bf16" if sharded else "autocast"
+
+
+def activation_bytes(config, tokens: int, checkpointing: bool, compute: str = "autocast") -> int:
+    """What a forward keeps for its backward over `tokens` tokens (ACTIVATIONS). With checkpointing, each layer keeps
+    its input and one layer at a time is recomputed whole."""
     hidden, inner, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    per_layer = 16 * hidden + 9 * inner
+    per_hidden, per_inner, residual = ACTIVATIONS[compute]
+    per_layer = per_hidden * hidden + per_inner * inner
     if checkpointing:
-        return tokens * (2 * hidden * layers + per_layer)
+        return tokens * (residual * hidden * layers + per_layer)
     return tokens * per_layer * layers
 
 
 def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], processes: int, sharded: bool,
          reference: bool, offload_reference: bool, micro_tokens: int, checkpointing: bool, engine: str,
          engine_share: float, engine_sleeps: bool, gpu_gib: float, batch: int, context: int,
-         logits_elements: int, bf16_weights: bool = False, offload: bool = False,
+         logits_elements: int, mixed: str = "bf16", bf16_weights: bool = False, offload: bool = False,
          persistent_gradients: bool = False, cpu_kv_gib: float | None = None, cpu_engine_width: int = 4) -> dict:
     """Each phase's estimated peak per GPU, by what holds the memory. The trainer keeps fp32 weights (bf16 only
     under autocast) and AdamW's two fp32 moments per trained parameter; a sharded run (FSDP2) holds 1/processes
@@ -95,6 +110,10 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
     gradients are freed, and the engine works (vLLM: its share of the GPU; HF: the KV cache of a batch).
     Update: gradients and activations of one micro-batch, and the chunk of logits being scored; a vLLM engine
     asleep (--vllm-sleep) holds nothing then; engine "server" (--rollout-server): no engine here at all.
+    `mixed`: the run's mixed precision (Accelerate's: no, bf16, fp16), which sets how the forward computes
+    (compute_of, ACTIVATIONS); a whole model under autocast also holds, through each forward, autocast's 16-bit copy of
+    every trained weight (its cache of casts, freed as the forward ends, when the earlier micro-batches' gradients are
+    already held).
     `bf16_weights`: DeepSpeed under bf16 keeps the models' weights in bf16, and the fp32 copy of the trained ones in
     its optimizer. `offload` (configs/*_offload.yaml): the shards of the weights, gradients and optimizer states live
     in CPU memory, the GPU holds the layer being computed.
@@ -106,7 +125,9 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
     total, trained = parameters(config, lora_rank, lora_targets)
     shards = processes if sharded else 1
     width, dtype = (2, "bf16") if bf16_weights else (4, "fp32")
-    layer = width * total / config.num_hidden_layers if sharded else 0  # a gathered layer, beyond the shard
+    compute = compute_of(mixed, sharded)
+    gathered = 2 if compute == "bf16" else width  # (FSDP2 gathers a layer in its policy's 16-bit under bf16)
+    layer = gathered * total / config.num_hidden_layers if sharded else 0  # a gathered layer, beyond the shard
     gpu, cpu = (0, ", shards in CPU memory") if offload else (1, "")
     held = {f"policy weights ({dtype}){cpu}": gpu * width * total / shards + layer,
             **({f"fp32 master weights{cpu}": gpu * 4 * trained / shards} if bf16_weights else {}),
@@ -131,8 +152,10 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
     if persistent_gradients:
         held |= gradients
     update = {**({} if persistent_gradients else gradients),
-              f"activations ({micro_tokens:,} tokens a micro-batch{', checkpointed' if checkpointing else ''})":
-                  activation_bytes(config, micro_tokens, checkpointing),
+              f"activations ({micro_tokens:,} tokens a micro-batch{', checkpointed' if checkpointing else ''}, {compute})":
+                  activation_bytes(config, micro_tokens, checkpointing, compute),
+              **({"autocast's 16-bit copies of the trained weights (a forward's)": 2 * trained}
+                 if compute == "autocast" else {}),
               "logits being scored (a chunk)": 3 * 4 * logits_elements}
     if offload_reference and reference and not lora_rank:
         update["reference while it scores"] = 4 * total
@@ -243,6 +266,7 @@ def print_plan(accelerator, plan_args: PlanArgs, model: str, algo: str, kl_coef:
         processes, is_sharded = accelerator.num_processes, sharded(accelerator)
         deepspeed = zero3.active(accelerator)
         deepspeed_bf16 = deepspeed and accelerator.mixed_precision == "bf16"
+        precision = accelerator.mixed_precision
         policy = accelerator.state.fsdp_plugin.cpu_offload if accelerator.distributed_type == "FSDP" else None
         offload = zero3.offloaded(accelerator) or type(policy).__name__ == "CPUOffloadPolicy" \
             or bool(getattr(policy, "offload_params", False))
@@ -257,7 +281,8 @@ def print_plan(accelerator, plan_args: PlanArgs, model: str, algo: str, kl_coef:
                     engine="server" if engine_args.rollout_server else engine_kind(engine_args.engine),
                     engine_share=engine_args.vllm_gpu_memory_utilization, engine_sleeps=engine_args.vllm_sleep and device.gpu, gpu_gib=gpu_gib,
                     batch=gen_batch, context=max_tokens,
-                    logits_elements=min(CHUNK_ELEMENTS, micro_tokens * config.vocab_size), bf16_weights=deepspeed_bf16,
+                    logits_elements=min(CHUNK_ELEMENTS, micro_tokens * config.vocab_size), mixed=precision or "no",
+                    bf16_weights=deepspeed_bf16,
                     offload=offload, persistent_gradients=deepspeed,
                     cpu_kv_gib=None if device.gpu else float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1),
                     cpu_engine_width=2 if engine_args.vllm_dtype in ("bfloat16", "float16") else 4)

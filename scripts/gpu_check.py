@@ -3,7 +3,7 @@ bf16 and gradient checkpointing, in one run sized for a 15-minute lease; each se
 table.
 
     bash scripts/gpu_check.sh --prepare   # here, once, with the network: .gpu/ gets what the GPU machine lacks
-    bash scripts/gpu_check.sh             # on the GPU machine: about 4 minutes on an H100 (estimated: not run yet)
+    bash scripts/gpu_check.sh             # on the GPU machine: 3.5 minutes on an H200 (docs/engines.md: its figures)
     bash scripts/gpu_check.sh --smoke     # on a CPU: tiny sizes, the same code (tests/test_gpu_check.py, ~1 minute)
 
 On this workplace's lent machine (the tool `run`: torch, transformers, accelerate and peft are there; no vLLM, no
@@ -86,12 +86,14 @@ class Workload:
     horizon: int = 3
     max_new_tokens: int = 32
     context: int = 4096  # the rollout's --max-tokens (BabyAI's first prompt is 370-640 tokens of Qwen's)
+    precision: str = "auto"  # --mixed-precision (auto: bf16 on a GPU)
 
 
 GPU = Workload()
 # (the logits of 150k-token vocabulary dominate a tiny model's update: few tokens, to stay within a minute on a CPU)
+# (bf16 as on a GPU: this CPU has bf16 instructions, and the FSDP2 section then runs under the GPU's precision policy)
 SMOKE = Workload(trajectories=2, max_tokens=128, micro_batch_size=1, steps=2, episodes=4, horizon=2, max_new_tokens=8,
-                 context=2048)
+                 context=2048, precision="bf16")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,7 +162,7 @@ def train_args(model: Path, work: Workload, lora: bool):
     flags = ["--model", str(model), "--env", "babyai", "--engine", "hf", "--algo", "grpo", "--kl-coef", "0",
              "--max-tokens", str(work.max_tokens), "--micro-batch-size", str(work.micro_batch_size), "--minibatches",
              "1", "--horizon", str(work.horizon), "--max-new-tokens", str(work.max_new_tokens), "--gen-batch-size",
-             str(work.episodes), "--save-every", "0", *(["--lora-rank", str(LORA_RANK)] if lora else [])]
+             str(work.episodes), "--save-every", "0", "--mixed-precision", work.precision, *(["--lora-rank", str(LORA_RANK)] if lora else [])]
     return train.parse_args(flags), flags
 
 
@@ -241,7 +243,8 @@ def planned_update(args, accelerator) -> float:
                     reference=args.algo == "dpo" or args.kl_coef > 0, offload_reference=args.model_args.offload_reference,
                     micro_tokens=micro_tokens, checkpointing=args.model_args.gradient_checkpointing, engine="server",
                     engine_share=0.0, engine_sleeps=True, gpu_gib=gpu_gib, batch=args.gen_batch_size,
-                    context=args.max_tokens, logits_elements=min(CHUNK_ELEMENTS, micro_tokens * config.vocab_size))
+                    context=args.max_tokens, logits_elements=min(CHUNK_ELEMENTS, micro_tokens * config.vocab_size),
+                    mixed=accelerator.mixed_precision)
     return sum(estimate["phases"]["update"].values()) / GiB
 
 
@@ -262,6 +265,7 @@ def check_update(label: str, args, accelerator, models, work: Workload, vocab: i
 
     import train
     from rl.batch import attach
+    from rl.logprobs import token_logprobs
     from rl.memory import peak_gib, reset_peak
     from rl.optimizer import reducer
 
@@ -277,6 +281,12 @@ def check_update(label: str, args, accelerator, models, work: Workload, vocab: i
         advantages, returns = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok,
                                                    reducer(accelerator), batch.episodes, batch.anchors)
         attach(batch, advantages, returns)
+        if step == 1:  # (the scores leave the model as rl/logprobs makes them, in fp32, under any precision policy)
+            micro = batch.micro[0]
+            with torch.no_grad(), accelerator.autocast():
+                scored, _ = token_logprobs(models.policy, micro.input_ids, micro.attention_mask, micro.loss_mask,
+                                           position_ids=micro.position_ids)
+            fp32 = scored.dtype == torch.float32
         sums, norms = train.update(models, batch, args, accelerator, step)
         synchronize()
         finite &= sums.nonfinite_updates == 0 and all(math.isfinite(n) for n in norms.get("policy", [math.nan]))
@@ -298,9 +308,9 @@ def check_update(label: str, args, accelerator, models, work: Workload, vocab: i
           f"({action_tokens / (work.steps - 1):,.0f} trained a step), {args.micro_batch_size} a micro-batch: "
           f"{rate:,.0f} tokens/s, {flops / 1e12:.1f} TFLOP/s model FLOPs, MFU "
           + (f"{100 * mfu:.1f}%" if mfu is not None else "n/a") + f" ({peak[1]}); {memory}; "
-          f"losses and gradients finite: {'yes' if finite else 'NO'}")
+          f"losses and gradients finite: {'yes' if finite else 'NO'}; log-probs in fp32: {'yes' if fp32 else 'NO'}")
     return {"tokens_s": rate, "tflops": flops / 1e12, "mfu": mfu, "peak_gib": measured, "plan_gib": planned,
-            "ratio": planned / measured if gpu else None, "ok": finite}
+            "ratio": planned / measured if gpu else None, "ok": finite and fp32}
 
 
 def check_rollout(label: str, args, accelerator, models, tokenizer, work: Workload, precision: str) -> dict:
