@@ -255,9 +255,7 @@ def print_plan(accelerator, plan_args: PlanArgs, model: str, algo: str, kl_coef:
         launch = yaml.safe_load(Path(plan_args.launch_config).read_text())
         processes = int(launch.get("num_processes", 1))
         is_sharded = launch.get("distributed_type") in ("FSDP", "DEEPSPEED")
-        precision = settings.mixed_precision if settings.mixed_precision != "auto" else launch.get("mixed_precision")
         deepspeed = launch.get("distributed_type") == "DEEPSPEED"
-        deepspeed_bf16 = deepspeed and precision == "bf16"
         offload = (launch.get("fsdp_config", {}).get("fsdp_offload_params") is True
                    or "cpu" in {(launch.get("deepspeed_config") or {}).get(key) for key in
                                 ("offload_param_device", "offload_optimizer_device")})
@@ -265,8 +263,6 @@ def print_plan(accelerator, plan_args: PlanArgs, model: str, algo: str, kl_coef:
     else:
         processes, is_sharded = accelerator.num_processes, sharded(accelerator)
         deepspeed = zero3.active(accelerator)
-        deepspeed_bf16 = deepspeed and accelerator.mixed_precision == "bf16"
-        precision = accelerator.mixed_precision
         policy = accelerator.state.fsdp_plugin.cpu_offload if accelerator.distributed_type == "FSDP" else None
         offload = zero3.offloaded(accelerator) or type(policy).__name__ == "CPUOffloadPolicy" \
             or bool(getattr(policy, "offload_params", False))
@@ -274,6 +270,9 @@ def print_plan(accelerator, plan_args: PlanArgs, model: str, algo: str, kl_coef:
     config = load_config(model)  # (a LoRA checkpoint's: its base's)
     device = plan_device(plan_args.gpu_gib, plan_args.launch_config)
     gpu_gib = device.gib
+    # the precision the run has where it is planned for (rl/model.make_accelerator: auto is bf16 on a GPU)
+    precision = settings.mixed_precision if settings.mixed_precision != "auto" else ("bf16" if device.gpu else "no")
+    deepspeed_bf16 = deepspeed and precision == "bf16"
     estimate = plan(config, algo=algo, lora_rank=settings.lora_rank, lora_targets=settings.lora_target_modules,
                     processes=processes, sharded=is_sharded, reference=algo == "dpo" or kl_coef > 0,
                     offload_reference=settings.offload_reference, micro_tokens=micro_tokens,
@@ -281,7 +280,7 @@ def print_plan(accelerator, plan_args: PlanArgs, model: str, algo: str, kl_coef:
                     engine="server" if engine_args.rollout_server else engine_kind(engine_args.engine),
                     engine_share=engine_args.vllm_gpu_memory_utilization, engine_sleeps=engine_args.vllm_sleep and device.gpu, gpu_gib=gpu_gib,
                     batch=gen_batch, context=max_tokens,
-                    logits_elements=min(CHUNK_ELEMENTS, micro_tokens * config.vocab_size), mixed=precision or "no",
+                    logits_elements=min(CHUNK_ELEMENTS, micro_tokens * config.vocab_size), mixed=precision,
                     bf16_weights=deepspeed_bf16,
                     offload=offload, persistent_gradients=deepspeed,
                     cpu_kv_gib=None if device.gpu else float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1),

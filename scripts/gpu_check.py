@@ -28,7 +28,9 @@ Sections, per size (random weights: the figures are about speed, memory and exac
   and MFU: model FLOPs over the card's bf16 dense peak (PEAKS), 6 per parameter and token (4 under LoRA: no gradients
   of the frozen weights), the LM head counted on the action tokens only, the ones it scores (rl/logprobs.py),
   attention's own FLOPs not counted; the peak of torch.cuda.max_memory_allocated over the measured steps against
-  `train.py --dry-run`'s update phase for the same flags (rl/memory.plan; aim: within 15%).
+  `train.py --dry-run`'s update phase for the same flags (rl/memory.plan; aim: within 15%); that the log-probs leave
+  the model in fp32; and ours over a bare forward + backward + AdamW loop on the same micro-batches (bare_rate; aim:
+  0.8 or more).
 - fsdp2: the full update again under Accelerate's FSDP2 (configs/fsdp2.yaml) in one process, launched apart
   (`accelerate launch --num_processes 1`; on a CPU through tests/cpu_fsdp.py), planned as sharded over one process.
 A section that fails says so in one line and the others still run; the exit status is 1 if any failed.
@@ -297,6 +299,7 @@ def check_update(label: str, args, accelerator, models, work: Workload, vocab: i
     measured, planned = peak_gib(), planned_update(args, accelerator)
     config = accelerator.unwrap_model(models.policy).config
     rate = tokens / seconds
+    bare = bare_rate(models, batch, accelerator, work.steps)
     flops = model_flops(config, tokens, action_tokens, bool(args.model_args.lora_rank)) / seconds
     mfu = flops / peak[0] if peak[0] else None
     gpu = torch.cuda.is_available()
@@ -308,9 +311,38 @@ def check_update(label: str, args, accelerator, models, work: Workload, vocab: i
           f"({action_tokens / (work.steps - 1):,.0f} trained a step), {args.micro_batch_size} a micro-batch: "
           f"{rate:,.0f} tokens/s, {flops / 1e12:.1f} TFLOP/s model FLOPs, MFU "
           + (f"{100 * mfu:.1f}%" if mfu is not None else "n/a") + f" ({peak[1]}); {memory}; "
-          f"losses and gradients finite: {'yes' if finite else 'NO'}; log-probs in fp32: {'yes' if fp32 else 'NO'}")
+          f"losses and gradients finite: {'yes' if finite else 'NO'}; log-probs in fp32: {'yes' if fp32 else 'NO'}; "
+          f"a bare forward + backward + AdamW loop over the same micro-batches: {bare:,.0f} tokens/s, ours / bare "
+          f"{rate / bare:.2f}")
     return {"tokens_s": rate, "tflops": flops / 1e12, "mfu": mfu, "peak_gib": measured, "plan_gib": planned,
-            "ratio": planned / measured if gpu else None, "ok": finite and fp32}
+            "ratio": planned / measured if gpu else None, "bare": rate / bare, "ok": finite and fp32}
+
+
+def bare_rate(models, batch, accelerator, steps: int) -> float:
+    """The floor of the update (scripts/bench/bare.py's loop): `batch`'s micro-batches each through one forward (the
+    sampled tokens' log-probs) and one backward of their mean, then an AdamW step; no old log-probs, advantages or
+    clipping, the same model, precision and checkpointing. Tokens/s over `steps` steps after a warm-up."""
+    import torch
+
+    from rl.logprobs import token_logprobs
+
+    models.policy.train()
+    seconds, tokens = 0.0, 0
+    for step in range(steps):
+        synchronize()
+        start = time.perf_counter()
+        for micro in batch.micro:
+            with accelerator.autocast():
+                logprobs, _ = token_logprobs(models.policy, micro.input_ids, micro.attention_mask, micro.loss_mask,
+                                             position_ids=micro.position_ids)
+            mask = micro.loss_mask.to(torch.float32)
+            accelerator.backward(-(logprobs * mask).sum() / mask.sum().clamp(min=1))
+        models.optimizer.step()
+        models.optimizer.zero_grad(set_to_none=True)
+        synchronize()
+        if step:
+            seconds, tokens = seconds + time.perf_counter() - start, tokens + batch.tokens
+    return tokens / seconds
 
 
 def check_rollout(label: str, args, accelerator, models, tokenizer, work: Workload, precision: str) -> dict:
@@ -507,13 +539,13 @@ def summary(results: Path) -> int:
     rows = [json.loads(line) for line in results.read_text().splitlines()] if results.is_file() else []
 
     columns = (("seconds", "8.1f"), ("tokens_s", "10,.0f"), ("tflops", "8.1f"), ("mfu", "6.1%"), ("peak_gib", "9.2f"),
-               ("plan_gib", "9.2f"), ("ratio", "9.2f"), ("logprob_diff", "8.2g"))
+               ("plan_gib", "9.2f"), ("ratio", "9.2f"), ("bare", "9.2f"), ("logprob_diff", "8.2g"))
 
     def cell(value, spec: str) -> str:
         return format(value, spec) if isinstance(value, (int, float)) else "-".rjust(int(spec.split(".")[0].strip(",")))
 
     print(f"{'section':<26} {'seconds':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'plan GiB':>9} "
-          f"{'plan/peak':>9} {'lp diff':>8}  ok")
+          f"{'plan/peak':>9} {'ours/bare':>9} {'lp diff':>8}  ok")
     for row in rows:
         print(f"{row['section']:<26} " + " ".join(cell(row.get(key), spec) for key, spec in columns)
               + f"  {'yes' if row.get('ok') else 'NO'}")

@@ -36,9 +36,11 @@ def test_the_gpu_check_runs_every_section_in_its_cpu_smoke_mode(tmp_path):
     assert float(rollout[4]) < 1e-3 and float(rollout[5]) < 1e-2
     for label in ("update full smoke", "update lora smoke", "fsdp2 update full smoke"):
         update = re.search(rf"\[{label}\] 1 steps of 2 x 128 tokens .*: ([\d,]+) tokens/s, ([\d.]+) TFLOP/s model "
-                           rf"FLOPs, MFU n/a .*peak ([\d.]+) GiB .*plan's ([\d.]+) GiB.*finite: yes; log-probs in fp32: yes", out)
+                           rf"FLOPs, MFU n/a .*peak ([\d.]+) GiB .*plan's ([\d.]+) GiB.*finite: yes; log-probs in fp32: yes; a bare "
+                           rf".*: ([\d,]+) tokens/s, ours / bare ([\d.]+)", out)
         assert update, (label, out[-4000:])
         assert float(update[1].replace(",", "")) > 0 and float(update[3]) > 0 and float(update[4]) > 0
+        assert float(update[5].replace(",", "")) > 0 and float(update[6]) > 0
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [row["section"] for row in rows] == ["device", "rollout smoke", "update full smoke", "update lora smoke",
                                                 "fsdp2 update full smoke"]
