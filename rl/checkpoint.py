@@ -156,7 +156,11 @@ def load_optimizer(optimizer, path: Path) -> dict[str, torch.Tensor]:
                 value = DTensor.from_local(value.to(like.device), like.device_mesh, like.placements,
                                            shape=like.shape, stride=like.stride())
             state.setdefault(int(param), {})[key] = value
+    # (the kernel is this run's choice, rl/model.adamw: a checkpoint saved on a CPU or before fused AdamW keeps it)
+    kernels = [{key: group[key] for key in ("fused", "foreach") if key in group} for group in optimizer.param_groups]
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    for group, kernel in zip(optimizer.param_groups, kernels):
+        group.update(kernel)
     return extra
 
 

@@ -113,7 +113,7 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
     `mixed`: the run's mixed precision (Accelerate's: no, bf16, fp16), which sets how the forward computes
     (compute_of, ACTIVATIONS); a whole model under autocast also holds, through each forward, autocast's 16-bit copy of
     every trained weight (its cache of casts, freed as the forward ends, when the earlier micro-batches' gradients are
-    already held).
+    already held), and keeps its copies of the frozen ones (LoRA) for the backward.
     `bf16_weights`: DeepSpeed under bf16 keeps the models' weights in bf16, and the fp32 copy of the trained ones in
     its optimizer. `offload` (configs/*_offload.yaml): the shards of the weights, gradients and optimizer states live
     in CPU memory, the GPU holds the layer being computed.
@@ -151,11 +151,13 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
                  **({f"critic gradients (fp32){cpu}": gpu * 4 * total / shards} if needs_critic(algo) else {})}
     if persistent_gradients:
         held |= gradients
+    # autocast caches its casts of the trained weights through a forward; the frozen ones' casts are kept for the
+    # backward, all of them without checkpointing, one layer's at a time with it
+    copied = trained + (total / config.num_hidden_layers if checkpointing else total) * (trained < total)
     update = {**({} if persistent_gradients else gradients),
               f"activations ({micro_tokens:,} tokens a micro-batch{', checkpointed' if checkpointing else ''}, {compute})":
                   activation_bytes(config, micro_tokens, checkpointing, compute),
-              **({"autocast's 16-bit copies of the trained weights (a forward's)": 2 * trained}
-                 if compute == "autocast" else {}),
+              **({"autocast's 16-bit copies of the weights (a forward's)": 2 * copied} if compute == "autocast" else {}),
               "logits being scored (a chunk)": 3 * 4 * logits_elements}
     if offload_reference and reference and not lora_rank:
         update["reference while it scores"] = 4 * total

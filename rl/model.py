@@ -383,7 +383,14 @@ def reference(models: Models, accelerator, offloaded: bool = False):
     """The model that scores the reference log-probs: the frozen initial policy (brought from CPU memory for the
     duration when `offloaded`), or under LoRA the policy itself with its adapters off for the duration."""
     if models.ref is None:
-        with accelerator.unwrap_model(models.policy).disable_adapter():
+        policy = accelerator.unwrap_model(models.policy)
+        trained = [p for p in policy.parameters() if p.requires_grad]
+        with policy.disable_adapter():
+            # PEFT also stops the adapters' gradients for the duration (its forward skips them by a flag of its own);
+            # under FSDP2 a first forward in that state fixed every layer's gradient dtypes without the adapters, and
+            # their bf16 gradients were then refused at the first update (found by a review): they keep them
+            for parameter in trained:
+                parameter.requires_grad_(True)
             yield models.policy
         return
     if offloaded:
@@ -399,9 +406,12 @@ def adamw(accelerator, parameters, lr: float, weight_decay: float) -> torch.opti
     """AdamW; on a GPU its fused kernel (torchtitan's default): one kernel over all the weights, and no temporary fp32
     copy of them, which the default (foreach) step holds: 20 bytes a trained parameter at the step instead of 16. (At
     scripts/gpu_check.py's workload the forward's peak is higher still, with either: 29.85 GiB at Qwen2.5-1.5B on an
-    H200; the step's is the peak where activations are few.) Elementwise, so deterministic too. DeepSpeed steps it
-    over flat partitions of its own: left as it was there; on a CPU it is torch's default."""
-    fused = torch.cuda.is_available() and not zero3.active(accelerator)
+    H200; the step's is the peak where activations are few.) Elementwise, so deterministic too. Not under fp16: the
+    fused step takes GradScaler's overflow flag itself, so Accelerate's `step_was_skipped` no longer sees a skipped step
+    (rl/optimizer.optimizer_step would advance the warm-up and log an inf norm). DeepSpeed steps it over flat partitions
+    of its own: left as it was there; on a CPU it is torch's default. A resumed optimizer keeps this choice
+    (rl/checkpoint.load_optimizer), whatever the checkpoint's was."""
+    fused = torch.cuda.is_available() and not zero3.active(accelerator) and accelerator.mixed_precision != "fp16"
     return torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay, fused=fused or None)
 
 

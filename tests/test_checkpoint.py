@@ -53,6 +53,33 @@ def test_optimizer_state_round_trips_and_steps_identically(tmp_path):
         assert torch.equal(value, restored.state_dict()[key])
 
 
+def test_a_resumed_optimizer_keeps_this_runs_kernel_and_fp16_keeps_torchs_default(tmp_path, monkeypatch):
+    """rl/model.adamw: fused on a GPU, except under fp16 (GradScaler's skipped steps must stay visible) and DeepSpeed;
+    a checkpoint written by another kernel (on a CPU, or before fused AdamW) resumes with this run's, not its own."""
+    import types
+
+    from rl.model import adamw
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (fused AdamW runs on CPU tensors too)
+    run = {f"{kind} {mixed}": types.SimpleNamespace(distributed_type=kind, mixed_precision=mixed)
+           for kind, mixed in (("NO", "bf16"), ("NO", "fp16"), ("DEEPSPEED", "bf16"))}
+    kernels = {name: adamw(accelerator, torch.nn.Linear(4, 3).parameters(), 0.1, 0.0).param_groups[0]["fused"]
+               for name, accelerator in run.items()}
+    assert kernels == {"NO bf16": True, "NO fp16": None, "DEEPSPEED bf16": None}
+    saved = torch.nn.Linear(4, 3)
+    foreach = torch.optim.AdamW(saved.parameters(), lr=0.1)
+    saved(torch.randn(5, 4)).sum().backward()
+    foreach.step()
+    checkpoint_lib.save_optimizer(foreach, tmp_path / "optimizer.safetensors")
+    model = torch.nn.Linear(4, 3)
+    fused = adamw(run["NO bf16"], model.parameters(), 0.1, 0.0)
+    checkpoint_lib.load_optimizer(fused, tmp_path / "optimizer.safetensors")
+    assert fused.param_groups[0]["fused"] is True and fused.state[model.weight]["step"] == 1
+    model(torch.randn(5, 4)).sum().backward()
+    fused.step()
+    assert fused.state[model.weight]["step"] == 2
+
+
 def make(run_dir, step, complete=True):
     path = run_dir / "checkpoints" / f"step_{step}"
     path.mkdir(parents=True)

@@ -16,7 +16,7 @@ from rl.flags import build
 import train
 from rl.losses import kl
 from rl.logprobs import token_logprobs
-from rl.model import EMBEDDED, build_models, full_weights, is_adapter, load_model
+from rl.model import EMBEDDED, build_models, full_weights, is_adapter, load_model, reference
 from test_batch import trajectories
 
 
@@ -83,6 +83,9 @@ def test_old_log_probs_are_the_adapted_policys(tmp_path):
         trajectory.group = trajectory.row // 3  # groups of three (in twos, GRPO gives +-0.71 whatever the penalty)
     batch = train.batch_of(played, args, accelerator, 0)
     train.old_logprobs(models, batch, args, accelerator)
+    adapters = [p for p in policy.parameters() if p.requires_grad]
+    with reference(models, accelerator):  # (PEFT would turn their gradients off: FSDP2 then fixed bf16 ones for good)
+        assert adapters and all(p.requires_grad for p in adapters)
     for micro in batch.micro:
         inputs = (micro.input_ids, micro.attention_mask, micro.loss_mask, args.engine_args.temperature)
         with torch.no_grad():

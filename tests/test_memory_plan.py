@@ -83,6 +83,22 @@ def test_activations_are_what_a_forward_keeps(compute, shape):
     assert abs(sum(kept.values()) / activation_bytes(model.config, tokens, False, compute) - 1) < within
 
 
+def test_autocast_copies_are_the_trained_weights_and_the_frozen_ones_kept_for_the_backward():
+    """Under autocast a forward caches a 16-bit copy of each trained weight and keeps those of the frozen ones (LoRA)
+    for the backward: all of them without checkpointing, one layer's with it. fp32 and 16-bit weights copy nothing."""
+    config = load_model("tiny-agent").config
+    name = "autocast's 16-bit copies of the weights (a forward's)"
+
+    def copies(**flags):
+        return plan(config, **SETTINGS | flags)["phases"]["update"].get(name, 0)
+
+    total, adapters = parameters(config, 8)
+    assert copies() == 2 * parameters(config)[0]
+    assert copies(lora_rank=8) == 2 * (adapters + total)
+    assert copies(lora_rank=8, checkpointing=True) == 2 * (adapters + total / config.num_hidden_layers)
+    assert copies(mixed="no") == copies(sharded=True, processes=8) == 0
+
+
 def test_sharding_divides_the_state_and_a_plan_needs_no_weights(monkeypatch, capsys):
     config = load_model("tiny-agent").config
     alone = plan(config, **SETTINGS)["phases"]["update"]

@@ -493,6 +493,23 @@ def test_each_model_keeps_its_own_nan_streak():
     assert models.nonfinite_streak == {"policy": 3, "critic": 0} and sums.nonfinite_updates == 3
 
 
+def test_micro_batches_accumulate_unsynced_except_under_fsdp2():
+    """rl/optimizer.gradient_sync: data-parallel runs skip the all-reduce until a mini-batch's last micro-batch;
+    FSDP2 reduce-scatters every one (unsynced, each GPU would hold the whole unsharded gradient in between)."""
+    import contextlib
+
+    from rl.optimizer import gradient_sync
+
+    for kind, skipped in (("MULTI_GPU", True), ("FSDP", False)):
+        entered = []
+        accelerator = types.SimpleNamespace(distributed_type=kind, no_sync=lambda m: entered.append(m) or contextlib.nullcontext())
+        with gradient_sync(accelerator, ["policy", "critic"], now=False):
+            pass
+        with gradient_sync(accelerator, ["policy", "critic"], now=True):
+            pass
+        assert entered == (["policy", "critic"] if skipped else []), kind
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("agent", ["plan", "reflect"])
 def test_training_lays_rollouts_out_by_the_agent_format(tiny_run, agent):
