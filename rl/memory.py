@@ -83,7 +83,7 @@ def compute_of(mixed: str, sharded: bool) -> str:
     """How the trainer's forward computes (ACTIVATIONS' keys) under --mixed-precision `mixed` (Accelerate's: no, bf16,
     fp16): a sharded run under 16-bit gathers its weights in 16-bit (FSDP2's policy, rl/model.fsdp2_precision) or
     keeps them so (DeepSpeed); a whole model keeps fp32 weights under autocast."""
-    if mixed in ("no", None):
+    if mixed == "no":
         return "fp32"
     return "bf16" if sharded else "autocast"
 
@@ -151,9 +151,10 @@ def plan(config, *, algo: str, lora_rank: int, lora_targets: tuple[str, ...], pr
                  **({f"critic gradients (fp32){cpu}": gpu * 4 * total / shards} if needs_critic(algo) else {})}
     if persistent_gradients:
         held |= gradients
-    # autocast caches its casts of the trained weights through a forward; the frozen ones' casts are kept for the
-    # backward, all of them without checkpointing, one layer's at a time with it
-    copied = trained + (total / config.num_hidden_layers if checkpointing else total) * (trained < total)
+    # autocast caches its casts of the trained weights through a forward; the frozen ones' casts (LoRA's base) are kept
+    # for the backward, all of them without checkpointing, one layer's at a time with it
+    frozen = total - trained
+    copied = trained + (frozen / config.num_hidden_layers if checkpointing else frozen)
     update = {**({} if persistent_gradients else gradients),
               f"activations ({micro_tokens:,} tokens a micro-batch{', checkpointed' if checkpointing else ''}, {compute})":
                   activation_bytes(config, micro_tokens, checkpointing, compute),

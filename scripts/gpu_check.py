@@ -164,7 +164,8 @@ def train_args(model: Path, work: Workload, lora: bool):
     flags = ["--model", str(model), "--env", "babyai", "--engine", "hf", "--algo", "grpo", "--kl-coef", "0",
              "--max-tokens", str(work.max_tokens), "--micro-batch-size", str(work.micro_batch_size), "--minibatches",
              "1", "--horizon", str(work.horizon), "--max-new-tokens", str(work.max_new_tokens), "--gen-batch-size",
-             str(work.episodes), "--save-every", "0", "--mixed-precision", work.precision, *(["--lora-rank", str(LORA_RANK)] if lora else [])]
+             str(work.episodes), "--save-every", "0", "--mixed-precision", work.precision,
+             *(["--lora-rank", str(LORA_RANK)] if lora else [])]
     return train.parse_args(flags), flags
 
 

@@ -92,10 +92,11 @@ def test_autocast_copies_are_the_trained_weights_and_the_frozen_ones_kept_for_th
     def copies(**flags):
         return plan(config, **SETTINGS | flags)["phases"]["update"].get(name, 0)
 
-    total, adapters = parameters(config, 8)
-    assert copies() == 2 * parameters(config)[0]
-    assert copies(lora_rank=8) == 2 * (adapters + total)
-    assert copies(lora_rank=8, checkpointing=True) == 2 * (adapters + total / config.num_hidden_layers)
+    base = parameters(config)[0]
+    adapters = parameters(config, 8)[1]
+    assert copies() == 2 * base
+    assert copies(lora_rank=8) == 2 * (adapters + base)
+    assert copies(lora_rank=8, checkpointing=True) == 2 * (adapters + base / config.num_hidden_layers)
     assert copies(mixed="no") == copies(sharded=True, processes=8) == 0
 
 
