@@ -692,3 +692,13 @@ def test_a_log_out_is_told_by_its_sites_path(url, site, out):
     base = {"shopping": "http://sh:7770", "shopping_admin": "http://sh:7780/admin", "gitlab": "http://gl:8023",
             "reddit": "http://rd:9999"}[site]
     assert envs.webarena.tasks.logs_out(url, site, base) is out
+
+
+def test_an_observation_of_a_page_still_loading_is_known_as_such():
+    """envs/webarena._loading: the tree taken mid-navigation (a click's loading events arriving after the settle, seen
+    in CI under load: the log-out test observed /logout's empty busy root) is retaken; a loaded page's is not."""
+    from envs.webarena import _loading
+
+    assert _loading("Tab 0 (current): Loading http://127.0.0.1:42365/logout\n\n[107] RootWebArea '' focused: True busy: 1")
+    assert not _loading("Tab 0 (current): Postmill\n\n[1] RootWebArea 'Postmill' focused: True\n\t[7] link 'Log in'")
+    assert not _loading("Tab 0 (current): Forums\n\n[1] RootWebArea 'Forums' focused: True\n\t[9] StaticText 'busy: 1'")

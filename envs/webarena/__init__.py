@@ -79,7 +79,8 @@ make() options (strings are accepted, as they come from the command line):
 Where this port deliberately differs from upstream:
 - Upstream sleeps 1.5 s after every action; here the env waits until navigations started by the
   action have finished and at least `settle_s` has passed (an Enter waits up to 1 s for the navigation it
-  starts to commit first: envs/webarena/actions.py).
+  starts to commit first: envs/webarena/actions.py), and an observation whose page is still loading (a
+  navigation whose loading events came after the wait) is taken again once it has loaded.
 - Requests outside the sites and the map's services are blocked (above) and a `goto` outside
   the sites is refused (the PREVIOUS ACTION line says so); upstream requested any URL. A `goto`
   to an allowed URL is visited even if it answers an error status, where upstream first fetched
@@ -455,6 +456,11 @@ class WebArena(Env):
             self._page = self._context.pages[-1] if self._context.pages else await self._context.new_page()
         stopped = await self._settle(self._page, since)
         await self._observe()
+        while not stopped and _loading(self.tree) and time.monotonic() < since + self.nav_timeout_s:
+            # a navigation the action started after the settle had looked (its loading events trailing: a click on
+            # a link under load), observed mid-load: settle on it and look again
+            stopped = await self._settle(self._page, time.monotonic())
+            await self._observe()
         return fail or stopped
 
     async def _program_html(self) -> float:
@@ -484,6 +490,12 @@ def read_action(text: str) -> str | None:
         return None if block is None else spelled(parse(block))
     except ActionParsingError:
         return None
+
+
+def _loading(tree: str) -> bool:
+    """Whether an observation shows its document still loading: the page's root (RootWebArea) marked busy."""
+    root = next((line for line in tree.splitlines() if "RootWebArea" in line), "")
+    return " busy: 1" in root
 
 
 def _product(values) -> float:
