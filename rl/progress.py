@@ -45,10 +45,12 @@ def show(line: tqdm | None, text: str) -> None:
     if line is None or line.disable:
         return
     line.set_postfix_str(text, refresh=False)
-    now = time.time()  # (tqdm's clock)
-    if now - line.last_print_t >= line.mininterval:
+    now = time.time()
+    # its own clock: tqdm's last_print_t belongs to its iterator, which counts the steps it has shown from it (set
+    # here, the iterator added its steps again at its next redraw: "82it" at step 15 of 16)
+    if now - getattr(line, "shown_at", 0.0) >= line.mininterval:
         line.refresh()
-        line.last_print_t = now
+        line.shown_at = now
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,23 @@ def test_a_log_gets_a_progress_line_now_and_then_not_one_per_turn(monkeypatch):
     assert [f"{turns} turns" in terminal.getvalue() for turns in (1, 2, 3)] == [True] * 3
 
 
+def test_train_step_bar_counts_each_step_once_when_its_line_is_also_shown(monkeypatch):
+    """The rollout's and the update's lines redraw train.py's step bar between its steps; the bar still counts the
+    steps it went through (redraws that set tqdm's own clock made it count them again: "82it" at step 15 of 16)."""
+    clock = Clock()
+    monkeypatch.setattr(progress_lib.time, "time", clock)
+    monkeypatch.setattr(tqdm.std, "time", clock)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    bar = progress_lib.step_bar(1, 16, True)
+    bar.mininterval = 0.05
+    for step in bar:
+        for _ in range(2):  # the rollout's line, then the update's
+            clock.now += 0.06
+            progress_lib.show(bar, f"step {step}")
+        assert bar.n <= step
+    assert bar.n == 16 and "16/16" in str(bar)
+
+
 def interrupted(script: str, point: str, n: int, *flags: str) -> subprocess.CompletedProcess:
     """`script` with `flags`, sent SIGINT at the n-th call of `point` (tests/interrupt.py)."""
     return subprocess.run([sys.executable, str(INTERRUPT), script, point, str(n), *flags], capture_output=True,
