@@ -330,3 +330,54 @@ def test_sampler_and_trainer_log_probs_agree(tiny):
     mean, worst = difference(0.7)
     assert mean < 1e-5 and worst < 1e-4
     assert difference(1.0)[0] > 1e-2
+
+
+def test_decoding_in_place_on_grouped_heads_is_transformers_own_decoding(tiny):
+    """The HF engine's cache grows in place and its one-token steps attend on grouped heads (rl/engines/hf.py): the
+    same tokens and, up to the order of a sum, the same log-probs as transformers' own cache and SDPA, for rows of
+    different lengths (padding), rows that share a prompt (prefilled once) and a cache that outgrows its room."""
+    from transformers import DynamicCache
+
+    from rl.engines.hf import GrowingLayer, decode_cache
+
+    tokenizer, model = tiny
+    assert model.config.num_attention_heads > model.config.num_key_value_heads  # grouped-query attention
+    fmt = ChatFormat(tokenizer)
+    prompts = [fmt.prompt([{"role": "user", "content": text}]) for text in ("go to the red ball", "pick up the key",
+                                                                            "go to the red ball", "open the door")]
+    engine = HFEngine(model, fmt, temperature=0.0)
+    samples = engine._generate(prompts, [24, 24, 24, 7])
+    assert model.config._attn_implementation == "sdpa"  # (restored after decoding)
+
+    width = max(map(len, prompts))
+    ids = torch.tensor([[fmt.pad_id] * (width - len(p)) + p for p in prompts])
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    tokens, logprobs = [], []
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache).logits[:, -1]
+        for _ in range(24):
+            logp = logits.log_softmax(-1)
+            token = logp.argmax(-1)
+            tokens.append(token)
+            logprobs.append(logp.gather(-1, token[:, None]).squeeze(-1))
+            attention = torch.cat([attention, attention.new_ones((len(prompts), 1))], dim=1)
+            positions = positions[:, -1:] + 1
+            logits = model(input_ids=token[:, None], attention_mask=attention, position_ids=positions,
+                           past_key_values=cache).logits[:, -1]
+    tokens, logprobs = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1)
+    for row, sample in enumerate(samples):
+        n = len(sample.token_ids)
+        assert 0 < n and sample.token_ids == tokens[row][:n]
+        assert torch.allclose(torch.tensor(sample.logprobs), logprobs[row, :n], atol=1e-5)
+    assert len(samples[3].token_ids) <= 7 and samples[0].token_ids == samples[2].token_ids
+
+    grown = decode_cache(model.config, room=2)  # two tokens of room: the third step doubles the buffers
+    assert all(isinstance(layer, GrowingLayer) for layer in grown.layers)
+    keys = torch.randn(2, model.config.num_key_value_heads, 5, model.config.hidden_size // model.config.num_attention_heads)
+    layer = grown.layers[0]
+    layer.update(keys, keys)
+    for step in range(3):
+        layer.update(keys[:, :, step:step + 1], keys[:, :, step:step + 1])
+    assert layer.keys.shape[-2] == 8 and torch.equal(layer.keys, torch.cat([keys, keys[:, :, :3]], dim=-2))
