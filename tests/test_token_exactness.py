@@ -338,7 +338,7 @@ def test_decoding_in_place_on_grouped_heads_is_transformers_own_decoding(tiny):
     different lengths (padding), rows that share a prompt (prefilled once) and a cache that outgrows its room."""
     from transformers import DynamicCache
 
-    from rl.engines.hf import GrowingLayer, decode_cache
+    from rl.engines.hf_decoding import GrowingLayer, decode_cache
 
     tokenizer, model = tiny
     assert model.config.num_attention_heads > model.config.num_key_value_heads  # grouped-query attention
@@ -356,7 +356,8 @@ def test_decoding_in_place_on_grouped_heads_is_transformers_own_decoding(tiny):
     cache = DynamicCache(config=model.config)
     tokens, logprobs = [], []
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache).logits[:, -1]
+        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions,
+                       past_key_values=cache).logits[:, -1]
         for _ in range(24):
             logp = logits.log_softmax(-1)
             token = logp.argmax(-1)
@@ -375,7 +376,8 @@ def test_decoding_in_place_on_grouped_heads_is_transformers_own_decoding(tiny):
 
     grown = decode_cache(model.config, room=2)  # two tokens of room: the third step doubles the buffers
     assert all(isinstance(layer, GrowingLayer) for layer in grown.layers)
-    keys = torch.randn(2, model.config.num_key_value_heads, 5, model.config.hidden_size // model.config.num_attention_heads)
+    config = model.config
+    keys = torch.randn(2, config.num_key_value_heads, 5, config.hidden_size // config.num_attention_heads)
     layer = grown.layers[0]
     layer.update(keys, keys)
     for step in range(3):
