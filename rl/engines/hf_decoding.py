@@ -30,10 +30,11 @@ def grouped_decode_attention(module, query, key, value, attention_mask, dropout:
                              is_causal=None, **kwargs):
     """SDPA, except a one-token step of grouped-query attention: each key/value head's group of query heads is laid
     out as that head's query rows, (B, H, 1, d) -> (B, H_kv, H/H_kv, d), so no key or value is copied per query head;
-    the padding mask (B, 1, 1, kv) broadcasts over the group."""
+    the padding mask (B, 1, 1, kv) broadcasts over the group. Attention with a position bias or sinks takes SDPA's
+    own path."""
     batch, heads, length, dim = query.shape
     kv_heads = key.shape[1]
-    if length != 1 or heads == kv_heads:
+    if length != 1 or heads == kv_heads or any(kwargs.get(extra) is not None for extra in ("position_bias", "s_aux")):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     out = F.scaled_dot_product_attention(query.reshape(batch, kv_heads, heads // kv_heads, dim), key, value,
@@ -88,8 +89,9 @@ def decode_cache(config, room: int):
 
 @contextmanager
 def decode_attention(model):
-    """The model's attention is grouped_decode_attention while decoding, where it was SDPA."""
-    config = model.config
+    """The language model's attention is grouped_decode_attention while decoding, where it was SDPA (its text
+    config's only: a multimodal model's other towers keep theirs)."""
+    config = model.config.get_text_config(decoder=True)
     before = config._attn_implementation
     if before == "sdpa":
         config._attn_implementation = DECODE_ATTENTION
