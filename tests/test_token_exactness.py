@@ -337,6 +337,8 @@ def test_decoding_in_place_on_grouped_heads_is_transformers_own_decoding(tiny):
     same tokens and, up to the order of a sum, the same log-probs as transformers' own cache and SDPA, for rows of
     different lengths (padding), rows that share a prompt (prefilled once) and a cache that outgrows its room."""
     from transformers import DynamicCache
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from rl.engines.hf_decoding import GrowingLayer, decode_cache
 
@@ -347,7 +349,7 @@ def test_decoding_in_place_on_grouped_heads_is_transformers_own_decoding(tiny):
                                                                             "go to the red ball", "open the door")]
     engine = HFEngine(model, fmt, temperature=0.0)
     samples = engine._generate(prompts, [24, 24, 24, 7])
-    assert model.config._attn_implementation == "sdpa"  # (restored after decoding)
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward  # (restored after decoding)
 
     width = max(map(len, prompts))
     ids = torch.tensor([[fmt.pad_id] * (width - len(p)) + p for p in prompts])
@@ -374,12 +376,17 @@ def test_decoding_in_place_on_grouped_heads_is_transformers_own_decoding(tiny):
         assert torch.allclose(torch.tensor(sample.logprobs), logprobs[row, :n], atol=1e-5)
     assert len(samples[3].token_ids) <= 7 and samples[0].token_ids == samples[2].token_ids
 
-    grown = decode_cache(model.config, room=2)  # two tokens of room: the third step doubles the buffers
+    grown = decode_cache(model.config, room=200)  # buffers of 64 tokens' room at first, grown when full
     assert all(isinstance(layer, GrowingLayer) for layer in grown.layers)
     config = model.config
-    keys = torch.randn(2, config.num_key_value_heads, 5, config.hidden_size // config.num_attention_heads)
+    keys = torch.randn(3, config.num_key_value_heads, 5 + 100, config.hidden_size // config.num_attention_heads)
     layer = grown.layers[0]
-    layer.update(keys, keys)
-    for step in range(3):
-        layer.update(keys[:, :, step:step + 1], keys[:, :, step:step + 1])
-    assert layer.keys.shape[-2] == 8 and torch.equal(layer.keys, torch.cat([keys, keys[:, :, :3]], dim=-2))
+    layer.update(keys[:, :, :5], keys[:, :, :5])
+    layer.reorder_cache(torch.tensor([2, 0]))  # (the prefill's rows picked)
+    for step in range(5, 105):
+        layer.update(keys[[2, 0], :, step:step + 1], keys[[2, 0], :, step:step + 1])
+        if step == 50:
+            layer.reorder_cache(torch.tensor([1, 0]))  # (rows picked from the buffers too)
+            keys = keys[[2, 1, 0]]  # (so that each row goes on with its own stream)
+    assert layer.keys.shape[-2] == 105 and layer.key_buffer.shape[-2] < 105 + 64
+    assert torch.equal(layer.keys, keys[[2, 0]]) and torch.equal(layer.values, keys[[2, 0]])

@@ -46,13 +46,26 @@ class HFEngine(RoundEngine):
 
     @torch.no_grad()
     def _generate(self, prompts: list[list[int]], limits: list[int]) -> list[Sample]:
-        from rl.engines.hf_decoding import decode_attention, decode_cache  # (transformers: imported when needed)
-
         if max(limits) <= 0:
             return [Sample([]) for _ in prompts]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            tokens, logprobs = self._decode(prompts, limits)
+        finally:
+            self.model.train(was_training)
+        samples = []
+        for row, limit_row in enumerate(limits):
+            ids = tokens[row][:max(limit_row, 0)]
+            end = next((k + 1 for k, t in enumerate(ids) if t in self.fmt.stop_ids), len(ids))
+            samples.append(Sample(ids[:end], logprobs[row][:end]))
+        return samples
+
+    def _decode(self, prompts: list[list[int]], limits: list[int]) -> tuple[list[list[int]], list[list[float]]]:
+        """Each row's sampled tokens and their log-probs, up to the longest limit (the caller cuts each row)."""
+        from rl.engines.hf_decoding import decode_attention, decode_cache  # (transformers: imported when needed)
+
         model, device = self.model, self.model.device
-        was_training = model.training
-        model.eval()
         # rows with the same prompt (a GRPO group's first turn) are prefilled once, then share that KV cache
         distinct: dict[tuple[int, ...], int] = {}
         source = [distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts]
@@ -75,7 +88,7 @@ class HFEngine(RoundEngine):
         limit = torch.tensor(limits, device=device)
         finished = limit <= 0
         tokens, logprobs = [], []
-        with decode_attention(model):
+        with decode_attention():
             for step in range(max(limits)):
                 token, logprob = self._sample(logits.float())
                 tokens.append(token)
@@ -87,15 +100,7 @@ class HFEngine(RoundEngine):
                 positions = positions[:, -1:] + 1
                 logits = model(input_ids=token[:, None], attention_mask=attention, position_ids=positions,
                                past_key_values=cache, use_cache=True).logits[:, -1]
-        model.train(was_training)
-
-        tokens, logprobs = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()
-        samples = []
-        for row, limit_row in enumerate(limits):
-            ids = tokens[row][:max(limit_row, 0)]
-            end = next((k + 1 for k, t in enumerate(ids) if t in self.fmt.stop_ids), len(ids))
-            samples.append(Sample(ids[:end], logprobs[row][:end]))
-        return samples
+        return torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()
 
     def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.temperature <= 0:
