@@ -431,6 +431,7 @@ def compare_rows(a: dict, b: dict) -> list[dict]:
 
 
 if __name__ == "__main__":
+    rl.freeze_heap()  # (what the imports made: no garbage)
     try:
         main(tyro.cli(Args, description=__doc__.split("\n\n")[0]))
     except EngineStalled as error:  # one sentence, not a traceback

@@ -782,6 +782,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
 
 if __name__ == "__main__":
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    rl.freeze_heap()  # (what the imports made: no garbage)
     try:
         main(parse_args())
     except EngineStalled as error:  # one sentence, not a traceback

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import logging
 import os
@@ -13,6 +14,7 @@ import warnings
 
 import torch
 
+from rl import freeze_heap
 from rl.engines import PROBE, PROBE_TOLERANCE, Sample, Seeded, SyncError, trainer_probe, verify_probe
 
 
@@ -243,7 +245,18 @@ def start_vllm(model: str, *, dtype: str, seed: int, max_model_len: int, gpu_mem
     on_gpu = torch.cuda.is_available()
     if deterministic and on_gpu:  # (read when vLLM builds its layers: before the engine starts; unverified here)
         os.environ["VLLM_BATCH_INVARIANT"] = "1"
-    from vllm import LLM
+    # the heap frozen before the start (rl.freeze_heap), as vLLM freezes it after (freeze_gc_heap; its shutdown thaws
+    # it): the three full collections of its start scan only what it makes (~2 s a start here), and its import (280,000
+    # objects, all modules) runs without the collector, which would pass over the whole heap 3-4 times meanwhile
+    freeze_heap()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        from vllm import LLM
+    finally:
+        if enabled:
+            gc.enable()
+    freeze_heap()
 
     if launched:
         # under `accelerate launch`: vLLM's own executor would put every process's engine on GPU 0;
