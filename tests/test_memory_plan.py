@@ -48,21 +48,34 @@ def test_the_model_state_is_what_training_allocates(tmp_path):
         accelerator.free_memory()
 
 
-@pytest.mark.parametrize("compute", ["fp32", "autocast", "bf16"])
-@pytest.mark.parametrize("shape", ["qwen2.5-1.5b", "qwen2.5-3b", "tiny-agent"])
-def test_activations_are_what_a_forward_keeps(compute, shape):
-    """Measured with saved-tensor hooks (the weights, and autocast's 16-bit copies of them, aside) on two layers of
-    Qwen2.5-1.5B's and -3B's shapes and on the embedded model, in fp32, under bf16 autocast, and with bf16 weights."""
+SHAPES = {"qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12),
+          "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16)}
+
+
+@pytest.fixture(scope="module")
+def shaped():
+    """shaped(shape): two layers of a real model's shape (random weights: what a forward keeps does not depend on
+    them), or the embedded model; each made once for the three precisions (a test casts it in place)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    shapes = {"qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12),
-              "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16)}
-    if shape in shapes:
-        config = Qwen2Config(**shapes[shape], num_hidden_layers=2, num_key_value_heads=2, vocab_size=1000)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    else:
-        model = load_model(shape)
-    model.to(torch.bfloat16 if compute == "bf16" else torch.float32)
+    made = {}
+
+    def get(shape: str):
+        if shape not in made:
+            made[shape] = load_model(shape) if shape not in SHAPES else AutoModelForCausalLM.from_config(
+                Qwen2Config(**SHAPES[shape], num_hidden_layers=2, num_key_value_heads=2, vocab_size=1000),
+                attn_implementation="sdpa")
+        return made[shape]
+
+    return get
+
+
+@pytest.mark.parametrize("compute", ["fp32", "autocast", "bf16"])
+@pytest.mark.parametrize("shape", ["qwen2.5-1.5b", "qwen2.5-3b", "tiny-agent"])
+def test_activations_are_what_a_forward_keeps(compute, shape, shaped):
+    """Measured with saved-tensor hooks (the weights, and autocast's 16-bit copies of them, aside) on two layers of
+    Qwen2.5-1.5B's and -3B's shapes and on the embedded model, in fp32, under bf16 autocast, and with bf16 weights."""
+    model = shaped(shape).to(torch.bfloat16 if compute == "bf16" else torch.float32)
     weights = {p.data_ptr() for p in model.parameters()}
     shapes_of_weights = {tuple(p.shape) for p in model.parameters()}
     kept = {}
@@ -79,7 +92,7 @@ def test_activations_are_what_a_forward_keeps(compute, shape):
         model.model(input_ids=torch.randint(3, model.config.vocab_size, (1, tokens)))
     # (the embedded model is 10% off under autocast, 0.945: at h = 128 the per-token terms that are neither h nor I wide
     # weigh more; at the real shapes all are within 5%)
-    within = 0.05 if shape in shapes else 0.10
+    within = 0.05 if shape in SHAPES else 0.10
     assert abs(sum(kept.values()) / activation_bytes(model.config, tokens, False, compute) - 1) < within
 
 

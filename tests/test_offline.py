@@ -44,6 +44,14 @@ def expert(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def few(tmp_path_factory):
+    """A few of the oracle's episodes, enough for the checks that stop a run before it trains."""
+    out = tmp_path_factory.mktemp("few") / "babyai_expert.jsonl"
+    make_expert_data.main(["--env", "babyai", "--limit", "8", "--horizon", "6", "--max-tokens", "1536", "--out", str(out)])
+    return out
+
+
 def run(tmp_path, name, *flags, engine="hf"):
     args = train.parse_args(["--out-dir", str(tmp_path), "--run-name", name, "--engine", engine, *flags])
     run_dir = train.main(args)
@@ -187,11 +195,11 @@ def test_one_agentevol_iteration_grows_its_buffer_and_keeps_test_success(tmp_pat
     (["--algo", "agentevol", "--data", "{expert}", "--resume", "auto"], "does not continue an agentevol run"),
     (["--algo", "agentevol", "--data", "{expert}", "--horizon", "2", "4"], "one turn cap"),
 ])
-def test_bad_input_stops_with_a_message(tmp_path, expert, flags, message):
+def test_bad_input_stops_with_a_message(tmp_path, few, flags, message):
     bad = tmp_path / "bad.jsonl"
-    good = read_trajectories(expert)[0]
+    good = read_trajectories(few)[0]
     bad.write_text(json.dumps(good) + "\n" + json.dumps({"item_id": "babyai_7", "conversations": "none"}) + "\n")
-    flags = [f.format(expert=expert, bad=bad) for f in flags]
+    flags = [f.format(expert=few, bad=bad) for f in flags]
     with pytest.raises(SystemExit, match=message):
         run(tmp_path, "bad", *flags)
     assert not (tmp_path / "bad" / "checkpoints").exists()

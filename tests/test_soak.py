@@ -193,6 +193,8 @@ def java_heap(env) -> float:
 
 def soak_env(name: str, calls: int, warmup: int, samples: int = 25) -> Samples:
     """Play `warmup` calls, then `calls` more with `samples` RSS samples, the first right after the warm-up."""
+    gc.collect()
+    gc.freeze()  # (what lives now, the test process's modules, is no garbage: each sample's collection skips it)
     env = envs.make(name, **OPTIONS.get(name, {}))
     every = max(calls // (samples - 1), 1)
     record = Samples(name, per=1000)
@@ -204,6 +206,7 @@ def soak_env(name: str, calls: int, warmup: int, samples: int = 25) -> Samples:
                 record.add(done - warmup, tree_rss(), sys.getallocatedblocks(), java_heap(env) if name == "sciworld" else None)
     finally:
         env.close()
+        gc.unfreeze()
     print(record.line("calls", time.perf_counter() - start))
     return record
 
