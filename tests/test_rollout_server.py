@@ -78,6 +78,10 @@ class Server:
                 time.sleep(0.5)
         raise AssertionError("the rollout server did not start")
 
+    def alive(self):
+        """This server, started again if a test before killed it."""
+        return self if self.process.poll() is None else self.start()
+
     def kill(self):
         self.process.send_signal(signal.SIGKILL)
         self.process.wait()
@@ -91,6 +95,14 @@ class Server:
 def server():
     """One deterministic server for the module (a non-deterministic client may use it too)."""
     started = Server("--deterministic")
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def spare():
+    """A second server, for the tests that break, stop or kill one, in turn (each takes it with `spare.alive()`)."""
+    started = Server()
     yield started
     started.stop()
 
@@ -239,14 +251,40 @@ def test_a_server_with_another_model_or_too_short_a_context_is_refused(server, t
         RemoteEngine([f"127.0.0.1:{free_port()}"], fmt, temperature=1.0, top_p=1.0)
 
 
+@pytest.mark.timeout(300)
+def test_a_trainer_killed_mid_broadcast_leaves_the_server_serving_the_next_one(spare, tiny):
+    """A trainer SIGKILLed mid-broadcast: the server refuses to generate (its weights are incomplete) but answers; a
+    trainer that starts again (--resume) sends a whole update, which loads and passes the probe."""
+    fmt, model = tiny
+    alone = spare.alive()  # (its first user: the module's tests that kill it come after)
+    trainer = subprocess.Popen([sys.executable, "-c", HANGING_TRAINER, alone.address], cwd=ROOT, env=ENV,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert trainer.stdout.readline().strip() == "hanging"
+        trainer.kill()
+        trainer.wait()
+        deadline = time.monotonic() + 60
+        while "broke off" not in str(httpx.get(f"http://{alone.address}/info", timeout=5).json()["broken"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        assert poll(alone, submit=[dict(TURN, id=1)]).status_code == 503
+        engine = engine_on(fmt, model, alone.address)
+        synced = engine.load_weights(model)
+        assert "error" not in synced and synced["probe_diff"] < 1e-5, synced
+        assert all(t.error is None for t in play(engine, fmt, count=2))
+        engine.close()
+    finally:
+        trainer.kill()
+
+
 @pytest.mark.timeout(600)
-def test_a_server_killed_mid_rollout_fails_only_its_trajectories(server, tiny):
+def test_a_server_killed_mid_rollout_fails_only_its_trajectories(server, spare, tiny):
     """Two servers, trajectories spread over them; one killed while its turns run: its trajectories end with
     finish "error" naming it, the other's play on. The next sync goes on with the server left; the killed one,
     restarted, is reached again, checked and given the weights; with none up the sync gives up after its bounded
     wait with a reason."""
     fmt, model = tiny
-    doomed = Server()
+    doomed = spare.alive()
     engine = engine_on(fmt, model, server.address, doomed.address, reconnect_s=3.0)
     try:
         engine.load_weights(model)
@@ -275,14 +313,13 @@ def test_a_server_killed_mid_rollout_fails_only_its_trajectories(server, tiny):
         alone.close()
     finally:
         engine.close()
-        doomed.stop()
 
 
 @pytest.mark.timeout(600)
-def test_a_training_run_whose_server_dies_stops_with_a_message(tmp_path, tiny):
+def test_a_training_run_whose_server_dies_stops_with_a_message(tmp_path, spare, tiny):
     """train.py over a server killed after the first step: the run stops with one sentence that names the rollout
     server, no traceback, and every checkpoint it wrote is whole."""
-    doomed = Server()
+    doomed = spare.alive()
     process = subprocess.Popen([sys.executable, "train.py", "--rollout-server", doomed.address, "--steps", "4",
                                 "--save-every", "1", *SMALL, "--out-dir", str(tmp_path), "--run-name", "r"], cwd=ROOT,
                                env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -295,7 +332,6 @@ def test_a_training_run_whose_server_dies_stops_with_a_message(tmp_path, tiny):
         doomed.kill()
         _, err = process.communicate(timeout=400)
     finally:
-        doomed.stop()
         if process.poll() is None:
             process.kill()
     assert process.returncode != 0
@@ -597,33 +633,6 @@ def hanging():
         yield item
 engine.load_weights(model, weights=hanging())
 '''
-
-
-@pytest.mark.timeout(300)
-def test_a_trainer_killed_mid_broadcast_leaves_the_server_serving_the_next_one(tiny):
-    """A trainer SIGKILLed mid-broadcast: the server refuses to generate (its weights are incomplete) but answers; a
-    trainer that starts again (--resume) sends a whole update, which loads and passes the probe."""
-    fmt, model = tiny
-    alone = Server()
-    trainer = subprocess.Popen([sys.executable, "-c", HANGING_TRAINER, alone.address], cwd=ROOT, env=ENV,
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert trainer.stdout.readline().strip() == "hanging"
-        trainer.kill()
-        trainer.wait()
-        deadline = time.monotonic() + 60
-        while "broke off" not in str(httpx.get(f"http://{alone.address}/info", timeout=5).json()["broken"]):
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
-        assert poll(alone, submit=[dict(TURN, id=1)]).status_code == 503
-        engine = engine_on(fmt, model, alone.address)
-        synced = engine.load_weights(model)
-        assert "error" not in synced and synced["probe_diff"] < 1e-5, synced
-        assert all(t.error is None for t in play(engine, fmt, count=2))
-        engine.close()
-    finally:
-        trainer.kill()
-        alone.stop()
 
 
 def test_a_server_idle_longer_than_the_stall_bound_is_not_taken_for_stalled(server, tiny, monkeypatch):
