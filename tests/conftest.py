@@ -154,9 +154,12 @@ def pytest_runtest_protocol(item, nextitem):
     """Each test runs with what lived before it frozen out of the cyclic garbage collector (gc.freeze): a worker holds
     700,000 objects and more (torch, transformers, vLLM, every test module), so that each full collection cost 0.2-0.5 s
     and took 18% of tests/test_train.py's and test_async.py's time (56 collections, 25 s, on one worker). What a test
-    makes is collected as usual; unfrozen after it, what it left is collected as usual too."""
+    makes is collected as usual while it runs. Thawed after it; at the end of each file a full collection takes what
+    the file left in cycles (its module fixtures too), which the next test's freeze would otherwise keep."""
     gc.freeze()
     try:
         yield
     finally:
         gc.unfreeze()
+        if nextitem is None or nextitem.path != item.path:
+            gc.collect()

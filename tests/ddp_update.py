@@ -116,6 +116,7 @@ def main(out_dir: Path) -> None:
         if accelerator.is_main_process:
             save_file(gradients, str(out_dir / f"{name}.safetensors"))
         save_file(weights, str(out_dir / f"{name}_weights_{rank}.safetensors"))  # every process's whole model
+        del models, batch, gradients, weights, sums, advantages, returns, recording
         accelerator.free_memory()  # (the next case prepares a model of its own)
         rl.freeze_heap()  # (what is left lives on: the next case's collection scans only what that case makes)
     accelerator.wait_for_everyone()

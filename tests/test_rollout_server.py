@@ -79,8 +79,11 @@ class Server:
         raise AssertionError("the rollout server did not start")
 
     def alive(self):
-        """This server, started again if a test before killed it."""
-        return self if self.process.poll() is None else self.start()
+        """This server, serving: woken if a test before stopped it (SIGSTOP), started again if one killed it."""
+        if self.process.poll() is not None:
+            return self.start()
+        self.process.send_signal(signal.SIGCONT)
+        return self
 
     def kill(self):
         self.process.send_signal(signal.SIGKILL)
@@ -313,6 +316,7 @@ def test_a_server_killed_mid_rollout_fails_only_its_trajectories(server, spare, 
         alone.close()
     finally:
         engine.close()
+        doomed.alive()  # (woken, should a failure have left it stopped: the next test takes it)
 
 
 @pytest.mark.timeout(600)

@@ -245,10 +245,10 @@ def start_vllm(model: str, *, dtype: str, seed: int, max_model_len: int, gpu_mem
     on_gpu = torch.cuda.is_available()
     if deterministic and on_gpu:  # (read when vLLM builds its layers: before the engine starts; unverified here)
         os.environ["VLLM_BATCH_INVARIANT"] = "1"
-    # the heap frozen before the start (rl.freeze_heap), as vLLM freezes it after (freeze_gc_heap; its shutdown thaws
-    # it): the three full collections of its start scan only what it makes (~2 s a start here), and its import (280,000
-    # objects, all modules) runs without the collector, which would pass over the whole heap 3-4 times meanwhile
-    freeze_heap()
+    # vLLM's import (280,000 objects, all modules) without the collector, which would pass over the whole heap 3-4
+    # times meanwhile; then the heap collected and frozen (rl.freeze_heap), as vLLM freezes it after its start
+    # (freeze_gc_heap; its shutdown thaws it): the three full collections of its start scan only what it makes
+    # (~2 s a start here)
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -256,6 +256,7 @@ def start_vllm(model: str, *, dtype: str, seed: int, max_model_len: int, gpu_mem
     finally:
         if enabled:
             gc.enable()
+    gc.collect()
     freeze_heap()
 
     if launched:
