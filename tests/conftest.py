@@ -151,16 +151,15 @@ def pytest_collection_modifyitems(items):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Each test file runs with what lived before it frozen out of the cyclic garbage collector (gc.freeze): a worker
-    holds 700,000 objects and more (torch, transformers, vLLM, every test module), so that each full collection cost
-    0.2-0.5 s and took 18% of tests/test_train.py's and test_async.py's time (56 collections, 25 s, on one worker).
-    What the file makes is collected as usual while it runs; after its last test (and its module fixtures' teardown) a
-    collection of what it made, the rest still frozen, takes what it left in cycles; then all is thawed."""
-    if not gc.get_freeze_count():  # (a file's first test, or the first after a vLLM engine's shutdown thawed all)
-        gc.freeze()
+    """Each test runs with what lived before it frozen out of the cyclic garbage collector (gc.freeze): a worker holds
+    700,000 objects and more (torch, transformers, vLLM, every test module), so that each full collection cost 0.2-0.5 s
+    and took 18% of tests/test_train.py's and test_async.py's time (56 collections, 25 s, on one worker). What a test
+    makes is collected as usual while it runs. Thawed after it; at the end of each file a full collection takes what
+    the file left in cycles (its module fixtures too), which the next test's freeze would otherwise keep."""
+    gc.freeze()
     try:
         yield
     finally:
+        gc.unfreeze()
         if nextitem is None or nextitem.path != item.path:
             gc.collect()
-            gc.unfreeze()
