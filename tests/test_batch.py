@@ -147,6 +147,8 @@ def test_the_update_is_the_same_packed_or_padded(aggregation, tmp_path):
         losses[name], gradients[name] = one_update(models, batch, args, accelerator)
         accelerator.free_memory()
     assert losses["packed"] == pytest.approx(losses["padded"], rel=1e-5)
-    for name, gradient in gradients["padded"].items():  # (float noise: 1e-5 of each tensor's largest entry)
-        torch.testing.assert_close(gradients["packed"][name], gradient, rtol=1e-3, atol=1e-5 * float(gradient.abs().max()),
+    # (float noise: up to 1.2e-5 of a tensor's largest entry, measured on a Sapphire Rapids CPU where packed and padded
+    # rows take different kernels; a row that saw another sequence's tokens is off by a good share of that entry)
+    for name, gradient in gradients["padded"].items():
+        torch.testing.assert_close(gradients["packed"][name], gradient, rtol=1e-3, atol=5e-5 * float(gradient.abs().max()),
                                    msg=lambda message, name=name: f"{name}: {message}")
