@@ -69,7 +69,7 @@ from envs.guard import EnvArgs, close_envs
 from rl import plots
 from rl.agent import LayoutArgs, chat_format
 from rl.checkpoint import write_atomic
-from rl.flags import GROUP
+from rl.flags import GROUP, env_names
 from rl.horizon import AUTO, horizon_at
 from rl.progress import play_until_stopped, stopped
 from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, context_limit, deterministic_kernels, load_config,
@@ -160,7 +160,11 @@ def resolve_settings(args: Args) -> dict:
         protocol = "run" if config is not None else "tiny" if args.model in EMBEDDED else "agentgym"
     if protocol == "run" and config is None:
         raise SystemExit("--protocol run takes a checkpoint of a training run (runs/<run>/checkpoints/step_<k>)")
-    env = args.env or (config["env"] if config is not None else EMBEDDED_ROLLOUT["env"] if protocol == "tiny" else "babyai")
+    trained = env_names(config["env"]) if config is not None else ()  # (the envs of the run, where the model is one's)
+    if not args.env and len(trained) > 1:
+        raise SystemExit(f"{args.model} was trained on {', '.join(trained)}: give --env, one of them (eval.py plays one "
+                         "env a call)")
+    env = args.env or (trained[0] if trained else EMBEDDED_ROLLOUT["env"] if protocol == "tiny" else "babyai")
     if env not in envs.ENVS:
         raise SystemExit(f"unknown env {env!r}; choose one of: {', '.join(envs.ENVS)}")
     if protocol == "run":
@@ -183,10 +187,12 @@ def resolve_settings(args: Args) -> dict:
     if not args.model.startswith(api.PREFIX):  # within the model's context window (a served model's: its server's)
         limits["max_tokens"] = context_limit(limits["max_tokens"], args.model, load_config(args.model), budget=(
             "--max-tokens" if "max_tokens" in overrides else f"--protocol {protocol}'s --max-tokens"))
-    own_options = config.get("env_options", {}) if config is not None and config["env"] == env else {}
+    own_options = config.get("env_options", {}) if env in trained else {}
     options = {**envs.parse_options(own_options), **envs.parse_options(args.env_args.env_options)}
     # a run's checkpoint plays its run's test tasks (the tiny preset's on BabyAI: the short-horizon levels')
-    own_tasks = config.get("test_tasks") if protocol == "run" and config["env"] == env and args.split == "test" else None
+    own_tasks = config.get("test_tasks") if protocol == "run" and env in trained and args.split == "test" else None
+    if own_tasks and len(trained) > 1 and not envs.load_tasks(own_tasks, trained).get(env):  # (the run played its split)
+        own_tasks = None
     horizons = sorted(set(horizons)) if horizons else [limits["horizon"]]
     # the layout: a run's checkpoint plays as its run was trained (agent format, template options, reasoning tags)
     own = config if protocol == "run" else {}

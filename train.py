@@ -72,14 +72,17 @@ from rl.run import (Logs, RunArgs, close, eval_due, evaluation_plan, finish, log
                     run_directory, save_checkpoint, stop_on_env_failures, stopped_run)
 from rl.scores import score, spread
 from rl.offline import offline_pass
-from rl.tasks import my_tasks, task_ids, tasks_for
+from rl.tasks import Mix, my_tasks, step_tasks, task_ids, tasks_by_env, tasks_for
 from rollout import ChatFormat, EngineStalled, Rollouts, RolloutStats, Tasks, Trajectory, play
 
 @dataclass
 class Args:
     # -- what to train
-    env: str = "babyai"
-    """environment: babyai, textcraft, sciworld, searchqa, webarena"""
+    env: tuple[str, ...] = ("babyai",)
+    """environments: babyai, textcraft, sciworld, searchqa, webarena, or all; several train one agent on all of
+    them, a step's tasks shared by --env-weights (rl/tasks.py's Mix)"""
+    env_weights: tuple[float, ...] = ()
+    """several envs: each one's share of a step's tasks, the same every step; default: equal"""
     model: str = "tiny-agent"
     """Hugging Face id or local directory; `tiny-agent` is the embedded CPU model"""
     preset: Literal["auto", "paper", "tiny"] = "auto"
@@ -106,6 +109,9 @@ class Args:
     """gigpo: omega, the weight of the turn-level advantage added to the episode's (the paper's 1.0)"""
     lam: float = 1.0
     """GAE lambda (ppo)"""
+    whiten_per_env: bool = True
+    """several envs: reinforce_pp and ppo whiten their advantages within each env (AgentRL's task normalisation: one
+    env's rewards do not set another's scale); --no-whiten-per-env over the whole batch"""
 
     # -- SFT, DPO, AgentEvol: learning from trajectory files
     offline_args: Annotated[OfflineArgs, GROUP] = field(default_factory=OfflineArgs)  # rl/data.py
@@ -229,7 +235,7 @@ PRESETS = {
     # the default run, `python train.py`: ScalingInter-RL on 5 BabyAI levels (TINY_TASKS), 3 turns
     # then 6, and the held-out comparison of the initial and final policies (step 0 and the last evaluation)
     "tiny": build(Args,
-        env=EMBEDDED_ROLLOUT["env"], horizon=(3, EMBEDDED_ROLLOUT["horizon"]), horizon_every=8,
+        env=(EMBEDDED_ROLLOUT["env"],), horizon=(3, EMBEDDED_ROLLOUT["horizon"]), horizon_every=8,
         max_new_tokens=EMBEDDED_ROLLOUT["max_new_tokens"], max_tokens=EMBEDDED_ROLLOUT["max_tokens"], steps=16,
         tasks_per_step=8, n=8, lr=2e-4, minibatches=1, micro_batch_size=4, gradient_checkpointing=False, save_every=0,
         critic_lr=1e-3,
@@ -276,18 +282,22 @@ def main(args: Args) -> Path | None:
     if args.algo in OFFLINE:  # learning from trajectory files: the same models, checkpoints and logs
         return evolve(args, accelerator, mixed) if args.algo == "agentevol" else learn(args, accelerator, mixed)
     resuming = args.run_args.resuming
-    run_dir = run_directory(accelerator, args.run_args, f"{args.env}-{args.algo}")
+    run_dir = run_directory(accelerator, args.run_args, f"{'+'.join(args.env)}-{args.algo}")
 
-    # -- tasks, and one env per trajectory of this process, created once and reset every step
-    train_ids = train_task_ids(args)
-    if args.epochs is not None:
-        args = replace(args, steps=args.epochs * (len(train_ids) // args.tasks_per_step))
+    # -- tasks (each env's quota a step: rl/tasks.py's Mix), and one env per trajectory of this process, created once
+    # and reset every step
+    mix = Mix.of(args.env, args.env_weights, args.tasks_per_step)
+    train_ids = train_task_ids(args, mix)
+    if args.epochs is not None:  # (with several envs an epoch is the longest pass: every env's tasks seen once)
+        args = replace(args, steps=args.epochs * max(len(train_ids[e]) // c for e, c in zip(mix.names, mix.counts)))
     # (each call bounded by --env-timeout; an env that failed is replaced: envs/guard.py)
     # (--max-staleness k: a block of envs for each of the k + 1 steps' tasks under way; evaluations get their own)
-    per_step, blocks = args.tasks_per_step // accelerator.num_processes * args.n, staleness.blocks(args.max_staleness or 0)
-    environments = args.env_args.make_envs(args.env, per_step * blocks, accelerator.process_index, args.seed)
-    test_ids = test_task_ids(args) if args.eval_every else []  # played on the same envs every --eval-every steps
-    players = args.env_args.make_envs(args.env, per_step, accelerator.process_index, args.seed + 1) \
+    rows, blocks = mix.rows(args.n, accelerator.process_index, accelerator.num_processes), \
+        staleness.blocks(args.max_staleness or 0)
+    per_step = len(rows)
+    environments = args.env_args.make_pool(rows, blocks, accelerator.process_index, args.seed)
+    test_ids = test_task_ids(args) if args.eval_every else {}  # played on the same envs every --eval-every steps
+    players = args.env_args.make_pool(rows, 1, accelerator.process_index, args.seed + 1) \
         if test_ids and args.max_staleness is not None else environments
     engine = logs = rollouts = None
     try:  # (everything from here on closes what it opened, also on a stop or an error)
@@ -298,11 +308,12 @@ def main(args: Args) -> Path | None:
         start_step = trainer_state["step"] + 1
         sync(engine, models.policy, accelerator, start_step - 1)  # from the first step on: the trainer's weights
         history = logged_steps(run_dir, start_step) if resuming else []  # (the steps' metrics: --horizon auto's input)
-        rollouts = rollouts_of(engine, fmt, environments, train_ids, start_step, max_tokens, args, accelerator, history)
+        rollouts = rollouts_of(engine, fmt, environments, mix, train_ids, start_step, max_tokens, args, accelerator,
+                               history)
 
         # -- the run's record (logs cut back to the checkpoint's when resuming)
         config = run_config(flags.flat(args), run_dir, resuming, accelerator, mixed, engine, environments[0])
-        accelerator.print(start_line(args, run_dir, len(test_ids), start_step, resuming))
+        accelerator.print(start_line(args, mix, run_dir, sum(map(len, test_ids.values())), start_step, resuming))
         logs = logs_of(args, run_dir, config, accelerator, trainer_state["logs"])
 
         # (the step bar shows the phase under way: rollout, update or eval, and how far it got)
@@ -327,7 +338,7 @@ def main(args: Args) -> Path | None:
                 batch = batch_of(trajectories, args, accelerator, fmt.pad_id, step)
                 old_logprobs(models, batch, args, accelerator, between)
                 advantages, returns = advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok,
-                                                     reducer(accelerator), batch.episodes, batch.anchors)
+                                                     reducer(accelerator), batch.episodes, batch.anchors, batch.envs)
                 attach(batch, advantages, returns)
                 sums, grad_norms = update(models, batch, args, accelerator, step,
                                           phase(progress, "update", args.ppo_epochs * len(batch.micro)),
@@ -392,23 +403,26 @@ def logs_of(args: Args, run_dir: Path, config: dict, accelerator, sizes: dict) -
                 args.run_args.wandb_project if args.run_args.track else None)
 
 
-def start_line(args: Args, run_dir: Path, tests: int, start: int, resuming: bool) -> str:
+def start_line(args: Args, mix: Mix, run_dir: Path, tests: int, start: int, resuming: bool) -> str:
     """An RL run's first line: what it trains, how long, at which turn caps, its evaluations, where it writes."""
-    return (f"run {run_dir.name}: {args.env}, {args.model} ({args.preset} preset), {args.algo}, {args.steps} steps of "
+    envs_played = args.env[0] if len(args.env) == 1 else \
+        " + ".join(f"{name} ({count} a step)" for name, count in zip(mix.names, mix.counts))
+    return (f"run {run_dir.name}: {envs_played}, {args.model} ({args.preset} preset), {args.algo}, {args.steps} steps of "
             f"{args.tasks_per_step} tasks x {args.n} samples, {describe(args.horizon, args.horizon_every, args.steps)}, "
             f"{evaluation_plan(tests, args.eval_k, args.eval_every, start, args.steps, initial=start == 1)}"
             f" -> {run_dir}" + (f", resumed at step {start}" if resuming else ""))
 
 
-def rollouts_of(engine, fmt: ChatFormat, environments: list, train_ids: list[int], first: int, max_tokens: int,
-                args: Args, accelerator, history: list[dict]) -> Rollouts:
-    """The run's rollouts (rollout.py's Rollouts), set j holding step j's tasks (my_tasks, the horizon schedule,
+def rollouts_of(engine, fmt: ChatFormat, environments: list, mix: Mix, train_ids: dict[str, list[int]], first: int,
+                max_tokens: int, args: Args, accelerator, history: list[dict]) -> Rollouts:
+    """The run's rollouts (rollout.py's Rollouts), set j holding step j's tasks (step_tasks, each env's on its rows of
+    `environments`: make_pool; my_tasks, the horizon schedule,
     under --deterministic a stream of seeds restarted from (seed, step)), from step `first` on, at --max-staleness k
     (none: 0, the synchronous loop): in-flight episodes are not checkpointed, a resumed run plays its next steps'
     sets anew (docs/async.md: a browser page or a JVM's state cannot be saved)."""
     def tasks_of(j: int) -> Tasks:
-        mine, groups = my_tasks(tasks_for(j, train_ids, args.tasks_per_step, args.seed), args.n, accelerator)
-        return Tasks(mine, groups, horizon_for(j, args, history)[0])
+        mine, groups = my_tasks(step_tasks(j, mix, train_ids, args.seed), args.n, accelerator)
+        return Tasks([task for _, task in mine], groups, horizon_for(j, args, history)[0])
 
     seed = args.seed + accelerator.process_index
     return Rollouts(engine, fmt, environments, tasks_of, staleness=args.max_staleness or 0, first=first, last=args.steps,
@@ -471,18 +485,23 @@ def old_logprobs(models: Models, batch: Batch, args: Args, accelerator, between=
 
 
 def advantages_for(args: Args, full: StepTensors, scores: torch.Tensor, groups: torch.Tensor, ok: torch.Tensor,
-                   reduce, episodes: torch.Tensor | None = None,
-                   anchors: list[list] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   reduce, episodes: torch.Tensor | None = None, anchors: list[list] | None = None,
+                   row_envs: list[str] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The step's per-token advantages [B, T] (and GAE's returns for the critic) by --algo (rl/advantages.py); with
     --kl-in-reward the reward loses beta * KL_t at every action token. `reduce` whitens over all processes, as one;
     `episodes`: the episode of each row (--reasoning drop: a row per turn); `anchors`: gigpo's, each episode's state
-    keys before its turns (rl/batch.py)."""
+    keys before its turns (rl/batch.py); `row_envs`: each row's env, with several envs whitened apart
+    (--whiten-per-env)."""
     penalty = None
     if args.kl_in_reward and full.ref_logprobs is not None:
         penalty = args.kl_coef * kl(full.old_logprobs, full.ref_logprobs, args.kl_estimator) * full.loss_mask
+    strata = None
+    if row_envs is not None and len(args.env) > 1 and args.whiten_per_env:  # [B, S] one-hot, S the run's envs
+        strata = torch.nn.functional.one_hot(torch.tensor([args.env.index(e) for e in row_envs], dtype=torch.long),
+                                             len(args.env))
     return adv_lib.advantages(args.algo, adv_lib.AdvantageInputs(
         scores, groups, ok, full.loss_mask, penalty, episodes, full.old_values, anchors, full.turn, args.gamma,
-        args.lam, args.grpo_scale, args.step_weight, reduce))
+        args.lam, args.grpo_scale, args.step_weight, reduce, strata))
 
 
 def update(models: Models, batch: Batch, args: Args, accelerator, step: int, progress=None,
@@ -564,46 +583,57 @@ def update_critic(models: Models, micro: MicroBatch, counts: Counts, args: Args,
 # Evaluation during training (--eval-every), scored as eval.py scores
 
 
-def evaluate(engine, fmt: ChatFormat, environments: list, test_ids: list[int], models: Models, args: Args,
+def evaluate(engine, fmt: ChatFormat, environments: list, test_ids: dict[str, list[int]], models: Models, args: Args,
              accelerator, max_tokens: int, step: int, bar=None) -> tuple[dict, list[dict]]:
-    """The policy on the test tasks, --eval-k episodes each at the run's temperature, scored as eval.py scores
+    """The policy on each env's test tasks, --eval-k episodes each at the run's temperature, scored as eval.py scores
     (rl/scores.py). Every evaluation of a run plays under one turn cap, its horizon schedule's last stage (the
     one it is headed for), so that evaluations compare across steps, the first (step 0, before any update)
-    included. Returns eval/ metrics, per category too, and every episode's log record."""
+    included. Returns eval/ metrics (rl/metrics.py: per category, and per env where there are several) and every
+    episode's log record."""
     horizon = args.horizon[-1]
-    mine = len(test_ids[accelerator.process_index::accelerator.num_processes]) * args.eval_k
+    mine = sum(len(ids[accelerator.process_index::accelerator.num_processes]) for ids in test_ids.values()) * args.eval_k
     with own_stream(engine, stream_seed(args.seed + accelerator.process_index, step, "eval")):  # (not the rollouts')
         episodes = play_share(engine, fmt, environments, test_ids, args.eval_k, models, args, accelerator, max_tokens,
                               step, horizon, Progress(bar, "eval", mine, horizon))
-    return eval_metrics(score(episodes, args.env), horizon, max_tokens), [{"step": step, **t.log_record()} for t in episodes]
+    scores = {name: score([t for t in episodes if t.env == name], name) for name in test_ids}
+    return eval_metrics(scores, horizon, max_tokens), [{"step": step, **t.log_record()} for t in episodes]
 
 
-def play_share(engine, fmt: ChatFormat, environments: list, task_ids: list[int], n: int, models: Models, args: Args,
-               accelerator, max_tokens: int, step: int, horizon: int, progress=None) -> list[Trajectory]:
-    """`n` episodes of every task with the policy's current weights (those of `step`), at most `horizon` turns each,
-    each process playing its share of the tasks; every process gets all of them, in the same order."""
+def play_share(engine, fmt: ChatFormat, environments: list, tasks: dict[str, list[int]], n: int, models: Models,
+               args: Args, accelerator, max_tokens: int, step: int, horizon: int, progress=None) -> list[Trajectory]:
+    """`n` episodes of every task of each env (`tasks`, on that env's instances among `environments`) with the
+    policy's current weights (those of `step`), at most `horizon` turns each, each process playing its share of
+    each env's tasks; every process gets all of them, in the same order."""
     from accelerate.utils import gather_object
 
     sync(engine, models.policy, accelerator, step)
-    mine, groups = my_tasks(task_ids, n, accelerator)
-    played = play(engine, fmt, environments, mine, groups, horizon=horizon, max_new_tokens=args.max_new_tokens,
-                  max_tokens=max_tokens, agent=args.layout_args.make_agent(), progress=progress) if mine else []
+    played = []
+    for name, task_ids in tasks.items():
+        mine, groups = my_tasks(task_ids, n, accelerator)
+        played += play(engine, fmt, [env for env in environments if env.name == name], mine, groups, horizon=horizon,
+                       max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, agent=args.layout_args.make_agent(),
+                       progress=progress) if mine else []
     engine.sleep()
     return gather_object(played)
 
 
-def train_task_ids(args: Args) -> list[int]:
-    """The tasks training steps draw from: --train-tasks, or the train split; at least a step's."""
-    train_ids = task_ids(args.train_tasks, args.env, "train")
-    if len(train_ids) < args.tasks_per_step:
-        raise SystemExit(f"the train split has {len(train_ids)} tasks, fewer than --tasks-per-step {args.tasks_per_step}")
+def train_task_ids(args: Args, mix: Mix) -> dict[str, list[int]]:
+    """The tasks training steps draw from, by env: --train-tasks' for the envs it names, else the env's train split;
+    at least a step's of each."""
+    train_ids = tasks_by_env(args.train_tasks, args.env, "train")
+    for name, count in zip(mix.names, mix.counts):
+        if len(train_ids[name]) < count:
+            raise SystemExit(f"the train split has {len(train_ids[name])} tasks" + (f" of {name}" if len(mix.names) > 1
+                             else "") + f", fewer than --tasks-per-step {count}" +
+                             (f" gives it (--env-weights)" if len(mix.names) > 1 else ""))
     return train_ids
 
 
-def test_task_ids(args: Args) -> list[int]:
-    """The tasks an evaluation plays: --eval-tasks of --test-tasks (the test split), spread over it (0: all)."""
-    test_ids = task_ids(args.test_tasks, args.env, "test")
-    return spread(test_ids, args.eval_tasks) if args.eval_tasks else test_ids
+def test_task_ids(args: Args) -> dict[str, list[int]]:
+    """The tasks an evaluation plays, by env: --eval-tasks of --test-tasks' (else the test split), spread over it (0:
+    all)."""
+    return {name: spread(ids, args.eval_tasks) if args.eval_tasks else ids
+            for name, ids in tasks_by_env(args.test_tasks, args.env, "test").items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -613,11 +643,11 @@ def test_task_ids(args: Args) -> list[int]:
 def learn(args: Args, accelerator, mixed: str) -> Path:
     """--algo sft or dpo: optimizer steps over --data's examples, the validation loss at --eval-every
     steps and at the end, and with --eval-every the policy played on the test split then too."""
-    resuming = args.run_args.resuming
-    run_dir = run_directory(accelerator, args.run_args, f"{args.env}-{args.algo}")
+    resuming, (env,) = args.run_args.resuming, args.env  # (one env a run: flags.check)
+    run_dir = run_directory(accelerator, args.run_args, f"{env}-{args.algo}")
     offline, agent = args.offline_args, args.layout_args.agent
-    train, validation = held_out(read_data(offline.data, args.env, agent), offline.validation, args.seed)
-    experience = read_data(offline.experience, args.env, agent) if offline.experience else None
+    train, validation = held_out(read_data(offline.data, env, agent), offline.validation, args.seed)
+    experience = read_data(offline.experience, env, agent) if offline.experience else None
     tokenizer, fmt, models, max_tokens = set_up(args, accelerator, args.run_args.resume if resuming else args.model)
 
     # -- the examples: conversations (sft) or pairs (dpo), a share of the tasks held out for validation
@@ -627,8 +657,8 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
                                              pairs=args.algo == "dpo"))
 
     # -- the test tasks, envs and an engine, when the policy is played during training
-    test_ids = test_task_ids(args) if args.eval_every else []
-    environments = args.env_args.make_envs(args.env, min(args.gen_batch_size, -(-len(test_ids) // accelerator.num_processes)),
+    test_ids = test_task_ids(args) if args.eval_every else {}
+    environments = args.env_args.make_envs(env, min(args.gen_batch_size, -(-len(test_ids[env]) // accelerator.num_processes)),
                                            accelerator.process_index, args.seed) if test_ids else []
     engine = engine_of(args, fmt, models, accelerator, max_tokens) if test_ids else None
     trainer_state = resume(accelerator, models, engine, Path(args.run_args.resume)) if resuming else {"step": 0, "logs": {}}
@@ -638,7 +668,7 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
         print(f"run {run_dir.name}: {args.algo} on {args.model} ({args.preset} preset), {len(examples)} "
               f"{'pairs' if args.algo == 'dpo' else 'conversations'} of {len(train)} episodes ({len(held)} held out), "
               f"{args.steps} steps of {offline.batch_size}, "
-              f"{evaluation_plan(len(test_ids), args.eval_k, args.eval_every, trainer_state['step'] + 1, args.steps, False)}"
+              f"{evaluation_plan(len(test_ids.get(env, [])), args.eval_k, args.eval_every, trainer_state['step'] + 1, args.steps, False)}"
               f" -> {run_dir}"
               + (f", resumed at step {trainer_state['step'] + 1}" if resuming else ""))
     logs = logs_of(args, run_dir, config, accelerator, trainer_state["logs"])
@@ -703,32 +733,33 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
     its model is checkpoints/step_<iteration>, its explored episodes are in rollouts.jsonl. Unlike AgentGym's, it
     explores --n times a task at the run's temperature (AgentGym's script explores greedily, do_sample False, which
     would make a task's samples identical), and can go on from the last iteration's weights (AgentGym: the base)."""
-    run_dir = run_directory(accelerator, args.run_args, f"{args.env}-{args.algo}")
+    (env,) = args.env  # (one env a run: flags.check)
+    run_dir = run_directory(accelerator, args.run_args, f"{env}-{args.algo}")
     offline = args.offline_args
-    expert, validation = held_out(read_data(offline.data, args.env, args.layout_args.agent), offline.validation, args.seed)
+    expert, validation = held_out(read_data(offline.data, env, args.layout_args.agent), offline.validation, args.seed)
     tokenizer, fmt, models, max_tokens = set_up(args, accelerator, args.model)
     initial = copy.deepcopy(models.optimizer.state_dict()), copy.deepcopy(models.scheduler.state_dict())
     held = examples_of(fmt, validation, max_tokens)
 
     # -- the tasks explored and tested, envs to play them on, the engine
-    train_ids = task_ids(args.train_tasks, args.env, "train")
+    train_ids = task_ids(args.train_tasks, env, "train")
     explore_ids = spread(train_ids, offline.explore_tasks) if offline.explore_tasks else train_ids
     test_ids = test_task_ids(args)
-    count = min(args.gen_batch_size, -(-max(len(explore_ids) * args.n, len(test_ids)) // accelerator.num_processes))
-    environments = args.env_args.make_envs(args.env, count, accelerator.process_index, args.seed)
+    count = min(args.gen_batch_size, -(-max(len(explore_ids) * args.n, len(test_ids[env])) // accelerator.num_processes))
+    environments = args.env_args.make_envs(env, count, accelerator.process_index, args.seed)
     engine = engine_of(args, fmt, models, accelerator, max_tokens)
     config = run_config(flags.flat(args), run_dir, False, accelerator, mixed, engine, environments[0])
     if accelerator.is_main_process:
         print(f"run {run_dir.name}: agentevol on {args.model} ({args.preset} preset), {offline.iterations} iterations "
               f"exploring {len(explore_ids)} tasks x {args.n}, {len(expert)} expert episodes ({len(validation)} held "
-              f"out), testing on {len(test_ids)} tasks x {args.eval_k} after every iteration -> {run_dir}")
+              f"out), testing on {len(test_ids[env])} tasks x {args.eval_k} after every iteration -> {run_dir}")
     logs = logs_of(args, run_dir, config, accelerator, {})
     try:
         for iteration in range(offline.iterations + 1):
             start = time.perf_counter()
             explored, kept = [], []
             if iteration > 0:  # explore with the last iteration's policy, keep the successes
-                explored = play_share(engine, fmt, environments, explore_ids, args.n, models, args, accelerator,
+                explored = play_share(engine, fmt, environments, {env: explore_ids}, args.n, models, args, accelerator,
                                       max_tokens, iteration, horizon=args.horizon[-1])
                 kept = [to_record(t) for t in explored if t.error is None
                         and (t.reward >= offline.threshold if offline.threshold is not None else t.success)]
@@ -767,10 +798,11 @@ def preset_defaults(preset: str, known) -> Args:
     default = replace(PRESETS[preset], preset=preset)
     if (preset, known.algo) in OFFLINE_LR:  # (and one turn cap: ScalingInter-RL's stages are steps of RL)
         default = replace(default, lr=OFFLINE_LR[preset, known.algo], horizon=default.horizon[-1:])
-    if preset == "tiny" and known.env in TINY_TASKS:
-        train, test = TINY_TASKS[known.env]
+    tiny_tasks = [TINY_TASKS[name] for name in known.env if name in TINY_TASKS] if preset == "tiny" else []
+    if tiny_tasks:  # (with several envs, the others play their splits: rl/tasks.py's tasks_by_env)
+        (train, test), = tiny_tasks
         default = replace(default, train_tasks=str(envs.DATA_DIR / train), test_tasks=str(envs.DATA_DIR / test))
-    elif preset == "tiny":
+    if preset == "tiny" and set(known.env) - set(TINY_TASKS):
         default = replace(default, eval_tasks=TINY_EVAL_TASKS)
     return replace(default, **EMBEDDED_TOOLS) if preset == "tiny" and known.agent == "tools" else default
 

@@ -46,6 +46,7 @@ import hashlib
 import importlib
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -207,6 +208,14 @@ def load_task_ids(path: str | Path, name: str) -> list[int]:
     """Task ids from an AgentGym-RL-Data-ID file (`[{"item_id": "babyai_12"}, ...]`).
     As upstream, the id is the integer after the last underscore. A file that is missing, not JSON,
     not a list or holds another env's tasks raises TaskFileError."""
+    return load_tasks(path, (name,))[name]
+
+
+def load_tasks(path: str | Path, names: Sequence[str]) -> dict[str, list[int]]:
+    """The task ids of an AgentGym-RL-Data-ID file by env, for a run on the envs `names`: each item's env is its
+    prefix (`babyai_12`), an item without one (`12`) the run's env where it has one. The envs that the file names
+    none of get no entry; a file that is missing, not JSON or not a list, or holds an item of another env or without
+    an env where the run has several, raises TaskFileError."""
     path = Path(path)
     if not path.is_file():
         raise TaskFileError(f"task id file {path} does not exist")
@@ -216,20 +225,25 @@ def load_task_ids(path: str | Path, name: str) -> list[int]:
         raise TaskFileError(f"task id file {path} is not JSON ({error})") from None
     if not isinstance(rows, list):
         raise TaskFileError(f"task id file {path} holds a JSON {type(rows).__name__}, not a list of task ids "
-                            f'([{{"item_id": "{name}_12"}}, ...])')
-    ids = []
+                            f'([{{"item_id": "{names[0]}_12"}}, ...])')
+    tasks: dict[str, list[int]] = {}
     for row in rows:
         if isinstance(row, dict) and "item_id" not in row:
-            raise TaskFileError(f"task id file {path}: entry {len(ids)} has no item_id")
+            raise TaskFileError(f"task id file {path}: entry {sum(map(len, tasks.values()))} has no item_id")
         item = row["item_id"] if isinstance(row, dict) else row
         prefix, _, number = str(item).rpartition("_")
-        if prefix and prefix != name:
-            raise TaskFileError(f"task id file {path}: item {item!r} is not a {name} task")
+        if prefix and prefix not in names:
+            raise TaskFileError(f"task id file {path}: item {item!r} is not a {' or '.join(names)} task")
+        if not prefix and len(names) > 1:
+            raise TaskFileError(f"task id file {path}: item {item!r} names no env, and the run has several "
+                                f"({', '.join(names)}): write it {names[0]}_{item}")
         try:
-            ids.append(int(number))
+            tasks.setdefault(prefix or names[0], []).append(int(number))
         except ValueError:
-            raise TaskFileError(f"task id file {path}: item {item!r} is not a task id ({name}_<number>)") from None
-    return ids
+            raise TaskFileError(f"task id file {path}: item {item!r} is not a task id ({names[0]}_<number>)") from None
+    if len(names) == 1:
+        tasks.setdefault(names[0], [])
+    return tasks
 
 
 def save_task_ids(path: str | Path, name: str, ids: list[int]) -> None:

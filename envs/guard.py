@@ -178,7 +178,8 @@ class EnvArgs:
     and the env is replaced; 0: the env's default (its call_timeout in envs.ENVS)"""
     env_url: Annotated[tuple[str, ...] | None, tyro.conf.arg(metavar="URL [URL ...]")] = None
     """play on AgentGym env servers (ours, `python -m envs.serve`, or upstream's) at these URLs instead of in process;
-    several take the env instances round robin, an even share each"""
+    several take the env instances round robin, an even share each; with several envs, ENV=URL (webarena=http://...)
+    says whose, and an env given none plays in process"""
     env_delay: str = "0"
     """slow every env down, for benchmarks: each step (webarena: each reset too) sleeps a drawn latency after the env
     answers, within --env-timeout: SECONDS, webarena (our WebArena env's measured distribution), lognormal:MEDIAN,SIGMA,
@@ -197,4 +198,30 @@ class EnvArgs:
         """`count` guarded instances of env `name` as these flags say (make_envs); `options`: the env's options,
         by default --env-options as Python values (envs.parse_options)."""
         options = envs.parse_options(self.env_options) if options is None else options
-        return make_envs(name, count, options, self.env_timeout, self.env_url, rank, delay=self.env_delay, seed=seed)
+        return make_envs(name, count, options, self.env_timeout, self.urls(name), rank, delay=self.env_delay, seed=seed)
+
+    def make_pool(self, rows: list[str], blocks: int = 1, rank: int = 0, seed: int = 0) -> list[Guarded]:
+        """Instances for `blocks` blocks of len(rows) episodes, episode i of each block on an instance of env
+        rows[i] (rl/tasks.py's Mix.rows); each env's instances made together (make_envs: its servers' round robin and
+        its delays' streams count its own instances), so that a run of one env makes what it always made."""
+        made: dict[str, list[Guarded]] = {}
+        try:
+            for name in dict.fromkeys(rows):
+                made[name] = self.make_envs(name, rows.count(name) * blocks, rank, seed)
+        except SystemExit:
+            close_envs([env for instances in made.values() for env in instances])
+            raise
+        left = {name: iter(instances) for name, instances in made.items()}
+        return [next(left[name]) for _ in range(blocks) for name in rows]
+
+    def urls(self, name: str) -> tuple[str, ...] | None:
+        """The env servers of env `name`: --env-url's ENV=URL entries for it, else its plain URLs (none: in process)."""
+        given = (self.env_url,) if isinstance(self.env_url, str) else self.env_url or ()  # (one, set from code)
+        named = [url.partition("=")[2] for url in given if self.named(url) == name]
+        return tuple(named) or tuple(url for url in given if self.named(url) is None) or None
+
+    @staticmethod
+    def named(url: str) -> str | None:
+        """The env an --env-url entry names (ENV=URL), or None."""
+        prefix, equals, _ = url.partition("=")
+        return prefix if equals and prefix in envs.ENVS else None

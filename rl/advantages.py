@@ -113,26 +113,37 @@ def per_token(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return advantages[:, None] * mask
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = None, eps: float = 1e-8) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = None, eps: float = 1e-8,
+                  strata: torch.Tensor | None = None) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) over the action tokens (unbiased var, as upstream); 0 elsewhere.
-    `reduce` sums the statistics over processes, so that a distributed batch is whitened as one."""
+    `reduce` sums the statistics over processes, so that a distributed batch is whitened as one. `strata` [B, S]
+    (one-hot: each row's stratum, the run's env with several) whitens each stratum's rows by their own statistics
+    (AgentRL's task normalisation), all of them reduced in one call."""
     mask = mask.float()
     wide, wide_mask = x.double(), mask.double()
-    stats = torch.stack([(wide * wide_mask).sum(), (wide * wide * wide_mask).sum(), wide_mask.sum()])
+    if strata is None:  # (one stratum: the whole batch)
+        stats = torch.stack([(wide * wide_mask).sum(), (wide * wide * wide_mask).sum(), wide_mask.sum()])
+    else:
+        strata = strata.double()
+        stats = torch.stack([strata.T @ (wide * wide_mask).sum(1), strata.T @ (wide * wide * wide_mask).sum(1),
+                             strata.T @ wide_mask.sum(1)])  # [3, S]
     if reduce is not None:
         stats = reduce(stats)
-    total, squares, count = stats.tolist()
-    if count < 1:
-        return torch.zeros_like(x)
-    mean = total / count
-    var = max(squares - count * mean * mean, 0.0) / max(count - 1, 1)
-    return (x - mean) / (var + eps) ** 0.5 * mask
+    out = torch.zeros_like(x)
+    for s, (total, squares, count) in enumerate([stats.tolist()] if strata is None else stats.T.tolist()):
+        rows = slice(None) if strata is None else strata[:, s] > 0
+        if count >= 1:
+            mean = total / count
+            var = max(squares - count * mean * mean, 0.0) / max(count - 1, 1)
+            out[rows] = (x[rows] - mean) / (var + eps) ** 0.5 * mask[rows]
+    return out
 
 
 def reinforce_pp(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, whiten: bool = True,
-                 reduce: Reduce | None = None) -> torch.Tensor:
+                 reduce: Reduce | None = None, strata: torch.Tensor | None = None) -> torch.Tensor:
     """REINFORCE++: the discounted return at every action token, counted over action tokens only,
-    then whitened over the batch's action tokens. rewards, mask: [B, T] -> advantages [B, T]."""
+    then whitened over the batch's action tokens (each stratum's apart: masked_whiten). rewards, mask: [B, T] ->
+    advantages [B, T]."""
     mask = mask.float()
     returns = torch.zeros_like(rewards, dtype=torch.float32)
     future = torch.zeros(rewards.shape[0], dtype=torch.float32, device=rewards.device)
@@ -140,11 +151,12 @@ def reinforce_pp(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, 
         acting = mask[:, t] > 0
         future = torch.where(acting, rewards[:, t] + gamma * future, future)  # observations: passed through
         returns[:, t] = future * mask[:, t]
-    return masked_whiten(returns, mask, reduce) if whiten else returns
+    return masked_whiten(returns, mask, reduce, strata=strata) if whiten else returns
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0,
-        whiten: bool = True, reduce: Reduce | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        whiten: bool = True, reduce: Reduce | None = None, strata: torch.Tensor | None = None
+        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over the action-token subsequence.
 
     For action tokens a_1 .. a_K of a trajectory (K over all turns): delta_k = r_k + gamma V(a_{k+1}) - V(a_k),
@@ -163,7 +175,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
         next_advantage = torch.where(acting, advantage, next_advantage)
         advantages[:, t] = advantage * mask[:, t]
     returns = (advantages + values) * mask
-    return (masked_whiten(advantages, mask, reduce) if whiten else advantages), returns
+    return (masked_whiten(advantages, mask, reduce, strata=strata) if whiten else advantages), returns
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,6 +202,7 @@ class AdvantageInputs:
     scale: bool = True  # grpo, gigpo: divide by the group's std (False: Dr. GRPO, the paper's mean_norm)
     step_weight: float = 1.0  # gigpo's omega
     reduce: Reduce | None = None  # sums over processes, so that whitening is over the whole batch
+    strata: torch.Tensor | None = None  # [B, S] one-hot, each row's env where a run has several: whitened apart
 
     def __post_init__(self):
         self.penalty = torch.zeros_like(self.mask) if self.penalty is None else self.penalty
@@ -230,6 +243,7 @@ class Estimator:
     critic: bool = False  # needs a critic's values (train.py builds and trains one)
     gamma: float | None = None  # its discount's default (None: it discounts nothing, and --gamma is refused)
     anchors: bool = False  # needs the episodes' anchor states and tokens' turns (rl/batch.py's Batch; --step-weight)
+    whitens: bool = False  # whitens over the batch (AdvantageInputs.strata: per env with several; --whiten-per-env)
 
 
 def grpo_advantages(x: AdvantageInputs) -> Advantages:
@@ -267,12 +281,12 @@ def gigpo_advantages(x: AdvantageInputs) -> Advantages:
 
 def reinforce_pp_advantages(x: AdvantageInputs) -> Advantages:
     """REINFORCE++'s whitened discounted returns."""
-    return reinforce_pp(x.rewards(), x.mask, x.gamma, reduce=x.reduce), None
+    return reinforce_pp(x.rewards(), x.mask, x.gamma, reduce=x.reduce, strata=x.strata), None
 
 
 def gae_advantages(x: AdvantageInputs) -> Advantages:
     """PPO's: GAE on the critic's values, and the returns the critic learns."""
-    return gae(x.rewards(), x.values, x.mask, x.gamma, x.lam, reduce=x.reduce)
+    return gae(x.rewards(), x.values, x.mask, x.gamma, x.lam, reduce=x.reduce, strata=x.strata)
 
 
 # --algo's estimators. A new one is a function of AdvantageInputs and its entry here (tests/test_advantages.py).
@@ -280,8 +294,8 @@ ESTIMATORS: dict[str, Estimator] = {
     "grpo": Estimator(grpo_advantages, grouped=True),
     "rloo": Estimator(rloo_advantages, grouped=True),
     "gigpo": Estimator(gigpo_advantages, grouped=True, gamma=0.95, anchors=True),
-    "reinforce_pp": Estimator(reinforce_pp_advantages, gamma=1.0),
-    "ppo": Estimator(gae_advantages, critic=True, gamma=1.0),
+    "reinforce_pp": Estimator(reinforce_pp_advantages, gamma=1.0, whitens=True),
+    "ppo": Estimator(gae_advantages, critic=True, gamma=1.0, whitens=True),
 }
 
 

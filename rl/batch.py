@@ -32,7 +32,7 @@ trajectory, as in its scripts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -113,6 +113,7 @@ class Batch:
     ok: torch.Tensor  # [B] False where the env failed
     episodes: torch.Tensor  # [B] which episode each row is of (--reasoning drop: a row per turn; else a row per episode)
     anchors: list[list[str | None]]  # per episode: the env's state key before each of its turns (GiGPO's anchor states)
+    envs: list[str] = field(default_factory=list)  # [B] each row's env
 
     @property
     def tokens(self) -> int:
@@ -238,7 +239,7 @@ def make_batch(trajectories, pad_id: int, layout: Layout, device, count: int | N
     first = {int(e): t for e, t in reversed(list(zip(episodes.tolist(), trajectories)))}  # each episode's first row
     return Batch(full, micro, pieces, scores=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
                  groups=torch.tensor([t.group for t in trajectories], dtype=torch.long), ok=ok, episodes=episodes,
-                 anchors=[first[e].states[:first[e].turns] for e in sorted(first)])
+                 anchors=[first[e].states[:first[e].turns] for e in sorted(first)], envs=[t.env for t in trajectories])
 
 
 def turns(trajectories, episodes: list[int], width: int) -> torch.Tensor:

@@ -32,6 +32,7 @@ from rl import advantages as adv_lib
 from rl.horizon import AUTO, LADDER, caps_of
 from rl.model import EMBEDDED
 from rl.run import find_checkpoint, resumable_config, run_of
+from rl.tasks import Mix, tasks_by_env
 
 # A nested flag group's fields are flags of their own names: `env_args: Annotated[EnvArgs, GROUP] = field(...)`.
 GROUP = tyro.conf.arg(name="")
@@ -91,7 +92,7 @@ def parse_args(Args: type, presets: dict, preset_defaults: Callable, argv: list[
     peek.add_argument("--model", default=Args.model)
     peek.add_argument("--preset", default="auto")
     peek.add_argument("--algo", default=Args.algo)
-    peek.add_argument("--env", default=presets["tiny"].env)
+    peek.add_argument("--env", nargs="+", default=list(presets["tiny"].env))
     peek.add_argument("--agent", default=Args().layout_args.agent)
     peek.add_argument("--resume", default=None)
     peek.add_argument("--run-name", "--run_name", dest="run_name", default=None)  # (tyro takes both spellings)
@@ -99,6 +100,7 @@ def parse_args(Args: type, presets: dict, preset_defaults: Callable, argv: list[
     peek.add_argument("--steps", default=None)
     peek.add_argument("--epochs", default=None)
     known, _ = peek.parse_known_args(argv)
+    known.env = env_names(known.env)
     if known.steps is not None and known.epochs is not None:  # (a preset's or a resumed run's steps are not given)
         raise SystemExit("--steps and --epochs both set how long the run is (--epochs N: N passes over the train "
                          "split, or over --data): give one")
@@ -110,9 +112,17 @@ def parse_args(Args: type, presets: dict, preset_defaults: Callable, argv: list[
         raise SystemExit(f"unknown preset {preset!r}; choose one of: auto, {', '.join(presets)}")
     default = preset_defaults(preset, known)
     args = tyro.cli(Args, args=argv, default=default, description=description)
+    args = replace(args, env=env_names(args.env))
     if args.horizon == (AUTO,):  # (the ladder it climbs, written out in the run's config)
         args = replace(args, horizon=(AUTO, *(default.horizon if len(default.horizon) > 1 else LADDER)))
     return replace(args, preset=preset)
+
+
+def env_names(env) -> tuple[str, ...]:
+    """--env's names as a run keeps them: `all` the five envs, in envs.ENVS's order; a run's config.json from before
+    several envs (a name, not a list) its one env."""
+    names = (env,) if isinstance(env, str) else tuple(env)
+    return tuple(envs.ENVS) if "all" in names else names
 
 
 def preset_of(model: str) -> str:
@@ -131,9 +141,9 @@ def resumed_args(Args: type, presets: dict, argv: list[str], checkpoint: Path, d
     config = resumable_config(checkpoint)
     preset = presets[config.get("preset", "paper")]
     saved = replace(preset, **{name: tuple(config[name]) if isinstance(config[name], list) else config[name]
-                               for name in flat(preset) if name in config})
+                               for name in flat(preset) if name in config} | {"env": env_names(config.get("env", preset.env))})
     args = tyro.cli(Args, args=argv, default=saved, description=description)
-    args = replace(args, resume=str(checkpoint))
+    args = replace(args, resume=str(checkpoint), env=env_names(args.env))
     if args.horizon == (AUTO,) and saved.horizon[0] == AUTO:  # (`auto` alone: the ladder the run wrote out, as parse_args)
         args = replace(args, horizon=saved.horizon)
     if args.steps != saved.steps and args.epochs == saved.epochs:  # --steps replaces the run's --epochs
@@ -181,20 +191,27 @@ def check(args, world: int, distributed: str = "NO") -> None:
     args.model_args.check(args.algo, distributed)
     if args.eval_every < 0 or args.eval_tasks < 0 or args.eval_k < 1:
         raise SystemExit("--eval-every and --eval-tasks take 0 (never, all) or more, --eval-k 1 or more")
-    args.layout_args.check(args.env, args.algo)
+    for name in args.env:
+        args.layout_args.check(name, args.algo)
     if args.algo in OFFLINE:
         return check_offline(args, world)
     check_rollouts(args, world)
 
 
 def check_tasks(args) -> None:
-    """--env and its task files."""
-    if args.env not in envs.ENVS:
-        raise SystemExit(f"unknown env {args.env!r}; choose one of: {', '.join(envs.ENVS)}")
+    """--env, its weights and its task files."""
+    for name in args.env:
+        if name not in envs.ENVS:
+            raise SystemExit(f"unknown env {name!r}; choose one of: {', '.join(envs.ENVS)}, or all")
+    if len(args.env) > 1 and args.algo in OFFLINE:
+        raise SystemExit(f"--algo {args.algo} learns one env's trajectories a run for now: give one --env")
+    if args.env_weights and len(args.env) == 1:
+        raise SystemExit("--env-weights shares a step's tasks between several envs: give them to --env too")
+    Mix.of(args.env, args.env_weights, args.tasks_per_step)  # (each env at least one task a step)
     for flag in ("train_tasks", "test_tasks"):
         try:  # (read again where they are played; a bad file stops here, before anything loads)
             if getattr(args, flag):
-                envs.load_task_ids(getattr(args, flag), args.env)
+                tasks_by_env(getattr(args, flag), args.env, "train")
         except envs.TaskFileError as error:
             raise SystemExit(f"--{flag.replace('_', '-')}: {error}") from None
 
@@ -216,6 +233,9 @@ def check_estimator(args) -> None:
     if args.gamma is not None and (estimator is None or estimator.gamma is None):
         raise SystemExit(f"--gamma discounts the returns of {adv_lib.names(lambda e: e.gamma is not None)}; "
                          f"--algo {args.algo} has none")
+    if not args.whiten_per_env and (len(args.env) == 1 or not (estimator and estimator.whitens)):
+        raise SystemExit(f"--no-whiten-per-env whitens the advantages of {adv_lib.names(lambda e: e.whitens)} over "
+                         "every env of a run together: give it with several --env and one of those --algo")
     if args.critic_warmup > 1 and not (estimator and estimator.critic):
         raise SystemExit(f"--critic-warmup trains only the critic for a while, and --algo {args.algo} has none: "
                          f"use it with --algo {adv_lib.names(lambda e: e.critic, 'or')}")

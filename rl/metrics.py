@@ -166,6 +166,7 @@ def step_metrics(records: list[dict], sampled: list[tuple[int, float]], costs: C
         "rollout/zero_variance_groups": zero_variance_share(records),  # groups with no GRPO signal
         **anchor_metrics(records),  # GiGPO's turn-level groups (whatever --algo)
         **category_metrics(records),
+        **env_metrics(records),
         "losses/nonfinite_updates": sums.nonfinite_updates,  # optimizer steps skipped for NaN or inf
         "rollout/tokens": mean(tokens),
         "rollout/action_tokens": mean(action_tokens),
@@ -246,6 +247,27 @@ def anchor_metrics(records: list[dict]) -> dict[str, float]:
             "rollout/anchored_share": sum(n for n in sizes.values() if n >= 2) / max(turns, 1)}
 
 
+def env_metrics(records: list[dict]) -> dict[str, float]:
+    """With several envs in a step, each one's episodes as the rollout/ and finish/ totals sum up all of them
+    (rollout/<env>/reward, success, turns, invalid_action_rate, tokens, action_tokens, errors, finish/<name>);
+    nothing for one env."""
+    by_env = collections.defaultdict(list)
+    for r in records:
+        by_env[r["item_id"].rpartition("_")[0]].append(r)
+    if len(by_env) < 2:
+        return {}
+    metrics = {}
+    for name, rs in sorted(by_env.items()):
+        turns = sum(r["turns"] for r in rs)
+        metrics |= {f"rollout/{name}/{key}": sum(float(r[key]) for r in rs) / len(rs)
+                    for key in ("reward", "success", "turns", "tokens", "action_tokens")}
+        metrics |= {f"rollout/{name}/invalid_action_rate": sum(r["invalid_actions"] for r in rs) / max(turns, 1),
+                    f"rollout/{name}/errors": sum(r["finish"] == "error" for r in rs)}
+        metrics |= {f"rollout/{name}/finish/{label}": sum(r["finish"] == finish for r in rs) / len(rs)
+                    for finish, label in FINISHES.items()}
+    return metrics
+
+
 def category_metrics(records: list[dict]) -> dict[str, float]:
     """Reward and success per task category (category/<name>/reward, .../success)."""
     by_category = collections.defaultdict(list)
@@ -255,14 +277,32 @@ def category_metrics(records: list[dict]) -> dict[str, float]:
             for name, rs in by_category.items() if name is not None for key in ("reward", "success")}
 
 
-def eval_metrics(results: dict, horizon: int, max_tokens: int) -> dict[str, float]:
-    """An evaluation's metrics (eval/) from rl/scores.py's score: Avg@k, Pass@k, success, turns and errors, Avg@k per
-    category, how its episodes ended, and the limits they played under."""
-    metrics = {f"eval/{key}": results[key] for key in ("avg@k", "pass@k", "success", "turns", "errors",
-                                                        "invalid_action_rate", "malformed")}
-    metrics |= {f"eval/{name}/avg@k": c["avg@k"] for name, c in results["categories"].items()}
-    metrics |= {f"eval/finish/{name}": share for name, share in results["finish"].items()}
+EVAL_KEYS = ("avg@k", "pass@k", "success", "turns", "errors", "invalid_action_rate", "malformed")
+
+
+def eval_metrics(results: dict[str, dict], horizon: int, max_tokens: int) -> dict[str, float]:
+    """An evaluation's metrics (eval/) from rl/scores.py's score of each env's episodes (`results`, by env): Avg@k,
+    Pass@k, success, turns and errors, Avg@k per category, how its episodes ended, and the limits they played
+    under. With several envs each env's are under eval/<env>/, and eval/ holds their macro average (every env
+    weighs the same, whatever its number of test tasks; errors summed)."""
+    def of(result: dict, prefix: str) -> dict[str, float]:
+        metrics = {f"{prefix}/{key}": result[key] for key in EVAL_KEYS}
+        metrics |= {f"{prefix}/{name}/avg@k": c["avg@k"] for name, c in result["categories"].items()}
+        return metrics | {f"{prefix}/finish/{name}": share for name, share in result["finish"].items()}
+
+    if len(results) == 1:
+        metrics = of(next(iter(results.values())), "eval")
+    else:
+        metrics = {key: value for name, result in results.items() for key, value in of(result, f"eval/{name}").items()}
+        metrics |= {f"eval/{key}": (sum if key == "errors" else _mean)([r[key] for r in results.values()])
+                    for key in EVAL_KEYS}
+        metrics |= {f"eval/finish/{name}": _mean([r["finish"][name] for r in results.values()])
+                    for name in FINISHES.values()}
     return metrics | {"eval/horizon": horizon, "eval/max_tokens": max_tokens}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 # ----------------------------------------------------------------------------------------------

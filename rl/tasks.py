@@ -1,9 +1,23 @@
 """Which tasks a run plays: the train and test task ids (a task id file, else the env's split), a training step's
-tasks (shuffled epochs over the train split, as upstream's data loader) and a process's share of them."""
+tasks (shuffled epochs over the train split, as upstream's data loader) and a process's share of them; with several
+envs (train.py --env babyai textcraft ...), each env's share of a step by a fixed quota (Mix).
+
+    mix = Mix.of(("babyai", "textcraft"), (1.0, 1.0), per_step=8)     # 4 tasks of each a step
+    tasks = step_tasks(step, mix, train_ids, seed)                     # [("babyai", 12), ..., ("textcraft", 3), ...]
+    mine, groups = my_tasks(tasks, n, accelerator)                     # this process's episodes, n a task
+    rows = mix.rows(n, process, processes)                             # the env of each of those episodes, in order
+
+A step's tasks are each env's own shuffled epochs (tasks_for), so the data cursor stays a pure function of the step
+and a resumed run sees the tasks it would have seen. The quota is the same every step (NeMo-RL's exact per-step
+quotas rather than a draw per task): a process's episodes then always take the same envs in the same rows, so one
+list of env instances serves every step. Upstream AgentGym-RL trains one env a run; a run of one env here is a mix
+of one, the tasks it drew before.
+"""
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import envs
 
@@ -11,6 +25,16 @@ import envs
 def task_ids(path: str | None, env: str, split: str) -> list[int]:
     """The task ids of `path` (an AgentGym-RL-Data-ID file), else of the env's `split` ("train" or "test")."""
     return envs.load_task_ids(path, env) if path else envs.splits(env)[split]
+
+
+def tasks_by_env(path: str | None, names: tuple[str, ...], split: str) -> dict[str, list[int]]:
+    """Each env's task ids: those the file `path` names for it (an AgentGym-RL-Data-ID file, whose item ids say
+    their env: babyai_12), else its `split`. A file that names none of the run's envs says nothing to the run and
+    is refused (envs.TaskFileError), as one that names another env."""
+    named = envs.load_tasks(path, names) if path else {}
+    if path and not any(named.values()):
+        raise envs.TaskFileError(f"task id file {path} holds no {' or '.join(names)} task")
+    return {name: named[name] if named.get(name) else envs.splits(name)[split] for name in names}
 
 
 def tasks_for(step: int, train_ids: list[int], per_step: int, seed: int) -> list[int]:
@@ -22,7 +46,47 @@ def tasks_for(step: int, train_ids: list[int], per_step: int, seed: int) -> list
     return order[k * per_step:(k + 1) * per_step]
 
 
-def my_tasks(tasks: list[int], n: int, accelerator) -> tuple[list[int], list[int]]:
-    """This process's share of the tasks, each `n` times: (task ids, groups), a group for each task's n episodes."""
+def my_tasks(tasks: list, n: int, accelerator) -> tuple[list, list[int]]:
+    """This process's share of the tasks, each `n` times: (tasks, groups), a group for each task's n episodes."""
     mine = [t for t in tasks[accelerator.process_index::accelerator.num_processes] for _ in range(n)]
     return mine, [i // n for i in range(len(mine))]
+
+
+@dataclass(frozen=True)
+class Mix:
+    """The run's envs and each one's tasks a step (`counts`, in the order of `names`, summing to the step's)."""
+
+    names: tuple[str, ...]
+    counts: tuple[int, ...]
+
+    @classmethod
+    def of(cls, names: tuple[str, ...], weights: tuple[float, ...], per_step: int) -> Mix:
+        """`per_step` tasks shared by `weights` (largest remainders; ties to the env named first); every env at
+        least one task a step, or a SystemExit that says how many a step it needs."""
+        if len(set(names)) != len(names):
+            raise SystemExit(f"--env names an env twice: {' '.join(names)}")
+        weights = weights or (1.0,) * len(names)
+        if len(weights) != len(names) or any(not w > 0 for w in weights):
+            raise SystemExit(f"--env-weights takes one positive weight an env ({len(names)}: {', '.join(names)}), "
+                             f"not {' '.join(f'{w:g}' for w in weights)}")
+        exact = [per_step * w / sum(weights) for w in weights]
+        counts = [int(e) for e in exact]
+        for i in sorted(range(len(names)), key=lambda i: counts[i] - exact[i])[:per_step - sum(counts)]:
+            counts[i] += 1
+        if min(counts) < 1:
+            short = names[counts.index(min(counts))]
+            raise SystemExit(f"--tasks-per-step {per_step} gives {short} no task a step at --env-weights "
+                             f"{' '.join(f'{w:g}' for w in weights)}: every env needs one; raise --tasks-per-step or "
+                             f"{short}'s weight")
+        return cls(tuple(names), tuple(counts))
+
+    def rows(self, n: int, process: int = 0, processes: int = 1) -> list[str]:
+        """The env of each episode of a process's share of a step (my_tasks over step_tasks), in order."""
+        return [name for name in [name for name, count in zip(self.names, self.counts) for _ in range(count)]
+                [process::processes] for _ in range(n)]
+
+
+def step_tasks(step: int, mix: Mix, train_ids: dict[str, list[int]], seed: int) -> list[tuple[str, int]]:
+    """A training step's tasks, (env, task id) each: each env's quota of its own shuffled epochs (tasks_for)."""
+    return [(name, task) for name, count in zip(mix.names, mix.counts)
+            for task in tasks_for(step, train_ids[name], count, seed)]

@@ -193,7 +193,7 @@ def test_recipes_launch_valid_commands(recipe, tmp_path):
     args = train.parse_args(argv[4:])
     train.check(args, world=8)
     env_name, method = recipe.stem.split("_")
-    assert args.env == env_name and args.model == "Qwen/Qwen2.5-3B-Instruct" and args.preset == "paper"
+    assert args.env == (env_name,) and args.model == "Qwen/Qwen2.5-3B-Instruct" and args.preset == "paper"
     assert args.algo == "grpo" and args.model_args.lr == 1e-6 and args.kl_coef == 0.001 and args.entropy_coef == 0.001
     assert args.epochs and args.run_args.save_every == 5
     # what upstream's actor does whatever its scripts say: one pass, every trajectory weighing the same

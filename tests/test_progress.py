@@ -82,7 +82,7 @@ def test_no_action_lines_are_all_invalid_actions_and_every_summary_says_so():
     assert silent["invalid_action_rate"] == 1.0 and silent["malformed"] == 0.0  # (replies the env read, and refused)
     assert all(c["invalid_action_rate"] == 1.0 for c in silent["categories"].values())
     assert expert["invalid_action_rate"] == 0.0 and expert["success"] == 1.0
-    assert eval_metrics(silent, 3, 3072)["eval/invalid_action_rate"] == 1.0
+    assert eval_metrics({"babyai": silent}, 3, 3072)["eval/invalid_action_rate"] == 1.0
     step = {"rollout/reward": 0.0, "rollout/success": 0.0, "rollout/turns": 3.0, "rollout/horizon": 3,
             "rollout/invalid_action_rate": 1.0, "losses/nonfinite_updates": 0, "perf/env_wait_share": 0.1,
             "perf/step_s": 2.0}

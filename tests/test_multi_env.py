@@ -1,0 +1,234 @@
+"""One agent on several envs in one run (train.py --env babyai textcraft ...): each env's quota of a step's tasks
+(rl/tasks.py's Mix), its episodes on instances of its own env, its own task splits, metrics and evaluation per env,
+advantages whitened within each env, and a run of one env exactly what it was before."""
+
+import json
+import types
+
+import pytest
+import torch
+
+import envs
+import train
+from envs.guard import EnvArgs
+from rl.advantages import AdvantageInputs, advantages, masked_whiten
+from rl.metrics import env_metrics, eval_metrics
+from rl.tasks import Mix, my_tasks, step_tasks, tasks_by_env, tasks_for
+
+
+def test_quotas_share_a_step_by_weight_every_env_at_least_one():
+    assert Mix.of(("babyai", "textcraft"), (), 8).counts == (4, 4)
+    assert Mix.of(("babyai", "textcraft", "sciworld"), (), 8).counts == (3, 3, 2)  # (largest remainders, ties first)
+    assert Mix.of(("babyai", "textcraft"), (3.0, 1.0), 8).counts == (6, 2)
+    assert Mix.of(("babyai", "textcraft", "sciworld"), (1.0, 1.0, 2.0), 6).counts == (2, 1, 3)  # 1.5, 1.5, 3
+    assert Mix.of(("babyai",), (), 16).counts == (16,)
+    with pytest.raises(SystemExit, match="gives sciworld no task a step"):
+        Mix.of(("babyai", "textcraft", "sciworld"), (4.0, 4.0, 1.0), 4)
+    with pytest.raises(SystemExit, match="one positive weight an env"):
+        Mix.of(("babyai", "textcraft"), (1.0,), 4)
+    with pytest.raises(SystemExit, match="names an env twice"):
+        Mix.of(("babyai", "babyai"), (), 4)
+
+
+@pytest.mark.parametrize("processes", [1, 2, 4])
+def test_each_process_plays_its_tasks_on_its_rows_envs_every_step(processes):
+    """Mix.rows (the env of each row of a process's share, which its env instances are made by) is the env of each
+    task my_tasks gives the process, at every step: the quota makes it the same every step."""
+    mix = Mix.of(("babyai", "textcraft", "searchqa"), (2.0, 1.0, 1.0), 8)
+    train_ids = {name: envs.splits(name)["train"] for name in mix.names}
+    for step in (1, 2, 50):
+        tasks = step_tasks(step, mix, train_ids, seed=3)
+        assert [name for name, _ in tasks] == ["babyai"] * 4 + ["textcraft"] * 2 + ["searchqa"] * 2
+        shares = []
+        for process in range(processes):
+            mine, groups = my_tasks(tasks, 2, types.SimpleNamespace(process_index=process, num_processes=processes))
+            assert [name for name, _ in mine] == mix.rows(2, process, processes)
+            assert groups == [i // 2 for i in range(len(mine))]
+            shares += mine[::2]
+        assert sorted(shares) == sorted(tasks)  # every task played, once a process's n episodes
+
+
+def test_a_step_draws_each_envs_own_epochs_and_one_env_draws_what_it_always_drew():
+    mix = Mix.of(("babyai", "textcraft"), (), 6)
+    train_ids = {"babyai": list(range(100, 109)), "textcraft": list(range(7))}  # 3 and 2 steps an epoch
+    steps = [step_tasks(s, mix, train_ids, seed=1) for s in range(1, 7)]
+    assert steps[0] == step_tasks(1, mix, train_ids, seed=1)  # a function of the step alone
+    babyai = [[t for name, t in tasks if name == "babyai"] for tasks in steps]
+    textcraft = [[t for name, t in tasks if name == "textcraft"] for tasks in steps]
+    assert sorted(sum(babyai[:3], [])) == list(range(100, 109))  # an epoch every 3 steps
+    assert len(set(sum(textcraft[:2], []))) == 6  # every 2 (one task of 7 dropped), a new order each epoch
+    one = Mix.of(("babyai",), (), 4)
+    ids = envs.splits("babyai")["train"]
+    assert [t for _, t in step_tasks(5, one, {"babyai": ids}, 1)] == tasks_for(5, ids, 4, 1)
+
+
+def test_a_task_file_names_each_tasks_env_and_an_env_it_leaves_out_plays_its_split(tmp_path):
+    mixed = tmp_path / "mixed.json"
+    mixed.write_text(json.dumps([{"item_id": "babyai_3"}, {"item_id": "textcraft_7"}, {"item_id": "babyai_5"}]))
+    assert envs.load_tasks(mixed, ("babyai", "textcraft")) == {"babyai": [3, 5], "textcraft": [7]}
+    by_env = tasks_by_env(str(mixed), ("babyai", "textcraft", "sciworld"), "test")
+    assert by_env["babyai"] == [3, 5] and by_env["sciworld"] == envs.splits("sciworld")["test"]
+    with pytest.raises(envs.TaskFileError, match="'textcraft_7' is not a babyai task"):
+        envs.load_task_ids(mixed, "babyai")  # (one env: as before)
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps([12, 13]))
+    assert envs.load_task_ids(bare, "babyai") == [12, 13]
+    with pytest.raises(envs.TaskFileError, match="names no env, and the run has several"):
+        envs.load_tasks(bare, ("babyai", "textcraft"))
+    with pytest.raises(envs.TaskFileError, match="'babyai_3' is not a searchqa or webarena task"):
+        tasks_by_env(str(mixed), ("searchqa", "webarena"), "train")
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]")
+    with pytest.raises(envs.TaskFileError, match="holds no babyai or textcraft task"):
+        tasks_by_env(str(empty), ("babyai", "textcraft"), "train")
+
+
+def test_a_pool_puts_each_rows_env_on_it_in_every_block_and_each_env_on_its_own_servers():
+    rows = Mix.of(("babyai", "textcraft"), (1.0, 2.0), 3).rows(2)
+    assert rows == ["babyai"] * 2 + ["textcraft"] * 4
+    pool = EnvArgs().make_pool(rows, blocks=2)
+    try:
+        assert [env.name for env in pool] == rows * 2 and len({id(env) for env in pool}) == 12
+    finally:
+        envs.guard.close_envs(pool)
+    flags = EnvArgs(env_url=("webarena=http://a:1", "webarena=http://b:1", "http://c:1"))
+    assert flags.urls("webarena") == ("http://a:1", "http://b:1") and flags.urls("babyai") == ("http://c:1",)
+    assert EnvArgs(env_url=("webarena=http://a:1",)).urls("babyai") is None  # (in process)
+    assert EnvArgs(env_url=("http://h:1/?q=1",)).urls("babyai") == ("http://h:1/?q=1",)  # (an = of the URL's own)
+
+
+def test_whitening_per_env_is_each_envs_own_and_sums_over_processes():
+    x = torch.tensor([[1.0, 2.0, 0.0], [30.0, 40.0, 50.0], [3.0, 4.0, 5.0], [10.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    env = torch.tensor([0, 1, 0, 1])
+    strata = torch.nn.functional.one_hot(env, 2)
+    whitened = masked_whiten(x, mask, strata=strata)
+    for e in (0, 1):
+        rows = env == e
+        torch.testing.assert_close(whitened[rows], masked_whiten(x[rows], mask[rows]))
+    assert torch.equal(masked_whiten(x, mask), masked_whiten(x, mask, strata=torch.ones(4, 1, dtype=torch.long)))
+    # process 0 holds rows 0-1, process 1 rows 2-3; `reduce` adds the other's statistics, per env
+    def stats(rows):
+        wide, w, s = x[rows].double(), mask[rows].double(), strata[rows].double()
+        return torch.stack([s.T @ (wide * w).sum(1), s.T @ (wide * wide * w).sum(1), s.T @ w.sum(1)])
+    halves = [slice(0, 2), slice(2, 4)]
+    apart = [masked_whiten(x[h], mask[h], reduce=lambda t, i=i: t + stats(halves[1 - i]), strata=strata[h])
+             for i, h in enumerate(halves)]
+    torch.testing.assert_close(torch.cat(apart), whitened)
+
+
+@pytest.mark.parametrize("algo", ["reinforce_pp", "ppo"])
+def test_the_whitening_estimators_whiten_each_env_apart_unless_told_not_to(algo):
+    """An env whose rewards are 100 times another's: per env, each env's advantages have mean 0 and std 1 (AgentRL's
+    task normalisation); over the batch, the large env's dominate (--no-whiten-per-env)."""
+    scores = torch.tensor([100.0, 0.0, 50.0, 1.0, 0.0, 0.5])
+    mask = torch.ones(6, 4)
+    values = torch.zeros(6, 4)
+    row_envs = ["sciworld"] * 3 + ["babyai"] * 3
+    for per_env in (True, False):
+        args = train.parse_args(["--algo", algo, "--env", "babyai", "sciworld", "--n", "1"]
+                                + ([] if per_env else ["--no-whiten-per-env"]))
+        train.check(args, 1)
+        full = types.SimpleNamespace(loss_mask=mask, old_values=values, turn=None, ref_logprobs=None)
+        got, _ = train.advantages_for(args, full, scores, torch.arange(6), torch.ones(6, dtype=torch.bool), None,
+                                      row_envs=row_envs)
+        small = got[3:]
+        if per_env:
+            assert abs(float(small.mean())) < 1e-5 and abs(float(small.std()) - 1) < 1e-3
+        else:
+            assert float(small.max() - small.min()) < 0.05  # (its differences drowned by sciworld's scale)
+    one = train.parse_args(["--algo", algo, "--n", "1", "--no-whiten-per-env"])
+    with pytest.raises(SystemExit, match="give it with several --env"):
+        train.check(one, 1)
+    assert advantages(algo, AdvantageInputs(scores, torch.arange(6), torch.ones(6, dtype=torch.bool), mask,
+                                            values=values))[0].shape == (6, 4)
+
+
+def test_metrics_per_env_beside_the_totals_and_an_evaluation_macro_averaged():
+    def record(env, success, finish="done", turns=2):
+        return {"item_id": f"{env}_1", "reward": float(success), "success": success, "turns": turns, "tokens": 10,
+                "action_tokens": 4, "invalid_actions": 1, "finish": finish}
+
+    records = [record("babyai", True), record("babyai", False, "horizon"), record("textcraft", False, "error", 4)]
+    metrics = env_metrics(records)
+    assert metrics["rollout/babyai/success"] == 0.5 and metrics["rollout/textcraft/success"] == 0.0
+    assert metrics["rollout/babyai/finish/horizon"] == 0.5 and metrics["rollout/textcraft/errors"] == 1
+    assert metrics["rollout/textcraft/invalid_action_rate"] == 0.25 and metrics["rollout/babyai/turns"] == 2
+    assert env_metrics(records[:2]) == {}  # (one env: its totals are the rollout/ metrics)
+
+    def result(success, errors=0):
+        summary = {"avg@k": success, "pass@k": success, "success": success, "turns": 3.0, "errors": errors,
+                   "invalid_action_rate": 0.0, "malformed": 0.0}
+        return summary | {"finish": {"done": success, "horizon": 1 - success, "max_tokens": 0.0, "error": 0.0},
+                          "categories": {"GoTo": summary}}
+
+    one = eval_metrics({"babyai": result(0.5)}, 6, 3072)
+    assert one["eval/success"] == 0.5 and "eval/babyai/success" not in one and one["eval/GoTo/avg@k"] == 0.5
+    both = eval_metrics({"babyai": result(1.0), "textcraft": result(0.0, errors=2)}, 6, 3072)
+    assert both["eval/success"] == 0.5 and both["eval/babyai/success"] == 1.0 and both["eval/errors"] == 2
+    assert both["eval/finish/horizon"] == 0.5 and both["eval/textcraft/GoTo/avg@k"] == 0.0
+
+
+def test_the_env_flags_say_what_cannot_work():
+    assert train.parse_args(["--env", "all"]).env == tuple(envs.ENVS)
+    assert train.parse_args(["--env", "textcraft", "babyai"]).env == ("textcraft", "babyai")
+    for flags, message in [(["--env", "babyai", "nope"], "unknown env 'nope'"),
+                           (["--env-weights", "2"], "give them to --env too"),
+                           (["--env", "babyai", "textcraft", "--env-weights", "1", "0"], "one positive weight"),
+                           (["--env", "babyai", "textcraft", "--algo", "sft", "--data", "x.jsonl"], "one --env"),
+                           (["--env", "all", "--tasks-per-step", "4"], "no task a step")]:
+        with pytest.raises(SystemExit, match=message):
+            train.check(train.parse_args(flags), 1)
+
+
+def played(run_dir):
+    rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return rollouts, metrics
+
+
+@pytest.mark.slow
+def test_a_run_on_two_envs_plays_each_quota_logs_each_env_and_resumes_exactly(tmp_path):
+    """BabyAI and TextCraft, 3 of one and 1 of the other a step, HF engine: each step's episodes are step_tasks'
+    tasks on their own envs, metrics and the held-out evaluation per env; resumed from step 1's checkpoint, step 2
+    plays and logs exactly what the whole run did."""
+    flags = ["--env", "babyai", "textcraft", "--env-weights", "3", "1", "--engine", "hf", "--steps", "2",
+             "--tasks-per-step", "4", "--n", "2", "--horizon", "2", "--max-new-tokens", "16", "--eval-every", "2",
+             "--eval-tasks", "2", "--save-every", "1", "--out-dir", str(tmp_path)]
+    run_dir = train.main(train.parse_args([*flags, "--run-name", "whole"]))
+    rollouts, metrics = played(run_dir)
+    args = train.parse_args(flags)
+    mix = Mix.of(args.env, args.env_weights, args.tasks_per_step)
+    train_ids = train.train_task_ids(args, mix)
+    for step in (1, 2):
+        expected = [f"{name}_{task}" for name, task in step_tasks(step, mix, train_ids, args.seed) for _ in range(2)]
+        assert [r["item_id"] for r in rollouts if r["step"] == step] == expected
+    assert {"rollout/babyai/success", "rollout/textcraft/finish/horizon", "eval/babyai/success",
+            "eval/textcraft/avg@k"} <= set(metrics[-1])
+    evaluated = [json.loads(line)["item_id"] for line in (run_dir / "evaluations.jsonl").read_text().splitlines()]
+    assert {item.rpartition("_")[0] for item in evaluated} == {"babyai", "textcraft"} and len(evaluated) == 16
+    assert json.loads((run_dir / "config.json").read_text())["env"] == ["babyai", "textcraft"]
+
+    resumed = train.main(train.parse_args(["--resume", str(run_dir / "checkpoints" / "step_1"), "--out-dir",
+                                           str(tmp_path), "--run-name", "whole"]))
+    again, again_metrics = played(resumed)
+    assert [r for r in again if r["step"] == 2] == [r for r in rollouts if r["step"] == 2]
+    timeless = [[{k: v for k, v in row.items() if not k.startswith("perf/")} for row in rows]
+                for rows in (metrics, again_metrics)]
+    assert timeless[0] == timeless[1] and len(timeless[0]) == 3  # (step 0's evaluation, steps 1 and 2)
+
+
+@pytest.mark.slow
+def test_the_asynchronous_loop_keeps_each_env_on_its_rows_in_every_block(tmp_path):
+    """--max-staleness 1: two blocks of envs, each set's episodes on its block's instances of their own env."""
+    args = train.parse_args(["--env", "textcraft", "babyai", "--engine", "hf", "--steps", "3", "--tasks-per-step", "3",
+                             "--n", "2", "--horizon", "2", "--max-new-tokens", "8", "--max-staleness", "1",
+                             "--out-dir", str(tmp_path), "--run-name", "async"])
+    run_dir = train.main(args)
+    rollouts, metrics = played(run_dir)
+    mix = Mix.of(args.env, (), 3)
+    train_ids = train.train_task_ids(args, mix)
+    for step in (1, 2, 3):
+        expected = [f"{name}_{task}" for name, task in step_tasks(step, mix, train_ids, args.seed) for _ in range(2)]
+        assert [r["item_id"] for r in rollouts if r["step"] == step] == expected
+    assert all(r["error"] is None for r in rollouts) and "rollout/textcraft/turns" in metrics[-1]
