@@ -90,8 +90,9 @@ UPSTREAM_CONTEXT = 32768
 class Args:
     model: str = "tiny-agent"
     """Hugging Face id, local directory or checkpoint (runs/<run>/checkpoints/step_<k>)"""
-    env: str | None = None
-    """default: the run's env, else babyai"""
+    env: tuple[str, ...] | None = None
+    """default: the run's envs, else babyai; several (or all): each played in turn on one engine, and one table with
+    a row each and their macro average"""
     protocol: Literal["auto", "run", "tiny", "agentgym"] = "auto"
     """the limits episodes play under (see above): the run's, the embedded model's, or upstream's eval"""
     split: Literal["test", "train"] = "test"
@@ -152,8 +153,20 @@ def checkpoint_horizon(model: str, config: dict) -> int:
     return horizon_at(max(step, 1), config["horizon"], config["horizon_every"])  # (agentevol's iteration 0 is step 0)
 
 
-def resolve_settings(args: Args) -> dict:
-    """The env, its options, the protocol and its limits (horizon, max_new_tokens, max_tokens)."""
+def eval_envs(args: Args) -> tuple[str, ...]:
+    """The envs to play: --env's (all: every env), else the run's where the model is a run's checkpoint, else the
+    embedded model's or babyai."""
+    config = run_of(args.model)
+    names = env_names(args.env) if args.env else env_names(config["env"]) if config is not None else \
+        (EMBEDDED_ROLLOUT["env"] if args.model in EMBEDDED else "babyai",)
+    for env in names:
+        if env not in envs.ENVS:
+            raise SystemExit(f"unknown env {env!r}; choose one of: {', '.join(envs.ENVS)}, or all")
+    return names
+
+
+def resolve_settings(args: Args, env: str) -> dict:
+    """The env's options, the protocol and its limits (horizon, max_new_tokens, max_tokens)."""
     config = run_of(args.model)
     protocol = args.protocol
     if protocol == "auto":
@@ -161,12 +174,6 @@ def resolve_settings(args: Args) -> dict:
     if protocol == "run" and config is None:
         raise SystemExit("--protocol run takes a checkpoint of a training run (runs/<run>/checkpoints/step_<k>)")
     trained = env_names(config["env"]) if config is not None else ()  # (the envs of the run, where the model is one's)
-    if not args.env and len(trained) > 1:
-        raise SystemExit(f"{args.model} was trained on {', '.join(trained)}: give --env, one of them (eval.py plays one "
-                         "env a call)")
-    env = args.env or (trained[0] if trained else EMBEDDED_ROLLOUT["env"] if protocol == "tiny" else "babyai")
-    if env not in envs.ENVS:
-        raise SystemExit(f"unknown env {env!r}; choose one of: {', '.join(envs.ENVS)}")
     if protocol == "run":
         limits = {"horizon": checkpoint_horizon(args.model, config), **{k: config[k] for k in ("max_new_tokens", "max_tokens")}}
     elif protocol == "tiny":
@@ -191,7 +198,7 @@ def resolve_settings(args: Args) -> dict:
     options = {**envs.parse_options(own_options), **envs.parse_options(args.env_args.env_options)}
     # a run's checkpoint plays its run's test tasks (the tiny preset's on BabyAI: the short-horizon levels')
     own_tasks = config.get("test_tasks") if protocol == "run" and env in trained and args.split == "test" else None
-    if own_tasks and len(trained) > 1 and not envs.load_tasks(own_tasks, trained).get(env):  # (the run played its split)
+    if own_tasks and len(trained) > 1 and not run_tasks(own_tasks, trained).get(env):  # (the run played its split)
         own_tasks = None
     horizons = sorted(set(horizons)) if horizons else [limits["horizon"]]
     # the layout: a run's checkpoint plays as its run was trained (agent format, template options, reasoning tags)
@@ -205,26 +212,52 @@ def resolve_settings(args: Args) -> dict:
 
 
 def main(args: Args) -> dict:
+    """Evaluate: one env's results (its .json's), or with several, {"envs": each one's, "macro": their average}."""
     if args.compare:
         return compare(*args.compare)
     args.engine_args.check(args.model)
     args.api_args.check(args.model)
     if args.engine_args.deterministic:  # (before anything starts CUDA)
         deterministic_kernels()
-    settings = resolve_settings(args)
-    env_name = settings["env"]
-    task_ids = evaluation_tasks(args, settings)
-    layout = LayoutArgs(settings["agent"], settings["reasoning_tags"], settings["chat_template_kwargs"],
-                        settings["reasoning"], args.attempts)
-    layout.check(env_name)
-    agent = layout.make_agent()
+    names = eval_envs(args)
+    args.env_args.check_urls(names)
+    settings = {env: resolve_settings(args, env) for env in names}
+    first = settings[names[0]]  # (the layout is the run's or the flags', the same for every env)
+    layout = LayoutArgs(first["agent"], first["reasoning_tags"], first["chat_template_kwargs"], first["reasoning"],
+                        args.attempts)
+    tasks = {env: evaluation_tasks(args, settings[env]) for env in names}
+    for env in names:
+        layout.check(env)
 
     kind, fmt = engine_format(args, layout)
-    engine = build_engine(args.engine_args, fmt, args.model, settings["max_tokens"], args.seed, args.batch_size,
-                          api_args=args.api_args)
+    engine = build_engine(args.engine_args, fmt, args.model, max(s["max_tokens"] for s in settings.values()), args.seed,
+                          args.batch_size, api_args=args.api_args)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
+    try:
+        results = {env: evaluate(args, engine, kind, fmt, layout, settings[env], tasks[env]) for env in names}
+    finally:
+        engine.close()
+    if len(names) == 1:
+        return results[names[0]]
+    macro = {key: sum(r[key] for r in results.values()) / len(results) for key in ("avg@k", "pass@k", "success")}
+    print(env_table(results, macro, args.k))
+    return {"envs": results, "macro": macro}
 
+
+def env_table(results: dict[str, dict], macro: dict, k: int) -> str:
+    """Several envs' scores, a row each, and their macro average (each env weighs the same)."""
+    rows = [f"{'env':<12} {'tasks':>6}  {f'Avg@{k}':>8} {f'Pass@{k}':>8} {'success':>8}"]
+    rows += [f"{env:<12} {r['tasks']:>6}  {r['avg@k']:>8.4f} {r['pass@k']:>8.4f} {r['success']:>8.4f}"
+             for env, r in results.items()]
+    return "\n".join([*rows, f"{'macro':<12} {'':>6}  {macro['avg@k']:>8.4f} {macro['pass@k']:>8.4f} "
+                                f"{macro['success']:>8.4f}"])
+
+
+def evaluate(args: Args, engine, kind: str, fmt, layout: LayoutArgs, settings: dict, task_ids: list[int]) -> dict:
+    """One env's episodes, k a task, on `engine`: its results, written with its episodes under output_path."""
+    env_name = settings["env"]
+    agent = layout.make_agent()
     # -- every episode, k per task: once under the largest cap (a lower cap's episodes are its prefixes), or once
     # per cap for reflect, whose next attempt starts when one ends
     episodes = [(task, group) for group, task in enumerate(task_ids) for _ in range(args.k)]
@@ -243,7 +276,6 @@ def main(args: Args) -> dict:
             if stop:
                 break
     finally:
-        engine.close()
         close_envs(environments)
     trajectories = played[horizon]
     results = {"model": args.model, "split": settings["tasks"] or args.split, "k": args.k, "agent": agent.name,
@@ -275,13 +307,24 @@ def main(args: Args) -> dict:
     return results
 
 
+def run_tasks(path: str, trained: tuple[str, ...]) -> dict[str, list[int]]:
+    """A run's --test-tasks file by env (it may hold several envs' tasks), or a SystemExit that says what is wrong."""
+    try:
+        return envs.load_tasks(path, trained)
+    except envs.TaskFileError as error:
+        raise SystemExit(f"the run's --test-tasks: {error}") from None
+
+
 def evaluation_tasks(args: Args, settings: dict) -> list[int]:
-    """The task ids to play: --tasks (or a run's own test tasks), else the split; --limit of them, spread."""
-    if settings["tasks"]:
+    """The task ids to play: --tasks (or a run's own test tasks, which may be several envs'), else the split;
+    --limit of them, spread."""
+    if settings["tasks"] and not args.tasks:
+        task_ids = run_tasks(settings["tasks"], env_names(run_of(args.model)["env"])).get(settings["env"], [])
+    elif settings["tasks"]:
         try:
             task_ids = envs.load_task_ids(settings["tasks"], settings["env"])
         except envs.TaskFileError as error:
-            raise SystemExit(f"--tasks: {error}" if args.tasks else f"the run's --test-tasks: {error}") from None
+            raise SystemExit(f"--tasks: {error}") from None
     else:
         task_ids = envs.splits(settings["env"])[args.split]
     if args.limit:
@@ -303,9 +346,10 @@ def engine_format(args: Args, layout: LayoutArgs) -> tuple[str, object]:
 
 
 def output_path(args: Args, env_name: str, settings: dict) -> Path:
-    """<out> (without extension): --out, else beside the checkpoint, else runs/eval/."""
+    """<out> (without extension): --out (with several envs, <out>_<env> each), else beside the checkpoint, else
+    runs/eval/."""
     if args.out:
-        out = Path(args.out)
+        out = Path(args.out) if len(eval_envs(args)) == 1 else Path(f"{args.out}_{env_name}")
     elif run_of(args.model) is not None:
         out = Path(args.model) / f"eval_{env_name}_{args.split}_k{args.k}_{settings['protocol']}"
     else:

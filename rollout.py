@@ -97,11 +97,12 @@ ENV_THREADS = 256
 
 
 class Tasks(NamedTuple):
-    """A set's episodes: each one's task id and group, the turn cap, and (reflect's) each one's past reflections."""
+    """A set's episodes: each one's task id and group, the turn cap (or each env's, by its name: a run on several
+    envs under --horizon auto), and (reflect's) each one's past reflections."""
 
     task_ids: list[int]
     groups: list[int]
-    horizon: int
+    horizon: int | dict[str, int]
     reflections: list[list[str]] | None = None
 
 
@@ -269,13 +270,16 @@ class Rollouts:
             self.sets[j], self.reflections[j] = [None] * len(task_ids), reflections
             self.holds[rule.block(j, self.staleness)] = j
             for i, (task, group) in enumerate(zip(task_ids, groups)):
-                self.resetting[self.pool.submit(_called, self.environments[self._row(j, i)], "reset", task)] = \
-                    (j, i, task, group, horizon)
+                env = self.environments[self._row(j, i)]
+                self.resetting[self.pool.submit(_called, env, "reset", task)] = \
+                    (j, i, task, group, horizon if isinstance(horizon, int) else horizon[env.name])
 
     def _attempts(self, j: int, progress: Callable[[int, int], None] | None) -> list[Trajectory]:
         """Reflect's set j: its episodes attempt after attempt (attempts), each attempt a set of its own."""
         self.opened = j
         task_ids, groups, horizon, _ = self._tasks(j)
+        if not isinstance(horizon, int):  # (each attempt's set plays under one cap: the largest of the envs')
+            horizon = max(horizon.values())
         return attempts(self.engine, self.fmt, self.environments[:len(task_ids)], task_ids, groups, horizon=horizon,
                         max_new_tokens=self.max_new_tokens, max_tokens=self.max_tokens, agent=self.agent, pool=self.pool,
                         stats=self.clock, progress=progress)

@@ -57,7 +57,7 @@ from rl.batch import Batch, MicroBatch, StepTensors, arrange, attach, make_batch
 from rl.data import OfflineArgs, examples_of, held_out, offline_steps, read_data, to_record
 from rl.engines.setup import TrainerEngineArgs, build_engine, own_stream, stream_seed, sync
 from rl.flags import GROUP, OFFLINE, build, check, replace
-from rl.horizon import AUTO, auto_horizon, caps_of, describe, horizon_at, known_before
+from rl.horizon import AUTO, auto_horizon, caps_of, describe, env_rows, horizon_at, known_before
 from rl.logprobs import token_logprobs, token_values
 from rl.losses import Aggregation, Counts, KLEstimator, Mismatch, Objective, aggregate, kl, policy_objective, value_loss
 from rl.memory import PlanArgs, print_plan
@@ -297,8 +297,7 @@ def main(args: Args) -> Path | None:
     per_step = len(rows)
     environments = args.env_args.make_pool(rows, blocks, accelerator.process_index, args.seed)
     test_ids = test_task_ids(args) if args.eval_every else {}  # played on the same envs every --eval-every steps
-    players = args.env_args.make_pool(rows, 1, accelerator.process_index, args.seed + 1) \
-        if test_ids and args.max_staleness is not None else environments
+    players = evaluation_pool(args, rows, environments, test_ids, accelerator.process_index)
     engine = logs = rollouts = None
     try:  # (everything from here on closes what it opened, also on a stop or an error)
         # -- models, the sampler, and the training state when resuming
@@ -422,7 +421,7 @@ def rollouts_of(engine, fmt: ChatFormat, environments: list, mix: Mix, train_ids
     sets anew (docs/async.md: a browser page or a JVM's state cannot be saved)."""
     def tasks_of(j: int) -> Tasks:
         mine, groups = my_tasks(step_tasks(j, mix, train_ids, args.seed), args.n, accelerator)
-        return Tasks([task for _, task in mine], groups, horizon_for(j, args, history)[0])
+        return Tasks([task for _, task in mine], groups, caps_for(j, args, history)[0])
 
     seed = args.seed + accelerator.process_index
     return Rollouts(engine, fmt, environments, tasks_of, staleness=args.max_staleness or 0, first=first, last=args.steps,
@@ -432,13 +431,25 @@ def rollouts_of(engine, fmt: ChatFormat, environments: list, mix: Mix, train_ids
 
 
 def horizon_for(step: int, args: Args, history: list[dict]) -> tuple[int, str | None]:
-    """The turn cap of step `step` (rl/horizon.py): ScalingInter-RL's stage then; under --horizon auto, what its rule
-    makes of the metrics of the steps finished when the step's episodes begin (`history`: the run's metrics rows), and
+    """The turn cap of step `step` (caps_for; with several envs under --horizon auto, the largest of theirs), and
     why (logged as rollout/horizon_reason)."""
+    caps, why = caps_for(step, args, history)
+    return caps if isinstance(caps, int) else max(caps.values()), why
+
+
+def caps_for(step: int, args: Args, history: list[dict]) -> tuple[int | dict[str, int], str | None]:
+    """The turn cap of step `step` (rl/horizon.py): ScalingInter-RL's stage then; under --horizon auto, what its rule
+    makes of the metrics of the steps finished when the step's episodes begin (`history`: the run's metrics rows),
+    for each env on its own metrics where the run has several (rollout/<env>/: its cap, by its name), and why."""
     if args.horizon[0] != AUTO:
         return horizon_at(step, args.horizon, args.horizon_every), None
     known = [row for row in history if row["charts/step"] <= known_before(step, args.max_staleness)]
-    return auto_horizon(caps_of(args.horizon), known, args.horizon_patience, args.horizon_cut, args.horizon_gain)
+    rule = (caps_of(args.horizon), args.horizon_patience, args.horizon_cut, args.horizon_gain)
+    if len(args.env) == 1:
+        return auto_horizon(rule[0], known, *rule[1:])
+    decided = {name: auto_horizon(rule[0], env_rows(known, name), *rule[1:]) for name in args.env}
+    return {name: cap for name, (cap, _) in decided.items()}, "; ".join(f"{name} {why}" for name, (_, why) in
+                                                                        decided.items())
 
 
 def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: int, step: int | None = None) -> Batch:
@@ -615,6 +626,17 @@ def play_share(engine, fmt: ChatFormat, environments: list, tasks: dict[str, lis
                        progress=progress) if mine else []
     engine.sleep()
     return gather_object(played)
+
+
+def evaluation_pool(args: Args, rows: list[str], environments: list, test_ids: dict[str, list[int]],
+                    process: int) -> list:
+    """The envs evaluations play on: the training ones where they hold instances of every env evaluated, else a pool
+    of their own with each env's count of a step's rows (one at least): under --max-staleness, whose rollouts go on
+    through an evaluation, and on a process whose share of a step holds only some of a run's envs."""
+    if not test_ids or (args.max_staleness is None and set(test_ids) <= set(rows)):
+        return environments
+    return args.env_args.make_pool([name for name in test_ids for _ in range(max(1, rows.count(name)))], 1, process,
+                                   args.seed + 1)
 
 
 def train_task_ids(args: Args, mix: Mix) -> dict[str, list[int]]:

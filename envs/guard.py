@@ -214,6 +214,17 @@ class EnvArgs:
         left = {name: iter(instances) for name, instances in made.items()}
         return [next(left[name]) for _ in range(blocks) for name in rows]
 
+    def check_urls(self, names: Sequence[str]) -> None:
+        """Stop early on --env-url entries a run on the envs `names` cannot place: with several envs each says whose
+        (ENV=URL: a server serves one env), and an ENV= entry names one of them."""
+        for url in (self.env_url,) if isinstance(self.env_url, str) else self.env_url or ():
+            name = self.named(url)
+            if name is None and len(names) > 1:
+                raise SystemExit(f"--env-url {url}: a run on several envs ({', '.join(names)}) needs to know whose "
+                                 f"server it is: write it ENV=URL ({names[0]}={url})")
+            if name is not None and name not in names:
+                raise SystemExit(f"--env-url {url} is for {name}, which this run does not play ({', '.join(names)})")
+
     def urls(self, name: str) -> tuple[str, ...] | None:
         """The env servers of env `name`: --env-url's ENV=URL entries for it, else its plain URLs (none: in process)."""
         given = (self.env_url,) if isinstance(self.env_url, str) else self.env_url or ()  # (one, set from code)

@@ -208,6 +208,7 @@ def check_tasks(args) -> None:
     if args.env_weights and len(args.env) == 1:
         raise SystemExit("--env-weights shares a step's tasks between several envs: give them to --env too")
     Mix.of(args.env, args.env_weights, args.tasks_per_step)  # (each env at least one task a step)
+    args.env_args.check_urls(args.env)
     for flag in ("train_tasks", "test_tasks"):
         try:  # (read again where they are played; a bad file stops here, before anything loads)
             if getattr(args, flag):

@@ -15,7 +15,9 @@ ladder of caps when the run shows it is time (`auto_horizon`), never lower: afte
 cap, the next cap comes when the cap has stopped mattering (it cut at most `cut` of the last `patience` steps'
 episodes) or when success has stopped improving at it (the last `patience` steps' mean success is not `gain` above
 the `patience` steps' before). `--horizon auto` alone climbs the preset's stages, or the ScalingInter-RL recipe's
-10 20 30. The cap is a pure function of the logged metrics (metrics.jsonl's rows), so `--resume` reproduces it;
+10 20 30. With several envs (train.py --env babyai textcraft) each env climbs the ladder on its own episodes'
+metrics (env_rows: rollout/<env>/), each playing under its own cap. The cap is a pure function of the logged
+metrics (metrics.jsonl's rows), so `--resume` reproduces it;
 under --max-staleness k the cap of step j is decided from the steps up to j - k - 2, the ones finished when step j's
 episodes begin (`known_before`).
 """
@@ -82,6 +84,14 @@ def auto_horizon(caps: Sequence[int], rows: list[dict], patience: int, cut: floa
         if why is not None and cap != caps[-1]:
             cap, reason, at_cap = caps[caps.index(cap) + 1], f"from {cap} after step {row['charts/step']}: {why}", []
     return cap, reason
+
+
+def env_rows(rows: list[dict], name: str) -> list[dict]:
+    """The rows of a run on several envs as auto_horizon reads them for env `name`: its own cap, success and share of
+    episodes cut (rl/metrics.py's rollout/<env>/), so that each env climbs the ladder when its own episodes say so."""
+    return [{"charts/step": row["charts/step"], "rollout/horizon": row[f"rollout/{name}/horizon"],
+             "rollout/success": row[f"rollout/{name}/success"], "finish/horizon": row[f"rollout/{name}/finish/horizon"]}
+            for row in rows if f"rollout/{name}/horizon" in row]
 
 
 def _time_to_raise(rows: list[dict], patience: int, cut: float, gain: float) -> str | None:

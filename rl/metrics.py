@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+import envs
 from rl.losses import PolicyTerms, Weights, kl
 from rl.memory import peak_gib, reset_peak
 from rl.optimizer import Sums, largest
@@ -249,8 +250,8 @@ def anchor_metrics(records: list[dict]) -> dict[str, float]:
 
 def env_metrics(records: list[dict]) -> dict[str, float]:
     """With several envs in a step, each one's episodes as the rollout/ and finish/ totals sum up all of them
-    (rollout/<env>/reward, success, turns, invalid_action_rate, tokens, action_tokens, errors, finish/<name>);
-    nothing for one env."""
+    (rollout/<env>/reward, success, turns, invalid_action_rate, tokens, action_tokens, errors, finish/<name>) and the
+    cap they played under (horizon); nothing for one env."""
     by_env = collections.defaultdict(list)
     for r in records:
         by_env[r["item_id"].rpartition("_")[0]].append(r)
@@ -262,7 +263,8 @@ def env_metrics(records: list[dict]) -> dict[str, float]:
         metrics |= {f"rollout/{name}/{key}": sum(float(r[key]) for r in rs) / len(rs)
                     for key in ("reward", "success", "turns", "tokens", "action_tokens")}
         metrics |= {f"rollout/{name}/invalid_action_rate": sum(r["invalid_actions"] for r in rs) / max(turns, 1),
-                    f"rollout/{name}/errors": sum(r["finish"] == "error" for r in rs)}
+                    f"rollout/{name}/errors": sum(r["finish"] == "error" for r in rs),
+                    f"rollout/{name}/horizon": max(r["horizon"] for r in rs)}  # (its cap: --horizon auto's, per env)
         metrics |= {f"rollout/{name}/finish/{label}": sum(r["finish"] == finish for r in rs) / len(rs)
                     for finish, label in FINISHES.items()}
     return metrics
@@ -309,10 +311,17 @@ def _mean(values: list[float]) -> float:
 # The printed lines
 
 
+def _by_env(metrics: dict, prefix: str, key: str) -> str:
+    """With several envs, each one's `prefix`/<env>/`key` as " (babyai 0.50, textcraft 0.12)"; else nothing."""
+    values = {name: metrics[f"{prefix}/{name}/{key}"] for name in envs.ENVS if f"{prefix}/{name}/{key}" in metrics}
+    return f" ({', '.join(f'{name} {value:.2f}' for name, value in values.items())})" if values else ""
+
+
 def rl_line(step: int, metrics: dict) -> str:
     """The printed line of an RL step."""
     return (
-        f"step {step:>4} | reward {metrics['rollout/reward']:.3f} | success {metrics['rollout/success']:.2f} | "
+        f"step {step:>4} | reward {metrics['rollout/reward']:.3f} | success {metrics['rollout/success']:.2f}"
+        + _by_env(metrics, "rollout", "success") + " | "
         f"turns {metrics['rollout/turns']:.1f}/{metrics['rollout/horizon']} | "
         f"invalid actions {metrics['rollout/invalid_action_rate']:.0%} | "
         + (f"tokens/s {metrics['perf/tokens_per_s']:.0f} | " if "perf/tokens_per_s" in metrics else "")
@@ -320,7 +329,8 @@ def rl_line(step: int, metrics: dict) -> str:
            f"grad {metrics['losses/grad_norm']:.3f} | " if "losses/kl" in metrics
            else "update skipped: NaN/inf | " if metrics["losses/nonfinite_updates"] else "critic warm-up | ")
         + (f"value loss {metrics['losses/value']:.4f} | " if "losses/value" in metrics else "")
-        + (f"test success {metrics['eval/success']:.3f} | " if "eval/success" in metrics else "")
+        + (f"test success {metrics['eval/success']:.3f}{_by_env(metrics, 'eval', 'success')} | "
+           if "eval/success" in metrics else "")
         + (f"prefix hits {metrics['perf/prefix_hit_rate']:.2f} | " if "perf/prefix_hit_rate" in metrics else "")
         + f"env wait {metrics['perf/env_wait_share']:.0%} | "
         + (f"logp diff {metrics['rollout/logprob_diff']:.0e} | " if "rollout/logprob_diff" in metrics else "")
@@ -336,7 +346,8 @@ def offline_line(step: int, metrics: dict) -> str:
     return (f"step {step:>4} | {kind} loss {metrics[f'{kind}/loss']:.4f} | "
             + (f"accuracy {metrics['dpo/accuracy']:.2f} | margin {metrics['dpo/margin']:.3f} | " if kind == "dpo" else "")
             + (f"val loss {metrics[f'{kind}/val_loss']:.4f} | " if f"{kind}/val_loss" in metrics else "")
-            + (f"test success {metrics['eval/success']:.3f} | " if "eval/success" in metrics else "")
+            + (f"test success {metrics['eval/success']:.3f}{_by_env(metrics, 'eval', 'success')} | "
+           if "eval/success" in metrics else "")
             + (f"grad {metrics['losses/grad_norm']:.3f} | " if "losses/grad_norm" in metrics else "update skipped: NaN/inf | ")
             + f"{metrics['perf/step_s']:.1f}s")
 
@@ -353,7 +364,7 @@ def evol_line(iteration: int, metrics: dict) -> str:
 
 def eval_line(step: int, metrics: dict) -> str:
     """The printed line of an evaluation outside a training step."""
-    return (f"eval {step:>4} | test success {metrics['eval/success']:.3f} | avg@k {metrics['eval/avg@k']:.3f} | "
+    return (f"eval {step:>4} | test success {metrics['eval/success']:.3f}{_by_env(metrics, 'eval', 'success')} | avg@k {metrics['eval/avg@k']:.3f} | "
             f"pass@k {metrics['eval/pass@k']:.3f} | turns {metrics['eval/turns']:.1f}/{metrics['eval/horizon']} | "
             f"invalid actions {metrics['eval/invalid_action_rate']:.0%} | "
             + endings({name: metrics[f"eval/finish/{name}"] for name in FINISHES.values()}, metrics["eval/max_tokens"]))

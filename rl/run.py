@@ -423,8 +423,8 @@ def stopped_run(run_dir: Path, main_process: bool) -> NoReturn:
 
 def held_out_line(run_dir: Path) -> str | None:
     """The run's first evaluation (step 0: the initial policy) against its last, on the same test tasks:
-    success before and after, the gain and its 95% confidence interval (rl/scores.py's `gain`); None
-    unless the run evaluated at step 0 and later."""
+    success before and after, the gain and its 95% confidence interval (rl/scores.py's `gain`), and with several
+    envs each env's on a line of its own; None unless the run evaluated at step 0 and later."""
     path = run_dir / "evaluations.jsonl"
     steps: dict[int, list] = collections.defaultdict(list)
     for line in path.read_text().splitlines() if path.is_file() else []:
@@ -434,12 +434,23 @@ def held_out_line(run_dir: Path) -> str | None:
     last = max(steps, default=0)
     if 0 not in steps or last == 0:
         return None
-    result = gain(steps[0], steps[last])
-    episodes = len(steps[last]) / result["tasks"]
-    interval = (f"95% CI {result['low']:+.3f} to {result['high']:+.3f}" if result["low"] is not None
-                else "no interval from one task")
-    return (f"held-out success {result['before']:.3f} -> {result['after']:.3f} ({result['gain']:+.3f}, {interval}; "
-            f"{result['tasks']} test tasks x {episodes:g} episodes, step 0 vs step {last})")
+
+    def compared(before: list, after: list, what: str) -> str:
+        result = gain(before, after)
+        interval = (f"95% CI {result['low']:+.3f} to {result['high']:+.3f}" if result["low"] is not None
+                    else "no interval from one task")
+        return (f"{what} {result['before']:.3f} -> {result['after']:.3f} ({result['gain']:+.3f}, {interval}; "
+                f"{result['tasks']} test tasks x {len(after) / result['tasks']:g} episodes, step 0 vs step {last})")
+
+    def env(episode) -> str:
+        return episode.task_id.rpartition("_")[0]
+
+    names = sorted({env(t) for t in steps[last]})
+    lines = [compared(steps[0], steps[last], "held-out success")]
+    if len(names) > 1:  # (the line above pools every env's tasks)
+        lines += [compared([t for t in steps[0] if env(t) == name], [t for t in steps[last] if env(t) == name],
+                           f"  {name}:") for name in names]
+    return "\n".join(lines)
 
 
 def close(engine, environments: list, logs: Logs | None, pool=None, rollouts=None) -> None:

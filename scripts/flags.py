@@ -49,7 +49,7 @@ def shown(value, doc: str) -> str:
     """A default as the table shows it."""
     if value is None or value == () or (value == 0 and not isinstance(value, bool)):
         said = re.search(r"(?:default|(?<![\w.])0): ([^;,.(]+)", doc) if value in (None, ()) else re.search(r"(?<![\w.])0: ([^;,.(]+)", doc)
-        return said.group(1).strip() if said else ("" if value is None else "0")
+        return said.group(1).strip() if said else ("" if value in (None, ()) else "0")
     if isinstance(value, bool):
         return "on" if value else "off"
     if isinstance(value, (tuple, list)):

@@ -147,6 +147,29 @@ def test_results_record_what_was_run_and_reflect_reports_every_attempt(tmp_path,
     assert "after attempt 2" in capsys.readouterr().out
 
 
+def test_several_envs_play_in_turn_on_one_engine_and_print_one_table(tmp_path, capsys):
+    """--env babyai textcraft: each env's results as one env's (its own file), a table with a row each and their
+    macro average; a checkpoint of a run on several envs plays them all unless --env says which."""
+    results = eval_script.main(eval_script.tyro.cli(eval_script.Args, args=[
+        "--engine", "hf", "--env", "babyai", "textcraft", "--limit", "2", "--horizon", "1", "--out", str(tmp_path / "r")]))
+    assert set(results["envs"]) == {"babyai", "textcraft"}
+    for env in ("babyai", "textcraft"):
+        written = json.loads((tmp_path / f"r_{env}.json").read_text())
+        assert written["env"] == env and written["tasks"] == 2 and written["success"] == results["envs"][env]["success"]
+    assert results["macro"]["avg@k"] == pytest.approx(
+        (results["envs"]["babyai"]["avg@k"] + results["envs"]["textcraft"]["avg@k"]) / 2)
+    table = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in table[-3:]] == ["babyai", "textcraft", "macro"]
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_1").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"env": ["textcraft", "babyai"]}))
+    assert eval_script.eval_envs(build(eval_script.Args, model=str(run / "checkpoints" / "step_1"))) == \
+        ("textcraft", "babyai")
+    assert eval_script.eval_envs(build(eval_script.Args, model="tiny-agent", env=("all",))) == tuple(envs.ENVS)
+    with pytest.raises(SystemExit, match="unknown env 'nope'"):
+        eval_script.eval_envs(build(eval_script.Args, env=("babyai", "nope")))
+
+
 def result(env, tasks):
     """A minimal eval result: per_task {task: [[reward, success], ...]} and its summaries."""
     episodes = [e for v in tasks.values() for e in v]
@@ -252,7 +275,8 @@ def test_every_protocols_budget_is_cut_to_the_models_context_window(tmp_path, ca
     with one line (train.py's, rl/model.context_limit); a budget within it stays; a model behind an API keeps it (its
     server's window holds it)."""
     model = windowed(tmp_path, 2048)
-    resolve = eval_script.resolve_settings
+    def resolve(args):
+        return eval_script.resolve_settings(args, eval_script.eval_envs(args)[0])
     assert resolve(build(eval_script.Args, model=str(model)))["max_tokens"] == 2048
     assert (f"--protocol agentgym's --max-tokens 32768 is more than {model}'s context window: trajectories end at 2048 "
             "tokens") in capsys.readouterr().out

@@ -3,6 +3,7 @@
 advantages whitened within each env, and a run of one env exactly what it was before."""
 
 import json
+import shutil
 import types
 
 import pytest
@@ -13,7 +14,10 @@ import train
 from envs.guard import EnvArgs
 from rl.advantages import AdvantageInputs, advantages, masked_whiten
 from rl.metrics import env_metrics, eval_metrics
+from rl.engines.expert import ExpertEngine
+from rl.model import EMBEDDED, load_tokenizer
 from rl.tasks import Mix, my_tasks, step_tasks, tasks_by_env, tasks_for
+from rollout import ChatFormat, Rollouts, Tasks
 
 
 def test_quotas_share_a_step_by_weight_every_env_at_least_one():
@@ -97,6 +101,52 @@ def test_a_pool_puts_each_rows_env_on_it_in_every_block_and_each_env_on_its_own_
     assert EnvArgs(env_url=("http://h:1/?q=1",)).urls("babyai") == ("http://h:1/?q=1",)  # (an = of the URL's own)
 
 
+def test_a_process_whose_share_lacks_an_env_evaluates_it_on_a_pool_of_its_own():
+    """2 processes, 1 BabyAI and 1 TextCraft task a step: each process's training envs are one env's, and each
+    process plays its share of both envs' test tasks, so it evaluates on a pool with each env's instances."""
+    mix = Mix.of(("babyai", "textcraft"), (), 2)
+    args = train.parse_args(["--env", "babyai", "textcraft", "--tasks-per-step", "2", "--n", "2"])
+    test_ids = {"babyai": [0, 1], "textcraft": [0, 1]}
+    for process in (0, 1):
+        rows = mix.rows(2, process, 2)
+        assert len(set(rows)) == 1
+        pool = train.evaluation_pool(args, rows, ["training envs"], test_ids, process)
+        try:
+            assert sorted(env.name for env in pool) == ["babyai"] * (2 if process == 0 else 1) + \
+                ["textcraft"] * (1 if process == 0 else 2)
+        finally:
+            envs.guard.close_envs(pool)
+    both = mix.rows(2)
+    assert train.evaluation_pool(args, both, ["training envs"], test_ids, 0) == ["training envs"]  # (all there)
+
+
+def test_server_urls_say_whose_they_are_when_a_run_has_several_envs():
+    with pytest.raises(SystemExit, match="needs to know whose server it is: write it ENV=URL"):
+        EnvArgs(env_url=("http://h:1",)).check_urls(("babyai", "textcraft"))
+    with pytest.raises(SystemExit, match="is for webarena, which this run does not play"):
+        EnvArgs(env_url=("webarena=http://h:1",)).check_urls(("babyai", "textcraft"))
+    EnvArgs(env_url=("http://h:1",)).check_urls(("babyai",))
+    EnvArgs(env_url=("textcraft=http://h:1",)).check_urls(("babyai", "textcraft"))
+
+
+def test_eval_plays_a_runs_own_test_tasks_of_each_env_from_one_file(tmp_path):
+    import eval as eval_script
+    from rl.flags import build
+
+    tasks = tmp_path / "test.json"
+    tasks.write_text(json.dumps([{"item_id": "babyai_3"}, {"item_id": "textcraft_7"}, {"item_id": "babyai_5"}]))
+    run = tmp_path / "run"
+    shutil.copytree(EMBEDDED["tiny-agent"], run / "checkpoints" / "step_1")
+    (run / "config.json").write_text(json.dumps({"env": ["babyai", "textcraft", "sciworld"], "test_tasks": str(tasks),
+                                                 "horizon": [2], "horizon_every": 100, "max_new_tokens": 16,
+                                                 "max_tokens": 1024}))
+    args = build(eval_script.Args, model=str(run / "checkpoints" / "step_1"))
+    played = {env: eval_script.evaluation_tasks(args, eval_script.resolve_settings(args, env))
+              for env in eval_script.eval_envs(args)}
+    assert played["babyai"] == [3, 5] and played["textcraft"] == [7]
+    assert played["sciworld"] == envs.splits("sciworld")["test"]  # (the file names none: the run played its split)
+
+
 def test_whitening_per_env_is_each_envs_own_and_sums_over_processes():
     x = torch.tensor([[1.0, 2.0, 0.0], [30.0, 40.0, 50.0], [3.0, 4.0, 5.0], [10.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
@@ -147,13 +197,14 @@ def test_the_whitening_estimators_whiten_each_env_apart_unless_told_not_to(algo)
 def test_metrics_per_env_beside_the_totals_and_an_evaluation_macro_averaged():
     def record(env, success, finish="done", turns=2):
         return {"item_id": f"{env}_1", "reward": float(success), "success": success, "turns": turns, "tokens": 10,
-                "action_tokens": 4, "invalid_actions": 1, "finish": finish}
+                "action_tokens": 4, "invalid_actions": 1, "finish": finish, "horizon": turns}
 
     records = [record("babyai", True), record("babyai", False, "horizon"), record("textcraft", False, "error", 4)]
     metrics = env_metrics(records)
     assert metrics["rollout/babyai/success"] == 0.5 and metrics["rollout/textcraft/success"] == 0.0
     assert metrics["rollout/babyai/finish/horizon"] == 0.5 and metrics["rollout/textcraft/errors"] == 1
     assert metrics["rollout/textcraft/invalid_action_rate"] == 0.25 and metrics["rollout/babyai/turns"] == 2
+    assert metrics["rollout/textcraft/horizon"] == 4
     assert env_metrics(records[:2]) == {}  # (one env: its totals are the rollout/ metrics)
 
     def result(success, errors=0):
@@ -167,6 +218,31 @@ def test_metrics_per_env_beside_the_totals_and_an_evaluation_macro_averaged():
     both = eval_metrics({"babyai": result(1.0), "textcraft": result(0.0, errors=2)}, 6, 3072)
     assert both["eval/success"] == 0.5 and both["eval/babyai/success"] == 1.0 and both["eval/errors"] == 2
     assert both["eval/finish/horizon"] == 0.5 and both["eval/textcraft/GoTo/avg@k"] == 0.0
+
+
+def test_under_horizon_auto_each_env_climbs_on_its_own_metrics_and_plays_under_its_own_cap():
+    """BabyAI's episodes stopped being cut by the cap (its finish/horizon 0) while TextCraft's still are: BabyAI's cap
+    rises after --horizon-patience steps, TextCraft's stays; each env's episodes then play under their own cap."""
+    args = train.parse_args(["--env", "babyai", "textcraft", "--horizon", "auto", "2", "4", "--horizon-patience", "2"])
+    def row(step):
+        return {"charts/step": step, "rollout/horizon": 2, "rollout/success": 0.0, "finish/horizon": 0.5,
+                **{f"rollout/{name}/{key}": value for name, cut in (("babyai", 0.0), ("textcraft", 1.0))
+                   for key, value in (("horizon", 2), ("success", 0.0), ("finish/horizon", cut))}}
+    history = [row(1), row(2)]
+    assert train.caps_for(2, args, history)[0] == {"babyai": 2, "textcraft": 2}  # (step 2's: decided before step 1 ends)
+    caps, why = train.caps_for(3, args, history)
+    assert caps == {"babyai": 4, "textcraft": 2} and why.startswith("babyai from 2 after step 2: it cut 0%")
+    assert train.horizon_for(3, args, history)[0] == 4  # (the step's rollout/horizon: the largest)
+    fmt = ChatFormat(load_tokenizer("tiny-agent"))
+    environments = [envs.make("babyai"), envs.make("textcraft")]
+    try:
+        tasks = Tasks([envs.splits("babyai")["test"][5], envs.splits("textcraft")["test"][60]], [0, 1], caps)
+        played = Rollouts(ExpertEngine(fmt, environments), fmt, environments, lambda _: tasks, max_new_tokens=256,
+                          max_tokens=16384).take(1)
+    finally:
+        for env in environments:
+            env.close()
+    assert [t.horizon for t in played] == [4, 2] and played[1].turns <= 2
 
 
 def test_the_env_flags_say_what_cannot_work():
