@@ -72,7 +72,7 @@ from rl.run import (Logs, RunArgs, close, eval_due, evaluation_plan, finish, log
                     run_directory, save_checkpoint, stop_on_env_failures, stopped_run)
 from rl.scores import score, spread
 from rl.offline import offline_pass
-from rl.tasks import Mix, my_tasks, step_tasks, task_ids, tasks_by_env, tasks_for
+from rl.tasks import Mix, my_tasks, step_tasks, tasks_by_env, tasks_for
 from rollout import ChatFormat, EngineStalled, Rollouts, RolloutStats, Tasks, Trajectory, play
 
 @dataclass
@@ -639,6 +639,13 @@ def evaluation_pool(args: Args, rows: list[str], environments: list, test_ids: d
                                    args.seed + 1)
 
 
+def playing(episodes: dict, batch: int, processes: int) -> list[str]:
+    """The env of each instance that plays `episodes` (each env's count, or its tasks) on a process: a process's
+    share of each env's, at most `batch` of one env at once (play goes through more in turn)."""
+    return [name for name, count in episodes.items()
+            for _ in range(min(batch, -(-(count if isinstance(count, int) else len(count)) // processes)))]
+
+
 def train_task_ids(args: Args, mix: Mix) -> dict[str, list[int]]:
     """The tasks training steps draw from, by env: --train-tasks' for the envs it names, else the env's train split;
     at least a step's of each."""
@@ -665,11 +672,11 @@ def test_task_ids(args: Args) -> dict[str, list[int]]:
 def learn(args: Args, accelerator, mixed: str) -> Path:
     """--algo sft or dpo: optimizer steps over --data's examples, the validation loss at --eval-every
     steps and at the end, and with --eval-every the policy played on the test split then too."""
-    resuming, (env,) = args.run_args.resuming, args.env  # (one env a run: flags.check)
-    run_dir = run_directory(accelerator, args.run_args, f"{env}-{args.algo}")
+    resuming = args.run_args.resuming
+    run_dir = run_directory(accelerator, args.run_args, f"{'+'.join(args.env)}-{args.algo}")
     offline, agent = args.offline_args, args.layout_args.agent
-    train, validation = held_out(read_data(offline.data, env, agent), offline.validation, args.seed)
-    experience = read_data(offline.experience, env, agent) if offline.experience else None
+    train, validation = held_out(read_data(offline.data, args.env, agent), offline.validation, args.seed)
+    experience = read_data(offline.experience, args.env, agent, every=False) if offline.experience else None
     tokenizer, fmt, models, max_tokens = set_up(args, accelerator, args.run_args.resume if resuming else args.model)
 
     # -- the examples: conversations (sft) or pairs (dpo), a share of the tasks held out for validation
@@ -680,8 +687,8 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
 
     # -- the test tasks, envs and an engine, when the policy is played during training
     test_ids = test_task_ids(args) if args.eval_every else {}
-    environments = args.env_args.make_envs(env, min(args.gen_batch_size, -(-len(test_ids[env]) // accelerator.num_processes)),
-                                           accelerator.process_index, args.seed) if test_ids else []
+    environments = args.env_args.make_pool(playing(test_ids, args.gen_batch_size, accelerator.num_processes), 1,
+                                           accelerator.process_index, args.seed)
     engine = engine_of(args, fmt, models, accelerator, max_tokens) if test_ids else None
     trainer_state = resume(accelerator, models, engine, Path(args.run_args.resume)) if resuming else {"step": 0, "logs": {}}
     config = run_config(flags.flat(args), run_dir, resuming, accelerator, mixed, engine,
@@ -690,7 +697,7 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
         print(f"run {run_dir.name}: {args.algo} on {args.model} ({args.preset} preset), {len(examples)} "
               f"{'pairs' if args.algo == 'dpo' else 'conversations'} of {len(train)} episodes ({len(held)} held out), "
               f"{args.steps} steps of {offline.batch_size}, "
-              f"{evaluation_plan(len(test_ids.get(env, [])), args.eval_k, args.eval_every, trainer_state['step'] + 1, args.steps, False)}"
+              f"{evaluation_plan(sum(map(len, test_ids.values())), args.eval_k, args.eval_every, trainer_state['step'] + 1, args.steps, False)}"
               f" -> {run_dir}"
               + (f", resumed at step {trainer_state['step'] + 1}" if resuming else ""))
     logs = logs_of(args, run_dir, config, accelerator, trainer_state["logs"])
@@ -755,33 +762,34 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
     its model is checkpoints/step_<iteration>, its explored episodes are in rollouts.jsonl. Unlike AgentGym's, it
     explores --n times a task at the run's temperature (AgentGym's script explores greedily, do_sample False, which
     would make a task's samples identical), and can go on from the last iteration's weights (AgentGym: the base)."""
-    (env,) = args.env  # (one env a run: flags.check)
-    run_dir = run_directory(accelerator, args.run_args, f"{env}-{args.algo}")
+    run_dir = run_directory(accelerator, args.run_args, f"{'+'.join(args.env)}-{args.algo}")
     offline = args.offline_args
-    expert, validation = held_out(read_data(offline.data, env, args.layout_args.agent), offline.validation, args.seed)
+    expert, validation = held_out(read_data(offline.data, args.env, args.layout_args.agent), offline.validation,
+                                  args.seed)
     tokenizer, fmt, models, max_tokens = set_up(args, accelerator, args.model)
     initial = copy.deepcopy(models.optimizer.state_dict()), copy.deepcopy(models.scheduler.state_dict())
     held = examples_of(fmt, validation, max_tokens)
 
     # -- the tasks explored and tested, envs to play them on, the engine
-    train_ids = task_ids(args.train_tasks, env, "train")
-    explore_ids = spread(train_ids, offline.explore_tasks) if offline.explore_tasks else train_ids
+    explore_ids = {name: spread(ids, offline.explore_tasks) if offline.explore_tasks else ids
+                   for name, ids in tasks_by_env(args.train_tasks, args.env, "train").items()}
     test_ids = test_task_ids(args)
-    count = min(args.gen_batch_size, -(-max(len(explore_ids) * args.n, len(test_ids[env])) // accelerator.num_processes))
-    environments = args.env_args.make_envs(env, count, accelerator.process_index, args.seed)
+    played = {name: max(len(explore_ids[name]) * args.n, len(test_ids[name])) for name in args.env}
+    environments = args.env_args.make_pool(playing(played, args.gen_batch_size, accelerator.num_processes), 1,
+                                           accelerator.process_index, args.seed)
     engine = engine_of(args, fmt, models, accelerator, max_tokens)
     config = run_config(flags.flat(args), run_dir, False, accelerator, mixed, engine, environments[0])
     if accelerator.is_main_process:
         print(f"run {run_dir.name}: agentevol on {args.model} ({args.preset} preset), {offline.iterations} iterations "
-              f"exploring {len(explore_ids)} tasks x {args.n}, {len(expert)} expert episodes ({len(validation)} held "
-              f"out), testing on {len(test_ids[env])} tasks x {args.eval_k} after every iteration -> {run_dir}")
+              f"exploring {sum(map(len, explore_ids.values()))} tasks x {args.n}, {len(expert)} expert episodes "
+              f"({len(validation)} held out), testing on {sum(map(len, test_ids.values()))} tasks x {args.eval_k} after every iteration -> {run_dir}")
     logs = logs_of(args, run_dir, config, accelerator, {})
     try:
         for iteration in range(offline.iterations + 1):
             start = time.perf_counter()
             explored, kept = [], []
             if iteration > 0:  # explore with the last iteration's policy, keep the successes
-                explored = play_share(engine, fmt, environments, {env: explore_ids}, args.n, models, args, accelerator,
+                explored = play_share(engine, fmt, environments, explore_ids, args.n, models, args, accelerator,
                                       max_tokens, iteration, horizon=args.horizon[-1])
                 kept = [to_record(t) for t in explored if t.error is None
                         and (t.reward >= offline.threshold if offline.threshold is not None else t.success)]

@@ -200,9 +200,12 @@ def from_log(entry: dict) -> dict:
             **({"tools": entry["tools"]} if entry.get("tools") else {})}
 
 
-def read_data(paths: tuple[str, ...], env: str, agent: str = "react") -> list[dict]:
-    """Every record of the trajectory files, which must all be `env`'s episodes, played with tool calls exactly when
-    `agent` is tools (the layout they are learnt in is the one the run's evaluations play)."""
+def read_data(paths: tuple[str, ...], env: str | tuple[str, ...], agent: str = "react", every: bool = True
+              ) -> list[dict]:
+    """Every record of the trajectory files, which must all be episodes of the run's env (or envs: then, with
+    `every`, some of each), played with tool calls exactly when `agent` is tools (the layout they are learnt in is
+    the one the run's evaluations play)."""
+    names = (env,) if isinstance(env, str) else tuple(env)
     records = []
     for path in paths:
         try:
@@ -217,10 +220,18 @@ def read_data(paths: tuple[str, ...], env: str, agent: str = "react") -> list[di
         raise SystemExit(f"--agent tools learns episodes of tool calls, and {len(records) - called} in {', '.join(paths)} "
                          "are ReAct text: make them with scripts/make_expert_data.py --agent tools, or leave out "
                          "--agent tools")
-    others = sorted({r["item_id"].rpartition("_")[0] for r in records} - {env})
+    held = {r["item_id"].rpartition("_")[0] for r in records}
+    others = sorted(held - set(names))
+    if others and len(names) == 1:
+        raise SystemExit(f"{', '.join(paths)} hold episodes of {', '.join(others)}, and the run's env is {names[0]}: "
+                         f"pass --env {others[0]}, or give {names[0]}'s episodes")
     if others:
-        raise SystemExit(f"{', '.join(paths)} hold episodes of {', '.join(others)}, and the run's env is {env}: "
-                         f"pass --env {others[0]}, or give {env}'s episodes")
+        raise SystemExit(f"{', '.join(paths)} hold episodes of {', '.join(others)}, which the run's --env "
+                         f"({' '.join(names)}) leaves out: add them to --env, or leave their episodes out")
+    missing = [name for name in names if name not in held]
+    if every and len(names) > 1 and missing:
+        raise SystemExit(f"{', '.join(paths)} hold no episode of {', '.join(missing)}: give some (scripts/"
+                         f"make_expert_data.py --env {missing[0]}), or leave {missing[0]} out of --env")
     return records
 
 

@@ -22,11 +22,6 @@ from dataclasses import dataclass
 import envs
 
 
-def task_ids(path: str | None, env: str, split: str) -> list[int]:
-    """The task ids of `path` (an AgentGym-RL-Data-ID file), else of the env's `split` ("train" or "test")."""
-    return envs.load_task_ids(path, env) if path else envs.splits(env)[split]
-
-
 def tasks_by_env(path: str | None, names: tuple[str, ...], split: str) -> dict[str, list[int]]:
     """Each env's task ids: those the file `path` names for it (an AgentGym-RL-Data-ID file, whose item ids say
     their env: babyai_12), else its `split`. A file that names none of the run's envs says nothing to the run and

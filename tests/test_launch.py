@@ -25,12 +25,15 @@ import make_expert_data  # noqa: E402
 def test_two_processes_split_the_tasks_and_log_every_episode(tmp_path):
     """Data-parallel training (DDP over gloo on the CPU) with PPO, so a critic and whitening statistics
     summed over processes: each process plays its share of a step's tasks, gradients are averaged,
-    and the main process logs every process's episodes."""
+    and the main process logs every process's episodes. On two envs, 3 BabyAI tasks and 1 TextCraft a step, so that
+    process 0's share holds no TextCraft task (it evaluates TextCraft on instances of its own), and PPO whitens each
+    env's advantages with both processes' statistics."""
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py", "--",
                "--steps", "2", "--tasks-per-step", "4", "--n=2", "--horizon", "2", "--max-new-tokens", "16", "--algo", "ppo",
                "--warmup-steps", "4", "--critic-lr-warmup-steps", "4", "--critic-lr", "1e-3",
-               "--eval-every", "0", "--out-dir", str(tmp_path), "--run-name", "ddp"]
+               "--env", "babyai", "textcraft", "--env-weights", "3", "1", "--eval-every", "2", "--eval-tasks", "2",
+               "--out-dir", str(tmp_path), "--run-name", "ddp"]
     done = subprocess.run(command, cwd=Path(train.__file__).parent, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "ddp"
@@ -40,8 +43,14 @@ def test_two_processes_split_the_tasks_and_log_every_episode(tmp_path):
     for step in (1, 2):
         items = [r["item_id"] for r in records if r["step"] == step]
         assert len(set(items)) == 4 and all(items.count(i) == 2 for i in items)  # 4 tasks, 2 samples each
+        assert sorted(i.rpartition("_")[0] for i in set(items)) == ["babyai"] * 3 + ["textcraft"]
     assert (run_dir / "checkpoints" / "step_2" / "model.safetensors").is_file()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [json.loads(line)["item_id"] for line in (run_dir / "evaluations.jsonl").read_text().splitlines()]
+    assert len(evaluated) == 2 * 4 * 2 and len(set(evaluated)) == 4  # (2 test tasks of each env x --eval-k 2, twice)
+    assert {i.rpartition("_")[0] for i in evaluated} == {"babyai", "textcraft"}
+    assert {"eval/babyai/success", "eval/textcraft/success"} <= set(metrics[-1])
+    metrics = [m for m in metrics if m["charts/step"] > 0]
     assert all(math.isfinite(m["losses/value"]) and m["losses/critic_grad_norm"] > 0 for m in metrics)  # PPO's critic, DDP too
     # warm-ups count optimizer steps, whatever the number of processes: (k + 1) / 4 after k steps
     lr = train.PRESETS["tiny"].model_args.lr

@@ -4,7 +4,9 @@ advantages whitened within each env, and a run of one env exactly what it was be
 
 import json
 import shutil
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -251,10 +253,47 @@ def test_the_env_flags_say_what_cannot_work():
     for flags, message in [(["--env", "babyai", "nope"], "unknown env 'nope'"),
                            (["--env-weights", "2"], "give them to --env too"),
                            (["--env", "babyai", "textcraft", "--env-weights", "1", "0"], "one positive weight"),
-                           (["--env", "babyai", "textcraft", "--algo", "sft", "--data", "x.jsonl"], "one --env"),
                            (["--env", "all", "--tasks-per-step", "4"], "no task a step")]:
         with pytest.raises(SystemExit, match=message):
             train.check(train.parse_args(flags), 1)
+
+
+@pytest.fixture(scope="module")
+def experts(tmp_path_factory):
+    """Expert episodes of BabyAI and of TextCraft, a file each (scripts/make_expert_data.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import make_expert_data as make
+
+    folder = tmp_path_factory.mktemp("experts")
+    for env in ("babyai", "textcraft"):
+        make.main(["--env", env, "--limit", "6", "--out", str(folder / f"{env}.jsonl")])
+    return folder
+
+
+def test_trajectory_files_of_several_envs_are_each_run_envs_and_some_of_each(experts):
+    from rl.data import read_data
+
+    both = read_data((str(experts / "babyai.jsonl"), str(experts / "textcraft.jsonl")), ("babyai", "textcraft"))
+    assert {r["item_id"].rpartition("_")[0] for r in both} == {"babyai", "textcraft"}
+    with pytest.raises(SystemExit, match="hold no episode of textcraft"):
+        read_data((str(experts / "babyai.jsonl"),), ("babyai", "textcraft"))
+    assert read_data((str(experts / "babyai.jsonl"),), ("babyai", "textcraft"), every=False)  # (DPO's rejected side)
+    with pytest.raises(SystemExit, match="hold episodes of textcraft, which the run's --env"):
+        read_data((str(experts / "textcraft.jsonl"),), ("babyai", "sciworld"))
+    with pytest.raises(SystemExit, match="and the run's env is babyai: pass --env textcraft"):
+        read_data((str(experts / "textcraft.jsonl"),), "babyai")  # (one env: as before)
+
+
+@pytest.mark.slow
+def test_sft_learns_several_envs_episodes_and_evaluates_each(experts, tmp_path):
+    run_dir = train.main(train.parse_args([
+        "--algo", "sft", "--env", "babyai", "textcraft", "--data", str(experts / "babyai.jsonl"),
+        str(experts / "textcraft.jsonl"), "--steps", "2", "--batch-size", "4", "--eval-every", "2", "--eval-tasks", "2",
+        "--engine", "hf", "--out-dir", str(tmp_path), "--run-name", "sft"]))
+    last = played(run_dir)[1][-1]
+    assert {"sft/loss", "eval/babyai/success", "eval/textcraft/success"} <= set(last)
+    evaluated = [json.loads(line)["item_id"] for line in (run_dir / "evaluations.jsonl").read_text().splitlines()]
+    assert sorted({item.rpartition("_")[0] for item in evaluated}) == ["babyai", "textcraft"]
 
 
 def played(run_dir):
