@@ -76,10 +76,10 @@ from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, context_limit,
                       load_tokenizer, stop_on_nondeterministic)
 from rl.records import read_metrics
 from rl.run import code_revision, run_of
-from rl.scores import actions, cells, endings, paired, score, spread
+from rl.scores import actions, cells, compare_rows, endings, env_table, score, spread, sweep_table
 from rl.engines import api
 from rl.engines.setup import EngineArgs, build_engine, engine_kind
-from rollout import EngineStalled, category, play
+from rollout import EngineStalled, play
 
 # The context of upstream's eval engine (vLLM's max_model_len in its eval scripts); its turn cap and tokens a
 # turn are each env's (envs.ENVS).
@@ -245,15 +245,6 @@ def main(args: Args) -> dict:
     return {"envs": results, "macro": macro}
 
 
-def env_table(results: dict[str, dict], macro: dict, k: int) -> str:
-    """Several envs' scores, a row each, and their macro average (each env weighs the same)."""
-    rows = [f"{'env':<12} {'tasks':>6}  {f'Avg@{k}':>8} {f'Pass@{k}':>8} {'success':>8}"]
-    rows += [f"{env:<12} {r['tasks']:>6}  {r['avg@k']:>8.4f} {r['pass@k']:>8.4f} {r['success']:>8.4f}"
-             for env, r in results.items()]
-    return "\n".join([*rows, f"{'macro':<12} {'':>6}  {macro['avg@k']:>8.4f} {macro['pass@k']:>8.4f} "
-                                f"{macro['success']:>8.4f}"])
-
-
 def evaluate(args: Args, engine, kind: str, fmt, layout: LayoutArgs, settings: dict, task_ids: list[int]) -> dict:
     """One env's episodes, k a task, on `engine`: its results, written with its episodes under output_path."""
     env_name = settings["env"]
@@ -407,17 +398,6 @@ def report(results: dict, settings: dict, k: int, trajectories: list) -> None:
         print(sweep_table(results["sweep"], k))
 
 
-def sweep_table(sweep: list[dict], k: int) -> str:
-    """Avg@k / Pass@k against the turn cap, overall and per category, one row per cap."""
-    names = ["overall", *sweep[0]["categories"]]
-    head = f"{'turns':>5}  " + "  ".join(f"{name[:22]:>22}" for name in names)
-    rows = [head, f"{'':>5}  " + "  ".join(f"{f'Avg@{k} / Pass@{k}':>22}" for _ in names)]
-    for row in sweep:
-        cells = [row] + [row["categories"][name] for name in names[1:]]
-        rows.append(f"{row['horizon']:>5}  " + "  ".join(f"{c['avg@k']:>10.3f} / {c['pass@k']:<9.3f}" for c in cells))
-    return "\n".join(rows)
-
-
 def compare(first: str, second: str) -> dict:
     """Two eval results side by side: per category (overall first) each one's Avg@k and success, and the
     difference (second - first) with a 95% interval, paired by task (rl/scores.paired); the settings that differ."""
@@ -452,32 +432,6 @@ def compare(first: str, second: str) -> dict:
     if any(row["tasks"] == 0 for row in rows):
         print("(a result without per-task scores, written before eval.py kept them, or without tasks in common: no intervals)")
     return {"first": first, "second": second, "settings_differ": differ, "categories": rows}
-
-
-def compare_rows(a: dict, b: dict) -> list[dict]:
-    """compare()'s rows: overall, then each category either result has."""
-    env = a["env"]
-    tasks_a, tasks_b = a.get("per_task", {}), b.get("per_task", {})
-    names = ["overall", *sorted(set(a.get("categories", {})) | set(b.get("categories", {}))
-                                | {category(env, int(t)) for t in [*tasks_a, *tasks_b]} - {None})]
-    rows = []
-    for name in names:
-        def mine(tasks):
-            return {t: v for t, v in tasks.items() if name == "overall" or category(env, int(t)) == name}
-
-        pa, pb = mine(tasks_a), mine(tasks_b)
-        row = {"category": name, "tasks": len(set(pa) & set(pb))}
-        for metric, column in (("avg", 0), ("success", 1)):
-            means_a = {t: sum(e[column] for e in v) / len(v) for t, v in pa.items()}
-            means_b = {t: sum(e[column] for e in v) / len(v) for t, v in pb.items()}
-            if row["tasks"]:
-                row[metric] = paired(means_a, means_b)
-            else:  # no per-task scores: the summaries only
-                key = "avg@k" if metric == "avg" else "success"
-                x, y = (r if name == "overall" else r.get("categories", {}).get(name, {}) for r in (a, b))
-                row[metric] = {"before": x.get(key, float("nan")), "after": y.get(key, float("nan")), "tasks": 0}
-        rows.append(row)
-    return rows
 
 
 if __name__ == "__main__":

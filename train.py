@@ -57,7 +57,7 @@ from rl.batch import Batch, MicroBatch, StepTensors, arrange, attach, make_batch
 from rl.data import OfflineArgs, examples_of, held_out, offline_steps, read_data, to_record
 from rl.engines.setup import TrainerEngineArgs, build_engine, own_stream, stream_seed, sync
 from rl.flags import GROUP, OFFLINE, build, check, replace
-from rl.horizon import AUTO, auto_horizon, caps_of, describe, env_rows, horizon_at, known_before
+from rl.horizon import AUTO, caps_of, describe, env_caps, horizon_at, known_before
 from rl.logprobs import token_logprobs, token_values
 from rl.losses import Aggregation, Counts, KLEstimator, Mismatch, Objective, aggregate, kl, policy_objective, value_loss
 from rl.memory import PlanArgs, print_plan
@@ -72,7 +72,7 @@ from rl.run import (Logs, RunArgs, close, eval_due, evaluation_plan, finish, log
                     run_directory, save_checkpoint, stop_on_env_failures, stopped_run)
 from rl.scores import score, spread
 from rl.offline import offline_pass
-from rl.tasks import Mix, my_tasks, step_tasks, tasks_by_env, tasks_for
+from rl.tasks import Mix, instances, my_tasks, step_tasks, tasks_by_env, tasks_for, test_tasks
 from rollout import ChatFormat, EngineStalled, Rollouts, RolloutStats, Tasks, Trajectory, play
 
 @dataclass
@@ -110,8 +110,7 @@ class Args:
     lam: float = 1.0
     """GAE lambda (ppo)"""
     whiten_per_env: bool = True
-    """several envs: reinforce_pp and ppo whiten their advantages within each env (AgentRL's task normalisation: one
-    env's rewards do not set another's scale); --no-whiten-per-env over the whole batch"""
+    """several envs: reinforce_pp's and ppo's whitening within each env (AgentRL's task normalisation); off: batch's"""
 
     # -- SFT, DPO, AgentEvol: learning from trajectory files
     offline_args: Annotated[OfflineArgs, GROUP] = field(default_factory=OfflineArgs)  # rl/data.py
@@ -284,20 +283,15 @@ def main(args: Args) -> Path | None:
     resuming = args.run_args.resuming
     run_dir = run_directory(accelerator, args.run_args, f"{'+'.join(args.env)}-{args.algo}")
 
-    # -- tasks (each env's quota a step: rl/tasks.py's Mix), and one env per trajectory of this process, created once
-    # and reset every step
-    mix = Mix.of(args.env, args.env_weights, args.tasks_per_step)
-    train_ids = train_task_ids(args, mix)
-    if args.epochs is not None:  # (with several envs an epoch is the longest pass: every env's tasks seen once)
-        args = replace(args, steps=args.epochs * max(len(train_ids[e]) // c for e, c in zip(mix.names, mix.counts)))
-    # (each call bounded by --env-timeout; an env that failed is replaced: envs/guard.py)
-    # (--max-staleness k: a block of envs for each of the k + 1 steps' tasks under way; evaluations get their own)
-    rows, blocks = mix.rows(args.n, accelerator.process_index, accelerator.num_processes), \
-        staleness.blocks(args.max_staleness or 0)
-    per_step = len(rows)
-    environments = args.env_args.make_pool(rows, blocks, accelerator.process_index, args.seed)
-    test_ids = test_task_ids(args) if args.eval_every else {}  # played on the same envs every --eval-every steps
-    players = evaluation_pool(args, rows, environments, test_ids, accelerator.process_index)
+    # -- tasks (each env's quota a step: rl/tasks.py's Mix), one env per trajectory of this process (a block for each of
+    # the k + 1 steps under way at --max-staleness k), made once, reset every step, replaced when one fails (envs/guard.py)
+    mix, rank = Mix.of(args.env, args.env_weights, args.tasks_per_step), accelerator.process_index
+    train_ids = mix.task_ids(args.train_tasks)
+    args = replace(args, steps=args.epochs * mix.epoch_steps(train_ids)) if args.epochs is not None else args
+    rows = mix.rows(args.n, rank, accelerator.num_processes)  # (the env of each of this process's episodes)
+    environments = args.env_args.make_pool(rows, staleness.blocks(args.max_staleness or 0), rank, args.seed)
+    test_ids = test_tasks(args.test_tasks, args.env, args.eval_tasks) if args.eval_every else {}  # played every --eval-every steps
+    players = args.env_args.evaluation_pool(rows, environments, test_ids, args.max_staleness is not None, rank, args.seed)
     engine = logs = rollouts = None
     try:  # (everything from here on closes what it opened, also on a stop or an error)
         # -- models, the sampler, and the training state when resuming
@@ -327,7 +321,7 @@ def main(args: Args) -> Path | None:
             horizon, why = horizon_for(step, args, history)  # ScalingInter-RL's stage, or --horizon auto's cap
             costs = Costs(RolloutStats())
             with costs.measure("rollout"):
-                trajectories = rollouts.take(step, Progress(progress, "rollout", per_step, horizon))
+                trajectories = rollouts.take(step, Progress(progress, "rollout", len(rows), horizon))
                 stop_on_env_failures(trajectories, args.max_error_rate, accelerator, run_dir, step)
 
             # -- the batch, its old/reference log-probs and values, advantages, the update, the engine's new weights
@@ -404,9 +398,7 @@ def logs_of(args: Args, run_dir: Path, config: dict, accelerator, sizes: dict) -
 
 def start_line(args: Args, mix: Mix, run_dir: Path, tests: int, start: int, resuming: bool) -> str:
     """An RL run's first line: what it trains, how long, at which turn caps, its evaluations, where it writes."""
-    envs_played = args.env[0] if len(args.env) == 1 else \
-        " + ".join(f"{name} ({count} a step)" for name, count in zip(mix.names, mix.counts))
-    return (f"run {run_dir.name}: {envs_played}, {args.model} ({args.preset} preset), {args.algo}, {args.steps} steps of "
+    return (f"run {run_dir.name}: {mix}, {args.model} ({args.preset} preset), {args.algo}, {args.steps} steps of "
             f"{args.tasks_per_step} tasks x {args.n} samples, {describe(args.horizon, args.horizon_every, args.steps)}, "
             f"{evaluation_plan(tests, args.eval_k, args.eval_every, start, args.steps, initial=start == 1)}"
             f" -> {run_dir}" + (f", resumed at step {start}" if resuming else ""))
@@ -431,8 +423,7 @@ def rollouts_of(engine, fmt: ChatFormat, environments: list, mix: Mix, train_ids
 
 
 def horizon_for(step: int, args: Args, history: list[dict]) -> tuple[int, str | None]:
-    """The turn cap of step `step` (caps_for; with several envs under --horizon auto, the largest of theirs), and
-    why (logged as rollout/horizon_reason)."""
+    """caps_for's turn cap of step `step` (several envs': the largest) and why (logged as rollout/horizon_reason)."""
     caps, why = caps_for(step, args, history)
     return caps if isinstance(caps, int) else max(caps.values()), why
 
@@ -440,16 +431,11 @@ def horizon_for(step: int, args: Args, history: list[dict]) -> tuple[int, str | 
 def caps_for(step: int, args: Args, history: list[dict]) -> tuple[int | dict[str, int], str | None]:
     """The turn cap of step `step` (rl/horizon.py): ScalingInter-RL's stage then; under --horizon auto, what its rule
     makes of the metrics of the steps finished when the step's episodes begin (`history`: the run's metrics rows),
-    for each env on its own metrics where the run has several (rollout/<env>/: its cap, by its name), and why."""
+    for each env on its own metrics where the run has several (its cap, by its name), and why."""
     if args.horizon[0] != AUTO:
         return horizon_at(step, args.horizon, args.horizon_every), None
     known = [row for row in history if row["charts/step"] <= known_before(step, args.max_staleness)]
-    rule = (caps_of(args.horizon), args.horizon_patience, args.horizon_cut, args.horizon_gain)
-    if len(args.env) == 1:
-        return auto_horizon(rule[0], known, *rule[1:])
-    decided = {name: auto_horizon(rule[0], env_rows(known, name), *rule[1:]) for name in args.env}
-    return {name: cap for name, (cap, _) in decided.items()}, "; ".join(f"{name} {why}" for name, (_, why) in
-                                                                        decided.items())
+    return env_caps(caps_of(args.horizon), known, args.env, args.horizon_patience, args.horizon_cut, args.horizon_gain)
 
 
 def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: int, step: int | None = None) -> Batch:
@@ -506,10 +492,7 @@ def advantages_for(args: Args, full: StepTensors, scores: torch.Tensor, groups: 
     penalty = None
     if args.kl_in_reward and full.ref_logprobs is not None:
         penalty = args.kl_coef * kl(full.old_logprobs, full.ref_logprobs, args.kl_estimator) * full.loss_mask
-    strata = None
-    if row_envs is not None and len(args.env) > 1 and args.whiten_per_env:  # [B, S] one-hot, S the run's envs
-        strata = torch.nn.functional.one_hot(torch.tensor([args.env.index(e) for e in row_envs], dtype=torch.long),
-                                             len(args.env))
+    strata = adv_lib.strata(row_envs, args.env) if row_envs is not None and args.whiten_per_env else None
     return adv_lib.advantages(args.algo, adv_lib.AdvantageInputs(
         scores, groups, ok, full.loss_mask, penalty, episodes, full.old_values, anchors, full.turn, args.gamma,
         args.lam, args.grpo_scale, args.step_weight, reduce, strata))
@@ -597,10 +580,9 @@ def update_critic(models: Models, micro: MicroBatch, counts: Counts, args: Args,
 def evaluate(engine, fmt: ChatFormat, environments: list, test_ids: dict[str, list[int]], models: Models, args: Args,
              accelerator, max_tokens: int, step: int, bar=None) -> tuple[dict, list[dict]]:
     """The policy on each env's test tasks, --eval-k episodes each at the run's temperature, scored as eval.py scores
-    (rl/scores.py). Every evaluation of a run plays under one turn cap, its horizon schedule's last stage (the
-    one it is headed for), so that evaluations compare across steps, the first (step 0, before any update)
-    included. Returns eval/ metrics (rl/metrics.py: per category, and per env where there are several) and every
-    episode's log record."""
+    (rl/scores.py). Every evaluation of a run plays under one turn cap, its horizon schedule's last stage (the one it
+    is headed for), so that evaluations compare across steps, step 0's included. Returns eval/ metrics (rl/metrics.py:
+    per category, per env with several) and every episode's log record."""
     horizon = args.horizon[-1]
     mine = sum(len(ids[accelerator.process_index::accelerator.num_processes]) for ids in test_ids.values()) * args.eval_k
     with own_stream(engine, stream_seed(args.seed + accelerator.process_index, step, "eval")):  # (not the rollouts')
@@ -612,9 +594,8 @@ def evaluate(engine, fmt: ChatFormat, environments: list, test_ids: dict[str, li
 
 def play_share(engine, fmt: ChatFormat, environments: list, tasks: dict[str, list[int]], n: int, models: Models,
                args: Args, accelerator, max_tokens: int, step: int, horizon: int, progress=None) -> list[Trajectory]:
-    """`n` episodes of every task of each env (`tasks`, on that env's instances among `environments`) with the
-    policy's current weights (those of `step`), at most `horizon` turns each, each process playing its share of
-    each env's tasks; every process gets all of them, in the same order."""
+    """`n` episodes of every task of each env (`tasks`, on its instances among `environments`) with the policy's
+    weights of `step`, at most `horizon` turns each, each process its share; every process gets all, in order."""
     from accelerate.utils import gather_object
 
     sync(engine, models.policy, accelerator, step)
@@ -626,43 +607,6 @@ def play_share(engine, fmt: ChatFormat, environments: list, tasks: dict[str, lis
                        progress=progress) if mine else []
     engine.sleep()
     return gather_object(played)
-
-
-def evaluation_pool(args: Args, rows: list[str], environments: list, test_ids: dict[str, list[int]],
-                    process: int) -> list:
-    """The envs evaluations play on: the training ones where they hold instances of every env evaluated, else a pool
-    of their own with each env's count of a step's rows (one at least): under --max-staleness, whose rollouts go on
-    through an evaluation, and on a process whose share of a step holds only some of a run's envs."""
-    if not test_ids or (args.max_staleness is None and set(test_ids) <= set(rows)):
-        return environments
-    return args.env_args.make_pool([name for name in test_ids for _ in range(max(1, rows.count(name)))], 1, process,
-                                   args.seed + 1)
-
-
-def playing(episodes: dict, batch: int, processes: int) -> list[str]:
-    """The env of each instance that plays `episodes` (each env's count, or its tasks) on a process: a process's
-    share of each env's, at most `batch` of one env at once (play goes through more in turn)."""
-    return [name for name, count in episodes.items()
-            for _ in range(min(batch, -(-(count if isinstance(count, int) else len(count)) // processes)))]
-
-
-def train_task_ids(args: Args, mix: Mix) -> dict[str, list[int]]:
-    """The tasks training steps draw from, by env: --train-tasks' for the envs it names, else the env's train split;
-    at least a step's of each."""
-    train_ids = tasks_by_env(args.train_tasks, args.env, "train")
-    for name, count in zip(mix.names, mix.counts):
-        if len(train_ids[name]) < count:
-            raise SystemExit(f"the train split has {len(train_ids[name])} tasks" + (f" of {name}" if len(mix.names) > 1
-                             else "") + f", fewer than --tasks-per-step {count}" +
-                             (f" gives it (--env-weights)" if len(mix.names) > 1 else ""))
-    return train_ids
-
-
-def test_task_ids(args: Args) -> dict[str, list[int]]:
-    """The tasks an evaluation plays, by env: --eval-tasks of --test-tasks' (else the test split), spread over it (0:
-    all)."""
-    return {name: spread(ids, args.eval_tasks) if args.eval_tasks else ids
-            for name, ids in tasks_by_env(args.test_tasks, args.env, "test").items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -686,8 +630,8 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
                                              pairs=args.algo == "dpo"))
 
     # -- the test tasks, envs and an engine, when the policy is played during training
-    test_ids = test_task_ids(args) if args.eval_every else {}
-    environments = args.env_args.make_pool(playing(test_ids, args.gen_batch_size, accelerator.num_processes), 1,
+    test_ids = test_tasks(args.test_tasks, args.env, args.eval_tasks) if args.eval_every else {}
+    environments = args.env_args.make_pool(instances(test_ids, args.gen_batch_size, accelerator.num_processes), 1,
                                            accelerator.process_index, args.seed)
     engine = engine_of(args, fmt, models, accelerator, max_tokens) if test_ids else None
     trainer_state = resume(accelerator, models, engine, Path(args.run_args.resume)) if resuming else {"step": 0, "logs": {}}
@@ -773,9 +717,9 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
     # -- the tasks explored and tested, envs to play them on, the engine
     explore_ids = {name: spread(ids, offline.explore_tasks) if offline.explore_tasks else ids
                    for name, ids in tasks_by_env(args.train_tasks, args.env, "train").items()}
-    test_ids = test_task_ids(args)
+    test_ids = test_tasks(args.test_tasks, args.env, args.eval_tasks)
     played = {name: max(len(explore_ids[name]) * args.n, len(test_ids[name])) for name in args.env}
-    environments = args.env_args.make_pool(playing(played, args.gen_batch_size, accelerator.num_processes), 1,
+    environments = args.env_args.make_pool(instances(played, args.gen_batch_size, accelerator.num_processes), 1,
                                            accelerator.process_index, args.seed)
     engine = engine_of(args, fmt, models, accelerator, max_tokens)
     config = run_config(flags.flat(args), run_dir, False, accelerator, mixed, engine, environments[0])

@@ -33,7 +33,7 @@ import collections
 import functools
 import warnings
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -106,6 +106,15 @@ def step_advantages(outcomes: list[float], groups: list[int], ok: list[bool], an
         for (k, t), a in zip(turns, (centred / (r.std() + eps) if scale else centred).tolist()):
             out[k][t] = a
     return out
+
+
+def strata(row_envs: list[str], names: Sequence[str]) -> torch.Tensor | None:
+    """[B, S] one-hot: each row's env among the run's `names` (S of them), masked_whiten's strata; None for one env
+    (the whole batch is one)."""
+    if len(names) < 2:
+        return None
+    return torch.nn.functional.one_hot(torch.tensor([names.index(env) for env in row_envs], dtype=torch.long),
+                                       len(names))
 
 
 def per_token(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

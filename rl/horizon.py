@@ -86,6 +86,17 @@ def auto_horizon(caps: Sequence[int], rows: list[dict], patience: int, cut: floa
     return cap, reason
 
 
+def env_caps(caps: Sequence[int], rows: list[dict], names: Sequence[str], patience: int, cut: float, gain: float
+             ) -> tuple[int | dict[str, int], str]:
+    """auto_horizon's cap after `rows`, and why; with several envs (`names`) each env's on its own rows (env_rows),
+    by its name."""
+    if len(names) == 1:
+        return auto_horizon(caps, rows, patience, cut, gain)
+    decided = {name: auto_horizon(caps, env_rows(rows, name), patience, cut, gain) for name in names}
+    return {name: cap for name, (cap, _) in decided.items()}, "; ".join(f"{name} {why}" for name, (_, why) in
+                                                                        decided.items())
+
+
 def env_rows(rows: list[dict], name: str) -> list[dict]:
     """The rows of a run on several envs as auto_horizon reads them for env `name`: its own cap, success and share of
     episodes cut (rl/metrics.py's rollout/<env>/), so that each env climbs the ladder when its own episodes say so."""

@@ -13,6 +13,9 @@ what the agent can do.
 Under --agent reflect an episode is a task's series of attempts, scored by its last attempt (the one that
 succeeded, or the last one played); `by_attempt` then gives, for each attempt a, the success rate of the
 episodes as they stood after attempt a and the share of tasks solved by one of their episodes by then.
+
+eval.py's tables are here too: several envs' scores with their macro average (env_table), a turn-budget sweep
+(sweep_table), and two results compared per category with paired intervals (compare_rows).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import envs
-from rl.trajectory import Trajectory
+from rl.trajectory import Trajectory, category
 
 
 def spread(task_ids: list[int], n: int) -> list[int]:
@@ -135,3 +138,53 @@ def paired(before: dict, after: dict) -> dict:
     low, high = (mean - half, mean + half) if len(tasks) > 1 else (None, None)
     return {"before": sum(before[t] for t in tasks) / len(tasks), "after": sum(after[t] for t in tasks) / len(tasks),
             "gain": mean, "low": low, "high": high, "tasks": len(tasks)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables of scores (eval.py's)
+
+
+def env_table(results: dict[str, dict], macro: dict, k: int) -> str:
+    """Several envs' scores, a row each, and their macro average (each env weighs the same)."""
+    rows = [f"{'env':<12} {'tasks':>6}  {f'Avg@{k}':>8} {f'Pass@{k}':>8} {'success':>8}"]
+    rows += [f"{env:<12} {r['tasks']:>6}  {r['avg@k']:>8.4f} {r['pass@k']:>8.4f} {r['success']:>8.4f}"
+             for env, r in results.items()]
+    return "\n".join([*rows, f"{'macro':<12} {'':>6}  {macro['avg@k']:>8.4f} {macro['pass@k']:>8.4f} "
+                                f"{macro['success']:>8.4f}"])
+
+
+def sweep_table(sweep: list[dict], k: int) -> str:
+    """Avg@k / Pass@k against the turn cap, overall and per category, one row per cap."""
+    names = ["overall", *sweep[0]["categories"]]
+    head = f"{'turns':>5}  " + "  ".join(f"{name[:22]:>22}" for name in names)
+    rows = [head, f"{'':>5}  " + "  ".join(f"{f'Avg@{k} / Pass@{k}':>22}" for _ in names)]
+    for row in sweep:
+        cells = [row] + [row["categories"][name] for name in names[1:]]
+        rows.append(f"{row['horizon']:>5}  " + "  ".join(f"{c['avg@k']:>10.3f} / {c['pass@k']:<9.3f}" for c in cells))
+    return "\n".join(rows)
+
+
+def compare_rows(a: dict, b: dict) -> list[dict]:
+    """compare()'s rows: overall, then each category either result has."""
+    env = a["env"]
+    tasks_a, tasks_b = a.get("per_task", {}), b.get("per_task", {})
+    names = ["overall", *sorted(set(a.get("categories", {})) | set(b.get("categories", {}))
+                                | {category(env, int(t)) for t in [*tasks_a, *tasks_b]} - {None})]
+    rows = []
+    for name in names:
+        def mine(tasks):
+            return {t: v for t, v in tasks.items() if name == "overall" or category(env, int(t)) == name}
+
+        pa, pb = mine(tasks_a), mine(tasks_b)
+        row = {"category": name, "tasks": len(set(pa) & set(pb))}
+        for metric, column in (("avg", 0), ("success", 1)):
+            means_a = {t: sum(e[column] for e in v) / len(v) for t, v in pa.items()}
+            means_b = {t: sum(e[column] for e in v) / len(v) for t, v in pb.items()}
+            if row["tasks"]:
+                row[metric] = paired(means_a, means_b)
+            else:  # no per-task scores: the summaries only
+                key = "avg@k" if metric == "avg" else "success"
+                x, y = (r if name == "overall" else r.get("categories", {}).get(name, {}) for r in (a, b))
+                row[metric] = {"before": x.get(key, float("nan")), "after": y.get(key, float("nan")), "tasks": 0}
+        rows.append(row)
+    return rows

@@ -20,6 +20,7 @@ import random
 from dataclasses import dataclass
 
 import envs
+from rl.scores import spread
 
 
 def tasks_by_env(path: str | None, names: tuple[str, ...], split: str) -> dict[str, list[int]]:
@@ -30,6 +31,12 @@ def tasks_by_env(path: str | None, names: tuple[str, ...], split: str) -> dict[s
     if path and not any(named.values()):
         raise envs.TaskFileError(f"task id file {path} holds no {' or '.join(names)} task")
     return {name: named[name] if named.get(name) else envs.splits(name)[split] for name in names}
+
+
+def test_tasks(path: str | None, names: tuple[str, ...], count: int) -> dict[str, list[int]]:
+    """The tasks an evaluation plays, by env: `count` of those the task file `path` names (else of the test split),
+    spread over them (0: all)."""
+    return {name: spread(ids, count or len(ids)) for name, ids in tasks_by_env(path, names, "test").items()}
 
 
 def tasks_for(step: int, train_ids: list[int], per_step: int, seed: int) -> list[int]:
@@ -75,6 +82,26 @@ class Mix:
                              f"{short}'s weight")
         return cls(tuple(names), tuple(counts))
 
+    def task_ids(self, path: str | None) -> dict[str, list[int]]:
+        """The tasks training steps draw from, by env: those the task file `path` names (tasks_by_env), else the env's
+        train split; at least its quota of each, or a SystemExit that says so."""
+        train_ids = tasks_by_env(path, self.names, "train")
+        for name, count in zip(self.names, self.counts):
+            if len(train_ids[name]) < count:
+                raise SystemExit(f"the train split has {len(train_ids[name])} tasks"
+                                 + (f" of {name}, fewer than the {count} a step --env-weights give it"
+                                    if len(self.names) > 1 else f", fewer than --tasks-per-step {count}"))
+        return train_ids
+
+    def epoch_steps(self, train_ids: dict[str, list[int]]) -> int:
+        """Steps an epoch (--epochs): with several envs the longest pass, so that every env's tasks are seen once."""
+        return max(len(train_ids[name]) // count for name, count in zip(self.names, self.counts))
+
+    def __str__(self) -> str:
+        """`babyai`, or `babyai (6 a step) + textcraft (2 a step)`: a run's first line."""
+        return self.names[0] if len(self.names) == 1 else \
+            " + ".join(f"{name} ({count} a step)" for name, count in zip(self.names, self.counts))
+
     def rows(self, n: int, process: int = 0, processes: int = 1) -> list[str]:
         """The env of each episode of a process's share of a step (my_tasks over step_tasks), in order."""
         return [name for name in [name for name, count in zip(self.names, self.counts) for _ in range(count)]
@@ -85,3 +112,10 @@ def step_tasks(step: int, mix: Mix, train_ids: dict[str, list[int]], seed: int) 
     """A training step's tasks, (env, task id) each: each env's quota of its own shuffled epochs (tasks_for)."""
     return [(name, task) for name, count in zip(mix.names, mix.counts)
             for task in tasks_for(step, train_ids[name], count, seed)]
+
+
+def instances(episodes: dict, batch: int, processes: int) -> list[str]:
+    """The env of each instance that plays `episodes` (each env's count, or its tasks) on a process: a process's
+    share of each env's, at most `batch` of one env at once (rollout.play goes through more in turn)."""
+    return [name for name, count in episodes.items()
+            for _ in range(min(batch, -(-(count if isinstance(count, int) else len(count)) // processes)))]

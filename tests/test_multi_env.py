@@ -112,14 +112,19 @@ def test_a_process_whose_share_lacks_an_env_evaluates_it_on_a_pool_of_its_own():
     for process in (0, 1):
         rows = mix.rows(2, process, 2)
         assert len(set(rows)) == 1
-        pool = train.evaluation_pool(args, rows, ["training envs"], test_ids, process)
+        pool = args.env_args.evaluation_pool(rows, ["training envs"], test_ids, False, process)
         try:
             assert sorted(env.name for env in pool) == ["babyai"] * (2 if process == 0 else 1) + \
                 ["textcraft"] * (1 if process == 0 else 2)
         finally:
             envs.guard.close_envs(pool)
     both = mix.rows(2)
-    assert train.evaluation_pool(args, both, ["training envs"], test_ids, 0) == ["training envs"]  # (all there)
+    assert args.env_args.evaluation_pool(both, ["training envs"], test_ids, False) == ["training envs"]  # (all there)
+    apart = args.env_args.evaluation_pool(both, ["training envs"], test_ids, True)  # (--max-staleness: its own)
+    try:
+        assert [env.name for env in apart] == both
+    finally:
+        envs.guard.close_envs(apart)
 
 
 def test_server_urls_say_whose_they_are_when_a_run_has_several_envs():
@@ -314,7 +319,7 @@ def test_a_run_on_two_envs_plays_each_quota_logs_each_env_and_resumes_exactly(tm
     rollouts, metrics = played(run_dir)
     args = train.parse_args(flags)
     mix = Mix.of(args.env, args.env_weights, args.tasks_per_step)
-    train_ids = train.train_task_ids(args, mix)
+    train_ids = mix.task_ids(args.train_tasks)
     for step in (1, 2):
         expected = [f"{name}_{task}" for name, task in step_tasks(step, mix, train_ids, args.seed) for _ in range(2)]
         assert [r["item_id"] for r in rollouts if r["step"] == step] == expected
@@ -342,7 +347,7 @@ def test_the_asynchronous_loop_keeps_each_env_on_its_rows_in_every_block(tmp_pat
     run_dir = train.main(args)
     rollouts, metrics = played(run_dir)
     mix = Mix.of(args.env, (), 3)
-    train_ids = train.train_task_ids(args, mix)
+    train_ids = mix.task_ids(args.train_tasks)
     for step in (1, 2, 3):
         expected = [f"{name}_{task}" for name, task in step_tasks(step, mix, train_ids, args.seed) for _ in range(2)]
         assert [r["item_id"] for r in rollouts if r["step"] == step] == expected

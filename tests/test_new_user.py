@@ -130,18 +130,25 @@ def test_steps_and_epochs_together_are_refused_but_a_resumed_run_may_change_its_
                                                                        "--epochs", "2"]))
 
 
+def planned_tests(args) -> dict[str, list[int]]:
+    """The test tasks a run's evaluations play, by env (as train.py reads its flags)."""
+    from rl.tasks import test_tasks
+
+    return test_tasks(args.test_tasks, args.env, args.eval_tasks)
+
+
 def test_the_tiny_preset_evaluates_all_its_babyai_tasks_and_a_bounded_share_elsewhere():
     """The default demo keeps its held-out comparison on the 105 tasks of TINY_TASKS; on another env a 1-step
     smoke run plays 16 test tasks (x --eval-k 2) at step 0 and at the end, not the whole split (SciWorld's 1,171)."""
     babyai = train.parse_args([])
-    assert babyai.eval_tasks == 0 and len(train.test_task_ids(babyai)["babyai"]) == 105
+    assert babyai.eval_tasks == 0 and len(planned_tests(babyai)["babyai"]) == 105
     for env in ("sciworld", "textcraft"):
         args = train.parse_args(["--env", env])
-        assert len(train.test_task_ids(args)[env]) == 16 and args.eval_k == 2
-    assert len(train.test_task_ids(train.parse_args(["--env", "sciworld", "--eval-tasks", "0"]))["sciworld"]) == 1171
+        assert len(planned_tests(args)[env]) == 16 and args.eval_k == 2
+    assert len(planned_tests(train.parse_args(["--env", "sciworld", "--eval-tasks", "0"]))["sciworld"]) == 1171
     # with several envs, BabyAI keeps the tiny preset's tasks (spread) and the others their splits
-    both = train.test_task_ids(train.parse_args(["--env", "babyai", "textcraft"]))
-    assert set(both["babyai"]) <= set(train.test_task_ids(babyai)["babyai"]) and len(both["textcraft"]) == 16
+    both = planned_tests(train.parse_args(["--env", "babyai", "textcraft"]))
+    assert set(both["babyai"]) <= set(planned_tests(babyai)["babyai"]) and len(both["textcraft"]) == 16
     assert train.parse_args(["--env", "sciworld", "--model", "Qwen/Qwen2.5-3B-Instruct"]).eval_tasks == 64  # paper's
 
 
