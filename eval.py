@@ -138,17 +138,18 @@ class Args:
     """output path without extension; default: next to the checkpoint, else runs/eval/"""
 
 
-def checkpoint_horizon(model: str, config: dict) -> int:
+def checkpoint_horizon(model: str, config: dict, env: str | None = None) -> int:
     """The turn cap the run trained with at this checkpoint's step (ScalingInter-RL's stage then; under --horizon auto,
-    the cap its metrics.jsonl logged at that step, else the last it could climb to)."""
+    what its metrics.jsonl logged then, `env`'s own with several envs, else the last it could climb to)."""
     if "horizon" not in config:
         return config["max_turns"]  # a run from before horizon schedules
     state = Path(model) / "trainer_state.json"
     step = json.loads(state.read_text())["step"] if state.is_file() else 10**9
     if config["horizon"][0] == AUTO:  # (runs/<run>/checkpoints/step_<n>)
         metrics = Path(model).parent.parent / "metrics.jsonl"
-        logged = [row["rollout/horizon"] for row in (read_metrics(metrics) if metrics.is_file() else [])
-                  if row.get("charts/step") == step and "rollout/horizon" in row]
+        key = f"rollout/{env}/horizon" if len(env_names(config.get("env", "babyai"))) > 1 else "rollout/horizon"
+        logged = [row[key] for row in (read_metrics(metrics) if metrics.is_file() else [])
+                  if row.get("charts/step") == step and key in row]
         return logged[-1] if logged else config["horizon"][-1]
     return horizon_at(max(step, 1), config["horizon"], config["horizon_every"])  # (agentevol's iteration 0 is step 0)
 
@@ -175,7 +176,7 @@ def resolve_settings(args: Args, env: str) -> dict:
         raise SystemExit("--protocol run takes a checkpoint of a training run (runs/<run>/checkpoints/step_<k>)")
     trained = env_names(config["env"]) if config is not None else ()  # (the envs of the run, where the model is one's)
     if protocol == "run":
-        limits = {"horizon": checkpoint_horizon(args.model, config), **{k: config[k] for k in ("max_new_tokens", "max_tokens")}}
+        limits = {"horizon": checkpoint_horizon(args.model, config, env), **{k: config[k] for k in ("max_new_tokens", "max_tokens")}}
     elif protocol == "tiny":
         limits = {key: EMBEDDED_ROLLOUT[key] for key in ("horizon", "max_new_tokens", "max_tokens")}
         limits |= EMBEDDED_TOOLS if args.agent == "tools" else {}
@@ -288,11 +289,11 @@ def evaluate(args: Args, engine, kind: str, fmt, layout: LayoutArgs, settings: d
         results["sweep"] = [{"horizon": h, **score([t.cut(h) for t in played.get(h, trajectories)], env_name)}
                             for h in settings["horizons"]]
     out = output_path(args, env_name, settings)
-    write_atomic(out.with_suffix(".jsonl"), "".join(json.dumps(t.log_record()) + "\n" for t in trajectories))
-    write_atomic(out.with_suffix(".json"), result_text(results))
+    write_atomic(Path(f"{out}.jsonl"), "".join(json.dumps(t.log_record()) + "\n" for t in trajectories))
+    write_atomic(Path(f"{out}.json"), result_text(results))
     report(results, settings, args.k, trajectories)
-    plotted = plots.draw(out.with_suffix(".json"))
-    print(f"wrote {out.with_suffix('.json')}" + (f" and {plotted}" if plotted else ""))
+    plotted = plots.draw(Path(f"{out}.json"))
+    print(f"wrote {Path(f'{out}.json')}" + (f" and {plotted}" if plotted else ""))
     if stop:
         stopped(f"stopped by Ctrl-C: wrote the {len(trajectories)} episodes that had ended, of {len(episodes)}")
     return results
@@ -311,11 +312,13 @@ def evaluation_tasks(args: Args, settings: dict) -> list[int]:
     --limit of them, spread."""
     if settings["tasks"] and not args.tasks:
         task_ids = run_tasks(settings["tasks"], env_names(run_of(args.model)["env"])).get(settings["env"], [])
-    elif settings["tasks"]:
+    elif settings["tasks"]:  # (several envs: a file names each task's env; an env it names none of plays its split)
+        names = eval_envs(args)
         try:
-            task_ids = envs.load_task_ids(settings["tasks"], settings["env"])
+            task_ids = envs.load_tasks(settings["tasks"], names).get(settings["env"], [])
         except envs.TaskFileError as error:
             raise SystemExit(f"--tasks: {error}") from None
+        task_ids = task_ids or (envs.splits(settings["env"])[args.split] if len(names) > 1 else [])
     else:
         task_ids = envs.splits(settings["env"])[args.split]
     if args.limit:
@@ -339,8 +342,8 @@ def engine_format(args: Args, layout: LayoutArgs) -> tuple[str, object]:
 def output_path(args: Args, env_name: str, settings: dict) -> Path:
     """<out> (without extension): --out (with several envs, <out>_<env> each), else beside the checkpoint, else
     runs/eval/."""
-    if args.out:
-        out = Path(args.out) if len(eval_envs(args)) == 1 else Path(f"{args.out}_{env_name}")
+    if args.out:  # (a trailing .json is the file's own: res.json writes res.json and res.jsonl)
+        out = Path(args.out.removesuffix(".json") + ("" if len(eval_envs(args)) == 1 else f"_{env_name}"))
     elif run_of(args.model) is not None:
         out = Path(args.model) / f"eval_{env_name}_{args.split}_k{args.k}_{settings['protocol']}"
     else:

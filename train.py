@@ -429,13 +429,13 @@ def horizon_for(step: int, args: Args, history: list[dict]) -> tuple[int, str | 
 
 
 def caps_for(step: int, args: Args, history: list[dict]) -> tuple[int | dict[str, int], str | None]:
-    """The turn cap of step `step` (rl/horizon.py): ScalingInter-RL's stage then; under --horizon auto, what its rule
-    makes of the metrics of the steps finished when the step's episodes begin (`history`: the run's metrics rows),
-    for each env on its own metrics where the run has several (its cap, by its name), and why."""
+    """The turn cap of step `step` (rl/horizon.py): ScalingInter-RL's stage then; under --horizon auto, its rule's on
+    the metrics of the steps finished when the step's episodes begin (`history`), each env's with several, and why."""
     if args.horizon[0] != AUTO:
         return horizon_at(step, args.horizon, args.horizon_every), None
     known = [row for row in history if row["charts/step"] <= known_before(step, args.max_staleness)]
-    return env_caps(caps_of(args.horizon), known, args.env, args.horizon_patience, args.horizon_cut, args.horizon_gain)
+    names = args.env[:1] if args.layout_args.agent == "reflect" else args.env  # (reflect: one cap, its attempts' sets)
+    return env_caps(caps_of(args.horizon), known, names, args.horizon_patience, args.horizon_cut, args.horizon_gain)
 
 
 def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: int, step: int | None = None) -> Batch:

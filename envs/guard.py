@@ -217,12 +217,14 @@ class EnvArgs:
     def evaluation_pool(self, rows: list[str], environments: list[Guarded], test_ids: dict, apart: bool,
                         rank: int = 0, seed: int = 0) -> list[Guarded]:
         """The instances evaluations play on: the training ones (`environments`, laid out by `rows`) where they hold
-        every env evaluated (`test_ids`' keys), else a pool of their own with each env's count of the rows (one at
-        least): `apart` (train.py's --max-staleness, whose rollouts go on through an evaluation), and on a process
-        whose share of a step holds only some of a run's envs (seeded seed + 1: --env-delay's draws a stream apart)."""
+        every env evaluated (`test_ids`' keys), else a pool of their own with each env's count of the rows (an env
+        they lack: an even share of them): `apart` (train.py's --max-staleness, whose rollouts go on through an
+        evaluation), and on a process whose share of a step holds only some of a run's envs (seeded seed + 1:
+        --env-delay's draws a stream apart)."""
         if not test_ids or (not apart and set(test_ids) <= set(rows)):
             return environments
-        return self.make_pool([name for name in test_ids for _ in range(max(1, rows.count(name)))], 1, rank, seed + 1)
+        share = max(1, len(rows) // len(test_ids))  # (an env this process's rows lack: an even share of them)
+        return self.make_pool([name for name in test_ids for _ in range(rows.count(name) or share)], 1, rank, seed + 1)
 
     def check_urls(self, names: Sequence[str]) -> None:
         """Stop early on --env-url entries a run on the envs `names` cannot place: with several envs each says whose

@@ -73,7 +73,7 @@ class OfflineArgs:
     """agentevol: rounds of explore, keep the successes, retrain, evaluate, after a first round of behaviour
     cloning on --data alone"""
     explore_tasks: int = 0
-    """agentevol: train tasks explored per iteration (--n episodes each), spread over the split; 0: all"""
+    """agentevol: train tasks of each env explored per iteration (--n episodes each), spread over its split; 0: all"""
     threshold: float | None = None
     """agentevol: keep explored episodes with at least this reward; default: those the env counts as solved"""
     retrain_from: Literal["base", "continue"] = "base"

@@ -203,6 +203,8 @@ def check_tasks(args) -> None:
     for name in args.env:
         if name not in envs.ENVS:
             raise SystemExit(f"unknown env {name!r}; choose one of: {', '.join(envs.ENVS)}, or all")
+    if args.env_weights and args.algo in OFFLINE:
+        raise SystemExit(f"--env-weights shares RL steps' tasks between envs; --algo {args.algo} learns from --data")
     if args.env_weights and len(args.env) == 1:
         raise SystemExit("--env-weights shares a step's tasks between several envs: give them to --env too")
     Mix.of(args.env, args.env_weights, args.tasks_per_step)  # (each env at least one task a step)

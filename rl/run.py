@@ -446,8 +446,8 @@ def held_out_line(run_dir: Path) -> str | None:
         return episode.task_id.rpartition("_")[0]
 
     names = sorted({env(t) for t in steps[last]})
-    lines = [compared(steps[0], steps[last], "held-out success")]
-    if len(names) > 1:  # (the line above pools every env's tasks)
+    lines = [compared(steps[0], steps[last], "held-out success" + (" (every env's tasks)" if len(names) > 1 else ""))]
+    if len(names) > 1:
         lines += [compared([t for t in steps[0] if env(t) == name], [t for t in steps[last] if env(t) == name],
                            f"  {name}:") for name in names]
     return "\n".join(lines)

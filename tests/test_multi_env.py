@@ -152,6 +152,12 @@ def test_eval_plays_a_runs_own_test_tasks_of_each_env_from_one_file(tmp_path):
               for env in eval_script.eval_envs(args)}
     assert played["babyai"] == [3, 5] and played["textcraft"] == [7]
     assert played["sciworld"] == envs.splits("sciworld")["test"]  # (the file names none: the run played its split)
+    given = build(eval_script.Args, model="tiny-agent", env=("babyai", "sciworld"), tasks=str(tasks))
+    with pytest.raises(SystemExit, match="'textcraft_7' is not a babyai or sciworld task"):
+        eval_script.evaluation_tasks(given, eval_script.resolve_settings(given, "babyai"))
+    given = build(eval_script.Args, model="tiny-agent", env=("babyai", "textcraft", "sciworld"), tasks=str(tasks))
+    assert [eval_script.evaluation_tasks(given, eval_script.resolve_settings(given, env))[:2]
+            for env in ("babyai", "textcraft", "sciworld")] == [[3, 5], [7], envs.splits("sciworld")["test"][:2]]
 
 
 def test_whitening_per_env_is_each_envs_own_and_sums_over_processes():
@@ -250,6 +256,28 @@ def test_under_horizon_auto_each_env_climbs_on_its_own_metrics_and_plays_under_i
         for env in environments:
             env.close()
     assert [t.horizon for t in played] == [4, 2] and played[1].turns <= 2
+    # reflect plays a set's attempts under one cap: climbed on every env's episodes together
+    reflect = train.parse_args(["--env", "babyai", "textcraft", "--horizon", "auto", "2", "4", "--horizon-patience",
+                                "2", "--agent", "reflect"])
+    assert train.caps_for(3, reflect, history)[0] == 2  # (finish/horizon 0.5 over both: the cap still binds)
+
+
+def test_eval_plays_a_checkpoint_under_each_envs_own_cap_and_writes_a_file_each(tmp_path):
+    import eval as eval_script
+    from rl.flags import build
+
+    run = tmp_path / "run"
+    shutil.copytree(EMBEDDED["tiny-agent"], run / "checkpoints" / "step_3")
+    (run / "checkpoints" / "step_3" / "trainer_state.json").write_text(json.dumps({"step": 3}))
+    (run / "config.json").write_text(json.dumps({"env": ["babyai", "textcraft"], "horizon": ["auto", 2, 4, 8],
+                                                 "horizon_every": 100, "max_new_tokens": 16, "max_tokens": 1024}))
+    (run / "metrics.jsonl").write_text(json.dumps({"charts/step": 3, "rollout/horizon": 8, "rollout/babyai/horizon": 8,
+                                                   "rollout/textcraft/horizon": 2}) + "\n")
+    args = build(eval_script.Args, model=str(run / "checkpoints" / "step_3"))
+    assert [eval_script.resolve_settings(args, env)["horizon"] for env in ("babyai", "textcraft")] == [8, 2]
+    dotted = build(eval_script.Args, model="tiny-agent", env=("babyai", "textcraft"), out=str(tmp_path / "qwen2.5-7b"))
+    paths = {eval_script.output_path(dotted, env, {}) for env in ("babyai", "textcraft")}
+    assert {f"{p}.json" for p in paths} == {str(tmp_path / f"qwen2.5-7b_{env}.json") for env in ("babyai", "textcraft")}
 
 
 def test_the_env_flags_say_what_cannot_work():
@@ -258,7 +286,9 @@ def test_the_env_flags_say_what_cannot_work():
     for flags, message in [(["--env", "babyai", "nope"], "unknown env 'nope'"),
                            (["--env-weights", "2"], "give them to --env too"),
                            (["--env", "babyai", "textcraft", "--env-weights", "1", "0"], "one positive weight"),
-                           (["--env", "all", "--tasks-per-step", "4"], "no task a step")]:
+                           (["--env", "all", "--tasks-per-step", "4"], "no task a step"),
+                           (["--env", "babyai", "textcraft", "--env-weights", "1", "2", "--algo", "sft", "--data", "x"],
+                            "learns from --data")]:
         with pytest.raises(SystemExit, match=message):
             train.check(train.parse_args(flags), 1)
 
