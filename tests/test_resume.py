@@ -76,7 +76,8 @@ def test_an_asynchronous_run_killed_and_resumed_trains_every_task_group_once(tmp
     metrics, rollouts = logged(tmp_path / "r")
     assert [m["charts/step"] for m in metrics] == [1, 2, 3, 4, 5]
     args = train.parse_args([*FLAGS, "--run-name", "r", "--out-dir", str(tmp_path)])
-    train_ids = envs.load_task_ids(args.train_tasks, args.env) if args.train_tasks else envs.splits(args.env)["train"]
+    (env,) = args.env
+    train_ids = envs.load_task_ids(args.train_tasks, env) if args.train_tasks else envs.splits(env)["train"]
     for step in range(1, 6):
         played = sorted(r["task_id"] for r in rollouts if r["step"] == step)
         assert played == sorted(train.tasks_for(step, train_ids, 2, args.seed) * 2), step  # each group once, n = 2

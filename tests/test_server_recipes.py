@@ -76,7 +76,7 @@ def test_one_node_serves_on_two_gpus_and_trains_fsdp2_on_six(tmp_path):
     args = train.parse_args(argv[6:])
     train.check(args, world=6, distributed="FSDP")
     assert args.engine_args.rollout_server == ("127.0.0.1:8900",) and args.engine_args.vllm_tensor_parallel_size == 2
-    assert args.env == "babyai" and args.tasks_per_step == 18 and args.run_args.save_every == 5  # (the command line's last)
+    assert args.env == ("babyai",) and args.tasks_per_step == 18 and args.run_args.save_every == 5  # (the command line's last)
     assert args.model == "Qwen/Qwen2.5-7B-Instruct" and args.kl_coef == 0.001  # the paper recipe's settings
 
 
@@ -98,7 +98,7 @@ def test_two_nodes_serve_on_all_of_a_and_train_on_all_of_b(tmp_path, tp):
     args = train.parse_args(argv[6:])
     train.check(args, world=8, distributed="FSDP")
     assert args.engine_args.rollout_server == tuple(f"10.0.0.2:{8900 + i}" for i in range(8 // tp))
-    assert args.engine_args.vllm_tensor_parallel_size == tp and args.env == "textcraft" and len(args.horizon) == 3
+    assert args.engine_args.vllm_tensor_parallel_size == tp and args.env == ("textcraft",) and len(args.horizon) == 3
 
 
 def test_two_nodes_need_node_a_named_and_tp_dividing_eight(tmp_path):

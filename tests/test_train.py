@@ -111,7 +111,7 @@ def test_rollout_log_has_every_trajectory(trained):
     if engine_kind("auto") == "vllm":  # the default engine where vLLM is installed (CI): synced and checked
         assert all(m["sync/probe_diff"] < 1e-3 and m["perf/prefix_hit_rate"] > 0 for m in metrics)
     config = json.loads((trained / "config.json").read_text())
-    assert config["preset"] == "tiny" and config["env"] == "babyai"
+    assert config["preset"] == "tiny" and config["env"] == ["babyai"]  # (the run's envs: one)
 
 
 @pytest.mark.slow
@@ -209,7 +209,9 @@ def test_eval_protocols(trained):
     """A checkpoint plays by its run's limits unless told to play by upstream's evaluation, which
     has its own turn cap per env, 512 tokens a turn (200 for SciWorld) and a 32k context."""
     ckpt = str(trained / "checkpoints" / "step_2")
-    resolve = eval_script.resolve_settings
+    def resolve(args):
+        return eval_script.resolve_settings(args, eval_script.eval_envs(args)[0])
+
     run = resolve(build(eval_script.Args, model=ckpt))
     assert (run["protocol"], run["horizon"], run["max_new_tokens"], run["max_tokens"]) == ("run", 2, 16, 3072)
     upstream = resolve(build(eval_script.Args, model=ckpt, protocol="agentgym"))
