@@ -631,8 +631,8 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
 
     # -- the test tasks, envs and an engine, when the policy is played during training
     test_ids = test_tasks(args.test_tasks, args.env, args.eval_tasks) if args.eval_every else {}
-    environments = args.env_args.make_pool(instances(test_ids, args.gen_batch_size, accelerator.num_processes), 1,
-                                           accelerator.process_index, args.seed)
+    playing = instances({e: len(ids) for e, ids in test_ids.items()}, args.gen_batch_size, accelerator.num_processes)
+    environments = args.env_args.make_pool(playing, 1, accelerator.process_index, args.seed)
     engine = engine_of(args, fmt, models, accelerator, max_tokens) if test_ids else None
     trainer_state = resume(accelerator, models, engine, Path(args.run_args.resume)) if resuming else {"step": 0, "logs": {}}
     config = run_config(flags.flat(args), run_dir, resuming, accelerator, mixed, engine,

@@ -364,7 +364,8 @@ def evol_line(iteration: int, metrics: dict) -> str:
 
 def eval_line(step: int, metrics: dict) -> str:
     """The printed line of an evaluation outside a training step."""
-    return (f"eval {step:>4} | test success {metrics['eval/success']:.3f}{_by_env(metrics, 'eval', 'success')} | avg@k {metrics['eval/avg@k']:.3f} | "
+    return (f"eval {step:>4} | test success {metrics['eval/success']:.3f}{_by_env(metrics, 'eval', 'success')} | "
+            f"avg@k {metrics['eval/avg@k']:.3f} | "
             f"pass@k {metrics['eval/pass@k']:.3f} | turns {metrics['eval/turns']:.1f}/{metrics['eval/horizon']} | "
             f"invalid actions {metrics['eval/invalid_action_rate']:.0%} | "
             + endings({name: metrics[f"eval/finish/{name}"] for name in FINISHES.values()}, metrics["eval/max_tokens"]))

@@ -50,8 +50,13 @@ def tasks_for(step: int, train_ids: list[int], per_step: int, seed: int) -> list
 
 def my_tasks(tasks: list, n: int, accelerator) -> tuple[list, list[int]]:
     """This process's share of the tasks, each `n` times: (tasks, groups), a group for each task's n episodes."""
-    mine = [t for t in tasks[accelerator.process_index::accelerator.num_processes] for _ in range(n)]
+    mine = share(tasks, n, accelerator.process_index, accelerator.num_processes)
     return mine, [i // n for i in range(len(mine))]
+
+
+def share(tasks: list, n: int, process: int, processes: int) -> list:
+    """A process's share of the tasks (every processes-th, from its index), each `n` times in a row."""
+    return [t for t in tasks[process::processes] for _ in range(n)]
 
 
 @dataclass(frozen=True)
@@ -104,8 +109,8 @@ class Mix:
 
     def rows(self, n: int, process: int = 0, processes: int = 1) -> list[str]:
         """The env of each episode of a process's share of a step (my_tasks over step_tasks), in order."""
-        return [name for name in [name for name, count in zip(self.names, self.counts) for _ in range(count)]
-                [process::processes] for _ in range(n)]
+        quota = [name for name, count in zip(self.names, self.counts) for _ in range(count)]
+        return share(quota, n, process, processes)
 
 
 def step_tasks(step: int, mix: Mix, train_ids: dict[str, list[int]], seed: int) -> list[tuple[str, int]]:
@@ -114,8 +119,7 @@ def step_tasks(step: int, mix: Mix, train_ids: dict[str, list[int]], seed: int) 
             for task in tasks_for(step, train_ids[name], count, seed)]
 
 
-def instances(episodes: dict, batch: int, processes: int) -> list[str]:
-    """The env of each instance that plays `episodes` (each env's count, or its tasks) on a process: a process's
-    share of each env's, at most `batch` of one env at once (rollout.play goes through more in turn)."""
-    return [name for name, count in episodes.items()
-            for _ in range(min(batch, -(-(count if isinstance(count, int) else len(count)) // processes)))]
+def instances(episodes: dict[str, int], batch: int, processes: int) -> list[str]:
+    """The env of each instance that plays each env's `episodes` on a process: a process's share of them, at most
+    `batch` of one env at once (rollout.play goes through more in turn)."""
+    return [name for name, count in episodes.items() for _ in range(min(batch, -(-count // processes)))]
