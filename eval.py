@@ -69,12 +69,12 @@ from envs.guard import EnvArgs, close_envs
 from rl import plots
 from rl.agent import LayoutArgs, chat_format
 from rl.checkpoint import write_atomic
-from rl.flags import GROUP, env_names
-from rl.horizon import AUTO, horizon_at
+from rl.flags import GROUP
+from rl.limits import checkpoint_limits
+from rl.tasks import env_names
 from rl.progress import play_until_stopped, stopped
 from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, context_limit, deterministic_kernels, load_config,
                       load_tokenizer, stop_on_nondeterministic)
-from rl.records import read_metrics
 from rl.run import code_revision, run_of
 from rl.scores import actions, cells, compare_rows, endings, env_table, score, spread, sweep_table
 from rl.engines import api
@@ -138,22 +138,6 @@ class Args:
     """output path without extension; default: next to the checkpoint, else runs/eval/"""
 
 
-def checkpoint_horizon(model: str, config: dict, env: str | None = None) -> int:
-    """The turn cap the run trained with at this checkpoint's step (ScalingInter-RL's stage then; under --horizon auto,
-    what its metrics.jsonl logged then, `env`'s own with several envs, else the last it could climb to)."""
-    if "horizon" not in config:
-        return config["max_turns"]  # a run from before horizon schedules
-    state = Path(model) / "trainer_state.json"
-    step = json.loads(state.read_text())["step"] if state.is_file() else 10**9
-    if config["horizon"][0] == AUTO:  # (runs/<run>/checkpoints/step_<n>)
-        metrics = Path(model).parent.parent / "metrics.jsonl"
-        key = f"rollout/{env}/horizon" if len(env_names(config.get("env", "babyai"))) > 1 else "rollout/horizon"
-        logged = [row[key] for row in (read_metrics(metrics) if metrics.is_file() else [])
-                  if row.get("charts/step") == step and key in row]
-        return logged[-1] if logged else config["horizon"][-1]
-    return horizon_at(max(step, 1), config["horizon"], config["horizon_every"])  # (agentevol's iteration 0 is step 0)
-
-
 def eval_envs(args: Args) -> tuple[str, ...]:
     """The envs to play: --env's (all: every env), else the run's where the model is a run's checkpoint, else the
     embedded model's or babyai."""
@@ -176,7 +160,7 @@ def resolve_settings(args: Args, env: str) -> dict:
         raise SystemExit("--protocol run takes a checkpoint of a training run (runs/<run>/checkpoints/step_<k>)")
     trained = env_names(config["env"]) if config is not None else ()  # (the envs of the run, where the model is one's)
     if protocol == "run":
-        limits = {"horizon": checkpoint_horizon(args.model, config, env), **{k: config[k] for k in ("max_new_tokens", "max_tokens")}}
+        limits = checkpoint_limits(args.model, config, env)  # (the env's own in the run, at the checkpoint's step)
     elif protocol == "tiny":
         limits = {key: EMBEDDED_ROLLOUT[key] for key in ("horizon", "max_new_tokens", "max_tokens")}
         limits |= EMBEDDED_TOOLS if args.agent == "tools" else {}
@@ -196,7 +180,8 @@ def resolve_settings(args: Args, env: str) -> dict:
         limits["max_tokens"] = context_limit(limits["max_tokens"], args.model, load_config(args.model), budget=(
             "--max-tokens" if "max_tokens" in overrides else f"--protocol {protocol}'s --max-tokens"))
     own_options = config.get("env_options", {}) if env in trained else {}
-    options = {**envs.parse_options(own_options), **envs.parse_options(args.env_args.env_options)}
+    options = {**envs.parse_options(envs.own_options(own_options, env)),
+               **envs.parse_options(envs.own_options(args.env_args.env_options, env))}
     # a run's checkpoint plays its run's test tasks (the tiny preset's on BabyAI: the short-horizon levels')
     own_tasks = config.get("test_tasks") if protocol == "run" and env in trained and args.split == "test" else None
     if own_tasks and len(trained) > 1 and not run_tasks(own_tasks, trained).get(env):  # (the run played its split)
@@ -221,6 +206,7 @@ def main(args: Args) -> dict:
     if args.engine_args.deterministic:  # (before anything starts CUDA)
         deterministic_kernels()
     names = eval_envs(args)
+    args.env_args.check(names)
     args.env_args.check_urls(names)
     settings = {env: resolve_settings(args, env) for env in names}
     first = settings[names[0]]  # (the layout is the run's or the flags', the same for every env)

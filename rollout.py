@@ -28,7 +28,8 @@ reply within max_tokens) is kept in `messages` but not appended as tokens: nothi
 trained, so it would only cost compute.
 
 Limits: max_new_tokens caps the tokens sampled in a turn, exactly; max_tokens caps the whole
-trajectory (train.py passes the smaller of --max-tokens and the model's context window). An episode
+trajectory (train.py passes the smaller of --max-tokens and the model's context window); each, as the horizon, is one
+for every env or each env's by name (a run of several envs: rl/limits.py), an episode playing under its env's. An episode
 that runs out of room (a first prompt or an observation that leaves no room for a reply, or a turn
 cut by the budget) ends cleanly with finish "max_tokens", never an error, and is scored like one cut
 by the horizon: its reward is the last step's, trained with the advantage that reward earns, as
@@ -83,6 +84,7 @@ from rl.agent import REACT, Agent
 from rl.chat import ChatFormat, openai_calls  # (ChatFormat: rollout's callers import it from here too)
 from rl.engines import Sample
 from rl.engines.expert import ExpertEngine
+from rl.limits import Limit, most, named
 from rl.engines.hf import HFEngine  # noqa: F401 - the engines rollouts run on, imported from here too
 from rl.engines.vllm import VLLMEngine  # noqa: F401 - (as HFEngine)
 from rl.trajectory import EnvAnswer, RolloutStats, Sequence, Trajectory, category, spans  # noqa: F401 - the data, re-exported
@@ -145,7 +147,7 @@ class Rollouts:
     """
 
     def __init__(self, engine, fmt: ChatFormat, environments: list[Env], tasks_of: Callable[[int], Tasks], *,
-                 max_new_tokens: int, max_tokens: int, staleness: int = 0, first: int = 1, last: int = 1,
+                 max_new_tokens: Limit, max_tokens: Limit, staleness: int = 0, first: int = 1, last: int = 1,
                  agent: Agent = REACT, pool: ThreadPoolExecutor | None = None,
                  reseed: Callable[[int], None] | None = None, versions: bool = False):
         if len(environments) % rule.blocks(staleness):
@@ -272,15 +274,14 @@ class Rollouts:
             for i, (task, group) in enumerate(zip(task_ids, groups)):
                 env = self.environments[self._row(j, i)]
                 self.resetting[self.pool.submit(_called, env, "reset", task)] = \
-                    (j, i, task, group, horizon if isinstance(horizon, int) else horizon[env.name])
+                    (j, i, task, group, named(horizon, env.name))
 
     def _attempts(self, j: int, progress: Callable[[int, int], None] | None) -> list[Trajectory]:
         """Reflect's set j: its episodes attempt after attempt (attempts), each attempt a set of its own."""
         self.opened = j
         task_ids, groups, horizon, _ = self._tasks(j)
-        if not isinstance(horizon, int):  # (each attempt's set plays under one cap: the largest of the envs')
-            horizon = max(horizon.values())
-        return attempts(self.engine, self.fmt, self.environments[:len(task_ids)], task_ids, groups, horizon=horizon,
+        # (each attempt's set plays under one cap: the largest of the envs')
+        return attempts(self.engine, self.fmt, self.environments[:len(task_ids)], task_ids, groups, horizon=most(horizon),
                         max_new_tokens=self.max_new_tokens, max_tokens=self.max_tokens, agent=self.agent, pool=self.pool,
                         stats=self.clock, progress=progress)
 
@@ -289,7 +290,7 @@ class Rollouts:
         (set j: before its first version; they wait, reset)."""
         held = []
         for traj in self.ready:
-            limit = min(self.max_new_tokens, _room(traj, self.max_tokens))
+            limit = min(named(self.max_new_tokens, traj.env), _room(traj, named(self.max_tokens, traj.env)))
             if rule.first_version(self.holds[traj.row // self.block], self.staleness) > self.version:
                 held.append(traj)
             elif limit < 1:  # a first prompt that leaves no room for a reply
@@ -349,7 +350,7 @@ class Rollouts:
                                                 horizon, reflections[i] if reflections else [])
                 if traj.live:
                     self.ready.append(traj)
-            elif _taken_in(self.fmt, traj := self.stepping.pop(future), answer, self.max_tokens):
+            elif _taken_in(self.fmt, traj := self.stepping.pop(future), answer, named(self.max_tokens, traj.env)):
                 self.ready.append(traj)
 
     def _row(self, j: int, i: int) -> int:
@@ -368,7 +369,7 @@ class Rollouts:
 
 
 def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int], *,
-            horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent = REACT,
+            horizon: Limit, max_new_tokens: Limit, max_tokens: Limit, agent: Agent = REACT,
             pool: ThreadPoolExecutor | None = None, stats: RolloutStats | None = None,
             progress: Callable[[list[Trajectory]], None] | None = None,
             reflections: list[list[str]] | None = None) -> list[Trajectory]:
@@ -393,7 +394,7 @@ def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int
 
 
 def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int], *,
-             horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent, pool: ThreadPoolExecutor | None = None,
+             horizon: Limit, max_new_tokens: Limit, max_tokens: Limit, agent: Agent, pool: ThreadPoolExecutor | None = None,
              stats: RolloutStats | None = None, progress: Callable[[list[Trajectory]], None] | None = None) -> list[Trajectory]:
     """Reflect's episodes: attempt after attempt at each task until it succeeds or agent.attempts are played.
     After a failed attempt the policy writes a reflection (reflect()), and the task's next attempt opens with
@@ -437,8 +438,8 @@ def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[in
     return played
 
 
-def reflect(engine, fmt: ChatFormat, failed: list[Trajectory], agent: Agent, max_new_tokens: int,
-            max_tokens: int, clock: RolloutStats | None = None) -> list[str | None]:
+def reflect(engine, fmt: ChatFormat, failed: list[Trajectory], agent: Agent, max_new_tokens: Limit,
+            max_tokens: Limit, clock: RolloutStats | None = None) -> list[str | None]:
     """Each failed attempt's reflection: the policy continues the attempt's conversation after a user turn with
     its final observation and the request (agent.reflection_request), for at most max_new_tokens tokens within
     max_tokens. None where there is no room for one, the attempt never got to act, the engine failed or the
@@ -452,7 +453,7 @@ def reflect(engine, fmt: ChatFormat, failed: list[Trajectory], agent: Agent, max
         messages = [*traj.messages[:-1], {"role": "user", "content": request}]
         ask = Trajectory(traj.env, traj.task_id, traj.group, traj.row, messages,
                          token_ids=traj.token_ids + fmt.observation(request), turns=traj.turns)
-        limit = min(max_new_tokens, _room(ask, max_tokens))
+        limit = min(named(max_new_tokens, traj.env), _room(ask, named(max_tokens, traj.env)))
         if limit >= 1:
             asks[-1] = ask
             engine.submit(ask, limit)
@@ -477,8 +478,8 @@ def reflect(engine, fmt: ChatFormat, failed: list[Trajectory], agent: Agent, max
 
 
 def play(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int] | None = None, *,
-         horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent = REACT, pool: ThreadPoolExecutor | None = None,
-         progress: Callable[[list[Trajectory]], None] | None = None) -> list[Trajectory]:
+         horizon: Limit, max_new_tokens: Limit, max_tokens: Limit, agent: Agent = REACT,
+         pool: ThreadPoolExecutor | None = None, progress: Callable[[list[Trajectory]], None] | None = None) -> list[Trajectory]:
     """Any number of episodes on a fixed set of envs: rollouts of as many at once as there are envs,
     in order, until every task id is played. `progress` is called as turns are played and episodes end
     (see rollout; rl/progress.py's Progress shows them). Groups default to one per episode."""

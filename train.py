@@ -57,7 +57,7 @@ from rl.batch import Batch, MicroBatch, StepTensors, arrange, attach, make_batch
 from rl.data import OfflineArgs, examples_of, held_out, offline_steps, read_data, to_record
 from rl.engines.setup import TrainerEngineArgs, build_engine, own_stream, stream_seed, sync
 from rl.flags import GROUP, OFFLINE, build, check, replace
-from rl.horizon import AUTO, caps_of, describe, env_caps, horizon_at, known_before
+from rl.limits import Limits, caps_for, describe_limits, env_limits, horizon_for, largest, last_caps, per_env
 from rl.logprobs import token_logprobs, token_values
 from rl.losses import Aggregation, Counts, KLEstimator, Mismatch, Objective, aggregate, kl, policy_objective, value_loss
 from rl.memory import PlanArgs, print_plan
@@ -149,6 +149,9 @@ class Args:
     """tokens per assistant turn"""
     max_tokens: int = 8192
     """tokens per trajectory (prompt + every turn); an episode ends when it is spent"""
+    env_limits: dict[str, str] = field(default_factory=dict)
+    """an env's own limits in a run of several: ENV.KEY VALUE, KEY horizon (stages: 8,12,15), horizon_every,
+    max_new_tokens or max_tokens (e.g. webarena.max_tokens 16384); the flags above are every other env's (rl/limits.py)"""
     layout_args: Annotated[LayoutArgs, GROUP] = field(default_factory=LayoutArgs)  # rl/agent.py
     gen_batch_size: int = 64
     """trajectories per generation call (hf engine)"""
@@ -274,10 +277,10 @@ def main(args: Args) -> Path | None:
     accelerator, mixed = make_accelerator(args.model_args.mixed_precision, args.grad_clip, args.engine_args.deterministic)
     check(args, accelerator.num_processes, accelerator.distributed_type.value)
     set_seed(args.seed + accelerator.process_index)
-    if args.plan_args.dry_run:  # the memory plan, before anything heavy
+    if args.plan_args.dry_run:  # the memory plan, before anything heavy (sized by the largest of the envs' budgets)
+        top = largest(env_limits(args)).max_tokens
         return print_plan(accelerator, args.plan_args, args.model, args.algo, args.kl_coef, args.model_args,
-                          args.engine_args, args.gen_batch_size,
-                          args.max_tokens_per_micro_batch or args.micro_batch_size * args.max_tokens, args.max_tokens)
+                          args.engine_args, args.gen_batch_size, args.max_tokens_per_micro_batch or args.micro_batch_size * top, top)
     if args.algo in OFFLINE:  # learning from trajectory files: the same models, checkpoints and logs
         return evolve(args, accelerator, mixed) if args.algo == "agentevol" else learn(args, accelerator, mixed)
     resuming = args.run_args.resuming
@@ -379,8 +382,8 @@ def set_up(args: Args, accelerator, policy_from: str) -> tuple[object, ChatForma
     tokenizer = load_tokenizer(args.model)
     fmt = chat_format(tokenizer, args.layout_args)
     models = build_models(accelerator, policy_from, args.model, args.algo, args.kl_coef, args.model_args)
-    max_tokens = context_limit(args.max_tokens, args.model, accelerator.unwrap_model(models.policy).config,
-                               say=accelerator.is_main_process)
+    max_tokens = context_limit(largest(env_limits(args)).max_tokens, args.model,
+                               accelerator.unwrap_model(models.policy).config, say=accelerator.is_main_process)
     return tokenizer, fmt, models, max_tokens
 
 
@@ -399,7 +402,7 @@ def logs_of(args: Args, run_dir: Path, config: dict, accelerator, sizes: dict) -
 def start_line(args: Args, mix: Mix, run_dir: Path, tests: int, start: int, resuming: bool) -> str:
     """An RL run's first line: what it trains, how long, at which turn caps, its evaluations, where it writes."""
     return (f"run {run_dir.name}: {mix}, {args.model} ({args.preset} preset), {args.algo}, {args.steps} steps of "
-            f"{args.tasks_per_step} tasks x {args.n} samples, {describe(args.horizon, args.horizon_every, args.steps)}, "
+            f"{args.tasks_per_step} tasks x {args.n} samples, {describe_limits(env_limits(args), args.steps)}, "
             f"{evaluation_plan(tests, args.eval_k, args.eval_every, start, args.steps, initial=start == 1)}"
             f" -> {run_dir}" + (f", resumed at step {start}" if resuming else ""))
 
@@ -415,27 +418,12 @@ def rollouts_of(engine, fmt: ChatFormat, environments: list, mix: Mix, train_ids
         mine, groups = my_tasks(step_tasks(j, mix, train_ids, args.seed), args.n, accelerator)
         return Tasks([task for _, task in mine], groups, caps_for(j, args, history)[0])
 
-    seed = args.seed + accelerator.process_index
+    seed, limits = args.seed + accelerator.process_index, env_limits(args, max_tokens)
     return Rollouts(engine, fmt, environments, tasks_of, staleness=args.max_staleness or 0, first=first, last=args.steps,
-                    max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, agent=args.layout_args.make_agent(),
+                    max_new_tokens=per_env(limits, "max_new_tokens"), max_tokens=per_env(limits, "max_tokens"),
+                    agent=args.layout_args.make_agent(),
                     reseed=(lambda j: engine.reseed(stream_seed(seed, j))) if args.engine_args.deterministic else None,
                     versions=args.max_staleness is not None)  # (the flag decides what is recorded and logged)
-
-
-def horizon_for(step: int, args: Args, history: list[dict]) -> tuple[int, str | None]:
-    """caps_for's turn cap of step `step` (several envs': the largest) and why (logged as rollout/horizon_reason)."""
-    caps, why = caps_for(step, args, history)
-    return caps if isinstance(caps, int) else max(caps.values()), why
-
-
-def caps_for(step: int, args: Args, history: list[dict]) -> tuple[int | dict[str, int], str | None]:
-    """The turn cap of step `step` (rl/horizon.py): ScalingInter-RL's stage then; under --horizon auto, its rule's on
-    the metrics of the steps finished when the step's episodes begin (`history`), each env's with several, and why."""
-    if args.horizon[0] != AUTO:
-        return horizon_at(step, args.horizon, args.horizon_every), None
-    known = [row for row in history if row["charts/step"] <= known_before(step, args.max_staleness)]
-    names = args.env[:1] if args.layout_args.agent == "reflect" else args.env  # (reflect: one cap, its attempts' sets)
-    return env_caps(caps_of(args.horizon), known, names, args.horizon_patience, args.horizon_cut, args.horizon_gain)
 
 
 def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: int, step: int | None = None) -> Batch:
@@ -580,30 +568,33 @@ def update_critic(models: Models, micro: MicroBatch, counts: Counts, args: Args,
 def evaluate(engine, fmt: ChatFormat, environments: list, test_ids: dict[str, list[int]], models: Models, args: Args,
              accelerator, max_tokens: int, step: int, bar=None) -> tuple[dict, list[dict]]:
     """The policy on each env's test tasks, --eval-k episodes each at the run's temperature, scored as eval.py scores
-    (rl/scores.py). Every evaluation of a run plays under one turn cap, its horizon schedule's last stage (the one it
-    is headed for), so that evaluations compare across steps, step 0's included. Returns eval/ metrics (rl/metrics.py:
-    per category, per env with several) and every episode's log record."""
-    horizon = args.horizon[-1]
+    (rl/scores.py). Every evaluation of a run plays under one turn cap per env, its horizon schedule's last stage (the
+    one it is headed for), so that evaluations compare across steps, step 0's included. Returns eval/ metrics
+    (rl/metrics.py: per category, per env with several) and every episode's log record."""
+    limits = env_limits(args, max_tokens)
+    horizon = max(last_caps(limits).values())
     mine = sum(len(ids[accelerator.process_index::accelerator.num_processes]) for ids in test_ids.values()) * args.eval_k
     with own_stream(engine, stream_seed(args.seed + accelerator.process_index, step, "eval")):  # (not the rollouts')
-        episodes = play_share(engine, fmt, environments, test_ids, args.eval_k, models, args, accelerator, max_tokens,
-                              step, horizon, Progress(bar, "eval", mine, horizon))
+        episodes = play_share(engine, fmt, environments, test_ids, args.eval_k, models, args, accelerator, limits, step,
+                              Progress(bar, "eval", mine, horizon))
     scores = {name: score([t for t in episodes if t.env == name], name) for name in test_ids}
     return eval_metrics(scores, horizon, max_tokens), [{"step": step, **t.log_record()} for t in episodes]
 
 
 def play_share(engine, fmt: ChatFormat, environments: list, tasks: dict[str, list[int]], n: int, models: Models,
-               args: Args, accelerator, max_tokens: int, step: int, horizon: int, progress=None) -> list[Trajectory]:
+               args: Args, accelerator, limits: dict[str, Limits], step: int, progress=None) -> list[Trajectory]:
     """`n` episodes of every task of each env (`tasks`, on its instances among `environments`) with the policy's
-    weights of `step`, at most `horizon` turns each, each process its share; every process gets all, in order."""
+    weights of `step`, each under its env's `limits` (the last stage of its horizon: rl/limits.py's last_caps), each
+    process its share; every process gets all, in order."""
     from accelerate.utils import gather_object
 
     sync(engine, models.policy, accelerator, step)
     played = []
     for name, task_ids in tasks.items():
         mine, groups = my_tasks(task_ids, n, accelerator)
-        played += play(engine, fmt, [env for env in environments if env.name == name], mine, groups, horizon=horizon,
-                       max_new_tokens=args.max_new_tokens, max_tokens=max_tokens, agent=args.layout_args.make_agent(),
+        played += play(engine, fmt, [env for env in environments if env.name == name], mine, groups,
+                       horizon=last_caps(limits)[name], max_new_tokens=limits[name].max_new_tokens,
+                       max_tokens=limits[name].max_tokens, agent=args.layout_args.make_agent(),
                        progress=progress) if mine else []
     engine.sleep()
     return gather_object(played)
@@ -734,7 +725,7 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
             explored, kept = [], []
             if iteration > 0:  # explore with the last iteration's policy, keep the successes
                 explored = play_share(engine, fmt, environments, explore_ids, args.n, models, args, accelerator,
-                                      max_tokens, iteration, horizon=args.horizon[-1])
+                                      env_limits(args, max_tokens), iteration)
                 kept = [to_record(t) for t in explored if t.error is None
                         and (t.reward >= offline.threshold if offline.threshold is not None else t.success)]
                 if offline.retrain_from == "base":

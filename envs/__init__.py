@@ -180,6 +180,19 @@ def parse_options(options: dict[str, str], words: bool = False) -> dict:
     return out
 
 
+def own_options(options: dict, name: str) -> dict:
+    """The --env-options of env `name`: plain KEY VALUE entries are every env's, ENV.KEY VALUE entries
+    (sciworld.simplification easy) only env ENV's (a run of several envs)."""
+    own = {}
+    for key, value in options.items():
+        scope, dot, option = key.partition(".")
+        if not dot or scope not in ENVS:
+            own[key] = value
+        elif scope == name:
+            own[option] = value
+    return own
+
+
 def category(name: str, task_id: int) -> str:
     return _module(name).category(task_id)
 

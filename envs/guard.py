@@ -172,7 +172,8 @@ class EnvArgs:
     """Where the env instances run and how long a call may take: the flags train.py and eval.py share."""
 
     env_options: dict[str, str] = field(default_factory=dict)
-    """keyword options for envs.make, e.g. --env-options reward normalized (eval.py: added to the run's own)"""
+    """keyword options for envs.make, e.g. --env-options reward normalized; ENV.KEY VALUE: env ENV's only, in a run of
+    several (eval.py: added to the run's own)"""
     env_timeout: float = 0.0
     """seconds an env reset or step may take before its trajectory ends as failed (eval.py: counted under `errors`)
     and the env is replaced; 0: the env's default (its call_timeout in envs.ENVS)"""
@@ -185,10 +186,14 @@ class EnvArgs:
     answers, within --env-timeout: SECONDS, webarena (our WebArena env's measured distribution), lognormal:MEDIAN,SIGMA,
     SPEC*X (webarena*10: its shape at 10x its seconds); 0: none (envs/latency.py)"""
 
-    def check(self) -> None:
-        """Stop early, with what to do, on settings that cannot work."""
+    def check(self, names: tuple[str, ...] | None = None) -> None:
+        """Stop early, with what to do, on settings that cannot work (`names`: the envs played)."""
         if self.env_timeout < 0:
             raise SystemExit("--env-timeout takes 0 (the env's default) or more")
+        scopes = {key.partition(".")[0] for key in self.env_options if key.partition(".")[0] in envs.ENVS}
+        if names is not None and scopes - set(names):
+            raise SystemExit(f"--env-options names {', '.join(sorted(scopes - set(names)))}, not an env of this run "
+                             f"({', '.join(names)})")
         try:
             parse(self.env_delay)
         except ValueError as error:
@@ -197,7 +202,7 @@ class EnvArgs:
     def make_envs(self, name: str, count: int, rank: int = 0, seed: int = 0, options: dict | None = None) -> list[Guarded]:
         """`count` guarded instances of env `name` as these flags say (make_envs); `options`: the env's options,
         by default --env-options as Python values (envs.parse_options)."""
-        options = envs.parse_options(self.env_options) if options is None else options
+        options = envs.parse_options(envs.own_options(self.env_options, name)) if options is None else options
         return make_envs(name, count, options, self.env_timeout, self.urls(name), rank, delay=self.env_delay, seed=seed)
 
     def make_pool(self, rows: list[str], blocks: int = 1, rank: int = 0, seed: int = 0) -> list[Guarded]:

@@ -30,9 +30,10 @@ import tyro
 import envs
 from rl import advantages as adv_lib
 from rl.horizon import AUTO, LADDER, caps_of
+from rl.limits import check as check_limits, env_limits, largest
 from rl.model import EMBEDDED
 from rl.run import find_checkpoint, resumable_config, run_of
-from rl.tasks import Mix, tasks_by_env
+from rl.tasks import Mix, env_names, tasks_by_env
 
 # A nested flag group's fields are flags of their own names: `env_args: Annotated[EnvArgs, GROUP] = field(...)`.
 GROUP = tyro.conf.arg(name="")
@@ -118,13 +119,6 @@ def parse_args(Args: type, presets: dict, preset_defaults: Callable, argv: list[
     return replace(args, preset=preset)
 
 
-def env_names(env) -> tuple[str, ...]:
-    """--env's names as a run keeps them: `all` the five envs, in envs.ENVS's order; a run's config.json from before
-    several envs (a name, not a list) its one env."""
-    names = (env,) if isinstance(env, str) else tuple(env)
-    return tuple(envs.ENVS) if "all" in names else names
-
-
 def preset_of(model: str) -> str:
     """`--preset auto`: tiny for the embedded model and for a checkpoint of a run that used it (so that SFT
     then GRPO on the tiny model chain without flags), the run's own for any other run's checkpoint, else
@@ -181,13 +175,13 @@ def check(args, world: int, distributed: str = "NO") -> None:
     args.run_args.check()
     if not 0 <= args.max_error_rate <= 1:
         raise SystemExit("--max-error-rate is a share of a step's trajectories, in [0, 1]")
-    args.env_args.check()
+    args.env_args.check(args.env)
     check_tasks(args)
     check_estimator(args)
-    check_horizon(args)
     if args.max_new_tokens >= args.max_tokens:
         raise SystemExit("--max-new-tokens must be smaller than --max-tokens")
-    args.engine_args.check(args.max_tokens)
+    check_horizon(args)
+    args.engine_args.check(largest(env_limits(args)).max_tokens)
     args.model_args.check(args.algo, distributed)
     if args.eval_every < 0 or args.eval_tasks < 0 or args.eval_k < 1:
         raise SystemExit("--eval-every and --eval-tasks take 0 (never, all) or more, --eval-k 1 or more")
@@ -262,6 +256,13 @@ def check_horizon(args) -> None:
         raise SystemExit("--horizon-patience takes 1 step or more, --horizon-cut a share in [0, 1]")
     if args.horizon[0] == AUTO and args.algo in OFFLINE:
         raise SystemExit(f"--horizon auto grows the turn cap over steps of RL; --algo {args.algo} takes one cap")
+    limits = env_limits(args)
+    check_limits(limits)
+    differ = [name for name, own in limits.items() if own != limits[args.env[0]]]
+    if differ and (args.algo in OFFLINE or args.layout_args.agent == "reflect"):  # (one cap for all: caps_for)
+        raise SystemExit(f"--env-limits gives {', '.join(differ)} limits of their own, which "
+                         f"{'--agent reflect' if args.algo not in OFFLINE else '--algo ' + args.algo} does not play "
+                         "(its episodes take the run's): drop them")
 
 
 def check_rollouts(args, world: int) -> None:

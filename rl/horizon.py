@@ -16,7 +16,8 @@ cap, the next cap comes when the cap has stopped mattering (it cut at most `cut`
 episodes) or when success has stopped improving at it (the last `patience` steps' mean success is not `gain` above
 the `patience` steps' before). `--horizon auto` alone climbs the preset's stages, or the ScalingInter-RL recipe's
 10 20 30. With several envs (train.py --env babyai textcraft) each env climbs the ladder on its own episodes'
-metrics (env_rows: rollout/<env>/), each playing under its own cap. The cap is a pure function of the logged
+metrics (env_rows: rollout/<env>/), each playing under its own cap (rl/limits.py's caps_at, which also gives an env
+its own stages: --env-limits). The cap is a pure function of the logged
 metrics (metrics.jsonl's rows), so `--resume` reproduces it;
 under --max-staleness k the cap of step j is decided from the steps up to j - k - 2, the ones finished when step j's
 episodes begin (`known_before`).
@@ -84,17 +85,6 @@ def auto_horizon(caps: Sequence[int], rows: list[dict], patience: int, cut: floa
         if why is not None and cap != caps[-1]:
             cap, reason, at_cap = caps[caps.index(cap) + 1], f"from {cap} after step {row['charts/step']}: {why}", []
     return cap, reason
-
-
-def env_caps(caps: Sequence[int], rows: list[dict], names: Sequence[str], patience: int, cut: float, gain: float
-             ) -> tuple[int | dict[str, int], str]:
-    """auto_horizon's cap after `rows`, and why; with several envs (`names`) each env's on its own rows (env_rows),
-    by its name."""
-    if len(names) == 1:
-        return auto_horizon(caps, rows, patience, cut, gain)
-    decided = {name: auto_horizon(caps, env_rows(rows, name), patience, cut, gain) for name in names}
-    return {name: cap for name, (cap, _) in decided.items()}, "; ".join(f"{name} {why}" for name, (_, why) in
-                                                                        decided.items())
 
 
 def env_rows(rows: list[dict], name: str) -> list[dict]:

@@ -23,6 +23,13 @@ import envs
 from rl.scores import spread
 
 
+def env_names(env) -> tuple[str, ...]:
+    """--env's names as a run keeps them: `all` the five envs, in envs.ENVS's order; a run's config.json from before
+    several envs (a name, not a list) its one env."""
+    names = (env,) if isinstance(env, str) else tuple(env)
+    return tuple(envs.ENVS) if "all" in names else names
+
+
 def tasks_by_env(path: str | None, names: tuple[str, ...], split: str) -> dict[str, list[int]]:
     """Each env's task ids: those the file `path` names for it (an AgentGym-RL-Data-ID file, whose item ids say
     their env: babyai_12), else its `split`. A file that names none of the run's envs says nothing to the run and

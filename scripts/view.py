@@ -506,7 +506,8 @@ def api_state(runs: Runs, query: dict) -> dict:
     if key not in runs.states:
         config = read_json(runs.owner(log.path.parent) / "config.json") or {}
         run_envs = [config["env"]] if isinstance(config.get("env"), str) else config.get("env") or []
-        options = envs.parse_options(config.get("env_options") or {}) if log.rows[line]["env"] in run_envs else {}
+        env = log.rows[line]["env"]
+        options = envs.parse_options(envs.own_options(config.get("env_options") or {}, env)) if env in run_envs else {}
         runs.states[key] = replay(log.record(line), options)
     return runs.states[key]
 

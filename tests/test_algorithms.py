@@ -14,11 +14,11 @@ from safetensors.torch import load_file
 
 import envs
 from rl.agent import REACT
-import eval as eval_script
 import train
 from rl import advantages as adv_lib
 from rl.logprobs import token_logprobs, token_values
 from rl.batch import StepTensors, attach
+from rl.limits import checkpoint_limits
 from rl.model import EMBEDDED, build_models, load_tokenizer
 from rollout import ChatFormat, Trajectory
 
@@ -149,7 +149,8 @@ def test_horizon_schedule_in_the_loop_survives_a_resume(tmp_path):
     for record in records:  # a cap, never a floor: an episode may end sooner
         assert record["turns"] <= record["step"]
     config = json.loads((run_dir / "config.json").read_text())
-    assert [eval_script.checkpoint_horizon(str(run_dir / "checkpoints" / f"step_{k}"), config) for k in (1, 2, 3)] == [1, 2, 3]
+    assert [checkpoint_limits(str(run_dir / "checkpoints" / f"step_{k}"), config, "babyai")["horizon"]
+            for k in (1, 2, 3)] == [1, 2, 3]
 
 
 def test_unknown_algorithm_is_rejected():

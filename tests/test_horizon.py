@@ -90,7 +90,7 @@ def test_auto_in_the_loop_resumes_on_the_same_cap(tmp_path):
     metrics.jsonl (a run that forgot it would start again at 1)."""
     import json
 
-    import eval as eval_script
+    from rl.limits import checkpoint_limits
     import train
 
     def run(*flags):
@@ -109,7 +109,7 @@ def test_auto_in_the_loop_resumes_on_the_same_cap(tmp_path):
     assert all(r["horizon"] == metrics[r["step"] - 1]["rollout/horizon"] for r in records)
     config = json.loads((run_dir / "config.json").read_text())
     assert config["horizon"] == ["auto", 1, 2, 3]
-    assert eval_script.checkpoint_horizon(str(run_dir / "checkpoints" / "step_4"), config) == 2
+    assert checkpoint_limits(str(run_dir / "checkpoints" / "step_4"), config, "babyai")["horizon"] == 2
 
 
 def test_auto_alone_climbs_the_presets_stages():

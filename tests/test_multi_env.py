@@ -17,9 +17,10 @@ from envs.guard import EnvArgs
 from rl.advantages import AdvantageInputs, advantages, masked_whiten
 from rl.metrics import env_metrics, eval_metrics
 from rl.engines.expert import ExpertEngine
+from rl.limits import Limits, caps_at, checkpoint_limits, describe_limits, env_limits, largest, last_caps, per_env
 from rl.model import EMBEDDED, load_tokenizer
 from rl.tasks import Mix, my_tasks, step_tasks, tasks_by_env, tasks_for
-from rollout import ChatFormat, Rollouts, Tasks
+from rollout import ChatFormat, Rollouts, Tasks, spans
 
 
 def test_quotas_share_a_step_by_weight_every_env_at_least_one():
@@ -242,7 +243,7 @@ def test_under_horizon_auto_each_env_climbs_on_its_own_metrics_and_plays_under_i
                 **{f"rollout/{name}/{key}": value for name, cut in (("babyai", 0.0), ("textcraft", 1.0))
                    for key, value in (("horizon", 2), ("success", 0.0), ("finish/horizon", cut))}}
     history = [row(1), row(2)]
-    assert train.caps_for(2, args, history)[0] == {"babyai": 2, "textcraft": 2}  # (step 2's: decided before step 1 ends)
+    assert train.caps_for(2, args, history)[0] == 2  # (both envs at 2: one cap for all; step 2's: decided before step 1 ends)
     caps, why = train.caps_for(3, args, history)
     assert caps == {"babyai": 4, "textcraft": 2} and why.startswith("babyai from 2 after step 2: it cut 0%")
     assert train.horizon_for(3, args, history)[0] == 4  # (the step's rollout/horizon: the largest)
@@ -291,6 +292,93 @@ def test_the_env_flags_say_what_cannot_work():
                             "learns from --data")]:
         with pytest.raises(SystemExit, match=message):
             train.check(train.parse_args(flags), 1)
+
+
+def test_each_env_keeps_its_own_horizon_schedule_and_token_budgets():
+    """--env-limits ENV.KEY VALUE over the run's flags: each env's schedule of caps (fixed stages or auto's rule on its
+    own rows), its token budgets as rollout.py takes them (one for all where the envs agree), the largest for what is
+    sized once, and the refusals."""
+    args = train.parse_args(["--env", "babyai", "textcraft", "webarena", "--horizon", "2", "4", "--horizon-every", "2",
+                             "--max-new-tokens", "16", "--max-tokens", "1024", "--env-limits", "webarena.horizon",
+                             "3,5,7", "webarena.horizon_every", "1", "webarena.max_tokens", "4096", "textcraft.horizon",
+                             "auto,1,3", "textcraft.max_new_tokens", "32"])
+    train.check(args, 1)
+    limits = env_limits(args)
+    assert limits["babyai"] == Limits((2, 4), 2, 16, 1024) and limits["webarena"] == Limits((3, 5, 7), 1, 16, 4096)
+    assert limits["textcraft"] == Limits(("auto", 1, 3), 2, 32, 1024)
+    assert env_limits(args, context=2048)["webarena"].max_tokens == 2048  # (the model's window cuts every env's)
+    assert per_env(limits, "max_tokens") == {"babyai": 1024, "textcraft": 1024, "webarena": 4096}
+    assert per_env(limits, "horizon_every") == {"babyai": 2, "textcraft": 2, "webarena": 1}
+    assert per_env({"babyai": limits["babyai"]}, "max_tokens") == 1024  # (one env: one value, as before)
+    assert largest(limits) == Limits((7,), 2, 32, 4096) and last_caps(limits) == {"babyai": 4, "textcraft": 3,
+                                                                                   "webarena": 7}
+    # step 2: babyai's first stage, webarena's second; textcraft's rule has seen one step, at its first cap
+    known = [{"charts/step": 1, "rollout/textcraft/horizon": 1, "rollout/textcraft/success": 0.0,
+              "rollout/textcraft/finish/horizon": 0.0}]
+    caps, why = caps_at(2, limits, known, 1, 0.1, 0.02)
+    assert caps == {"babyai": 2, "textcraft": 3, "webarena": 5} and why.startswith("textcraft from 1 after step 1")
+    assert caps_at(9, limits, known, 2, 0.1, 0.02)[0] == {"babyai": 4, "textcraft": 1, "webarena": 7}
+    assert caps_at(3, {"babyai": limits["babyai"]}, [], 1, 0.1, 0.02) == (4, None)  # (a run of one env: an int)
+    assert "webarena horizon 3 (1-1), 5 (2-2), 7 (3-16) turns, 16/4096 tokens" in describe_limits(limits, 16)
+    one = train.parse_args(["--horizon", "2", "4", "--horizon-every", "3"])
+    assert describe_limits(env_limits(one), 9) == "horizon 2 (1-3), 4 (4-9) turns"  # (as the banner always said)
+    for flags, message in [(["--env-limits", "textcraft.horizon", "3"], "ENV one of the run's envs"),
+                           (["--env", "babyai", "textcraft", "--env-limits", "textcraft.turns", "3"], "KEY one of"),
+                           (["--env", "babyai", "textcraft", "--env-limits", "textcraft.horizon", "3,x"], "whole numbers"),
+                           (["--env", "babyai", "textcraft", "--env-limits", "textcraft.horizon", "6,3"], "only grow"),
+                           (["--env", "babyai", "textcraft", "--env-limits", "textcraft.max_new_tokens", "9000"],
+                            "below its max_tokens"),
+                           (["--env", "babyai", "textcraft", "--agent", "reflect", "--env-limits", "textcraft.horizon",
+                             "3"], "--agent reflect does not play"),
+                           (["--env", "babyai", "textcraft", "--algo", "sft", "--data", "x", "--env-limits",
+                             "textcraft.max_tokens", "4096"], "--algo sft does not play"),
+                           (["--env", "babyai", "--env-options", "textcraft.seed", "3"], "not an env of this run")]:
+        with pytest.raises(SystemExit, match=message):
+            train.check(train.parse_args(flags), 1)
+
+
+def test_env_options_scoped_by_env_go_to_that_env_only():
+    options = {"reward": "normalized", "sciworld.simplification": "easy", "webarena.map_services": "none",
+               "some.key": "1"}
+    assert envs.own_options(options, "sciworld") == {"reward": "normalized", "simplification": "easy", "some.key": "1"}
+    assert envs.own_options(options, "babyai") == {"reward": "normalized", "some.key": "1"}
+    made = []
+    pool = EnvArgs(env_options={"textcraft.max_depth": "1"})
+    import envs.guard as guard
+    original = guard.make_envs
+    try:
+        guard.make_envs = lambda name, count, options, *rest, **kw: made.append((name, options)) or []
+        pool.make_envs("babyai", 1), pool.make_envs("textcraft", 1)
+    finally:
+        guard.make_envs = original
+    assert made == [("babyai", {}), ("textcraft", {"max_depth": 1})]
+
+
+def test_rollouts_play_each_episode_under_its_envs_token_budgets():
+    """Per-env max_new_tokens and max_tokens (rl/limits.py's per_env): every turn of a TextCraft episode within its 4
+    tokens, BabyAI's within its 24; BabyAI's trajectories end at their 900 tokens, TextCraft's play their 3 turns."""
+    from rl.engines.hf import HFEngine
+    from rl.model import load_model
+
+    tokenizer = load_tokenizer("tiny-agent")
+    fmt = ChatFormat(tokenizer)
+    environments = [envs.make("babyai"), envs.make("babyai"), envs.make("textcraft"), envs.make("textcraft")]
+    engine = HFEngine(load_model("tiny-agent"), fmt, temperature=1.0, seed=0)
+    tasks = Tasks([envs.splits("babyai")["test"][0]] * 2 + [envs.splits("textcraft")["test"][0]] * 2, [0, 0, 1, 1],
+                  {"babyai": 6, "textcraft": 3})
+    try:
+        played = Rollouts(engine, fmt, environments, lambda _: tasks, max_new_tokens={"babyai": 24, "textcraft": 4},
+                          max_tokens={"babyai": 900, "textcraft": 4096}).take(1)
+    finally:
+        for env in environments:
+            env.close()
+    for traj in played:
+        turns = [end - start for start, end in spans(traj.loss_mask)]
+        assert turns and max(turns) <= (24 if traj.env == "babyai" else 4)
+        assert traj.horizon == (6 if traj.env == "babyai" else 3)
+    babyai = [t for t in played if t.env == "babyai"]  # (its first prompt: 745 tokens, TextCraft's 897)
+    assert all(len(t.token_ids) <= 900 for t in babyai) and "max_tokens" in {t.finish for t in babyai}
+    assert all(t.finish != "max_tokens" and t.turns == 3 for t in played if t.env == "textcraft")
 
 
 @pytest.fixture(scope="module")
@@ -344,7 +432,8 @@ def test_a_run_on_two_envs_plays_each_quota_logs_each_env_and_resumes_exactly(tm
     plays and logs exactly what the whole run did."""
     flags = ["--env", "babyai", "textcraft", "--env-weights", "3", "1", "--engine", "hf", "--steps", "2",
              "--tasks-per-step", "4", "--n", "2", "--horizon", "2", "--max-new-tokens", "16", "--eval-every", "2",
-             "--eval-tasks", "2", "--save-every", "1", "--out-dir", str(tmp_path)]
+             "--eval-tasks", "2", "--save-every", "1", "--out-dir", str(tmp_path),
+             "--env-limits", "textcraft.horizon", "1", "textcraft.max_new_tokens", "6"]
     run_dir = train.main(train.parse_args([*flags, "--run-name", "whole"]))
     rollouts, metrics = played(run_dir)
     args = train.parse_args(flags)
@@ -357,7 +446,14 @@ def test_a_run_on_two_envs_plays_each_quota_logs_each_env_and_resumes_exactly(tm
             "eval/textcraft/avg@k"} <= set(metrics[-1])
     evaluated = [json.loads(line)["item_id"] for line in (run_dir / "evaluations.jsonl").read_text().splitlines()]
     assert {item.rpartition("_")[0] for item in evaluated} == {"babyai", "textcraft"} and len(evaluated) == 16
-    assert json.loads((run_dir / "config.json").read_text())["env"] == ["babyai", "textcraft"]
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["env"] == ["babyai", "textcraft"]
+    # each env under its own limits (--env-limits): in training, in the held-out evaluation, and as eval.py plays it
+    for record in rollouts + [json.loads(line) for line in (run_dir / "evaluations.jsonl").read_text().splitlines()]:
+        own = (1, 6) if record["item_id"].startswith("textcraft") else (2, 16)
+        assert record["horizon"] == own[0] and max(end - start for start, end in record["action_spans"]) <= own[1]
+    assert checkpoint_limits(str(run_dir / "checkpoints" / "step_2"), config, "textcraft") == {
+        "horizon": 1, "max_new_tokens": 6, "max_tokens": config["max_tokens"]}
 
     resumed = train.main(train.parse_args(["--resume", str(run_dir / "checkpoints" / "step_1"), "--out-dir",
                                            str(tmp_path), "--run-name", "whole"]))
