@@ -182,15 +182,9 @@ def parse_options(options: dict[str, str], words: bool = False) -> dict:
 
 def own_options(options: dict, name: str) -> dict:
     """The --env-options of env `name`: plain KEY VALUE entries are every env's, ENV.KEY VALUE entries
-    (sciworld.simplification easy) only env ENV's (a run of several envs)."""
-    own = {}
-    for key, value in options.items():
-        scope, dot, option = key.partition(".")
-        if not dot or scope not in ENVS:
-            own[key] = value
-        elif scope == name:
-            own[option] = value
-    return own
+    (sciworld.simplification easy) only env ENV's (a run of several envs), over a plain entry of the same KEY."""
+    scoped = {key.partition(".")[2]: value for key, value in options.items() if key.partition(".")[0] == name}
+    return {key: value for key, value in options.items() if key.partition(".")[0] not in ENVS} | scoped
 
 
 def category(name: str, task_id: int) -> str:

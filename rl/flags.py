@@ -136,8 +136,12 @@ def resumed_args(Args: type, presets: dict, argv: list[str], checkpoint: Path, d
     preset = presets[config.get("preset", "paper")]
     saved = replace(preset, **{name: tuple(config[name]) if isinstance(config[name], list) else config[name]
                                for name in flat(preset) if name in config} | {"env": env_names(config.get("env", preset.env))})
-    args = tyro.cli(Args, args=argv, default=saved, description=description)
-    args = replace(args, resume=str(checkpoint), env=env_names(args.env))
+    # (a dict flag's saved entries as tyro's default would turn it into one flag per entry: parsed over an empty one,
+    # the run's own where the command line gives none)
+    dicts = {name: value for name, value in flat(saved).items() if isinstance(value, dict) and value}
+    args = tyro.cli(Args, args=argv, default=replace(saved, **{name: {} for name in dicts}), description=description)
+    args = replace(args, resume=str(checkpoint), env=env_names(args.env),
+                   **{name: value for name, value in dicts.items() if not flat(args)[name]})
     if args.horizon == (AUTO,) and saved.horizon[0] == AUTO:  # (`auto` alone: the ladder the run wrote out, as parse_args)
         args = replace(args, horizon=saved.horizon)
     if args.steps != saved.steps and args.epochs == saved.epochs:  # --steps replaces the run's --epochs
@@ -262,7 +266,10 @@ def check_horizon(args) -> None:
     if differ and (args.algo in OFFLINE or args.layout_args.agent == "reflect"):  # (one cap for all: caps_for)
         raise SystemExit(f"--env-limits gives {', '.join(differ)} limits of their own, which "
                          f"{'--agent reflect' if args.algo not in OFFLINE else '--algo ' + args.algo} does not play "
-                         "(its episodes take the run's): drop them")
+                         f"(its episodes all take {args.env[0]}'s): drop them")
+    if args.algo in OFFLINE and any(len(own.horizon) > 1 for own in limits.values()):
+        raise SystemExit(f"--env-limits: --algo {args.algo} takes one turn cap an env (ScalingInter-RL's stages and "
+                         "--horizon auto are steps of RL)")
 
 
 def check_rollouts(args, world: int) -> None:

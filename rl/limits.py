@@ -18,7 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import NamedTuple
 
-from rl.horizon import AUTO, auto_horizon, caps_of, describe, env_rows, horizon_at, known_before
+from rl.horizon import AUTO, LADDER, auto_horizon, caps_of, describe, env_rows, horizon_at, known_before
 from rl.records import read_metrics
 from rl.tasks import env_names
 
@@ -48,6 +48,8 @@ def env_limits(args, context: int | None = None) -> dict[str, Limits]:
             raise SystemExit(f"--env-limits {key}: entries are ENV.KEY VALUE, ENV one of the run's envs "
                              f"({', '.join(args.env)}), KEY one of {', '.join(KEYS)}")
         own[name][setting] = _value(key, setting, value)
+        if own[name].get("horizon") == (AUTO,):  # (`auto` alone: the run's stages, else the recipe's, as --horizon)
+            own[name]["horizon"] = (AUTO, *(caps if len(caps := caps_of(run.horizon)) > 1 else LADDER))
     limits = {name: run._replace(**settings) for name, settings in own.items()}
     if context is not None:
         limits = {name: own._replace(max_tokens=min(own.max_tokens, context)) for name, own in limits.items()}
@@ -59,7 +61,7 @@ def _value(key: str, setting: str, value) -> tuple | int:
     try:
         if setting != "horizon":
             return int(value)
-        stages = tuple(part.strip() for part in str(value).split(","))
+        stages = value if isinstance(value, (list, tuple)) else tuple(part.strip() for part in str(value).split(","))
         return tuple(AUTO if part == AUTO else int(part) for part in stages)
     except ValueError:
         raise SystemExit(f"--env-limits {key} {value}: " + ("stages are whole numbers, comma-separated, `auto` first "
@@ -158,10 +160,11 @@ def checkpoint_limits(model: str, config: dict, env: str) -> dict[str, int]:
         return {"horizon": config["max_turns"], "max_new_tokens": config["max_new_tokens"],
                 "max_tokens": config["max_tokens"]}
     names = env_names(config.get("env", "babyai"))
-    own = env_limits(SimpleNamespace(env=names, env_limits=config.get("env_limits", {}), horizon=config["horizon"],
-                                     horizon_every=config["horizon_every"], max_new_tokens=config["max_new_tokens"],
-                                     max_tokens=config["max_tokens"]))[env if env in names else names[0]]
-    return {"horizon": checkpoint_horizon(model, own, env if len(names) > 1 else None),
+    trained = env in names  # (an env the run did not play: the run's own limits, its pooled caps)
+    own = env_limits(SimpleNamespace(env=names if trained else (env,), env_limits=config.get("env_limits", {}) if
+                                     trained else {}, horizon=config["horizon"], horizon_every=config["horizon_every"],
+                                     max_new_tokens=config["max_new_tokens"], max_tokens=config["max_tokens"]))[env]
+    return {"horizon": checkpoint_horizon(model, own, env if trained and len(names) > 1 else None),
             "max_new_tokens": own.max_new_tokens, "max_tokens": own.max_tokens}
 
 

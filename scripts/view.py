@@ -206,7 +206,8 @@ class Runs:
         config = read_json(here / "config.json") or {}
         metrics = read_metrics(here / "metrics.jsonl") if (here / "metrics.jsonl").is_file() else []
         return {"name": name, "config": {key: config.get(key) for key in ("env", "model", "algo", "horizon",
-                                                                          "horizon_every", "steps", "n", "tasks_per_step")},
+                                                                          "horizon_every", "env_limits", "steps", "n",
+                                                                          "tasks_per_step")},
                 "curves": (here / "curves.png").relative_to(self.root).as_posix() if (here / "curves.png").is_file() else None,
                 "steps": training_steps(metrics), "evaluations": evaluation_steps(metrics)}
 

@@ -320,6 +320,12 @@ def test_each_env_keeps_its_own_horizon_schedule_and_token_budgets():
     assert caps_at(9, limits, known, 2, 0.1, 0.02)[0] == {"babyai": 4, "textcraft": 1, "webarena": 7}
     assert caps_at(3, {"babyai": limits["babyai"]}, [], 1, 0.1, 0.02) == (4, None)  # (a run of one env: an int)
     assert "webarena horizon 3 (1-1), 5 (2-2), 7 (3-16) turns, 16/4096 tokens" in describe_limits(limits, 16)
+    auto = train.parse_args(["--env", "babyai", "textcraft", "--horizon", "2", "4", "--env-limits", "textcraft.horizon",
+                             "auto"])
+    assert env_limits(auto)["textcraft"].horizon == ("auto", 2, 4)  # (`auto` alone: the run's stages, as --horizon)
+    coded = types.SimpleNamespace(env=("babyai",), env_limits={"babyai.horizon": [3, 5]}, horizon=(2,),
+                                  max_new_tokens=8, max_tokens=64)
+    assert env_limits(coded)["babyai"].horizon == (3, 5)  # (stages as a list: a config written by hand, code)
     one = train.parse_args(["--horizon", "2", "4", "--horizon-every", "3"])
     assert describe_limits(env_limits(one), 9) == "horizon 2 (1-3), 4 (4-9) turns"  # (as the banner always said)
     for flags, message in [(["--env-limits", "textcraft.horizon", "3"], "ENV one of the run's envs"),
@@ -332,7 +338,10 @@ def test_each_env_keeps_its_own_horizon_schedule_and_token_budgets():
                              "3"], "--agent reflect does not play"),
                            (["--env", "babyai", "textcraft", "--algo", "sft", "--data", "x", "--env-limits",
                              "textcraft.max_tokens", "4096"], "--algo sft does not play"),
-                           (["--env", "babyai", "--env-options", "textcraft.seed", "3"], "not an env of this run")]:
+                           (["--env", "babyai", "--env-options", "textcraft.seed", "3"], "not an env of this run"),
+                           (["--algo", "agentevol", "--env-limits", "babyai.horizon", "3,6"], "one turn cap an env"),
+                           (["--algo", "sft", "--data", "x", "--env-limits", "babyai.horizon", "auto,3,6"],
+                            "one turn cap an env")]:
         with pytest.raises(SystemExit, match=message):
             train.check(train.parse_args(flags), 1)
 
@@ -342,6 +351,7 @@ def test_env_options_scoped_by_env_go_to_that_env_only():
                "some.key": "1"}
     assert envs.own_options(options, "sciworld") == {"reward": "normalized", "simplification": "easy", "some.key": "1"}
     assert envs.own_options(options, "babyai") == {"reward": "normalized", "some.key": "1"}
+    assert envs.own_options({"sciworld.reward": "score", "reward": "normalized"}, "sciworld") == {"reward": "score"}
     made = []
     pool = EnvArgs(env_options={"textcraft.max_depth": "1"})
     import envs.guard as guard
@@ -454,6 +464,13 @@ def test_a_run_on_two_envs_plays_each_quota_logs_each_env_and_resumes_exactly(tm
         assert record["horizon"] == own[0] and max(end - start for start, end in record["action_spans"]) <= own[1]
     assert checkpoint_limits(str(run_dir / "checkpoints" / "step_2"), config, "textcraft") == {
         "horizon": 1, "max_new_tokens": 6, "max_tokens": config["max_tokens"]}
+    assert checkpoint_limits(str(run_dir / "checkpoints" / "step_2"), config, "sciworld") == {  # (not the run's)
+        "horizon": 2, "max_new_tokens": 16, "max_tokens": config["max_tokens"]}
+    checkpoint = ["--resume", str(run_dir / "checkpoints" / "step_1")]
+    assert train.parse_args([*checkpoint, "--env-limits", "textcraft.horizon", "1", "textcraft.max_new_tokens",
+                             "6"]).env_limits == train.parse_args(checkpoint).env_limits == config["env_limits"]
+    with pytest.raises(SystemExit, match="changes --env-limits"):
+        train.parse_args([*checkpoint, "--env-limits", "textcraft.horizon", "2"])
 
     resumed = train.main(train.parse_args(["--resume", str(run_dir / "checkpoints" / "step_1"), "--out-dir",
                                            str(tmp_path), "--run-name", "whole"]))
