@@ -17,6 +17,9 @@ comparison later and share runs (the second command reuses the first's grpo runs
   seconds summed, perf/rollout_s + perf/update_s: so configurations that evaluate at different steps compare), env
   steps (the trained episodes' turns, summed over the steps), the invalid-action share of the first and of the last
   steps, the share of turns in a GiGPO anchor group of two or more;
+- where the runs play several envs (train.py --env babyai textcraft) or the configurations different ones (a generalist
+  and its specialists): the same per env, each env's held-out tasks apart, and each configuration against the first on
+  the tasks of an env both played;
 - with --baseline NAME: the baseline's final held-out success (mean over seeds) as a target, and for each run the env
   steps it had taken at its first evaluation at or above it (train.py --eval-every sets how often it looks), as a share
   of the baseline's env steps.
@@ -109,6 +112,23 @@ def pooled(runs: list[dict], step: str) -> dict:
     return {task: sum(s) / len(s) for task, s in by_task.items()}
 
 
+def env_of(task: str) -> str:
+    """The env of a held-out task by its item id (babyai_12: babyai)."""
+    return task.rpartition("_")[0]
+
+
+def env_gains(before: dict, after: dict, first: dict | None) -> dict:
+    """Per env of the held-out tasks: the gain paired by task, and against the first configuration's last evaluation
+    on that env's tasks both played (a generalist against a specialist, say), where it has any."""
+    gains = {}
+    for env in sorted({env_of(task) for task in after}):
+        mine = {task: value for task, value in after.items() if env_of(task) == env}
+        gains[env] = {"gain": paired({t: v for t, v in before.items() if env_of(t) == env}, mine)}
+        if first is not None and set(first) & set(mine):
+            gains[env]["against_first"] = paired(first, mine)
+    return gains
+
+
 def mean(values) -> float:
     values = list(values)
     return sum(values) / len(values) if values else float("nan")
@@ -137,6 +157,7 @@ def summarise(configs: dict[str, list[dict]], baseline: str | None) -> dict:
         }
         if name != first:
             result["against_first"] = paired(pooled(configs[first], "last"), after)
+        result["envs"] = env_gains(before, after, pooled(configs[first], "last") if name != first else None)
         if target is not None:
             reached = [next((r["env_steps"][step] for step in sorted(r["held_out"]) if step > 0
                              and mean(r["held_out"][step].values()) >= target["success"] - 1e-9), None) for r in runs]
@@ -164,6 +185,16 @@ def table(summary: dict, seeds: list[int]) -> str:
                      f"{r['wall_s'] / 60:.1f} ({r['wall_range'][0] / 60:.1f}-{r['wall_range'][1] / 60:.1f}) | "
                      f"{r['train_s'] / 60:.1f} | "
                      f"{r['env_steps']:,.0f} | {r['invalid_first']:.2f} -> {r['invalid_last']:.2f} | {r['anchored_share']:.2f} |")
+    if any(len(r["envs"]) > 1 for r in summary["configs"].values()) or \
+            len({env for r in summary["configs"].values() for env in r["envs"]}) > 1:
+        lines += ["", f"per env (each configuration's held-out tasks of that env; vs {first}: on the tasks of that env "
+                  "both played)", "", f"| configuration | env | tasks | held-out before -> after | gain | vs {first}, after |",
+                  "|---|---|---|---|---|---|"]
+        for name, r in summary["configs"].items():
+            for env, e in r["envs"].items():
+                g = e["gain"]
+                lines.append(f"| {name} | {env} | {g['tasks']} | {g['before']:.3f} -> {g['after']:.3f} | {interval(g)} | "
+                             f"{interval(e['against_first']) if 'against_first' in e else '-'} |")
     target = summary["target"]
     if target is not None:
         lines += ["", f"target: the baseline's final held-out success {target['success']:.3f}, reached in "

@@ -12,8 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import compare  # noqa: E402
 
 
-def fake_run(out: Path, name: str, turns: list[float], held_out: dict[int, list[float]]) -> None:
-    """A finished run: a step of 10 episodes of `turns[i]` turns each, and evaluations of 4 tasks (one episode each)."""
+def fake_run(out: Path, name: str, turns: list[float], held_out: dict[int, list[float]], envs=("babyai",)) -> None:
+    """A finished run: a step of 10 episodes of `turns[i]` turns each, and evaluations of 4 tasks (one episode each),
+    of `envs` in turn."""
     run = out / name
     run.mkdir(parents=True)
     rows = [{"charts/step": 0, "eval/success": sum(held_out[0]) / 4}]
@@ -21,7 +22,7 @@ def fake_run(out: Path, name: str, turns: list[float], held_out: dict[int, list[
               "rollout/invalid_action_rate": 0.1 * i, "rollout/anchored_share": 0.8, "perf/rollout_s": 2.0,
               "perf/update_s": 1.0} for i, t in enumerate(turns, 1)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    evaluations = [{"step": step, "item_id": f"babyai_{task}", "success": bool(s)}
+    evaluations = [{"step": step, "item_id": f"{envs[task % len(envs)]}_{task}", "success": bool(s)}
                    for step, successes in held_out.items() for task, s in enumerate(successes)]
     (run / "evaluations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evaluations))
     (out / f"{name}.json").write_text(json.dumps({"run_dir": str(run), "wall_s": 60.0, "command": "train.py"}))
@@ -48,6 +49,23 @@ def test_a_comparison_of_finished_runs(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| fast | 0.000 -> 0.500 |" in printed and "not reached" in printed
     assert (tmp_path / "compare.png").is_file() and json.loads((tmp_path / "compare.json").read_text())["seeds"] == [1, 2]
+
+
+def test_a_generalist_against_its_specialist_per_env(tmp_path, capsys):
+    """Runs on two envs (tasks 0, 2 BabyAI; 1, 3 TextCraft) against BabyAI-only runs: each env's gain, and the
+    generalist's BabyAI tasks against the specialist's."""
+    for seed in (1, 2):
+        fake_run(tmp_path, f"babyai-seed{seed}", [3, 3], {0: [0, 0, 0, 0], 2: [1, 0, 1, 0]})
+        fake_run(tmp_path, f"both-seed{seed}", [3, 3], {0: [0, 0, 0, 0], 2: [1, 1, 0, 0]}, envs=("babyai", "textcraft"))
+    summary = compare.main(["--out", str(tmp_path), "--seeds", "1", "2", "--run", "babyai", "", "--run", "both",
+                            "--env babyai textcraft"])
+    specialist, generalist = summary["configs"]["babyai"]["envs"], summary["configs"]["both"]["envs"]
+    assert list(specialist) == ["babyai"] and specialist["babyai"]["gain"]["after"] == 0.5  # (tasks 0-3 all babyai)
+    assert generalist["babyai"]["gain"]["after"] == 0.5 and generalist["textcraft"]["gain"]["after"] == 0.5
+    # the generalist's BabyAI tasks 0 and 2 (1 and 0) against the specialist's same tasks (1 and 1)
+    assert generalist["babyai"]["against_first"]["gain"] == pytest.approx(-0.5)
+    assert "textcraft" in generalist and "against_first" not in generalist["textcraft"]
+    assert "| both | textcraft | 2 | 0.000 -> 0.500 |" in capsys.readouterr().out
 
 
 def test_bad_comparisons_stop_with_a_sentence(tmp_path):
