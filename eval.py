@@ -70,7 +70,7 @@ from rl import plots
 from rl.agent import LayoutArgs, chat_format
 from rl.checkpoint import write_atomic
 from rl.flags import GROUP
-from rl.limits import checkpoint_limits
+from rl.limits import check_entries, checkpoint_limits, own_entries
 from rl.tasks import env_names
 from rl.progress import play_until_stopped, stopped
 from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, context_limit, deterministic_kernels, load_config,
@@ -126,6 +126,9 @@ class Args:
     """tokens per assistant turn; default: set by --protocol"""
     max_tokens: int | None = None
     """tokens per trajectory (prompt + every turn); default: set by --protocol"""
+    env_limits: dict[str, str] = field(default_factory=dict)
+    """several envs: an env's own horizon (several: a sweep, 5,10,20), max_new_tokens or max_tokens, ENV.KEY VALUE
+    (webarena.max_tokens 16384), over the flags above and --protocol's"""
     # rl/engines/setup.py (vLLM takes 0.85 of the GPU here: nothing else shares it in eval), envs/guard.py
     engine_args: Annotated[EngineArgs, GROUP] = field(default_factory=lambda: EngineArgs(vllm_gpu_memory_utilization=0.85))
     env_args: Annotated[EnvArgs, GROUP] = field(default_factory=EnvArgs)
@@ -169,6 +172,9 @@ def resolve_settings(args: Args, env: str) -> dict:
         limits = {"horizon": up.upstream_horizon, "max_new_tokens": up.upstream_max_new_tokens, "max_tokens": UPSTREAM_CONTEXT}
     overrides = {key: getattr(args, key) for key in limits if getattr(args, key) is not None}
     horizons = (args.horizon,) if isinstance(args.horizon, int) else args.horizon  # (Args(horizon=6) from code)
+    own = own_entries(args.env_limits, env)  # (the env's own: --env-limits)
+    overrides |= {key: value for key, value in own.items() if key != "horizon"}
+    horizons = own.get("horizon", horizons)
     if horizons is not None:  # a sweep plays up to its largest horizon
         if not horizons or min(horizons) < 1:
             raise SystemExit("--horizon (--max-turns) takes one or more turn caps of at least 1")
@@ -206,6 +212,7 @@ def main(args: Args) -> dict:
     if args.engine_args.deterministic:  # (before anything starts CUDA)
         deterministic_kernels()
     names = eval_envs(args)
+    check_entries(args.env_limits, names, ("horizon", "max_new_tokens", "max_tokens"))
     args.env_args.check(names)
     args.env_args.check_urls(names)
     settings = {env: resolve_settings(args, env) for env in names}

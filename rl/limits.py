@@ -41,19 +41,33 @@ def env_limits(args, context: int | None = None) -> dict[str, Limits]:
     max_tokens; eval.py's Args has no horizon_every) with its --env-limits entries over them; `context`: the most
     tokens a trajectory may hold (rl/model.py's context_limit), which cuts every env's max_tokens."""
     run = Limits(tuple(args.horizon), getattr(args, "horizon_every", 1), args.max_new_tokens, args.max_tokens)
-    own: dict[str, dict] = {name: {} for name in args.env}
-    for key, value in (getattr(args, "env_limits", None) or {}).items():
-        name, _, setting = key.partition(".")
-        if name not in own or setting not in KEYS:
-            raise SystemExit(f"--env-limits {key}: entries are ENV.KEY VALUE, ENV one of the run's envs "
-                             f"({', '.join(args.env)}), KEY one of {', '.join(KEYS)}")
-        own[name][setting] = _value(key, setting, value)
-        if own[name].get("horizon") == (AUTO,):  # (`auto` alone: the run's stages, else the recipe's, as --horizon)
-            own[name]["horizon"] = (AUTO, *(caps if len(caps := caps_of(run.horizon)) > 1 else LADDER))
+    entries = getattr(args, "env_limits", None) or {}
+    check_entries(entries, args.env)
+    own = {name: own_entries(entries, name) for name in args.env}
+    for settings in own.values():
+        if settings.get("horizon") == (AUTO,):  # (`auto` alone: the run's stages, else the recipe's, as --horizon)
+            settings["horizon"] = (AUTO, *(caps if len(caps := caps_of(run.horizon)) > 1 else LADDER))
     limits = {name: run._replace(**settings) for name, settings in own.items()}
     if context is not None:
         limits = {name: own._replace(max_tokens=min(own.max_tokens, context)) for name, own in limits.items()}
     return limits
+
+
+def check_entries(entries: dict, names, keys: tuple[str, ...] = KEYS) -> None:
+    """Stop on --env-limits entries that are not ENV.KEY of the envs `names` and the `keys`."""
+    for key, value in entries.items():
+        name, _, setting = key.partition(".")
+        if name not in names or setting not in keys:
+            raise SystemExit(f"--env-limits {key}: entries are ENV.KEY VALUE, ENV one of the run's envs "
+                             f"({', '.join(names)}), KEY one of {', '.join(keys)}")
+        if setting == "horizon" and "horizon_every" not in keys and AUTO in _value(key, setting, value):
+            raise SystemExit(f"--env-limits {key} {value}: turn caps to play (eval.py), not `auto`")
+
+
+def own_entries(entries: dict, name: str) -> dict:
+    """Env `name`'s --env-limits entries, parsed, by KEY."""
+    return {key.partition(".")[2]: _value(key, key.partition(".")[2], value) for key, value in entries.items()
+            if key.partition(".")[0] == name}
 
 
 def _value(key: str, setting: str, value) -> tuple | int:

@@ -276,6 +276,17 @@ def test_eval_plays_a_checkpoint_under_each_envs_own_cap_and_writes_a_file_each(
                                                    "rollout/textcraft/horizon": 2}) + "\n")
     args = build(eval_script.Args, model=str(run / "checkpoints" / "step_3"))
     assert [eval_script.resolve_settings(args, env)["horizon"] for env in ("babyai", "textcraft")] == [8, 2]
+    # eval.py's --env-limits: an env's own caps (several: its sweep) and budgets over the protocol's and the flags'
+    own = build(eval_script.Args, model="tiny-agent", env=("babyai", "textcraft"), max_new_tokens=32,
+                env_limits={"textcraft.horizon": "2,4", "textcraft.max_tokens": "2048"})
+    babyai, textcraft = (eval_script.resolve_settings(own, env) for env in ("babyai", "textcraft"))
+    assert (babyai["horizons"], babyai["max_new_tokens"], babyai["max_tokens"]) == ([6], 32, 3072)  # (tiny protocol)
+    assert (textcraft["horizons"], textcraft["horizon"], textcraft["max_new_tokens"], textcraft["max_tokens"]) == (
+        [2, 4], 4, 32, 2048)
+    for entries, message in [({"sciworld.horizon": "3"}, "ENV one of"), ({"babyai.horizon_every": "3"}, "KEY one of"),
+                             ({"babyai.horizon": "auto,3"}, "not `auto`")]:
+        with pytest.raises(SystemExit, match=message):
+            eval_script.main(build(eval_script.Args, model="tiny-agent", env=("babyai", "textcraft"), env_limits=entries))
     dotted = build(eval_script.Args, model="tiny-agent", env=("babyai", "textcraft"), out=str(tmp_path / "qwen2.5-7b"))
     paths = {eval_script.output_path(dotted, env, {}) for env in ("babyai", "textcraft")}
     assert {f"{p}.json" for p in paths} == {str(tmp_path / f"qwen2.5-7b_{env}.json") for env in ("babyai", "textcraft")}
