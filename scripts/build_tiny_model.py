@@ -238,11 +238,10 @@ COMMAND = re.compile(r"^craft \d+ (.+?) using (.+)$", re.M)
 GOAL = re.compile(r"Goal: craft (.+?)\.")
 
 
-def textcraft_items(trajectories) -> list[str]:
-    """Every item name in TextCraft episodes' crafting commands and goals (`birch log`, `blaze powder`)."""
+def textcraft_items(prompts: list[str]) -> list[str]:
+    """Every item name in TextCraft's first observations (`prompts`): its crafting commands' and goal's (`birch log`)."""
     items = set()
-    for traj in trajectories:
-        first = traj.messages[2]["content"]
+    for first in prompts:
         for target, inputs in COMMAND.findall(first):
             items |= {target} | {part.strip().split(" ", 1)[1] for part in inputs.split(",")}
         items |= set(GOAL.findall(first))
@@ -258,10 +257,10 @@ def renamed(trajectories, fmt, copies: int, rng, max_tokens: int) -> list:
 
     from rl.data import encoded, to_record
 
-    items = textcraft_items(trajectories)
+    items = textcraft_items([traj.messages[2]["content"] for traj in trajectories])
     out = []
     for traj in trajectories:
-        own = sorted(set(textcraft_items([traj])), key=len, reverse=True)
+        own = textcraft_items([traj.messages[2]["content"]])
         if not own:
             continue
         for _ in range(copies):
