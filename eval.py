@@ -175,16 +175,17 @@ def resolve_settings(args: Args, env: str) -> dict:
     own = own_entries(args.env_limits, env)  # (the env's own: --env-limits)
     overrides |= {key: value for key, value in own.items() if key != "horizon"}
     horizons = own.get("horizon", horizons)
+    flag = {key: f"--env-limits {env}.{key}" if key in own else "--" + key.replace("_", "-") for key in limits}
     if horizons is not None:  # a sweep plays up to its largest horizon
         if not horizons or min(horizons) < 1:
-            raise SystemExit("--horizon (--max-turns) takes one or more turn caps of at least 1")
+            raise SystemExit(f"{flag['horizon']} takes one or more turn caps of at least 1")
         overrides["horizon"] = max(horizons)
     if any(value < 1 for value in overrides.values()):
-        raise SystemExit(f"--{' --'.join(k.replace('_', '-') for k, v in overrides.items() if v < 1)}: at least 1")
+        raise SystemExit(f"{', '.join(flag[k] for k, v in overrides.items() if v < 1)}: at least 1")
     limits |= overrides
     if not args.model.startswith(api.PREFIX):  # within the model's context window (a served model's: its server's)
         limits["max_tokens"] = context_limit(limits["max_tokens"], args.model, load_config(args.model), budget=(
-            "--max-tokens" if "max_tokens" in overrides else f"--protocol {protocol}'s --max-tokens"))
+            flag["max_tokens"] if "max_tokens" in overrides else f"--protocol {protocol}'s --max-tokens"))
     own_options = config.get("env_options", {}) if env in trained else {}
     options = {**envs.parse_options(envs.own_options(own_options, env)),
                **envs.parse_options(envs.own_options(args.env_args.env_options, env))}

@@ -33,8 +33,9 @@ took 41 minutes on 2 CPU cores (tokenizer 2.5 min, expert episodes 4.5, 450 SFT 
 4.20M parameters, 17 MB). Success at T=1 within 10 turns on each env's first 60 test tasks (4 for WebArena): BabyAI
 0.033, TextCraft 0, SciWorld 0 (mean score 0.55), SearchQA 0.017, WebArena 0. On TextCraft it writes the format and
 real item names, but the recipes of train goals it learned by heart (374 goals), not the ones in the prompt. 250 more
-steps of the copy phase (`--from assets/tiny-generalist --copy-steps 250 --copies 4 --copy-lr 1e-3 --sft-episodes
-babyai=500 textcraft=600 sciworld=100 searchqa=300 webarena=22`, 14 minutes) left TextCraft at 0 of 60.
+steps of the copy phase (`--from assets/tiny-generalist --out assets/tiny-generalist --envs babyai textcraft sciworld
+searchqa webarena --horizon 10 --max-tokens 3072 --max-new-tokens 64 --copy-steps 250 --copies 4 --copy-lr 1e-3
+--sft-episodes babyai=500 textcraft=600 sciworld=100 searchqa=300 webarena=22`, 14 minutes) left TextCraft at 0 of 60.
 
 Everything is seeded; the output directory is written to a temporary path and renamed into place.
 """
@@ -265,14 +266,24 @@ def renamed(trajectories, fmt, copies: int, rng, max_tokens: int) -> list:
             continue
         for _ in range(copies):
             names = dict(zip(own, rng.sample(items, len(own))))
-            names |= {a.replace(" ", "_"): b.replace(" ", "_") for a, b in list(names.items()) if " " in a}
-            pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True))) + r")\b")
-            messages = [{**m, "content": pattern.sub(lambda match: names[match.group(1)], m["content"])}
+            names |= {a.replace(" ", "_"): b for a, b in list(names.items()) if " " in a}
+            pattern = re.compile(r"(minecraft:)?\b(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True)))
+                                 + r")\b")
+            messages = [{**m, "content": pattern.sub(new_name(names), m["content"])}
                         if i >= 2 else m for i, m in enumerate(traj.messages)]
             ids, mask = encoded(fmt, to_record(SimpleNamespace(item_id=traj.item_id, messages=messages,
                                                                reward=traj.reward, tools=None)), max_tokens)
             out.append(SimpleNamespace(token_ids=ids, loss_mask=mask, logprobs=[0.0] * len(ids)))
     return out
+
+
+def new_name(names: dict[str, str]):
+    """renamed's replacement of a match: the item's new name, as the env writes it (`minecraft:oak_planks` where
+    the match was an id, `oak planks` in text)."""
+    def replace(match) -> str:
+        name = names[match.group(2)]
+        return "minecraft:" + name.replace(" ", "_") if match.group(1) else name
+    return replace
 
 
 def copy_phase(model, tokenizer, episodes: dict[str, int], copies: int, steps: int, lr: float, horizon: int,
@@ -301,11 +312,14 @@ def evaluate(model, fmt, env_name, task_ids, horizon, max_new_tokens, max_tokens
 
 def episode_counts(names: list[str], counts: list[str]) -> dict[str, int]:
     """--sft-episodes: one count for every env, or ENV=N entries (envs not named get the plain count, or 2000)."""
-    plain = [int(c) for c in counts if "=" not in c]
-    named = {key: int(value) for key, value in (c.split("=", 1) for c in counts if "=" in c)}
-    unknown = set(named) - set(names)
-    if unknown or len(plain) > 1:
-        raise SystemExit(f"--sft-episodes: give one count, or ENV=N for envs of --envs ({', '.join(names)})")
+    try:
+        plain = [int(c) for c in counts if "=" not in c]
+        named = {key: int(value) for key, value in (c.split("=", 1) for c in counts if "=" in c)}
+    except ValueError:
+        named, plain = {"": 0}, []
+    if set(named) - set(names) or len(plain) > 1 or min([*plain, *named.values()], default=1) < 1:
+        raise SystemExit(f"--sft-episodes: give one count, or ENV=N for envs of --envs ({', '.join(names)}), each at "
+                         "least 1")
     return {name: named.get(name, plain[0] if plain else 2000) for name in names}
 
 
@@ -320,7 +334,7 @@ def main():
     parser.add_argument("--hidden", type=int, default=128, help="the model's width (a multiple of 64)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=48, help="a reply's budget in the final evaluation")
-    parser.add_argument("--eval-tasks", type=int, default=120, help="the first N tasks of each env's test split")
+    parser.add_argument("--eval-tasks", type=int, default=120, help="the first N tasks of each env's test split; 0: none")
     parser.add_argument("--horizon", type=int, default=6, help="the tiny preset's horizon")
     parser.add_argument("--max-tokens", type=int, default=2048, help="token budget of an expert episode")
     parser.add_argument("--epochs", type=int, default=3)
@@ -349,7 +363,7 @@ def main():
     if args.copy_steps:
         copy_phase(model, tokenizer, episode_counts(args.envs, args.sft_episodes), args.copies, args.copy_steps,
                    args.copy_lr, args.horizon, args.max_tokens, args.seed)
-    tests = {name: envs.splits(name)["test"][:args.eval_tasks] for name in args.envs}
+    tests = {name: envs.splits(name)["test"][:args.eval_tasks] for name in args.envs} if args.eval_tasks else {}
     if args.focus_steps:
         focus(model, tokenizer, args.focus_tasks, args.focus_steps, args.focus_lr, args.horizon,
               EMBEDDED_ROLLOUT["max_tokens"])

@@ -123,7 +123,10 @@ def env_gains(before: dict, after: dict, first: dict | None) -> dict:
     gains = {}
     for env in sorted({env_of(task) for task in after}):
         mine = {task: value for task, value in after.items() if env_of(task) == env}
-        gains[env] = {"gain": paired({t: v for t, v in before.items() if env_of(t) == env}, mine)}
+        first_of_env = {t: v for t, v in before.items() if env_of(t) == env}
+        if not set(first_of_env) & set(mine):  # (its first evaluation played none of them: no gain to pair)
+            continue
+        gains[env] = {"gain": paired(first_of_env, mine)}
         if first is not None and set(first) & set(mine):
             gains[env]["against_first"] = paired(first, mine)
     return gains
