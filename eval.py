@@ -213,7 +213,7 @@ def main(args: Args) -> dict:
     if args.engine_args.deterministic:  # (before anything starts CUDA)
         deterministic_kernels()
     names = eval_envs(args)
-    check_entries(args.env_limits, names, ("horizon", "max_new_tokens", "max_tokens"))
+    check_entries(args.env_limits, names, ("horizon", "max_new_tokens", "max_tokens"), auto=False)
     args.env_args.check(names)
     args.env_args.check_urls(names)
     settings = {env: resolve_settings(args, env) for env in names}

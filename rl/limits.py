@@ -53,14 +53,15 @@ def env_limits(args, context: int | None = None) -> dict[str, Limits]:
     return limits
 
 
-def check_entries(entries: dict, names, keys: tuple[str, ...] = KEYS) -> None:
-    """Stop on --env-limits entries that are not ENV.KEY of the envs `names` and the `keys`."""
+def check_entries(entries: dict, names, keys: tuple[str, ...] = KEYS, auto: bool = True) -> None:
+    """Stop on --env-limits entries that are not ENV.KEY of the envs `names` and the `keys`, or (not `auto`: eval.py,
+    which plays caps) a horizon of `auto`."""
     for key, value in entries.items():
         name, _, setting = key.partition(".")
         if name not in names or setting not in keys:
             raise SystemExit(f"--env-limits {key}: entries are ENV.KEY VALUE, ENV one of the run's envs "
                              f"({', '.join(names)}), KEY one of {', '.join(keys)}")
-        if setting == "horizon" and "horizon_every" not in keys and AUTO in _value(key, setting, value):
+        if setting == "horizon" and not auto and AUTO in _value(key, setting, value):
             raise SystemExit(f"--env-limits {key} {value}: turn caps to play (eval.py), not `auto`")
 
 
