@@ -51,6 +51,9 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import copy
+import gzip
+import json
 import math
 import random
 import re
@@ -58,15 +61,17 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import envs  # noqa: E402
+from rl.data import encoded, to_record  # noqa: E402
 from rl.logprobs import collate  # noqa: E402
 from rl.model import EMBEDDED, EMBEDDED_ROLLOUT, load_model, load_tokenizer  # noqa: E402
-from rl.sft import sft_loss  # noqa: E402
+from rl.sft import nll, sft_loss  # noqa: E402
 from rollout import ChatFormat, ExpertEngine, HFEngine, play  # noqa: E402
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -182,10 +187,14 @@ def expert_episodes(fmt, name: str, ids: list[int], horizon: int, max_tokens: in
     return [t for t in played if t.error is None and sum(t.loss_mask) > 0]
 
 
-def fit(model, tokenizer, trajectories, steps: int, lr: float, lr_factor, rng, label: str) -> None:
+def fit(model, tokenizer, trajectories, steps: int, lr: float, lr_factor, rng, label: str, device: str = "cpu",
+        held_out: dict | None = None, snapshots: dict | None = None) -> None:
     """`steps` AdamW steps of SFT on batches of 16 trajectories of about the same length (little padding: lengths
-    vary 10x between envs), drawn anew and in a new order every pass; the learning rate is lr * lr_factor(step)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    vary 10x between envs), drawn anew and in a new order every pass; the learning rate is lr * lr_factor(step).
+    On a GPU under bf16 autocast. `held_out` (env: trajectories): their NLL per action token is printed every 500
+    steps and at the end; `snapshots` (step: folder): the model is also written there (bf16) at those steps."""
+    model.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=device == "cuda")
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     batch_size, step, start = 16, 0, time.time()
     model.train()
@@ -194,7 +203,8 @@ def fit(model, tokenizer, trajectories, steps: int, lr: float, lr_factor, rng, l
         chunks = [ordered[i:i + batch_size] for i in range(0, len(ordered), batch_size)]
         rng.shuffle(chunks)
         for chunk in chunks:
-            loss = sft_loss(model, collate(chunk, tokenizer.pad_token_id))
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+                loss = sft_loss(model, on(collate(chunk, tokenizer.pad_token_id), device))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -203,29 +213,105 @@ def fit(model, tokenizer, trajectories, steps: int, lr: float, lr_factor, rng, l
             step += 1
             if step % 25 == 0 or step == steps:
                 print(f"  {label} step {step}/{steps} loss {loss.item():.3f} ({time.time() - start:.0f}s)", flush=True)
+            if held_out and (step % 500 == 0 or step == steps):
+                print(f"  {label} step {step} held-out NLL per action token: " + ", ".join(
+                    f"{name} {held_out_nll(model, tokenizer, rows, device):.3f}" for name, rows in held_out.items()),
+                    flush=True)
+            if step in (snapshots or {}):
+                save(model, tokenizer, snapshots[step], "bf16")
+                print(f"  {label} step {step}: wrote {snapshots[step]}", flush=True)
             if step == steps:
-                return
+                break
+    model.to("cpu")
 
 
-def warm_start(model, tokenizer, episodes: dict[str, int], horizon, max_tokens, epochs, lr, seed):
-    """SFT on `episodes[env]` expert episodes of each env's train split, mixed."""
-    fmt = ChatFormat(tokenizer)
-    trajectories = []
-    rng = random.Random(seed + 1)
+def on(batch: dict, device: str) -> dict:
+    return {key: value.to(device) for key, value in batch.items()}
+
+
+@torch.no_grad()
+def held_out_nll(model, tokenizer, trajectories, device: str) -> float:
+    """The mean NLL per action token of `trajectories` (an env's held-out expert episodes)."""
+    model.eval()
+    total = tokens = 0.0
+    for i in range(0, len(trajectories), 16):
+        batch = on(collate(trajectories[i:i + 16], tokenizer.pad_token_id), device)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            total += nll(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"]).item()
+        tokens += batch["loss_mask"].sum().item()
+    model.train()
+    return total / max(tokens, 1.0)
+
+
+def played(fmt, episodes: dict[str, int], split: str, horizon: int, max_tokens: int, seed: int) -> dict[str, list]:
+    """The scripted expert's episodes as AgentTraj records (rl/data.py), per env: `episodes[env]` tasks of its train
+    split drawn with replacement (small splits repeat), or the first `episodes[env]` of its test split."""
+    rng, records = random.Random(seed + 1), {}
     for name, count in episodes.items():
-        started = time.time()
-        ids = rng.choices(envs.splits(name)["train"], k=count)  # with replacement: small splits repeat
-        played = expert_episodes(fmt, name, ids, horizon, max_tokens)
-        print(f"  {name}: {len(played)} expert trajectories, {sum(len(t.token_ids) for t in played)} tokens "
-              f"({time.time() - started:.0f}s)", flush=True)
-        trajectories += played
-    tokens = sum(len(t.token_ids) for t in trajectories)
-    print(f"warm start: {len(trajectories)} expert trajectories, {tokens} tokens "
-          f"({sum(sum(t.loss_mask) for t in trajectories)} action tokens)")
-    steps = epochs * math.ceil(len(trajectories) / 16)
-    fit(model, tokenizer, trajectories, steps, lr,
-        lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)), rng, "warm start")
-    return fmt
+        started, tasks = time.time(), envs.splits(name)[split]
+        ids = rng.choices(tasks, k=count) if split == "train" else tasks[:count]
+        records[name] = [to_record(t) for t in expert_episodes(fmt, name, ids, horizon, max_tokens)]
+        print(f"  {name} {split}: {len(records[name])} expert episodes ({time.time() - started:.0f}s)", flush=True)
+    return records
+
+
+def encoded_episodes(fmt, rows: list[dict], max_tokens: int) -> list:
+    """Records as RL's token layout (what fit takes)."""
+    out = []
+    for record in rows:
+        ids, mask = encoded(fmt, record, max_tokens)
+        out.append(SimpleNamespace(token_ids=ids, loss_mask=mask, logprobs=[0.0] * len(ids)))
+    return out
+
+
+def sft_set(fmt, records: dict[str, list], copies: int, rng, max_tokens: int) -> list:
+    """Every env's records, with `copies` renamed variants of each TextCraft one (renamed)."""
+    out = []
+    for name, rows in records.items():
+        out += encoded_episodes(fmt, rows, max_tokens)
+        if name == "textcraft" and copies:
+            out += renamed(rows, fmt, copies, rng, max_tokens)
+    print(f"SFT set: {len(out)} trajectories, {sum(len(t.token_ids) for t in out)} tokens "
+          f"({sum(sum(t.loss_mask) for t in out)} action tokens)", flush=True)
+    return out
+
+
+def save_episodes(folder: Path, tokenizer, train: dict, test: dict) -> None:
+    """--episodes: the tokenizer and the records (episodes.jsonl.gz: a line per episode with its env and split)."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer.save_pretrained(tmp)
+    with gzip.open(tmp / "episodes.jsonl.gz", "wt") as out:
+        for split, records in (("train", train), ("test", test)):
+            for name, rows in records.items():
+                for record in rows:
+                    out.write(json.dumps({"env": name, "split": split, "record": record}) + "\n")
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+
+
+def load_episodes(folder: Path) -> tuple:
+    """What save_episodes wrote: the tokenizer, and the train and test records per env."""
+    splits = {"train": {}, "test": {}}
+    with gzip.open(folder / "episodes.jsonl.gz", "rt") as lines:
+        for line in lines:
+            row = json.loads(line)
+            splits[row["split"]].setdefault(row["env"], []).append(row["record"])
+    return load_tokenizer(str(folder)), splits["train"], splits["test"]
+
+
+def save(model, tokenizer, out: Path, dtype: str = "fp32", tokenizer_from: Path | None = None) -> None:
+    """The model (in `dtype`) and its tokenizer, written to a temporary folder and renamed into place."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (copy.deepcopy(model).to("cpu", torch.bfloat16) if dtype == "bf16" else model).save_pretrained(tmp)
+    if tokenizer_from is None:
+        tokenizer.save_pretrained(tmp)
+    else:  # the tokenizer as it was, byte for byte (saving a loaded one rewrites its files)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(tokenizer_from / name, tmp / name)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
 
 
 def focus(model, tokenizer, task_file: Path, steps: int, lr: float, horizon: int, max_tokens: int) -> None:
@@ -251,19 +337,16 @@ def textcraft_items(prompts: list[str]) -> list[str]:
     return sorted(items)
 
 
-def renamed(trajectories, fmt, copies: int, rng, max_tokens: int) -> list:
-    """`copies` variants of each TextCraft episode with its items renamed at random, consistently through every
-    message (`birch log` and `minecraft:birch_log` alike): the goal, the recipes and the expert's actions then name
-    items whose recipes the model has never seen, so it can only act by copying them from the prompt. TextCraft has
-    374 train goals; on those alone the model learns each goal's recipe by heart and fails every held-out goal."""
-    from types import SimpleNamespace
-
-    from rl.data import encoded, to_record
-
-    items = textcraft_items([traj.messages[2]["content"] for traj in trajectories])
+def renamed(records: list[dict], fmt, copies: int, rng, max_tokens: int) -> list:
+    """`copies` variants of each TextCraft record with its items renamed at random, consistently through every
+    message (`birch log` and `minecraft:birch_log` alike), in RL's token layout: the goal, the recipes and the
+    expert's actions then name items whose recipes the model has never seen, so it can only act by copying them from
+    the prompt. TextCraft has 374 train goals; on those alone the model learns each goal's recipe by heart and fails
+    every held-out goal."""
+    items = textcraft_items([record["conversations"][2]["value"] for record in records])
     out = []
-    for traj in trajectories:
-        own = textcraft_items([traj.messages[2]["content"]])
+    for record in records:
+        own = textcraft_items([record["conversations"][2]["value"]])
         if not own:
             continue
         for _ in range(copies):
@@ -271,11 +354,9 @@ def renamed(trajectories, fmt, copies: int, rng, max_tokens: int) -> list:
             names |= {a.replace(" ", "_"): b for a, b in list(names.items()) if " " in a}
             pattern = re.compile(r"(minecraft:)?\b(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True)))
                                  + r")\b")
-            messages = [{**m, "content": pattern.sub(new_name(names), m["content"])}
-                        if i >= 2 else m for i, m in enumerate(traj.messages)]
-            ids, mask = encoded(fmt, to_record(SimpleNamespace(item_id=traj.item_id, messages=messages,
-                                                               reward=traj.reward, tools=None)), max_tokens)
-            out.append(SimpleNamespace(token_ids=ids, loss_mask=mask, logprobs=[0.0] * len(ids)))
+            turns = [{**turn, "value": pattern.sub(new_name(names), turn["value"])} if k >= 2 else turn
+                     for k, turn in enumerate(record["conversations"])]
+            out += encoded_episodes(fmt, [{**record, "conversations": turns}], max_tokens)
     return out
 
 
@@ -288,18 +369,13 @@ def new_name(names: dict[str, str]):
     return replace
 
 
-def copy_phase(model, tokenizer, episodes: dict[str, int], copies: int, steps: int, lr: float, horizon: int,
-               max_tokens: int, seed: int) -> None:
-    """More SFT from a built model: renamed TextCraft episodes (renamed) among fresh expert episodes of every env
-    (`episodes[env]`, so that it keeps them), at a constant rate after 20 warm-up steps."""
-    fmt, rng = ChatFormat(tokenizer), random.Random(seed + 2)
-    trajectories = []
-    for name, count in episodes.items():
-        played = expert_episodes(fmt, name, rng.choices(envs.splits(name)["train"], k=count), horizon, max_tokens)
-        trajectories += played + (renamed(played, fmt, copies, rng, max_tokens) if name == "textcraft" else [])
-    print(f"copy phase: {len(trajectories)} trajectories, {sum(len(t.token_ids) for t in trajectories)} tokens",
-          flush=True)
-    fit(model, tokenizer, trajectories, steps, lr, lambda s: min(1.0, (s + 1) / 20), rng, "copy")
+def copy_phase(model, tokenizer, records: dict[str, list], copies: int, steps: int, lr: float, max_tokens: int,
+               seed: int, device: str, held_out: dict, snapshots: dict) -> None:
+    """More SFT from a built model: renamed TextCraft episodes (renamed) among the expert episodes of every env (so
+    that it keeps them), at a constant rate after 20 warm-up steps."""
+    rng = random.Random(seed + 2)
+    fit(model, tokenizer, sft_set(ChatFormat(tokenizer), records, copies, rng, max_tokens), steps, lr,
+        lambda s: min(1.0, (s + 1) / 20), rng, "copy", device, held_out, snapshots)
 
 
 def evaluate(model, fmt, env_name, task_ids, horizon, max_new_tokens, max_tokens):
@@ -336,7 +412,8 @@ def main():
     parser.add_argument("--hidden", type=int, default=128, help="the model's width (a multiple of 64)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=48, help="a reply's budget in the final evaluation")
-    parser.add_argument("--eval-tasks", type=int, default=120, help="the first N tasks of each env's test split; 0: none")
+    parser.add_argument("--eval-tasks", type=int, default=120,
+                        help="the first N tasks of each env's test split: the held-out NLL and the evaluation; 0: none")
     parser.add_argument("--horizon", type=int, default=6, help="the tiny preset's horizon")
     parser.add_argument("--max-tokens", type=int, default=2048, help="token budget of an expert episode")
     parser.add_argument("--epochs", type=int, default=3)
@@ -344,48 +421,78 @@ def main():
     parser.add_argument("--focus-tasks", type=Path, default=envs.DATA_DIR / "babyai_short_train.json")
     parser.add_argument("--focus-steps", type=int, default=0, help="SFT steps of step 5; 0: none")
     parser.add_argument("--focus-lr", type=float, default=1e-3)
+    parser.add_argument("--copies", type=int, default=0, help="renamed variants of each TextCraft episode in the SFT")
     parser.add_argument("--copy-steps", type=int, default=0, help="SFT steps of the copy phase (renamed TextCraft); 0: none")
-    parser.add_argument("--copies", type=int, default=4, help="renamed variants of each TextCraft episode")
     parser.add_argument("--copy-lr", type=float, default=1e-3)
+    parser.add_argument("--episodes", type=Path, help="a folder for the expert episodes and the tokenizer: written "
+                        "there when it has none, read from there when it has (play them here, fit on a GPU elsewhere)")
+    parser.add_argument("--no-play", action="store_true", help="fit only, from --episodes: no env is made (the "
+                        "final evaluation is left out), for a machine without the envs")
+    parser.add_argument("--play-only", action="store_true", help="write --episodes and stop")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where SFT runs")
+    parser.add_argument("--snapshots", type=int, nargs="*", default=[],
+                        help="SFT steps at which the model is also written, in bf16, to OUT-stepN")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="of the written weights")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    have = args.episodes is not None and (args.episodes / "episodes.jsonl.gz").is_file()
+    if (args.play_only and args.episodes is None) or (args.no_play and not have):
+        raise SystemExit("--play-only needs --episodes DIR; --no-play needs --episodes DIR with episodes written")
+    if args.copy_steps and not args.copies:
+        raise SystemExit("--copy-steps needs --copies N (renamed variants of each TextCraft episode)")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     random.seed(args.seed)
 
     start = time.time()
-    if args.start is None:
-        tokenizer = train_tokenizer(expert_texts(args.envs, args.corpus_episodes, args.seed), args.vocab_size)
+    if have:
+        tokenizer, train, test = load_episodes(args.episodes)
+        if set(args.envs) - set(train):
+            raise SystemExit(f"{args.episodes} has no episodes of {', '.join(sorted(set(args.envs) - set(train)))}")
+        train, test = ({n: rows[n] for n in args.envs if n in rows} for rows in (train, test))
+        print(f"episodes: read from {args.episodes}")
+    else:
+        tokenizer = load_tokenizer(str(args.start)) if args.start else train_tokenizer(
+            expert_texts(args.envs, args.corpus_episodes, args.seed), args.vocab_size)
         print(f"tokenizer: {len(tokenizer)} tokens ({time.time() - start:.0f}s)")
+        fmt = ChatFormat(tokenizer)
+        train = played(fmt, episode_counts(args.envs, args.sft_episodes), "train", args.horizon, args.max_tokens,
+                       args.seed)
+        test = played(fmt, dict.fromkeys(args.envs, args.eval_tasks), "test", args.horizon, args.max_tokens,
+                      args.seed) if args.eval_tasks else {}
+        if args.episodes:
+            save_episodes(args.episodes, tokenizer, train, test)
+            print(f"episodes: wrote {args.episodes}")
+    if args.play_only:
+        return
+    if args.start is not None:  # (the model's own tokenizer, whatever --episodes holds)
+        tokenizer = load_tokenizer(str(args.start))
+    fmt = ChatFormat(tokenizer)
+    held_out = {name: encoded_episodes(fmt, rows, args.max_tokens) for name, rows in test.items()}
+    snapshots = {step: args.out.with_name(f"{args.out.name}-step{step}") for step in args.snapshots}
+    if args.start is None:
         model = make_model(tokenizer, args.seed, args.hidden, args.layers)
         print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
-        warm_start(model, tokenizer, episode_counts(args.envs, args.sft_episodes), args.horizon, args.max_tokens,
-                   args.epochs, args.lr, args.seed)
+        rng = random.Random(args.seed + 1)
+        trajectories = sft_set(fmt, train, args.copies, rng, args.max_tokens)
+        steps = args.epochs * math.ceil(len(trajectories) / 16)
+        fit(model, tokenizer, trajectories, steps, args.lr,
+            lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)), rng, "warm start",
+            args.device, held_out, snapshots)
     else:
-        tokenizer, model = load_tokenizer(str(args.start)), load_model(str(args.start))
+        model = load_model(str(args.start))
     if args.copy_steps:
-        copy_phase(model, tokenizer, episode_counts(args.envs, args.sft_episodes), args.copies, args.copy_steps,
-                   args.copy_lr, args.horizon, args.max_tokens, args.seed)
-    tests = {name: envs.splits(name)["test"][:args.eval_tasks] for name in args.envs} if args.eval_tasks else {}
+        copy_phase(model, tokenizer, train, args.copies, args.copy_steps, args.copy_lr, args.max_tokens, args.seed,
+                   args.device, held_out, snapshots)
+    tests = {} if args.no_play else {name: envs.splits(name)["test"][:args.eval_tasks] for name in test}
     if args.focus_steps:
         focus(model, tokenizer, args.focus_tasks, args.focus_steps, args.focus_lr, args.horizon,
               EMBEDDED_ROLLOUT["max_tokens"])
         tests = {"babyai": envs.load_task_ids(str(args.focus_tasks).replace("_train", "_test"), "babyai")}
-    for name, test in tests.items():
-        success, reward = evaluate(model, ChatFormat(tokenizer), name, test, args.horizon, args.max_new_tokens,
-                                   args.max_tokens)
-        print(f"{name} test ({len(test)} tasks, {args.horizon} turns, T=1): success {success:.3f}, mean reward "
+    for name, tasks in tests.items():
+        success, reward = evaluate(model, fmt, name, tasks, args.horizon, args.max_new_tokens, args.max_tokens)
+        print(f"{name} test ({len(tasks)} tasks, {args.horizon} turns, T=1): success {success:.3f}, mean reward "
               f"{reward:.3f}", flush=True)
-
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    if args.start is None:
-        tokenizer.save_pretrained(tmp)
-    else:  # the tokenizer as it was, byte for byte (saving a loaded one rewrites its files)
-        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            shutil.copy(args.start / name, tmp / name)
-    shutil.rmtree(args.out, ignore_errors=True)
-    tmp.rename(args.out)
+    save(model, tokenizer, args.out, args.dtype, args.start)
     print(f"wrote {args.out} in {time.time() - start:.0f}s")
 
 
