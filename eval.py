@@ -73,8 +73,8 @@ from rl.flags import GROUP
 from rl.limits import check_entries, checkpoint_limits, own_entries
 from rl.tasks import env_names
 from rl.progress import play_until_stopped, stopped
-from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, context_limit, deterministic_kernels, load_config,
-                      load_tokenizer, stop_on_nondeterministic)
+from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, context_limit, deterministic_kernels, embedded_rollout,
+                      load_config, load_tokenizer, stop_on_nondeterministic)
 from rl.run import code_revision, run_of
 from rl.scores import actions, cells, compare_rows, endings, env_table, score, spread, sweep_table
 from rl.engines import api
@@ -165,7 +165,7 @@ def resolve_settings(args: Args, env: str) -> dict:
     if protocol == "run":
         limits = checkpoint_limits(args.model, config, env)  # (the env's own in the run, at the checkpoint's step)
     elif protocol == "tiny":
-        limits = {key: EMBEDDED_ROLLOUT[key] for key in ("horizon", "max_new_tokens", "max_tokens")}
+        limits = {key: embedded_rollout(args.model)[key] for key in ("horizon", "max_new_tokens", "max_tokens")}
         limits |= EMBEDDED_TOOLS if args.agent == "tools" else {}
     else:
         up = envs.ENVS[env]

@@ -61,8 +61,8 @@ from rl.limits import Limits, caps_for, describe_limits, env_limits, horizon_for
 from rl.logprobs import token_logprobs, token_values
 from rl.losses import Aggregation, Counts, KLEstimator, Mismatch, Objective, aggregate, kl, policy_objective, value_loss
 from rl.memory import PlanArgs, print_plan
-from rl.model import (EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, ModelArgs, Models, build_models, context_limit, has_reference,
-                      load_tokenizer, make_accelerator, reference, restart, stop_on_nondeterministic)
+from rl.model import (EMBEDDED_OWN, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, ModelArgs, Models, build_models, context_limit,
+                      has_reference, load_tokenizer, make_accelerator, reference, restart, stop_on_nondeterministic)
 from rl.metrics import (Costs, UpdateSums, async_metrics, eval_line, eval_metrics, evol_line, offline_line,
                         policy_sums, rl_line, step_metrics)
 from rl.optimizer import accumulate, optimizer_steps, reducer, stop_on_nonfinite
@@ -761,6 +761,9 @@ def preset_defaults(preset: str, known) -> Args:
     """The defaults of `preset` as they apply to the run that the peeked flags `known` (--algo, --env, --agent)
     describe: the offline programs' learning rates and one turn cap, the tiny preset's task sets and tool turns."""
     default = replace(PRESETS[preset], preset=preset)
+    own = EMBEDDED_OWN.get(known.model, {}) if preset == "tiny" else {}
+    if own:  # (an embedded model's own turns: ScalingInter-RL from half of them, as tiny-agent's 3 then 6)
+        default = replace(default, horizon=(own["horizon"] // 2, own["horizon"]), max_new_tokens=own["max_new_tokens"])
     if (preset, known.algo) in OFFLINE_LR:  # (and one turn cap: ScalingInter-RL's stages are steps of RL)
         default = replace(default, lr=OFFLINE_LR[preset, known.algo], horizon=default.horizon[-1:])
     tiny_tasks = [TINY_TASKS[name] for name in known.env if name in TINY_TASKS] if preset == "tiny" else []

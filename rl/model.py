@@ -35,13 +35,21 @@ from rl.advantages import needs_critic
 ROOT = Path(__file__).resolve().parent.parent
 # the embedded agent, and the same after SFT on BabyAI's expert episodes as tool calls (docs/reasoning-and-tools.md: "Reasoning models and
 # tool calling": 93% of its greedy replies on the tiny test tasks are valid calls, against none before)
-EMBEDDED = {"tiny-agent": ROOT / "assets" / "tiny-agent", "tiny-agent-tools": ROOT / "assets" / "tiny-agent-tools"}
+EMBEDDED = {name: ROOT / "assets" / name for name in ("tiny-agent", "tiny-agent-tools", "tiny-generalist")}
 # How the embedded model plays (its preset in train.py, and eval.py's settings for it): short turns
 # and trajectories, sized to run on two CPU cores in minutes.
 EMBEDDED_ROLLOUT = {"env": "babyai", "horizon": 6, "max_new_tokens": 48, "max_tokens": 3072}
+# ... and where one of them learned on longer ones: tiny-generalist (all five envs; scripts/build_tiny_model.py) on the
+# expert's episodes within 10 turns, whose replies run to 64 tokens (TextCraft's "craft ... using ..." lines)
+EMBEDDED_OWN = {"tiny-generalist": {"horizon": 10, "max_new_tokens": 64}}
 # ... under --agent tools: a call is 50-70 tokens of the embedded agent's vocabulary (made for ReAct text, it spells
 # JSON nearly a byte a token), and an env's tools add about 1,700 tokens to the first prompt
 EMBEDDED_TOOLS = {"max_new_tokens": 96, "max_tokens": 4096}
+
+
+def embedded_rollout(model: str) -> dict:
+    """How `model` plays under the tiny preset: EMBEDDED_ROLLOUT, with an embedded model's own (EMBEDDED_OWN)."""
+    return EMBEDDED_ROLLOUT | EMBEDDED_OWN.get(model, {})
 
 
 def resolve(name: str) -> str:

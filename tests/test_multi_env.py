@@ -14,6 +14,7 @@ import torch
 import envs
 import train
 from envs.guard import EnvArgs
+from rl.flags import build
 from rl.advantages import AdvantageInputs, advantages, masked_whiten
 from rl.metrics import env_metrics, eval_metrics
 from rl.engines.expert import ExpertEngine
@@ -506,3 +507,34 @@ def test_the_asynchronous_loop_keeps_each_env_on_its_rows_in_every_block(tmp_pat
         expected = [f"{name}_{task}" for name, task in step_tasks(step, mix, train_ids, args.seed) for _ in range(2)]
         assert [r["item_id"] for r in rollouts if r["step"] == step] == expected
     assert all(r["error"] is None for r in rollouts) and "rollout/textcraft/turns" in metrics[-1]
+
+
+def test_the_generalist_plays_its_own_turns_under_the_tiny_preset_and_in_eval(tmp_path):
+    """tiny-generalist learned on 10-turn episodes with replies up to 64 tokens: the tiny preset and eval.py's tiny
+    protocol give it those (ScalingInter-RL from 5 turns), tiny-agent keeps its 3 then 6 turns of 48 tokens, and a
+    flag still wins."""
+    import eval as eval_script
+
+    args = train.parse_args(["--model", "tiny-generalist", "--env", "babyai", "textcraft"])
+    assert (args.preset, args.horizon, args.max_new_tokens, args.max_tokens) == ("tiny", (5, 10), 64, 3072)
+    assert train.parse_args(["--model", "tiny-generalist", "--algo", "sft", "--env", "textcraft"]).horizon == (10,)
+    assert train.parse_args(["--model", "tiny-generalist", "--max-new-tokens", "40"]).max_new_tokens == 40
+    assert (train.parse_args([]).horizon, train.parse_args([]).max_new_tokens) == ((3, 6), 48)
+    for model, limits in (("tiny-generalist", (10, 64, 3072)), ("tiny-agent", (6, 48, 3072))):
+        settings = eval_script.resolve_settings(build(eval_script.Args, model=model, out=str(tmp_path / model)),
+                                                "textcraft")
+        assert (settings["protocol"], settings["horizon"], settings["max_new_tokens"], settings["max_tokens"]) == \
+            ("tiny", *limits)
+
+
+@pytest.mark.slow
+def test_the_generalist_solves_held_out_babyai_and_textcraft_tasks(tmp_path):
+    """A behaviour guard of assets/tiny-generalist (scripts/build_tiny_model.py): on held-out tasks of the two envs it
+    was shown to learn, within its 10 turns, it succeeds on some of each (measured on the first 60 test tasks: BabyAI
+    0.28, TextCraft 0.23 at T=1); a broken asset, template or layout scores 0."""
+    import eval as eval_script
+
+    result = eval_script.main(build(eval_script.Args, model="tiny-generalist", env=("babyai", "textcraft"),
+                                    engine="hf", limit=12, out=str(tmp_path / "generalist")))
+    assert result["envs"]["babyai"]["success"] > 0 and result["envs"]["textcraft"]["success"] > 0
+    assert result["envs"]["textcraft"]["horizon"] == 10
