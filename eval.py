@@ -76,7 +76,7 @@ from rl.progress import play_until_stopped, stopped
 from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, context_limit, deterministic_kernels, embedded_rollout,
                       load_config, load_tokenizer, stop_on_nondeterministic)
 from rl.run import code_revision, run_of
-from rl.scores import actions, cells, compare_rows, endings, env_table, score, spread, sweep_table
+from rl.scores import actions, cells, compare_rows, endings, env_table, macro, score, spread, sweep_table
 from rl.engines import api
 from rl.engines.setup import EngineArgs, build_engine, engine_kind
 from rollout import EngineStalled, play
@@ -235,9 +235,9 @@ def main(args: Args) -> dict:
         engine.close()
     if len(names) == 1:
         return results[names[0]]
-    macro = {key: sum(r[key] for r in results.values()) / len(results) for key in ("avg@k", "pass@k", "success")}
-    print(env_table(results, macro, args.k))
-    return {"envs": results, "macro": macro}
+    average = macro(results)
+    print(env_table(results, average, args.k))
+    return {"envs": results, "macro": average}
 
 
 def evaluate(args: Args, engine, kind: str, fmt, layout: LayoutArgs, settings: dict, task_ids: list[int]) -> dict:
@@ -267,7 +267,7 @@ def evaluate(args: Args, engine, kind: str, fmt, layout: LayoutArgs, settings: d
     results = {"model": args.model, "split": settings["tasks"] or args.split, "k": args.k, "agent": agent.name,
                **({"attempts": agent.attempts} if agent.attempts > 1 else {}), "temperature": args.engine_args.temperature,
                "top_p": args.engine_args.top_p, "seed": args.seed, "engine": kind, "code": code_revision(), **settings,
-               "env_settings": env_settings, "env_url": args.env_args.env_url, **score(trajectories, env_name),
+               "env_settings": env_settings, "env_url": args.env_args.env_url, **score(trajectories, env_name, envs.score_max(env_name, settings["env_options"])),
                **({"served": engine.served()} if kind == "server" else {}),
                "per_task": per_task(trajectories), "seconds": round(time.perf_counter() - start, 1),
                **({"stopped": f"by Ctrl-C, after {len(trajectories)} of {len(episodes)} episodes"} if stop else {})}
@@ -280,7 +280,8 @@ def evaluate(args: Args, engine, kind: str, fmt, layout: LayoutArgs, settings: d
         if engine.sampling != asked:
             results["asked"] = asked
     if len(settings["horizons"]) > 1 and not stop:
-        results["sweep"] = [{"horizon": h, **score([t.cut(h) for t in played.get(h, trajectories)], env_name)}
+        results["sweep"] = [{"horizon": h, **score([t.cut(h) for t in played.get(h, trajectories)], env_name,
+                                                   envs.score_max(env_name, settings["env_options"]))}
                             for h in settings["horizons"]]
     out = output_path(args, env_name, settings)
     write_atomic(Path(f"{out}.jsonl"), "".join(json.dumps(t.log_record()) + "\n" for t in trajectories))

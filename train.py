@@ -577,7 +577,8 @@ def evaluate(engine, fmt: ChatFormat, environments: list, test_ids: dict[str, li
     with own_stream(engine, stream_seed(args.seed + accelerator.process_index, step, "eval")):  # (not the rollouts')
         episodes = play_share(engine, fmt, environments, test_ids, args.eval_k, models, args, accelerator, limits, step,
                               Progress(bar, "eval", mine, horizon))
-    scores = {name: score([t for t in episodes if t.env == name], name) for name in test_ids}
+    scores = {name: score([t for t in episodes if t.env == name], name, envs.score_max(name, args.env_args.options(name)))
+              for name in test_ids}
     return eval_metrics(scores, horizon, max_tokens), [{"step": step, **t.log_record()} for t in episodes]
 
 

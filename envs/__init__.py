@@ -144,6 +144,13 @@ def _module(name: str):
     return importlib.import_module(registration(name).module)
 
 
+def score_max(name: str, options: dict | None = None) -> float:
+    """The best score an episode of env `name` gets under its make `options`: 1, but where the env's module says
+    otherwise (SciWorld's upstream progress scores: 100). What a macro average over envs divides Avg@k by."""
+    module = _module(name)
+    return float(module.score_max(**(options or {}))) if hasattr(module, "score_max") else 1.0
+
+
 def make(name: str, url: str | None = None, **options) -> Env:
     """One env instance: in process, or with `url` a remote one on an AgentGym env server (ours,
     envs/serve.py, or upstream's), behind the same interface (envs/remote.py)."""

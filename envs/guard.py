@@ -199,10 +199,14 @@ class EnvArgs:
         except ValueError as error:
             raise SystemExit(str(error)) from None
 
+    def options(self, name: str) -> dict:
+        """Env `name`'s options: --env-options' plain and `name.`-scoped entries, as Python values."""
+        return envs.parse_options(envs.own_options(self.env_options, name))
+
     def make_envs(self, name: str, count: int, rank: int = 0, seed: int = 0, options: dict | None = None) -> list[Guarded]:
         """`count` guarded instances of env `name` as these flags say (make_envs); `options`: the env's options,
         by default --env-options as Python values (envs.parse_options)."""
-        options = envs.parse_options(envs.own_options(self.env_options, name)) if options is None else options
+        options = self.options(name) if options is None else options
         return make_envs(name, count, options, self.env_timeout, self.urls(name), rank, delay=self.env_delay, seed=seed)
 
     def make_pool(self, rows: list[str], blocks: int = 1, rank: int = 0, seed: int = 0) -> list[Guarded]:

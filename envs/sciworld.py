@@ -453,6 +453,11 @@ class SciWorld(Env):
         self.jvm = self.simulator = self.task_id = self.key = None
 
 
+def score_max(reward: str = "score", **_) -> float:
+    """An episode's best score under make's `reward` (envs.score_max)."""
+    return 100.0 if reward == "score" else 1.0
+
+
 def make(reward: str = "score", pool_size: int = 16, heap: str | None = None, timeout: float = 60.0,
          step_limit: int = 100) -> SciWorld:
     """reward: "score" (upstream: progress 0-100, -100 on failure) or "normalized" (score / 100,

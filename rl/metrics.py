@@ -25,7 +25,7 @@ import envs
 from rl.losses import PolicyTerms, Weights, kl
 from rl.memory import peak_gib, reset_peak
 from rl.optimizer import Sums, largest
-from rl.scores import FINISHES, endings
+from rl.scores import FINISHES, endings, macro
 from rl.trajectory import RolloutStats
 
 
@@ -286,7 +286,8 @@ def eval_metrics(results: dict[str, dict], horizon: int, max_tokens: int) -> dic
     """An evaluation's metrics (eval/) from rl/scores.py's score of each env's episodes (`results`, by env): Avg@k,
     Pass@k, success, turns and errors, Avg@k per category, how its episodes ended, and the limits they played
     under. With several envs each env's are under eval/<env>/, and eval/ holds their macro average (every env
-    weighs the same, whatever its number of test tasks; errors summed)."""
+    weighs the same, whatever its number of test tasks; Avg@k as a share of each env's best score: rl/scores.py's macro;
+    errors summed)."""
     def of(result: dict, prefix: str) -> dict[str, float]:
         metrics = {f"{prefix}/{key}": result[key] for key in EVAL_KEYS}
         metrics |= {f"{prefix}/{name}/avg@k": c["avg@k"] for name, c in result["categories"].items()}
@@ -297,7 +298,7 @@ def eval_metrics(results: dict[str, dict], horizon: int, max_tokens: int) -> dic
     else:
         metrics = {key: value for name, result in results.items() for key, value in of(result, f"eval/{name}").items()}
         metrics |= {f"eval/{key}": (sum if key == "errors" else _mean)([r[key] for r in results.values()])
-                    for key in EVAL_KEYS}
+                    for key in EVAL_KEYS} | {f"eval/{key}": value for key, value in macro(results).items()}
         metrics |= {f"eval/finish/{name}": _mean([r["finish"][name] for r in results.values()])
                     for name in FINISHES.values()}
     return metrics | {"eval/horizon": horizon, "eval/max_tokens": max_tokens}

@@ -14,7 +14,7 @@ Under --agent reflect an episode is a task's series of attempts, scored by its l
 succeeded, or the last one played); `by_attempt` then gives, for each attempt a, the success rate of the
 episodes as they stood after attempt a and the share of tasks solved by one of their episodes by then.
 
-eval.py's tables are here too: several envs' scores with their macro average (env_table), a turn-budget sweep
+eval.py's tables are here too: several envs' scores with their macro average (macro, env_table), a turn-budget sweep
 (sweep_table), and two results compared per category with paired intervals (compare_rows).
 """
 
@@ -37,10 +37,11 @@ def spread(task_ids: list[int], n: int) -> list[int]:
 FINISHES = {"done": "done", "horizon": "horizon", "max_tokens": "max_tokens", "error": "error"}
 
 
-def score(trajectories: list[Trajectory], env_name: str) -> dict:
+def score(trajectories: list[Trajectory], env_name: str, score_max: float = 1.0) -> dict:
     """Avg@k and Pass@k overall and per category, from one list of episodes (anything with task_id,
     reward, success, turns, finish and error, as a Trajectory; reflect's also attempt and final), and
-    the shares of the episodes by how they ended (`finish`, by FINISHES' names)."""
+    the shares of the episodes by how they ended (`finish`, by FINISHES' names). `score_max`, the env's best
+    score (envs.score_max), goes with them: a macro average over envs takes Avg@k as a share of it (macro)."""
     finals = [t for t in trajectories if getattr(t, "final", True)]
     by_task = defaultdict(list)
     for t in finals:
@@ -67,7 +68,7 @@ def score(trajectories: list[Trajectory], env_name: str) -> dict:
     categories = defaultdict(list)
     for task in by_task:
         categories[envs.category(env_name, task)].append(task)
-    results = {**summary(list(by_task)),
+    results = {**summary(list(by_task)), "score_max": score_max,
                "finish": {name: sum(t.finish == finish for t in finals) / max(len(finals), 1) for finish, name in FINISHES.items()},
                "categories": {c: summary(ids) for c, ids in sorted(categories.items())}}
     played = max((getattr(t, "attempt", 1) for t in finals), default=1)
@@ -144,8 +145,15 @@ def paired(before: dict, after: dict) -> dict:
 # Tables of scores (eval.py's)
 
 
+def macro(results: dict[str, dict]) -> dict[str, float]:
+    """Several envs' scores averaged, each env weighing the same: Pass@k and success as they are, Avg@k as a share of
+    each env's best score (SciWorld's 0-100 scores as 0-1), so that one env's scale does not swamp the others."""
+    return {"avg@k": sum(r["avg@k"] / r.get("score_max", 1.0) for r in results.values()) / len(results),
+            **{key: sum(r[key] for r in results.values()) / len(results) for key in ("pass@k", "success")}}
+
+
 def env_table(results: dict[str, dict], macro: dict, k: int) -> str:
-    """Several envs' scores, a row each, and their macro average (each env weighs the same)."""
+    """Several envs' scores, a row each, and their macro average (`macro`)."""
     rows = [f"{'env':<12} {'tasks':>6}  {f'Avg@{k}':>8} {f'Pass@{k}':>8} {'success':>8}"]
     rows += [f"{env:<12} {r['tasks']:>6}  {r['avg@k']:>8.4f} {r['pass@k']:>8.4f} {r['success']:>8.4f}"
              for env, r in results.items()]

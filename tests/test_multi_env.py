@@ -17,6 +17,7 @@ from envs.guard import EnvArgs
 from rl.flags import build
 from rl.advantages import AdvantageInputs, advantages, masked_whiten
 from rl.metrics import env_metrics, eval_metrics
+from rl.scores import env_table, macro
 from rl.engines.expert import ExpertEngine
 from rl.limits import Limits, caps_at, checkpoint_limits, describe_limits, env_limits, largest, last_caps, per_env
 from rl.model import EMBEDDED, load_tokenizer
@@ -233,6 +234,14 @@ def test_metrics_per_env_beside_the_totals_and_an_evaluation_macro_averaged():
     both = eval_metrics({"babyai": result(1.0), "textcraft": result(0.0, errors=2)}, 6, 3072)
     assert both["eval/success"] == 0.5 and both["eval/babyai/success"] == 1.0 and both["eval/errors"] == 2
     assert both["eval/finish/horizon"] == 0.5 and both["eval/textcraft/GoTo/avg@k"] == 0.0
+    # SciWorld's Avg@k is of 0-100 scores: the macro average takes each env's as a share of its best (eval.py's table too)
+    science = result(0.5) | {"avg@k": 50.0, "score_max": envs.score_max("sciworld", {})}
+    mixed = eval_metrics({"babyai": result(0.5) | {"score_max": 1.0}, "sciworld": science}, 6, 3072)
+    assert mixed["eval/avg@k"] == 0.5 and mixed["eval/sciworld/avg@k"] == 50.0 and mixed["eval/success"] == 0.5
+    assert envs.score_max("sciworld", {"reward": "normalized"}) == envs.score_max("babyai") == 1.0
+    assert "macro       " in env_table({"babyai": result(0.5) | {"tasks": 2}, "sciworld": science | {"tasks": 2}},
+                                       macro({"babyai": result(0.5), "sciworld": science}), 1)
+    assert macro({"babyai": result(0.5), "sciworld": science})["avg@k"] == 0.5
 
 
 def test_under_horizon_auto_each_env_climbs_on_its_own_metrics_and_plays_under_its_own_cap():
