@@ -67,7 +67,7 @@ import tyro
 import envs
 from envs.guard import EnvArgs, close_envs
 from rl import plots
-from rl.agent import LayoutArgs, chat_format
+from rl.agent import LAYOUT_KEYS, LayoutArgs, chat_format, run_layout
 from rl.checkpoint import write_atomic
 from rl.flags import GROUP
 from rl.limits import check_entries, checkpoint_limits, own_entries
@@ -118,6 +118,8 @@ class Args:
     chat_template_kwargs: dict[str, str] = field(default_factory=dict)
     """options for the chat template, e.g. --chat-template-kwargs enable_thinking false (Qwen3), added to a run's own;
     an API model's server gets them as its request's chat_template_kwargs"""
+    max_obs_tokens: int | None = None
+    """an observation of more than N tokens is cut to its first and last N/2 (train.py's); default: a run's own, else 0"""
     attempts: int = 3
     """--agent reflect: attempts a task gets (it stops at its first success); success is reported per attempt"""
     compare: tuple[str, str] | None = None
@@ -196,10 +198,7 @@ def resolve_settings(args: Args, env: str) -> dict:
     horizons = sorted(set(horizons)) if horizons else [limits["horizon"]]
     # the layout: a run's checkpoint plays as its run was trained (agent format, template options, reasoning tags)
     own = config if protocol == "run" else {}
-    layout = {"agent": args.agent or own.get("agent", "react"),
-              "chat_template_kwargs": {**own.get("chat_template_kwargs", {}), **args.chat_template_kwargs},
-              "reasoning_tags": args.reasoning_tags or (tuple(own["reasoning_tags"]) if own.get("reasoning_tags") else None),
-              "reasoning": args.reasoning or own.get("reasoning", "keep")}
+    layout = run_layout(args, own)
     return {"env": env, "protocol": protocol, **limits, "overrides": sorted(overrides), "env_options": options,
             "tasks": args.tasks or own_tasks, "horizons": horizons, **layout}
 
@@ -218,8 +217,7 @@ def main(args: Args) -> dict:
     args.env_args.check_urls(names)
     settings = {env: resolve_settings(args, env) for env in names}
     first = settings[names[0]]  # (the layout is the run's or the flags', the same for every env)
-    layout = LayoutArgs(first["agent"], first["reasoning_tags"], first["chat_template_kwargs"], first["reasoning"],
-                        args.attempts)
+    layout = LayoutArgs(**{key: first[key] for key in LAYOUT_KEYS}, attempts=args.attempts)
     tasks = {env: evaluation_tasks(args, settings[env]) for env in names}
     for env in names:
         layout.check(env)
@@ -329,7 +327,8 @@ def engine_format(args: Args, layout: LayoutArgs) -> tuple[str, object]:
     if args.engine_args.rollout_server and args.engine_args.engine != "auto":
         raise SystemExit("--rollout-server plays on vLLM servers: leave --engine out")
     if args.model.startswith(api.PREFIX):  # (no local model or tokenizer is loaded)
-        return "api", api.APIFormat(layout.reasoning_tags, envs.parse_options(args.chat_template_kwargs, words=True))
+        return "api", api.APIFormat(layout.reasoning_tags, envs.parse_options(args.chat_template_kwargs, words=True),
+                                    layout.max_obs_tokens)
     fmt = chat_format(load_tokenizer(args.model), layout)
     return "server" if args.engine_args.rollout_server else engine_kind(args.engine_args.engine), fmt
 

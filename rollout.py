@@ -568,8 +568,10 @@ def _start(fmt: ChatFormat, agent: Agent, row: int, env: Env, task_id: int, grou
         traj = Trajectory(env.name, task_id, group, row, messages, horizon=horizon)
         traj.fail(f"reset failed: {type(first).__name__}: {first}")
         return traj
+    first, cut = fmt.cut(first)
     messages = agent.opening(env, first, reflections)
-    traj = Trajectory(env.name, task_id, group, row, messages, horizon=horizon, tools=agent.tools(env), states=[state])
+    traj = Trajectory(env.name, task_id, group, row, messages, horizon=horizon, tools=agent.tools(env), states=[state],
+                      observations=1, obs_cut=int(cut > 0))
     traj.add(fmt.prompt(messages, tools=traj.tools))
     return traj
 
@@ -605,9 +607,11 @@ def _observe(fmt: ChatFormat, traj: Trajectory, result, horizon: int, max_tokens
     traj.valid.append(result.info.get("valid") is not False)
     traj.invalid_actions += not traj.valid[-1]
     traj.success = bool(result.info.get("success", result.reward > 0)) if result.done else False
+    text, cut = fmt.cut(result.observation)
+    traj.observations, traj.obs_cut = traj.observations + 1, traj.obs_cut + (cut > 0)
     calls = traj.messages[-1].get("tool_calls")  # an answer to a tool call is the call's result
-    traj.messages.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": result.observation} if calls
-                         else {"role": "user", "content": result.observation})
+    traj.messages.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": text} if calls
+                         else {"role": "user", "content": text})
     if traj.done:
         traj.finish = "done"
     elif traj.turns < horizon and fmt.history == "drop":  # the next turn's prompt: the template's rendering so far
@@ -617,7 +621,7 @@ def _observe(fmt: ChatFormat, traj: Trajectory, result, horizon: int, max_tokens
         else:
             traj.restart(prompt)
     elif traj.turns < horizon:
-        observation = fmt.observation(result.observation, traj.messages[-1]["role"])
+        observation = fmt.observation(text, traj.messages[-1]["role"])
         if _room(traj, max_tokens) - len(observation) < 1:  # no room left for a reply
             traj.finish = "max_tokens"
         else:

@@ -158,22 +158,41 @@ class LayoutArgs:
     prompt is the chat template's rendering so far (earlier reasoning gone), each turn its own sequence (grpo, rloo, gigpo)"""
     attempts: int = 3
     """--agent reflect: attempts a task gets (it stops at its first success)"""
+    max_obs_tokens: int = 0
+    """an observation of more than N tokens is cut to its first and last N/2, a marker between (so that one WebArena
+    page cannot fill the budget; rollout/obs_cut counts them); 0: never"""
 
     def check(self, env_name: str, algo: str | None = None) -> None:
         """Stop early, with what to do, on a layout that cannot work for this env and --algo (check_layout)."""
         if self.attempts < 1:
             raise SystemExit("--attempts must be at least 1")
+        if self.max_obs_tokens and self.max_obs_tokens < 16:
+            raise SystemExit(f"--max-obs-tokens {self.max_obs_tokens} would leave an observation almost nothing: give "
+                             "0 (never cut) or at least 16")
         check_layout(self.agent, env_name, algo, self.reasoning)
 
     def make_agent(self) -> Agent:
         return make_agent(self.agent, self.attempts)
 
 
+LAYOUT_KEYS = ("agent", "reasoning_tags", "chat_template_kwargs", "reasoning", "max_obs_tokens")  # (eval.py's)
+
+
+def run_layout(flags, own: dict) -> dict:
+    """eval.py's layout (LAYOUT_KEYS): each of its layout flags where given, else a run's own (`own`: its config, {}
+    for any other model), else LayoutArgs' default; --chat-template-kwargs are added to a run's own."""
+    default = LayoutArgs()
+    layout = {key: getattr(flags, key) if getattr(flags, key) is not None else own.get(key, getattr(default, key))
+              for key in LAYOUT_KEYS if key != "chat_template_kwargs"}
+    return layout | {"reasoning_tags": tuple(layout["reasoning_tags"]) if layout["reasoning_tags"] else None,
+                     "chat_template_kwargs": {**own.get("chat_template_kwargs", {}), **flags.chat_template_kwargs}}
+
+
 def chat_format(tokenizer, layout: LayoutArgs) -> ChatFormat:
     """The format `layout`'s flags ask for: --chat-template-kwargs as the template's variables (envs.parse_options,
     true/false/none as Python's), under --agent tools a template whose calls rl/chat.py reads, else one sentence."""
     fmt = ChatFormat(tokenizer, envs.parse_options(layout.chat_template_kwargs, words=True), layout.reasoning_tags,
-                     layout.reasoning)
+                     layout.reasoning, layout.max_obs_tokens)
     if layout.agent == "tools":
         fmt.check_tools()
     return fmt

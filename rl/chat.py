@@ -253,6 +253,9 @@ def _for_template(messages: list[dict], style: str | None, close: str | None = N
     return out
 
 
+CUT = "\n[... {} tokens cut ...]\n"  # what stands for the middle of an observation cut by --max-obs-tokens
+
+
 class ChatFormat:
     """The pieces of text a rollout needs from a chat template: the first prompt, the scaffolding around an
     observation (what follows an assistant's end-of-turn token up to the next generation prompt; a tool result's
@@ -264,13 +267,14 @@ class ChatFormat:
     _USER, _ASSISTANT, _NEXT = "\x02user-sentinel\x03", "\x02assistant-sentinel\x03", "\x02next-sentinel\x03"
 
     def __init__(self, tokenizer, template_kwargs: dict | None = None, reasoning_tags: tuple[str, str] | None = None,
-                 history: str = "keep"):
+                 history: str = "keep", max_obs_tokens: int = 0):
         if not getattr(tokenizer, "chat_template", None):
             raise SystemExit(f"{tokenizer.name_or_path} has no chat template; use an instruct/chat model (or set "
                              "tokenizer.chat_template) so that turns can be formatted")
         if history not in HISTORIES:
             raise ValueError(f"--reasoning takes {' or '.join(HISTORIES)}, not {history!r}")
         self.tokenizer, self.template_kwargs, self.history = tokenizer, dict(template_kwargs or {}), history
+        self.max_obs_tokens = max_obs_tokens
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else str(tokenizer.chat_template)
         if "<|channel|>" in template:
             raise SystemExit(f"{tokenizer.name_or_path}'s chat template speaks OpenAI's harmony format (gpt-oss: a reply is "
@@ -321,6 +325,22 @@ class ChatFormat:
         """An episode's first prompt: its opening messages (rl/agent.py), the tools when given, and the generation
         prompt."""
         return self.encode(self.render(messages, add_generation_prompt=True, tools=tools))
+
+    def cut(self, text: str) -> tuple[str, int]:
+        """--max-obs-tokens N: an observation (an env's answer, the first one too) of more than N tokens as its first
+        and last N/2, cut where a token starts, with a marker between that says how many were cut (CUT); and the
+        number cut, 0 where it was short enough (or N is 0: never cut). What is cut is gone from the conversation
+        (messages) as from the tokens, so that a re-rendered prompt (--reasoning drop, --context) has what the
+        policy saw."""
+        if not self.max_obs_tokens or len(text) <= self.max_obs_tokens:  # (a token holds at least one character)
+            return text, 0
+        starts = [start for start, _ in self.tokenizer(text, add_special_tokens=False,
+                                                       return_offsets_mapping=True)["offset_mapping"]]
+        over = len(starts) - self.max_obs_tokens
+        if over <= 0:
+            return text, 0
+        head = self.max_obs_tokens // 2
+        return text[:starts[head]] + CUT.format(over) + text[starts[len(starts) - (self.max_obs_tokens - head)]:], over
 
     def observation(self, text: str, role: str = "user") -> list[int]:
         """An env's answer wrapped in the template's scaffolding: a user turn, or (role "tool") a tool result."""

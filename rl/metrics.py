@@ -164,6 +164,7 @@ def step_metrics(records: list[dict], sampled: list[tuple[int, float]], costs: C
         "rollout/invalid_action_rate": sum(r["invalid_actions"] for r in records) / max(sum(turns), 1),
         # of those, the replies with no action to take (no or a bad tool call, cut inside the reasoning)
         "rollout/malformed_rate": sum(r.get("malformed", 0) for r in records) / max(sum(turns), 1),
+        "rollout/obs_cut": obs_cut(records),  # the share of observations --max-obs-tokens cut
         "rollout/zero_variance_groups": zero_variance_share(records),  # groups with no GRPO signal
         **anchor_metrics(records),  # GiGPO's turn-level groups (whatever --algo)
         **category_metrics(records),
@@ -248,10 +249,15 @@ def anchor_metrics(records: list[dict]) -> dict[str, float]:
             "rollout/anchored_share": sum(n for n in sizes.values() if n >= 2) / max(turns, 1)}
 
 
+def obs_cut(records: list[dict]) -> float:
+    """The share of the episodes' observations (their first ones too) that --max-obs-tokens cut."""
+    return sum(r.get("obs_cut", 0) for r in records) / max(sum(r.get("observations", 0) for r in records), 1)
+
+
 def env_metrics(records: list[dict]) -> dict[str, float]:
     """With several envs in a step, each one's episodes as the rollout/ and finish/ totals sum up all of them
-    (rollout/<env>/reward, success, turns, invalid_action_rate, tokens, action_tokens, errors, finish/<name>) and the
-    cap they played under (horizon); nothing for one env."""
+    (rollout/<env>/reward, success, turns, invalid_action_rate, obs_cut, tokens, action_tokens, errors,
+    finish/<name>) and the cap they played under (horizon); nothing for one env."""
     by_env = collections.defaultdict(list)
     for r in records:
         by_env[r["item_id"].rpartition("_")[0]].append(r)
@@ -263,6 +269,7 @@ def env_metrics(records: list[dict]) -> dict[str, float]:
         metrics |= {f"rollout/{name}/{key}": sum(float(r[key]) for r in rs) / len(rs)
                     for key in ("reward", "success", "turns", "tokens", "action_tokens")}
         metrics |= {f"rollout/{name}/invalid_action_rate": sum(r["invalid_actions"] for r in rs) / max(turns, 1),
+                    f"rollout/{name}/obs_cut": obs_cut(rs),
                     f"rollout/{name}/errors": sum(r["finish"] == "error" for r in rs),
                     f"rollout/{name}/horizon": max(r["horizon"] for r in rs)}  # (its cap: --horizon auto's, per env)
         metrics |= {f"rollout/{name}/finish/{label}": sum(r["finish"] == finish for r in rs) / len(rs)

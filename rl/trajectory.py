@@ -68,6 +68,8 @@ class Trajectory:
     success: bool = False
     invalid_actions: int = 0  # turns whose action the env reported as not valid (info["valid"] False)
     malformed: int = 0  # of those, turns whose reply held no action to take (no call, a bad call, cut inside reasoning)
+    observations: int = 0  # the env's answers it saw (the first one too)
+    obs_cut: int = 0  # of those, the ones --max-obs-tokens cut
     # -- the layouts' and engines' own
     attempt: int = 1  # reflect: which attempt at the task this is (rl/agent.py)
     final: bool = True  # reflect: False when another attempt followed this one
@@ -121,6 +123,7 @@ class Trajectory:
             "category": category(self.env, self.task_id), "group": self.group, "horizon": self.horizon,
             "reward": self.reward, "success": self.success, "turns": self.turns, "finish": self.finish,
             "error": self.error, "invalid_actions": self.invalid_actions, "malformed": self.malformed,
+            "observations": self.observations, "obs_cut": self.obs_cut,
             "turn_rewards": self.turn_rewards, "env_actions": self.actions,  # (what the env was sent: the viewer replays it)
             # (over every trained sequence; under --reasoning drop token_ids below are the last context's, as
             # `turn_sequences` says)

@@ -147,7 +147,11 @@ class APIFormat:
     call_style = "hermes"
     history = "keep"  # (nothing is laid out here: the server renders the whole conversation every turn)
 
-    def __init__(self, reasoning_tags: tuple[str, str] | None = None, template_kwargs: dict | None = None):
+    def __init__(self, reasoning_tags: tuple[str, str] | None = None, template_kwargs: dict | None = None,
+                 max_obs_tokens: int = 0):
+        if max_obs_tokens:
+            raise SystemExit("--max-obs-tokens counts an observation's tokens with the model's tokenizer, which a model "
+                             "behind an API does not give: leave it out")
         self.reasoning = reasoning_of(None, reasoning_tags)
         self.template_kwargs = dict(template_kwargs or {})  # (the server's chat template options, sent with requests)
 
@@ -156,6 +160,9 @@ class APIFormat:
 
     def observation(self, text: str, role: str = "user") -> list[int]:
         return []
+
+    def cut(self, text: str) -> tuple[str, int]:
+        return text, 0  # (no tokenizer to count with: --max-obs-tokens is refused for an API model)
 
     def text(self, sampled: list[int]) -> str:
         return ""  # (a text engine's replies come as Sample.text)
