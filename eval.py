@@ -69,6 +69,7 @@ from envs.guard import EnvArgs, close_envs
 from rl import plots
 from rl.agent import LAYOUT_KEYS, LayoutArgs, chat_format, run_layout
 from rl.checkpoint import write_atomic
+from rl.context import Context
 from rl.flags import GROUP
 from rl.limits import check_entries, checkpoint_limits, own_entries
 from rl.tasks import env_names
@@ -120,6 +121,8 @@ class Args:
     an API model's server gets them as its request's chat_template_kwargs"""
     max_obs_tokens: int | None = None
     """an observation of more than N tokens is cut to its first and last N/2 (train.py's); default: a run's own, else 0"""
+    context: str | None = None
+    """full or window:K, what a turn's prompt holds (train.py's --context); default: a run's own, else full"""
     attempts: int = 3
     """--agent reflect: attempts a task gets (it stops at its first success); success is reported per attempt"""
     compare: tuple[str, str] | None = None
@@ -328,7 +331,7 @@ def engine_format(args: Args, layout: LayoutArgs) -> tuple[str, object]:
         raise SystemExit("--rollout-server plays on vLLM servers: leave --engine out")
     if args.model.startswith(api.PREFIX):  # (no local model or tokenizer is loaded)
         return "api", api.APIFormat(layout.reasoning_tags, envs.parse_options(args.chat_template_kwargs, words=True),
-                                    layout.max_obs_tokens)
+                                    layout.max_obs_tokens, Context.parse(layout.context))
     fmt = chat_format(load_tokenizer(args.model), layout)
     return "server" if args.engine_args.rollout_server else engine_kind(args.engine_args.engine), fmt
 

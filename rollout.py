@@ -571,21 +571,22 @@ def _start(fmt: ChatFormat, agent: Agent, row: int, env: Env, task_id: int, grou
     first, cut = fmt.cut(first)
     messages = agent.opening(env, first, reflections)
     traj = Trajectory(env.name, task_id, group, row, messages, horizon=horizon, tools=agent.tools(env), states=[state],
-                      observations=1, obs_cut=int(cut > 0))
+                      observations=1, obs_cut=int(cut > 0), opening=len(messages))
     traj.add(fmt.prompt(messages, tools=traj.tools))
     return traj
 
 
 def _act(fmt: ChatFormat, traj: Trajectory, sample: Sample) -> None:
     """Append a sampled turn, trained on, and the message the env will read."""
+    traj.prompt_tokens.append(len(traj.token_ids))
     if sample.text is None:  # (a text engine, rl/engines/api.py, has no tokens to append: the reply only)
         traj.add(sample.token_ids, sample.logprobs, trained=True)
         if sample.token_ids[-1:] != [fmt.end_of_turn]:
             # cut off by the limit, or stopped on another eos: the template needs the end-of-turn token,
             # which the model did not choose, so it is not trained on
             traj.add([fmt.end_of_turn])
-        if fmt.history == "drop":
-            traj.sequences.append(Sequence(list(traj.token_ids), list(traj.loss_mask), list(traj.logprobs)))
+        if fmt.segmented:
+            traj.keep_segment()
     traj.messages.append({"role": "assistant", "content": _reply(fmt, sample)})
     if sample.reasoning:  # (a text engine's reasoning, returned apart from its reply: logged, never sent back)
         traj.messages[-1]["reasoning_content"] = sample.reasoning
@@ -614,8 +615,9 @@ def _observe(fmt: ChatFormat, traj: Trajectory, result, horizon: int, max_tokens
                          else {"role": "user", "content": text})
     if traj.done:
         traj.finish = "done"
-    elif traj.turns < horizon and fmt.history == "drop":  # the next turn's prompt: the template's rendering so far
-        prompt = fmt.prompt(traj.messages, tools=traj.tools)
+    elif traj.turns < horizon and (fmt.history == "drop" or fmt.context.slides(traj.turns)):  # a new segment: the
+        traj.kept = fmt.context.first_kept(len(traj.messages), traj.opening)  # template's rendering of what is kept
+        prompt = fmt.prompt(traj.prompt_messages(), tools=traj.tools)
         if max_tokens - len(prompt) - 1 < 1:
             traj.finish = "max_tokens"
         else:

@@ -54,6 +54,7 @@ import envs
 from envs import tools as env_tools
 from rl.advantages import ESTIMATORS, is_grouped, names
 from rl.chat import CallError, ChatFormat, read_call
+from rl.context import Context
 
 PLAN_GUIDE = ("Before your first action, write a plan for the whole task, its steps in order, between <plan> and "
               "</plan>; then reply as instructed above. In a later turn, write a new <plan>...</plan> first only "
@@ -161,6 +162,9 @@ class LayoutArgs:
     max_obs_tokens: int = 0
     """an observation of more than N tokens is cut to its first and last N/2, a marker between (so that one WebArena
     page cannot fill the budget; rollout/obs_cut counts them); 0: never"""
+    context: str = "full"
+    """what a turn's prompt holds (rl/context.py): full, the whole episode; window:K, the opening (instruction, first
+    observation) and the last K turns, a new sequence each time it slides"""
 
     def check(self, env_name: str, algo: str | None = None) -> None:
         """Stop early, with what to do, on a layout that cannot work for this env and --algo (check_layout)."""
@@ -169,13 +173,13 @@ class LayoutArgs:
         if self.max_obs_tokens and self.max_obs_tokens < 16:
             raise SystemExit(f"--max-obs-tokens {self.max_obs_tokens} would leave an observation almost nothing: give "
                              "0 (never cut) or at least 16")
-        check_layout(self.agent, env_name, algo, self.reasoning)
+        check_layout(self.agent, env_name, algo, self.reasoning, Context.parse(self.context))
 
     def make_agent(self) -> Agent:
         return make_agent(self.agent, self.attempts)
 
 
-LAYOUT_KEYS = ("agent", "reasoning_tags", "chat_template_kwargs", "reasoning", "max_obs_tokens")  # (eval.py's)
+LAYOUT_KEYS = ("agent", "reasoning_tags", "chat_template_kwargs", "reasoning", "max_obs_tokens", "context")  # (eval's)
 
 
 def run_layout(flags, own: dict) -> dict:
@@ -192,16 +196,18 @@ def chat_format(tokenizer, layout: LayoutArgs) -> ChatFormat:
     """The format `layout`'s flags ask for: --chat-template-kwargs as the template's variables (envs.parse_options,
     true/false/none as Python's), under --agent tools a template whose calls rl/chat.py reads, else one sentence."""
     fmt = ChatFormat(tokenizer, envs.parse_options(layout.chat_template_kwargs, words=True), layout.reasoning_tags,
-                     layout.reasoning, layout.max_obs_tokens)
+                     layout.reasoning, layout.max_obs_tokens, Context.parse(layout.context))
     if layout.agent == "tools":
         fmt.check_tools()
     return fmt
 
 
-def check_layout(name: str, env_name: str, algo: str | None = None, history: str = "keep") -> None:
+def check_layout(name: str, env_name: str, algo: str | None = None, history: str = "keep",
+                 context: Context = Context()) -> None:
     """Stops the script with one sentence when format `name` cannot lay out this run: an env that declares no tools
     under tools; --algo sft, dpo or agentevol (learning --data as it is laid out) under plan or reflect; --reasoning
-    drop, which trains a row a turn, with an estimator that needs an episode in one row or with reflect's attempts."""
+    drop, which trains a row a turn, or a --context that drops turns, which trains segments, with an estimator that
+    needs an episode in one row or with reflect's attempts."""
     if name == "tools":
         try:
             env_tools.tools(env_name)
@@ -211,6 +217,10 @@ def check_layout(name: str, env_name: str, algo: str | None = None, history: str
         raise SystemExit(f"--agent {name} lays out the rollouts of RL ({', '.join(ESTIMATORS)}); {algo} learns "
                          "--data's conversations as they are laid out, so it plays them as react (or, for episodes of "
                          "tool calls, as --agent tools)")
+    if context.segmented and (algo is not None and not is_grouped(algo) or name == "reflect"):
+        raise SystemExit(f"--context {context} trains an episode as segments, each with its episode's advantage: a "
+                         f"grouped estimator ({names(lambda e: e.grouped, 'or')}) and one attempt an episode; --algo "
+                         f"{algo} --agent {name} needs --context full")
     if history == "drop" and (algo is not None and not is_grouped(algo) or name == "reflect"):
         raise SystemExit(f"--reasoning drop trains each turn as its own sequence with its episode's advantage: a grouped "
                          f"estimator ({names(lambda e: e.grouped, 'or')}) and one attempt an episode; "

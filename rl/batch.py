@@ -39,6 +39,7 @@ import torch
 from rl import staleness
 from rl.losses import Counts
 from rl.logprobs import collate, pad
+from rl.trajectory import spans
 
 Layout = list[list[list[int]]]  # micro-batches -> rows -> the trajectories (indices) in each row, in order
 
@@ -195,17 +196,20 @@ def _halves(micro: list[list[int]]) -> list[list[list[int]]]:
 
 def rows_of(trajectories) -> tuple[list, list[int]]:
     """The rows an update trains on, and the episode (index in `trajectories`) of each: a trajectory is one row, or
-    under --reasoning drop (rollout.py: Trajectory.sequences) one row per turn, each its turn's own sequence with
-    the episode's outcome."""
+    under --reasoning drop and --context window (rollout.py: Trajectory.sequences) one row per segment, each with
+    the versions of the turns it sampled and the episode's outcome (rl/context.py: how they weigh)."""
     rows, episodes = [], []
     for k, traj in enumerate(trajectories):
         if not traj.sequences:
             rows.append(replace(traj))
             episodes.append(k)
-        for turn, (ids, mask, logprobs) in enumerate(traj.sequences):  # (a turn's sequence: its version alone)
+        first = 0  # (the episode's first turn sampled in the segment: a segment's turns are its runs of loss-mask 1)
+        for ids, mask, logprobs in traj.sequences:
+            sampled = len(spans(mask))
             rows.append(replace(traj, token_ids=ids, loss_mask=mask, logprobs=logprobs, sequences=[],
-                                versions=traj.versions[turn:turn + 1]))
+                                versions=traj.versions[first:first + sampled]))
             episodes.append(k)
+            first += sampled
     return rows, episodes
 
 
@@ -244,12 +248,13 @@ def make_batch(trajectories, pad_id: int, layout: Layout, device, count: int | N
 
 def turns(trajectories, episodes: list[int], width: int) -> torch.Tensor:
     """[B, T]: the episode's turn that each action token was sampled in, -1 on everything else. A row holds all its
-    episode's turns, or (--reasoning drop: rows_of) the episode's k-th row holds turn k alone."""
+    episode's turns, or (segments: rows_of) the turns after those of the episode's rows before it."""
     seen: dict[int, int] = {}
     rows = []
     for traj, episode in zip(trajectories, episodes):
-        offset = seen[episode] = seen.get(episode, -1) + 1
-        rows.append([t + offset if t >= 0 else -1 for t in traj.token_turns()] + [-1] * (width - len(traj.token_ids)))
+        offset, own = seen.get(episode, 0), traj.token_turns()
+        seen[episode] = offset + max(own, default=-1) + 1
+        rows.append([t + offset if t >= 0 else -1 for t in own] + [-1] * (width - len(traj.token_ids)))
     return torch.tensor(rows, dtype=torch.long)
 
 

@@ -55,6 +55,7 @@ import re
 from dataclasses import dataclass
 
 from envs.tools import quoted
+from rl.context import Context
 
 DEFAULT_REASONING = ("<think>", "</think>")
 # reasoning tags known in open models' templates: (opening, closing)
@@ -267,14 +268,15 @@ class ChatFormat:
     _USER, _ASSISTANT, _NEXT = "\x02user-sentinel\x03", "\x02assistant-sentinel\x03", "\x02next-sentinel\x03"
 
     def __init__(self, tokenizer, template_kwargs: dict | None = None, reasoning_tags: tuple[str, str] | None = None,
-                 history: str = "keep", max_obs_tokens: int = 0):
+                 history: str = "keep", max_obs_tokens: int = 0, context: Context = Context()):
         if not getattr(tokenizer, "chat_template", None):
             raise SystemExit(f"{tokenizer.name_or_path} has no chat template; use an instruct/chat model (or set "
                              "tokenizer.chat_template) so that turns can be formatted")
         if history not in HISTORIES:
             raise ValueError(f"--reasoning takes {' or '.join(HISTORIES)}, not {history!r}")
         self.tokenizer, self.template_kwargs, self.history = tokenizer, dict(template_kwargs or {}), history
-        self.max_obs_tokens = max_obs_tokens
+        self.max_obs_tokens, self.context = max_obs_tokens, context
+        self.segmented = history == "drop" or context.segmented  # (an episode may train as several sequences)
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else str(tokenizer.chat_template)
         if "<|channel|>" in template:
             raise SystemExit(f"{tokenizer.name_or_path}'s chat template speaks OpenAI's harmony format (gpt-oss: a reply is "

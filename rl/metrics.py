@@ -165,6 +165,7 @@ def step_metrics(records: list[dict], sampled: list[tuple[int, float]], costs: C
         # of those, the replies with no action to take (no or a bad tool call, cut inside the reasoning)
         "rollout/malformed_rate": sum(r.get("malformed", 0) for r in records) / max(sum(turns), 1),
         "rollout/obs_cut": obs_cut(records),  # the share of observations --max-obs-tokens cut
+        **context_metrics(records),
         "rollout/zero_variance_groups": zero_variance_share(records),  # groups with no GRPO signal
         **anchor_metrics(records),  # GiGPO's turn-level groups (whatever --algo)
         **category_metrics(records),
@@ -247,6 +248,16 @@ def anchor_metrics(records: list[dict]) -> dict[str, float]:
     turns = sum(r["turns"] for r in records if r["finish"] != "error")
     return {"rollout/anchor_groups": len(sizes), "rollout/anchor_size": sum(sizes.values()) / max(len(sizes), 1),
             "rollout/anchored_share": sum(n for n in sizes.values() if n >= 2) / max(turns, 1)}
+
+
+def context_metrics(records: list[dict]) -> dict[str, float]:
+    """What a turn's prompt held (rl/context.py): the sequences an episode trained as (rollout/segments), the prompt
+    tokens a turn was sampled after, mean and max over the step's turns (flat under --context window, growing under
+    full)."""
+    prompts = [n for r in records for n in r.get("prompt_tokens", [])]
+    return {"rollout/segments": sum(r.get("segments", 1) for r in records) / max(len(records), 1),
+            "rollout/prompt_tokens": sum(prompts) / max(len(prompts), 1),
+            "rollout/prompt_tokens_max": max(prompts, default=0)}
 
 
 def obs_cut(records: list[dict]) -> float:

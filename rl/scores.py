@@ -63,6 +63,12 @@ def score(trajectories: list[Trajectory], env_name: str, score_max: float = 1.0)
             # of those, turns whose reply held no action the env could take (no or a malformed tool call, a reply cut inside
             # its reasoning): 1 - this is --agent tools' valid-call rate
             "malformed": sum(getattr(t, "malformed", 0) for t in episodes) / max(sum(t.turns for t in episodes), 1),
+            # what a turn's prompt held (--context, --max-obs-tokens): the mean and largest, and the observations cut
+            "prompt_tokens": sum(sum(getattr(t, "prompt_tokens", [])) for t in episodes)
+            / max(sum(len(getattr(t, "prompt_tokens", [])) for t in episodes), 1),
+            "prompt_tokens_max": max((n for t in episodes for n in getattr(t, "prompt_tokens", [])), default=0),
+            "obs_cut": sum(getattr(t, "obs_cut", 0) for t in episodes) / max(sum(getattr(t, "observations", 0)
+                                                                                 for t in episodes), 1),
         }
 
     categories = defaultdict(list)

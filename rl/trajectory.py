@@ -75,7 +75,13 @@ class Trajectory:
     final: bool = True  # reflect: False when another attempt followed this one
     reflection: str | None = None  # reflect: what the policy wrote after this attempt failed
     tools: list[dict] | None = None  # --agent tools: the tools the model was given (OpenAI function schemas)
-    sequences: list[Sequence] = field(default_factory=list)  # --reasoning drop: each turn's (its rendered prompt, its sample)
+    # --reasoning drop, --context window: each segment's tokens (its rendered prompt, the turns it extends it by), the
+    # last one live (rl/context.py)
+    sequences: list[Sequence] = field(default_factory=list)
+    segment_open: bool = False  # whether the last of `sequences` is the live context's (a turn was sampled in it)
+    opening: int = 0  # the agent's opening messages (instruction, ack, first observation), which every prompt keeps
+    kept: int = 0  # --context window: the first message after the opening that the prompt holds (0: all)
+    prompt_tokens: list[int] = field(default_factory=list)  # each turn's prompt length (the context it was sampled in)
     usage: dict[str, float] = field(default_factory=dict)  # an API model's calls, tokens and cost (rl/api.py)
 
     def add(self, ids: list[int], logprobs: list[float] | None = None, trained: bool = False) -> None:
@@ -85,9 +91,21 @@ class Trajectory:
         self.logprobs += logprobs if trained else [0.0] * len(ids)
 
     def restart(self, prompt: list[int]) -> None:
-        """--reasoning drop: the next turn's context is `prompt` alone (the turns before it stay in `sequences`)."""
+        """A new segment (--reasoning drop, --context window): the next turn's context is `prompt` alone (the turns
+        before it stay in `sequences`)."""
         self.token_ids, self.loss_mask, self.logprobs = [], [], []
+        self.segment_open = False
         self.add(prompt)
+
+    def keep_segment(self) -> None:
+        """Record the live context as the last segment (after a turn was sampled in it)."""
+        live = Sequence(list(self.token_ids), list(self.loss_mask), list(self.logprobs))
+        self.sequences[-1:] = [live] if self.segment_open else [*self.sequences[-1:], live]
+        self.segment_open = True
+
+    def prompt_messages(self) -> list[dict]:
+        """The messages the next turn's prompt holds: all, or (--context window) the opening and those from `kept`."""
+        return self.messages[:self.opening] + self.messages[self.kept:] if self.kept else self.messages
 
     def fail(self, error: str) -> None:
         self.finish, self.error, self.reward = "error", error, 0.0
@@ -125,10 +143,10 @@ class Trajectory:
             "error": self.error, "invalid_actions": self.invalid_actions, "malformed": self.malformed,
             "observations": self.observations, "obs_cut": self.obs_cut,
             "turn_rewards": self.turn_rewards, "env_actions": self.actions,  # (what the env was sent: the viewer replays it)
-            # (over every trained sequence; under --reasoning drop token_ids below are the last context's, as
-            # `turn_sequences` says)
+            # (over every trained sequence; under --reasoning drop and --context window token_ids below are the last
+            # segment's, as `segments` says)
             "tokens": sum(len(s.token_ids) for s in trained), "action_tokens": sum(sum(s.loss_mask) for s in trained),
-            **({"turn_sequences": len(self.sequences)} if self.sequences else {}),
+            "segments": len(trained), "prompt_tokens": self.prompt_tokens,
             **({"attempt": self.attempt, "final": self.final, "reflection": self.reflection} if self.attempt > 1 or
                not self.final else {}),  # (reflect's; before the messages, where the viewer's index reads)
             "messages": self.messages,

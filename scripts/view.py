@@ -51,7 +51,7 @@ PAGE = Path(__file__).with_name("view.html")
 # the fields a listing needs; a record holds them before its messages (rl/records.py), so they are read
 # without parsing the rest of a long line
 SUMMARY = ("step", "item_id", "task_id", "category", "group", "horizon", "reward", "success", "turns", "finish",
-           "error", "invalid_actions", "malformed", "tokens", "action_tokens", "turn_sequences", "attempt", "reflection")
+           "error", "invalid_actions", "malformed", "tokens", "action_tokens", "segments", "attempt", "reflection")
 TRAJECTORY_LOGS = ("rollouts.jsonl", "evaluations.jsonl")
 ROW_LIMIT = 500  # rows a listing returns at most (the page pages through the rest)
 

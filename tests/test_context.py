@@ -95,3 +95,189 @@ def test_eval_plays_a_runs_own_cut_unless_told_otherwise():
     assert run_layout(build(eval_script.Args, max_obs_tokens=0), own)["max_obs_tokens"] == 0
     assert run_layout(build(eval_script.Args), {})["max_obs_tokens"] == 0
     assert run_layout(build(eval_script.Args, max_obs_tokens=64), {})["max_obs_tokens"] == 64
+
+
+# ----------------------------------------------------------------------------------------------
+# --context window:K: the opening and the last K turns, a new segment each time the window slides
+
+
+LONG = [15, 32, 5]  # BabyAI test tasks whose expert takes 8, 10 and 12 turns or more
+
+
+def window_episodes(name, k=2, count=2, horizon=6, engine_of=None, task_ids=None, agent=None, **layout):
+    """Expert episodes of env `name`'s first test tasks (or `task_ids`) under window:k (or `engine_of`'s), with the
+    prompts and samples the engine saw (tests/test_token_exactness.Spy)."""
+    from rl.context import Context
+    from rollout import ExpertEngine
+
+    fmt = ChatFormat(load_tokenizer("tiny-agent"), context=Context.parse(f"window:{k}"), **layout)
+    task_ids = task_ids or envs.splits(name)["test"][:count]
+    environments = [envs.make(name) for _ in task_ids]
+    engine = (engine_of or (lambda e: ExpertEngine(fmt, e)))(environments)
+    spy = Spy(engine, fmt)
+    try:
+        trajectories = rollout(spy, fmt, environments, task_ids, list(range(len(task_ids))), horizon=horizon,
+                               max_new_tokens=256, max_tokens=16384, **({"agent": agent} if agent else {}))
+    finally:
+        for env in environments:
+            env.close()
+    return fmt, spy, trajectories
+
+
+def check_window(fmt, spy, trajectories, k, every=False):
+    """Turn t's prompt holds the opening and turns max(1, t - k) .. t - 1: within a segment it extends the last prompt
+    by the sampled tokens and the observation exactly, and where the window slid (every turn after turn k + 1) it is
+    the template's rendering of the kept messages; each segment's tokens are its first prompt and its sampled turns,
+    trained on them alone; the last segment is the live context. `every` (--reasoning drop): every turn renders."""
+    checked = 0
+    for traj in trajectories:
+        prompts, samples, opening = spy.prompts[traj.row], spy.samples[traj.row], traj.opening
+        assert len(prompts) == traj.turns and opening == 3
+        starts = list(range(traj.turns)) if every else [0, *range(k + 1, traj.turns)]  # (the turns opening a segment)
+        assert len(traj.sequences) == len(starts) == (traj.turns if every else max(1, traj.turns - k))
+        for t, prompt in enumerate(prompts):
+            dropped = max(0, t - k)  # turns gone from turn t's prompt
+            kept = traj.messages[:opening] + traj.messages[opening + 2 * dropped:opening + 2 * t]
+            if t in starts:
+                assert prompt == fmt.prompt(kept, tools=traj.tools), (traj.env, t)
+            else:
+                closed = samples[t - 1] + ([] if samples[t - 1][-1:] == [fmt.end_of_turn] else [fmt.end_of_turn])
+                answer = traj.messages[opening + 2 * t - 1]
+                observation = fmt.observation(answer["content"], answer["role"])
+                assert prompt == prompts[t - 1] + closed + observation, (traj.env, t)
+            checked += 1
+        for s, (ids, mask, _) in enumerate(traj.sequences):
+            turns = range(starts[s], starts[s + 1] if s + 1 < len(starts) else traj.turns)
+            assert ids[:len(prompts[turns[0]])] == prompts[turns[0]] and not any(mask[:len(prompts[turns[0]])])
+            assert [t for t, m in zip(ids, mask) if m] == [x for t in turns for x in samples[t]]
+        assert traj.token_ids == traj.sequences[-1][0] and traj.prompt_tokens == [len(p) for p in prompts]
+        assert traj.log_record()["segments"] == len(traj.sequences)
+    return checked
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", envs.ENVS)
+def test_a_window_keeps_the_opening_and_the_last_k_turns_token_exact_on_every_env(name):
+    fmt, spy, trajectories = window_episodes(name, k=2, horizon=6, task_ids=LONG[:2] if name == "babyai" else None)
+    assert all(t.error is None or "expert failed" in t.error for t in trajectories)
+    assert check_window(fmt, spy, trajectories, 2) >= 2
+    if max(t.turns for t in trajectories) > 3:  # (an episode long enough to slide: its prompts stop growing)
+        longest = max(trajectories, key=lambda t: t.turns)
+        assert len(longest.sequences) > 1
+
+
+def test_a_window_wider_than_the_episode_is_the_full_layout_and_a_slid_one_stays_flat():
+    from rl.context import Context
+
+    fmt, spy, wide = window_episodes("babyai", k=20, horizon=8, task_ids=LONG)
+    _, _, narrow = window_episodes("babyai", k=1, horizon=8, task_ids=LONG)
+    full = ChatFormat(load_tokenizer("tiny-agent"))
+    for traj in wide:
+        assert len(traj.sequences) == 1 and traj.sequences[0][0] == traj.token_ids  # (never slid: one segment)
+    long = max(narrow, key=lambda t: t.turns)
+    assert long.turns >= 5 and len(long.sequences) == long.turns - 1
+    assert max(long.prompt_tokens[2:]) - min(long.prompt_tokens[2:]) < 80  # (flat: the opening and one turn)
+    assert max(t.prompt_tokens[-1] for t in wide) > max(long.prompt_tokens) + 200  # (grows)
+    with pytest.raises(SystemExit, match="window:K"):
+        Context.parse("window:0")
+    with pytest.raises(SystemExit, match="window:K"):
+        Context.parse("windows:3")
+    assert str(Context.parse("window:3")) == "window:3" and not Context.parse("full").segmented and full.context.mode == "full"
+
+
+def test_a_windowed_episode_counts_once_however_its_segments_fall_into_micro_and_mini_batches():
+    """The weighting rule (rl/context.py): with terms equal to each episode's own constant on its action tokens,
+    seq-mean-token-mean gives the mean of the constants, seq-mean-token-sum the mean of constant x the episode's
+    action tokens, token-mean their sum over all action tokens: as if each episode were one row, whatever its
+    segments and wherever they fall (a row a micro-batch, every other row in each of two mini-batches)."""
+    import torch
+
+    from rl.batch import count_sequences, make_batch, rows_of
+    from rl.losses import aggregate
+
+    fmt, _, played = window_episodes("babyai", k=1, horizon=6, task_ids=LONG)
+    assert max(len(t.sequences) for t in played) >= 3
+    rows, episodes = rows_of(played)
+    batch = make_batch(rows, fmt.pad_id, [[[i]] for i in range(len(rows))], "cpu", episodes=episodes)
+    constants = torch.tensor([1.0, 3.0, -2.0])
+    tokens = torch.tensor([float(sum(sum(s[1]) for s in t.sequences)) for t in played])
+    expected = {"seq-mean-token-mean": constants.mean(), "seq-mean-token-sum": (constants * tokens).mean(),
+                "token-mean": (constants * tokens).sum() / tokens.sum()}
+    counts = (sum(float(m.loss_mask.sum()) for m in batch.micro), count_sequences(batch.micro))
+    for mode, value in expected.items():  # (a micro-batch a row: an episode's segments in several)
+        total = sum(float(aggregate(constants[m.segments.clamp(min=0)] * (m.segments >= 0), m.loss_mask, mode,
+                                    *counts, m.segments, m.weights)) for m in batch.micro)
+        assert total == pytest.approx(float(value), rel=1e-5), mode
+    halves = [batch.micro[0::2], batch.micro[1::2]]  # (two mini-batches, an episode's segments in both)
+    assert all(len({int(e) for m in half for e in m.segments.unique() if e >= 0}) > 1 for half in halves)
+    assert sum(count_sequences(half) for half in halves) == pytest.approx(len(played))
+    assert count_sequences(batch.micro) == pytest.approx(len(played))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [("--algo", "gigpo"), ("--engine", "vllm", "--max-staleness", "1")])
+def test_a_windowed_run_trains_its_segments_logs_them_and_its_checkpoint_plays_the_same_window(tmp_path, flags):
+    """train.py --context window:1 on BabyAI's long episodes, with GiGPO (turn-level groups across segments) and with
+    vLLM under the asynchronous loop (each segment's turns with their own policy versions): the step trains, the
+    metrics say segments and flat prompts, and eval.py plays the checkpoint under the run's own window."""
+    import json
+
+    import eval as eval_script
+    import train
+    from rl.flags import build
+
+    task_file = tmp_path / "long.json"
+    task_file.write_text(json.dumps([{"item_id": f"babyai_{t}"} for t in LONG]))
+    args = train.parse_args(["--env", "babyai", "--steps", "1", "--tasks-per-step", "3", "--n", "2", "--horizon", "5",
+                             "--max-new-tokens", "24", "--context", "window:1", "--train-tasks", str(task_file),
+                             "--eval-every", "0", "--out-dir", str(tmp_path), "--run-name", "window", *flags])
+    run_dir = train.main(args)
+    records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    assert max(r["segments"] for r in records) >= 3 and metrics["rollout/segments"] > 1
+    assert all(len(r["prompt_tokens"]) == r["turns"] for r in records)
+    assert metrics["rollout/prompt_tokens_max"] == max(max(r["prompt_tokens"]) for r in records)
+    assert metrics["losses/nonfinite_updates"] == 0 and metrics["rollout/action_tokens"] > 0
+    results = eval_script.main(build(eval_script.Args, model=str(run_dir / "checkpoints" / "step_1"), limit=2, k=1,
+                                     tasks=str(task_file), horizon=(5,), out=str(tmp_path / "eval")))
+    assert results["context"] == "window:1" and results["prompt_tokens_max"] > 0
+
+
+def test_a_model_behind_an_api_is_sent_the_window_not_the_episode():
+    """A text engine renders nothing here: under --context window its requests carry the opening and the kept turns
+    (Trajectory.prompt_messages), as a local model's prompt would."""
+    from rl.engines.api import APIEngine
+    from rl.trajectory import Trajectory
+    from tests.test_api_eval import fake_api, reply, turns
+
+    messages = [{"role": "user", "content": "Play."}, {"role": "assistant", "content": "OK."},
+                {"role": "user", "content": "Room 0."}]
+    for k in range(1, 4):
+        messages += [{"role": "assistant", "content": f"Action: go {k}"}, {"role": "user", "content": f"Room {k}."}]
+    traj = Trajectory("babyai", 0, 0, 0, messages, opening=3, kept=7)
+    assert traj.prompt_messages() == messages[:3] + messages[7:]
+    with fake_api(lambda body, attempt, authorization: reply()) as (url, seen):
+        engine = APIEngine(url, "fake-model", retries=0)
+        try:
+            turns(engine, [traj])
+        finally:
+            engine.close()
+    (_, body, _), = seen
+    assert body["messages"] == messages[:3] + messages[7:]
+
+
+@pytest.mark.parametrize("crossing", ["drop", "tools"])
+def test_a_window_crosses_reasoning_drop_and_tool_calls_token_exact(crossing):
+    """--reasoning drop under a window renders each turn from the kept messages alone; --agent tools keeps whole
+    calls and their results in the window (TextCraft's tools), every segment rendered with the tools."""
+    from rl.agent import make_agent
+
+    if crossing == "drop":
+        fmt, spy, played = window_episodes("babyai", k=2, horizon=6, task_ids=LONG[:2], history="drop")
+        assert check_window(fmt, spy, played, 2, every=True) >= 10
+    else:
+        fmt, spy, played = window_episodes("textcraft", k=1, horizon=6, task_ids=[36, 38, 49],
+                                           agent=make_agent("tools", 1))  # (test tasks of 3 turns)
+        assert all(t.tools for t in played) and min(len(t.sequences) for t in played) == 2
+        assert all(m.get("role") == "tool" for t in played for m in t.prompt_messages()[4::2])
+        assert check_window(fmt, spy, played, 1) == 9

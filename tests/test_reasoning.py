@@ -182,7 +182,7 @@ def test_drop_lays_each_turn_out_as_the_template_renders_it_token_exact(thinking
             assert dropping.tokenizer.decode(prompt).count("<think>") == 0  # (the template shows reasoning after the last user turn only)
         assert traj.token_ids == traj.sequences[-1][0]
         record = traj.log_record()
-        assert record["turn_sequences"] == traj.turns and record["action_tokens"] == sum(map(len, spy.samples[traj.row]))
+        assert record["segments"] == traj.turns and record["action_tokens"] == sum(map(len, spy.samples[traj.row]))
 
 
 @pytest.mark.slow  # (two training steps a layout)

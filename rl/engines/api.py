@@ -87,6 +87,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from rl.chat import Reasoning, parse_calls, reasoning_of, without_calls
+from rl.context import Context
 from rl.engines import Sample
 
 PREFIX = "openai:"  # --model openai:<name> names a served model
@@ -145,14 +146,15 @@ class APIFormat:
 
     opens_reasoning = False
     call_style = "hermes"
-    history = "keep"  # (nothing is laid out here: the server renders the whole conversation every turn)
+    history = "keep"  # (nothing is laid out here: the server renders the conversation every turn)
+    segmented = False
 
     def __init__(self, reasoning_tags: tuple[str, str] | None = None, template_kwargs: dict | None = None,
-                 max_obs_tokens: int = 0):
+                 max_obs_tokens: int = 0, context: Context = Context()):
         if max_obs_tokens:
             raise SystemExit("--max-obs-tokens counts an observation's tokens with the model's tokenizer, which a model "
                              "behind an API does not give: leave it out")
-        self.reasoning = reasoning_of(None, reasoning_tags)
+        self.reasoning, self.context = reasoning_of(None, reasoning_tags), context  # (what each request sends)
         self.template_kwargs = dict(template_kwargs or {})  # (the server's chat template options, sent with requests)
 
     def prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
@@ -210,7 +212,7 @@ class APIEngine:
     def submit(self, traj, limit: int) -> None:
         # (a reply's reasoning, kept with the episode as reasoning_content, never goes back to the server)
         # and calls left inline by a server without a tool parser go back once, as tool_calls
-        messages = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in traj.messages]
+        messages = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in traj.prompt_messages()]
         for message in messages:
             if message.get("tool_calls") and message.get("content"):
                 message["content"] = without_calls(message["content"], "hermes")
