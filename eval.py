@@ -122,7 +122,7 @@ class Args:
     max_obs_tokens: int | None = None
     """an observation of more than N tokens is cut to its first and last N/2 (train.py's); default: a run's own, else 0"""
     context: str | None = None
-    """full or window:K, what a turn's prompt holds (train.py's --context); default: a run's own, else full"""
+    """full, window:K or summary:M: what a turn's prompt holds (train.py's); default: a run's own, else full"""
     attempts: int = 3
     """--agent reflect: attempts a task gets (it stops at its first success); success is reported per attempt"""
     compare: tuple[str, str] | None = None

@@ -44,10 +44,10 @@ attempt's tokens. The env reads a reply after its reasoning block (rl/chat.py); 
 take (cut off inside its reasoning, no or a malformed tool call) is answered here, without the env, as an
 invalid action. Every format keeps the token rules above.
 
---reasoning drop (ChatFormat.history) is the one layout that does not append: each turn's prompt is the
-chat template's rendering of the conversation so far (a template that drops earlier reasoning is
-followed), and each turn's prompt and sampled tokens are kept as a sequence of their own
-(Trajectory.sequences), which train.py trains as a row each.
+Where the history changes, a new sequence starts (Trajectory.sequences, a row each in train.py): under
+--reasoning drop every turn's prompt is the template's rendering of the conversation so far (a template that drops
+earlier reasoning is followed); under --context window:K or summary:M where the window slides or a summary was
+written, the rendering of what is kept (rl/context.py). Within a sequence each turn extends the last exactly.
 
 Engines (rl/engines/): HFEngine, VLLMEngine and ExpertEngine (the envs' scripted oracles). A text
 engine (rl/engines/api.py's APIEngine: a model behind an HTTP API, for eval) returns the reply as text
@@ -84,6 +84,7 @@ from rl.agent import REACT, Agent
 from rl.chat import ChatFormat, openai_calls  # (ChatFormat: rollout's callers import it from here too)
 from rl.engines import Sample
 from rl.engines.expert import ExpertEngine
+from rl.context import Context, restart, with_request
 from rl.limits import Limit, most, named
 from rl.engines.hf import HFEngine  # noqa: F401 - the engines rollouts run on, imported from here too
 from rl.engines.vllm import VLLMEngine  # noqa: F401 - (as HFEngine)
@@ -96,6 +97,7 @@ STALL_S = 600.0
 # Env calls at once: a thread per env up to this many (an env call mostly waits, on a browser, a server or a
 # simulator's process, so a slow env must not hold up another's call behind it; 32 had a step's 64 episodes queue)
 ENV_THREADS = 256
+SUMMARIZED = StepResult("", 0.0, False)  # the answer to a summary turn (--context summary), which no env reads
 
 
 class Tasks(NamedTuple):
@@ -317,6 +319,9 @@ class Rollouts:
             if self.versions:
                 traj.versions.append(self.version)
             self.clock.sampled_tokens += len(sample.token_ids)
+            if traj.summary_spans[-1:] == [len(traj.prompt_tokens) - 1]:  # (--context summary: no env reads it)
+                self.stepping[_answered(SUMMARIZED, traj)] = traj
+                continue
             action = self.agent.read(self.fmt, traj.env, traj.messages[-1]["content"], sample.tool_calls)
             traj.actions.append(action.text)
             if action.calls:
@@ -509,6 +514,10 @@ def _add_usage(traj: Trajectory, sample: Sample) -> None:
 def _taken_in(fmt: ChatFormat, traj: Trajectory, answer: EnvAnswer, max_tokens: int) -> bool:
     """An env's answer to a turn, observed; whether the trajectory goes on to another turn (at its horizon it ends,
     finish "horizon")."""
+    if answer.result is SUMMARIZED:  # (a summary turn: the next prompt starts from it)
+        Context.summarized(traj)
+        restart(fmt, traj, max_tokens)
+        return traj.live
     _observe(fmt, traj, answer.result, traj.horizon, max_tokens)
     if not isinstance(answer.result, Exception):
         traj.states.append(answer.state)
@@ -590,7 +599,9 @@ def _act(fmt: ChatFormat, traj: Trajectory, sample: Sample) -> None:
     traj.messages.append({"role": "assistant", "content": _reply(fmt, sample)})
     if sample.reasoning:  # (a text engine's reasoning, returned apart from its reply: logged, never sent back)
         traj.messages[-1]["reasoning_content"] = sample.reasoning
-    traj.turns, traj.sampled = traj.turns + 1, traj.sampled + len(sample.token_ids)
+    if traj.summarizing:  # (a summary: a sampled turn, not an env turn)
+        traj.summary_spans.append(len(traj.prompt_tokens) - 1)
+    traj.turns, traj.sampled = traj.turns + (not traj.summarizing), traj.sampled + len(sample.token_ids)
 
 
 def _reply(fmt: ChatFormat, sample: Sample) -> str:
@@ -611,19 +622,18 @@ def _observe(fmt: ChatFormat, traj: Trajectory, result, horizon: int, max_tokens
     text, cut = fmt.cut(result.observation)
     traj.observations, traj.obs_cut = traj.observations + 1, traj.obs_cut + (cut > 0)
     calls = traj.messages[-1].get("tool_calls")  # an answer to a tool call is the call's result
-    traj.messages.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": text} if calls
-                         else {"role": "user", "content": text})
+    answer = {"role": "tool", "tool_call_id": calls[0]["id"], "content": text} if calls else \
+        {"role": "user", "content": text}
+    if not traj.done and traj.turns < horizon and fmt.context.summarizes(traj.turns):  # (the next turn: a summary)
+        traj.answer, traj.summarizing, answer = answer, True, {**answer, "content": with_request(text)}
+    traj.messages.append(answer)
     if traj.done:
         traj.finish = "done"
-    elif traj.turns < horizon and (fmt.history == "drop" or fmt.context.slides(traj.turns)):  # a new segment: the
-        traj.kept = fmt.context.first_kept(len(traj.messages), traj.opening)  # template's rendering of what is kept
-        prompt = fmt.prompt(traj.prompt_messages(), tools=traj.tools)
-        if max_tokens - len(prompt) - 1 < 1:
-            traj.finish = "max_tokens"
-        else:
-            traj.restart(prompt)
+    elif traj.turns < horizon and (fmt.history == "drop" or fmt.context.slides(traj.turns)):  # a new segment
+        fmt.context.slide(traj)
+        restart(fmt, traj, max_tokens)
     elif traj.turns < horizon:
-        observation = fmt.observation(text, traj.messages[-1]["role"])
+        observation = fmt.observation(answer["content"], answer["role"])
         if _room(traj, max_tokens) - len(observation) < 1:  # no room left for a reply
             traj.finish = "max_tokens"
         else:

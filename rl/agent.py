@@ -164,7 +164,8 @@ class LayoutArgs:
     page cannot fill the budget; rollout/obs_cut counts them); 0: never"""
     context: str = "full"
     """what a turn's prompt holds (rl/context.py): full, the whole episode; window:K, the opening (instruction, first
-    observation) and the last K turns, a new sequence each time it slides"""
+    observation) and the last K turns; summary:M, after every M turns the policy summarizes, and the summary replaces
+    the turns before it; each change of history starts a new sequence (grpo, rloo, gigpo)"""
 
     def check(self, env_name: str, algo: str | None = None) -> None:
         """Stop early, with what to do, on a layout that cannot work for this env and --algo (check_layout)."""

@@ -207,7 +207,8 @@ def rows_of(trajectories) -> tuple[list, list[int]]:
         for ids, mask, logprobs in traj.sequences:
             sampled = len(spans(mask))
             rows.append(replace(traj, token_ids=ids, loss_mask=mask, logprobs=logprobs, sequences=[],
-                                versions=traj.versions[first:first + sampled]))
+                                versions=traj.versions[first:first + sampled],
+                                summary_spans=[s - first for s in traj.summary_spans if first <= s < first + sampled]))
             episodes.append(k)
             first += sampled
     return rows, episodes
@@ -253,7 +254,7 @@ def turns(trajectories, episodes: list[int], width: int) -> torch.Tensor:
     rows = []
     for traj, episode in zip(trajectories, episodes):
         offset, own = seen.get(episode, 0), traj.token_turns()
-        seen[episode] = offset + max(own, default=-1) + 1
+        seen[episode] = offset + len(spans(traj.loss_mask)) - len(traj.summary_spans)  # (its env turns)
         rows.append([t + offset if t >= 0 else -1 for t in own] + [-1] * (width - len(traj.token_ids)))
     return torch.tensor(rows, dtype=torch.long)
 

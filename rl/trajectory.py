@@ -80,7 +80,12 @@ class Trajectory:
     sequences: list[Sequence] = field(default_factory=list)
     segment_open: bool = False  # whether the last of `sequences` is the live context's (a turn was sampled in it)
     opening: int = 0  # the agent's opening messages (instruction, ack, first observation), which every prompt keeps
-    kept: int = 0  # --context window: the first message after the opening that the prompt holds (0: all)
+    # --context: the next prompt holds `context` and the messages from `since` on (None: every message; rl/context.py)
+    context: list[dict] | None = None
+    since: int = 0
+    summarizing: bool = False  # --context summary: the next turn writes the summary
+    answer: dict | None = None  # ... and the env's answer it follows, without the request: the next prompt's last
+    summary_spans: list[int] = field(default_factory=list)  # the sampled turns (runs of loss-mask 1) that were summaries
     prompt_tokens: list[int] = field(default_factory=list)  # each turn's prompt length (the context it was sampled in)
     usage: dict[str, float] = field(default_factory=dict)  # an API model's calls, tokens and cost (rl/api.py)
 
@@ -104,8 +109,8 @@ class Trajectory:
         self.segment_open = True
 
     def prompt_messages(self) -> list[dict]:
-        """The messages the next turn's prompt holds: all, or (--context window) the opening and those from `kept`."""
-        return self.messages[:self.opening] + self.messages[self.kept:] if self.kept else self.messages
+        """The messages the next turn's prompt holds: all, or (--context window, summary) what the context keeps."""
+        return self.messages if self.context is None else self.context + self.messages[self.since:]
 
     def fail(self, error: str) -> None:
         self.finish, self.error, self.reward = "error", error, 0.0
@@ -147,6 +152,7 @@ class Trajectory:
             # segment's, as `segments` says)
             "tokens": sum(len(s.token_ids) for s in trained), "action_tokens": sum(sum(s.loss_mask) for s in trained),
             "segments": len(trained), "prompt_tokens": self.prompt_tokens,
+            **({"summaries": len(self.summary_spans)} if self.summary_spans else {}),
             **({"attempt": self.attempt, "final": self.final, "reflection": self.reflection} if self.attempt > 1 or
                not self.final else {}),  # (reflect's; before the messages, where the viewer's index reads)
             "messages": self.messages,
@@ -159,20 +165,23 @@ class Trajectory:
             **({"states": self.states} if any(key is not None for key in self.states) else {}),
         }
 
-    def token_turns(self) -> list[int]:
-        """The turn of every token: each turn's index on its sampled tokens (the runs of loss-mask 1, a run per turn),
-        -1 on everything else."""
-        turns, turn = [-1] * len(self.loss_mask), -1
+    def token_turns(self, samples: bool = False) -> list[int]:
+        """The env turn of every token: each turn's index on its sampled tokens (the runs of loss-mask 1, a run per
+        turn), -1 on everything else; a summary's tokens (--context summary) count as the turn they precede. With
+        `samples`, the index of the sampled turn instead, summaries counted (what `versions` holds one of each)."""
+        turns, sample, turn, at = [-1] * len(self.loss_mask), -1, -1, -1
         for i, trained in enumerate(self.loss_mask):
             if trained and (i == 0 or not self.loss_mask[i - 1]):
-                turn += 1
+                sample += 1
+                at = turn + 1
+                turn += sample not in self.summary_spans
             if trained:
-                turns[i] = turn
+                turns[i] = sample if samples else at
         return turns
 
     def token_versions(self) -> list[int]:
-        """The version of every token (--max-staleness): each turn's on its sampled tokens, -1 elsewhere."""
-        return [self.versions[turn] if turn >= 0 else -1 for turn in self.token_turns()]
+        """The version of every token (--max-staleness): each sampled turn's on its tokens, -1 elsewhere."""
+        return [self.versions[sample] if sample >= 0 else -1 for sample in self.token_turns(samples=True)]
 
 
 def category(env: str, task_id: int) -> str | None:

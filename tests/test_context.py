@@ -254,7 +254,7 @@ def test_a_model_behind_an_api_is_sent_the_window_not_the_episode():
                 {"role": "user", "content": "Room 0."}]
     for k in range(1, 4):
         messages += [{"role": "assistant", "content": f"Action: go {k}"}, {"role": "user", "content": f"Room {k}."}]
-    traj = Trajectory("babyai", 0, 0, 0, messages, opening=3, kept=7)
+    traj = Trajectory("babyai", 0, 0, 0, messages, opening=3, context=messages[:3], since=7)
     assert traj.prompt_messages() == messages[:3] + messages[7:]
     with fake_api(lambda body, attempt, authorization: reply()) as (url, seen):
         engine = APIEngine(url, "fake-model", retries=0)
@@ -281,3 +281,114 @@ def test_a_window_crosses_reasoning_drop_and_tool_calls_token_exact(crossing):
         assert all(t.tools for t in played) and min(len(t.sequences) for t in played) == 2
         assert all(m.get("role") == "tool" for t in played for m in t.prompt_messages()[4::2])
         assert check_window(fmt, spy, played, 1) == 9
+
+
+# ----------------------------------------------------------------------------------------------
+# --context summary:M: a summary turn after every M-th turn, which replaces the turns before it
+
+
+def check_summary(fmt, spy, trajectories, m):
+    """Every sampled turn's prompt: the first prompt; after an action, the last prompt plus the sampled tokens and the
+    env's answer (after every M-th turn with the request on it); after a summary, the template's rendering of the
+    opening, the summary and the env's last answer without the request. Summaries come after env turns M, 2M, ...,
+    count for no env turn, and are trained like any turn."""
+    from rl.context import SUMMARY_REQUEST
+
+    checked = 0
+    for traj in trajectories:
+        prompts, samples, opening = spy.prompts[traj.row], spy.samples[traj.row], traj.opening
+        messages = traj.messages[opening:]
+        at, turns, summary_of = 0, 0, None  # (the sample's assistant message, env turns so far, the last answer)
+        for k, prompt in enumerate(prompts):
+            if k == 0:
+                assert prompt == fmt.prompt(traj.messages[:opening], tools=traj.tools)
+            elif summary_of is not None:
+                kept = traj.messages[:opening] + [messages[at - 1], summary_of]
+                assert prompt == fmt.prompt(kept, tools=traj.tools), (traj.env, k)
+                summary_of = None
+            else:
+                closed = samples[k - 1] + ([] if samples[k - 1][-1:] == [fmt.end_of_turn] else [fmt.end_of_turn])
+                answer = messages[at - 1]
+                assert prompt == prompts[k - 1] + closed + fmt.observation(answer["content"], answer["role"])
+            summarizing = k in traj.summary_spans
+            assert messages[at]["role"] == "assistant"
+            if summarizing:  # (after env turns M, 2M, ...: its prompt ends with the request)
+                assert turns % m == 0 and turns > 0 and messages[at - 1]["content"].endswith(SUMMARY_REQUEST)
+                summary_of = {**messages[at - 1], "content": messages[at - 1]["content"][:-len(SUMMARY_REQUEST) - 2]}
+                at += 1
+            else:
+                turns += 1
+                at += 2
+            checked += 1
+        assert turns == traj.turns and len(traj.summary_spans) == (traj.turns - 1) // m
+        trained = [t for ids, mask, _ in traj.sequences for t, x in zip(ids, mask) if x]
+        assert trained == [t for s in samples for t in s]  # (every sampled turn, the summaries too, trained once)
+        assert len(traj.sequences) == 1 + len(traj.summary_spans)
+    return checked
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", envs.ENVS)
+def test_summaries_replace_the_turns_before_them_token_exact_on_every_env(name):
+    from rl.context import Context
+    from rollout import ExpertEngine
+
+    fmt = ChatFormat(load_tokenizer("tiny-agent"), context=Context.parse("summary:2"))
+    task_ids = LONG[:2] if name == "babyai" else envs.splits(name)["test"][:2]
+    environments = [envs.make(name) for _ in task_ids]
+    engine = ExpertEngine(fmt, environments)
+    engine.expert_texts = []
+    spy = Spy(engine, fmt)
+    try:
+        played = rollout(spy, fmt, environments, task_ids, [0, 1], horizon=6, max_new_tokens=256, max_tokens=16384)
+    finally:
+        for env in environments:
+            env.close()
+    assert all(t.error is None or "expert failed" in t.error for t in played)
+    assert check_summary(fmt, spy, played, 2) >= 2
+    if name == "babyai":  # (long episodes: 6 env turns, summaries after turns 2 and 4)
+        assert [t.turns for t in played] == [6, 6] and all(t.summary_spans == [2, 5] for t in played)
+
+
+def test_a_summarys_tokens_count_as_the_turn_they_precede_and_keep_their_own_version():
+    """GiGPO's turns: a summary's tokens belong to the env turn that follows it (the state it was written in); the
+    policy versions (--max-staleness) go by sampled turn, summaries counted; over an episode's segments (rows_of,
+    batch turns) the env turns run on without a gap."""
+    from rl.batch import rows_of, turns
+    from rl.trajectory import Trajectory
+
+    ids, mask = [9, 1, 1, 9, 2, 9, 3, 3, 9, 4], [0, 1, 1, 0, 1, 0, 1, 1, 0, 1]  # (sampled: a0, a1, S, a2)
+    traj = Trajectory("babyai", 0, 0, 0, [], token_ids=ids, loss_mask=mask, logprobs=[0.0] * 10, turns=3,
+                      summary_spans=[2], versions=[5, 5, 6, 7])
+    assert traj.token_turns() == [-1, 0, 0, -1, 1, -1, 2, 2, -1, 2]
+    assert traj.token_versions() == [-1, 5, 5, -1, 5, -1, 6, 6, -1, 7]
+    traj.sequences = [(ids[:8], mask[:8], [0.0] * 8), ([8, 9, 4], [0, 0, 1], [0.0] * 3)]
+    rows, episodes = rows_of([traj])
+    assert [r.summary_spans for r in rows] == [[2], []] and [r.versions for r in rows] == [[5, 5, 6], [7]]
+    assert turns(rows, episodes, 8).tolist() == [[-1, 0, 0, -1, 1, -1, 2, 2], [-1, -1, 2, -1, -1, -1, -1, -1]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [("--algo", "gigpo"), ("--engine", "vllm", "--max-staleness", "1")])
+def test_a_summarizing_run_trains_and_its_checkpoint_plays_the_same_context(tmp_path, flags):
+    import json
+
+    import eval as eval_script
+    import train
+    from rl.flags import build
+
+    task_file = tmp_path / "long.json"
+    task_file.write_text(json.dumps([{"item_id": f"babyai_{t}"} for t in LONG]))
+    args = train.parse_args(["--env", "babyai", "--steps", "1", "--tasks-per-step", "3", "--n", "2", "--horizon", "5",
+                             "--max-new-tokens", "24", "--context", "summary:2", "--train-tasks", str(task_file),
+                             "--eval-every", "0", "--out-dir", str(tmp_path), "--run-name", "summary", *flags])
+    run_dir = train.main(args)
+    records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    long = [r for r in records if r["turns"] > 2]
+    assert long and all(r["summaries"] == (r["turns"] - 1) // 2 and r["segments"] == 1 + r["summaries"] for r in long)
+    assert all(len(r["prompt_tokens"]) == r["turns"] + r.get("summaries", 0) for r in records)
+    assert metrics["losses/nonfinite_updates"] == 0 and metrics["rollout/segments"] > 1
+    results = eval_script.main(build(eval_script.Args, model=str(run_dir / "checkpoints" / "step_1"), limit=2, k=1,
+                                     tasks=str(task_file), horizon=(5,), out=str(tmp_path / "eval")))
+    assert results["context"] == "summary:2"
