@@ -214,12 +214,9 @@ def test_a_windowed_episode_counts_once_however_its_segments_fall_into_micro_and
     assert count_sequences(batch.micro) == pytest.approx(len(played))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("flags", [("--algo", "gigpo"), ("--engine", "vllm", "--max-staleness", "1")])
-def test_a_windowed_run_trains_its_segments_logs_them_and_its_checkpoint_plays_the_same_window(tmp_path, flags):
-    """train.py --context window:1 on BabyAI's long episodes, with GiGPO (turn-level groups across segments) and with
-    vLLM under the asynchronous loop (each segment's turns with their own policy versions): the step trains, the
-    metrics say segments and flat prompts, and eval.py plays the checkpoint under the run's own window."""
+def context_run(tmp_path, context, *flags):
+    """One training step of train.py under `context` on BabyAI's long episodes (LONG), then eval.py on two of them
+    from its checkpoint: the rollout records, the step's metrics and the eval results."""
     import json
 
     import eval as eval_script
@@ -229,18 +226,31 @@ def test_a_windowed_run_trains_its_segments_logs_them_and_its_checkpoint_plays_t
     task_file = tmp_path / "long.json"
     task_file.write_text(json.dumps([{"item_id": f"babyai_{t}"} for t in LONG]))
     args = train.parse_args(["--env", "babyai", "--steps", "1", "--tasks-per-step", "3", "--n", "2", "--horizon", "5",
-                             "--max-new-tokens", "24", "--context", "window:1", "--train-tasks", str(task_file),
-                             "--eval-every", "0", "--out-dir", str(tmp_path), "--run-name", "window", *flags])
+                             "--max-new-tokens", "24", "--context", context, "--train-tasks", str(task_file),
+                             "--eval-every", "0", "--out-dir", str(tmp_path), "--run-name", "context", *flags])
     run_dir = train.main(args)
     records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
-    assert max(r["segments"] for r in records) >= 3 and metrics["rollout/segments"] > 1
-    assert all(len(r["prompt_tokens"]) == r["turns"] for r in records)
-    assert metrics["rollout/prompt_tokens_max"] == max(max(r["prompt_tokens"]) for r in records)
-    assert metrics["losses/nonfinite_updates"] == 0 and metrics["rollout/action_tokens"] > 0
     results = eval_script.main(build(eval_script.Args, model=str(run_dir / "checkpoints" / "step_1"), limit=2, k=1,
                                      tasks=str(task_file), horizon=(5,), out=str(tmp_path / "eval")))
-    assert results["context"] == "window:1" and results["prompt_tokens_max"] > 0
+    assert metrics["losses/nonfinite_updates"] == 0 and metrics["rollout/action_tokens"] > 0
+    assert metrics["rollout/segments"] > 1 and results["context"] == context
+    return records, metrics, results
+
+
+ENGINES = [("--algo", "gigpo"), ("--engine", "vllm", "--max-staleness", "1")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", ENGINES)
+def test_a_windowed_run_trains_its_segments_logs_them_and_its_checkpoint_plays_the_same_window(tmp_path, flags):
+    """train.py --context window:1 with GiGPO (turn-level groups across segments) and with vLLM under the asynchronous
+    loop (each segment's turns with their own policy versions): the step trains, the metrics say segments and the
+    prompts' sizes, and eval.py plays the checkpoint under the run's own window."""
+    records, metrics, results = context_run(tmp_path, "window:1", *flags)
+    assert max(r["segments"] for r in records) >= 3 and all(len(r["prompt_tokens"]) == r["turns"] for r in records)
+    assert metrics["rollout/prompt_tokens_max"] == max(max(r["prompt_tokens"]) for r in records)
+    assert results["prompt_tokens_max"] > 0
 
 
 def test_a_model_behind_an_api_is_sent_the_window_not_the_episode():
@@ -369,26 +379,9 @@ def test_a_summarys_tokens_count_as_the_turn_they_precede_and_keep_their_own_ver
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [("--algo", "gigpo"), ("--engine", "vllm", "--max-staleness", "1")])
+@pytest.mark.parametrize("flags", ENGINES)
 def test_a_summarizing_run_trains_and_its_checkpoint_plays_the_same_context(tmp_path, flags):
-    import json
-
-    import eval as eval_script
-    import train
-    from rl.flags import build
-
-    task_file = tmp_path / "long.json"
-    task_file.write_text(json.dumps([{"item_id": f"babyai_{t}"} for t in LONG]))
-    args = train.parse_args(["--env", "babyai", "--steps", "1", "--tasks-per-step", "3", "--n", "2", "--horizon", "5",
-                             "--max-new-tokens", "24", "--context", "summary:2", "--train-tasks", str(task_file),
-                             "--eval-every", "0", "--out-dir", str(tmp_path), "--run-name", "summary", *flags])
-    run_dir = train.main(args)
-    records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    records, _, _ = context_run(tmp_path, "summary:2", *flags)
     long = [r for r in records if r["turns"] > 2]
     assert long and all(r["summaries"] == (r["turns"] - 1) // 2 and r["segments"] == 1 + r["summaries"] for r in long)
     assert all(len(r["prompt_tokens"]) == r["turns"] + r.get("summaries", 0) for r in records)
-    assert metrics["losses/nonfinite_updates"] == 0 and metrics["rollout/segments"] > 1
-    results = eval_script.main(build(eval_script.Args, model=str(run_dir / "checkpoints" / "step_1"), limit=2, k=1,
-                                     tasks=str(task_file), horizon=(5,), out=str(tmp_path / "eval")))
-    assert results["context"] == "summary:2"
