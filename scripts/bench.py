@@ -22,9 +22,11 @@ resident set's high-water mark) is its own; each module's docstring says what it
   turn prompts and token counts, greedy, on a few short episodes (for a real model).
 - bare (scripts/bench/bare.py): the update section's micro-batches through a bare forward + backward + AdamW loop:
   our update tokens/s over the bare loop's.
+- context (scripts/bench/context.py): train.py under each --context mode on long SciWorld and WebArena episodes: prompt
+  tokens a turn (mean, max), segments, step time, episodes the budget ended, reward; a plot of the prompt by turn.
 
-The default runs env, rollout and update; server and async take tens of minutes on 2 cores, trl installs TRL into a
-throwaway venv, engine and bare are meant for a real model: each runs when --sections names it.
+The default runs env, rollout and update; server, async and context take tens of minutes on 2 cores, trl installs TRL
+into a throwaway venv, engine and bare are meant for a real model: each runs when --sections names it.
 
 Timing on a shared machine is noisy: compare within one run. The JSON (--out) holds every figure, the
 machine and the date.

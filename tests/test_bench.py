@@ -195,3 +195,23 @@ def test_bare_rows_put_our_update_over_the_bare_loop():
     rows = bare_rows({"update_tokens_per_s": 1000.0}, {"update_tokens_per_s": 850.0})
     assert rows[-1] == "| bare | ours / bare update tokens/s | 0.85x | >= 0.8x |"
     assert bare_rows({"error": "RuntimeError: ..."}, {}) == []
+
+
+@pytest.mark.slow
+def test_context_section_runs_each_mode_reads_prompts_and_segments_and_plots_them(tmp_path):
+    """The context section end to end at a tiny size: a train.py run per env x mode, its prompts and segments read off
+    its logs (a window keeps its prompts smaller than the whole episode's), a row each, and the plot."""
+    from bench.context import context_rows, prompt_curve, section_context
+
+    args = tyro.cli(Args, args=["--contexts", "full", "window:1", "--context-envs", "babyai", "--context-horizon", "4",
+                                "--context-steps", "1",
+                                "--context-args=--tasks-per-step 2 --n 2 --max-new-tokens 16 --horizon-every 100",
+                                "--out", str(tmp_path / "bench.json")])
+    result = section_context(args, tmp_path)
+    full, window = result["runs"]["babyai-full"], result["runs"]["babyai-window1"]
+    assert full["segments"] == 1.0 and window["segments"] >= 1.0 and full["episodes"] == window["episodes"] == 4
+    assert window["prompt_tokens_max"] <= full["prompt_tokens_max"] and full["step_s"] > 0
+    rows = context_rows(result)
+    assert len(rows) == 2 and rows[1].startswith("| context | babyai window:1 (4 turns, 1 steps)")
+    assert Path(result["plot"]).stat().st_size > 1000
+    assert prompt_curve([{"prompt_tokens": [10, 20]}, {"prompt_tokens": [30]}]) == [20.0, 20.0]

@@ -14,17 +14,17 @@ from typing import Literal
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench.py"  # (each section's process runs it again, with --phase)
-SECTIONS = ("env", "rollout", "server", "update", "async", "trl", "engine", "bare")
+SECTIONS = ("env", "rollout", "server", "update", "async", "trl", "engine", "bare", "context")
 QUICK = ("env", "rollout", "update")  # the default: minutes on 2 cores; the others are opt-in by --sections
 TRL_VERSION = "1.16.0"
 
 
 @dataclass
 class Args:
-    sections: tuple[Literal["env", "rollout", "server", "update", "async", "trl", "engine", "bare"], ...] = QUICK
+    sections: tuple[Literal["env", "rollout", "server", "update", "async", "trl", "engine", "bare", "context"], ...] = QUICK
     """which sections to run, in this order (trl and bare need update's trajectories: they run update when left out);
-    the default leaves out the long ones (server, async: tens of minutes on 2 cores), trl (installs TRL), engine and
-    bare"""
+    the default leaves out the long ones (server, async, context: tens of minutes on 2 cores), trl (installs TRL),
+    engine and bare"""
     out: str = "runs/bench.json"
     """where the JSON results go"""
     model: str = "tiny-agent"
@@ -95,6 +95,18 @@ class Args:
     """async: a run of each loop per seed (the reward's spread over seeds)"""
     async_args: str = ""
     """async: more train.py flags for every run, e.g. "--env textcraft" """
+
+    # -- context
+    contexts: tuple[str, ...] = ("full", "window:4", "summary:5")
+    """context: the --context modes compared"""
+    context_envs: tuple[str, ...] = ("sciworld", "webarena")
+    """context: the envs they are compared on"""
+    context_horizon: int = 20
+    """context: the turn cap of every run"""
+    context_steps: int = 2
+    """context: training steps of each run"""
+    context_args: str = "--tasks-per-step 4 --n 4 --max-tokens 8192"
+    """context: more train.py flags for every run"""
 
     # -- internal: one section in a process of its own
     phase: Literal["env", "rollout", "server", "trl", "engine", "bare"] | None = None

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from bench.asynchronous import async_rows, section_async
 from bench.common import ROOT, SCRIPT, SECTIONS, Args
+from bench.context import context_rows, section_context
 from bench.bare import bare_rows, phase_bare
 from bench.engine import engine_rows, phase_engine
 from bench.env import env_rows, phase_env
@@ -64,10 +65,12 @@ def main(args: Args) -> None:
                 results["update"] = section_update(args, work)
             if section == "async":
                 results["async"] = section_async(args, work)
+            if section == "context":
+                results["context"] = section_context(args, work)
             if section in ("trl", "bare"):
                 python = trl_python(args) if section == "trl" else sys.executable
                 results[section] = run_phase(python, args, section, work, results["update"]["run_dir"])
-            elif section not in ("update", "async"):
+            elif section not in ("update", "async", "context"):
                 results[section] = run_phase(sys.executable, args, section, work)
         except Exception as error:  # one broken section (no vLLM, no network for TRL) costs only its rows
             results[section] = {"error": f"{type(error).__name__}: {error}"}
@@ -106,6 +109,7 @@ def table(results: dict) -> str:
     lines += update_rows(results.get("update", {}))
     lines += trl_rows(results.get("trl", {}), results.get("update", {}))
     lines += async_rows(results.get("async", {}))
+    lines += context_rows(results.get("context", {}))
     lines += engine_rows(results.get("engine", {}))
     lines += bare_rows(results.get("bare", {}), results.get("update", {}))
     for section in SECTIONS:
