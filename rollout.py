@@ -580,14 +580,14 @@ def _start(fmt: ChatFormat, agent: Agent, row: int, env: Env, task_id: int, grou
     first, cut = fmt.cut(first)
     messages = agent.opening(env, first, reflections)
     traj = Trajectory(env.name, task_id, group, row, messages, horizon=horizon, tools=agent.tools(env), states=[state],
-                      observations=1, obs_cut=int(cut > 0), opening=len(messages))
+                      observations=1, cut_at=[0] if cut else [], opening=len(messages))
     traj.add(fmt.prompt(messages, tools=traj.tools))
     return traj
 
 
 def _act(fmt: ChatFormat, traj: Trajectory, sample: Sample) -> None:
     """Append a sampled turn, trained on, and the message the env will read."""
-    traj.prompt_tokens.append(len(traj.token_ids))
+    traj.prompt_tokens.append(len(traj.token_ids) if sample.text is None else int(sample.usage.get("prompt_tokens", 0)))
     if sample.text is None:  # (a text engine, rl/engines/api.py, has no tokens to append: the reply only)
         traj.add(sample.token_ids, sample.logprobs, trained=True)
         if sample.token_ids[-1:] != [fmt.end_of_turn]:
@@ -620,7 +620,8 @@ def _observe(fmt: ChatFormat, traj: Trajectory, result, horizon: int, max_tokens
     traj.invalid_actions += not traj.valid[-1]
     traj.success = bool(result.info.get("success", result.reward > 0)) if result.done else False
     text, cut = fmt.cut(result.observation)
-    traj.observations, traj.obs_cut = traj.observations + 1, traj.obs_cut + (cut > 0)
+    traj.cut_at += [traj.observations] if cut else []
+    traj.observations += 1
     calls = traj.messages[-1].get("tool_calls")  # an answer to a tool call is the call's result
     answer = {"role": "tool", "tool_call_id": calls[0]["id"], "content": text} if calls else \
         {"role": "user", "content": text}

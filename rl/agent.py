@@ -218,14 +218,14 @@ def check_layout(name: str, env_name: str, algo: str | None = None, history: str
         raise SystemExit(f"--agent {name} lays out the rollouts of RL ({', '.join(ESTIMATORS)}); {algo} learns "
                          "--data's conversations as they are laid out, so it plays them as react (or, for episodes of "
                          "tool calls, as --agent tools)")
+    layout = (f"--algo {algo} " if algo is not None else "") + f"--agent {name}"
     if context.segmented and (algo is not None and not is_grouped(algo) or name == "reflect"):
         raise SystemExit(f"--context {context} trains an episode as segments, each with its episode's advantage: a "
-                         f"grouped estimator ({names(lambda e: e.grouped, 'or')}) and one attempt an episode; --algo "
-                         f"{algo} --agent {name} needs --context full")
+                         f"grouped estimator ({names(lambda e: e.grouped, 'or')}) and one attempt an episode; {layout} "
+                         "needs --context full")
     if history == "drop" and (algo is not None and not is_grouped(algo) or name == "reflect"):
         raise SystemExit(f"--reasoning drop trains each turn as its own sequence with its episode's advantage: a grouped "
-                         f"estimator ({names(lambda e: e.grouped, 'or')}) and one attempt an episode; "
-                         f"--algo {algo} --agent {name} "
+                         f"estimator ({names(lambda e: e.grouped, 'or')}) and one attempt an episode; {layout} "
                          "needs --reasoning keep")
 
 

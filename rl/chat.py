@@ -255,6 +255,7 @@ def _for_template(messages: list[dict], style: str | None, close: str | None = N
 
 
 CUT = "\n[... {} tokens cut ...]\n"  # what stands for the middle of an observation cut by --max-obs-tokens
+CUT_MARK = re.compile(re.escape(CUT).replace(r"\{\}", r"(\d+)"))  # (the marker in a cut observation)
 
 
 class ChatFormat:
@@ -334,7 +335,7 @@ class ChatFormat:
         number cut, 0 where it was short enough (or N is 0: never cut). What is cut is gone from the conversation
         (messages) as from the tokens, so that a re-rendered prompt (--reasoning drop, --context) has what the
         policy saw."""
-        if not self.max_obs_tokens or len(text) <= self.max_obs_tokens:  # (a token holds at least one character)
+        if not self.max_obs_tokens or len(text.encode()) <= self.max_obs_tokens:  # (a token holds a byte at least)
             return text, 0
         starts = [start for start, _ in self.tokenizer(text, add_special_tokens=False,
                                                        return_offsets_mapping=True)["offset_mapping"]]

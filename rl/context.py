@@ -56,7 +56,7 @@ class Context:
         mode, _, count = spec.partition(":")
         if mode == "full" and not count:
             return Context()
-        if mode in MODES and count.isdigit() and int(count) >= 1:
+        if mode in MODES[1:] and count.isdigit() and int(count) >= 1:
             return Context(mode, int(count))
         raise SystemExit(f"--context takes full, window:K (the last K turns kept) or summary:M (a summary every M "
                          f"turns), K and M at least 1, not {spec!r}")
@@ -83,8 +83,10 @@ class Context:
     @staticmethod
     def summarized(traj) -> None:
         """After a summary turn: the next prompt is the opening, the summary and the env's last answer without the
-        request (Trajectory.answer), the turns before the summary gone."""
-        traj.context, traj.since = traj.messages[:traj.opening] + [traj.messages[-1], traj.answer], len(traj.messages)
+        request (Trajectory.answer; as a user message, also where it was a tool's result, whose call is gone), the
+        turns before the summary gone."""
+        answer = {"role": "user", "content": traj.answer["content"]}  # (a tool result would answer no call here)
+        traj.context, traj.since = traj.messages[:traj.opening] + [traj.messages[-1], answer], len(traj.messages)
         traj.summarizing = False
 
     def __str__(self) -> str:

@@ -69,7 +69,7 @@ class Trajectory:
     invalid_actions: int = 0  # turns whose action the env reported as not valid (info["valid"] False)
     malformed: int = 0  # of those, turns whose reply held no action to take (no call, a bad call, cut inside reasoning)
     observations: int = 0  # the env's answers it saw (the first one too)
-    obs_cut: int = 0  # of those, the ones --max-obs-tokens cut
+    cut_at: list[int] = field(default_factory=list)  # of those, the ones --max-obs-tokens cut (0: the first)
     # -- the layouts' and engines' own
     attempt: int = 1  # reflect: which attempt at the task this is (rl/agent.py)
     final: bool = True  # reflect: False when another attempt followed this one
@@ -127,16 +127,27 @@ class Trajectory:
         """The sequences the episode trains as: drop's turns, or else the context."""
         return self.sequences or [Sequence(self.token_ids, self.loss_mask, self.logprobs)]
 
+    @property
+    def obs_cut(self) -> int:
+        return len(self.cut_at)
+
     def cut(self, horizon: int) -> Trajectory:
         """The episode as it would have ended under a lower turn cap: the same turns up to it (nothing an
-        episode sees depends on its cap), its reward the one after turn `horizon`, its invalid and malformed turns
-        those among them; tokens and messages are the whole episode's. An env failure after turn `horizon` is one
+        episode sees depends on its cap), its reward the one after turn `horizon`, its invalid and malformed turns,
+        prompts, observations and summaries those among them; tokens and messages are the whole episode's. An env failure after turn `horizon` is one
         the lower cap never met."""
         if self.turns <= horizon or len(self.turn_rewards) < horizon:
             return self
+        samples = turns = 0  # (the sampled turns up to env turn `horizon`: its summaries before it too)
+        while samples < len(self.prompt_tokens) and turns < horizon:
+            turns += samples not in self.summary_spans
+            samples += 1
         return replace(self, turns=horizon, reward=self.turn_rewards[horizon - 1], done=False, success=False,
                        finish="horizon", error=None, horizon=horizon, states=self.states[:horizon + 1],
-                       invalid_actions=self.valid[:horizon].count(False), malformed=self.actions[:horizon].count(None))
+                       invalid_actions=self.valid[:horizon].count(False), malformed=self.actions[:horizon].count(None),
+                       prompt_tokens=self.prompt_tokens[:samples], observations=min(self.observations, horizon + 1),
+                       cut_at=[i for i in self.cut_at if i <= horizon],
+                       summary_spans=[s for s in self.summary_spans if s < samples])
 
     def log_record(self) -> dict:
         """The trajectory as a log record (rl/records.py), without what only training knows."""
@@ -147,12 +158,13 @@ class Trajectory:
             "reward": self.reward, "success": self.success, "turns": self.turns, "finish": self.finish,
             "error": self.error, "invalid_actions": self.invalid_actions, "malformed": self.malformed,
             "observations": self.observations, "obs_cut": self.obs_cut,
+            **({"summary_spans": self.summary_spans} if self.summary_spans else {}),
             "turn_rewards": self.turn_rewards, "env_actions": self.actions,  # (what the env was sent: the viewer replays it)
             # (over every trained sequence; under --reasoning drop and --context window token_ids below are the last
             # segment's, as `segments` says)
             "tokens": sum(len(s.token_ids) for s in trained), "action_tokens": sum(sum(s.loss_mask) for s in trained),
             "segments": len(trained), "prompt_tokens": self.prompt_tokens,
-            **({"summaries": len(self.summary_spans)} if self.summary_spans else {}),
+            **({"summaries": len(self.summary_spans)} if self.summary_spans else {}),  # (summary_spans: which)
             **({"attempt": self.attempt, "final": self.final, "reflection": self.reflection} if self.attempt > 1 or
                not self.final else {}),  # (reflect's; before the messages, where the viewer's index reads)
             "messages": self.messages,

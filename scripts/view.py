@@ -45,13 +45,16 @@ from urllib.parse import parse_qs, unquote, urlsplit
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import envs  # noqa: E402
+from rl.chat import CUT_MARK  # noqa: E402
+from rl.context import with_request  # noqa: E402
 from rl.records import action_positions, decode_array, read_metrics  # noqa: E402
 
 PAGE = Path(__file__).with_name("view.html")
 # the fields a listing needs; a record holds them before its messages (rl/records.py), so they are read
 # without parsing the rest of a long line
 SUMMARY = ("step", "item_id", "task_id", "category", "group", "horizon", "reward", "success", "turns", "finish",
-           "error", "invalid_actions", "malformed", "tokens", "action_tokens", "segments", "attempt", "reflection")
+           "error", "invalid_actions", "malformed", "tokens", "action_tokens", "segments", "turn_sequences", "attempt",
+           "reflection")
 TRAJECTORY_LOGS = ("rollouts.jsonl", "evaluations.jsonl")
 ROW_LIMIT = 500  # rows a listing returns at most (the page pages through the rest)
 
@@ -386,17 +389,16 @@ def replay(record: dict, options: dict) -> dict:
     env_name, task_id = task_of(record["item_id"])
     if env_name not in ("babyai", "textcraft") or task_id is None:
         return {"kind": None}
-    messages = record["messages"]
-    observations = [m["content"] for m in messages[2::2]]  # the first observation, then each turn's answer
+    observations = env_answers(record)
     # what each turn sent to the env (after a reasoning block, a tool call's action; None: a reply answered without
     # the env); a log from before env_actions were recorded: the replies themselves
-    actions = record.get("env_actions") or [m["content"] for m in messages[3::2]]
+    actions = record.get("env_actions") or [m["content"] for m in record["messages"][3::2]]
     env = envs.make(env_name, **options)
     states, diverged = [], None
     try:
         observation, reward, valid = env.reset(task_id), None, None
         for turn, logged in enumerate(observations):
-            if observation != logged:
+            if not same_answer(observation, logged):
                 diverged = turn
                 break
             states.append(picture(env) | {"turn": turn, "reward": reward, "valid": valid})
@@ -408,6 +410,28 @@ def replay(record: dict, options: dict) -> dict:
     finally:
         env.close()
     return {"kind": env_name, "states": states, "diverged": diverged}
+
+
+def env_answers(record: dict) -> list[str]:
+    """The env's answers as the log holds them: the first observation, then its answer to each turn it read (a summary
+    turn, --context summary:M, had none), without the summary request that came with some."""
+    messages, summaries = record["messages"], set(record.get("summary_spans", []))
+    answers, at, sample = [messages[2]["content"]] if len(messages) > 2 else [], 3, 0
+    while at < len(messages):  # (each sampled turn's message, then the env's answer unless it was a summary)
+        if sample not in summaries and at + 1 < len(messages):
+            answers.append(messages[at + 1]["content"])
+        at, sample = at + (1 if sample in summaries else 2), sample + 1
+    request = with_request("")
+    return [a[:-len(request)] if a.endswith(request) else a for a in answers]
+
+
+def same_answer(observation: str, logged: str) -> bool:
+    """The replayed observation is the logged one: equal, or (--max-obs-tokens) its head and tail around the cut."""
+    mark = CUT_MARK.search(logged)
+    if mark is None:
+        return observation == logged
+    head, tail = logged[:mark.start()], logged[mark.end():]
+    return len(observation) > len(head) + len(tail) and observation.startswith(head) and observation.endswith(tail)
 
 
 def picture(env) -> dict:

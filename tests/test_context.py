@@ -274,6 +274,12 @@ def test_a_model_behind_an_api_is_sent_the_window_not_the_episode():
             engine.close()
     (_, body, _), = seen
     assert body["messages"] == messages[:3] + messages[7:]
+    from rl.engines import Sample
+    from rl.engines.api import APIFormat
+    from rollout import _act
+
+    _act(APIFormat(), traj, Sample([], text="Action: go 4", usage={"prompt_tokens": 321}))
+    assert traj.prompt_tokens == [321]  # (its prompt as the server counted it: nothing is tokenized here)
 
 
 @pytest.mark.parametrize("crossing", ["drop", "tools"])
@@ -385,3 +391,64 @@ def test_a_summarizing_run_trains_and_its_checkpoint_plays_the_same_context(tmp_
     long = [r for r in records if r["turns"] > 2]
     assert long and all(r["summaries"] == (r["turns"] - 1) // 2 and r["segments"] == 1 + r["summaries"] for r in long)
     assert all(len(r["prompt_tokens"]) == r["turns"] + r.get("summaries", 0) for r in records)
+
+
+def test_the_viewer_replays_summarized_and_cut_episodes_and_a_cut_episode_counts_what_it_kept():
+    """An episode with summaries and cut observations replays on its env without diverging (the viewer pairs each
+    env action with its answer, skips summaries, strips the request and compares around a cut); Trajectory.cut
+    (eval's turn sweep) keeps the prompts, observations and summaries of the turns it keeps."""
+    import sys as _sys
+    from pathlib import Path
+
+    from rl.context import Context
+    from rollout import ExpertEngine
+
+    _sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import view
+
+    fmt = ChatFormat(load_tokenizer("tiny-agent"), context=Context.parse("summary:2"), max_obs_tokens=24)
+    environments = [envs.make("babyai")]
+    try:
+        traj, = rollout(ExpertEngine(fmt, environments), fmt, environments, LONG[1:2], [0], horizon=7,
+                        max_new_tokens=256, max_tokens=16384)
+    finally:
+        environments[0].close()
+    assert traj.turns == 7 and traj.summary_spans == [2, 5, 8] and traj.obs_cut >= 4
+    state = view.replay(traj.log_record() | {"item_id": f"babyai_{LONG[1]}"}, {})
+    assert state["diverged"] is None and len(state["states"]) == traj.turns + 1
+    short = traj.cut(3)  # (turns 1-3 and the summary after turn 2: 4 sampled turns, 4 observations)
+    assert (short.turns, len(short.prompt_tokens), short.summary_spans, short.observations) == (3, 4, [2], 4)
+    assert short.prompt_tokens == traj.prompt_tokens[:4] and set(short.cut_at) <= {0, 1, 2, 3}
+
+
+def test_after_a_summary_a_tool_result_is_kept_as_the_users_message():
+    """--agent tools: the env's last answer was a tool result, whose call leaves with the summarized turns; the next
+    prompt holds it as a user message (a tool message answering no call is refused by API servers)."""
+    from rl.agent import make_agent
+    from rl.context import Context
+    from rollout import ExpertEngine
+
+    fmt = ChatFormat(load_tokenizer("tiny-agent"), context=Context.parse("summary:1"))
+    environments = [envs.make("textcraft") for _ in range(2)]
+    try:
+        played = rollout(ExpertEngine(fmt, environments), fmt, environments, [36, 38], [0, 1], horizon=3,
+                         max_new_tokens=256, max_tokens=16384, agent=make_agent("tools", 1))
+    finally:
+        for env in environments:
+            env.close()
+    for traj in played:
+        assert traj.summary_spans and traj.error is None
+        kept = traj.context
+        assert kept[-2]["role"] == "assistant" and not kept[-2].get("tool_calls") and kept[-1]["role"] == "user"
+
+
+def test_context_flags_take_only_what_they_mean():
+    from rl.context import Context
+
+    for spec in ("full:3", "summary", "summary:0", "window:-1", "window:x"):
+        with pytest.raises(SystemExit, match="--context takes full"):
+            Context.parse(spec)
+    fmt = ChatFormat(load_tokenizer("tiny-agent"), max_obs_tokens=16)
+    for text in ("🦜" * 16, "漢字" * 8):  # (16 characters, more tokens: a byte-level BPE's token holds a byte at least)
+        cut, over = fmt.cut(text)
+        assert over > 0 and len(fmt.encode(cut.split("[...")[0])) <= 9
