@@ -205,11 +205,11 @@ def test_context_section_runs_each_mode_reads_prompts_and_segments_and_plots_the
 
     args = tyro.cli(Args, args=["--contexts", "full", "window:1", "--context-envs", "babyai", "--context-horizon", "4",
                                 "--context-steps", "1",
-                                "--context-args=--tasks-per-step 2 --n 2 --max-new-tokens 16 --horizon-every 100",
+                                "--context-args=--tasks-per-step 1 --n 2 --max-new-tokens 16 --horizon-every 100",
                                 "--out", str(tmp_path / "bench.json")])
     result = section_context(args, tmp_path)
     full, window = result["runs"]["babyai-full"], result["runs"]["babyai-window1"]
-    assert full["segments"] == 1.0 and window["segments"] >= 1.0 and full["episodes"] == window["episodes"] == 4
+    assert full["segments"] == 1.0 and window["segments"] >= 1.0 and full["episodes"] == window["episodes"] == 2
     assert window["prompt_tokens_max"] <= full["prompt_tokens_max"] and full["step_s"] > 0
     rows = context_rows(result)
     assert len(rows) == 2 and rows[1].startswith("| context | babyai window:1 (4 turns, 1 steps)")

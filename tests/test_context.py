@@ -238,16 +238,11 @@ def context_run(tmp_path, context, *flags):
     return records, metrics, results
 
 
-ENGINES = [("--algo", "gigpo"), ("--engine", "vllm", "--max-staleness", "1")]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", ENGINES)
-def test_a_windowed_run_trains_its_segments_logs_them_and_its_checkpoint_plays_the_same_window(tmp_path, flags):
-    """train.py --context window:1 with GiGPO (turn-level groups across segments) and with vLLM under the asynchronous
-    loop (each segment's turns with their own policy versions): the step trains, the metrics say segments and the
-    prompts' sizes, and eval.py plays the checkpoint under the run's own window."""
-    records, metrics, results = context_run(tmp_path, "window:1", *flags)
+def test_a_windowed_run_trains_its_segments_logs_them_and_its_checkpoint_plays_the_same_window(tmp_path):
+    """train.py --context window:1 with GiGPO (turn-level groups across segments) on the HF engine: the step trains,
+    the metrics say segments and the prompts' sizes, and eval.py plays the checkpoint under the run's own window."""
+    records, metrics, results = context_run(tmp_path, "window:1", "--algo", "gigpo")
     assert max(r["segments"] for r in records) >= 3 and all(len(r["prompt_tokens"]) == r["turns"] for r in records)
     assert metrics["rollout/prompt_tokens_max"] == max(max(r["prompt_tokens"]) for r in records)
     assert results["prompt_tokens_max"] > 0
@@ -282,6 +277,7 @@ def test_a_model_behind_an_api_is_sent_the_window_not_the_episode():
     assert traj.prompt_tokens == [321]  # (its prompt as the server counted it: nothing is tokenized here)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("crossing", ["drop", "tools"])
 def test_a_window_crosses_reasoning_drop_and_tool_calls_token_exact(crossing):
     """--reasoning drop under a window renders each turn from the kept messages alone; --agent tools keeps whole
@@ -385,9 +381,10 @@ def test_a_summarys_tokens_count_as_the_turn_they_precede_and_keep_their_own_ver
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", ENGINES)
-def test_a_summarizing_run_trains_and_its_checkpoint_plays_the_same_context(tmp_path, flags):
-    records, _, _ = context_run(tmp_path, "summary:2", *flags)
+def test_a_summarizing_run_trains_and_its_checkpoint_plays_the_same_context(tmp_path):
+    """train.py --context summary:2 with GiGPO on vLLM under the asynchronous loop (a summary's tokens with their own
+    policy version and the env turn they precede)."""
+    records, _, _ = context_run(tmp_path, "summary:2", "--algo", "gigpo", "--engine", "vllm", "--max-staleness", "1")
     long = [r for r in records if r["turns"] > 2]
     assert long and all(r["summaries"] == (r["turns"] - 1) // 2 and r["segments"] == 1 + r["summaries"] for r in long)
     assert all(len(r["prompt_tokens"]) == r["turns"] + r.get("summaries", 0) for r in records)

@@ -538,12 +538,16 @@ def test_the_generalist_plays_its_own_turns_under_the_tiny_preset_and_in_eval(tm
 
 @pytest.mark.slow
 def test_the_generalist_solves_held_out_babyai_and_textcraft_tasks(tmp_path):
-    """A behaviour guard of assets/tiny-generalist (scripts/build_tiny_model.py): on held-out tasks of the two envs it
-    was shown to learn, within its 10 turns, it succeeds on some of each (measured on the first 60 test tasks: BabyAI
-    0.28, TextCraft 0.23 at T=1); a broken asset, template or layout scores 0."""
+    """A behaviour guard of assets/tiny-generalist (scripts/build_tiny_model.py): greedy, within its 10 turns, it
+    solves held-out tasks of the two envs it was shown to learn (of the first 40 spread over each test split it solved
+    12 each, these among them; at T=1 on 60: BabyAI 0.28, TextCraft 0.23); a broken asset, template or layout
+    solves none."""
     import eval as eval_script
 
+    tasks = tmp_path / "tasks.json"
+    tasks.write_text(json.dumps([{"item_id": f"{env}_{t}"} for env, ids in (("babyai", (0, 3, 12)),
+                                                                               ("textcraft", (5, 53, 74))) for t in ids]))
     result = eval_script.main(build(eval_script.Args, model="tiny-generalist", env=("babyai", "textcraft"),
-                                    engine="hf", limit=12, out=str(tmp_path / "generalist")))
-    assert result["envs"]["babyai"]["success"] > 0 and result["envs"]["textcraft"]["success"] > 0
-    assert result["envs"]["textcraft"]["horizon"] == 10
+                                    tasks=str(tasks), engine="hf", temperature=0.0, out=str(tmp_path / "generalist")))
+    assert result["envs"]["babyai"]["success"] >= 2 / 3 and result["envs"]["textcraft"]["success"] >= 2 / 3
+    assert result["envs"]["textcraft"]["horizon"] == 10 and result["envs"]["textcraft"]["tasks"] == 3
