@@ -70,7 +70,7 @@ from rl import plots
 from rl.agent import LAYOUT_KEYS, LayoutArgs, chat_format, run_layout
 from rl.checkpoint import write_atomic
 from rl.context import Context
-from rl.flags import GROUP
+from rl.flags import GROUP, embedded_of
 from rl.limits import check_entries, checkpoint_limits, own_entries
 from rl.tasks import env_names
 from rl.progress import play_until_stopped, stopped
@@ -170,7 +170,8 @@ def resolve_settings(args: Args, env: str) -> dict:
     if protocol == "run":
         limits = checkpoint_limits(args.model, config, env)  # (the env's own in the run, at the checkpoint's step)
     elif protocol == "tiny":
-        limits = {key: embedded_rollout(args.model)[key] for key in ("horizon", "max_new_tokens", "max_tokens")}
+        tiny = embedded_rollout(embedded_of(args.model))  # (the embedded model's, also on a checkpoint of a run of it)
+        limits = {key: tiny[key] for key in ("horizon", "max_new_tokens", "max_tokens")}
         limits |= EMBEDDED_TOOLS if args.agent == "tools" else {}
     else:
         up = envs.ENVS[env]
@@ -411,7 +412,7 @@ def compare(first: str, second: str) -> dict:
             raise SystemExit(f"--compare: {path} is not an eval result (no avg@k)")
     a, b = results
     keys = ("model", "env", "split", "k", "protocol", "horizon", "max_new_tokens", "max_tokens", "agent", "temperature",
-            "seed", "engine", "code")
+            "seed", "engine", "code", "env_options", "score_max", "context", "max_obs_tokens")
     differ = {key: (a.get(key), b.get(key)) for key in keys if a.get(key) != b.get(key)}
     print(f"A {first}\nB {second}")
     for key, (x, y) in differ.items():

@@ -56,7 +56,7 @@ from rl.agent import LayoutArgs, chat_format
 from rl.batch import Batch, MicroBatch, StepTensors, arrange, attach, make_batch, minibatch_counts, rows_of, scatter
 from rl.data import OfflineArgs, examples_of, held_out, offline_steps, read_data, to_record
 from rl.engines.setup import TrainerEngineArgs, build_engine, own_stream, stream_seed, sync
-from rl.flags import GROUP, OFFLINE, build, check, replace
+from rl.flags import GROUP, OFFLINE, build, check, embedded_of, replace
 from rl.limits import Limits, caps_for, describe_limits, env_limits, horizon_for, largest, last_caps, per_env
 from rl.logprobs import token_logprobs, token_values
 from rl.losses import Aggregation, Counts, KLEstimator, Mismatch, Objective, aggregate, kl, policy_objective, value_loss
@@ -762,7 +762,7 @@ def preset_defaults(preset: str, known) -> Args:
     """The defaults of `preset` as they apply to the run that the peeked flags `known` (--algo, --env, --agent)
     describe: the offline programs' learning rates and one turn cap, the tiny preset's task sets and tool turns."""
     default = replace(PRESETS[preset], preset=preset)
-    own = EMBEDDED_OWN.get(known.model, {}) if preset == "tiny" else {}
+    own = EMBEDDED_OWN.get(embedded_of(known.model), {}) if preset == "tiny" else {}
     if own:  # (an embedded model's own turns: ScalingInter-RL from half of them, as tiny-agent's 3 then 6)
         default = replace(default, horizon=(own["horizon"] // 2, own["horizon"]), max_new_tokens=own["max_new_tokens"])
     if (preset, known.algo) in OFFLINE_LR:  # (and one turn cap: ScalingInter-RL's stages are steps of RL)

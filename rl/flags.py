@@ -119,6 +119,19 @@ def parse_args(Args: type, presets: dict, preset_defaults: Callable, argv: list[
     return replace(args, preset=preset)
 
 
+def embedded_of(model: str) -> str | None:
+    """The embedded model `model` is, or that the run it is a checkpoint of trained (through runs of runs: SFT then
+    GRPO), else None: whose own rollout settings (rl/model.py's EMBEDDED_OWN) the tiny preset takes."""
+    for _ in range(16):  # (a chain of runs, each from the last's checkpoint; a loop of configs ends here)
+        if model in EMBEDDED:
+            return model
+        config = run_of(model)
+        if config is None:
+            return None
+        model = config.get("model", "")
+    return None
+
+
 def preset_of(model: str) -> str:
     """`--preset auto`: tiny for the embedded model and for a checkpoint of a run that used it (so that SFT
     then GRPO on the tiny model chain without flags), the run's own for any other run's checkpoint, else

@@ -47,7 +47,7 @@ EMBEDDED_OWN = {"tiny-generalist": {"horizon": 10, "max_new_tokens": 64}}
 EMBEDDED_TOOLS = {"max_new_tokens": 96, "max_tokens": 4096}
 
 
-def embedded_rollout(model: str) -> dict:
+def embedded_rollout(model: str | None) -> dict:
     """How `model` plays under the tiny preset: EMBEDDED_ROLLOUT, with an embedded model's own (EMBEDDED_OWN)."""
     return EMBEDDED_ROLLOUT | EMBEDDED_OWN.get(model, {})
 

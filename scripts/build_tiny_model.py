@@ -202,11 +202,11 @@ def expert_episodes(fmt, name: str, ids: list[int], horizon: int, max_tokens: in
 
 
 def fit(model, tokenizer, trajectories, steps: int, lr: float, lr_factor, rng, label: str, device: str = "cpu",
-        held_out: dict | None = None, snapshots: dict | None = None) -> None:
+        held_out: dict | None = None, snapshot=None) -> None:
     """`steps` AdamW steps of SFT on batches of 16 trajectories of about the same length (little padding: lengths
     vary 10x between envs), drawn anew and in a new order every pass; the learning rate is lr * lr_factor(step).
     On a GPU under bf16 autocast. `held_out` (env: trajectories): their NLL per action token is printed every 500
-    steps and at the end; `snapshots` (step: folder): the model is also written there (bf16) at those steps."""
+    steps and at the end; `snapshot(step)`, when given, is called after every step (--snapshots: snapshots_of)."""
     model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=device == "cuda")
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
@@ -231,12 +231,25 @@ def fit(model, tokenizer, trajectories, steps: int, lr: float, lr_factor, rng, l
                 print(f"  {label} step {step} held-out NLL per action token: " + ", ".join(
                     f"{name} {held_out_nll(model, tokenizer, rows, device):.3f}" for name, rows in held_out.items()),
                     flush=True)
-            if step in (snapshots or {}):
-                save(model, tokenizer, snapshots[step], "bf16")
-                print(f"  {label} step {step}: wrote {snapshots[step]}", flush=True)
+            if snapshot is not None:
+                snapshot(step)
             if step == steps:
                 break
     model.to("cpu")
+
+
+def snapshots_of(args, model, tokenizer, steps: int):
+    """--snapshots: the first SFT phase's (the warm start, or with --from the copy phase) callback that writes the model
+    in bf16 to OUT-stepN at those of its `steps`; a step past them stops the build before it starts."""
+    if any(step > steps for step in args.snapshots):
+        raise SystemExit(f"--snapshots {' '.join(map(str, args.snapshots))}: this SFT runs {steps} steps")
+
+    def snapshot(step: int) -> None:
+        if step in args.snapshots:
+            out = args.out.with_name(f"{args.out.name}-step{step}")
+            save(model, tokenizer, out, "bf16", args.start)
+            print(f"  step {step}: wrote {out}", flush=True)
+    return snapshot
 
 
 def on(batch: dict, device: str) -> dict:
@@ -290,11 +303,13 @@ def sft_set(fmt, records: dict[str, list], copies: int, rng, max_tokens: int) ->
     return out
 
 
-def save_episodes(folder: Path, tokenizer, train: dict, test: dict) -> None:
-    """--episodes: the tokenizer and the records (episodes.jsonl.gz: a line per episode with its env and split)."""
+def save_episodes(folder: Path, tokenizer, train: dict, test: dict, played_under: dict) -> None:
+    """--episodes: the tokenizer, the records (episodes.jsonl.gz: a line per episode with its env and split) and what
+    they were played under (play.json: --horizon, --max-tokens)."""
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tokenizer.save_pretrained(tmp)
+    (tmp / "play.json").write_text(json.dumps(played_under) + "\n")
     with gzip.open(tmp / "episodes.jsonl.gz", "wt") as out:
         for split, records in (("train", train), ("test", test)):
             for name, rows in records.items():
@@ -305,13 +320,14 @@ def save_episodes(folder: Path, tokenizer, train: dict, test: dict) -> None:
 
 
 def load_episodes(folder: Path) -> tuple:
-    """What save_episodes wrote: the tokenizer, and the train and test records per env."""
+    """What save_episodes wrote: the tokenizer, the train and test records per env, and what they were played under."""
     splits = {"train": {}, "test": {}}
     with gzip.open(folder / "episodes.jsonl.gz", "rt") as lines:
         for line in lines:
             row = json.loads(line)
             splits[row["split"]].setdefault(row["env"], []).append(row["record"])
-    return load_tokenizer(str(folder)), splits["train"], splits["test"]
+    played_under = json.loads((folder / "play.json").read_text()) if (folder / "play.json").is_file() else {}
+    return load_tokenizer(str(folder)), splits["train"], splits["test"], played_under
 
 
 def save(model, tokenizer, out: Path, dtype: str = "fp32", tokenizer_from: Path | None = None) -> None:
@@ -328,13 +344,14 @@ def save(model, tokenizer, out: Path, dtype: str = "fp32", tokenizer_from: Path 
     tmp.rename(out)
 
 
-def focus(model, tokenizer, task_file: Path, steps: int, lr: float, horizon: int, max_tokens: int) -> None:
+def focus(model, tokenizer, task_file: Path, steps: int, lr: float, horizon: int, max_tokens: int,
+          device: str = "cpu") -> None:
     """More SFT on the solved expert episodes of BabyAI's short-horizon levels (seeds 3-102), at a constant
     rate after 10 warm-up steps (see step 5 of the module's docstring)."""
     ids = envs.load_task_ids(task_file, "babyai")
     trajectories = [t for t in expert_episodes(ChatFormat(tokenizer), "babyai", ids, horizon, max_tokens) if t.success]
     print(f"focus: {len(trajectories)} solved expert episodes of {len(ids)} tasks in {task_file.name}")
-    fit(model, tokenizer, trajectories, steps, lr, lambda s: min(1.0, (s + 1) / 10), random.Random(0), "focus")
+    fit(model, tokenizer, trajectories, steps, lr, lambda s: min(1.0, (s + 1) / 10), random.Random(0), "focus", device)
 
 
 COMMAND = re.compile(r"^craft \d+ (.+?) using (.+)$", re.M)
@@ -384,12 +401,12 @@ def new_name(names: dict[str, str]):
 
 
 def copy_phase(model, tokenizer, records: dict[str, list], copies: int, steps: int, lr: float, max_tokens: int,
-               seed: int, device: str, held_out: dict, snapshots: dict) -> None:
+               seed: int, device: str, held_out: dict, snapshot=None) -> None:
     """More SFT from a built model: renamed TextCraft episodes (renamed) among the expert episodes of every env (so
     that it keeps them), at a constant rate after 20 warm-up steps."""
     rng = random.Random(seed + 2)
     fit(model, tokenizer, sft_set(ChatFormat(tokenizer), records, copies, rng, max_tokens), steps, lr,
-        lambda s: min(1.0, (s + 1) / 20), rng, "copy", device, held_out, snapshots)
+        lambda s: min(1.0, (s + 1) / 20), rng, "copy", device, held_out, snapshot)
 
 
 def evaluate(model, fmt, env_name, task_ids, horizon, max_new_tokens, max_tokens):
@@ -454,12 +471,19 @@ def main():
         raise SystemExit("--play-only needs --episodes DIR; --no-play needs --episodes DIR with episodes written")
     if args.copy_steps and not args.copies:
         raise SystemExit("--copy-steps needs --copies N (renamed variants of each TextCraft episode)")
+    if args.play_only and have:
+        raise SystemExit(f"{args.episodes} holds episodes already: --play-only writes a new folder")
+    if args.no_play and args.focus_steps:
+        raise SystemExit("--focus-steps plays BabyAI's experts, which --no-play leaves out")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     random.seed(args.seed)
 
     start = time.time()
     if have:
-        tokenizer, train, test = load_episodes(args.episodes)
+        tokenizer, train, test, played_under = load_episodes(args.episodes)
+        if args.max_tokens < played_under.get("max_tokens", 0):
+            raise SystemExit(f"{args.episodes} was played under --max-tokens {played_under['max_tokens']}: fit with "
+                             "as many (fewer would cut its episodes)")
         if set(args.envs) - set(train):
             raise SystemExit(f"{args.episodes} has no episodes of {', '.join(sorted(set(args.envs) - set(train)))}")
         train, test = ({n: rows[n] for n in args.envs if n in rows} for rows in (train, test))
@@ -474,7 +498,7 @@ def main():
         test = played(fmt, dict.fromkeys(args.envs, args.eval_tasks), "test", args.horizon, args.max_tokens,
                       args.seed) if args.eval_tasks else {}
         if args.episodes:
-            save_episodes(args.episodes, tokenizer, train, test)
+            save_episodes(args.episodes, tokenizer, train, test, {"horizon": args.horizon, "max_tokens": args.max_tokens})
             print(f"episodes: wrote {args.episodes}")
     if args.play_only:
         return
@@ -482,7 +506,6 @@ def main():
         tokenizer = load_tokenizer(str(args.start))
     fmt = ChatFormat(tokenizer)
     held_out = {name: encoded_episodes(fmt, rows, args.max_tokens) for name, rows in test.items()}
-    snapshots = {step: args.out.with_name(f"{args.out.name}-step{step}") for step in args.snapshots}
     if args.start is None:
         model = make_model(tokenizer, args.seed, args.hidden, args.layers)
         print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
@@ -491,22 +514,25 @@ def main():
         steps = args.epochs * math.ceil(len(trajectories) / 16)
         fit(model, tokenizer, trajectories, steps, args.lr,
             lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps)), rng, "warm start",
-            args.device, held_out, snapshots)
+            args.device, held_out, snapshots_of(args, model, tokenizer, steps) if args.snapshots else None)
     else:
         model = load_model(str(args.start))
     if args.copy_steps:
+        later = args.start is None or not args.snapshots  # (the snapshots are the first phase's)
         copy_phase(model, tokenizer, train, args.copies, args.copy_steps, args.copy_lr, args.max_tokens, args.seed,
-                   args.device, held_out, snapshots)
-    tests = {} if args.no_play else {name: envs.splits(name)["test"][:args.eval_tasks] for name in test}
+                   args.device, held_out, None if later else snapshots_of(args, model, tokenizer, args.copy_steps))
+    elif args.snapshots and args.start is not None:
+        raise SystemExit("--snapshots are of an SFT: with --from, of the copy phase (--copy-steps)")
+    tests = {name: envs.splits(name)["test"][:args.eval_tasks] for name in args.envs} if args.eval_tasks else {}
     if args.focus_steps:
         focus(model, tokenizer, args.focus_tasks, args.focus_steps, args.focus_lr, args.horizon,
-              EMBEDDED_ROLLOUT["max_tokens"])
+              EMBEDDED_ROLLOUT["max_tokens"], args.device)
         tests = {"babyai": envs.load_task_ids(str(args.focus_tasks).replace("_train", "_test"), "babyai")}
-    for name, tasks in tests.items():
+    save(model, tokenizer, args.out, args.dtype, args.start)  # (before the evaluation: it only reports)
+    for name, tasks in ({} if args.no_play else tests).items():
         success, reward = evaluate(model, fmt, name, tasks, args.horizon, args.max_new_tokens, args.max_tokens)
         print(f"{name} test ({len(tasks)} tasks, {args.horizon} turns, T=1): success {success:.3f}, mean reward "
               f"{reward:.3f}", flush=True)
-    save(model, tokenizer, args.out, args.dtype, args.start)
     print(f"wrote {args.out} in {time.time() - start:.0f}s")
 
 

@@ -8,10 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import envs
 from rl.data import to_record
-from rl.model import EMBEDDED, load_model, load_tokenizer
+from rl.model import EMBEDDED, load_tokenizer
 from rollout import ChatFormat
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
@@ -56,34 +57,50 @@ def test_renamed_episodes_act_on_the_items_their_own_prompt_names():
     assert renamed > len(played) and crafted  # (new, but where a draw gave an item its own name back)
 
 
+@pytest.mark.slow  # (~20 s: a tokenizer, four small builds)
 def test_episodes_played_here_fit_elsewhere_without_envs(tmp_path, monkeypatch, capsys):
-    """--play-only writes the tokenizer and each env's train and test episodes; --no-play fits from them alone (no env
-    is made: envs.make fails), renamed TextCraft copies included, and writes the model, its snapshot in bf16 and the
-    held-out NLL per env; what the folder holds reads back as it was played."""
+    """--play-only trains a tokenizer and writes it with each env's train and test episodes and what they were played
+    under; --no-play fits from them alone (no env is made: envs.make fails): from scratch on the folder's tokenizer,
+    and with --from on the model's own (the records are text), renamed TextCraft copies included, writing the model,
+    a bf16 snapshot of an earlier step, and the held-out NLL per env. What cannot work stops in one sentence."""
+    from safetensors.torch import load_file
+
     folder, out = tmp_path / "episodes", tmp_path / "model"
     common = ["--envs", "babyai", "textcraft", "--horizon", "6", "--max-tokens", "2048", "--episodes", str(folder)]
-    monkeypatch.setattr(sys, "argv", ["build", "--from", str(EMBEDDED["tiny-agent"]), "--sft-episodes", "3",
-                                      "--eval-tasks", "2", "--play-only", *common])
-    build.main()
-    tokenizer, train, test = build.load_episodes(folder)
+
+    def build_with(*flags):
+        monkeypatch.setattr(sys, "argv", ["build", *common, *flags])
+        build.main()
+
+    build_with("--corpus-episodes", "3", "--sft-episodes", "3", "--eval-tasks", "2", "--play-only")
+    tokenizer, train, test, played_under = build.load_episodes(folder)
     assert {n: len(r) for n, r in train.items()} == {"babyai": 3, "textcraft": 3}
     assert {n: len(r) for n, r in test.items()} == {"babyai": 2, "textcraft": 2}
-    assert len(tokenizer) == len(load_tokenizer("tiny-agent"))
-    fmt = ChatFormat(tokenizer)
-    assert build.encoded_episodes(fmt, train["babyai"], 2048)[0].token_ids == \
-        build.encoded_episodes(ChatFormat(load_tokenizer("tiny-agent")), train["babyai"], 2048)[0].token_ids
+    assert played_under == {"horizon": 6, "max_tokens": 2048}
 
     def no_env(*_, **__):
         raise AssertionError("an env was made")
     monkeypatch.setattr(envs, "make", no_env)
-    monkeypatch.setattr(sys, "argv", ["build", "--no-play", "--copies", "2", "--epochs", "1", "--hidden", "64",
-                                      "--layers", "2", "--snapshots", "1", "--device", "cpu", "--out", str(out),
-                                      *common])
-    build.main()
+    build_with("--no-play", "--copies", "2", "--epochs", "2", "--hidden", "64", "--layers", "2", "--snapshots", "1",
+               "--device", "cpu", "--out", str(out))
     assert re.search(r"held-out NLL per action token: babyai \d+\.\d+, textcraft \d+\.\d+", capsys.readouterr().out)
-    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
-    snapshot = load_model(str(tmp_path / "model-step1"))
-    assert sum(p.numel() for p in snapshot.parameters()) == sum(p.numel() for p in load_model(str(out)).parameters())
+    assert load_tokenizer(str(out)).get_vocab() == tokenizer.get_vocab()
+    snapshot, final = load_file(tmp_path / "model-step1" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert all(t.dtype == torch.bfloat16 for t in snapshot.values()) and final.keys() == snapshot.keys()
+    assert any(not torch.equal(snapshot[k].float(), final[k].float().bfloat16().float()) for k in final)  # (step 1)
+    from_model = tmp_path / "from"
+    build_with("--no-play", "--from", str(EMBEDDED["tiny-agent"]), "--copies", "1", "--copy-steps", "2",
+               "--snapshots", "2", "--device", "cpu", "--out", str(from_model))
+    for name in ("tokenizer.json", "chat_template.jinja"):  # (the model's own files, byte for byte)
+        assert (from_model / name).read_bytes() == (EMBEDDED["tiny-agent"] / name).read_bytes()
+        assert (tmp_path / "from-step2" / name).read_bytes() == (EMBEDDED["tiny-agent"] / name).read_bytes()
+    for flags, message in ((["--play-only"], "holds episodes already"),
+                           (["--no-play", "--focus-steps", "2"], "--no-play leaves out"),
+                           (["--no-play", "--epochs", "1", "--hidden", "64", "--snapshots", "999"], "this SFT runs"),
+                           (["--no-play", "--from", str(EMBEDDED["tiny-agent"]), "--snapshots", "1"], "copy phase"),
+                           (["--no-play", "--max-tokens", "1024"], "was played under --max-tokens 2048")):
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            build_with(*flags)
     with pytest.raises(SystemExit, match="--no-play needs --episodes"):
         monkeypatch.setattr(sys, "argv", ["build", "--no-play", "--envs", "babyai", "--episodes", str(tmp_path / "none")])
         build.main()

@@ -239,8 +239,9 @@ def test_metrics_per_env_beside_the_totals_and_an_evaluation_macro_averaged():
     mixed = eval_metrics({"babyai": result(0.5) | {"score_max": 1.0}, "sciworld": science}, 6, 3072)
     assert mixed["eval/avg@k"] == 0.5 and mixed["eval/sciworld/avg@k"] == 50.0 and mixed["eval/success"] == 0.5
     assert envs.score_max("sciworld", {"reward": "normalized"}) == envs.score_max("babyai") == 1.0
-    assert "macro       " in env_table({"babyai": result(0.5) | {"tasks": 2}, "sciworld": science | {"tasks": 2}},
-                                       macro({"babyai": result(0.5), "sciworld": science}), 1)
+    table = env_table({"babyai": result(0.5) | {"tasks": 2}, "sciworld": science | {"tasks": 2}},
+                      macro({"babyai": result(0.5), "sciworld": science}), 1)
+    assert table.splitlines()[-1].split() == ["macro", "0.5000", "0.5000", "0.5000"]
     assert macro({"babyai": result(0.5), "sciworld": science})["avg@k"] == 0.5
 
 
@@ -529,6 +530,15 @@ def test_the_generalist_plays_its_own_turns_under_the_tiny_preset_and_in_eval(tm
     assert train.parse_args(["--model", "tiny-generalist", "--algo", "sft", "--env", "textcraft"]).horizon == (10,)
     assert train.parse_args(["--model", "tiny-generalist", "--max-new-tokens", "40"]).max_new_tokens == 40
     assert (train.parse_args([]).horizon, train.parse_args([]).max_new_tokens) == ((3, 6), 48)
+    run = tmp_path / "runs" / "sft"  # (a run that trained it: its checkpoint chains with the generalist's own limits)
+    (run / "checkpoints" / "step_1").mkdir(parents=True)
+    shutil.copy(EMBEDDED["tiny-generalist"] / "config.json", run / "checkpoints" / "step_1")
+    (run / "config.json").write_text(json.dumps({"model": "tiny-generalist", "preset": "tiny", "env": ["textcraft"]}))
+    chained = train.parse_args(["--model", str(run / "checkpoints" / "step_1"), "--env", "textcraft"])
+    assert (chained.preset, chained.horizon, chained.max_new_tokens) == ("tiny", (5, 10), 64)
+    tiny = eval_script.resolve_settings(build(eval_script.Args, model=str(run / "checkpoints" / "step_1"),
+                                              protocol="tiny", out=str(tmp_path / "chained")), "textcraft")
+    assert (tiny["horizon"], tiny["max_new_tokens"]) == (10, 64)
     for model, limits in (("tiny-generalist", (10, 64, 3072)), ("tiny-agent", (6, 48, 3072))):
         settings = eval_script.resolve_settings(build(eval_script.Args, model=model, out=str(tmp_path / model)),
                                                 "textcraft")
