@@ -66,7 +66,8 @@ def test_episodes_played_here_fit_elsewhere_without_envs(tmp_path, monkeypatch, 
     from safetensors.torch import load_file
 
     folder, out = tmp_path / "episodes", tmp_path / "model"
-    common = ["--envs", "babyai", "textcraft", "--horizon", "6", "--max-tokens", "2048", "--episodes", str(folder)]
+    common = ["--envs", "babyai", "textcraft", "--horizon", "6", "--max-tokens", "2048", "--episodes", str(folder),
+              "--out", str(tmp_path / "unwritten")]  # (never the default, the shipped assets/tiny-agent)
 
     def build_with(*flags):
         monkeypatch.setattr(sys, "argv", ["build", *common, *flags])
@@ -101,9 +102,12 @@ def test_episodes_played_here_fit_elsewhere_without_envs(tmp_path, monkeypatch, 
                            (["--no-play", "--max-tokens", "1024"], "was played under --max-tokens 2048")):
         with pytest.raises(SystemExit, match=re.escape(message)):
             build_with(*flags)
+    assert not (tmp_path / "unwritten").exists()  # (a refused build writes nothing)
     with pytest.raises(SystemExit, match="--no-play needs --episodes"):
-        monkeypatch.setattr(sys, "argv", ["build", "--no-play", "--envs", "babyai", "--episodes", str(tmp_path / "none")])
+        monkeypatch.setattr(sys, "argv", ["build", "--no-play", "--envs", "babyai", "--episodes", str(tmp_path / "none"),
+                                          "--out", str(tmp_path / "unwritten")])
         build.main()
     with pytest.raises(SystemExit, match="no episodes of sciworld"):
-        monkeypatch.setattr(sys, "argv", ["build", "--no-play", "--envs", "babyai", "sciworld", "--episodes", str(folder)])
+        monkeypatch.setattr(sys, "argv", ["build", "--no-play", "--envs", "babyai", "sciworld", "--episodes", str(folder),
+                                          "--out", str(tmp_path / "unwritten")])
         build.main()
