@@ -41,7 +41,7 @@ import copy
 import math
 import random
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -59,7 +59,7 @@ from rl.engines.setup import TrainerEngineArgs, build_engine, own_stream, stream
 from rl.flags import GROUP, OFFLINE, build, check, embedded_of, replace
 from rl.limits import Limits, caps_for, describe_limits, env_limits, horizon_for, largest, last_caps, per_env
 from rl.logprobs import token_logprobs, token_values
-from rl.losses import Aggregation, Counts, KLEstimator, Mismatch, Objective, aggregate, kl, policy_objective, value_loss
+from rl.losses import Counts, Objective, aggregate, kl, policy_objective, value_loss
 from rl.memory import PlanArgs, print_plan
 from rl.model import (EMBEDDED_OWN, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, ModelArgs, Models, build_models, context_limit,
                       has_reference, load_tokenizer, make_accelerator, reference, restart, stop_on_nondeterministic)
@@ -169,14 +169,6 @@ class Args:
     loop with no staleness, which is the synchronous loop exactly; default: the synchronous loop (docs/async.md). With
     --deterministic and k >= 1 the same command line repeats the run; a resumed one plays the sets that were under
     way anew (they are not checkpointed), and --steps bounds the sets played, so either changes later steps"""
-    is_cap: float = 2.0
-    """--max-staleness: truncate a stale token's importance weight pi_prox / pi_behav at this (TIS's 2)"""
-    mismatch: Mismatch = "none"
-    """the engine-trainer gap of the tokens sampled by the weights being updated (a bf16 engine, other kernels):
-    none, weight 1; tis, each token weighed min(pi_trainer / pi_engine, --mismatch-cap); mis, a sequence whose
-    geometric-mean ratio is outside [1 / cap, cap] left out (rl/losses.py; docs/engines.md, "Engine-trainer mismatch")"""
-    mismatch_cap: float | None = None
-    """--mismatch tis, mis: C, the cap of the weight (tis) or the band [1 / C, C] (mis); default: 2"""
 
     # -- optimisation
     model_args: Annotated[ModelArgs, GROUP] = field(default_factory=ModelArgs)  # rl/model.py
@@ -195,23 +187,7 @@ class Args:
     pack: bool = False
     """RL: several trajectories a row, positions restarting and no attention across them (no padding); needs
     --max-tokens-per-micro-batch, the length of a row"""
-    clip: float = 0.2
-    """PPO ratio clip (the lower one when --clip-high is given)"""
-    clip_high: float | None = None
-    """upper ratio clip, e.g. 0.28 (DAPO's clip-higher); default: --clip"""
-    dual_clip: float | None = None
-    """bound the loss of negative advantages at -A * c (dual clip, c > 1, e.g. 3)"""
-    loss_agg: Aggregation = "seq-mean-token-mean"
-    """how per-token losses become one number: seq-mean-token-mean (every trajectory weighs the same,
-    what upstream effectively optimises), token-mean (every token), seq-mean-token-sum (Dr. GRPO)"""
-    kl_coef: float = 0.001
-    """weight of KL(policy || initial policy); 0 drops the reference model"""
-    kl_estimator: KLEstimator = "k3"
-    """k1 (log-ratio), k2 (squared, upstream's mse) or k3 (upstream's low_var_kl)"""
-    kl_in_reward: bool = False
-    """subtract the KL from the reward (per token) instead of adding it to the loss"""
-    entropy_coef: float = 0.001
-    """weight of the entropy bonus (subtracted from the loss)"""
+    objective: Annotated[Objective, GROUP] = field(default_factory=Objective)  # rl/losses.py: the policy loss
 
     # -- critic (ppo)
     critic_warmup: int = 0
@@ -279,7 +255,7 @@ def main(args: Args) -> Path | None:
     set_seed(args.seed + accelerator.process_index)
     if args.plan_args.dry_run:  # the memory plan, before anything heavy (sized by the largest of the envs' budgets)
         top = largest(env_limits(args)).max_tokens
-        return print_plan(accelerator, args.plan_args, args.model, args.algo, args.kl_coef, args.model_args,
+        return print_plan(accelerator, args.plan_args, args.model, args.algo, args.objective.kl_coef, args.model_args,
                           args.engine_args, args.gen_batch_size, args.max_tokens_per_micro_batch or args.micro_batch_size * top, top)
     if args.algo in OFFLINE:  # learning from trajectory files: the same models, checkpoints and logs
         return evolve(args, accelerator, mixed) if args.algo == "agentevol" else learn(args, accelerator, mixed)
@@ -381,7 +357,7 @@ def set_up(args: Args, accelerator, policy_from: str) -> tuple[object, ChatForma
     and the trajectories' token limit (the smaller of --max-tokens and the policy's context window)."""
     tokenizer = load_tokenizer(args.model)
     fmt = chat_format(tokenizer, args.layout_args)
-    models = build_models(accelerator, policy_from, args.model, args.algo, args.kl_coef, args.model_args)
+    models = build_models(accelerator, policy_from, args.model, args.algo, args.objective.kl_coef, args.model_args)
     max_tokens = context_limit(largest(env_limits(args)).max_tokens, args.model,
                                accelerator.unwrap_model(models.policy).config, say=accelerator.is_main_process)
     return tokenizer, fmt, models, max_tokens
@@ -444,7 +420,7 @@ def old_logprobs(models: Models, batch: Batch, args: Args, accelerator, between=
     reference agree exactly while their weights do. With a single update per rollout the policy has not moved, so
     the old log-probs are the current ones (detached) and need no extra forward pass, unless the KL goes into the
     reward, which needs them before the update. `between`, when given, is called after every micro-batch (see update)."""
-    need_old = args.ppo_epochs * args.minibatches > 1 or (args.kl_in_reward and has_reference(models))
+    need_old = args.ppo_epochs * args.minibatches > 1 or (args.objective.kl_in_reward and has_reference(models))
     for module in (models.policy, models.critic):
         if module is not None:
             module.eval()
@@ -478,8 +454,8 @@ def advantages_for(args: Args, full: StepTensors, scores: torch.Tensor, groups: 
     keys before its turns (rl/batch.py); `row_envs`: each row's env, with several envs whitened apart
     (--whiten-per-env)."""
     penalty = None
-    if args.kl_in_reward and full.ref_logprobs is not None:
-        penalty = args.kl_coef * kl(full.old_logprobs, full.ref_logprobs, args.kl_estimator) * full.loss_mask
+    if args.objective.kl_in_reward and full.ref_logprobs is not None:
+        penalty = args.objective.kl_coef * kl(full.old_logprobs, full.ref_logprobs, args.objective.kl_estimator) * full.loss_mask
     strata = adv_lib.strata(row_envs, args.env) if row_envs is not None and args.whiten_per_env else None
     return adv_lib.advantages(args.algo, adv_lib.AdvantageInputs(
         scores, groups, ok, full.loss_mask, penalty, episodes, full.old_values, anchors, full.turn, args.gamma,
@@ -497,6 +473,7 @@ def update(models: Models, batch: Batch, args: Args, accelerator, step: int, pro
     scaled gradients overflow itself, uncounted). `between`, when given, is called after every micro-batch (the
     rollouts that go on meanwhile: rollout.Rollouts.advance)."""
     train_policy = step >= args.critic_warmup  # as upstream: `critic_warmup <= global_steps`, counted from 1
+    args = replace(args, objective=args.objective.norm_tokens(largest(env_limits(args)).max_tokens))  # (Dr. GRPO's)
     trained = [("policy", update_policy)] if train_policy else []
     if models.critic is not None:
         trained.append(("critic", update_critic))
@@ -527,23 +504,17 @@ def update(models: Models, batch: Batch, args: Args, accelerator, step: int, pro
 
 def update_policy(models: Models, micro: MicroBatch, counts: Counts, args: Args,
                   accelerator) -> tuple[torch.Tensor, UpdateSums, bool]:
-    """The policy's loss on one micro-batch (rl/losses.policy_objective, by the flags of its Objective's names),
+    """The policy's loss on one micro-batch (rl/losses.policy_objective, by the flags of its Objective),
     aggregated over the whole mini-batch (`counts`: its action tokens and sequences); the micro-batch's sums for the
     metrics, and whether they are finite."""
     with accelerator.autocast():
         logprobs, entropy = token_logprobs(models.policy, micro.input_ids, micro.attention_mask, micro.loss_mask,
                                            args.engine_args.temperature, with_entropy=True, position_ids=micro.position_ids)
-    loss, terms = policy_objective(logprobs, entropy, micro, counts, objective(args))
+    loss, terms = policy_objective(logprobs, entropy, micro, counts, args.objective)
     if micro.trainer_logprobs is None:  # the first pass's, for the rollout log
         micro.trainer_logprobs = terms.old.detach()
     sums = policy_sums(terms, micro)
     return loss, sums, all(math.isfinite(x) for x in (sums.policy, sums.kl, sums.entropy))
-
-
-def objective(args: Args) -> Objective:
-    """The policy objective's settings: the flags of its fields' names."""
-    given = flags.flat(args)  # (a field inside a flag group too)
-    return Objective(**{f.name: given[f.name] for f in fields(Objective) if f.name in given})
 
 
 def update_critic(models: Models, micro: MicroBatch, counts: Counts, args: Args,
@@ -557,7 +528,8 @@ def update_critic(models: Models, micro: MicroBatch, counts: Counts, args: Args,
     with torch.no_grad():
         sums = UpdateSums(critic_tokens=float(mask.sum()), value=float((terms * mask).sum()),
                           value_clipfrac=float((clipped * mask).sum()))
-    loss = aggregate(terms, mask, args.loss_agg, counts.tokens, counts.sequences, micro.segments, micro.weights)
+    loss = aggregate(terms, mask, args.objective.loss_agg, counts.tokens, counts.sequences, micro.segments, micro.weights,
+                     args.objective.loss_norm_tokens)
     return loss, sums, math.isfinite(sums.value)
 
 

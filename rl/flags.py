@@ -65,11 +65,12 @@ def flat(args) -> dict:
 
 
 def replace(args, **changes):
-    """dataclasses.replace by the flags' names: a group's flags change inside their group."""
+    """dataclasses.replace by the flags' names: a group's flags change inside their group (a group by its own name:
+    the whole group)."""
     inner = {}
     for f in fields(args):
         group = getattr(args, f.name)
-        if is_dataclass(group):
+        if is_dataclass(group) and f.name not in changes:
             mine = {g.name: changes.pop(g.name) for g in fields(group) if g.name in changes}
             inner[f.name] = replace(group, **mine) if mine else group
     return dataclasses.replace(args, **inner, **changes)
@@ -200,6 +201,7 @@ def check(args, world: int, distributed: str = "NO") -> None:
     check_horizon(args)
     args.engine_args.check(largest(env_limits(args)).max_tokens)
     args.model_args.check(args.algo, distributed)
+    args.objective.check(args.algo not in OFFLINE, args.max_staleness is not None)
     if args.eval_every < 0 or args.eval_tasks < 0 or args.eval_k < 1:
         raise SystemExit("--eval-every and --eval-tasks take 0 (never, all) or more, --eval-k 1 or more")
     for name in args.env:
@@ -251,8 +253,6 @@ def check_estimator(args) -> None:
     if args.critic_warmup > 1 and not (estimator and estimator.critic):
         raise SystemExit(f"--critic-warmup trains only the critic for a while, and --algo {args.algo} has none: "
                          f"use it with --algo {adv_lib.names(lambda e: e.critic, 'or')}")
-    if args.dual_clip is not None and args.dual_clip <= 1:
-        raise SystemExit("--dual-clip must be larger than 1")
     if estimator and estimator.critic and args.model_args.mixed_precision == "fp16":
         raise SystemExit(f"--algo {args.algo} steps two optimizers, which fp16's loss scaling does not support here: "
                          "use --mixed-precision bf16")
@@ -293,16 +293,8 @@ def check_rollouts(args, world: int) -> None:
                          "learns from its own rollouts")
     if args.tasks_per_step % world:
         raise SystemExit(f"--tasks-per-step {args.tasks_per_step} must be divisible by the {world} processes")
-    if args.max_staleness is not None and (args.max_staleness < 0 or args.is_cap < 1):
-        raise SystemExit("--max-staleness takes 0 (the asynchronous loop, no staleness) or more, --is-cap 1 or more")
-    if args.is_cap != type(args).is_cap and args.max_staleness is None:
-        raise SystemExit("--is-cap truncates the importance weights of stale tokens, which only --max-staleness makes: "
-                         "give --max-staleness too, or leave --is-cap out")
-    if args.mismatch_cap is not None and args.mismatch == "none":
-        raise SystemExit("--mismatch-cap bounds --mismatch tis's weights or mis's band: give --mismatch tis or mis with it")
-    if args.mismatch_cap is not None and args.mismatch_cap <= 1:
-        raise SystemExit(f"--mismatch-cap {args.mismatch_cap:g} must be above 1: tis truncates the weights at C, mis keeps "
-                         "the sequences whose geometric-mean ratio is within [1/C, C]")
+    if args.max_staleness is not None and args.max_staleness < 0:
+        raise SystemExit("--max-staleness takes 0 (the asynchronous loop, no staleness) or more")
     if args.max_staleness is not None and args.layout_args.agent == "reflect":
         raise SystemExit("--agent reflect's attempts wait for each other's reflections: train it without --max-staleness")
     trajectories = args.tasks_per_step // world * args.n
@@ -319,9 +311,9 @@ def check_rollouts(args, world: int) -> None:
 def check_offline(args, world: int) -> None:
     """check()'s part for sft, dpo and agentevol."""
     args.offline_args.check(args.algo, world)
-    if args.max_staleness is not None or args.mismatch != "none":
-        raise SystemExit(f"--max-staleness and --mismatch weigh the tokens of RL's rollouts; --algo {args.algo} learns "
-                         "from trajectory files")
+    if args.max_staleness is not None:
+        raise SystemExit(f"--max-staleness weighs the tokens of RL's rollouts; --algo {args.algo} learns from "
+                         "trajectory files")
     if args.algo == "agentevol" and len(args.horizon) > 1:
         raise SystemExit("--horizon takes one turn cap with agentevol (ScalingInter-RL's stages are steps of RL)")
     if args.algo == "agentevol" and args.run_args.resume is not None:

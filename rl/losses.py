@@ -10,25 +10,25 @@ exp(trainer_old - engine), the trainer's log-prob over the engine's, bounded by 
 gap too. A lag-0 token (every token of the synchronous loop), by --mismatch: none 1; tis min(ratio, --mismatch-cap);
 mis 0 or 1 by its sequence's geometric-mean ratio. Upstream (AgentGym-RL's verl fork) has none of it.
 
-`policy_objective` composes one micro-batch's policy loss from these terms, by an `Objective` (train.py builds it
-from its flags of the same names): the ratio per token, or per sequence (`ratio="sequence"`: GSPO, Zheng et al.,
-2025), its clips, the importance weights, the aggregation over the mini-batch's counts, the entropy bonus and the
-KL to the reference. A loss variant is an edit here and a field of `Objective` (a flag of the same name in
-train.py's Args reaches it; tests/test_losses.py shows GSPO's).
+`policy_objective` composes one micro-batch's policy loss from these terms, by an `Objective` (train.py's flag group
+of the loss): --policy-loss's surrogate (ppo: the clipped ratio a token; gspo: a sequence's, Zheng et al., 2025;
+cispo: the clipped, detached ratio on the log-prob, MiniMax-M1), its clips, the importance weights, the
+aggregation over the mini-batch's counts, the entropy bonus and the KL to the reference. A loss variant is a
+function here, a value of `PolicyLoss` and its branch in `policy_objective` (tests/test_losses.py checks each
+against its paper's formula on hand-computed tensors).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple
 
 import torch
 
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
-Mismatch = Literal["none", "tis", "mis"]
-Ratio = Literal["token", "sequence"]
+Mismatch = Literal["none", "tis", "mis", "icepop"]
 MISMATCH_CAP = 2.0  # --mismatch-cap's default: TIS's C (Yao et al., 2025)
 
 
@@ -59,6 +59,25 @@ def policy_loss(logprobs, old_logprobs, advantages, clip_low: float = 0.2, clip_
     return loss, active.float()
 
 
+def cispo_loss(logprobs, old_logprobs, advantages, clip_low: float = 0.2, clip_high: float | None = None):
+    """CISPO's (MiniMax-M1, 2025): -A sg(clip(r, 1 - clip_low, 1 + clip_high)) log pi, r = exp(logp - old logp).
+    The ratio is clipped and detached, a weight on the REINFORCE term, so a token outside the band still has its
+    gradient (-A clip(r) grad log pi), where PPO's clip drops it. At r = 1 the gradient is PPO's. Returns (loss
+    terms, 1.0 where the weight was clipped)."""
+    clip_high = clip_low if clip_high is None else clip_high
+    ratio = torch.exp((logprobs - old_logprobs).detach().clamp(-20, 20))
+    weight = ratio.clamp(1 - clip_low, 1 + clip_high)
+    return -advantages * weight * logprobs, (weight != ratio).float()
+
+
+def sequence_geomean(weights, mask, sequences):
+    """[B, T] -> [B, T]: the geometric mean of each sequence's weights over its action tokens, on each of them (0 when
+    any is 0: a masked token masks its sequence); 1 off the action tokens."""
+    zero = sequence_mean((weights <= 0).float(), mask, sequences) > 0
+    mean = torch.exp(sequence_mean(torch.log(weights.clamp(min=1e-30)), mask, sequences))
+    return torch.where(mask > 0, torch.where(zero, torch.zeros_like(mean), mean), torch.ones_like(mean))
+
+
 def sequence_mean(x, mask, sequences):
     """[B, T] -> [B, T]: the mean of x over the action tokens (mask > 0) of each token's sequence (`sequences`: its
     id), on every token of it; 0 on the tokens of no action."""
@@ -75,6 +94,7 @@ class Weights(NamedTuple):
     stale_truncated: torch.Tensor  # lag >= 1, above --is-cap
     truncated: torch.Tensor  # lag 0, above --mismatch-cap (tis)
     masked: torch.Tensor  # lag 0, in a sequence outside [1/cap, cap] (mis)
+    masked_tokens: torch.Tensor  # lag 0, outside [1/cap, cap] itself (icepop)
 
 
 def importance_weights(trainer, engine, mask, lag=None, sequences=None, mismatch: Mismatch = "none",
@@ -94,13 +114,14 @@ def importance_weights(trainer, engine, mask, lag=None, sequences=None, mismatch
       on-policy one); tis, min(ratio, cap) per token (truncated importance sampling); mis, 1 or 0 per sequence:
       0 for the lag-0 tokens of a sequence whose geometric-mean ratio, exp(mean log-ratio over its lag-0 action
       tokens), is outside [1/cap, cap] (masked importance sampling: a sequence the engine sampled off the trainer's
-      distribution is left out, not reweighted). The geometric mean, not the product of the ratios: the product's
+      distribution is left out, not reweighted); icepop, 1 or 0 per token: 0 for a lag-0 token whose own ratio is
+      outside [1/cap, cap] (IcePop, Ling Team, 2025, whose band is [0.5, 5]; here symmetric). The geometric mean, not the product of the ratios: the product's
       log grows with the sequence's length (a per-token gap of 0.01 is a factor e^5 over 500 tokens), so one bound
       would mask long sequences for being long; the mean log-ratio is a per-token figure whatever the length.
 
     Returns the weights [B, T] (1 off the action tokens) and, as 1.0/0.0 [B, T]: stale tokens the is_cap truncated,
     lag-0 tokens whose ratio is above `cap` (tis truncates them), lag-0 tokens of a sequence outside the band (mis
-    masks them), whatever `mismatch` is, so that a run logs what the correction does or would do."""
+    masks them), lag-0 tokens outside the band themselves (icepop masks them), whatever `mismatch` is, so that a run logs what the correction does or would do."""
     action = mask > 0
     stale = action & (lag > 0) if lag is not None else torch.zeros_like(action)
     fresh = action & ~stale
@@ -111,9 +132,12 @@ def importance_weights(trainer, engine, mask, lag=None, sequences=None, mismatch
     tokens = mask.new_zeros(len(ids), dtype=torch.float).index_add(0, which, fresh.flatten().float())
     mean_log = log_ratio.new_zeros(len(ids)).index_add(0, which, (log_ratio * fresh).flatten()) / tokens.clamp(min=1)
     outside = (mean_log.abs() > math.log(cap))[which].view_as(mask) & fresh
-    fresh_weight = {"none": torch.ones_like(ratio), "tis": ratio.clamp(max=cap), "mis": (~outside).float()}[mismatch]
+    outside_token = (log_ratio.abs() > math.log(cap)) & fresh
+    fresh_weight = {"none": torch.ones_like(ratio), "tis": ratio.clamp(max=cap), "mis": (~outside).float(),
+                    "icepop": (~outside_token).float()}[mismatch]
     weights = torch.where(stale, ratio.clamp(max=is_cap), torch.where(fresh, fresh_weight, torch.ones_like(ratio)))
-    return Weights(weights, (stale & (ratio > is_cap)).float(), (fresh & (ratio > cap)).float(), outside.float())
+    return Weights(weights, (stale & (ratio > is_cap)).float(), (fresh & (ratio > cap)).float(), outside.float(),
+                   outside_token.float())
 
 
 def value_loss(values, old_values, returns, clip: float | None = 0.5):
@@ -143,13 +167,16 @@ def kl(logprobs, ref_logprobs, estimator: KLEstimator = "k3"):
 
 
 def aggregate(terms, mask, mode: Aggregation = "token-mean", tokens: float | None = None,
-              sequences: float | None = None, segments=None, weights=None):
+              sequences: float | None = None, segments=None, weights=None, norm_tokens: int = 0):
     """Reduce [B, T] terms over the action tokens to one scalar.
 
     token-mean: sum over all action tokens / their number (every token weighs the same);
     seq-mean-token-mean: the mean over sequences of each sequence's token mean (every trajectory
-    weighs the same); seq-mean-token-sum: the mean over sequences of each sequence's token sum (Dr.
-    GRPO: no length normalisation). When a mini-batch is split into micro-batches, pass the whole
+    weighs the same); seq-mean-token-sum: the mean over sequences of each sequence's token sum (no length
+    normalisation); seq-mean-token-sum-norm: the same over a constant, `norm_tokens` (Dr. GRPO, Liu et al., 2025:
+    each sequence's token sum over the generation budget, so that neither a sequence's length nor the batch's token
+    count scales its tokens; seq-mean-token-sum is it times that constant, which the gradient clip and Adam's epsilon
+    do not ignore). When a mini-batch is split into micro-batches, pass the whole
     mini-batch's `tokens` or `sequences` (those with an action token) so that the gradient is the
     same however it is split, and over processes (train.py passes the mini-batch's counts over all
     processes divided by their number, since data-parallel training averages their gradients: a
@@ -175,6 +202,8 @@ def aggregate(terms, mask, mode: Aggregation = "token-mean", tokens: float | Non
         per_sequence = (terms * mask * weights).sum()  # (each sequence's part of its mean; summed over sequences)
     elif mode == "seq-mean-token-mean":
         per_sequence = per_sequence / lengths.clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        per_sequence = per_sequence / float(norm_tokens or 1)
     elif mode != "seq-mean-token-sum":
         raise ValueError(f"unknown aggregation {mode!r}")
     count = (lengths > 0).sum() if sequences is None else sequences
@@ -189,22 +218,80 @@ class Counts(NamedTuple):
     sequences: float
 
 
+PolicyLoss = Literal["ppo", "gspo", "cispo"]
+
+
 @dataclass(frozen=True)
 class Objective:
-    """The policy loss's settings, named as train.py's flags that set them."""
+    """The policy loss's settings: train.py's flags of these names (a flag group, rl/flags.py), with their checks. A
+    loss variant is a field here and its branch in `policy_objective`."""
 
+    policy_loss: PolicyLoss = "ppo"
+    """ppo: the clipped ratio a token; gspo: one ratio a sequence, the geometric mean of its tokens' (Zheng et al.,
+    2025; take clips near 3e-4 and 4e-4, the paper's, as a sequence's ratio stays near 1); cispo: the ratio clipped
+    and detached, times the log-prob, so that every token keeps its gradient (MiniMax-M1; its band is [1 - clip,
+    1 + clip-high], the paper sets no lower bound: --clip 1) (docs/algorithms.md, "Policy losses")"""
     clip: float = 0.2
+    """PPO ratio clip (the lower one when --clip-high is given)"""
     clip_high: float | None = None
+    """upper ratio clip, e.g. 0.28 (DAPO's clip-higher); default: --clip"""
     dual_clip: float | None = None
-    ratio: Ratio = "token"  # "sequence": GSPO's sequence-level ratio (no flag: tests/test_losses.py)
+    """bound the loss of negative advantages at -A * c (dual clip, c > 1, e.g. 3; ppo and gspo)"""
     loss_agg: Aggregation = "seq-mean-token-mean"
-    entropy_coef: float = 0.001
+    """how per-token losses become one number: seq-mean-token-mean (every trajectory weighs the same, what upstream
+    effectively optimises), token-mean (every token), seq-mean-token-sum (no length normalisation), and
+    seq-mean-token-sum-norm (Dr. GRPO: each trajectory's token sum over a constant, --loss-norm-tokens)"""
+    loss_norm_tokens: int = 0
+    """seq-mean-token-sum-norm: the constant a trajectory's token sum is divided by; 0: --max-tokens (the largest of
+    the envs')"""
     kl_coef: float = 0.001
+    """weight of KL(policy || initial policy); 0 drops the reference model"""
     kl_estimator: KLEstimator = "k3"
-    kl_in_reward: bool = False  # the KL is the reward's (rl/advantages), not the loss's
-    mismatch: Mismatch = "none"
-    mismatch_cap: float | None = None  # None: MISMATCH_CAP
+    """k1 (log-ratio), k2 (squared, upstream's mse) or k3 (upstream's low_var_kl)"""
+    kl_in_reward: bool = False
+    """subtract the KL from the reward (per token) instead of adding it to the loss"""
+    entropy_coef: float = 0.001
+    """weight of the entropy bonus (subtracted from the loss)"""
     is_cap: float = 2.0
+    """--max-staleness: truncate a stale token's importance weight pi_prox / pi_behav at this (TIS's 2)"""
+    mismatch: Mismatch = "none"
+    """the engine-trainer gap of the tokens sampled by the weights being updated (a bf16 engine, other kernels):
+    none, weight 1; tis, each token weighed min(pi_trainer / pi_engine, --mismatch-cap); mis, a sequence whose
+    geometric-mean ratio is outside [1 / cap, cap] left out; icepop, each token outside that band left out
+    (docs/engines.md, "Engine-trainer mismatch")"""
+    mismatch_cap: float | None = None
+    """--mismatch tis, mis, icepop: C, the cap of the weight (tis) or the band [1 / C, C]; default: 2"""
+
+    def check(self, rollouts: bool, staleness: bool) -> None:
+        """The settings that cannot work, as one sentence: `rollouts` False for a program that learns from files,
+        `staleness` whether --max-staleness is given."""
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise SystemExit("--dual-clip must be larger than 1")
+        if self.dual_clip is not None and self.policy_loss == "cispo":
+            raise SystemExit("--dual-clip bounds the clipped surrogate of ppo and gspo; cispo's weight is clipped itself")
+        if not 0 < self.clip <= 1 or (self.clip_high is not None and self.clip_high <= 0):
+            raise SystemExit("--clip takes a share in (0, 1], --clip-high one above 0")
+        if self.loss_norm_tokens < 0 or self.loss_norm_tokens and self.loss_agg != "seq-mean-token-sum-norm":
+            raise SystemExit("--loss-norm-tokens is the constant of --loss-agg seq-mean-token-sum-norm (Dr. GRPO), 1 "
+                             "or more: give that aggregation with it")
+        if self.is_cap != Objective.is_cap and not staleness:
+            raise SystemExit("--is-cap truncates the importance weights of stale tokens, which only --max-staleness makes: "
+                             "give --max-staleness too, or leave --is-cap out")
+        if self.is_cap < 1:
+            raise SystemExit(f"--is-cap {self.is_cap:g} would weigh every stale token below 1: give --is-cap 1 or more")
+        if self.mismatch_cap is not None and self.mismatch == "none":
+            raise SystemExit("--mismatch-cap bounds --mismatch tis's weights or mis's and icepop's band: give one of "
+                             "them with it")
+        if self.mismatch_cap is not None and self.mismatch_cap <= 1:
+            raise SystemExit(f"--mismatch-cap {self.mismatch_cap:g} must be above 1: tis truncates the weights at C, "
+                             "mis and icepop keep what is within [1/C, C]")
+        if not rollouts and (self.mismatch != "none" or self.policy_loss != "ppo"):
+            raise SystemExit("--mismatch and --policy-loss weigh the tokens of RL's rollouts; sft, dpo and agentevol "
+                             "learn from trajectory files")
+
+    def norm_tokens(self, max_tokens: int) -> Objective:
+        """This objective with seq-mean-token-sum-norm's constant: --loss-norm-tokens, else `max_tokens`."""
+        return replace(self, loss_norm_tokens=self.loss_norm_tokens or max_tokens)
 
 
 class PolicyTerms(NamedTuple):
@@ -222,22 +309,29 @@ class PolicyTerms(NamedTuple):
 def policy_objective(logprobs, entropy, micro, counts: Counts,
                      objective: Objective) -> tuple[torch.Tensor, PolicyTerms]:
     """The policy's loss on one micro-batch (rl/batch.MicroBatch; logprobs, entropy [R, W] from the forward pass):
-    PPO's clipped surrogate on pi_old's ratio (the micro-batch's old log-probs, or with one update per rollout the
-    current ones, detached), times the importance weight of each token (`importance_weights`), minus the entropy
-    bonus, plus the KL to the reference (when the micro-batch has reference log-probs and the KL is not in the
-    reward), each aggregated over the whole mini-batch (`counts`). Returns the loss and its terms."""
+    --policy-loss's surrogate on pi_old's ratio (the micro-batch's old log-probs, or with one update per rollout the
+    current ones, detached), times the importance weight of each token (`importance_weights`; under gspo one weight a
+    sequence, the geometric mean of its tokens', as its ratio is), minus the entropy bonus, plus the KL to the
+    reference (when the micro-batch has reference log-probs and the KL is not in the reward), each aggregated over the
+    whole mini-batch (`counts`). Returns the loss and its terms."""
     mask = micro.loss_mask
     old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
-    pg, clipped = policy_loss(logprobs, old, micro.advantages, objective.clip, objective.clip_high, objective.dual_clip,
-                              mask, micro.sequence if objective.ratio == "sequence" else None)
+    rows = torch.arange(len(mask), device=mask.device)[:, None].expand_as(mask)
+    sequences = micro.sequence if micro.sequence is not None else rows
+    if objective.policy_loss == "cispo":
+        pg, clipped = cispo_loss(logprobs, old, micro.advantages, objective.clip, objective.clip_high)
+    else:
+        pg, clipped = policy_loss(logprobs, old, micro.advantages, objective.clip, objective.clip_high,
+                                  objective.dual_clip, mask, sequences if objective.policy_loss == "gspo" else None)
     # (one weight a token for the sampler's gap: --max-staleness's decoupled PPO around the proximal policy, --mismatch)
     weighed = importance_weights(old, micro.sampler_logprobs, mask, micro.lag, micro.sequence, objective.mismatch,
                                  objective.mismatch_cap or MISMATCH_CAP, objective.is_cap)
-    pg = pg * weighed.weights
+    weights = sequence_geomean(weighed.weights, mask, sequences) if objective.policy_loss == "gspo" else weighed.weights
+    pg = pg * weights
 
     def mean(terms):  # over the whole mini-batch
         return aggregate(terms, mask, objective.loss_agg, counts.tokens, counts.sequences, micro.segments,
-                         micro.weights)
+                         micro.weights, objective.loss_norm_tokens)
 
     loss = mean(pg) - objective.entropy_coef * mean(entropy)
     divergence = torch.zeros_like(logprobs)
@@ -245,4 +339,4 @@ def policy_objective(logprobs, entropy, micro, counts: Counts,
         divergence = kl(logprobs, micro.ref_logprobs, objective.kl_estimator)
         if not objective.kl_in_reward:
             loss = loss + objective.kl_coef * mean(divergence)
-    return loss, PolicyTerms(logprobs, old, pg, clipped, entropy, divergence, weighed)
+    return loss, PolicyTerms(logprobs, old, pg, clipped, entropy, divergence, weighed._replace(weights=weights))

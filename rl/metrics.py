@@ -68,6 +68,7 @@ class UpdateSums(Sums):
     mismatch_kl: float = 0.0  # k3 estimate of KL(engine || trainer) over them, summed
     mismatch_truncated: float = 0.0  # of them, those above --mismatch-cap (tis truncates them)
     mismatch_masked: float = 0.0  # those in a sequence outside [1/cap, cap] (mis masks them)
+    mismatch_masked_tokens: float = 0.0  # those outside [1/cap, cap] themselves (icepop masks them)
     mismatch_ratio_max: float = largest()  # their largest pi_trainer / pi_engine
     critic_tokens: float = 0.0
     value: float = 0.0
@@ -93,6 +94,7 @@ def weight_sums(weighed: Weights, trainer: torch.Tensor, engine: torch.Tensor, m
             # (in fp64: at an fp32 engine's gap of 1e-7, exp(d) - d - 1 in fp32 is all rounding, and negative)
             "mismatch_kl": float(kl(engine.double(), trainer.double(), "k3")[fresh].sum()),
             "mismatch_truncated": float(weighed.truncated.sum()), "mismatch_masked": float(weighed.masked.sum()),
+            "mismatch_masked_tokens": float(weighed.masked_tokens.sum()),
             "mismatch_ratio_max": float(torch.exp(trainer - engine)[fresh].max()) if fresh.any() else 0.0}
     if lag is None:
         return sums
@@ -206,6 +208,7 @@ def step_metrics(records: list[dict], sampled: list[tuple[int, float]], costs: C
             "mismatch/kl": sums.mismatch_kl / per_fresh,
             "mismatch/truncated": sums.mismatch_truncated / per_fresh,
             "mismatch/masked": sums.mismatch_masked / per_fresh,
+            "mismatch/masked_tokens": sums.mismatch_masked_tokens / per_fresh,
             "mismatch/ratio_max": sums.mismatch_ratio_max,
             "losses/policy": sums.policy / per_token,
             "losses/kl": sums.kl / per_token,

@@ -243,7 +243,7 @@ def planned_update(args, accelerator) -> float:
     estimate = plan(config, algo=args.algo, lora_rank=args.model_args.lora_rank,
                     lora_targets=args.model_args.lora_target_modules,
                     processes=accelerator.num_processes, sharded=sharded(accelerator),
-                    reference=args.algo == "dpo" or args.kl_coef > 0, offload_reference=args.model_args.offload_reference,
+                    reference=args.algo == "dpo" or args.objective.kl_coef > 0, offload_reference=args.model_args.offload_reference,
                     micro_tokens=micro_tokens, checkpointing=args.model_args.gradient_checkpointing, engine="server",
                     engine_share=0.0, engine_sleeps=True, gpu_gib=gpu_gib, batch=args.gen_batch_size,
                     context=args.max_tokens, logits_elements=min(CHUNK_ELEMENTS, micro_tokens * config.vocab_size),
@@ -426,7 +426,7 @@ def run_size(size: str, model: Path, accelerator, precision: str, work: Workload
         start = time.perf_counter()
         models = None
         try:
-            models = build_models(accelerator, args.model, args.model, args.algo, args.kl_coef, args.model_args)
+            models = build_models(accelerator, args.model, args.model, args.algo, args.objective.kl_coef, args.model_args)
             print(f"[{prefix}{mode} {size}] models built in {time.perf_counter() - start:.1f} s "
                   f"(train.py {' '.join(flags[2:])})")
             for section in wanted:

@@ -90,7 +90,7 @@ def main(out_dir: Path) -> None:
     for name, flags in (CASES | NAN_CASES).items():
         args = train.parse_args(["--tasks-per-step", "2", "--n", "3", "--micro-batch-size", "2", "--minibatches", "1",
                                  "--kl-coef", "0", *flags])
-        models = build_models(accelerator, args.model, args.model, args.algo, args.kl_coef, args.model_args)
+        models = build_models(accelerator, args.model, args.model, args.algo, args.objective.kl_coef, args.model_args)
         gradients = {}
         original = optimizer_lib.optimizer_step
 

@@ -76,7 +76,7 @@ def test_an_update_moves_toward_the_rewarded_action(flags):
     args = train.parse_args([*flags, "--tasks-per-step", "2", "--n", "2", "--lr", "1e-3", "--micro-batch-size", "2",
                              "--minibatches", "1"])
     accelerator = Accelerator()
-    models = build_models(accelerator, args.model, args.model, args.algo, args.kl_coef, args.model_args)
+    models = build_models(accelerator, args.model, args.model, args.algo, args.objective.kl_coef, args.model_args)
     tokenizer = load_tokenizer("tiny-agent")
     fmt = ChatFormat(tokenizer)
     env = envs.make("babyai")
@@ -195,10 +195,10 @@ def test_recipes_launch_valid_commands(recipe, tmp_path):
     train.check(args, world=8)
     env_name, method = recipe.stem.split("_")
     assert args.env == (env_name,) and args.model == "Qwen/Qwen2.5-3B-Instruct" and args.preset == "paper"
-    assert args.algo == "grpo" and args.model_args.lr == 1e-6 and args.kl_coef == 0.001 and args.entropy_coef == 0.001
+    assert args.algo == "grpo" and args.model_args.lr == 1e-6 and args.objective.kl_coef == 0.001 and args.objective.entropy_coef == 0.001
     assert args.epochs and args.run_args.save_every == 5
     # what upstream's actor does whatever its scripts say: one pass, every trajectory weighing the same
-    assert args.ppo_epochs == 1 and args.loss_agg == "seq-mean-token-mean"
+    assert args.ppo_epochs == 1 and args.objective.loss_agg == "seq-mean-token-mean"
     assert (len(args.horizon) == 3) == (method == "scalinginter-rl")
     # sharded: LAUNCH names an Accelerate config, and the run passes the checks of an FSDP2 launch
     subprocess.run(["bash", str(recipe)], env=env | {"LAUNCH": "configs/fsdp2.yaml"}, check=True, timeout=60)

@@ -139,7 +139,7 @@ def test_the_update_is_the_same_packed_or_padded(aggregation, tmp_path):
         args = train.parse_args(["--tasks-per-step", "4", "--n", "2", "--minibatches", "1", "--kl-coef", "0",
                                  "--loss-agg", aggregation, "--out-dir", str(tmp_path), *flags])
         torch.manual_seed(0)
-        models = build_models(accelerator, args.model, args.model, args.algo, args.kl_coef, args.model_args)
+        models = build_models(accelerator, args.model, args.model, args.algo, args.objective.kl_coef, args.model_args)
         batch = train.batch_of(played, args, accelerator, 0)
         train.old_logprobs(models, batch, args, accelerator)
         advantages, _ = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, None)

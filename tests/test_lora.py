@@ -73,7 +73,7 @@ def test_old_log_probs_are_the_adapted_policys(tmp_path):
     args = train.parse_args(["--lora-rank", "8", "--minibatches", "2", "--kl-in-reward", "--tasks-per-step", "4",
                              "--n", "2", "--out-dir", str(tmp_path)])
     torch.manual_seed(0)
-    models = build_models(accelerator, args.model, args.model, args.algo, args.kl_coef, args.model_args)
+    models = build_models(accelerator, args.model, args.model, args.algo, args.objective.kl_coef, args.model_args)
     policy = accelerator.unwrap_model(models.policy)
     for name, parameter in policy.named_parameters():
         if "lora_B" in name:  # adapters that have moved (B starts at 0: the adapted model is the base model)
@@ -95,7 +95,7 @@ def test_old_log_probs_are_the_adapted_policys(tmp_path):
         torch.testing.assert_close(micro.old_logprobs, adapted, rtol=0, atol=1e-6)
         torch.testing.assert_close(micro.ref_logprobs, base, rtol=0, atol=1e-6)
     full, mask = batch.full, batch.full.loss_mask > 0
-    penalty = kl(full.old_logprobs, full.ref_logprobs, args.kl_estimator)[mask]
+    penalty = kl(full.old_logprobs, full.ref_logprobs, args.objective.kl_estimator)[mask]
     assert float(penalty.abs().max()) > 1e-4, f"KL penalty {float(penalty.abs().max())}"
     with_kl, _ = train.advantages_for(args, full, batch.scores, batch.groups, batch.ok, None)
     without, _ = train.advantages_for(dataclasses.replace(args, kl_in_reward=False), full, batch.scores, batch.groups,

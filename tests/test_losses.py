@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from rl.losses import (Counts, Objective, aggregate, importance_weights, kl, policy_loss, policy_objective,
+from rl.batch import MicroBatch
+from rl.losses import (Counts, Objective, aggregate, cispo_loss, importance_weights, kl, policy_loss, policy_objective,
                        value_loss)
 
 
@@ -174,7 +175,6 @@ def test_mis_judges_the_geometric_mean_whatever_the_length():
 def gspo_batch():
     """One packed row of two sequences: 0 with action tokens at log-ratios 0.1, 0.3, 0.2 around an observation
     token (mask 0, log-ratio 5: it must count nowhere), 1 with -0.1 and 0.1; advantages 1 and -1."""
-    from rl.batch import MicroBatch
 
     mask = torch.tensor([[1.0, 1.0, 0.0, 1.0, 1.0, 1.0]])
     sequence = torch.tensor([[0, 0, 0, 0, 1, 1]])
@@ -186,12 +186,12 @@ def gspo_batch():
 
 
 def test_a_sequence_level_ratio_is_gspo_by_hand():
-    """ratio="sequence" (GSPO, Zheng et al., 2025): a sequence's ratio is exp of its action tokens' mean log-ratio,
+    """--policy-loss gspo (Zheng et al., 2025): a sequence's ratio is exp of its action tokens' mean log-ratio,
     clipped as one. Sequence 0: exp(0.2) = 1.221 > 1.2, clipped: -1.2 on each token, no gradient; sequence 1:
     exp(0) = 1, -A * 1 = 1 on each token, whose gradient is GSPO's: -A * s / |y| for each of its tokens, over the
     2 sequences, 0.25 a token."""
     logprobs, micro = gspo_batch()
-    objective = Objective(ratio="sequence", loss_agg="seq-mean-token-mean", entropy_coef=0.0)
+    objective = Objective(policy_loss="gspo", loss_agg="seq-mean-token-mean", entropy_coef=0.0)
     loss, terms = policy_objective(logprobs, torch.zeros(1, 6), micro, Counts(tokens=5, sequences=2), objective)
     assert loss.item() == pytest.approx((-1.2 + 1.0) / 2)
     assert terms.clipped[0].tolist() == [1, 1, 0, 1, 0, 0]
@@ -203,14 +203,98 @@ def test_a_sequence_level_ratio_is_gspo_by_hand():
     assert token.item() == pytest.approx((-(math.exp(0.1) + 1.2 + 1.2) / 3 + (math.exp(-0.1) + math.exp(0.1)) / 2) / 2)
 
 
-def test_a_flag_named_as_an_objective_field_sets_it():
-    """The one flag a loss variant adds: train.py builds the Objective from the flags of its fields' names, so a field
-    of Args named `ratio` would select GSPO with no other edit (there is no such flag today: shown with a subclass)."""
-    import dataclasses
-
+def test_the_loss_flags_are_the_objective_group():
+    """The policy loss's flags keep their names (--clip, --loss-agg, ...) inside train.py's Objective group, and the
+    tiny preset's aggregation reaches it."""
     import train
 
-    args = train.parse_args(["--clip", "0.3", "--loss-agg", "token-mean", "--kl-in-reward"])
-    assert train.objective(args) == Objective(clip=0.3, loss_agg="token-mean", kl_in_reward=True)
-    with_ratio = dataclasses.make_dataclass("WithRatio", [("ratio", str, "sequence")], bases=(train.Args,))
-    assert train.objective(with_ratio()).ratio == "sequence"
+    args = train.parse_args(["--clip", "0.3", "--loss-agg", "token-mean", "--kl-in-reward", "--policy-loss", "cispo"])
+    assert args.objective == Objective(policy_loss="cispo", clip=0.3, loss_agg="token-mean", kl_in_reward=True)
+    assert train.parse_args([]).objective.loss_agg == "token-mean"  # (the tiny preset's)
+    assert train.parse_args(["--model", "Qwen/Qwen2.5-7B-Instruct"]).objective == Objective()
+
+
+def test_cispo_by_hand():
+    """CISPO (MiniMax-M1): -A sg(clip(r, 1 - 0.2, 1 + 0.28)) log pi. Ratios e^0.5 (clipped to 1.28), e^0 and
+    e^-0.5 (clipped to 0.8): the loss is -A w logp a token, and every token keeps a gradient, -A w, where PPO's clip
+    leaves the first (A > 0, r above the band) and the last (A < 0, r below it) none."""
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    old = logprobs.detach() - torch.tensor([[0.5, 0.0, -0.5]])
+    advantages = torch.tensor([[1.0, 1.0, -1.0]])
+    terms, clipped = cispo_loss(logprobs, old, advantages, 0.2, 0.28)
+    weights = [1.28, 1.0, 0.8]
+    assert terms[0].tolist() == pytest.approx([-1 * 1.28 * -1.0, -1 * 1.0 * -2.0, 1 * 0.8 * -0.5])
+    assert clipped[0].tolist() == [1, 0, 1]
+    terms.sum().backward()
+    assert logprobs.grad[0].tolist() == pytest.approx([-a * w for a, w in zip([1, 1, -1], weights)])
+    ppo = logprobs.detach().clone().requires_grad_()
+    policy_loss(ppo, old, advantages, 0.2, 0.28)[0].sum().backward()
+    assert ppo.grad[0].tolist() == pytest.approx([0.0, -1.0, 0.0])
+
+
+def test_the_three_policy_losses_agree_on_policy():
+    """At r = 1 (one update a rollout) ppo, gspo and cispo have one gradient, -A grad log pi a token (their losses
+    differ: cispo's is -A log pi)."""
+    logprobs, micro = gspo_batch()
+    micro.old_logprobs = logprobs.detach().clone()
+    grads = []
+    for kind in ("ppo", "gspo", "cispo"):
+        x = logprobs.detach().clone().requires_grad_()
+        loss, _ = policy_objective(x, torch.zeros(1, 6), micro, Counts(tokens=5, sequences=2),
+                                   Objective(policy_loss=kind, loss_agg="token-mean", entropy_coef=0.0))
+        loss.backward()
+        grads.append(x.grad[0].tolist())
+    assert grads[0] == pytest.approx([-0.2, -0.2, 0, -0.2, 0.2, 0.2])
+    assert grads[1] == pytest.approx(grads[0]) and grads[2] == pytest.approx(grads[0])
+
+
+def test_gspo_weighs_a_sequence_by_the_geometric_mean_of_its_tokens_weights():
+    """Under gspo the importance weights (staleness, --mismatch) compose with the sequence's ratio as one number a
+    sequence: the geometric mean of its tokens' weights (each truncated as under ppo), 0 when one of them is masked.
+    Row 0 of MASK: weights 1, 2 (the stale e^1.0 truncated at 2) and 1 -> 2^(1/3) on each of its 3 tokens; under
+    icepop (cap 1.5) row 1's sequence 1 (e^0.8, e^0.6: both out) weighs 0 and 2 (e^0.1, e^-0.1: in) 1."""
+    micro = MicroBatch(input_ids=torch.zeros(2, 5, dtype=torch.long), loss_mask=MASK, sequence=SEQUENCES,
+                       segments=SEQUENCES, lag=LAG, sampler_logprobs=ENGINE, old_logprobs=ENGINE + LOG_RATIO,
+                       advantages=torch.ones(2, 5))
+    for mode, row0, row1 in (("none", [2 ** (1 / 3)] * 3, [1, 1, 1, 1]), ("icepop", [2 ** (1 / 3)] * 3, [0, 0, 1, 1])):
+        objective = Objective(policy_loss="gspo", mismatch=mode, mismatch_cap=1.5, is_cap=2.0, entropy_coef=0.0)
+        _, terms = policy_objective(ENGINE + LOG_RATIO, torch.zeros(2, 5), micro, Counts(7, 3), objective)
+        assert terms.weighed.weights[0, 1:4].tolist() == pytest.approx(row0), mode
+        assert terms.weighed.weights[1, :4].tolist() == pytest.approx(row1), mode
+
+
+def test_icepop_masks_each_token_outside_the_band():
+    """--mismatch icepop: a lag-0 token whose own ratio is outside [1/1.5, 1.5] weighs 0 (e^0.8, e^0.6 of row 1; not
+    e^1.0 of row 0, which is stale and decoupled PPO's), where mis masks sequences by their geometric mean."""
+    answer = weighed("icepop")
+    assert answer.weights.tolist() == [pytest.approx([1, 1, 2, 1, 1]), pytest.approx([0, 0, 1, 1, 1])]
+    assert answer.masked_tokens.tolist() == [[0, 0, 0, 0, 0], [1, 1, 0, 0, 0]]
+    long = importance_weights(torch.tensor([[0.5, 0.0, 0.0, 0.0]]), torch.zeros(1, 4), torch.ones(1, 4),
+                              mismatch="icepop", cap=1.5)
+    assert long.weights.tolist() == [[0, 1, 1, 1]] and long.masked.sum() == 0  # (mis keeps it: e^0.125 is in)
+
+
+def test_dr_grpo_divides_token_sums_by_a_constant():
+    """seq-mean-token-sum-norm (Dr. GRPO): each sequence's token sum over a fixed budget, then the mean over
+    sequences; the same terms in a micro-batch of other lengths keep their weight (token-mean's would not)."""
+    terms = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 0, 0, 0]])
+    assert aggregate(terms, mask, "seq-mean-token-sum-norm", norm_tokens=8).item() == pytest.approx((6 / 8 + 4 / 8) / 2)
+    assert aggregate(terms, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
+    assert aggregate(terms, mask, "seq-mean-token-sum-norm", sequences=4, norm_tokens=8).item() == pytest.approx(10 / 32)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--dual-clip", "1"], "--dual-clip must be larger than 1"),
+    (["--policy-loss", "cispo", "--dual-clip", "3"], "cispo's weight is clipped itself"),
+    (["--loss-norm-tokens", "4096"], "--loss-norm-tokens is the constant of --loss-agg seq-mean-token-sum-norm"),
+    (["--is-cap", "3"], "--is-cap truncates the importance weights of stale tokens"),
+    (["--mismatch-cap", "3"], "--mismatch-cap bounds --mismatch tis's weights"),
+    (["--algo", "sft", "--data", "x.jsonl", "--policy-loss", "gspo"], "sft, dpo and agentevol learn from trajectory"),
+])
+def test_bad_loss_flags_stop_with_a_sentence(flags, message, tmp_path):
+    import train
+
+    args = train.parse_args(["--out-dir", str(tmp_path), *flags])
+    with pytest.raises(SystemExit, match=message):
+        train.check(args, 1)

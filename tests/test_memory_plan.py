@@ -34,7 +34,7 @@ def test_the_model_state_is_what_training_allocates(tmp_path):
     config = load_model("tiny-agent").config
     for flags, lora in (([], 0), (["--lora-rank", "8"], 8)):
         args = train.parse_args(["--out-dir", str(tmp_path), *flags])
-        models = build_models(accelerator, args.model, args.model, args.algo, args.kl_coef, args.model_args)
+        models = build_models(accelerator, args.model, args.model, args.algo, args.objective.kl_coef, args.model_args)
         for p in models.policy.parameters():  # one optimizer step creates the moments
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)

@@ -87,9 +87,9 @@ def test_a_bf16_vllm_engine_has_a_gap_and_passes_the_probe(ragged, tmp_path):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--mismatch-cap", "3"], "--mismatch-cap bounds --mismatch tis's weights or mis's band"),
+    (["--mismatch-cap", "3"], "--mismatch-cap bounds --mismatch tis's weights"),
     (["--mismatch", "tis", "--mismatch-cap", "1"], "--mismatch-cap 1 must be above 1"),
-    (["--algo", "sft", "--data", "x.jsonl", "--mismatch", "mis"], "--algo sft learns from trajectory files"),
+    (["--algo", "sft", "--data", "x.jsonl", "--mismatch", "mis"], "sft, dpo and agentevol learn from trajectory files"),
     (["--engine", "hf", "--vllm-dtype", "bfloat16"], "--engine hf samples with the trainer's own model"),
     (["--rollout-server", "h:1", "--vllm-dtype", "float32"], "a rollout server has its own"),
 ])

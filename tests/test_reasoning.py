@@ -211,7 +211,7 @@ def test_drop_trains_an_episode_as_keep_does_where_the_template_drops_nothing(ag
                                  "--micro-batch-size", "2", "--loss-agg", aggregation, "--reasoning", history,
                                  "--out-dir", str(tmp_path)])
         torch.manual_seed(0)
-        models = build_models(accelerator, args.model, args.model, args.algo, args.kl_coef, args.model_args)
+        models = build_models(accelerator, args.model, args.model, args.algo, args.objective.kl_coef, args.model_args)
         batch = train.batch_of(played, args, accelerator, fmt.pad_id)
         assert len(batch.full.loss_mask) == (sum(counts[history]) if history == "drop" else len(played))
         train.old_logprobs(models, batch, args, accelerator)

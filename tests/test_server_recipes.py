@@ -77,7 +77,7 @@ def test_one_node_serves_on_two_gpus_and_trains_fsdp2_on_six(tmp_path):
     train.check(args, world=6, distributed="FSDP")
     assert args.engine_args.rollout_server == ("127.0.0.1:8900",) and args.engine_args.vllm_tensor_parallel_size == 2
     assert args.env == ("babyai",) and args.tasks_per_step == 18 and args.run_args.save_every == 5  # (the command line's last)
-    assert args.model == "Qwen/Qwen2.5-7B-Instruct" and args.kl_coef == 0.001  # the paper recipe's settings
+    assert args.model == "Qwen/Qwen2.5-7B-Instruct" and args.objective.kl_coef == 0.001  # the paper recipe's settings
 
 
 @pytest.mark.slow

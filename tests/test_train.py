@@ -39,7 +39,7 @@ STEP_METRICS = [
     "finish/done", "finish/horizon", "finish/max_tokens", "finish/error", "rollout/invalid_action_rate",
     "rollout/zero_variance_groups", "rollout/tokens", "rollout/action_tokens", "rollout/advantage_mean",
     "rollout/advantage_abs", "rollout/logprob_diff", "rollout/logprob_diff_max",
-    "mismatch/kl", "mismatch/truncated", "mismatch/masked", "mismatch/ratio_max",
+    "mismatch/kl", "mismatch/truncated", "mismatch/masked", "mismatch/masked_tokens", "mismatch/ratio_max",
     "perf/env_call_s", "perf/env_call_p95_s", "perf/env_wait_share", "perf/tokens_per_s", "perf/rollout_s",
     "perf/generate_s", "perf/update_s", "perf/update_tokens_per_s", "perf/update_padding_share",
     "perf/rollout_peak_gib", "perf/update_peak_gib", "perf/step_s",
@@ -282,8 +282,8 @@ def test_resume_keeps_the_runs_settings(trained):
 def test_presets_follow_the_model():
     assert train.parse_args([]).preset == "tiny"
     paper = train.parse_args(["--model", "Qwen/Qwen2.5-3B-Instruct"])
-    assert paper.preset == "paper" and paper.model_args.lr == 1e-6 and paper.kl_coef == 0.001 and paper.clip == 0.2
-    assert paper.entropy_coef == 0.001 and paper.engine_args.temperature == 1.0
+    assert paper.preset == "paper" and paper.model_args.lr == 1e-6 and paper.objective.kl_coef == 0.001 and paper.objective.clip == 0.2
+    assert paper.objective.entropy_coef == 0.001 and paper.engine_args.temperature == 1.0
     assert train.parse_args(["--lr", "0.5"]).model_args.lr == 0.5  # a flag overrides the preset
     tiny = train.parse_args([])  # on BabyAI, the tiny preset's tasks are the levels where the tiny agent learns
     assert Path(tiny.train_tasks).name == "babyai_tiny_train.json" and Path(tiny.test_tasks).name == "babyai_tiny_test.json"
