@@ -53,7 +53,8 @@ from envs.guard import EnvArgs
 from rl import advantages as adv_lib
 from rl import flags, staleness
 from rl.agent import LayoutArgs, chat_format
-from rl.batch import Batch, MicroBatch, StepTensors, arrange, attach, make_batch, minibatch_counts, rows_of, scatter
+from rl.batch import (Batch, MicroBatch, StepTensors, arrange, attach, make_batch, minibatch_counts, rows_of, scatter,
+                      shape_overlong)
 from rl.data import OfflineArgs, examples_of, held_out, offline_steps, read_data, to_record
 from rl.engines.setup import TrainerEngineArgs, build_engine, own_stream, stream_seed, sync
 from rl.flags import GROUP, OFFLINE, build, check, embedded_of, replace
@@ -109,8 +110,17 @@ class Args:
     """gigpo: omega, the weight of the turn-level advantage added to the episode's (the paper's 1.0)"""
     lam: float = 1.0
     """GAE lambda (ppo)"""
+    gae_unit: Literal["token", "turn"] = "token"
+    """ppo: GAE's timestep, an action token or an assistant turn (the critic's value before the turn; --gamma then
+    discounts per turn: rl/advantages.turn_gae)"""
     whiten_per_env: bool = True
     """several envs: reinforce_pp's and ppo's whitening within each env (AgentRL's task normalisation); off: batch's"""
+    overlong_penalty: str | None = None
+    """DAPO's soft overlong punishment, L:P (e.g. 1024:1): an episode's score loses P x how far it went into the last
+    L tokens of its --max-tokens, linearly, and P where the budget ended it (rl/batch.shape_overlong)"""
+    overlong_mask: bool = False
+    """leave the episodes that the token budget ended out of the loss (DAPO's overlong filtering; they stay in their
+    group's baseline)"""
 
     # -- SFT, DPO, AgentEvol: learning from trajectory files
     offline_args: Annotated[OfflineArgs, GROUP] = field(default_factory=OfflineArgs)  # rl/data.py
@@ -409,7 +419,12 @@ def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: in
     layout = arrange([len(t.token_ids) for t in rows], args.micro_batch_size, args.max_tokens_per_micro_batch,
                      args.pack, minimum=args.minibatches)
     count = int(reducer(accelerator, "max")(torch.tensor([len(layout)])))
-    return make_batch(rows, pad_id, layout, accelerator.device, count, args.pack, episodes, step)
+    batch = make_batch(rows, pad_id, layout, accelerator.device, count, args.pack, episodes, step)
+    if args.overlong_penalty or args.overlong_mask:  # (DAPO's shaping of the episodes the token budget ends)
+        buffer, penalty = flags.overlong_of(args.overlong_penalty)
+        shape_overlong(batch, rows, {env: own.max_tokens for env, own in env_limits(args).items()}, buffer, penalty,
+                       args.overlong_mask)
+    return batch
 
 
 @torch.no_grad()
@@ -459,7 +474,7 @@ def advantages_for(args: Args, full: StepTensors, scores: torch.Tensor, groups: 
     strata = adv_lib.strata(row_envs, args.env) if row_envs is not None and args.whiten_per_env else None
     return adv_lib.advantages(args.algo, adv_lib.AdvantageInputs(
         scores, groups, ok, full.loss_mask, penalty, episodes, full.old_values, anchors, full.turn, args.gamma,
-        args.lam, args.grpo_scale, args.step_weight, reduce, strata))
+        args.lam, args.grpo_scale, args.step_weight, reduce, strata, args.gae_unit))
 
 
 def update(models: Models, batch: Batch, args: Args, accelerator, step: int, progress=None,

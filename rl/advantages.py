@@ -14,6 +14,12 @@ token, which the mask then zeroes; its GAE bootstraps from values of observation
   they neither discount nor receive anything, and the value that an action token bootstraps from is
   the value of the next action token, in this turn or the next one.
 
+PPO's GAE runs over tokens (`gae_unit` "token") or over turns ("turn": `turn_gae`, each assistant turn one
+timestep, its value the critic's at the turn's first action token). Turn-level credit needs a baseline that the
+turn's own action cannot move: a per-turn-index baseline (MT-GRPO's, verl RFC #7244) sums one term per turn the
+episode went on for, which the policy chose, and is biased wherever the policy controls when an episode ends
+(tests/test_advantages.py enumerates such an MDP); the critic's value of the state before the turn is not.
+
 GiGPO (`gigpo`, arXiv 2505.10978) adds turn-level credit to GRPO: where several episodes of a task pass
 through the same env state (the same `anchor`: envs.Env.state_key), the turns taken from that state are compared
 with each other by their discounted returns (`step_advantages`); a turn's tokens get the episode's GRPO advantage
@@ -33,7 +39,7 @@ import collections
 import functools
 import warnings
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 
@@ -187,6 +193,39 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return (masked_whiten(advantages, mask, reduce, strata=strata) if whiten else advantages), returns
 
 
+def turn_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, turn: torch.Tensor, gamma: float = 1.0,
+             lam: float = 1.0, whiten: bool = True, reduce: Reduce | None = None, strata: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over turns: each assistant turn of an episode (a row) is one timestep. `gae` itself runs on [B, K]
+    turn tensors and its result is spread back onto the turns' action tokens.
+
+    Turn k's reward r_k is the sum of its tokens' rewards (the outcome on the last turn; the KL penalty summed over
+    the turn), its value V_k the critic's at its first action token: values[t] is the value of the state before
+    token t (rl/logprobs.token_values), so that is V(s_k), the history the turn acts from. A later token's value
+    has read part of the turn's own action, and as a baseline would make the turn's advantage depend on that action
+    (with an exact critic it is Q(s_k, a_k), and the expected gradient 0). delta_k = r_k + gamma V_{k+1} - V_k
+    (V after the last turn = 0), A_k = delta_k + gamma lam A_{k+1}: gamma discounts per turn, not per token. Every
+    action token of turn k gets A_k, and its return is A_k + V_k, so the critic learns the turn's return at all of
+    its tokens (only the first's is read). rewards, values, mask, turn ([B, T]; turn: the episode's turn of each
+    action token, -1 elsewhere) -> (advantages, returns), 0 off the mask; whitened over the action tokens as `gae`.
+    """
+    acting = mask > 0
+    if (acting & (turn < 0)).any():
+        raise ValueError("turn-level GAE needs the turn of every action token (rl/batch.py's turns)")
+    width = int(turn[acting].max()) + 1 if acting.any() else 0
+    index = torch.where(acting, turn, width)  # (tokens of no turn: an extra column, which no turn is in)
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(index)
+    first = torch.full((mask.shape[0], width + 1), mask.shape[1], device=mask.device).scatter_reduce(
+        1, index, torch.where(acting, positions, mask.shape[1]), "amin")  # each turn's first action token (T: none)
+    present = first < mask.shape[1]
+    turn_rewards = torch.zeros(first.shape, dtype=torch.float32, device=mask.device).scatter_add_(
+        1, index, (rewards * mask).float())
+    turn_values = values.float().gather(1, first.clamp(max=mask.shape[1] - 1)) * present
+    turn_advantages, turn_returns = gae(turn_rewards, turn_values, present, gamma, lam, whiten=False)
+    advantages, returns = turn_advantages.gather(1, index) * mask, turn_returns.gather(1, index) * mask
+    return (masked_whiten(advantages, mask, reduce, strata=strata) if whiten else advantages), returns
+
+
 # ----------------------------------------------------------------------------------------------
 # The estimators by their --algo names: each takes the step's AdvantageInputs
 
@@ -205,13 +244,14 @@ class AdvantageInputs:
     episodes: torch.Tensor | None = None  # [B]; None: a row each
     values: torch.Tensor | None = None  # [B, T] the critic's (ppo)
     anchors: list[list] | None = None  # per episode: the env's state key before each of its turns (gigpo)
-    turn: torch.Tensor | None = None  # [B, T] the episode's turn of each action token, -1 elsewhere (gigpo)
+    turn: torch.Tensor | None = None  # [B, T] the episode's turn of each action token, -1 elsewhere (gigpo, turn_gae)
     gamma: float | None = None  # the discount; None: the estimator's default (Estimator.gamma)
     lam: float = 1.0  # GAE's lambda
     scale: bool = True  # grpo, gigpo: divide by the group's std (False: Dr. GRPO, the paper's mean_norm)
     step_weight: float = 1.0  # gigpo's omega
     reduce: Reduce | None = None  # sums over processes, so that whitening is over the whole batch
     strata: torch.Tensor | None = None  # [B, S] one-hot, each row's env where a run has several: whitened apart
+    gae_unit: Literal["token", "turn"] = "token"  # ppo's GAE timestep: an action token, or a turn (turn_gae)
 
     def __post_init__(self):
         self.penalty = torch.zeros_like(self.mask) if self.penalty is None else self.penalty
@@ -294,8 +334,13 @@ def reinforce_pp_advantages(x: AdvantageInputs) -> Advantages:
 
 
 def gae_advantages(x: AdvantageInputs) -> Advantages:
-    """PPO's: GAE on the critic's values, and the returns the critic learns."""
-    return gae(x.rewards(), x.values, x.mask, x.gamma, x.lam, reduce=x.reduce, strata=x.strata)
+    """PPO's: GAE on the critic's values, over action tokens or (gae_unit "turn") over turns, and the returns the
+    critic learns."""
+    if x.gae_unit == "token":
+        return gae(x.rewards(), x.values, x.mask, x.gamma, x.lam, reduce=x.reduce, strata=x.strata)
+    if x.turn is None:
+        raise ValueError("turn-level GAE needs each action token's turn (rl/batch.py's Batch)")
+    return turn_gae(x.rewards(), x.values, x.mask, x.turn, x.gamma, x.lam, reduce=x.reduce, strata=x.strata)
 
 
 # --algo's estimators. A new one is a function of AdvantageInputs and its entry here (tests/test_advantages.py).

@@ -247,6 +247,27 @@ def make_batch(trajectories, pad_id: int, layout: Layout, device, count: int | N
                  anchors=[first[e].states[:first[e].turns] for e in sorted(first)], envs=[t.env for t in trajectories])
 
 
+def shape_overlong(batch: Batch, rows: list, budgets: dict[str, int], buffer: int, penalty: float,
+                   drop: bool) -> None:
+    """DAPO's overlong shaping (Yu et al., 2025), on a step's batch in place: with `penalty` P, each episode's score
+    loses P x how far its last sequence (the one its token budget bounds) went into the last `buffer` tokens of its
+    env's budget (`budgets`), linearly from 0 to P, and an episode the budget ended (finish "max_tokens") loses P;
+    with `drop`, those the budget ended leave the loss (mask 0: DAPO's overlong filtering), but stay in their group's
+    mean and std, as there. `rows`: the batch's rows (rows_of), in order."""
+    last = {episode: len(row.token_ids) for row, episode in zip(rows, batch.episodes.tolist())}  # (its last row's)
+    capped = torch.tensor([row.finish == "max_tokens" for row in rows], dtype=torch.bool)
+    if penalty:
+        lengths = torch.tensor([last[episode] for episode in batch.episodes.tolist()], dtype=torch.float32)
+        start = torch.tensor([budgets[row.env] - buffer for row in rows], dtype=torch.float32)
+        soft = ((lengths - start) / buffer).clamp(0, 1)
+        batch.scores = batch.scores - penalty * torch.where(capped, torch.ones_like(soft), soft)
+    if drop and capped.any():
+        batch.full.loss_mask[capped] = 0
+        dropped = capped.nonzero().squeeze(1)
+        for micro in batch.micro:
+            micro.loss_mask = micro.loss_mask * ~torch.isin(micro.sequence, dropped.to(micro.sequence.device))
+
+
 def turns(trajectories, episodes: list[int], width: int) -> torch.Tensor:
     """[B, T]: the episode's turn that each action token was sampled in, -1 on everything else. A row holds all its
     episode's turns, or (segments: rows_of) the turns after those of the episode's rows before it."""

@@ -250,12 +250,37 @@ def check_estimator(args) -> None:
     if not args.whiten_per_env and (len(args.env) == 1 or not (estimator and estimator.whitens)):
         raise SystemExit(f"--no-whiten-per-env whitens the advantages of {adv_lib.names(lambda e: e.whitens)} over "
                          "every env of a run together: give it with several --env and one of those --algo")
+    if args.gae_unit != "token" and not (estimator and estimator.critic):
+        raise SystemExit(f"--gae-unit sets the timestep of a critic's GAE, which --algo {args.algo} does not have: use "
+                         f"it with --algo {adv_lib.names(lambda e: e.critic, 'or')}")
+    if (args.overlong_penalty or args.overlong_mask) and estimator is None:
+        raise SystemExit(f"--overlong-penalty and --overlong-mask shape the rewards of RL's episodes; --algo {args.algo} "
+                         "learns from trajectory files")
+    buffer, _ = overlong_of(args.overlong_penalty)
+    if buffer >= min(own.max_tokens for own in env_limits(args).values()):
+        raise SystemExit(f"--overlong-penalty {args.overlong_penalty}: L must be below the token budget "
+                         f"(--max-tokens {min(own.max_tokens for own in env_limits(args).values())})")
     if args.critic_warmup > 1 and not (estimator and estimator.critic):
         raise SystemExit(f"--critic-warmup trains only the critic for a while, and --algo {args.algo} has none: "
                          f"use it with --algo {adv_lib.names(lambda e: e.critic, 'or')}")
     if estimator and estimator.critic and args.model_args.mixed_precision == "fp16":
         raise SystemExit(f"--algo {args.algo} steps two optimizers, which fp16's loss scaling does not support here: "
                          "use --mixed-precision bf16")
+
+
+def overlong_of(text: str | None) -> tuple[int, float]:
+    """--overlong-penalty L:P as (L, P); (1, 0.0) when not given (no penalty); a SystemExit for anything else."""
+    if text is None:
+        return 1, 0.0
+    try:
+        buffer, penalty = text.split(":")
+        buffer, penalty = int(buffer), float(penalty)
+    except ValueError:
+        raise SystemExit(f"--overlong-penalty {text}: give L:P, the last L tokens of the budget and the most an "
+                         "episode's score loses there, e.g. 1024:1") from None
+    if buffer < 1 or not penalty > 0:
+        raise SystemExit(f"--overlong-penalty {text}: L is 1 token or more, P above 0")
+    return buffer, penalty
 
 
 def check_horizon(args) -> None:

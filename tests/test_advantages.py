@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from rl.advantages import (ESTIMATORS, AdvantageInputs, Estimator, _within_groups, gae, grpo, masked_whiten,
-                           place_reward, per_token, reinforce_pp, rloo)
+from rl.advantages import (ESTIMATORS, AdvantageInputs, Estimator, _within_groups, advantages, gae, grpo,
+                           masked_whiten, place_reward, per_token, reinforce_pp, rloo, turn_gae)
 
 # Two turns of one trajectory: [prompt, act, act, obs, obs, act(last), obs]
 MASK = torch.tensor([[0, 1, 1, 0, 0, 1, 0]], dtype=torch.float32)
@@ -130,6 +130,189 @@ def test_whitening_statistics_can_be_summed_over_processes():
     stats = [torch.stack([(x[i] * mask[i]).sum(), (x[i] ** 2 * mask[i]).sum(), mask[i].sum()]).double() for i in (0, 1)]
     apart = [masked_whiten(x[i:i + 1], mask[i:i + 1], reduce=lambda s, i=i: s + stats[1 - i]) for i in (0, 1)]
     torch.testing.assert_close(torch.cat(apart), together)
+
+
+# Two episodes, observation tokens between turns (and a final one). Row 0: turns 0 (tokens 1-2), 1 (5-7), 2 (9);
+# row 1: turns 0 (token 2), 1 (4-5). A turn's value is the critic's at its first action token; the 7s (later tokens
+# of a turn) and 9s (observations) must not be read.
+TURN_MASK = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 1, 0, 1, 0],
+                          [0, 0, 1, 0, 1, 1, 0, 0, 0, 0, 0]], dtype=torch.float32)
+TURNS = torch.tensor([[-1, 0, 0, -1, -1, 1, 1, 1, -1, 2, -1],
+                      [-1, -1, 0, -1, 1, 1, -1, -1, -1, -1, -1]])
+TURN_VALUES = torch.tensor([[9.0, 0.2, 7.0, 9.0, 9.0, 0.5, 7.0, 7.0, 9.0, 0.6, 9.0],
+                            [9.0, 9.0, 0.3, 9.0, 0.4, 7.0, 9.0, 9.0, 9.0, 9.0, 9.0]])
+# KL penalty: row 0 pays 0.1 in turn 0 and 0.2 in turn 1 (0.15 + 0.05), so r = -0.1, -0.2, 1.0; row 1 r = 0, 0.5
+TURN_PENALTY = torch.zeros(2, 11).index_put_((torch.tensor([0, 0, 0]), torch.tensor([2, 6, 7])),
+                                             torch.tensor([0.1, 0.15, 0.05]))
+
+
+@pytest.mark.parametrize("gamma, lam, per_turn, turn_returns", [
+    # gamma 1, lambda 1: A_k = the turns' rewards from k on less V_k
+    #   row 0: A2 = 1 - 0.6 = 0.4, A1 = 0.8 - 0.5 = 0.3, A0 = 0.7 - 0.2 = 0.5; row 1: A1 = 0.5 - 0.4, A0 = 0.5 - 0.3
+    (1.0, 1.0, [[0.5, 0.3, 0.4], [0.2, 0.1]], [[0.7, 0.8, 1.0], [0.5, 0.5]]),
+    # gamma 0.9, lambda 0.8 (gamma lambda = 0.72), a discount per turn:
+    #   row 0: delta2 = 1 - 0.6 = 0.4                    A2 = 0.4
+    #          delta1 = -0.2 + 0.9 * 0.6 - 0.5 = -0.16   A1 = -0.16 + 0.72 * 0.4 = 0.128
+    #          delta0 = -0.1 + 0.9 * 0.5 - 0.2 = 0.15    A0 = 0.15 + 0.72 * 0.128 = 0.24216
+    #   row 1: delta1 = 0.5 - 0.4 = 0.1                  A1 = 0.1
+    #          delta0 = 0.9 * 0.4 - 0.3 = 0.06           A0 = 0.06 + 0.72 * 0.1 = 0.132
+    (0.9, 0.8, [[0.24216, 0.128, 0.4], [0.132, 0.1]], [[0.44216, 0.628, 1.0], [0.432, 0.5]]),
+])
+def test_turn_gae_hand_example(gamma, lam, per_turn, turn_returns):
+    """Every action token of a turn gets its turn's advantage, and the return A_k + V_k; observations get 0."""
+    x = AdvantageInputs(torch.tensor([1.0, 0.5]), torch.tensor([0, 1]), torch.ones(2, dtype=torch.bool), TURN_MASK,
+                        TURN_PENALTY, values=TURN_VALUES, turn=TURNS, gamma=gamma, lam=lam, gae_unit="turn")
+    adv, returns = turn_gae(x.rewards(), x.values, x.mask, x.turn, gamma, lam, whiten=False)
+
+    def on_tokens(per_row):  # (each turn's number on its action tokens, 0 elsewhere)
+        return torch.tensor([[row[k] if k >= 0 else 0.0 for k in turns] for row, turns in zip(per_row, TURNS.tolist())])
+
+    torch.testing.assert_close(adv, on_tokens(per_turn))
+    torch.testing.assert_close(returns, on_tokens(turn_returns))
+    # --algo ppo: the same, whitened over the action tokens as token-level GAE's; a token GAE is not this
+    whitened, same_returns = advantages("ppo", x)
+    torch.testing.assert_close(whitened, masked_whiten(adv, TURN_MASK))
+    torch.testing.assert_close(same_returns, returns)
+    token_level, _ = advantages("ppo", dataclasses.replace(x, gae_unit="token"))
+    assert not torch.allclose(token_level, whitened)
+
+
+def test_turn_gae_is_token_gae_when_every_turn_is_one_token():
+    mask = torch.tensor([[0, 1, 0, 1, 0, 0, 1, 0], [1, 0, 0, 1, 0, 0, 0, 0]], dtype=torch.float32)
+    turn = torch.tensor([[-1, 0, -1, 1, -1, -1, 2, -1], [0, -1, -1, 1, -1, -1, -1, -1]])
+    values = torch.tensor([[5.0, 0.1, 5.0, 0.7, 5.0, 5.0, 0.4, 5.0], [0.3, 5.0, 5.0, -0.2, 5.0, 5.0, 5.0, 5.0]])
+    rewards = place_reward(torch.tensor([1.0, -0.5]), mask) - 0.05 * mask
+    for whiten in (False, True):
+        by_turn = turn_gae(rewards, values, mask, turn, 0.9, 0.7, whiten=whiten)
+        by_token = gae(rewards, values, mask, 0.9, 0.7, whiten=whiten)
+        for a, b in zip(by_turn, by_token):
+            torch.testing.assert_close(a, b)
+
+
+# ----------------------------------------------------------------------------------------------
+# Turn-level credit when the policy controls the horizon (verl RFC #7244): at each of at most HORIZON turns the
+# policy stops (the episode ends after this turn) or continues, pi(continue at turn k) = sigmoid(theta_k); every
+# turn costs TURN_COST (placed as a KL penalty on its tokens, which the code sums within the turn), and the outcome
+# is OUTCOMES[(turns, stopped)]. The state before turn k is just k (every episode there continued k times).
+
+HORIZON, TURN_COST, TOKENS_PER_TURN = 3, 0.1, 3
+OUTCOMES = {(1, True): 0.2, (2, True): 1.0, (3, True): 0.3, (3, False): 0.6}
+THETA = [0.4, -0.3, 0.2]
+
+
+def episodes_of_the_mdp() -> list[list[bool]]:
+    """Every episode, as its actions (True: continue): stop at turn 0, 1, 2, or continue to the end."""
+    return [[True] * k + [False] for k in range(HORIZON)] + [[True] * HORIZON]
+
+
+def outcome_of(actions: list[bool]) -> float:
+    return OUTCOMES[len(actions), not actions[-1]]
+
+
+def log_pi(theta: torch.Tensor, actions: list[bool]) -> torch.Tensor:
+    """[turns]: log pi(a_k | turn k) of each action of the episode."""
+    logits = theta[:len(actions)]
+    return torch.nn.functional.logsigmoid(torch.where(torch.tensor(actions), logits, -logits))
+
+
+def exact_values(theta: torch.Tensor) -> tuple[list[float], list[dict[bool, float]]]:
+    """V(k) and Q(k, a) of the turn-level MDP: the expected sum of rewards from turn k on (the costs included)."""
+    p = torch.sigmoid(theta).tolist()
+    v, q = [0.0] * HORIZON, [{} for _ in range(HORIZON)]
+    for k in reversed(range(HORIZON)):
+        q[k][False] = -TURN_COST + OUTCOMES[k + 1, True]
+        q[k][True] = -TURN_COST + (v[k + 1] if k + 1 < HORIZON else OUTCOMES[HORIZON, False])
+        v[k] = p[k] * q[k][True] + (1 - p[k]) * q[k][False]
+    return v, q
+
+
+def mdp_batch(theta: torch.Tensor, read: str = "first") -> AdvantageInputs:
+    """The MDP's episodes as the trainer's token tensors, a row each: a prompt token, then per turn TOKENS_PER_TURN
+    action tokens and an observation token. The action is decided at a turn's first token, so the exact critic's
+    value before it is V(k) and before its later tokens Q(k, a_k); read="last" puts Q(k, a_k) on the first token too,
+    which is what reading the value at the turn's last action token would see."""
+    v, q = exact_values(theta)
+    episodes = episodes_of_the_mdp()
+    width = 1 + (TOKENS_PER_TURN + 1) * HORIZON
+    mask, turn, values, penalty = (torch.zeros(len(episodes), width) for _ in range(4))
+    turn -= 1
+    for row, actions in enumerate(episodes):
+        for k, action in enumerate(actions):
+            start = 1 + (TOKENS_PER_TURN + 1) * k
+            tokens = slice(start, start + TOKENS_PER_TURN)
+            mask[row, tokens], turn[row, tokens] = 1, k
+            values[row, tokens] = q[k][action]
+            values[row, start] = v[k] if read == "first" else q[k][action]
+            penalty[row, tokens] = TURN_COST / TOKENS_PER_TURN
+    scores = torch.tensor([outcome_of(actions) for actions in episodes])
+    one_group, all_ok = torch.zeros(len(episodes), dtype=torch.long), torch.ones(len(episodes), dtype=torch.bool)
+    return AdvantageInputs(scores, one_group, all_ok, mask, penalty, values=values, turn=turn.long(), gamma=1.0, lam=1.0,
+                           gae_unit="turn")
+
+
+def true_gradient(theta: torch.Tensor) -> torch.Tensor:
+    """dJ/dtheta of J = E[outcome - TURN_COST * turns], by enumerating the episodes."""
+    theta = theta.detach().requires_grad_()
+    episodes = episodes_of_the_mdp()
+    objective = sum(log_pi(theta, a).sum().exp() * (outcome_of(a) - TURN_COST * len(a)) for a in episodes)
+    return torch.autograd.grad(objective, theta)[0]
+
+
+def expected_gradient(theta: torch.Tensor, per_turn_advantages: list[list[float]]) -> torch.Tensor:
+    """E[sum_k A_k grad log pi(a_k)], exactly: each episode's term weighed by its probability."""
+    theta = theta.detach().requires_grad_()
+    surrogate = sum(log_pi(theta, a).sum().exp().detach() * (torch.tensor(adv, dtype=theta.dtype) * log_pi(theta, a))
+                    .sum() for a, adv in zip(episodes_of_the_mdp(), per_turn_advantages))
+    return torch.autograd.grad(surrogate, theta)[0]
+
+
+def turn_gae_advantages(x: AdvantageInputs) -> list[list[float]]:
+    """Each episode's per-turn advantages from the code's turn-level GAE (unwhitened: whitening is a per-batch
+    affine map, not part of the estimator's expectation), read at each turn's first token; a turn's tokens agree."""
+    adv, _ = turn_gae(x.rewards(), x.values, x.mask, x.turn, x.gamma, x.lam, whiten=False)
+    per_turn = []
+    for row, actions in enumerate(episodes_of_the_mdp()):
+        on = [adv[row][x.turn[row] == k] for k in range(len(actions))]
+        assert all(torch.allclose(tokens, tokens[0].expand_as(tokens)) for tokens in on)
+        per_turn.append([float(tokens[0]) for tokens in on])
+    return per_turn
+
+
+def per_turn_index_advantages(theta: torch.Tensor) -> list[list[float]]:
+    """MT-GRPO's per-turn-index baseline in its expectation limit: turn k's advantage is the sum over j >= k, up to
+    the episode's own last turn, of r_j - b_j, b_j the mean reward at turn j over the episodes that have a turn j
+    (weighed by their probability: an infinite group)."""
+    episodes = episodes_of_the_mdp()
+    probability = [float(log_pi(theta, a).sum().exp()) for a in episodes]
+    rewards = [[-TURN_COST] * (len(a) - 1) + [outcome_of(a) - TURN_COST] for a in episodes]
+    baseline = []
+    for j in range(HORIZON):
+        having = [(p, r[j]) for p, r in zip(probability, rewards) if len(r) > j]
+        baseline.append(sum(p * r for p, r in having) / sum(p for p, _ in having))
+    return [[sum(r[j] - baseline[j] for j in range(k, len(r))) for k in range(len(r))] for r in rewards]
+
+
+def test_turn_gae_is_unbiased_where_a_per_turn_index_baseline_is_not():
+    """With the policy choosing when to stop, turn-level GAE (lambda 1, the exact critic, through the code's token
+    tensors) has exactly the true policy gradient as its expectation; the per-turn-index baseline does not, since
+    how many baseline terms a turn's advantage has depends on the episode's own stopping turn. Reading a turn's value
+    at its last action token instead (an action-dependent baseline, Q(k, a_k)) gives an expected gradient of 0.
+    Numbers (theta = 0.4, -0.3, 0.2):
+        true           [ 0.1033, -0.0929, 0.0189]
+        turn GAE       the same, to 1e-8
+        per-turn index [-0.0481, -0.1464, 0.0189]  (the wrong sign at turn 0; right only at the last turn, whose
+                                                    episodes all end at the horizon)
+        last token     [ 0.0000,  0.0000, 0.0000]"""
+    theta = torch.tensor(THETA, dtype=torch.float64)
+    true = true_gradient(theta)
+    by_turn = expected_gradient(theta, turn_gae_advantages(mdp_batch(theta)))
+    by_index = expected_gradient(theta, per_turn_index_advantages(theta))
+    at_last_token = expected_gradient(theta, turn_gae_advantages(mdp_batch(theta, read="last")))
+    print(f"true {true.tolist()}\nturn GAE {by_turn.tolist()}\nper-turn index {by_index.tolist()}\n"
+          f"last token {at_last_token.tolist()}")
+    torch.testing.assert_close(by_turn, true, atol=1e-6, rtol=0)
+    assert (by_index - true).abs().max() > 0.05
+    assert (at_last_token - true).abs().max() > 0.05
 
 
 def median_baseline(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:

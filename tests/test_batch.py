@@ -127,21 +127,29 @@ def one_update(models, batch, args, accelerator) -> tuple[float, dict[str, torch
     return sums.policy, gradients
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
-def test_the_update_is_the_same_packed_or_padded(aggregation, tmp_path):
+@pytest.mark.parametrize("aggregation,policy_loss", [
+    ("token-mean", "ppo"), ("seq-mean-token-mean", "ppo"), ("seq-mean-token-sum", "ppo"),
+    ("seq-mean-token-sum-norm", "ppo"), ("seq-mean-token-mean", "gspo"), ("token-mean", "cispo")])
+def test_the_update_is_the_same_packed_or_padded(aggregation, policy_loss, tmp_path):
     """One GRPO optimizer step on the same trajectories: four padded micro-batches of 2, or packed rows of at most
-    90 tokens: the same loss and the same gradient."""
+    90 tokens: the same loss and the same gradient, for each --policy-loss, with pi_old moved off the policy (by
+    each token's id, the same in either layout) so that the ratios are not 1 and gspo's are its sequences'."""
     accelerator = Accelerator(cpu=True)
     played = trajectories()
     gradients, losses = {}, {}
     for name, flags in (("padded", ["--micro-batch-size", "2"]),
                         ("packed", ["--max-tokens-per-micro-batch", "90", "--pack"])):
         args = train.parse_args(["--tasks-per-step", "4", "--n", "2", "--minibatches", "1", "--kl-coef", "0",
-                                 "--loss-agg", aggregation, "--out-dir", str(tmp_path), *flags])
+                                 "--loss-agg", aggregation, "--policy-loss", policy_loss, "--clip", "0.1",
+                                 "--out-dir", str(tmp_path), *flags])
         torch.manual_seed(0)
         models = build_models(accelerator, args.model, args.model, args.algo, args.objective.kl_coef, args.model_args)
         batch = train.batch_of(played, args, accelerator, 0)
         train.old_logprobs(models, batch, args, accelerator)
+        for micro in batch.micro:
+            current, _ = token_logprobs(models.policy, micro.input_ids, micro.attention_mask, micro.loss_mask,
+                                        position_ids=micro.position_ids)
+            micro.old_logprobs = current.detach() + 0.15 * torch.sin(micro.input_ids.float()) * micro.loss_mask
         advantages, _ = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, None)
         attach(batch, advantages, None)
         losses[name], gradients[name] = one_update(models, batch, args, accelerator)

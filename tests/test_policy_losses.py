@@ -1,0 +1,126 @@
+"""Issue 47's losses and credit rules where a real run meets them: DAPO's overlong shaping on a batch worked by hand
+and in a run that the token budget cuts; --policy-loss gspo and cispo with LoRA, several mini-batches and the
+asynchronous loop; PPO's turn-level GAE in a run. (Each loss's formula: tests/test_losses.py; the packed and padded
+layouts: tests/test_batch.py; turn-level GAE's unbiasedness: tests/test_advantages.py.)"""
+
+import math
+
+import pytest
+import torch
+
+import train
+from rl.batch import make_batch, rows_of, shape_overlong
+from rl.records import decode_array
+from rollout import Trajectory
+from test_async import register_ragged, run
+
+
+@pytest.fixture
+def ragged(monkeypatch, tmp_path):
+    register_ragged(monkeypatch, tmp_path)
+
+
+def played(lengths_and_finish) -> list[Trajectory]:
+    """One trajectory a (tokens, finish): a prompt of 4 tokens, then one sampled turn of the rest, score 1."""
+    out = []
+    for k, (length, finish) in enumerate(lengths_and_finish):
+        traj = Trajectory("babyai", k, k // 2, k, messages=[], reward=1.0)
+        traj.add([7] * 4)
+        traj.add([9] * (length - 4), [-1.0] * (length - 4), trained=True)
+        traj.finish = finish
+        out.append(traj)
+    return out
+
+
+def test_overlong_shaping_by_hand():
+    """Budget 100, L 20, P 0.5: 70 tokens is before the last 20 (no penalty), 90 halfway in (0.25), 99 at 19/20 of
+    it, and an episode the budget ended loses all of P whatever its length; --overlong-mask drops only that one from
+    the loss, every token of it, in full and in the micro-batches."""
+    trajectories = played([(70, "done"), (90, "done"), (99, "horizon"), (95, "max_tokens")])
+    rows, episodes = rows_of(trajectories)
+    batch = make_batch(rows, 0, [[[0, 1]], [[2, 3]]], "cpu", episodes=episodes)
+    shape_overlong(batch, rows, {"babyai": 100}, 20, 0.5, drop=True)
+    assert batch.scores.tolist() == pytest.approx([1.0, 0.75, 1 - 0.5 * 19 / 20, 0.5])
+    assert batch.full.loss_mask.sum(1).tolist() == [66, 86, 95, 0]
+    assert [float(m.loss_mask.sum()) for m in batch.micro] == [66 + 86, 95]
+    kept = make_batch(rows, 0, [[[0, 1]], [[2, 3]]], "cpu", episodes=episodes)
+    shape_overlong(kept, rows, {"babyai": 100}, 20, 0.0, drop=True)  # (the mask alone: the scores stay)
+    assert kept.scores.tolist() == [1.0] * 4 and kept.full.loss_mask[3].sum() == 0
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--overlong-penalty", "20"], "give L:P"),
+    (["--overlong-penalty", "0:1"], "L is 1 token or more, P above 0"),
+    (["--overlong-penalty", "9000:1"], "L must be below the token budget"),
+    (["--algo", "sft", "--data", "x.jsonl", "--overlong-mask"], "shape the rewards of RL's episodes"),
+    (["--gae-unit", "turn"], "--gae-unit sets the timestep of a critic's GAE"),
+])
+def test_bad_shaping_flags_stop_with_a_sentence(flags, message, tmp_path):
+    args = train.parse_args(["--out-dir", str(tmp_path), *flags])
+    with pytest.raises(SystemExit, match=message):
+        train.check(args, 1)
+
+
+@pytest.mark.slow
+def test_overlong_shaping_in_a_run_the_budget_cuts(ragged, tmp_path):
+    """A GRPO step of two tasks, one whose episodes end in 2 turns (about 536 tokens: inside the last 300 of the
+    budget of 780, penalised a little) and one in 3 after a prompt of about 714 tokens, which the budget ends after
+    2 turns: with --overlong-mask their logged
+    advantages are 0 (out of the loss) while the others train; the logged reward is the env's, unshaped."""
+    metrics, rollouts = run(tmp_path, "overlong", "--engine", "hf", "--steps", "1", "--eval-every", "0",
+                            "--max-tokens", "780", "--overlong-penalty", "300:1", "--overlong-mask", "--n", "8")
+    capped = [r for r in rollouts if r["finish"] == "max_tokens"]
+    assert capped and len(capped) < len(rollouts), [r["finish"] for r in rollouts]
+    assert all(r["turns"] >= 1 and not any(decode_array(r["advantages"])) for r in capped)
+    assert any(any(decode_array(r["advantages"])) for r in rollouts if r["finish"] == "done")
+    assert metrics[-1]["rollout/reward"] == pytest.approx(sum(r["reward"] for r in rollouts) / len(rollouts))
+    assert math.isfinite(metrics[-1]["losses/policy"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy_loss", ["gspo", "cispo"])
+def test_policy_losses_train_with_lora_minibatches_and_staleness(policy_loss, ragged, tmp_path):
+    """gspo and cispo through LoRA, two mini-batches (the second's ratio is not 1) and --max-staleness 1 (their
+    importance weights composed with the loss): finite losses, a clip share in [0, 1], and the policy moves."""
+    metrics, _ = run(tmp_path, policy_loss, "--engine", "hf", "--steps", "3", "--eval-every", "0",
+                     "--policy-loss", policy_loss, "--lora-rank", "4", "--minibatches", "2", "--max-staleness", "1",
+                     "--clip", "0.1")
+    steps = metrics[1:] if metrics[0]["charts/step"] == 0 else metrics
+    for m in steps:
+        assert all(math.isfinite(m[key]) for key in ("losses/policy", "losses/grad_norm", "losses/kl"))
+        assert 0 <= m["losses/clipfrac"] <= 1
+    assert any(m["losses/grad_norm"] > 0 for m in steps) and any(m["losses/kl"] > 0 for m in steps[1:])
+    assert any(m["async/staleness_max"] >= 1 for m in steps)
+
+
+@pytest.mark.slow
+def test_ppo_with_turn_level_gae_gives_a_turn_one_advantage(ragged, tmp_path):
+    """--algo ppo --gae-unit turn in a run: every action token of a turn has its turn's advantage (so an episode has
+    at most as many distinct ones as turns), where token-level GAE gives its tokens their own."""
+    for unit in ("turn", "token"):
+        metrics, rollouts = run(tmp_path, f"ppo-{unit}", "--engine", "hf", "--algo", "ppo", "--steps", "1",
+                                "--eval-every", "0", "--gae-unit", unit)
+        assert math.isfinite(metrics[-1]["losses/value"])
+        distinct = [len(set(decode_array(r["advantages"]))) for r in rollouts]
+        if unit == "turn":
+            assert all(d <= r["turns"] for d, r in zip(distinct, rollouts))
+        else:
+            assert any(d > r["turns"] for d, r in zip(distinct, rollouts))
+
+
+def test_turn_level_gae_reads_the_value_before_each_turn():
+    """train.advantages_for with --gae-unit turn, lambda 0: turn 1's return is r_1 + V_2 (the critic's value at
+    turn 2's first action token, the state before it), turn 2's its outcome; each turn's tokens share one advantage."""
+    args = train.parse_args(["--algo", "ppo", "--gae-unit", "turn", "--gamma", "1", "--lam", "0"])
+    traj = Trajectory("babyai", 0, 0, 0, messages=[], reward=1.0)
+    traj.add([7] * 4)
+    traj.add([9] * 3, [-1.0] * 3, trained=True)
+    traj.add([7] * 2)
+    traj.add([9] * 3, [-1.0] * 3, trained=True)
+    rows, episodes = rows_of([traj])
+    batch = make_batch(rows, 0, [[[0]]], "cpu", episodes=episodes)
+    batch.full.old_values = torch.arange(12.0)[None] / 10 * batch.full.loss_mask  # (V_1 0.4, V_2 0.9)
+    advantages, returns = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, None)
+    assert returns[0].tolist() == pytest.approx([0] * 4 + [0.9] * 3 + [0] * 2 + [1.0] * 3)
+    assert len(set(advantages[0, 4:7].tolist())) == 1 and len(set(advantages[0, 9:].tolist())) == 1
+    assert advantages[0, 4] > advantages[0, 9]  # (before whitening 0.9 - 0.4 = 0.5 against 1 - 0.9 = 0.1)
