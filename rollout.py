@@ -77,7 +77,6 @@ from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoo
 from dataclasses import replace
 from typing import Callable, NamedTuple
 
-import envs
 from envs import Env, StepResult
 from rl import staleness as rule
 from rl.agent import REACT, Agent
@@ -151,14 +150,15 @@ class Rollouts:
     def __init__(self, engine, fmt: ChatFormat, environments: list[Env], tasks_of: Callable[[int], Tasks], *,
                  max_new_tokens: Limit, max_tokens: Limit, staleness: int = 0, first: int = 1, last: int = 1,
                  agent: Agent = REACT, pool: ThreadPoolExecutor | None = None,
-                 reseed: Callable[[int], None] | None = None, versions: bool = False):
+                 reseed: Callable[[int], None] | None = None, versions: bool = False,
+                 redraw: Callable[[int, list[Trajectory]], dict[int, int]] | None = None):
         if len(environments) % rule.blocks(staleness):
             raise ValueError(f"{len(environments)} envs do not split into {rule.blocks(staleness)} sets' blocks")
         if agent.attempts > 1 and staleness:
             raise ValueError("reflect's attempts depend on each other's reflections: play it at staleness 0")
         self.engine, self.fmt, self.environments, self.tasks_of = engine, fmt, environments, tasks_of
         self.staleness, self.last, self.agent, self.versions = staleness, last, agent, versions
-        self.max_new_tokens, self.max_tokens, self.reseed = max_new_tokens, max_tokens, reseed
+        self.max_new_tokens, self.max_tokens, self.reseed, self.redraw = max_new_tokens, max_tokens, reseed, redraw
         self.block = len(environments) // rule.blocks(staleness)
         self.meanwhile = engine.continuous and not getattr(engine, "sleep_mode", False)  # (see advance)
         self.own_pool = pool is None
@@ -193,7 +193,7 @@ class Rollouts:
                     if now != seen:
                         progress(started)
                         seen = now
-                if self._complete(j):
+                if self._complete(j) and not self._replay(j):
                     return sorted(self.sets.pop(j), key=lambda t: t.row)
                 watchdog.check()
                 self._submit()
@@ -275,8 +275,20 @@ class Rollouts:
             self.holds[rule.block(j, self.staleness)] = j
             for i, (task, group) in enumerate(zip(task_ids, groups)):
                 env = self.environments[self._row(j, i)]
-                self.resetting[self.pool.submit(_called, env, "reset", task)] = \
+                self.resetting[self.pool.submit(EnvAnswer.of, env, "reset", task)] = \
                     (j, i, task, group, named(horizon, env.name))
+
+    def _replay(self, j: int) -> bool:
+        """--dynamic-sampling (rl/tasks.Redraw): the episodes of complete set j that `redraw` plays again start anew,
+        on their new tasks in their own envs; False when there are none."""
+        again = self.redraw(j, self.sets[j]) if self.redraw is not None else {}
+        self.clock.redraw_rounds += bool(again)
+        self.clock.redrawn_groups += len({self.sets[j][i].group for i in again})
+        for i, task in again.items():
+            old, self.sets[j][i] = self.sets[j][i], None
+            self.resetting[self.pool.submit(EnvAnswer.of, self.environments[old.row], "reset", task)] = \
+                (j, i, task, old.group, old.horizon)
+        return bool(again)
 
     def _attempts(self, j: int, progress: Callable[[int, int], None] | None) -> list[Trajectory]:
         """Reflect's set j: its episodes attempt after attempt (attempts), each attempt a set of its own."""
@@ -330,7 +342,7 @@ class Rollouts:
                 traj.malformed += 1
                 self.stepping[_answered(StepResult(action.problem, traj.reward, False, {"valid": False}), traj)] = traj
             else:
-                self.stepping[self.pool.submit(_called, self.environments[traj.row], "step", action.text)] = traj
+                self.stepping[self.pool.submit(EnvAnswer.of, self.environments[traj.row], "step", action.text)] = traj
 
     def _collect(self, idle: bool = True) -> None:
         """Take in the env answers (resets and steps): while the engine has work, those that came; otherwise wait, for
@@ -546,25 +558,6 @@ class Watchdog:
             raise EngineStalled(
                 f"the {self.engine.name} engine generated nothing for {STALL_S:g} s while {self.engine.pending} turns "
                 "waited: it is stuck (a vLLM engine that sleeps never schedules what it is sent), so the rollout stops")
-
-
-def _timed(fn, *args):
-    """Run an env call: (its result, or the exception it raised, and its seconds). Infrastructure
-    failures come back as the exception, never raised."""
-    start = time.perf_counter()
-    try:
-        result = fn(*args)
-    except Exception as error:  # noqa: BLE001 - any env failure ends one trajectory, not the run
-        result = error
-    return result, time.perf_counter() - start
-
-
-def _called(env: Env, method: str, *args) -> EnvAnswer:
-    """An env call ("reset" or "step"), in the pool: its result, or the exception it raised, its seconds, the env's
-    state key after it (None where the env cannot say). A key that fails to come is None, never an error
-    (envs.state_key_of)."""
-    result, seconds = _timed(getattr(env, method), *args)
-    return EnvAnswer(result, seconds, None if isinstance(result, Exception) else envs.state_key_of(env))
 
 
 def _start(fmt: ChatFormat, agent: Agent, row: int, env: Env, task_id: int, group: int, answer: EnvAnswer,

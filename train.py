@@ -73,7 +73,7 @@ from rl.run import (Logs, RunArgs, close, eval_due, evaluation_plan, finish, log
                     run_directory, save_checkpoint, stop_on_env_failures, stopped_run)
 from rl.scores import score, spread
 from rl.offline import offline_pass
-from rl.tasks import Mix, instances, my_tasks, step_tasks, tasks_by_env, tasks_for, test_tasks
+from rl.tasks import Mix, Redraw, instances, my_tasks, step_tasks, tasks_by_env, tasks_for, test_tasks
 from rollout import ChatFormat, EngineStalled, Rollouts, RolloutStats, Tasks, Trajectory, play
 
 @dataclass
@@ -144,6 +144,9 @@ class Args:
     """tasks per step, over all processes (upstream's train_batch_size)"""
     n: int = 8
     """samples per task (the group of grpo and rloo)"""
+    dynamic_sampling: int = 0
+    """DAPO's dynamic sampling: a task group whose episodes all score the same plays again on a new task, up to this
+    many rounds a step (rl/tasks.Redraw; logged as rollout/dynamic_groups); 0: off"""
     horizon: tuple[int | Literal["auto"], ...] = (15,)
     """turn cap per episode; several values are ScalingInter-RL's stages, e.g. --horizon 10 20 30; `auto 10 20 30`
     climbs them when the run shows it is time (rl/horizon.py; `auto` alone: the preset's stages, else 10 20 30)"""
@@ -409,7 +412,9 @@ def rollouts_of(engine, fmt: ChatFormat, environments: list, mix: Mix, train_ids
                     max_new_tokens=per_env(limits, "max_new_tokens"), max_tokens=per_env(limits, "max_tokens"),
                     agent=args.layout_args.make_agent(),
                     reseed=(lambda j: engine.reseed(stream_seed(seed, j))) if args.engine_args.deterministic else None,
-                    versions=args.max_staleness is not None)  # (the flag decides what is recorded and logged)
+                    versions=args.max_staleness is not None,  # (the flag decides what is recorded and logged)
+                    redraw=Redraw(train_ids, args.dynamic_sampling, args.seed, accelerator.process_index)
+                    if args.dynamic_sampling else None)
 
 
 def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: int, step: int | None = None) -> Batch:

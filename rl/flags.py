@@ -250,6 +250,12 @@ def check_estimator(args) -> None:
     if not args.whiten_per_env and (len(args.env) == 1 or not (estimator and estimator.whitens)):
         raise SystemExit(f"--no-whiten-per-env whitens the advantages of {adv_lib.names(lambda e: e.whitens)} over "
                          "every env of a run together: give it with several --env and one of those --algo")
+    if args.dynamic_sampling < 0 or args.dynamic_sampling and not (estimator and estimator.grouped):
+        raise SystemExit(f"--dynamic-sampling plays again the task groups whose episodes scored alike, which only "
+                         f"{adv_lib.names(lambda e: e.grouped, 'and')} compare: give 1 round or more with one of them")
+    if args.dynamic_sampling and args.layout_args.agent == "reflect":
+        raise SystemExit("--agent reflect's attempts are played in turn, each a set of its own: train it without "
+                         "--dynamic-sampling")
     if args.gae_unit != "token" and not (estimator and estimator.critic):
         raise SystemExit(f"--gae-unit sets the timestep of a critic's GAE, which --algo {args.algo} does not have: use "
                          f"it with --algo {adv_lib.names(lambda e: e.critic, 'or')}")

@@ -169,6 +169,8 @@ def step_metrics(records: list[dict], sampled: list[tuple[int, float]], costs: C
         "rollout/obs_cut": obs_cut(records),  # the share of observations --max-obs-tokens cut
         **context_metrics(records),
         "rollout/zero_variance_groups": zero_variance_share(records),  # groups with no GRPO signal
+        # --dynamic-sampling: such groups played again on new tasks this step (this process's), and the rounds that did
+        "rollout/dynamic_groups": played.redrawn_groups, "rollout/dynamic_rounds": played.redraw_rounds,
         **anchor_metrics(records),  # GiGPO's turn-level groups (whatever --algo)
         **category_metrics(records),
         **env_metrics(records),

@@ -7,6 +7,8 @@ envs (train.py --env babyai textcraft ...), each env's share of a step by a fixe
     mine, groups = my_tasks(tasks, n, accelerator)                     # this process's episodes, n a task
     rows = mix.rows(n, process, processes)                             # the env of each of those episodes, in order
 
+    redraw = Redraw(train_ids, rounds=2, seed=1)                       # --dynamic-sampling 2 (rollout.Rollouts)
+
 A step's tasks are each env's own shuffled epochs (tasks_for), so the data cursor stays a pure function of the step
 and a resumed run sees the tasks it would have seen. The quota is the same every step (NeMo-RL's exact per-step
 quotas rather than a draw per task): a process's episodes then always take the same envs in the same rows, so one
@@ -16,8 +18,9 @@ of one, the tasks it drew before.
 
 from __future__ import annotations
 
+import collections
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import envs
 from rl.scores import spread
@@ -130,3 +133,36 @@ def instances(episodes: dict[str, int], batch: int, processes: int) -> list[str]
     """The env of each instance that plays each env's `episodes` on a process: a process's share of them, at most
     `batch` of one env at once (rollout.play goes through more in turn)."""
     return [name for name, count in episodes.items() for _ in range(min(batch, -(-count // processes)))]
+
+
+@dataclass
+class Redraw:
+    """--dynamic-sampling R, DAPO's dynamic sampling (Yu et al., 2025), for rollout.Rollouts: when a set (a step's
+    episodes) is complete, every task group whose episodes all scored the same (no GRPO signal; an env failure is no
+    score) plays again on a task drawn anew from its env's train split, in the same envs and the same set, up to R
+    rounds a set; a group with signal is kept. A step keeps its quota of groups, as many of them with signal as R
+    rounds found. Each draw is a pure function of (seed, process, step, round, group), so the data cursor stays one
+    of the step and a resumed run redraws what it would have (its outcomes too, under --deterministic)."""
+
+    train_ids: dict[str, list[int]]
+    rounds: int
+    seed: int
+    process: int = 0
+    tried: dict[int, int] = field(default_factory=dict)  # set -> the rounds it played
+
+    def __call__(self, j: int, played: list) -> dict[int, int]:
+        """Set j's episodes (Trajectory, in set order) to play again, by index, each with its new task: {} when every
+        group has signal, or R rounds were played."""
+        r = self.tried[j] = self.tried.get(j, 0) + 1
+        if r > self.rounds:
+            return {}
+        members = collections.defaultdict(list)
+        for i, traj in enumerate(played):
+            members[traj.group].append(i)
+        again = {}
+        for group, indices in members.items():
+            if len({played[i].reward for i in indices if played[i].error is None}) <= 1:
+                env = played[indices[0]].env
+                task = random.Random(f"{self.seed}-{self.process}-{j}-dynamic-{r}-{group}").choice(self.train_ids[env])
+                again |= {i: task for i in indices}
+        return again

@@ -11,6 +11,7 @@ trains as its turns' own sequences (`sequences`, a row each: `rows()`).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -35,6 +36,19 @@ class EnvAnswer(NamedTuple):
     result: StepResult | str | Exception
     seconds: float
     state: str | None
+
+    @classmethod
+    def of(cls, env, method: str, *args) -> EnvAnswer:
+        """An env call ("reset" or "step"), in the rollout's pool: its result, or the exception it raised (any env
+        failure ends one trajectory, never the run), its seconds, the env's state key after it (None where the env
+        cannot say; a key that fails to come is None, never an error: envs.state_key_of)."""
+        start = time.perf_counter()
+        try:
+            result = getattr(env, method)(*args)
+        except Exception as error:  # noqa: BLE001 - any env failure ends one trajectory, not the run
+            result = error
+        seconds = time.perf_counter() - start
+        return cls(result, seconds, None if isinstance(result, Exception) else envs.state_key_of(env))
 
 
 @dataclass
@@ -227,6 +241,8 @@ class RolloutStats:
     env_calls: int = 0
     env_call_s: list[float] = field(default_factory=list)  # each call's seconds
     sampled_tokens: int = 0
+    redrawn_groups: int = 0  # --dynamic-sampling: task groups without signal played again on new tasks
+    redraw_rounds: int = 0  # the rounds that did
 
     def add(self, other: RolloutStats) -> None:
         for name in vars(self):

@@ -10,6 +10,7 @@ import torch
 
 import train
 from rl.batch import make_batch, rows_of, shape_overlong
+from rl.tasks import Mix, Redraw, step_tasks
 from rl.records import decode_array
 from rollout import Trajectory
 from test_async import register_ragged, run
@@ -124,3 +125,55 @@ def test_turn_level_gae_reads_the_value_before_each_turn():
     assert returns[0].tolist() == pytest.approx([0] * 4 + [0.9] * 3 + [0] * 2 + [1.0] * 3)
     assert len(set(advantages[0, 4:7].tolist())) == 1 and len(set(advantages[0, 9:].tolist())) == 1
     assert advantages[0, 4] > advantages[0, 9]  # (before whitening 0.9 - 0.4 = 0.5 against 1 - 0.9 = 0.1)
+
+
+def test_redraw_plays_again_only_the_groups_without_signal():
+    """rl/tasks.Redraw: of four groups of two, the one whose rewards differ is kept; the ones that scored alike, and
+    the one whose only scored episode leaves no comparison (the other failed), play again on a task of their own
+    env's split; the draw depends on (seed, process, step, round, group) alone, and stops after R rounds."""
+    def episode(env, group, reward, error=None):
+        traj = Trajectory(env, 0, group, 0, messages=[], reward=reward)
+        traj.error = error
+        return traj
+
+    played = [episode("babyai", 0, 1.0), episode("babyai", 0, 0.0), episode("babyai", 1, 0.0), episode("babyai", 1, 0.0),
+              episode("textcraft", 2, 1.0), episode("textcraft", 2, 0.0, error="env died"),
+              episode("textcraft", 3, 1.0), episode("textcraft", 3, 1.0)]
+    ids = {"babyai": list(range(100, 200)), "textcraft": list(range(500, 600))}
+    again = Redraw(ids, rounds=2, seed=1)(4, played)
+    assert sorted(again) == [2, 3, 4, 5, 6, 7]
+    assert again[2] == again[3] in ids["babyai"] and again[4] == again[5] in ids["textcraft"] and again[6] in ids["textcraft"]
+    assert Redraw(ids, rounds=2, seed=1)(4, played) == again  # (a resumed run draws the same)
+    assert Redraw(ids, rounds=2, seed=1, process=1)(4, played) != again  # (another process's groups, other tasks)
+    redraw = Redraw(ids, rounds=2, seed=1)
+    assert redraw(4, played) and redraw(4, played) and redraw(4, played) == {}  # (2 rounds, then the set is taken)
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_replays_groups_and_resumes_exactly(ragged, tmp_path):
+    """--dynamic-sampling 2 on ragged episodes (a group scores alike unless some reply says "turn left"): groups are
+    played again on tasks that are not the step's own, the steps log them, and a run stopped after step 1 and resumed
+    logs what the uninterrupted one does, trajectory for trajectory."""
+    flags = ["--engine", "hf", "--eval-every", "0", "--dynamic-sampling", "2", "--save-every", "1", "--resume", "auto"]
+    whole_metrics, whole = run(tmp_path, "whole", *flags, "--steps", "3")
+    assert sum(m["rollout/dynamic_groups"] for m in whole_metrics) > 0
+    assert all(m["rollout/dynamic_rounds"] <= 2 for m in whole_metrics)
+    mix = Mix.of(("ragged",), (), 2)
+    own = {(step, task) for step in (1, 2, 3) for _, task in step_tasks(step, mix, mix.task_ids(None), 1)}
+    assert any((r["step"], r["task_id"]) not in own for r in whole)  # (a redrawn group's task)
+    run(tmp_path, "parts", *flags, "--steps", "1")
+    parts_metrics, parts = run(tmp_path, "parts", *flags, "--steps", "3")
+    timeless = [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in whole_metrics]
+    assert [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in parts_metrics] == timeless
+    assert parts == whole
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_under_staleness_keeps_the_bound(ragged, tmp_path):
+    """--dynamic-sampling with --max-staleness 1: the groups played again are part of their own step's set, sampled
+    by weights within the bound."""
+    metrics, rollouts = run(tmp_path, "async", "--engine", "hf", "--eval-every", "0", "--dynamic-sampling", "2",
+                            "--max-staleness", "1", "--steps", "3")
+    assert sum(m["rollout/dynamic_groups"] for m in metrics) > 0
+    assert all(m["async/staleness_max"] <= 1 for m in metrics if "async/staleness_max" in m)
+    assert len(rollouts) == 3 * 2 * 4  # (every step its quota of groups: 2 tasks x 4)

@@ -357,7 +357,7 @@ def test_a_state_key_that_raises_is_none_in_process_and_over_http(monkeypatch):
     behind envs/serve.py alike (whose answer then has no key), never a failed reset or step."""
     import importlib
 
-    from rollout import _called
+    from rl.trajectory import EnvAnswer
     from test_serve import serving
 
     countdown = importlib.import_module("tests.countdown_env")
@@ -369,14 +369,14 @@ def test_a_state_key_that_raises_is_none_in_process_and_over_http(monkeypatch):
     monkeypatch.setitem(envs.ENVS, "countdown", envs.Registration("tests.countdown_env", call_timeout=10.0,
                                                                   upstream_horizon=2, upstream_max_new_tokens=16))
     local = envs.make("countdown")
-    first, _, key = _called(local, "reset", 2)
+    first, _, key = EnvAnswer.of(local, "reset", 2)
     assert first == "Task 2: 3 to go." and key is None
-    result, _, key = _called(local, "step", "go")
+    result, _, key = EnvAnswer.of(local, "step", "go")
     assert result.observation == "2 to go." and key is None
     with serving("countdown") as url:
         remote = envs.make("countdown", url=url)
-        first, _, key = _called(remote, "reset", 2)
+        first, _, key = EnvAnswer.of(remote, "reset", 2)
         assert first == "Task 2: 3 to go." and key is None
-        result, _, key = _called(remote, "step", "go")
+        result, _, key = EnvAnswer.of(remote, "step", "go")
         assert result.observation == "2 to go." and key is None
         remote.close()

@@ -37,7 +37,7 @@ from rollout import Trajectory
 STEP_METRICS = [
     "rollout/reward", "rollout/success", "rollout/turns", "rollout/horizon", "rollout/errors",
     "finish/done", "finish/horizon", "finish/max_tokens", "finish/error", "rollout/invalid_action_rate",
-    "rollout/zero_variance_groups", "rollout/tokens", "rollout/action_tokens", "rollout/advantage_mean",
+    "rollout/zero_variance_groups", "rollout/dynamic_groups", "rollout/dynamic_rounds", "rollout/tokens", "rollout/action_tokens", "rollout/advantage_mean",
     "rollout/advantage_abs", "rollout/logprob_diff", "rollout/logprob_diff_max",
     "mismatch/kl", "mismatch/truncated", "mismatch/masked", "mismatch/masked_tokens", "mismatch/ratio_max",
     "perf/env_call_s", "perf/env_call_p95_s", "perf/env_wait_share", "perf/tokens_per_s", "perf/rollout_s",
