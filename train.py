@@ -320,7 +320,7 @@ def main(args: Args) -> Path | None:
             rollouts.before_update()  # (the engine then holds nothing, and sleeps through the update)
             between = rollouts.advance if rollouts.meanwhile else None  # (rollouts going on meanwhile)
             with costs.measure("update"):
-                batch = batch_of(trajectories, args, accelerator, fmt.pad_id, step)
+                batch = batch_of(trajectories, args, accelerator, fmt.pad_id, step, max_tokens)
                 old_logprobs(models, batch, args, accelerator, between)
                 advantages, returns = advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok,
                                                      reducer(accelerator), batch.episodes, batch.anchors, batch.envs)
@@ -408,6 +408,7 @@ def rollouts_of(engine, fmt: ChatFormat, environments: list, mix: Mix, train_ids
         return Tasks([task for _, task in mine], groups, caps_for(j, args, history)[0])
 
     seed, limits = args.seed + accelerator.process_index, env_limits(args, max_tokens)
+    flags.check_overlong(args.overlong_penalty, limits)  # (within the model's context window too)
     return Rollouts(engine, fmt, environments, tasks_of, staleness=args.max_staleness or 0, first=first, last=args.steps,
                     max_new_tokens=per_env(limits, "max_new_tokens"), max_tokens=per_env(limits, "max_tokens"),
                     agent=args.layout_args.make_agent(),
@@ -417,9 +418,11 @@ def rollouts_of(engine, fmt: ChatFormat, environments: list, mix: Mix, train_ids
                     if args.dynamic_sampling else None)
 
 
-def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: int, step: int | None = None) -> Batch:
+def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: int, step: int | None = None,
+             max_tokens: int | None = None) -> Batch:
     """The step's tensors (rl/batch.py), laid out by the micro-batch flags, as many micro-batches on every process
-    (the most any process needs; the others add empty ones), each token's lag behind `step` where it has one."""
+    (the most any process needs; the others add empty ones), each token's lag behind `step` where it has one; the
+    scores shaped by --overlong-penalty against the budgets episodes played under (`max_tokens`: the context's)."""
     rows, episodes = rows_of(trajectories)  # (--reasoning drop: a row per turn)
     layout = arrange([len(t.token_ids) for t in rows], args.micro_batch_size, args.max_tokens_per_micro_batch,
                      args.pack, minimum=args.minibatches)
@@ -427,8 +430,8 @@ def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: in
     batch = make_batch(rows, pad_id, layout, accelerator.device, count, args.pack, episodes, step)
     if args.overlong_penalty or args.overlong_mask:  # (DAPO's shaping of the episodes the token budget ends)
         buffer, penalty = flags.overlong_of(args.overlong_penalty)
-        shape_overlong(batch, rows, {env: own.max_tokens for env, own in env_limits(args).items()}, buffer, penalty,
-                       args.overlong_mask)
+        shape_overlong(batch, rows, {env: own.max_tokens for env, own in env_limits(args, max_tokens).items()}, buffer,
+                       penalty, args.overlong_mask)
     return batch
 
 

@@ -253,6 +253,9 @@ def check_estimator(args) -> None:
     if args.dynamic_sampling < 0 or args.dynamic_sampling and not (estimator and estimator.grouped):
         raise SystemExit(f"--dynamic-sampling plays again the task groups whose episodes scored alike, which only "
                          f"{adv_lib.names(lambda e: e.grouped, 'and')} compare: give 1 round or more with one of them")
+    if args.dynamic_sampling and args.horizon[0] == AUTO:
+        raise SystemExit("--horizon auto reads each step's success and the share its cap cut, which --dynamic-sampling "
+                         "skews (it replays the groups that all succeeded or all failed): give the caps instead")
     if args.dynamic_sampling and args.layout_args.agent == "reflect":
         raise SystemExit("--agent reflect's attempts are played in turn, each a set of its own: train it without "
                          "--dynamic-sampling")
@@ -262,16 +265,23 @@ def check_estimator(args) -> None:
     if (args.overlong_penalty or args.overlong_mask) and estimator is None:
         raise SystemExit(f"--overlong-penalty and --overlong-mask shape the rewards of RL's episodes; --algo {args.algo} "
                          "learns from trajectory files")
-    buffer, _ = overlong_of(args.overlong_penalty)
-    if buffer >= min(own.max_tokens for own in env_limits(args).values()):
-        raise SystemExit(f"--overlong-penalty {args.overlong_penalty}: L must be below the token budget "
-                         f"(--max-tokens {min(own.max_tokens for own in env_limits(args).values())})")
+    check_overlong(args.overlong_penalty, env_limits(args))
     if args.critic_warmup > 1 and not (estimator and estimator.critic):
         raise SystemExit(f"--critic-warmup trains only the critic for a while, and --algo {args.algo} has none: "
                          f"use it with --algo {adv_lib.names(lambda e: e.critic, 'or')}")
     if estimator and estimator.critic and args.model_args.mixed_precision == "fp16":
         raise SystemExit(f"--algo {args.algo} steps two optimizers, which fp16's loss scaling does not support here: "
                          "use --mixed-precision bf16")
+
+
+def check_overlong(text: str | None, limits: dict) -> None:
+    """--overlong-penalty's L below every env's token budget (`limits`: rl/limits.env_limits, at the run's start with
+    the model's context window too), or a SystemExit that says which."""
+    buffer, _ = overlong_of(text)
+    budget = min(own.max_tokens for own in limits.values())
+    if buffer >= budget:
+        raise SystemExit(f"--overlong-penalty {text}: L must be below the token budget ({budget} tokens: --max-tokens, "
+                         "or the model's context window where smaller)")
 
 
 def overlong_of(text: str | None) -> tuple[int, float]:

@@ -138,8 +138,8 @@ def instances(episodes: dict[str, int], batch: int, processes: int) -> list[str]
 @dataclass
 class Redraw:
     """--dynamic-sampling R, DAPO's dynamic sampling (Yu et al., 2025), for rollout.Rollouts: when a set (a step's
-    episodes) is complete, every task group whose episodes all scored the same (no GRPO signal; an env failure is no
-    score) plays again on a task drawn anew from its env's train split, in the same envs and the same set, up to R
+    episodes) is complete, every task group whose episodes all scored the same (no GRPO signal; a group with an env
+    failure is kept, for --max-error-rate to see) plays again on a task drawn anew from its env's train split, in the same envs and the same set, up to R
     rounds a set; a group with signal is kept. A step keeps its quota of groups, as many of them with signal as R
     rounds found. Each draw is a pure function of (seed, process, step, round, group), so the data cursor stays one
     of the step and a resumed run redraws what it would have (its outcomes too, under --deterministic)."""
@@ -161,7 +161,9 @@ class Redraw:
             members[traj.group].append(i)
         again = {}
         for group, indices in members.items():
-            if len({played[i].reward for i in indices if played[i].error is None}) <= 1:
+            if any(played[i].error is not None for i in indices):
+                continue  # (kept: an env failure counts in --max-error-rate, which a replay would hide)
+            if len({played[i].reward for i in indices}) <= 1:
                 env = played[indices[0]].env
                 task = random.Random(f"{self.seed}-{self.process}-{j}-dynamic-{r}-{group}").choice(self.train_ids[env])
                 again |= {i: task for i in indices}

@@ -2,7 +2,6 @@
 off) while the old log-probs are the adapted policy's, and a saved adapter reloads into eval.py's loader and into
 the vLLM engine with the trained policy's log-probs."""
 
-import dataclasses
 import importlib.util
 import json
 
@@ -12,6 +11,7 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 
 import eval as eval_script
+from rl import flags
 from rl.flags import build
 import train
 from rl.losses import kl
@@ -98,7 +98,7 @@ def test_old_log_probs_are_the_adapted_policys(tmp_path):
     penalty = kl(full.old_logprobs, full.ref_logprobs, args.objective.kl_estimator)[mask]
     assert float(penalty.abs().max()) > 1e-4, f"KL penalty {float(penalty.abs().max())}"
     with_kl, _ = train.advantages_for(args, full, batch.scores, batch.groups, batch.ok, None)
-    without, _ = train.advantages_for(dataclasses.replace(args, kl_in_reward=False), full, batch.scores, batch.groups,
+    without, _ = train.advantages_for(flags.replace(args, kl_in_reward=False), full, batch.scores, batch.groups,
                                       batch.ok, None)
     assert not torch.allclose(with_kl, without)  # the penalty reaches the advantages
 

@@ -55,6 +55,8 @@ def test_overlong_shaping_by_hand():
     (["--overlong-penalty", "9000:1"], "L must be below the token budget"),
     (["--algo", "sft", "--data", "x.jsonl", "--overlong-mask"], "shape the rewards of RL's episodes"),
     (["--gae-unit", "turn"], "--gae-unit sets the timestep of a critic's GAE"),
+    (["--dynamic-sampling", "2", "--horizon", "auto"], "--horizon auto reads each step's success"),
+    (["--dynamic-sampling", "2", "--algo", "ppo"], "--dynamic-sampling plays again the task groups"),
 ])
 def test_bad_shaping_flags_stop_with_a_sentence(flags, message, tmp_path):
     args = train.parse_args(["--out-dir", str(tmp_path), *flags])
@@ -128,9 +130,9 @@ def test_turn_level_gae_reads_the_value_before_each_turn():
 
 
 def test_redraw_plays_again_only_the_groups_without_signal():
-    """rl/tasks.Redraw: of four groups of two, the one whose rewards differ is kept; the ones that scored alike, and
-    the one whose only scored episode leaves no comparison (the other failed), play again on a task of their own
-    env's split; the draw depends on (seed, process, step, round, group) alone, and stops after R rounds."""
+    """rl/tasks.Redraw: of four groups of two, the one whose rewards differ is kept, and the one with an env failure
+    (--max-error-rate must see it); the two that scored alike play again on a task of their own env's split; the
+    draw depends on (seed, process, step, round, group) alone, and stops after R rounds."""
     def episode(env, group, reward, error=None):
         traj = Trajectory(env, 0, group, 0, messages=[], reward=reward)
         traj.error = error
@@ -141,8 +143,8 @@ def test_redraw_plays_again_only_the_groups_without_signal():
               episode("textcraft", 3, 1.0), episode("textcraft", 3, 1.0)]
     ids = {"babyai": list(range(100, 200)), "textcraft": list(range(500, 600))}
     again = Redraw(ids, rounds=2, seed=1)(4, played)
-    assert sorted(again) == [2, 3, 4, 5, 6, 7]
-    assert again[2] == again[3] in ids["babyai"] and again[4] == again[5] in ids["textcraft"] and again[6] in ids["textcraft"]
+    assert sorted(again) == [2, 3, 6, 7]
+    assert again[2] == again[3] in ids["babyai"] and again[6] == again[7] in ids["textcraft"]
     assert Redraw(ids, rounds=2, seed=1)(4, played) == again  # (a resumed run draws the same)
     assert Redraw(ids, rounds=2, seed=1, process=1)(4, played) != again  # (another process's groups, other tasks)
     redraw = Redraw(ids, rounds=2, seed=1)

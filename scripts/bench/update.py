@@ -70,7 +70,8 @@ def trl_python(args: Args) -> str:
 
 
 
-LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum": "dr_grpo"}
+LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum": "dr_grpo",
+              "seq-mean-token-sum-norm": "dr_grpo"}  # (TRL's dr_grpo divides by max_completion_length: the last)
 
 
 def step_batches(run_dir: Path) -> tuple[dict, list[dict]]:
