@@ -179,3 +179,17 @@ def test_dynamic_sampling_under_staleness_keeps_the_bound(ragged, tmp_path):
     assert sum(m["rollout/dynamic_groups"] for m in metrics) > 0
     assert all(m["async/staleness_max"] <= 1 for m in metrics if "async/staleness_max" in m)
     assert len(rollouts) == 3 * 2 * 4  # (every step its quota of groups: 2 tasks x 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy_loss", ["gspo", "cispo"])
+def test_policy_losses_train_on_segments_packed(policy_loss, ragged, tmp_path):
+    """gspo and cispo where an episode trains as several sequences (--context window:1: a row a segment, GSPO's ratio
+    a segment's), packed several a row, over two mini-batches: finite losses, and episodes of more than one segment."""
+    metrics, rollouts = run(tmp_path, policy_loss, "--engine", "hf", "--steps", "2", "--eval-every", "0",
+                            "--policy-loss", policy_loss, "--context", "window:1", "--pack",
+                            "--max-tokens-per-micro-batch", "2048", "--minibatches", "2")
+    assert any(r["segments"] > 1 for r in rollouts)
+    for m in metrics:
+        if "losses/policy" in m:
+            assert math.isfinite(m["losses/policy"]) and math.isfinite(m["losses/grad_norm"]), m
