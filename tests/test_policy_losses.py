@@ -3,6 +3,7 @@ and in a run that the token budget cuts; --policy-loss gspo and cispo with LoRA,
 asynchronous loop; PPO's turn-level GAE in a run. (Each loss's formula: tests/test_losses.py; the packed and padded
 layouts: tests/test_batch.py; turn-level GAE's unbiasedness: tests/test_advantages.py.)"""
 
+import json
 import math
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 import train
 from rl.batch import make_batch, rows_of, shape_overlong
-from rl.tasks import Mix, Redraw, step_tasks
+from rl.tasks import Mix, Redraw, step_tasks, tasks_by_env
 from rl.records import decode_array
 from rollout import Trajectory
 from test_async import register_ragged, run
@@ -193,3 +194,18 @@ def test_policy_losses_train_on_segments_packed(policy_loss, ragged, tmp_path):
     for m in metrics:
         if "losses/policy" in m:
             assert math.isfinite(m["losses/policy"]) and math.isfinite(m["losses/grad_norm"]), m
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_over_several_envs_draws_from_each_groups_own(ragged, tmp_path):
+    """--dynamic-sampling in a run of two envs: a replayed group's new task is of its own env (each record's item id
+    names the env it played), and every env keeps its quota of groups."""
+    metrics, rollouts = run(tmp_path, "mix", "--engine", "hf", "--steps", "2", "--eval-every", "0", "--env", "ragged",
+                            "babyai", "--tasks-per-step", "4", "--dynamic-sampling", "2", "--horizon", "2")
+    assert sum(m["rollout/dynamic_groups"] for m in metrics) > 0
+    config = json.loads((tmp_path / "mix" / "config.json").read_text())  # (the tiny preset's BabyAI tasks)
+    splits = tasks_by_env(config["train_tasks"], ("ragged", "babyai"), "train")
+    assert all(r["task_id"] in splits[r["item_id"].split("_")[0]] for r in rollouts)  # (ragged's are 121-520)
+    for step in (1, 2):
+        played = [r["item_id"].split("_")[0] for r in rollouts if r["step"] == step]
+        assert played.count("ragged") == played.count("babyai") == 2 * 4
