@@ -136,8 +136,9 @@ def test_steps_match_the_upstream_servers_wrapper_path(env):
 # Rewards and episode ends
 
 
-@pytest.mark.parametrize("task_id", sorted({sciworld.category(i): i for i in reversed(TEST_IDS)}.values()),
-                         ids=lambda i: sciworld.category(i))
+# (one category in the fast subset, the other 22 with the slow tests: 2-4 s each, the subset's longest tests)
+@pytest.mark.parametrize("task_id", [pytest.param(i, marks=() if k == 0 else pytest.mark.slow) for k, i in enumerate(
+    sorted({sciworld.category(i): i for i in reversed(TEST_IDS)}.values()))], ids=lambda i: sciworld.category(i))
 def test_gold_path_reaches_100_through_text(env, task_id):
     """The first test variation of every task, solved by the oracle's text through env.step."""
     result = play_gold(env, task_id)
