@@ -1,8 +1,12 @@
-"""Writes TextCraft's default task-id splits, envs/data/textcraft_{train,test}.json.
+"""Writes TextCraft's default task-id splits, envs/data/textcraft_{train,test}.json, and the goals in neither,
+envs/data/textcraft_rest.json.
 
 Upstream's split sizes (374 train, 100 test; AgentGym-RL-Data-ID) with upstream's files not
 published: each depth (1-4) is split in proportion to its share of the 544 goals (largest
-remainder), the ids of a depth drawn with random.Random(0); the other 70 goals are in neither.
+remainder), the ids of a depth drawn with random.Random(0); the other 70 goals are in neither
+(textcraft_rest.json, depths in about the test split's shares): tasks for RL on an agent whose SFT
+played the train split (`--train-tasks envs/data/textcraft_rest.json`), so that its goals are new to it as the
+test split's are.
 
     python scripts/textcraft_splits.py
 """
@@ -47,4 +51,6 @@ if __name__ == "__main__":
     train, test = make_splits()
     save_task_ids(DATA_DIR / "textcraft_train.json", "textcraft", train)
     save_task_ids(DATA_DIR / "textcraft_test.json", "textcraft", test)
-    print(f"wrote {len(train)} train and {len(test)} test task ids to {DATA_DIR}")
+    rest = sorted(set(range(len(crafting_tree().goals))) - set(train) - set(test))
+    save_task_ids(DATA_DIR / "textcraft_rest.json", "textcraft", rest)
+    print(f"wrote {len(train)} train, {len(test)} test and {len(rest)} other task ids to {DATA_DIR}")

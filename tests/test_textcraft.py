@@ -244,6 +244,8 @@ def test_default_splits_are_upstreams_sizes_stratified_by_depth(tmp_path):
     assert not set(train) & set(test) and set(train) | set(test) <= set(range(544))
     assert Counter(envs.category("textcraft", i) for i in test) == {"depth1": 23, "depth2": 53, "depth3": 22, "depth4": 2}
     assert Counter(envs.category("textcraft", i) for i in train) == {"depth1": 86, "depth2": 200, "depth3": 80, "depth4": 8}
+    rest = envs.load_task_ids(envs.DATA_DIR / "textcraft_rest.json", "textcraft")  # (the goals in neither)
+    assert sorted(rest + train + test) == list(range(544))
     path = tmp_path / "mine.json"
     path.write_text(json.dumps([{"item_id": "textcraft_31"}, {"item_id": "textcraft_600"}]))
     assert envs.splits("textcraft", train=path, test=path)["test"] == [31, 600]
