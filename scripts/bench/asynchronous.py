@@ -17,7 +17,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from bench.common import Args, train_metrics
+from bench.common import Args, pyplot, save, train_metrics
 
 
 def section_async(args: Args, work: Path) -> dict:
@@ -68,11 +68,8 @@ def async_figures(rows: list[dict]) -> dict:
 
 def plot_async(runs: dict[str, list[dict]], path: Path) -> str | None:
     """Reward against wall time, a line per run: what a fixed time buys each loop."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     figure, axis = plt.subplots(figsize=(7, 4))
     loops = list(dict.fromkeys(name.split("-")[0] for name in runs))  # (a colour a loop, a line style a seed)
@@ -86,11 +83,7 @@ def plot_async(runs: dict[str, list[dict]], path: Path) -> str | None:
     axis.set_ylabel("rollout reward")
     axis.set_title("synchronous vs --max-staleness k on a long-tailed env")
     axis.legend(fontsize=7)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return str(path)
+    return save(figure, path)
 
 
 def async_rows(result: dict) -> list[str]:

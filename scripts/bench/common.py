@@ -1,5 +1,5 @@
-"""What every section of scripts/bench.py shares: its flags (`Args`), the paths, and the process helpers (a free
-loopback port, a process's CPU seconds, a train.py run read off its metrics.jsonl)."""
+"""What every section of scripts/bench.py shares: its flags (`Args`), the paths, the process helpers (a free
+loopback port, a process's CPU seconds, a train.py run read off its metrics.jsonl) and the plots' (`pyplot`, `save`)."""
 
 from __future__ import annotations
 
@@ -137,3 +137,25 @@ def train_metrics(section: str, command: list[str], run: Path) -> list[dict]:
     if done.returncode != 0:
         raise RuntimeError(f"train.py failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def pyplot():
+    """matplotlib's pyplot drawing to files only, or None where matplotlib is not installed (the section's figure
+    is then left out, its table kept)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save(figure, path: Path) -> str:
+    """Write `figure` to `path` (its folder made) and free it."""
+    import matplotlib.pyplot as plt
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return str(path)

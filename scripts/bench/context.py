@@ -17,7 +17,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from bench.common import Args, train_metrics
+from bench.common import Args, pyplot, save, train_metrics
 
 
 def section_context(args: Args, work: Path) -> dict:
@@ -63,11 +63,8 @@ def prompt_curve(records: list[dict]) -> list[float]:
 
 def plot_context(curves: dict[str, list[float]], runs: dict[str, dict], path: Path) -> str | None:
     """Mean prompt tokens against the sampled turn, a line per mode, a panel per env."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     env_names = list(dict.fromkeys(run["env"] for run in runs.values()))
     figure, axes = plt.subplots(1, len(env_names), figsize=(5 * len(env_names), 3.6), squeeze=False)
@@ -79,11 +76,7 @@ def plot_context(curves: dict[str, list[float]], runs: dict[str, dict], path: Pa
         axis.set_xlabel("sampled turn")
         axis.set_ylabel("prompt tokens (mean over episodes)")
         axis.legend(fontsize=8)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return str(path)
+    return save(figure, path)
 
 
 def context_rows(result: dict) -> list[str]:
