@@ -168,6 +168,8 @@ class Rollouts:
         self.sets: dict[int, list[Trajectory | None]] = {}  # set -> its trajectories (None while its env resets)
         self.reflections: dict[int, list[list[str]] | None] = {}  # set -> reflect's past reflections of each
         self.holds: dict[int, int] = {}  # block of envs -> the set it plays
+        self.replays: dict[int, tuple[int, int]] = {}  # set -> its --dynamic-sampling (rounds, groups) so far
+        self.settled: dict[int, tuple[int, int]] = {}  # complete set, none to play again -> the same (_settle)
         self.ready: list[Trajectory] = []  # waiting to be submitted for their next turn
         self.stepping: dict[Future, Trajectory] = {}
         self.resetting: dict[Future, tuple[int, int, int, int, int]] = {}  # -> (set, index, task, group, horizon)
@@ -193,7 +195,10 @@ class Rollouts:
                     if now != seen:
                         progress(started)
                         seen = now
-                if self._complete(j) and not self._replay(j):
+                self._settle()
+                if j in self.settled:
+                    rounds, groups = self.settled.pop(j)  # (a step's metrics count its own set's replays)
+                    self.clock.add(RolloutStats(redraw_rounds=rounds, redrawn_groups=groups))
                     return sorted(self.sets.pop(j), key=lambda t: t.row)
                 watchdog.check()
                 self._submit()
@@ -278,17 +283,21 @@ class Rollouts:
                 self.resetting[self.pool.submit(EnvAnswer.of, env, "reset", task)] = \
                     (j, i, task, group, named(horizon, env.name))
 
-    def _replay(self, j: int) -> bool:
-        """--dynamic-sampling (rl/tasks.Redraw): the episodes of complete set j that `redraw` plays again start anew,
-        on their new tasks in their own envs; False when there are none."""
-        again = self.redraw(j, self.sets[j]) if self.redraw is not None else {}
-        self.clock.redraw_rounds += bool(again)
-        self.clock.redrawn_groups += len({self.sets[j][i].group for i in again})
-        for i, task in again.items():
-            old, self.sets[j][i] = self.sets[j][i], None
-            self.resetting[self.pool.submit(EnvAnswer.of, self.environments[old.row], "reset", task)] = \
-                (j, i, task, old.group, old.horizon)
-        return bool(again)
+    def _settle(self) -> None:
+        """--dynamic-sampling (rl/tasks.Redraw): the episodes of each complete set that `redraw` plays again start anew,
+        on their new tasks in their own envs, as soon as the set completes (a set past the one taken too: its replays
+        play beside it); a complete set with none left is settled, with its replays' rounds and groups."""
+        for j in [j for j in self.sets if j not in self.settled and self._complete(j)]:
+            again = self.redraw(j, self.sets[j]) if self.redraw is not None else {}
+            rounds, groups = self.replays.pop(j, (0, 0))
+            if not again:
+                self.settled[j] = rounds, groups
+                continue
+            self.replays[j] = rounds + 1, groups + len({self.sets[j][i].group for i in again})
+            for i, task in again.items():
+                old, self.sets[j][i] = self.sets[j][i], None
+                self.resetting[self.pool.submit(EnvAnswer.of, self.environments[old.row], "reset", task)] = \
+                    (j, i, task, old.group, old.horizon)
 
     def _attempts(self, j: int, progress: Callable[[int, int], None] | None) -> list[Trajectory]:
         """Reflect's set j: its episodes attempt after attempt (attempts), each attempt a set of its own."""

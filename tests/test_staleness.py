@@ -85,3 +85,33 @@ def test_a_staleness_variant_is_an_edit_of_rl_staleness_alone(monkeypatch):
         assert [t.task_id for t in rollouts.take(2)] == train[4:6]
     finally:
         rollouts.close()
+
+
+@pytest.mark.slow  # (about 3 s: short expert rollouts)
+def test_a_later_set_replays_its_groups_as_soon_as_it_completes():
+    """--dynamic-sampling at k = 1: set 2, under way beside set 1 and done first (a 1-turn cap against 6), starts its
+    replays while set 1 still plays, not when the trainer takes it; each step's metrics count its own set's replays."""
+    fmt = ChatFormat(load_tokenizer("tiny-agent"))
+    train = envs.splits("babyai")["train"]
+    asked = []
+
+    def tasks_of(j: int) -> Tasks:
+        return Tasks(train[2 * j:2 * j + 2], [0, 0], 6 if j == 1 else 1)
+
+    def redraw(j: int, played: list) -> dict[int, int]:
+        asked.append(j)
+        return {0: train[50], 1: train[51]} if asked.count(j) == 1 and j == 2 else {}
+
+    environments = [envs.make("babyai") for _ in range(2 * staleness.blocks(1))]
+    rollouts = Rollouts(ExpertEngine(fmt, environments), fmt, environments, tasks_of, staleness=1, first=1, last=2,
+                        max_new_tokens=64, max_tokens=16384, redraw=redraw)
+    try:
+        assert max(t.turns for t in rollouts.take(1)) > 1  # (set 1 outlasted set 2's episodes and their replays)
+        assert asked[:2] == [2, 2] and (rollouts.clock.redraw_rounds, rollouts.clock.redrawn_groups) == (0, 0)
+        rollouts.before_update()
+        rollouts.before_sync()
+        rollouts.resume(1)
+        assert [t.task_id for t in rollouts.take(2)] == train[50:52]
+        assert asked.count(2) == 2 and (rollouts.clock.redraw_rounds, rollouts.clock.redrawn_groups) == (1, 1)
+    finally:
+        rollouts.close()
