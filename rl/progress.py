@@ -111,11 +111,12 @@ class Progress:
 
     def text(self) -> str:
         now, seconds = self.counts(), time.perf_counter() - self.start
-        text = (f"{self.name} " if self.name else "") + f"{now.ended}/{self.total} {self.unit}, {now.turns} turns"
+        total = max(self.total, now.ended + len(self.live))  # (--dynamic-sampling's replays are episodes played too)
+        text = (f"{self.name} " if self.name else "") + f"{now.ended}/{total} {self.unit}, {now.turns} turns"
         if now.tokens:
             text += f", {_count(now.tokens)} tokens ({now.tokens / max(seconds, 1e-9):.0f}/s)"
-        if now.turns and now.ended < self.total:
-            left = max(self.total * self.horizon - now.unplayed - now.turns, 0)
+        if now.turns and now.ended < total:
+            left = max(total * self.horizon - now.unplayed - now.turns, 0)
             text += f", ~{_duration(left * seconds / now.turns)} left"
         return text
 

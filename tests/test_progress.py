@@ -53,6 +53,12 @@ def test_progress_counts_turns_and_tokens_and_estimates_the_time_left(monkeypatc
     progress(playing)
     assert progress.text() == "eval 1/4 episodes, 5 turns, 200 tokens (12/s), ~1m30s left"  # 28 turns at 5/16 a second
     assert progress.finished == [playing[0]]
+    ended = [Trajectory("babyai", task, task, task, [], horizon=10, finish="done") for task in range(4)]
+    replays = [Trajectory("babyai", task, task, task, [], horizon=10) for task in range(2)]
+    progress = Progress(None, "train", total=4, horizon=10)
+    progress(ended)
+    progress(ended[2:] + replays)  # (--dynamic-sampling: a set's first two episodes play again on new tasks)
+    assert progress.text().startswith("train 4/6 episodes")  # (not 4/4 with more under way, nor 6/4 at the end)
 
 
 class Silent(RoundEngine):
