@@ -58,7 +58,11 @@ def test_progress_counts_turns_and_tokens_and_estimates_the_time_left(monkeypatc
     progress = Progress(None, "train", total=4, horizon=10)
     progress(ended)
     progress(ended[2:] + replays)  # (--dynamic-sampling: a set's first two episodes play again on new tasks)
-    assert progress.text().startswith("train 4/6 episodes")  # (not 4/4 with more under way, nor 6/4 at the end)
+    assert progress.text().startswith("train 4/6 episodes")  # (not 4/4 with more under way)
+    for t in replays:
+        t.finish = "done"
+    progress(ended[2:] + replays)
+    assert progress.text().startswith("train 6/6 episodes")  # (not 6/4 at the end)
 
 
 class Silent(RoundEngine):
