@@ -89,8 +89,9 @@ class Args:
     preset: Literal["auto", "paper", "tiny"] = "auto"
     """default values: `paper` (the paper's recipe), `tiny` (CPU demo); auto: tiny for the embedded model"""
     train_tasks: str | None = None
-    """task id file in AgentGym-RL-Data-ID format ([{"item_id": "babyai_12"}, ...]); default: the shipped train split
-    (the tiny preset's on BabyAI: 5 levels where the embedded agent learns fastest, envs/data/babyai_tiny_train.json)"""
+    """task id file in AgentGym-RL-Data-ID format ([{"item_id": "babyai_12"}, ...]), or several joined by `:` (the first
+    that names an env gives its tasks); default: the shipped train split (the tiny preset's on BabyAI, also beside a
+    file of other envs: 5 levels where the embedded agent learns fastest, envs/data/babyai_tiny_train.json)"""
     test_tasks: str | None = None
     """task id file that evaluations play (--eval-every); default: the shipped test split (the tiny preset's on
     BabyAI: envs/data/babyai_tiny_test.json)"""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from dataclasses import fields, is_dataclass
 from pathlib import Path
@@ -117,7 +118,26 @@ def parse_args(Args: type, presets: dict, preset_defaults: Callable, argv: list[
     args = replace(args, env=env_names(args.env))
     if args.horizon == (AUTO,):  # (the ladder it climbs, written out in the run's config)
         args = replace(args, horizon=(AUTO, *(default.horizon if len(default.horizon) > 1 else LADDER)))
-    return replace(args, preset=preset)
+    return replace(args, preset=preset, **preset_tasks(args, default))
+
+
+def preset_tasks(args, default) -> dict[str, str]:
+    """A task file given for some of the run's envs (--train-tasks, --test-tasks) leaves the preset's in force for the
+    others: beside a TextCraft file the tiny preset's BabyAI levels stay BabyAI's, not its whole split. The preset's
+    file is joined after the given one (envs.load_tasks), so that the run's config says what each env played."""
+    kept = {}
+    for flag in ("train_tasks", "test_tasks"):
+        given, own = getattr(args, flag, None), getattr(default, flag, None)
+        if not given or not own or given == own:
+            continue
+        try:
+            named = envs.load_tasks(given, args.env)
+            left = [name for name, ids in envs.load_tasks(own, args.env).items() if ids and not named.get(name)]
+        except envs.TaskFileError:  # (a bad file: check_envs says so)
+            continue
+        if left:
+            kept[flag] = os.pathsep.join((given, own))
+    return kept
 
 
 def embedded_of(model: str) -> str | None:

@@ -3,6 +3,7 @@
 advantages whitened within each env, and a run of one env exactly what it was before."""
 
 import json
+import os
 import shutil
 import sys
 import types
@@ -90,6 +91,28 @@ def test_a_task_file_names_each_tasks_env_and_an_env_it_leaves_out_plays_its_spl
     empty.write_text("[]")
     with pytest.raises(envs.TaskFileError, match="holds no babyai or textcraft task"):
         tasks_by_env(str(empty), ("babyai", "textcraft"), "train")
+
+
+def test_several_task_files_give_each_env_the_first_ones_and_the_tiny_presets_babyai_file_stays(tmp_path):
+    textcraft = tmp_path / "textcraft.json"
+    textcraft.write_text(json.dumps([{"item_id": "textcraft_7"}, {"item_id": "textcraft_9"}]))
+    both = tmp_path / "both.json"
+    both.write_text(json.dumps([{"item_id": "textcraft_1"}, {"item_id": "babyai_4"}]))
+    joined = f"{textcraft}{os.pathsep}{both}"
+    assert envs.load_tasks(joined, ("babyai", "textcraft")) == {"textcraft": [7, 9], "babyai": [4]}
+    with pytest.raises(envs.TaskFileError, match="'babyai_4' is not a textcraft task"):
+        envs.load_tasks(joined, ("textcraft",))  # (each file as one alone)
+    with pytest.raises(envs.TaskFileError, match="does not exist"):
+        envs.load_tasks(f"{textcraft}{os.pathsep}{tmp_path / 'nowhere.json'}", ("textcraft",))
+    # the tiny preset plays BabyAI's short levels; a TextCraft file beside them leaves them BabyAI's
+    tiny_train, tiny_test = (str(envs.DATA_DIR / f) for f in train.TINY_TASKS["babyai"])
+    args = train.parse_args(["--env", "babyai", "textcraft", "--train-tasks", str(textcraft)])
+    assert args.train_tasks == f"{textcraft}{os.pathsep}{tiny_train}" and args.test_tasks == tiny_test
+    by_env = tasks_by_env(args.train_tasks, args.env, "train")
+    assert by_env == {"babyai": envs.load_task_ids(tiny_train, "babyai"), "textcraft": [7, 9]}
+    # a file that names BabyAI's tasks too, or a BabyAI-only run, keeps the file as given
+    assert train.parse_args(["--env", "babyai", "textcraft", "--test-tasks", str(both)]).test_tasks == str(both)
+    assert train.parse_args(["--env", "textcraft", "--train-tasks", str(textcraft)]).train_tasks == str(textcraft)
 
 
 def test_a_pool_puts_each_rows_env_on_it_in_every_block_and_each_env_on_its_own_servers():
