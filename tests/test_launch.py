@@ -141,8 +141,11 @@ def test_a_sharded_run_checkpoints_and_resumes_exactly(tmp_path, sharding, mixed
     engine samples from a whole copy synced after every update): the checkpoint holds the whole policy and each
     process's optimizer shards, and a run resumed from step 1 logs what the uninterrupted one did. Both under bf16, as
     on GPUs: FSDP2 under its precision policy (rl/model.fsdp2_precision: bf16 layers, fp32 log-probs and gradient
-    reduction); DeepSpeed keeps bf16 weights and their fp32 originals in its optimizer, which the shards restore."""
-    argv = ["train.py", "--algo", "ppo", "--n", "1", "--steps", "2", "--tasks-per-step", "2", "--horizon", "2",
+    reduction); DeepSpeed keeps bf16 weights and their fp32 originals in its optimizer, which the shards restore.
+    Two envs, one task of each a step: each process plays one env, so PPO's whitening per env sums an env that a
+    process has none of (every process must take part in every reduction, or the run hangs)."""
+    argv = ["train.py", "--algo", "ppo", "--env", "babyai", "textcraft", "--n", "1", "--steps", "2",
+            "--tasks-per-step", "2", "--horizon", "2",
             "--max-new-tokens", "16", "--eval-every", "0", "--engine", "hf", "--save-every", "1", "--out-dir",
             str(tmp_path), "--run-name", "sharded", "--mixed-precision", mixed, "--warmup-steps", "4",
             "--critic-lr-warmup-steps", "4"]
@@ -157,7 +160,7 @@ def test_a_sharded_run_checkpoints_and_resumes_exactly(tmp_path, sharding, mixed
     launch(2, "train.py", "--resume", str(run_dir / "checkpoints" / "step_1"), config=sharding, mixed=mixed)
     resumed = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["charts/step"] for m in resumed] == [1, 2]
-    for key in ("rollout/reward", "losses/kl", "losses/value", "losses/grad_norm", "critic/value", "charts/lr"):
+    for key in ("rollout/reward", "rollout/babyai/reward", "rollout/textcraft/reward", "losses/kl", "losses/value", "losses/grad_norm", "critic/value", "charts/lr"):
         assert resumed[1][key] == uninterrupted[1][key], key
     lr = train.PRESETS["tiny"].model_args.lr  # the warm-ups step with the optimizers: (k + 1) / 4 after k steps
     assert [m["charts/lr"] for m in uninterrupted] == pytest.approx([lr * 2 / 4, lr * 3 / 4])
