@@ -174,9 +174,10 @@ class EnvArgs:
     env_options: dict[str, str] = field(default_factory=dict)
     """keyword options for envs.make, e.g. --env-options reward normalized; ENV.KEY VALUE: env ENV's only, in a run of
     several (eval.py: added to the run's own)"""
-    env_timeout: float = 0.0
+    env_timeout: Annotated[tuple[str, ...], tyro.conf.arg(metavar="SECONDS|ENV=SECONDS ...")] = ()
     """seconds an env reset or step may take before its trajectory ends as failed (eval.py: counted under `errors`)
-    and the env is replaced; 0: the env's default (its call_timeout in envs.ENVS)"""
+    and the env is replaced: SECONDS for every env, ENV=SECONDS for one (webarena=300 babyai=5); default: each env's
+    own (its call_timeout in envs.ENVS), also for an env given none or 0"""
     env_url: Annotated[tuple[str, ...] | None, tyro.conf.arg(metavar="URL [URL ...]")] = None
     """play on AgentGym env servers (ours, `python -m envs.serve`, or upstream's) at these URLs instead of in process;
     several take the env instances round robin, an even share each; with several envs, ENV=URL (webarena=http://...)
@@ -188,8 +189,12 @@ class EnvArgs:
 
     def check(self, names: tuple[str, ...] | None = None) -> None:
         """Stop early, with what to do, on settings that cannot work (`names`: the envs played)."""
-        if self.env_timeout < 0:
-            raise SystemExit("--env-timeout takes 0 (the env's default) or more")
+        for name in envs.ENVS if names is None else names:
+            self.timeout(name)  # (a SystemExit on an entry that does not parse)
+        scoped = {entry.partition("=")[0] for entry in self.timeouts() if "=" in entry}
+        if names is not None and scoped - set(names):
+            raise SystemExit(f"--env-timeout names {', '.join(sorted(scoped - set(names)))}, not an env of this run "
+                             f"({', '.join(names)})")
         scopes = {key.partition(".")[0] for key in self.env_options if key.partition(".")[0] in envs.ENVS}
         if names is not None and scopes - set(names):
             raise SystemExit(f"--env-options names {', '.join(sorted(scopes - set(names)))}, not an env of this run "
@@ -199,6 +204,28 @@ class EnvArgs:
         except ValueError as error:
             raise SystemExit(str(error)) from None
 
+    def timeouts(self) -> tuple[str, ...]:
+        """--env-timeout's entries (set from code, or in an older run's config: one number)."""
+        return (str(self.env_timeout),) if isinstance(self.env_timeout, (int, float)) else tuple(self.env_timeout)
+
+    def timeout(self, name: str) -> float:
+        """Env `name`'s call timeout in seconds: its ENV=SECONDS entry, else a plain one, else 0 (its default)."""
+        plain = scoped = None
+        for entry in self.timeouts():
+            scope, equals, seconds = entry.rpartition("=")
+            try:
+                value = float(seconds)
+            except ValueError:
+                value = -1.0
+            if value < 0 or (equals and scope not in envs.ENVS):
+                raise SystemExit(f"--env-timeout {entry}: give SECONDS (0: the env's default) or ENV=SECONDS, "
+                                 f"ENV one of {', '.join(envs.ENVS)}")
+            if scope == name:
+                scoped = value
+            elif not equals:
+                plain = value
+        return scoped if scoped is not None else plain or 0.0
+
     def options(self, name: str) -> dict:
         """Env `name`'s options: --env-options' plain and `name.`-scoped entries, as Python values."""
         return envs.parse_options(envs.own_options(self.env_options, name))
@@ -207,7 +234,7 @@ class EnvArgs:
         """`count` guarded instances of env `name` as these flags say (make_envs); `options`: the env's options,
         by default --env-options as Python values (envs.parse_options)."""
         options = self.options(name) if options is None else options
-        return make_envs(name, count, options, self.env_timeout, self.urls(name), rank, delay=self.env_delay, seed=seed)
+        return make_envs(name, count, options, self.timeout(name), self.urls(name), rank, delay=self.env_delay, seed=seed)
 
     def make_pool(self, rows: list[str], blocks: int = 1, rank: int = 0, seed: int = 0) -> list[Guarded]:
         """Instances for `blocks` blocks of len(rows) episodes, episode i of each block on an instance of env

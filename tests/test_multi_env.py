@@ -129,6 +129,20 @@ def test_a_pool_puts_each_rows_env_on_it_in_every_block_and_each_env_on_its_own_
     assert EnvArgs(env_url=("http://h:1/?q=1",)).urls("babyai") == ("http://h:1/?q=1",)  # (an = of the URL's own)
 
 
+def test_each_env_keeps_its_own_timeout_or_the_one_given_for_it():
+    default = EnvArgs().make_pool(["babyai", "webarena"])
+    given = EnvArgs(env_timeout=("7", "webarena=300")).make_pool(["babyai", "textcraft", "webarena"])
+    try:
+        assert [env.timeout for env in default] == [envs.call_timeout("babyai"), envs.call_timeout("webarena")]
+        assert [env.timeout for env in given] == [7, 7, 300]
+    finally:
+        envs.guard.close_envs(default + given)
+    assert EnvArgs(env_timeout=("textcraft=2",)).timeout("babyai") == 0  # (0: its default)
+    assert EnvArgs(env_timeout=30).timeout("sciworld") == 30  # (from code, or an older run's config)
+    args = train.parse_args(["--env", "babyai", "textcraft", "--env-timeout", "textcraft=2", "60"])
+    assert [args.env_args.timeout(name) for name in args.env] == [60, 2]
+
+
 def test_a_process_whose_share_lacks_an_env_evaluates_it_on_a_pool_of_its_own():
     """2 processes, 1 BabyAI and 1 TextCraft task a step: each process's training envs are one env's, and each
     process plays its share of both envs' test tasks, so it evaluates on a pool with each env's instances."""
@@ -334,7 +348,10 @@ def test_the_env_flags_say_what_cannot_work():
                            (["--env", "babyai", "textcraft", "--env-weights", "1", "0"], "one positive weight"),
                            (["--env", "all", "--tasks-per-step", "4"], "no task a step"),
                            (["--env", "babyai", "textcraft", "--env-weights", "1", "2", "--algo", "sft", "--data", "x"],
-                            "learns from --data")]:
+                            "learns from --data"),
+                           (["--env-timeout", "soon"], "give SECONDS"), (["--env-timeout", "-1"], "give SECONDS"),
+                           (["--env-timeout", "nope=3"], "ENV one of"),
+                           (["--env", "babyai", "--env-timeout", "webarena=3"], "names webarena, not an env of this run")]:
         with pytest.raises(SystemExit, match=message):
             train.check(train.parse_args(flags), 1)
 
