@@ -197,8 +197,9 @@ def resolve_settings(args: Args, env: str) -> dict:
                **envs.parse_options(envs.own_options(args.env_args.env_options, env))}
     # a run's checkpoint plays its run's test tasks (the tiny preset's on BabyAI: the short-horizon levels')
     own_tasks = config.get("test_tasks") if protocol == "run" and env in trained and args.split == "test" else None
-    if own_tasks and len(trained) > 1 and not run_tasks(own_tasks, trained).get(env):  # (the run played its split)
-        own_tasks = None
+    # (of several files joined, the one of this env's tasks; none: the run played the env's split)
+    own_tasks = next((one for one in envs.task_files(own_tasks) if run_tasks(one, trained).get(env)), None) \
+        if own_tasks else None
     horizons = sorted(set(horizons)) if horizons else [limits["horizon"]]
     # the layout: a run's checkpoint plays as its run was trained (agent format, template options, reasoning tags)
     own = config if protocol == "run" else {}

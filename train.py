@@ -93,8 +93,8 @@ class Args:
     that names an env gives its tasks); default: the shipped train split (the tiny preset's on BabyAI, also beside a
     file of other envs: 5 levels where the embedded agent learns fastest, envs/data/babyai_tiny_train.json)"""
     test_tasks: str | None = None
-    """task id file that evaluations play (--eval-every); default: the shipped test split (the tiny preset's on
-    BabyAI: envs/data/babyai_tiny_test.json)"""
+    """task id file that evaluations play (--eval-every), or several joined by `:`; default: the shipped test split (the
+    tiny preset's on BabyAI, also beside a file of other envs: envs/data/babyai_tiny_test.json)"""
 
     # -- algorithm
     algo: Literal[(*adv_lib.ESTIMATORS, *OFFLINE)] = "grpo"

@@ -226,20 +226,25 @@ def load_task_ids(path: str | Path, name: str) -> list[int]:
     return load_tasks(path, (name,))[name]
 
 
+def task_files(path: str | Path) -> list[str]:
+    """The files of a task-id path: itself where it is one (a name with a `:` too), else those joined by os.pathsep."""
+    return [str(path)] if Path(path).is_file() else [one for one in str(path).split(os.pathsep) if one] or [str(path)]
+
+
 def load_tasks(path: str | Path, names: Sequence[str]) -> dict[str, list[int]]:
     """The task ids of an AgentGym-RL-Data-ID file by env, for a run on the envs `names`: each item's env is its
     prefix (`babyai_12`), an item without one (`12`) the run's env where it has one. The envs that the file names
     none of get no entry; a file that is missing, not JSON or not a list, or holds an item of another env or without
     an env where the run has several, raises TaskFileError. Several files joined by os.pathsep (`mine.json:theirs.json`)
     give each env the tasks of the first that names it (so a preset's task file keeps the envs a given one leaves out)."""
-    if len(files := str(path).split(os.pathsep)) > 1:
+    if len(files := task_files(path)) > 1:
         tasks = {}
         for one in files:
             for name, ids in load_tasks(one, names).items():
                 if ids and name not in tasks:
                     tasks[name] = ids
         return {names[0]: tasks.get(names[0], [])} if len(names) == 1 else tasks
-    path = Path(path)
+    path = Path(files[0])
     if not path.is_file():
         raise TaskFileError(f"task id file {path} does not exist")
     try:

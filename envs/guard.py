@@ -25,6 +25,7 @@ EnvArgs holds the --env-* flags that train.py and eval.py share (each script's A
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
@@ -205,26 +206,26 @@ class EnvArgs:
             raise SystemExit(str(error)) from None
 
     def timeouts(self) -> tuple[str, ...]:
-        """--env-timeout's entries (set from code, or in an older run's config: one number)."""
-        return (str(self.env_timeout),) if isinstance(self.env_timeout, (int, float)) else tuple(self.env_timeout)
+        """--env-timeout's entries (set from code: also one number or string)."""
+        given = self.env_timeout
+        return (str(given),) if isinstance(given, (int, float, str)) else tuple(map(str, given))
 
     def timeout(self, name: str) -> float:
         """Env `name`'s call timeout in seconds: its ENV=SECONDS entry, else a plain one, else 0 (its default)."""
-        plain = scoped = None
+        seconds: dict[str, float] = {}  # by scope, "" for every env
         for entry in self.timeouts():
-            scope, equals, seconds = entry.rpartition("=")
+            scope, equals, text = entry.strip().rpartition("=")
             try:
-                value = float(seconds)
+                value = float(text)
             except ValueError:
                 value = -1.0
-            if value < 0 or (equals and scope not in envs.ENVS):
+            if not 0 <= value < math.inf or (equals and scope not in envs.ENVS):
                 raise SystemExit(f"--env-timeout {entry}: give SECONDS (0: the env's default) or ENV=SECONDS, "
                                  f"ENV one of {', '.join(envs.ENVS)}")
-            if scope == name:
-                scoped = value
-            elif not equals:
-                plain = value
-        return scoped if scoped is not None else plain or 0.0
+            if scope in seconds:
+                raise SystemExit(f"--env-timeout gives {scope or 'every env'} two timeouts: give one")
+            seconds[scope] = value
+        return seconds.get(name, seconds.get("", 0.0))
 
     def options(self, name: str) -> dict:
         """Env `name`'s options: --env-options' plain and `name.`-scoped entries, as Python values."""

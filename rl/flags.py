@@ -135,7 +135,7 @@ def preset_tasks(args, default) -> dict[str, str]:
             left = [name for name, ids in envs.load_tasks(own, args.env).items() if ids and not named.get(name)]
         except envs.TaskFileError:  # (a bad file: check_envs says so)
             continue
-        if left:
+        if left and not (os.pathsep in given and Path(given).is_file()):  # (a `:` in a file's name: it stays alone)
             kept[flag] = os.pathsep.join((given, own))
     return kept
 
@@ -181,6 +181,11 @@ def resumed_args(Args: type, presets: dict, argv: list[str], checkpoint: Path, d
     if args.steps != saved.steps and args.epochs == saved.epochs:  # --steps replaces the run's --epochs
         args = replace(args, epochs=None)
     now, then = flat(args), flat(saved)
+    joined = {name: then[name] for name in ("train_tasks", "test_tasks") if now.get(name) and then.get(name)
+              and then[name].startswith(now[name] + os.pathsep)}  # (the file as given, the preset's joined: preset_tasks)
+    if joined:
+        args = replace(args, **joined)
+        now = flat(args)
     changed = [name for name in now if name not in RESUMABLE and now[name] != then[name]]
     if changed:
         given = ", ".join(f"--{name.replace('_', '-')} {now[name]} (the run's: {then[name]})" for name in changed)

@@ -144,6 +144,8 @@ def resumable_config(checkpoint: Path) -> dict:
     config = json.loads(config_file.read_text())
     if isinstance(config.get("env_url"), str):  # a run from before --env-url took several servers
         config["env_url"] = [config["env_url"]]
+    if isinstance(config.get("env_timeout"), (int, float)):  # a run from before --env-timeout took ENV=SECONDS
+        config["env_timeout"] = [f"{config['env_timeout']:g}"] if config["env_timeout"] else []
     return config
 
 

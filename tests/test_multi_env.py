@@ -15,7 +15,7 @@ import torch
 import envs
 import train
 from envs.guard import EnvArgs
-from rl.flags import build
+from rl.flags import build, flat
 from rl.advantages import AdvantageInputs, advantages, masked_whiten
 from rl.metrics import env_metrics, eval_metrics
 from rl.scores import env_table, macro
@@ -115,6 +115,34 @@ def test_several_task_files_give_each_env_the_first_ones_and_the_tiny_presets_ba
     assert train.parse_args(["--env", "textcraft", "--train-tasks", str(textcraft)]).train_tasks == str(textcraft)
 
 
+def test_a_run_whose_task_file_was_joined_resumes_from_the_same_command_line(tmp_path, capsys):
+    textcraft = tmp_path / "textcraft.json"
+    textcraft.write_text(json.dumps([{"item_id": "textcraft_7"}]))
+    argv = ["--env", "babyai", "textcraft", "--train-tasks", str(textcraft), "--resume", "auto", "--run-name", "r",
+            "--out-dir", str(tmp_path)]
+    args = train.parse_args(argv)  # (a new run: the tiny preset's BabyAI file joined)
+    checkpoint = tmp_path / "r" / "checkpoints" / "step_1"
+    (checkpoint / "state").mkdir(parents=True)
+    config = flat(args) | {"preset": "tiny", "env_timeout": 0.0}  # (as an older run wrote --env-timeout: a number)
+    (tmp_path / "r" / "config.json").write_text(json.dumps(config))
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 1}))
+    (checkpoint / "state" / "schedulers.json").write_text("{}")
+    resumed = train.parse_args(argv)
+    assert resumed.run_args.resume == str(checkpoint) and resumed.train_tasks == args.train_tasks
+    assert resumed.env_args.timeouts() == () and resumed.env_args.timeout("babyai") == 0
+    with pytest.raises(SystemExit, match="changes --train-tasks"):
+        train.parse_args([*argv[:3], "--train-tasks", str(envs.DATA_DIR / "textcraft_rest.json"), *argv[5:]])
+    with pytest.raises(SystemExit) as stop:
+        train.parse_args([*argv, "--help"])
+    assert stop.value.code == 0 and "--env-timeout" in capsys.readouterr().out
+    # a file with a `:` in its name is one file, and stays alone
+    odd = tmp_path / "a:b" / "textcraft.json"
+    odd.parent.mkdir()
+    odd.write_text(textcraft.read_text())
+    assert envs.load_tasks(odd, ("babyai", "textcraft")) == {"textcraft": [7]}
+    assert train.parse_args(["--env", "babyai", "textcraft", "--train-tasks", str(odd)]).train_tasks == str(odd)
+
+
 def test_a_pool_puts_each_rows_env_on_it_in_every_block_and_each_env_on_its_own_servers():
     rows = Mix.of(("babyai", "textcraft"), (1.0, 2.0), 3).rows(2)
     assert rows == ["babyai"] * 2 + ["textcraft"] * 4
@@ -192,6 +220,14 @@ def test_eval_plays_a_runs_own_test_tasks_of_each_env_from_one_file(tmp_path):
               for env in eval_script.eval_envs(args)}
     assert played["babyai"] == [3, 5] and played["textcraft"] == [7]
     assert played["sciworld"] == envs.splits("sciworld")["test"]  # (the file names none: the run played its split)
+    joined = tmp_path / "textcraft.json"  # (joined before the first, as train.py's preset_tasks joins the preset's)
+    joined.write_text(json.dumps([{"item_id": "textcraft_9"}]))
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps(config | {"test_tasks": f"{joined}{os.pathsep}{tasks}"}))
+    settings = {env: eval_script.resolve_settings(args, env) for env in ("babyai", "textcraft", "sciworld")}
+    assert [settings[env]["tasks"] for env in settings] == [str(tasks), str(joined), None]  # (what results name)
+    assert [eval_script.evaluation_tasks(args, settings[env])[:2] for env in settings] == \
+        [[3, 5], [9], envs.splits("sciworld")["test"][:2]]
     given = build(eval_script.Args, model="tiny-agent", env=("babyai", "sciworld"), tasks=str(tasks))
     with pytest.raises(SystemExit, match="'textcraft_7' is not a babyai or sciworld task"):
         eval_script.evaluation_tasks(given, eval_script.resolve_settings(given, "babyai"))
@@ -350,7 +386,8 @@ def test_the_env_flags_say_what_cannot_work():
                            (["--env", "babyai", "textcraft", "--env-weights", "1", "2", "--algo", "sft", "--data", "x"],
                             "learns from --data"),
                            (["--env-timeout", "soon"], "give SECONDS"), (["--env-timeout", "-1"], "give SECONDS"),
-                           (["--env-timeout", "nope=3"], "ENV one of"),
+                           (["--env-timeout", "nope=3"], "ENV one of"), (["--env-timeout", "nan"], "give SECONDS"),
+                           (["--env-timeout", "inf"], "give SECONDS"), (["--env-timeout", "5", "9"], "two timeouts"),
                            (["--env", "babyai", "--env-timeout", "webarena=3"], "names webarena, not an env of this run")]:
         with pytest.raises(SystemExit, match=message):
             train.check(train.parse_args(flags), 1)
