@@ -264,15 +264,15 @@ def test_the_whitening_estimators_whiten_each_env_apart_unless_told_not_to(algo)
     mask = torch.ones(6, 4)
     values = torch.zeros(6, 4)
     row_envs = ["sciworld"] * 3 + ["babyai"] * 3
-    for per_env in (True, False):
+    for apart in (True, False):
         args = train.parse_args(["--algo", algo, "--env", "babyai", "sciworld", "--n", "1"]
-                                + ([] if per_env else ["--no-whiten-per-env"]))
+                                + ([] if apart else ["--no-whiten-per-env"]))
         train.check(args, 1)
         full = types.SimpleNamespace(loss_mask=mask, old_values=values, turn=None, ref_logprobs=None)
         got, _ = train.advantages_for(args, full, scores, torch.arange(6), torch.ones(6, dtype=torch.bool), None,
                                       row_envs=row_envs)
         small = got[3:]
-        if per_env:
+        if apart:
             assert abs(float(small.mean())) < 1e-5 and abs(float(small.std()) - 1) < 1e-3
         else:
             assert float(small.max() - small.min()) < 0.05  # (its differences drowned by sciworld's scale)
