@@ -64,24 +64,27 @@ def test_killed_anywhere_and_resumed_the_run_logs_what_an_uninterrupted_run_logs
 def test_an_asynchronous_run_killed_and_resumed_trains_every_task_group_once(tmp_path):
     """--max-staleness 2: in-flight episodes (the next two steps' sets, begun while a step updated) are not in the
     checkpoint; the resumed run plays those sets anew, so every step of the data cursor trains its own task groups,
-    once, whatever was under way when the process died."""
+    once, whatever was under way when the process died. Under --context window:1 (up to 3 turns: the third turn's
+    prompt slides, a segment of its own), a resumed run's in-flight windows start over with their sets."""
+    async_flags = ("--max-staleness", "2", "--context", "window:1", "--horizon", "3")
     kills = [
         ("update", 3),  # step 3's update (one micro-batch a step), after the step-2 checkpoint: sets 3-5 under way
         ("rollout", 10),  # resumed at 3: mid-rollout of sets 3-5, begun again from the step-2 weights
     ]
     for point, n in kills:
-        assert launch(tmp_path, point, n, "--max-staleness", "2") == -9, f"the {point} crash did not happen"
-    assert launch(tmp_path, "none", 0, "--max-staleness", "2") == 0
+        assert launch(tmp_path, point, n, *async_flags) == -9, f"the {point} crash did not happen"
+    assert launch(tmp_path, "none", 0, *async_flags) == 0
 
     metrics, rollouts = logged(tmp_path / "r")
     assert [m["charts/step"] for m in metrics] == [1, 2, 3, 4, 5]
-    args = train.parse_args([*FLAGS, "--run-name", "r", "--out-dir", str(tmp_path)])
+    args = train.parse_args([*FLAGS, *async_flags, "--run-name", "r", "--out-dir", str(tmp_path)])
     (env,) = args.env
     train_ids = envs.load_task_ids(args.train_tasks, env) if args.train_tasks else envs.splits(env)["train"]
     for step in range(1, 6):
         played = sorted(r["task_id"] for r in rollouts if r["step"] == step)
         assert played == sorted(train.tasks_for(step, train_ids, 2, args.seed) * 2), step  # each group once, n = 2
         assert all(step - 3 <= v <= step - 1 for r in rollouts if r["step"] == step for v in r["versions"])
+    assert any(r["segments"] == 2 for r in rollouts) and all(r["segments"] == max(1, r["turns"] - 1) for r in rollouts)
 
 
 def test_resume_auto_and_run_directories(tmp_path):
