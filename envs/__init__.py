@@ -235,8 +235,9 @@ def load_tasks(path: str | Path, names: Sequence[str]) -> dict[str, list[int]]:
     """The task ids of an AgentGym-RL-Data-ID file by env, for a run on the envs `names`: each item's env is its
     prefix (`babyai_12`), an item without one (`12`) the run's env where it has one. The envs that the file names
     none of get no entry; a file that is missing, not JSON or not a list, or holds an item of another env or without
-    an env where the run has several, raises TaskFileError. Several files joined by os.pathsep (`mine.json:theirs.json`)
-    give each env the tasks of the first that names it (so a preset's task file keeps the envs a given one leaves out)."""
+    an env where the run has several, raises TaskFileError. Several files joined by os.pathsep
+    (`mine.json:theirs.json`) give each env the tasks of the first that names it (so a preset's task file keeps the
+    envs a given one leaves out)."""
     if len(files := task_files(path)) > 1:
         tasks = {}
         for one in files:

@@ -235,7 +235,8 @@ class EnvArgs:
         """`count` guarded instances of env `name` as these flags say (make_envs); `options`: the env's options,
         by default --env-options as Python values (envs.parse_options)."""
         options = self.options(name) if options is None else options
-        return make_envs(name, count, options, self.timeout(name), self.urls(name), rank, delay=self.env_delay, seed=seed)
+        return make_envs(name, count, options, self.timeout(name), self.urls(name), rank, delay=self.env_delay,
+                         seed=seed)
 
     def make_pool(self, rows: list[str], blocks: int = 1, rank: int = 0, seed: int = 0) -> list[Guarded]:
         """Instances for `blocks` blocks of len(rows) episodes, episode i of each block on an instance of env

@@ -181,8 +181,9 @@ def resumed_args(Args: type, presets: dict, argv: list[str], checkpoint: Path, d
     if args.steps != saved.steps and args.epochs == saved.epochs:  # --steps replaces the run's --epochs
         args = replace(args, epochs=None)
     now, then = flat(args), flat(saved)
+    # (a task file as given, which the run joined with its preset's: preset_tasks)
     joined = {name: then[name] for name in ("train_tasks", "test_tasks") if now.get(name) and then.get(name)
-              and then[name].startswith(now[name] + os.pathsep)}  # (the file as given, the preset's joined: preset_tasks)
+              and then[name].startswith(now[name] + os.pathsep)}
     if joined:
         args = replace(args, **joined)
         now = flat(args)

@@ -160,7 +160,8 @@ def test_a_sharded_run_checkpoints_and_resumes_exactly(tmp_path, sharding, mixed
     launch(2, "train.py", "--resume", str(run_dir / "checkpoints" / "step_1"), config=sharding, mixed=mixed)
     resumed = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["charts/step"] for m in resumed] == [1, 2]
-    for key in ("rollout/reward", "rollout/babyai/reward", "rollout/textcraft/reward", "losses/kl", "losses/value", "losses/grad_norm", "critic/value", "charts/lr"):
+    for key in ("rollout/reward", "rollout/babyai/reward", "rollout/textcraft/reward", "losses/kl", "losses/value",
+                "losses/grad_norm", "critic/value", "charts/lr"):
         assert resumed[1][key] == uninterrupted[1][key], key
     lr = train.PRESETS["tiny"].model_args.lr  # the warm-ups step with the optimizers: (k + 1) / 4 after k steps
     assert [m["charts/lr"] for m in uninterrupted] == pytest.approx([lr * 2 / 4, lr * 3 / 4])

@@ -388,7 +388,8 @@ def test_the_env_flags_say_what_cannot_work():
                            (["--env-timeout", "soon"], "give SECONDS"), (["--env-timeout", "-1"], "give SECONDS"),
                            (["--env-timeout", "nope=3"], "ENV one of"), (["--env-timeout", "nan"], "give SECONDS"),
                            (["--env-timeout", "inf"], "give SECONDS"), (["--env-timeout", "5", "9"], "two timeouts"),
-                           (["--env", "babyai", "--env-timeout", "webarena=3"], "names webarena, not an env of this run")]:
+                           (["--env", "babyai", "--env-timeout", "webarena=3"],
+                            "names webarena, not an env of this run")]:
         with pytest.raises(SystemExit, match=message):
             train.check(train.parse_args(flags), 1)
 
