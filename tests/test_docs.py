@@ -191,3 +191,69 @@ def test_a_default_the_docs_give_after_a_flag_is_the_codes():
             if not any(isinstance(code, (int, float)) and float(value) == code for code in given):
                 wrong.append((page.name, f"--{flag}", value, given))
     assert checked >= 5 and not wrong, wrong
+
+
+# ---- the map: rl/__init__.py's and docs/architecture.md's, against the files and the code
+
+
+def modules() -> list[Path]:
+    """rl/'s modules and rl/engines/', their __init__.py files aside."""
+    return sorted(p for p in (ROOT / "rl").rglob("*.py") if p.name != "__init__.py")
+
+
+def defined_names(paths, top: bool = False) -> set[str]:
+    """The functions, classes (and their methods, unless `top`) and module-level names assigned in these files."""
+    import ast
+
+    names = set()
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        for node in tree.body if top else ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def code_files() -> list[Path]:
+    return [*ROOT.glob("*.py"), *(ROOT / "rl").rglob("*.py"), *(ROOT / "envs").rglob("*.py")]
+
+
+def test_every_rl_module_is_on_both_maps():
+    """A module added to rl/ is listed in rl/__init__.py's map, by its file name, and named in docs/architecture.md."""
+    import rl
+
+    architecture = (ROOT / "docs" / "architecture.md").read_text()
+    for path in modules():
+        listed = re.search(rf"^\s+{re.escape(path.name)}\s", rl.__doc__, re.M)
+        assert listed, f"rl/__init__.py's map does not list {path.relative_to(ROOT)}"
+        assert path.name in architecture, f"docs/architecture.md does not name {path.relative_to(ROOT)}"
+
+
+def test_what_the_architecture_page_names_exists_where_it_says():
+    """Every function or class the page names in code spans exists; a diagram line `name(...)  rl/x.py: ...` names a
+    function of rl/x.py (or of the entry script that calls it); a row of "Who owns what" owns what it names (flag
+    groups, which live next to the code that reads them, aside); the page holds no path of a developer's machine."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    everywhere = defined_names(code_files())
+    spans = {m.group(1) for m in re.finditer(r"`([A-Za-z_][A-Za-z0-9_]*)(?:\([^`]*\))?`", page)}
+    code_like = {s for s in spans if "_" in s or re.fullmatch(r"[A-Z][a-z]+[A-Z]\w*", s)}
+    assert not code_like - everywhere, f"docs/architecture.md names what the code lacks: {code_like - everywhere}"
+    for line in page.splitlines():
+        call = re.match(r"\s*(?:train\.py main ─ )?([a-z_]+)\([^)]*\)\s+(rl/[\w/]+\.py):", line)
+        if call:
+            name, where = call.groups()
+            assert name in defined_names([ROOT / where, ROOT / "train.py", ROOT / "rollout.py"]), (
+                f"docs/architecture.md places {name} in {where}")
+    for row in re.findall(r"^\| (`[^|]+`) \| ([^|]+) \|$", page, re.M):
+        owners = [ROOT / f for f in re.findall(r"`([\w/]+\.py)`", row[0]) if (ROOT / f).is_file()]
+        top = defined_names(code_files(), top=True)
+        owned = {n for n in re.findall(r"`([A-Za-z_]\w*)`", row[1]) if n in top and not n.endswith("Args")}
+        if owners:
+            mine = defined_names(owners)
+            assert owned <= mine, f"{row[0]} does not own {owned - mine}"
+    for page_path in DOCS:
+        assert not re.search(r"(?<![\w.])/(?:work|home|root|Users)/", page_path.read_text()), (
+            f"{page_path.name} holds a path of a developer's machine")
