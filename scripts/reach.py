@@ -2,8 +2,8 @@
 
     python scripts/reach.py --model tiny-generalist --env textcraft --tasks train test envs/data/textcraft_rest.json
     python scripts/reach.py --model runs/<run>/checkpoints/step_16 --env babyai --tasks test --limit 64
-    python scripts/reach.py --model tiny-generalist --env textcraft --tasks envs/data/textcraft_rest.json \\
-        --band 0.02:0.8 --pick reach.json          # the tasks in reach, as a task file for train.py --train-tasks
+    python scripts/reach.py --model tiny-generalist --env textcraft --tasks train --categories depth1 depth2 \\
+        --band 0.02:0.8 --pick envs/data/textcraft_reach.json --pick-count 32 --seed 1   # RL's tasks in reach
 
 Each env's scripted expert plays every task once (rollout.py's ExpertEngine: the token layout of RL rollouts, under
 the model's chat template), and the model scores the expert's tokens without sampling: the mean loss per action token
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -56,6 +57,7 @@ def parse_args(argv=None):
     parser.add_argument("--tasks", nargs="+", default=["train", "test"],
                         help="task sets, each `train`, `test` (the env's shipped split) or a task id file")
     parser.add_argument("--limit", type=int, help="the first N tasks of each set only")
+    parser.add_argument("--categories", nargs="+", help="only the tasks of these eval categories (TextCraft: depth1 ...)")
     parser.add_argument("--horizon", type=int, default=30, help="turns an expert episode may take")
     parser.add_argument("--max-tokens", type=int, default=16384, help="tokens an expert episode may take")
     parser.add_argument("--agent", default="react", choices=("react", "tools"), help="the episodes' layout")
@@ -64,6 +66,8 @@ def parse_args(argv=None):
     parser.add_argument("--out", help="a JSONL file of every scored episode: set, task id, probability, loss, tokens")
     parser.add_argument("--pick", help="write the tasks of all sets whose probability is within --band to this task "
                                        "file (AgentGym-RL-Data-ID format, `<env>_<id>` items)")
+    parser.add_argument("--pick-count", type=int, help="--pick at most this many, drawn at random (--seed)")
+    parser.add_argument("--seed", type=int, default=1, help="the draw of --pick-count")
     args = parser.parse_args(argv)
     try:
         low, high = (float(x) for x in args.band.split(":"))
@@ -75,8 +79,8 @@ def parse_args(argv=None):
     return args
 
 
-def task_set(name: str, env: str, limit: int | None) -> list[int]:
-    """A set's task ids: the env's shipped split by name, else a task id file's."""
+def task_set(name: str, env: str, limit: int | None, categories: list[str] | None = None) -> list[int]:
+    """A set's task ids: the env's shipped split by name, else a task id file's; those of `categories` only."""
     if name in ("train", "test"):
         ids = envs.splits(env)[name]
     else:
@@ -84,6 +88,7 @@ def task_set(name: str, env: str, limit: int | None) -> list[int]:
             ids = envs.load_task_ids(name, env)
         except envs.TaskFileError as error:
             raise SystemExit(f"reach: {error}")
+    ids = [i for i in ids if envs.category(env, i) in categories] if categories else ids
     return ids[:limit] if limit else ids
 
 
@@ -123,7 +128,7 @@ def table(sets: dict[str, dict], band: tuple[float, float]) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    sets = {name: task_set(name, args.env, args.limit) for name in args.tasks}
+    sets = {name: task_set(name, args.env, args.limit, args.categories) for name in args.tasks}
     tokenizer = load_tokenizer(args.model)
     fmt = chat_format(tokenizer, LayoutArgs(args.agent))
     model = load_model(args.model).eval()
@@ -149,6 +154,8 @@ def main(argv=None) -> dict:
         write_atomic(Path(args.out), "".join(json.dumps(r) + "\n" for r in rows))
     if args.pick:
         picked = sorted({r["task_id"] for r in rows if args.band[0] <= r["probability"] <= args.band[1]})
+        if args.pick_count is not None and len(picked) > args.pick_count:
+            picked = sorted(random.Random(args.seed).sample(picked, args.pick_count))
         write_atomic(Path(args.pick), json.dumps([{"item_id": f"{args.env}_{i}"} for i in picked], indent=0) + "\n")
         print(f"picked {len(picked)} tasks within {args.band[0]:g}-{args.band[1]:g} -> {args.pick}")
     return figures

@@ -57,6 +57,15 @@ def test_the_sets_figures_and_the_picked_task_file(scored):
     assert picked == sorted(r["task_id"] for r in rows)
 
 
+@pytest.mark.slow
+def test_a_pick_of_some_tasks_of_some_categories(tmp_path):
+    reach.main(["--model", "tiny-agent", "--env", "babyai", "--tasks", "test", "--limit", "6", "--categories",
+                "GoTo", "Pickup", "--batch-size", "2", "--band", "0:1", "--pick", str(tmp_path / "two.json"),
+                "--pick-count", "2"])
+    picked = envs.load_task_ids(tmp_path / "two.json", "babyai")
+    assert len(picked) == 2 and {envs.category("babyai", i) for i in picked} <= {"GoTo", "Pickup"}
+
+
 def test_a_band_outside_the_probabilities_is_one_sentence(capsys):
     with pytest.raises(SystemExit):
         reach.parse_args(["--env", "babyai", "--band", "0.8:0.2"])
