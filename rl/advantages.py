@@ -70,13 +70,16 @@ def rloo(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
 
 
 def _within_groups(scores, groups, advantage) -> torch.Tensor:
-    """advantage(scores of one group) for every group of two or more. A group of one has nothing to
-    compare with and gets advantage 0 (upstream gives it its raw score, as if the baseline were 0)."""
+    """advantage(scores of one group) for every group of two or more whose scores differ. A group of one has nothing
+    to compare with and gets advantage 0 (upstream gives it its raw score, as if the baseline were 0); a group whose
+    scores tie gets 0 exactly (a float mean of equal scores need not be their value: 16 scores of 0.1 gave GRPO
+    advantages of -0.0074, that rounding over a std of 1e-8)."""
     advantages = torch.zeros_like(scores, dtype=torch.float32)
     for g in groups.unique():
         members = groups == g
-        if int(members.sum()) >= 2:
-            advantages[members] = advantage(scores[members].float())
+        own = scores[members].float()
+        if len(own) >= 2 and bool((own != own[0]).any()):
+            advantages[members] = advantage(own)
     return advantages
 
 
@@ -92,7 +95,8 @@ def step_advantages(outcomes: list[float], groups: list[int], ok: list[bool], an
     under --kl-in-reward (penalties[k][t]; one paid before turn t is history, not in its return), so
     R_t = gamma^(T - 1 - t) * outcome - sum over t' >= t of gamma^(t' - t) * penalty_t'. Within an anchor group:
     (R - mean) / (std + eps) (std unbiased, as GRPO's), or R - mean without `scale` (the paper's mean_norm mode).
-    A turn alone in its anchor group, without a state key or of an episode whose env failed (not ok) gets 0."""
+    A turn alone in its anchor group, without a state key or of an episode whose env failed (not ok) gets 0, and so
+    does a turn whose anchor group's returns all tie (exactly, as _within_groups)."""
     returns, members = {}, collections.defaultdict(list)
     for k, states in enumerate(anchors):
         if not ok[k]:
@@ -105,9 +109,9 @@ def step_advantages(outcomes: list[float], groups: list[int], ok: list[bool], an
                 members[groups[k], state].append((k, t))
     out = [[0.0] * len(states) for states in anchors]
     for turns in members.values():
-        if len(turns) < 2:
-            continue
         r = torch.tensor([returns[turn] for turn in turns], dtype=torch.float64)
+        if len(turns) < 2 or bool((r == r[0]).all()):
+            continue
         centred = r - r.mean()
         for (k, t), a in zip(turns, (centred / (r.std() + eps) if scale else centred).tolist()):
             out[k][t] = a

@@ -42,6 +42,13 @@ def test_equal_rewards_and_lone_samples_give_zero(estimator):
     assert a.tolist() == [0.0, 0.0, 0.0, 0.0]
 
 
+@pytest.mark.parametrize("estimator", [grpo, rloo])
+def test_a_group_that_tied_gets_exactly_zero_however_its_mean_rounds(estimator):
+    """16 scores of 0.1: their float32 mean is not 0.1, and GRPO divided that rounding (7e-9) by a std of 8e-9, an
+    advantage of -0.0074 each for a group without signal (--dynamic-sampling replays a group whose advantages are 0)."""
+    assert estimator(torch.full((16,), 0.1), torch.zeros(16, dtype=torch.long)).tolist() == [0.0] * 16
+
+
 def test_rloo_hand_example():
     # group 0: 1 - (0 + 0 + 1)/3 = 2/3, 0 - 2/3 = -2/3; group 1: 0.9 - 0.3 = 0.6, 0.3 - 0.9 = -0.6
     a = rloo(torch.tensor([1.0, 0.0, 0.0, 1.0, 0.9, 0.3]), torch.tensor([0, 0, 0, 0, 1, 1]))

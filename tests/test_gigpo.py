@@ -58,6 +58,12 @@ def test_step_advantages_equal_the_definition(scale, gamma):
     assert got[4] == got[5] == [0.0, 0.0]  # equal returns
 
 
+def test_turns_whose_returns_tie_get_exactly_zero():
+    """Three turns from one state, each returning 0.1: their float64 mean is not 0.1, and that rounding (1e-17) over
+    their std (2e-17) gave each a step advantage of 1e-11, which --dynamic-sampling would take for a signal."""
+    assert step_advantages([0.1] * 3, [0] * 3, [True] * 3, [["s"]] * 3, 1.0) == [[0.0]] * 3
+
+
 def test_step_advantages_by_hand():
     # state "s", gamma 0.9: episode 0 at turn 0 of 3 (R = 0.81), episode 1 at turn 0 of 3 (R = 0), episode 2 at turn 1
     # of 3 (R = 0.9): mean 0.57, unbiased std 0.4948; mean mode: R - 0.57
