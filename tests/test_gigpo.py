@@ -88,6 +88,13 @@ def episode(group: int, reward: float, turns: int, states: list, ok: bool = True
     return traj
 
 
+def inputs(batch, **more) -> AdvantageInputs:
+    """A batch's AdvantageInputs as train.advantages_for gives them (no critic; no KL penalty unless `more` gives
+    one)."""
+    return AdvantageInputs(scores=batch.scores, groups=batch.groups, ok=batch.ok, mask=batch.full.loss_mask,
+                           episodes=batch.episodes, anchors=batch.anchors, turn=batch.full.turn, **more)
+
+
 def played():
     return [episode(g, r, len(a), a + ["end"], ok, row=k)
             for k, (g, r, a, ok) in enumerate(zip(GROUPS, TOTALS, ANCHORS, OK))]
@@ -103,9 +110,7 @@ def test_each_turns_tokens_get_the_episodes_advantage_plus_omega_times_the_turns
     rows, episodes = rows_of(trajectories)
     batch = make_batch(rows, 0, [[[i]] for i in range(len(rows))], "cpu", episodes=episodes)
     assert batch.anchors == ANCHORS
-    adv, _ = advantages("gigpo", AdvantageInputs(batch.scores, batch.groups, batch.ok, batch.full.loss_mask, gamma=0.9,
-                                                 episodes=batch.episodes, anchors=batch.anchors, turn=batch.full.turn,
-                                                 step_weight=omega))
+    adv, _ = advantages("gigpo", inputs(batch), gamma=0.9, step_weight=omega)
     per_episode = torch.zeros(len(TOTALS))
     per_episode[torch.tensor(OK)] = grpo(torch.tensor(TOTALS)[torch.tensor(OK)], torch.tensor(GROUPS)[torch.tensor(OK)])
     steps = by_definition(TOTALS, GROUPS, OK, ANCHORS, 0.9, True)
@@ -116,8 +121,7 @@ def test_each_turns_tokens_get_the_episodes_advantage_plus_omega_times_the_turns
             assert float(adv[b, i]) == pytest.approx(want, abs=1e-5), (b, i)
     assert (turn[(mask == 0) & batch.ok[:, None]] == -1).all()  # (a failed episode's tokens: mask 0, turns kept)
     if omega == 0.0:  # no step term: GRPO's advantages exactly
-        plain, _ = advantages("grpo", AdvantageInputs(batch.scores, batch.groups, batch.ok, mask,
-                                                      episodes=batch.episodes))
+        plain, _ = advantages("grpo", inputs(batch))
         torch.testing.assert_close(adv, plain)
 
 
@@ -195,18 +199,14 @@ def test_a_turns_return_holds_no_kl_penalty_paid_before_it():
     penalty[0, 2] = 0.5  # episode 0's first turn
     got = {}
     for algo in ("gigpo", "grpo"):
-        got[algo], _ = advantages(algo, AdvantageInputs(batch.scores, batch.groups, batch.ok, mask, penalty=penalty,
-                                                        gamma=1.0, episodes=batch.episodes, anchors=batch.anchors,
-                                                        turn=turn))
+        got[algo], _ = advantages(algo, inputs(batch, penalty=penalty), gamma=1.0)
     step_term = got["gigpo"] - got["grpo"]
     assert (step_term[turn == 1] == 0).all()
     # a penalty paid from "b" on does count: episode 0 paid 0.5 in its second turn, from "b"
     penalty = torch.zeros_like(mask)
     penalty[0, 5] = 0.5
-    gigpo, _ = advantages("gigpo", AdvantageInputs(batch.scores, batch.groups, batch.ok, mask, penalty=penalty,
-                                                   gamma=1.0, episodes=batch.episodes, anchors=batch.anchors, turn=turn))
-    grpo_only, _ = advantages("grpo", AdvantageInputs(batch.scores, batch.groups, batch.ok, mask, penalty=penalty,
-                                                      episodes=batch.episodes))
+    gigpo, _ = advantages("gigpo", inputs(batch, penalty=penalty), gamma=1.0)
+    grpo_only, _ = advantages("grpo", inputs(batch, penalty=penalty))
     assert float((gigpo - grpo_only)[0, 5]) < 0 < float((gigpo - grpo_only)[1, 5])
     assert step_advantages([1.0, 1.0], [0, 0], [True, True], [["a", "b"], ["c", "b"]], 1.0, True,
                            penalties=[[0.5, 0.0], [0.0, 0.0]]) == [[0.0, 0.0], [0.0, 0.0]]
@@ -228,5 +228,5 @@ def test_gigpo_without_state_keys_says_it_trains_as_grpo():
     with pytest.warns(UserWarning, match="no state keys"):
         adv, _ = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, None, batch.episodes,
                                       batch.anchors)
-    plain, _ = advantages("grpo", AdvantageInputs(batch.scores, batch.groups, batch.ok, batch.full.loss_mask))
+    plain, _ = advantages("grpo", inputs(batch))
     torch.testing.assert_close(adv, plain)

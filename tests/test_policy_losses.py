@@ -56,7 +56,7 @@ def test_overlong_shaping_by_hand():
     (["--overlong-penalty", "0:1"], "L is 1 token or more, P above 0"),
     (["--overlong-penalty", "9000:1"], "L must be below the token budget"),
     (["--algo", "sft", "--data", "x.jsonl", "--overlong-mask"], "shape the rewards of RL's episodes"),
-    (["--gae-unit", "turn"], "--gae-unit sets the timestep of a critic's GAE"),
+    (["--gae-unit", "turn"], "--gae-unit is read only by --algo ppo, not by --algo grpo"),
     (["--dynamic-sampling", "2", "--horizon", "auto"], "--horizon auto reads each step's success"),
     (["--dynamic-sampling", "2", "--algo", "ppo"], "--dynamic-sampling plays again the task groups"),
 ])
