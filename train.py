@@ -134,8 +134,9 @@ class Args:
     n: int = 8
     """samples per task (the group of grpo and rloo)"""
     dynamic_sampling: int = 0
-    """DAPO's dynamic sampling: a task group whose episodes all score the same plays again on a new task, up to this
-    many rounds a step (rl/tasks.Redraw; logged as rollout/dynamic_groups); 0: off"""
+    """DAPO's dynamic sampling: a task group that --algo's estimator gives no advantage (its episodes all scored the
+    same; gigpo: its turns too) plays again on a new task, up to this many rounds a step (rl/tasks.Redraw; logged as
+    rollout/dynamic_groups); 0: off"""
     horizon: tuple[int | Literal["auto"], ...] = (15,)
     """turn cap per episode; several values are ScalingInter-RL's stages, e.g. --horizon 10 20 30; `auto 10 20 30`
     climbs them when the run shows it is time (rl/horizon.py; `auto` alone: the preset's stages, else 10 20 30)"""
@@ -403,8 +404,8 @@ def rollouts_of(engine, fmt: ChatFormat, environments: list, mix: Mix, train_ids
                     agent=args.layout_args.make_agent(),
                     reseed=(lambda j: engine.reseed(stream_seed(seed, j))) if args.engine_args.deterministic else None,
                     versions=args.max_staleness is not None,  # (the flag decides what is recorded and logged)
-                    redraw=Redraw(train_ids, args.dynamic_sampling, args.seed, accelerator.process_index)
-                    if args.dynamic_sampling else None)
+                    redraw=Redraw(train_ids, args.dynamic_sampling, args.seed, accelerator.process_index, args.algo,
+                                  vars(args.estimator_args)) if args.dynamic_sampling else None)
 
 
 def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: int, step: int | None = None,

@@ -278,11 +278,13 @@ def check_estimator(args) -> None:
         raise SystemExit("--no-whiten-per-env whitens the advantages of every env of a run together: give it with "
                          "several --env")
     if args.dynamic_sampling < 0 or args.dynamic_sampling and not (estimator and estimator.grouped):
-        raise SystemExit(f"--dynamic-sampling plays again the task groups whose episodes scored alike, which only "
-                         f"{adv_lib.names(lambda e: e.grouped, 'and')} compare: give 1 round or more with one of them")
+        raise SystemExit(f"--dynamic-sampling plays again the task groups whose advantages are all 0, which only the "
+                         f"estimators that compare a task's samples ({adv_lib.names(lambda e: e.grouped, 'and')}) give "
+                         "a group on its own: give 1 round or more with one of them")
     if args.dynamic_sampling and args.horizon[0] == AUTO:
         raise SystemExit("--horizon auto reads each step's success and the share its cap cut, which --dynamic-sampling "
-                         "skews (it replays the groups that all succeeded or all failed): give the caps instead")
+                         "skews (it replays the groups without signal, most of them all successes or all failures): "
+                         "give the caps instead")
     if args.dynamic_sampling and args.layout_args.agent == "reflect":
         raise SystemExit("--agent reflect's attempts are played in turn, each a set of its own: train it without "
                          "--dynamic-sampling")

@@ -12,6 +12,7 @@ import torch
 import train
 from rl.advantages import AdvantageInputs, advantages, grpo, step_advantages
 from rl.batch import make_batch, rows_of
+from rl.tasks import Redraw
 from rollout import Trajectory
 
 
@@ -123,6 +124,24 @@ def test_each_turns_tokens_get_the_episodes_advantage_plus_omega_times_the_turns
     if omega == 0.0:  # no step term: GRPO's advantages exactly
         plain, _ = advantages("grpo", inputs(batch))
         torch.testing.assert_close(adv, plain)
+
+
+@pytest.mark.parametrize("drop", [False, True], ids=["a row an episode", "a row a turn"])
+def test_dynamic_sampling_keeps_a_gigpo_group_whose_outcomes_tie_but_whose_turns_differ(drop):
+    """--dynamic-sampling judges a group by the estimator's own advantages (rl/tasks.Redraw). Two successes, one in 2
+    turns and one looping back to "a" in 4, tie in outcome, so GRPO replays their group; under gigpo the turns taken
+    from "a" return 0.95 and 0.95^3, and the group is kept. A gigpo group whose episodes took the same path has no
+    signal and plays again, as does the first under --step-weight 0 (GRPO's advantages alone)."""
+    tied = [episode(0, 1.0, 2, ["a", "b", "end"], row=0), episode(0, 1.0, 4, ["a", "c", "a", "b", "end"], row=1)]
+    alike = [episode(1, 1.0, 2, ["a", "b", "end"], row=2), episode(1, 1.0, 2, ["a", "b", "end"], row=3)]
+    if not drop:
+        for traj in tied + alike:
+            traj.sequences = []
+    ids = {"babyai": list(range(100, 200))}
+    assert sorted(Redraw(ids, rounds=1, seed=1, algo="gigpo")(1, tied + alike)) == [2, 3]
+    assert sorted(Redraw(ids, rounds=1, seed=1, algo="grpo")(1, tied + alike)) == [0, 1, 2, 3]
+    assert sorted(Redraw(ids, rounds=1, seed=1, algo="gigpo", flags={"step_weight": 0.0})(1, tied + alike)) == \
+        [0, 1, 2, 3]
 
 
 def test_task_groups_never_split_across_processes():
