@@ -102,20 +102,8 @@ class Args:
     credit: turns from the same env state compared), reinforce_pp (discounted returns whitened over the batch), ppo
     (a critic and GAE); or learning from trajectory files (--data):
     sft (behaviour cloning), dpo (preference pairs), agentevol (AgentGym's self-evolution)"""
-    grpo_scale: bool = True
-    """grpo: divide by the group's std; --no-grpo-scale is Dr. GRPO (gigpo: at both levels, the paper's mean_norm)"""
-    gamma: float | None = None
-    """discount: per action token for reinforce_pp and ppo (default 1.0, upstream's), per turn for gigpo's turn
-    returns (default 0.95, the paper's)"""
-    step_weight: float = 1.0
-    """gigpo: omega, the weight of the turn-level advantage added to the episode's (the paper's 1.0)"""
-    lam: float = 1.0
-    """GAE lambda (ppo)"""
-    gae_unit: Literal["token", "turn"] = "token"
-    """ppo: GAE's timestep, an action token or an assistant turn (the critic's value before the turn; --gamma then
-    discounts per turn: rl/advantages.turn_gae)"""
-    whiten_per_env: bool = True
-    """several envs: reinforce_pp's and ppo's whitening within each env (AgentRL's task normalisation); off: batch's"""
+    # --grpo-scale, --gamma, --step-weight, --lam, --gae-unit, --whiten-per-env: the estimators' entries declare them
+    estimator_args: Annotated[adv_lib.EstimatorArgs, GROUP] = field(default_factory=adv_lib.EstimatorArgs)
     overlong_penalty: str | None = None
     """DAPO's soft overlong punishment, L:P (e.g. 1024:1): an episode's score loses P x how far it went into the last
     L tokens of its --max-tokens, linearly, and P where the budget ended it (rl/batch.shape_overlong)"""
@@ -146,8 +134,9 @@ class Args:
     n: int = 8
     """samples per task (the group of grpo and rloo)"""
     dynamic_sampling: int = 0
-    """DAPO's dynamic sampling: a task group whose episodes all score the same plays again on a new task, up to this
-    many rounds a step (rl/tasks.Redraw; logged as rollout/dynamic_groups); 0: off"""
+    """DAPO's dynamic sampling: a task group that --algo's estimator gives no advantage (its episodes all scored the
+    same; gigpo: its turns too) plays again on a new task, up to this many rounds a step (rl/tasks.Redraw; logged as
+    rollout/dynamic_groups); 0: off"""
     horizon: tuple[int | Literal["auto"], ...] = (15,)
     """turn cap per episode; several values are ScalingInter-RL's stages, e.g. --horizon 10 20 30; `auto 10 20 30`
     climbs them when the run shows it is time (rl/horizon.py; `auto` alone: the preset's stages, else 10 20 30)"""
@@ -415,8 +404,8 @@ def rollouts_of(engine, fmt: ChatFormat, environments: list, mix: Mix, train_ids
                     agent=args.layout_args.make_agent(),
                     reseed=(lambda j: engine.reseed(stream_seed(seed, j))) if args.engine_args.deterministic else None,
                     versions=args.max_staleness is not None,  # (the flag decides what is recorded and logged)
-                    redraw=Redraw(train_ids, args.dynamic_sampling, args.seed, accelerator.process_index)
-                    if args.dynamic_sampling else None)
+                    redraw=Redraw(train_ids, args.dynamic_sampling, args.seed, accelerator.process_index, args.algo,
+                                  vars(args.estimator_args)) if args.dynamic_sampling else None)
 
 
 def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: int, step: int | None = None,
@@ -480,10 +469,11 @@ def advantages_for(args: Args, full: StepTensors, scores: torch.Tensor, groups: 
     penalty = None
     if args.objective.kl_in_reward and full.ref_logprobs is not None:
         penalty = args.objective.kl_coef * kl(full.old_logprobs, full.ref_logprobs, args.objective.kl_estimator) * full.loss_mask
-    strata = adv_lib.strata(row_envs, args.env) if row_envs is not None and args.whiten_per_env else None
-    return adv_lib.advantages(args.algo, adv_lib.AdvantageInputs(
-        scores, groups, ok, full.loss_mask, penalty, episodes, full.old_values, anchors, full.turn, args.gamma,
-        args.lam, args.grpo_scale, args.step_weight, reduce, strata, args.gae_unit))
+    strata = adv_lib.strata(row_envs, args.env) if row_envs is not None else None
+    inputs = adv_lib.AdvantageInputs(scores=scores, groups=groups, ok=ok, mask=full.loss_mask, penalty=penalty,
+                                     episodes=episodes, values=full.old_values, anchors=anchors, turn=full.turn,
+                                     reduce=reduce, strata=strata)
+    return adv_lib.advantages(args.algo, inputs, **vars(args.estimator_args))
 
 
 def update(models: Models, batch: Batch, args: Args, accelerator, step: int, progress=None,

@@ -1,6 +1,7 @@
 """Rewards -> advantages, for multi-turn trajectories.
 
-    adv, returns = advantages("grpo", AdvantageInputs(scores, groups, ok, mask))   # train.py's --algo names it
+    adv, returns = advantages("gigpo", AdvantageInputs(scores=..., groups=..., ok=..., mask=..., anchors=..., turn=...),
+                              step_weight=0.5)   # train.py's --algo names it, its flags (EstimatorArgs) set the rest
 
 Shapes: trajectory-level estimators (GRPO, RLOO) take one score per trajectory, [B]; token-level
 estimators (REINFORCE++, GAE) take padded [B, T] tensors and a loss mask that is 1 on action tokens
@@ -25,23 +26,26 @@ through the same env state (the same `anchor`: envs.Env.state_key), the turns ta
 with each other by their discounted returns (`step_advantages`); a turn's tokens get the episode's GRPO advantage
 plus omega times its turn's.
 
-Adding an estimator: a function of AdvantageInputs -> (advantages [B, T], returns or None) and its entry in
-ESTIMATORS, which says what it needs (grouped, a critic, a discount's default, anchor states); --algo's choices,
-the critic, the memory plan and the flag checks read the entry. One that compares the samples of a task (like
+Adding an estimator: a function of AdvantageInputs and its hyperparameters -> (advantages [B, T], returns or None)
+and its entry in ESTIMATORS, which says what it needs (grouped, a critic, anchor states) and declares the flags it
+reads, each with its default and meaning (Flag). --algo's choices, train.py's flags (EstimatorArgs, made from the
+entries), their check, the critic and the memory plan read the entry. One that compares the samples of a task (like
 GRPO, RLOO) is a function (returns [E], groups [E]) -> advantages [E] passed to AdvantageInputs.per_episode
-(docs/algorithms.md: "Add an advantage estimator"; tests/test_advantages.py follows the recipe for a grouped, a token-level and
-a critic-based one).
+(docs/algorithms.md: "Add an advantage estimator"; tests/test_advantages.py follows the recipe for a grouped one with
+a flag of its own, a token-level and a critic-based one).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import warnings
-from dataclasses import dataclass, replace
-from typing import Callable, Literal, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Callable, Literal, Sequence
 
 import torch
+import tyro
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over processes (identity on one process)
 
@@ -70,13 +74,16 @@ def rloo(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
 
 
 def _within_groups(scores, groups, advantage) -> torch.Tensor:
-    """advantage(scores of one group) for every group of two or more. A group of one has nothing to
-    compare with and gets advantage 0 (upstream gives it its raw score, as if the baseline were 0)."""
+    """advantage(scores of one group) for every group of two or more whose scores differ. A group of one has nothing
+    to compare with and gets advantage 0 (upstream gives it its raw score, as if the baseline were 0); a group whose
+    scores tie gets 0 exactly (a float mean of equal scores need not be their value: 16 scores of 0.1 gave GRPO
+    advantages of -0.0074, that rounding over a std of 1e-8)."""
     advantages = torch.zeros_like(scores, dtype=torch.float32)
     for g in groups.unique():
         members = groups == g
-        if int(members.sum()) >= 2:
-            advantages[members] = advantage(scores[members].float())
+        own = scores[members].float()
+        if len(own) >= 2 and bool((own != own[0]).any()):
+            advantages[members] = advantage(own)
     return advantages
 
 
@@ -92,7 +99,8 @@ def step_advantages(outcomes: list[float], groups: list[int], ok: list[bool], an
     under --kl-in-reward (penalties[k][t]; one paid before turn t is history, not in its return), so
     R_t = gamma^(T - 1 - t) * outcome - sum over t' >= t of gamma^(t' - t) * penalty_t'. Within an anchor group:
     (R - mean) / (std + eps) (std unbiased, as GRPO's), or R - mean without `scale` (the paper's mean_norm mode).
-    A turn alone in its anchor group, without a state key or of an episode whose env failed (not ok) gets 0."""
+    A turn alone in its anchor group, without a state key or of an episode whose env failed (not ok) gets 0, and so
+    does a turn whose anchor group's returns all tie (exactly, as _within_groups)."""
     returns, members = {}, collections.defaultdict(list)
     for k, states in enumerate(anchors):
         if not ok[k]:
@@ -105,9 +113,9 @@ def step_advantages(outcomes: list[float], groups: list[int], ok: list[bool], an
                 members[groups[k], state].append((k, t))
     out = [[0.0] * len(states) for states in anchors]
     for turns in members.values():
-        if len(turns) < 2:
-            continue
         r = torch.tensor([returns[turn] for turn in turns], dtype=torch.float64)
+        if len(turns) < 2 or bool((r == r[0]).all()):
+            continue
         centred = r - r.mean()
         for (k, t), a in zip(turns, (centred / (r.std() + eps) if scale else centred).tolist()):
             out[k][t] = a
@@ -227,14 +235,14 @@ def turn_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, tu
 
 
 # ----------------------------------------------------------------------------------------------
-# The estimators by their --algo names: each takes the step's AdvantageInputs
+# The estimators by their --algo names: each takes the step's AdvantageInputs and the flags its entry declares
 
 
-@dataclass
+@dataclass(kw_only=True)
 class AdvantageInputs:
-    """What an estimator may use, for the step's B rows of T tokens. A row is a trajectory, or under --reasoning drop
-    one turn of an episode (`episodes`: the episode each row is of; each of its rows has the episode's score, group
-    and ok)."""
+    """What an estimator may use, for the step's B rows of T tokens, each given by name. A row is a trajectory, or
+    under --reasoning drop one turn of an episode (`episodes`: the episode each row is of; each of its rows has the
+    episode's score, group and ok). Hyperparameters are not here: they are the estimators' flags (Estimator.flags)."""
 
     scores: torch.Tensor  # [B] outcome rewards
     groups: torch.Tensor  # [B] which task's group
@@ -245,13 +253,8 @@ class AdvantageInputs:
     values: torch.Tensor | None = None  # [B, T] the critic's (ppo)
     anchors: list[list] | None = None  # per episode: the env's state key before each of its turns (gigpo)
     turn: torch.Tensor | None = None  # [B, T] the episode's turn of each action token, -1 elsewhere (gigpo, turn_gae)
-    gamma: float | None = None  # the discount; None: the estimator's default (Estimator.gamma)
-    lam: float = 1.0  # GAE's lambda
-    scale: bool = True  # grpo, gigpo: divide by the group's std (False: Dr. GRPO, the paper's mean_norm)
-    step_weight: float = 1.0  # gigpo's omega
     reduce: Reduce | None = None  # sums over processes, so that whitening is over the whole batch
-    strata: torch.Tensor | None = None  # [B, S] one-hot, each row's env where a run has several: whitened apart
-    gae_unit: Literal["token", "turn"] = "token"  # ppo's GAE timestep: an action token, or a turn (turn_gae)
+    strata: torch.Tensor | None = None  # [B, S] one-hot, each row's env where a run has several (--whiten-per-env)
 
     def __post_init__(self):
         self.penalty = torch.zeros_like(self.mask) if self.penalty is None else self.penalty
@@ -284,20 +287,30 @@ Advantages = tuple[torch.Tensor, torch.Tensor | None]  # per-token advantages [B
 
 
 @dataclass(frozen=True)
+class Flag:
+    """A hyperparameter that an estimator reads: train.py's flag of its name (step_weight: --step-weight), with the
+    estimator's default and what it means to it. Estimators may share a flag (--gamma), each with its own default and
+    meaning; --help says them all (EstimatorArgs)."""
+
+    default: Any
+    help: str
+    type: Any = None  # the flag's type where it is not its default's (a Literal's choices)
+
+
+@dataclass(frozen=True)
 class Estimator:
     """An advantage estimator and what train.py must give it."""
 
-    fn: Callable[[AdvantageInputs], Advantages]
+    fn: Callable[..., Advantages]  # (AdvantageInputs, a keyword argument for each of `flags`) -> advantages
     grouped: bool = False  # compares the samples of a task: needs --n 2 or more; an episode may be several rows
     critic: bool = False  # needs a critic's values (train.py builds and trains one)
-    gamma: float | None = None  # its discount's default (None: it discounts nothing, and --gamma is refused)
-    anchors: bool = False  # needs the episodes' anchor states and tokens' turns (rl/batch.py's Batch; --step-weight)
-    whitens: bool = False  # whitens over the batch (AdvantageInputs.strata: per env with several; --whiten-per-env)
+    anchors: bool = False  # needs the episodes' anchor states and tokens' turns (rl/batch.py's Batch)
+    flags: dict[str, Flag] = field(default_factory=dict)  # the flags it reads, by name; any other is refused with it
 
 
-def grpo_advantages(x: AdvantageInputs) -> Advantages:
+def grpo_advantages(x: AdvantageInputs, grpo_scale: bool) -> Advantages:
     """GRPO's (--no-grpo-scale: Dr. GRPO's) episode advantage on its action tokens."""
-    return x.per_episode(functools.partial(grpo, scale=x.scale)), None
+    return x.per_episode(functools.partial(grpo, scale=grpo_scale)), None
 
 
 def rloo_advantages(x: AdvantageInputs) -> Advantages:
@@ -305,9 +318,10 @@ def rloo_advantages(x: AdvantageInputs) -> Advantages:
     return x.per_episode(rloo), None
 
 
-def gigpo_advantages(x: AdvantageInputs) -> Advantages:
-    """GiGPO: GRPO's episode advantage plus step_weight (omega) x step_advantages, by the episodes' `anchors` and
-    each action token's `turn`; `scale` False is the paper's mean_norm mode, at both levels."""
+def gigpo_advantages(x: AdvantageInputs, grpo_scale: bool, gamma: float, step_weight: float) -> Advantages:
+    """GiGPO: GRPO's episode advantage plus step_weight (omega) x step_advantages discounted by gamma, by the
+    episodes' `anchors` and each action token's `turn`; grpo_scale off is the paper's mean_norm mode, at both
+    levels."""
     if x.anchors is None or x.turn is None:
         raise ValueError("gigpo needs the episodes' anchor states and each action token's turn (rl/batch.py's Batch)")
     if not any(key is not None for keys in x.anchors for key in keys):
@@ -320,37 +334,79 @@ def gigpo_advantages(x: AdvantageInputs) -> Advantages:
     paid = torch.zeros(len(first), width, dtype=torch.float64).index_put_(
         (episodes[:, None].expand_as(turn)[on], turn[on]), penalty[on].double(), accumulate=True)
     steps = step_advantages(x.scores[first].tolist(), x.groups[first].tolist(), x.ok[first].tolist(), x.anchors,
-                            x.gamma, x.scale, penalties=paid.tolist())
+                            gamma, grpo_scale, penalties=paid.tolist())
     table = torch.zeros(len(steps), max(map(len, steps), default=0) + 1)  # (a last column of 0: tokens of no turn)
     for k, row in enumerate(steps):
         table[k, :len(row)] = torch.tensor(row)
     on_turn = table[episodes[:, None], torch.where((turn >= 0) & (turn < table.shape[1]), turn, table.shape[1] - 1)]
-    return x.per_episode(functools.partial(grpo, scale=x.scale)) + x.step_weight * on_turn * x.mask, None
+    return x.per_episode(functools.partial(grpo, scale=grpo_scale)) + step_weight * on_turn * x.mask, None
 
 
-def reinforce_pp_advantages(x: AdvantageInputs) -> Advantages:
+def reinforce_pp_advantages(x: AdvantageInputs, gamma: float, whiten_per_env: bool) -> Advantages:
     """REINFORCE++'s whitened discounted returns."""
-    return reinforce_pp(x.rewards(), x.mask, x.gamma, reduce=x.reduce, strata=x.strata), None
+    return reinforce_pp(x.rewards(), x.mask, gamma, reduce=x.reduce, strata=x.strata if whiten_per_env else None), None
 
 
-def gae_advantages(x: AdvantageInputs) -> Advantages:
+def gae_advantages(x: AdvantageInputs, gamma: float, lam: float, gae_unit: Literal["token", "turn"],
+                   whiten_per_env: bool) -> Advantages:
     """PPO's: GAE on the critic's values, over action tokens or (gae_unit "turn") over turns, and the returns the
     critic learns."""
-    if x.gae_unit == "token":
-        return gae(x.rewards(), x.values, x.mask, x.gamma, x.lam, reduce=x.reduce, strata=x.strata)
+    strata = x.strata if whiten_per_env else None
+    if gae_unit == "token":
+        return gae(x.rewards(), x.values, x.mask, gamma, lam, reduce=x.reduce, strata=strata)
     if x.turn is None:
         raise ValueError("turn-level GAE needs each action token's turn (rl/batch.py's Batch)")
-    return turn_gae(x.rewards(), x.values, x.mask, x.turn, x.gamma, x.lam, reduce=x.reduce, strata=x.strata)
+    return turn_gae(x.rewards(), x.values, x.mask, x.turn, gamma, lam, reduce=x.reduce, strata=strata)
 
 
-# --algo's estimators. A new one is a function of AdvantageInputs and its entry here (tests/test_advantages.py).
+GRPO_SCALE = Flag(True, "divide by the group's std; --no-grpo-scale is Dr. GRPO")
+WHITEN_PER_ENV = Flag(True, "with several envs whiten within each env (AgentRL's task normalisation), off: over the "
+                            "batch")
+
+# --algo's estimators. A new one is a function and its entry here, its flags too (tests/test_advantages.py).
 ESTIMATORS: dict[str, Estimator] = {
-    "grpo": Estimator(grpo_advantages, grouped=True),
+    "grpo": Estimator(grpo_advantages, grouped=True, flags={"grpo_scale": GRPO_SCALE}),
     "rloo": Estimator(rloo_advantages, grouped=True),
-    "gigpo": Estimator(gigpo_advantages, grouped=True, gamma=0.95, anchors=True),
-    "reinforce_pp": Estimator(reinforce_pp_advantages, gamma=1.0, whitens=True),
-    "ppo": Estimator(gae_advantages, critic=True, gamma=1.0, whitens=True),
+    "gigpo": Estimator(gigpo_advantages, grouped=True, anchors=True, flags={
+        "grpo_scale": Flag(True, "at both levels, --no-grpo-scale centres only (the paper's mean_norm)"),
+        "gamma": Flag(0.95, "the paper's discount per turn of a turn's return"),
+        "step_weight": Flag(1.0, "omega, the weight of the turn-level advantage added to the episode's (the "
+                                 "paper's)")}),
+    "reinforce_pp": Estimator(reinforce_pp_advantages, flags={
+        "gamma": Flag(1.0, "upstream's discount per action token"), "whiten_per_env": WHITEN_PER_ENV}),
+    "ppo": Estimator(gae_advantages, critic=True, flags={
+        "gamma": Flag(1.0, "upstream's discount per action token, or per turn under --gae-unit turn"),
+        "lam": Flag(1.0, "GAE's lambda"),
+        "gae_unit": Flag("token", "GAE's timestep, an action token or an assistant turn (the critic's value before the "
+                                  "turn: rl/advantages.turn_gae)", Literal["token", "turn"]),
+        "whiten_per_env": WHITEN_PER_ENV}),
 }
+
+
+def flag_group(estimators: dict[str, Estimator]) -> type:
+    """The estimators' flags as a flag group (rl/flags.py) for train.py: a field for each name their entries declare,
+    its default theirs where they agree, else None (each estimator's own: `advantages`), and its --help what it is to
+    each of them."""
+    declared: dict[str, dict[str, Flag]] = collections.defaultdict(dict)  # flag -> {algo: its Flag}
+    for algo, estimator in estimators.items():
+        for name, flag in estimator.flags.items():
+            declared[name][algo] = flag
+    specs = []
+    for name, own in declared.items():
+        first = next(iter(own.values()))
+        agree = all(flag.default == first.default for flag in own.values())
+        meanings = collections.defaultdict(list)  # (one meaning, said once for the estimators that share it)
+        for algo, flag in own.items():
+            meanings[flag.help if agree else f"{flag.help} (default {flag.default})"].append(algo)
+        kind = first.type or type(first.default)
+        specs.append((name, Annotated[kind if agree else kind | None, tyro.conf.arg(help="; ".join(
+            f"{', '.join(algos)}: {meaning}" for meaning, algos in meanings.items()))],
+            field(default=first.default if agree else None)))
+    return dataclasses.make_dataclass("EstimatorArgs", specs, namespace={"__module__": __name__})
+
+
+# train.py's flags of the estimators: --grpo-scale, --gamma, --step-weight, ... (flat names: config.json as before)
+EstimatorArgs = flag_group(ESTIMATORS)
 
 
 def is_grouped(algo: str) -> bool:
@@ -370,12 +426,17 @@ def names(has: Callable[[Estimator], bool], conjunction: str = "and") -> str:
     return f" {conjunction} ".join([", ".join(chosen[:-1]), chosen[-1]] if len(chosen) > 1 else chosen)
 
 
-def advantages(algo: str, inputs: AdvantageInputs) -> Advantages:
-    """The step's per-token advantages [B, T] by the estimator `algo` (ESTIMATORS), at its default discount unless
-    `inputs` give one, and the returns for a critic (None without one)."""
+def advantages(algo: str, inputs: AdvantageInputs, **flags) -> Advantages:
+    """The step's per-token advantages [B, T] by the estimator `algo` (ESTIMATORS), and the returns for a critic (None
+    without one). `flags`: estimators' flags by name (train.py gives all of EstimatorArgs); the estimator takes those
+    its entry declares, each at its own default where not given or None."""
     if algo not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {algo!r}; choose one of: {', '.join(ESTIMATORS)}")
+    unknown = set(flags) - {name for estimator in ESTIMATORS.values() for name in estimator.flags}
+    if unknown:
+        raise ValueError(f"no advantage estimator reads {', '.join(sorted(unknown))}")
     estimator = ESTIMATORS[algo]
     if not estimator.grouped and len(inputs.episodes.unique()) < len(inputs.episodes):
         raise ValueError(f"{algo} runs over an episode's action tokens in one row; --reasoning drop trains a row per turn")
-    return estimator.fn(replace(inputs, gamma=estimator.gamma if inputs.gamma is None else inputs.gamma))
+    return estimator.fn(inputs, **{name: flag.default if flags.get(name) is None else flags[name]
+                                   for name, flag in estimator.flags.items()})

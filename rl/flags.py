@@ -258,36 +258,36 @@ def check_tasks(args) -> None:
 
 def check_estimator(args) -> None:
     """The flags of --algo's estimator and loss: each used only where it means something (rl/advantages.ESTIMATORS
-    says what each estimator has)."""
+    says what each estimator has and which flags it reads)."""
     estimator = adv_lib.ESTIMATORS.get(args.algo)  # (None: an offline program)
     if args.n < 2 and estimator and estimator.grouped:
         raise SystemExit(f"{args.algo} compares the samples of a task with each other: use --n 2 or more")
-    if args.step_weight < 0:
-        raise SystemExit(f"--step-weight {args.step_weight:g}: gigpo's omega weighs the turn-level advantage, 0 (none) "
+    own = args.estimator_args
+    for f in fields(own):  # (a flag at its default is not given)
+        value = getattr(own, f.name)
+        if value != f.default and not (estimator and f.name in estimator.flags):
+            flag = f"--{'no-' if value is False else ''}{f.name.replace('_', '-')}"
+            raise SystemExit(f"{flag} is read only by --algo {adv_lib.names(lambda e: f.name in e.flags, 'or')}, not "
+                             f"by --algo {args.algo}: drop it or change --algo")
+    if own.step_weight < 0:
+        raise SystemExit(f"--step-weight {own.step_weight:g}: gigpo's omega weighs the turn-level advantage, 0 (none) "
                          "or more")
-    if args.step_weight != type(args).step_weight and not (estimator and estimator.anchors):
-        raise SystemExit(f"--step-weight weighs gigpo's turn-level advantage, which --algo {args.algo} does not have: "
-                         f"use it with --algo {adv_lib.names(lambda e: e.anchors, 'or')}")
-    if args.gamma is not None and not 0 < args.gamma <= 1:
-        raise SystemExit(f"--gamma {args.gamma:g} is a discount: give one in (0, 1]")
-    if args.gamma is not None and (estimator is None or estimator.gamma is None):
-        raise SystemExit(f"--gamma discounts the returns of {adv_lib.names(lambda e: e.gamma is not None)}; "
-                         f"--algo {args.algo} has none")
-    if not args.whiten_per_env and (len(args.env) == 1 or not (estimator and estimator.whitens)):
-        raise SystemExit(f"--no-whiten-per-env whitens the advantages of {adv_lib.names(lambda e: e.whitens)} over "
-                         "every env of a run together: give it with several --env and one of those --algo")
+    if own.gamma is not None and not 0 < own.gamma <= 1:
+        raise SystemExit(f"--gamma {own.gamma:g} is a discount: give one in (0, 1]")
+    if not own.whiten_per_env and len(args.env) == 1:
+        raise SystemExit("--no-whiten-per-env whitens the advantages of every env of a run together: give it with "
+                         "several --env")
     if args.dynamic_sampling < 0 or args.dynamic_sampling and not (estimator and estimator.grouped):
-        raise SystemExit(f"--dynamic-sampling plays again the task groups whose episodes scored alike, which only "
-                         f"{adv_lib.names(lambda e: e.grouped, 'and')} compare: give 1 round or more with one of them")
+        raise SystemExit(f"--dynamic-sampling plays again the task groups whose advantages are all 0, which only the "
+                         f"estimators that compare a task's samples ({adv_lib.names(lambda e: e.grouped, 'and')}) give "
+                         "a group on its own: give 1 round or more with one of them")
     if args.dynamic_sampling and args.horizon[0] == AUTO:
         raise SystemExit("--horizon auto reads each step's success and the share its cap cut, which --dynamic-sampling "
-                         "skews (it replays the groups that all succeeded or all failed): give the caps instead")
+                         "skews (it replays the groups without signal, most of them all successes or all failures): "
+                         "give the caps instead")
     if args.dynamic_sampling and args.layout_args.agent == "reflect":
         raise SystemExit("--agent reflect's attempts are played in turn, each a set of its own: train it without "
                          "--dynamic-sampling")
-    if args.gae_unit != "token" and not (estimator and estimator.critic):
-        raise SystemExit(f"--gae-unit sets the timestep of a critic's GAE, which --algo {args.algo} does not have: use "
-                         f"it with --algo {adv_lib.names(lambda e: e.critic, 'or')}")
     if (args.overlong_penalty or args.overlong_mask) and estimator is None:
         raise SystemExit(f"--overlong-penalty and --overlong-mask shape the rewards of RL's episodes; --algo {args.algo} "
                          "learns from trajectory files")

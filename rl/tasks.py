@@ -7,7 +7,7 @@ envs (train.py --env babyai textcraft ...), each env's share of a step by a fixe
     mine, groups = my_tasks(tasks, n, accelerator)                     # this process's episodes, n a task
     rows = mix.rows(n, process, processes)                             # the env of each of those episodes, in order
 
-    redraw = Redraw(train_ids, rounds=2, seed=1)                       # --dynamic-sampling 2 (rollout.Rollouts)
+    redraw = Redraw(train_ids, rounds=2, seed=1, algo="gigpo")         # --dynamic-sampling 2 (rollout.Rollouts)
 
 A step's tasks are each env's own shuffled epochs (tasks_for), so the data cursor stays a pure function of the step
 and a resumed run sees the tasks it would have seen. The quota is the same every step (NeMo-RL's exact per-step
@@ -23,6 +23,8 @@ import random
 from dataclasses import dataclass, field
 
 import envs
+from rl.advantages import AdvantageInputs, advantages
+from rl.batch import make_batch, rows_of
 from rl.scores import spread
 
 
@@ -138,16 +140,21 @@ def instances(episodes: dict[str, int], batch: int, processes: int) -> list[str]
 @dataclass
 class Redraw:
     """--dynamic-sampling R, DAPO's dynamic sampling (Yu et al., 2025), for rollout.Rollouts: when a set (a step's
-    episodes) is complete, every task group whose episodes all scored the same (no GRPO signal; a group with an env
-    failure is kept, for --max-error-rate to see) plays again on a task drawn anew from its env's train split, in the same envs and the same set, up to R
-    rounds a set; a group with signal is kept. A step keeps its quota of groups, as many of them with signal as R
-    rounds found. Each draw is a pure function of (seed, process, step, round, group), so the data cursor stays one
-    of the step and a resumed run redraws what it would have (its outcomes too, under --deterministic)."""
+    episodes) is complete, every task group that the run's estimator gives no advantage (all 0 on its action tokens:
+    `signal`; a group with an env failure is kept, for --max-error-rate to see) plays again on a task drawn anew from
+    its env's train split, in the same envs and the same set, up to R rounds a set; a group with signal is kept. Under
+    grpo and rloo that is a group whose episodes all scored the same; under gigpo the turns from a shared env state
+    must tie too (two successes, in 2 turns and in 4 through a loop, teach which turns to take). A step keeps its quota
+    of groups, as many of them with signal as R rounds found. Each draw is a pure function of (seed, process, step,
+    round, group), so the data cursor stays one of the step and a resumed run redraws what it would have (its outcomes
+    too, under --deterministic)."""
 
     train_ids: dict[str, list[int]]
     rounds: int
     seed: int
     process: int = 0
+    algo: str = "grpo"  # the run's estimator (--algo, a grouped one), which judges a group's signal ...
+    flags: dict = field(default_factory=dict)  # ... under its flags (rl/advantages.EstimatorArgs, by name)
     tried: dict[int, int] = field(default_factory=dict)  # set -> the rounds it played
 
     def __call__(self, j: int, played: list) -> dict[int, int]:
@@ -159,12 +166,25 @@ class Redraw:
         members = collections.defaultdict(list)
         for i, traj in enumerate(played):
             members[traj.group].append(i)
+        kept = self.signal(played)
         again = {}
         for group, indices in members.items():
             if any(played[i].error is not None for i in indices):
                 continue  # (kept: an env failure counts in --max-error-rate, which a replay would hide)
-            if len({played[i].reward for i in indices}) <= 1:
+            if group not in kept:
                 env = played[indices[0]].env
                 task = random.Random(f"{self.seed}-{self.process}-{j}-dynamic-{r}-{group}").choice(self.train_ids[env])
                 again |= {i: task for i in indices}
         return again
+
+    def signal(self, played: list) -> set[int]:
+        """The groups of `played` (Trajectory) that the estimator gives an advantage other than 0 on some action token:
+        the update's own function (rl/advantages.advantages) on the episodes' rows as the update lays them out, by
+        the env's rewards (before --overlong-penalty; without --kl-in-reward's penalty, which the reference model
+        gives at the update)."""
+        rows, episodes = rows_of(played)
+        batch = make_batch(rows, 0, [], "cpu", episodes=episodes)
+        inputs = AdvantageInputs(scores=batch.scores, groups=batch.groups, ok=batch.ok, mask=batch.full.loss_mask,
+                                 episodes=batch.episodes, anchors=batch.anchors, turn=batch.full.turn)
+        adv, _ = advantages(self.algo, inputs, **self.flags)
+        return set(batch.groups[adv.ne(0).any(1)].tolist())

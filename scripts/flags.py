@@ -33,12 +33,16 @@ HEADER = "| flag | default (paper / tiny) | meaning |"
 
 def docstrings(args=None) -> dict[str, str]:
     """Each flag's docstring (the string under its field in train.py's Args, or in its flag group's class, such as
-    envs/guard.py's EnvArgs), on one line."""
+    envs/guard.py's EnvArgs; a group made from a registry, rl/advantages.py's EstimatorArgs: its fields' tyro help),
+    on one line."""
     args = train.Args() if args is None else args
     tree = ast.parse(Path(inspect.getsourcefile(type(args))).read_text())
-    body = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == type(args).__name__).body
+    body = next((node.body for node in tree.body if isinstance(node, ast.ClassDef)
+                 and node.name == type(args).__name__), [])
     docs = {field.target.id: " ".join(doc.value.value.split()) for field, doc in zip(body, body[1:])
             if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)}
+    docs |= {f.name: marker.help for f in fields(args) for marker in getattr(f.type, "__metadata__", ())
+             if getattr(marker, "help", None)}
     for f in fields(args):
         if is_dataclass(getattr(args, f.name)):
             docs |= docstrings(getattr(args, f.name))

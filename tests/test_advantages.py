@@ -3,14 +3,19 @@
 the recipe for adding one (docs/algorithms.md), followed."""
 
 import dataclasses
+import functools
+import importlib
+import inspect
 import json
 import math
+import sys
 
 import pytest
 import torch
 
-from rl.advantages import (ESTIMATORS, AdvantageInputs, Estimator, _within_groups, advantages, gae, grpo,
-                           masked_whiten, place_reward, per_token, reinforce_pp, rloo, turn_gae)
+from rl import advantages as adv_lib
+from rl.advantages import (ESTIMATORS, AdvantageInputs, Estimator, EstimatorArgs, Flag, _within_groups, advantages,
+                           flag_group, gae, grpo, masked_whiten, place_reward, per_token, reinforce_pp, rloo, turn_gae)
 
 # Two turns of one trajectory: [prompt, act, act, obs, obs, act(last), obs]
 MASK = torch.tensor([[0, 1, 1, 0, 0, 1, 0]], dtype=torch.float32)
@@ -40,6 +45,13 @@ def test_equal_rewards_and_lone_samples_give_zero(estimator):
     a = estimator(torch.tensor([1.0, 1.0, 1.0, 0.7]), torch.tensor([0, 0, 0, 1]))
     assert torch.isfinite(a).all()
     assert a.tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("estimator", [grpo, rloo])
+def test_a_group_that_tied_gets_exactly_zero_however_its_mean_rounds(estimator):
+    """16 scores of 0.1: their float32 mean is not 0.1, and GRPO divided that rounding (7e-9) by a std of 8e-9, an
+    advantage of -0.0074 each for a group without signal (--dynamic-sampling replays a group whose advantages are 0)."""
+    assert estimator(torch.full((16,), 0.1), torch.zeros(16, dtype=torch.long)).tolist() == [0.0] * 16
 
 
 def test_rloo_hand_example():
@@ -160,8 +172,8 @@ TURN_PENALTY = torch.zeros(2, 11).index_put_((torch.tensor([0, 0, 0]), torch.ten
 ])
 def test_turn_gae_hand_example(gamma, lam, per_turn, turn_returns):
     """Every action token of a turn gets its turn's advantage, and the return A_k + V_k; observations get 0."""
-    x = AdvantageInputs(torch.tensor([1.0, 0.5]), torch.tensor([0, 1]), torch.ones(2, dtype=torch.bool), TURN_MASK,
-                        TURN_PENALTY, values=TURN_VALUES, turn=TURNS, gamma=gamma, lam=lam, gae_unit="turn")
+    x = AdvantageInputs(scores=torch.tensor([1.0, 0.5]), groups=torch.tensor([0, 1]), ok=torch.ones(2).bool(),
+                        mask=TURN_MASK, penalty=TURN_PENALTY, values=TURN_VALUES, turn=TURNS)
     adv, returns = turn_gae(x.rewards(), x.values, x.mask, x.turn, gamma, lam, whiten=False)
 
     def on_tokens(per_row):  # (each turn's number on its action tokens, 0 elsewhere)
@@ -170,10 +182,10 @@ def test_turn_gae_hand_example(gamma, lam, per_turn, turn_returns):
     torch.testing.assert_close(adv, on_tokens(per_turn))
     torch.testing.assert_close(returns, on_tokens(turn_returns))
     # --algo ppo: the same, whitened over the action tokens as token-level GAE's; a token GAE is not this
-    whitened, same_returns = advantages("ppo", x)
+    whitened, same_returns = advantages("ppo", x, gamma=gamma, lam=lam, gae_unit="turn")
     torch.testing.assert_close(whitened, masked_whiten(adv, TURN_MASK))
     torch.testing.assert_close(same_returns, returns)
-    token_level, _ = advantages("ppo", dataclasses.replace(x, gae_unit="token"))
+    token_level, _ = advantages("ppo", x, gamma=gamma, lam=lam)
     assert not torch.allclose(token_level, whitened)
 
 
@@ -246,8 +258,8 @@ def mdp_batch(theta: torch.Tensor, read: str = "first") -> AdvantageInputs:
             penalty[row, tokens] = TURN_COST / TOKENS_PER_TURN
     scores = torch.tensor([outcome_of(actions) for actions in episodes])
     one_group, all_ok = torch.zeros(len(episodes), dtype=torch.long), torch.ones(len(episodes), dtype=torch.bool)
-    return AdvantageInputs(scores, one_group, all_ok, mask, penalty, values=values, turn=turn.long(), gamma=1.0, lam=1.0,
-                           gae_unit="turn")
+    return AdvantageInputs(scores=scores, groups=one_group, ok=all_ok, mask=mask, penalty=penalty, values=values,
+                           turn=turn.long())
 
 
 def true_gradient(theta: torch.Tensor) -> torch.Tensor:
@@ -269,7 +281,7 @@ def expected_gradient(theta: torch.Tensor, per_turn_advantages: list[list[float]
 def turn_gae_advantages(x: AdvantageInputs) -> list[list[float]]:
     """Each episode's per-turn advantages from the code's turn-level GAE (unwhitened: whitening is a per-batch
     affine map, not part of the estimator's expectation), read at each turn's first token; a turn's tokens agree."""
-    adv, _ = turn_gae(x.rewards(), x.values, x.mask, x.turn, x.gamma, x.lam, whiten=False)
+    adv, _ = turn_gae(x.rewards(), x.values, x.mask, x.turn, 1.0, 1.0, whiten=False)
     per_turn = []
     for row, actions in enumerate(episodes_of_the_mdp()):
         on = [adv[row][x.turn[row] == k] for k in range(len(actions))]
@@ -315,62 +327,84 @@ def test_turn_gae_is_unbiased_where_a_per_turn_index_baseline_is_not():
     assert (at_last_token - true).abs().max() > 0.05
 
 
-def median_baseline(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """A test estimator, step 1 of docs/algorithms.md's "Add an advantage estimator": each sample's score minus the median of
-    the other samples of its task."""
+def quantile_baseline(scores: torch.Tensor, groups: torch.Tensor, q: float) -> torch.Tensor:
+    """A test estimator, step 1 of docs/algorithms.md's "Add an advantage estimator": each sample's score minus the
+    q-quantile of the other samples of its task (q 0.5: their median)."""
     def within(s):
-        return s - torch.stack([torch.cat([s[:i], s[i + 1:]]).median() for i in range(len(s))])
+        return s - torch.stack([torch.cat([s[:i], s[i + 1:]]).quantile(q) for i in range(len(s))])
 
     return _within_groups(scores, groups, within)
 
 
-def test_a_new_grouped_estimator_is_one_function_and_its_entry(monkeypatch, tmp_path):
-    """The recipe followed: the function above (for AdvantageInputs.per_episode) and its entry in ESTIMATORS, which
-    --algo's choices are made of (tyro's check on a command line is stood in for here by dataclasses.replace).
-    train.py then refuses a group of one, trains a step with it, and logs each trajectory's advantage as the
-    estimator gives it."""
-    import train
+def test_each_estimator_reads_the_flags_its_entry_declares():
+    """An entry's flags are its function's keyword arguments, and train.py's flags are theirs (EstimatorArgs): a
+    flag the estimators share says in --help what it is to each, with each one's default where they differ."""
+    for name, estimator in ESTIMATORS.items():
+        assert set(inspect.signature(estimator.fn).parameters) - {"x"} == set(estimator.flags), name
+    helps = {f.name: f.type.__metadata__[0].help for f in dataclasses.fields(EstimatorArgs)}
+    assert set(helps) == {name for estimator in ESTIMATORS.values() for name in estimator.flags}
+    assert "gigpo: the paper's discount per turn of a turn's return (default 0.95)" in helps["gamma"]
+    assert EstimatorArgs().gamma is None and EstimatorArgs().step_weight == 1.0  # (None: each estimator's default)
+    with pytest.raises(ValueError, match="no advantage estimator reads gama"):
+        advantages("grpo", AdvantageInputs(scores=torch.ones(2), groups=torch.zeros(2), ok=torch.ones(2).bool(),
+                                           mask=torch.ones(2, 3)), gama=0.9)
 
-    def median(x: AdvantageInputs):
-        return x.per_episode(median_baseline), None
 
-    monkeypatch.setitem(ESTIMATORS, "median", Estimator(median, grouped=True))
-    args = train.parse_args(["--engine", "hf", "--steps", "1", "--tasks-per-step", "2", "--n", "3", "--horizon", "2",
-                             "--max-new-tokens", "16", "--out-dir", str(tmp_path), "--run-name", "median"])
-    args = dataclasses.replace(args, algo="median")
+def test_a_new_grouped_estimator_with_a_flag_is_one_function_and_its_entry(monkeypatch, tmp_path):
+    """The recipe followed: a function (the baseline above, for AdvantageInputs.per_episode, at its flag's value) and
+    its entry in ESTIMATORS, which declares the flag. train.py, imported anew as a run imports it, then takes `--algo
+    quantile --baseline-quantile 0.25` on its command line, refuses the flag with another --algo and the estimator
+    with a group of one, trains a step with it, keeps the flag in config.json, and logs each trajectory's advantage
+    as the estimator gives it at 0.25."""
+    def quantile(x: AdvantageInputs, baseline_quantile: float):
+        return x.per_episode(functools.partial(quantile_baseline, q=baseline_quantile)), None
+
+    monkeypatch.setitem(ESTIMATORS, "quantile", Estimator(quantile, grouped=True, flags={
+        "baseline_quantile": Flag(0.5, "the quantile of the task's other samples that is the baseline")}))
+    monkeypatch.setattr(adv_lib, "EstimatorArgs", flag_group(ESTIMATORS))  # (what importing rl/advantages.py does)
+    monkeypatch.delitem(sys.modules, "train")
+    train = importlib.import_module("train")
+    argv = ["--engine", "hf", "--steps", "1", "--tasks-per-step", "2", "--n", "3", "--horizon", "2",
+            "--max-new-tokens", "16", "--eval-every", "0", "--out-dir", str(tmp_path), "--run-name", "quantile"]
+    with pytest.raises(SystemExit, match="--baseline-quantile is read only by --algo quantile, not by --algo grpo"):
+        train.check(train.parse_args(argv + ["--baseline-quantile", "0.25"]), world=1)
+    args = train.parse_args(argv + ["--algo", "quantile", "--baseline-quantile", "0.25"])
     with pytest.raises(SystemExit, match="--n 2 or more"):
         train.check(dataclasses.replace(args, n=1), world=1)
     run_dir = train.main(args)
-    assert json.loads((run_dir / "config.json").read_text())["algo"] == "median"
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["algo"] == "quantile" and config["baseline_quantile"] == 0.25
     metrics = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert math.isfinite(metrics["losses/policy"]) and metrics["losses/grad_norm"] > 0
     records = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
     assert len(records) == 6
     for group in {r["group"] for r in records}:
         members = [r for r in records if r["group"] == group]
-        expected = median_baseline(torch.tensor([r["reward"] for r in members]), torch.zeros(len(members)))
+        expected = quantile_baseline(torch.tensor([r["reward"] for r in members]), torch.zeros(len(members)), 0.25)
         assert [r["advantages"] for r in members] == pytest.approx(expected.tolist(), abs=1e-6)
 
 
-def to_go(x: AdvantageInputs):
+def to_go(x: AdvantageInputs, gamma: float):
     """A token-level test estimator: the discounted return of every action token, unwhitened (plain REINFORCE)."""
-    return reinforce_pp(x.rewards(), x.mask, x.gamma, whiten=False), None
+    return reinforce_pp(x.rewards(), x.mask, gamma, whiten=False), None
 
 
-def value_baseline(x: AdvantageInputs):
+def value_baseline(x: AdvantageInputs, gamma: float):
     """A critic-based test estimator: the return of every action token less the critic's value (no GAE)."""
-    returns = reinforce_pp(x.rewards(), x.mask, x.gamma, whiten=False)
+    returns = reinforce_pp(x.rewards(), x.mask, gamma, whiten=False)
     return (returns - x.values) * x.mask, returns
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, estimator", [("to_go", Estimator(to_go, gamma=0.5)),
-                                             ("value_baseline", Estimator(value_baseline, critic=True, gamma=1.0))])
+@pytest.mark.parametrize("name, estimator", [
+    ("to_go", Estimator(to_go, flags={"gamma": Flag(0.5, "the discount per action token")})),
+    ("value_baseline", Estimator(value_baseline, critic=True, flags={"gamma": Flag(1.0, "the discount")}))])
 def test_a_new_token_level_or_critic_based_estimator_is_one_function_and_its_entry(name, estimator, monkeypatch,
                                                                                    tmp_path):
-    """The same recipe for an estimator over tokens, and for one with a critic: its entry's `gamma` is the discount's
-    default, and `critic` builds, trains and checkpoints a critic (rl/model.py), plans its memory and lets the
-    critic's flags through; nothing else is edited."""
+    """The same recipe for an estimator over tokens, and for one with a critic: its entry's `gamma` flag (train.py's
+    --gamma, which others read too) is the discount, at its default in the run, and `critic` builds, trains and
+    checkpoints a critic (rl/model.py), plans its memory and lets the critic's flags through; nothing else is
+    edited."""
     import train
     from rl.memory import plan
     from rl.model import load_model
@@ -381,7 +415,7 @@ def test_a_new_token_level_or_critic_based_estimator_is_one_function_and_its_ent
                              "--max-new-tokens", "16", "--out-dir", str(tmp_path), "--run-name", name])
     args = dataclasses.replace(args, algo=name)
     train.check(args, world=1)  # (a group of one is fine: it compares no samples)
-    train.check(dataclasses.replace(args, gamma=0.9), world=1)
+    train.check(train.replace(args, gamma=0.9), world=1)
     if estimator.critic:
         train.check(dataclasses.replace(args, critic_warmup=2), world=1)
         with pytest.raises(SystemExit, match="two optimizers"):

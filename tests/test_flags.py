@@ -26,9 +26,14 @@ def test_the_flag_table_is_what_the_presets_give():
     (["--algo", "ppo", "--gamma", "0"], r"--gamma 0 is a discount: give one in \(0, 1\]"),
     (["--algo", "reinforce_pp", "--gamma", "1.5"], r"--gamma 1.5 is a discount"),
     (["--algo", "gigpo", "--gamma", "-0.5"], r"--gamma -0.5 is a discount"),
-    (["--gamma", "0.9"], "--algo grpo has none"),  # (grpo and rloo never discount: it would be ignored)
-    (["--step-weight", "0.5"], "use it with --algo gigpo"),
-    (["--algo", "ppo", "--step-weight", "0"], "use it with --algo gigpo"),
+    # an estimator's flag with an estimator that does not read it (rl/advantages.py's entries declare them)
+    (["--gamma", "0.9"], "^--gamma is read only by --algo gigpo, reinforce_pp or ppo, not by --algo grpo: drop it"),
+    (["--step-weight", "0.5"], "--step-weight is read only by --algo gigpo, not by --algo grpo"),
+    (["--algo", "ppo", "--step-weight", "0"], "--step-weight is read only by --algo gigpo, not by --algo ppo"),
+    (["--algo", "rloo", "--no-grpo-scale"], "--no-grpo-scale is read only by --algo grpo or gigpo, not by --algo rloo"),
+    (["--algo", "gigpo", "--lam", "0.95"], "--lam is read only by --algo ppo, not by --algo gigpo"),
+    (["--algo", "sft", "--data", "x.jsonl", "--gae-unit", "turn"], "--gae-unit is read only by --algo ppo, not by "
+                                                                     "--algo sft"),
     (["--is-cap", "3"], "give --max-staleness too"),
     (["--top-p", "0"], r"--top-p 0 is the share of the probability mass"),
     (["--top-p", "1.5"], r"--top-p 1.5 is the share of the probability mass"),
@@ -42,6 +47,8 @@ def test_a_flag_that_would_be_ignored_or_cannot_work_stops_with_a_sentence(flags
 @pytest.mark.parametrize("flags", [
     ["--algo", "ppo", "--gamma", "1"], ["--algo", "reinforce_pp", "--gamma", "0.99"],
     ["--algo", "gigpo", "--gamma", "0.95", "--step-weight", "0.5"], ["--algo", "gigpo", "--step-weight", "0"],
+    ["--algo", "gigpo", "--no-grpo-scale"], ["--algo", "ppo", "--lam", "0.95", "--gae-unit", "turn"],
+    ["--algo", "rloo", "--step-weight", "1.0", "--grpo-scale"],  # (given at its default: not given)
     ["--max-staleness", "1", "--is-cap", "3"], ["--algo", "gigpo", "--reasoning", "drop"],
 ])
 def test_the_same_flags_where_they_apply_pass(flags, tmp_path):

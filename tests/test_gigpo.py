@@ -12,6 +12,7 @@ import torch
 import train
 from rl.advantages import AdvantageInputs, advantages, grpo, step_advantages
 from rl.batch import make_batch, rows_of
+from rl.tasks import Redraw
 from rollout import Trajectory
 
 
@@ -58,6 +59,12 @@ def test_step_advantages_equal_the_definition(scale, gamma):
     assert got[4] == got[5] == [0.0, 0.0]  # equal returns
 
 
+def test_turns_whose_returns_tie_get_exactly_zero():
+    """Three turns from one state, each returning 0.1: their float64 mean is not 0.1, and that rounding (1e-17) over
+    their std (2e-17) gave each a step advantage of 1e-11, which --dynamic-sampling would take for a signal."""
+    assert step_advantages([0.1] * 3, [0] * 3, [True] * 3, [["s"]] * 3, 1.0) == [[0.0]] * 3
+
+
 def test_step_advantages_by_hand():
     # state "s", gamma 0.9: episode 0 at turn 0 of 3 (R = 0.81), episode 1 at turn 0 of 3 (R = 0), episode 2 at turn 1
     # of 3 (R = 0.9): mean 0.57, unbiased std 0.4948; mean mode: R - 0.57
@@ -82,6 +89,13 @@ def episode(group: int, reward: float, turns: int, states: list, ok: bool = True
     return traj
 
 
+def inputs(batch, **more) -> AdvantageInputs:
+    """A batch's AdvantageInputs as train.advantages_for gives them (no critic; no KL penalty unless `more` gives
+    one)."""
+    return AdvantageInputs(scores=batch.scores, groups=batch.groups, ok=batch.ok, mask=batch.full.loss_mask,
+                           episodes=batch.episodes, anchors=batch.anchors, turn=batch.full.turn, **more)
+
+
 def played():
     return [episode(g, r, len(a), a + ["end"], ok, row=k)
             for k, (g, r, a, ok) in enumerate(zip(GROUPS, TOTALS, ANCHORS, OK))]
@@ -97,9 +111,7 @@ def test_each_turns_tokens_get_the_episodes_advantage_plus_omega_times_the_turns
     rows, episodes = rows_of(trajectories)
     batch = make_batch(rows, 0, [[[i]] for i in range(len(rows))], "cpu", episodes=episodes)
     assert batch.anchors == ANCHORS
-    adv, _ = advantages("gigpo", AdvantageInputs(batch.scores, batch.groups, batch.ok, batch.full.loss_mask, gamma=0.9,
-                                                 episodes=batch.episodes, anchors=batch.anchors, turn=batch.full.turn,
-                                                 step_weight=omega))
+    adv, _ = advantages("gigpo", inputs(batch), gamma=0.9, step_weight=omega)
     per_episode = torch.zeros(len(TOTALS))
     per_episode[torch.tensor(OK)] = grpo(torch.tensor(TOTALS)[torch.tensor(OK)], torch.tensor(GROUPS)[torch.tensor(OK)])
     steps = by_definition(TOTALS, GROUPS, OK, ANCHORS, 0.9, True)
@@ -110,9 +122,26 @@ def test_each_turns_tokens_get_the_episodes_advantage_plus_omega_times_the_turns
             assert float(adv[b, i]) == pytest.approx(want, abs=1e-5), (b, i)
     assert (turn[(mask == 0) & batch.ok[:, None]] == -1).all()  # (a failed episode's tokens: mask 0, turns kept)
     if omega == 0.0:  # no step term: GRPO's advantages exactly
-        plain, _ = advantages("grpo", AdvantageInputs(batch.scores, batch.groups, batch.ok, mask,
-                                                      episodes=batch.episodes))
+        plain, _ = advantages("grpo", inputs(batch))
         torch.testing.assert_close(adv, plain)
+
+
+@pytest.mark.parametrize("drop", [False, True], ids=["a row an episode", "a row a turn"])
+def test_dynamic_sampling_keeps_a_gigpo_group_whose_outcomes_tie_but_whose_turns_differ(drop):
+    """--dynamic-sampling judges a group by the estimator's own advantages (rl/tasks.Redraw). Two successes, one in 2
+    turns and one looping back to "a" in 4, tie in outcome, so GRPO replays their group; under gigpo the turns taken
+    from "a" return 0.95 and 0.95^3, and the group is kept. A gigpo group whose episodes took the same path has no
+    signal and plays again, as does the first under --step-weight 0 (GRPO's advantages alone)."""
+    tied = [episode(0, 1.0, 2, ["a", "b", "end"], row=0), episode(0, 1.0, 4, ["a", "c", "a", "b", "end"], row=1)]
+    alike = [episode(1, 1.0, 2, ["a", "b", "end"], row=2), episode(1, 1.0, 2, ["a", "b", "end"], row=3)]
+    if not drop:
+        for traj in tied + alike:
+            traj.sequences = []
+    ids = {"babyai": list(range(100, 200))}
+    assert sorted(Redraw(ids, rounds=1, seed=1, algo="gigpo")(1, tied + alike)) == [2, 3]
+    assert sorted(Redraw(ids, rounds=1, seed=1, algo="grpo")(1, tied + alike)) == [0, 1, 2, 3]
+    assert sorted(Redraw(ids, rounds=1, seed=1, algo="gigpo", flags={"step_weight": 0.0})(1, tied + alike)) == \
+        [0, 1, 2, 3]
 
 
 def test_task_groups_never_split_across_processes():
@@ -189,18 +218,14 @@ def test_a_turns_return_holds_no_kl_penalty_paid_before_it():
     penalty[0, 2] = 0.5  # episode 0's first turn
     got = {}
     for algo in ("gigpo", "grpo"):
-        got[algo], _ = advantages(algo, AdvantageInputs(batch.scores, batch.groups, batch.ok, mask, penalty=penalty,
-                                                        gamma=1.0, episodes=batch.episodes, anchors=batch.anchors,
-                                                        turn=turn))
+        got[algo], _ = advantages(algo, inputs(batch, penalty=penalty), gamma=1.0)
     step_term = got["gigpo"] - got["grpo"]
     assert (step_term[turn == 1] == 0).all()
     # a penalty paid from "b" on does count: episode 0 paid 0.5 in its second turn, from "b"
     penalty = torch.zeros_like(mask)
     penalty[0, 5] = 0.5
-    gigpo, _ = advantages("gigpo", AdvantageInputs(batch.scores, batch.groups, batch.ok, mask, penalty=penalty,
-                                                   gamma=1.0, episodes=batch.episodes, anchors=batch.anchors, turn=turn))
-    grpo_only, _ = advantages("grpo", AdvantageInputs(batch.scores, batch.groups, batch.ok, mask, penalty=penalty,
-                                                      episodes=batch.episodes))
+    gigpo, _ = advantages("gigpo", inputs(batch, penalty=penalty), gamma=1.0)
+    grpo_only, _ = advantages("grpo", inputs(batch, penalty=penalty))
     assert float((gigpo - grpo_only)[0, 5]) < 0 < float((gigpo - grpo_only)[1, 5])
     assert step_advantages([1.0, 1.0], [0, 0], [True, True], [["a", "b"], ["c", "b"]], 1.0, True,
                            penalties=[[0.5, 0.0], [0.0, 0.0]]) == [[0.0, 0.0], [0.0, 0.0]]
@@ -222,5 +247,5 @@ def test_gigpo_without_state_keys_says_it_trains_as_grpo():
     with pytest.warns(UserWarning, match="no state keys"):
         adv, _ = train.advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok, None, batch.episodes,
                                       batch.anchors)
-    plain, _ = advantages("grpo", AdvantageInputs(batch.scores, batch.groups, batch.ok, batch.full.loss_mask))
+    plain, _ = advantages("grpo", inputs(batch))
     torch.testing.assert_close(adv, plain)

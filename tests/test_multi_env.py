@@ -279,8 +279,8 @@ def test_the_whitening_estimators_whiten_each_env_apart_unless_told_not_to(algo)
     one = train.parse_args(["--algo", algo, "--n", "1", "--no-whiten-per-env"])
     with pytest.raises(SystemExit, match="give it with several --env"):
         train.check(one, 1)
-    assert advantages(algo, AdvantageInputs(scores, torch.arange(6), torch.ones(6, dtype=torch.bool), mask,
-                                            values=values))[0].shape == (6, 4)
+    assert advantages(algo, AdvantageInputs(scores=scores, groups=torch.arange(6), ok=torch.ones(6, dtype=torch.bool),
+                                            mask=mask, values=values))[0].shape == (6, 4)
 
 
 def test_metrics_per_env_beside_the_totals_and_an_evaluation_macro_averaged():

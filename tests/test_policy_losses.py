@@ -56,7 +56,7 @@ def test_overlong_shaping_by_hand():
     (["--overlong-penalty", "0:1"], "L is 1 token or more, P above 0"),
     (["--overlong-penalty", "9000:1"], "L must be below the token budget"),
     (["--algo", "sft", "--data", "x.jsonl", "--overlong-mask"], "shape the rewards of RL's episodes"),
-    (["--gae-unit", "turn"], "--gae-unit sets the timestep of a critic's GAE"),
+    (["--gae-unit", "turn"], "--gae-unit is read only by --algo ppo, not by --algo grpo"),
     (["--dynamic-sampling", "2", "--horizon", "auto"], "--horizon auto reads each step's success"),
     (["--dynamic-sampling", "2", "--algo", "ppo"], "--dynamic-sampling plays again the task groups"),
 ])
@@ -132,11 +132,14 @@ def test_turn_level_gae_reads_the_value_before_each_turn():
 
 
 def test_redraw_plays_again_only_the_groups_without_signal():
-    """rl/tasks.Redraw: of four groups of two, the one whose rewards differ is kept, and the one with an env failure
-    (--max-error-rate must see it); the two that scored alike play again on a task of their own env's split; the
-    draw depends on (seed, process, step, round, group) alone, and stops after R rounds."""
+    """rl/tasks.Redraw under grpo: of four groups of two one-turn episodes, the one whose rewards differ is kept, and
+    the one with an env failure (--max-error-rate must see it); the two that scored alike (GRPO's advantages all 0)
+    play again on a task of their own env's split; the draw depends on (seed, process, step, round, group) alone, and
+    stops after R rounds."""
     def episode(env, group, reward, error=None):
-        traj = Trajectory(env, 0, group, 0, messages=[], reward=reward)
+        traj = Trajectory(env, 0, group, 0, messages=[], reward=reward, turns=1)
+        traj.add([1, 2])
+        traj.add([3, 4], [-0.1, -0.2], trained=True)
         traj.error = error
         return traj
 
