@@ -302,7 +302,7 @@ def main(args: Args) -> Path | None:
         config = run_config(flags.flat(args), run_dir, resuming, accelerator, mixed, engine, environments[0])
         accelerator.print(start_line(args, mix, run_dir, limits, sum(map(len, test_ids.values())), start_step))
         logs = logs_of(args, run_dir, config, accelerator, trainer_state["logs"])
-        args = replace(args, objective=args.objective.norm_tokens(top))  # (Dr. GRPO's constant; config.json keeps 0)
+        args = replace(args, objective=args.objective.norm_tokens(top))  # (Dr. GRPO's constant, after config.json)
 
         # (the step bar shows the phase under way: rollout, update or eval, and how far it got)
         progress = step_bar(start_step, args.steps, accelerator.is_main_process)
