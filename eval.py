@@ -71,7 +71,7 @@ from rl.agent import LAYOUT_KEYS, LayoutArgs, chat_format, run_layout
 from rl.checkpoint import write_atomic
 from rl.context import Context
 from rl.flags import GROUP, embedded_of
-from rl.limits import check_entries, checkpoint_limits, own_entries
+from rl.limits import Limits, check_entries, checkpoint_limits, own_entries
 from rl.tasks import env_names
 from rl.progress import play_until_stopped, stopped
 from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, context_limit, deterministic_kernels, embedded_rollout,
@@ -85,6 +85,7 @@ from rollout import EngineStalled, play
 # The context of upstream's eval engine (vLLM's max_model_len in its eval scripts); its turn cap and tokens a
 # turn are each env's (envs.ENVS).
 UPSTREAM_CONTEXT = 32768
+PLAYED = ("horizon", "max_new_tokens", "max_tokens")  # an episode's limits (rl/limits.py's Limits, a sweep its stages)
 
 
 @dataclass
@@ -170,28 +171,28 @@ def resolve_settings(args: Args, env: str) -> dict:
     if protocol == "run":
         limits = checkpoint_limits(args.model, config, env)  # (the env's own in the run, at the checkpoint's step)
     elif protocol == "tiny":
-        tiny = embedded_rollout(embedded_of(args.model))  # (the embedded model's, also on a checkpoint of a run of it)
-        limits = {key: tiny[key] for key in ("horizon", "max_new_tokens", "max_tokens")}
-        limits |= EMBEDDED_TOOLS if args.agent == "tools" else {}
+        tiny = embedded_rollout(embedded_of(args.model)) | (EMBEDDED_TOOLS if args.agent == "tools" else {})
+        limits = Limits((tiny["horizon"],), 1, tiny["max_new_tokens"], tiny["max_tokens"])  # (the embedded model's)
     else:
         up = envs.ENVS[env]
-        limits = {"horizon": up.upstream_horizon, "max_new_tokens": up.upstream_max_new_tokens, "max_tokens": UPSTREAM_CONTEXT}
-    overrides = {key: getattr(args, key) for key in limits if getattr(args, key) is not None}
+        limits = Limits((up.upstream_horizon,), 1, up.upstream_max_new_tokens, UPSTREAM_CONTEXT)
+    overrides = {key: getattr(args, key) for key in PLAYED if getattr(args, key) is not None}
     horizons = (args.horizon,) if isinstance(args.horizon, int) else args.horizon  # (Args(horizon=6) from code)
     own = own_entries(args.env_limits, env)  # (the env's own: --env-limits)
     overrides |= {key: value for key, value in own.items() if key != "horizon"}
     horizons = own.get("horizon", horizons)
-    flag = {key: f"--env-limits {env}.{key}" if key in own else "--" + key.replace("_", "-") for key in limits}
+    flag = {key: f"--env-limits {env}.{key}" if key in own else "--" + key.replace("_", "-") for key in PLAYED}
     if horizons is not None:  # a sweep plays up to its largest horizon
         if not horizons or min(horizons) < 1:
             raise SystemExit(f"{flag['horizon']} takes one or more turn caps of at least 1")
         overrides["horizon"] = max(horizons)
     if any(value < 1 for value in overrides.values()):
         raise SystemExit(f"{', '.join(flag[k] for k, v in overrides.items() if v < 1)}: at least 1")
-    limits |= overrides
+    limits = limits._replace(**overrides | {"horizon": tuple(sorted(set(horizons))) if horizons else limits.horizon})
     if not args.model.startswith(api.PREFIX):  # within the model's context window (a served model's: its server's)
-        limits["max_tokens"] = context_limit(limits["max_tokens"], args.model, load_config(args.model), budget=(
-            flag["max_tokens"] if "max_tokens" in overrides else f"--protocol {protocol}'s --max-tokens"))
+        limits = limits._replace(max_tokens=context_limit(limits.max_tokens, args.model, load_config(args.model),
+                                 budget=flag["max_tokens"] if "max_tokens" in overrides else
+                                 f"--protocol {protocol}'s --max-tokens"))
     own_options = config.get("env_options", {}) if env in trained else {}
     options = {**envs.parse_options(envs.own_options(own_options, env)),
                **envs.parse_options(envs.own_options(args.env_args.env_options, env))}
@@ -200,12 +201,12 @@ def resolve_settings(args: Args, env: str) -> dict:
     # (of several files joined, the one of this env's tasks; none: the run played the env's split)
     own_tasks = next((one for one in envs.task_files(own_tasks) if run_tasks(one, trained).get(env)), None) \
         if own_tasks else None
-    horizons = sorted(set(horizons)) if horizons else [limits["horizon"]]
     # the layout: a run's checkpoint plays as its run was trained (agent format, template options, reasoning tags)
     own = config if protocol == "run" else {}
     layout = run_layout(args, own)
-    return {"env": env, "protocol": protocol, **limits, "overrides": sorted(overrides), "env_options": options,
-            "tasks": args.tasks or own_tasks, "horizons": horizons, **layout}
+    return {"env": env, "protocol": protocol, "horizon": limits.horizon[-1], "max_new_tokens": limits.max_new_tokens,
+            "max_tokens": limits.max_tokens, "overrides": sorted(overrides), "env_options": options,
+            "tasks": args.tasks or own_tasks, "horizons": list(limits.horizon), **layout}
 
 
 def main(args: Args) -> dict:
@@ -217,7 +218,7 @@ def main(args: Args) -> dict:
     if args.engine_args.deterministic:  # (before anything starts CUDA)
         deterministic_kernels()
     names = eval_envs(args)
-    check_entries(args.env_limits, names, ("horizon", "max_new_tokens", "max_tokens"), auto=False)
+    check_entries(args.env_limits, names, PLAYED, auto=False)
     args.env_args.check(names)
     args.env_args.check_urls(names)
     settings = {env: resolve_settings(args, env) for env in names}

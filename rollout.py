@@ -27,15 +27,14 @@ choose it. The final observation (after the last turn, or one that would leave n
 reply within max_tokens) is kept in `messages` but not appended as tokens: nothing after it is
 trained, so it would only cost compute.
 
-Limits: max_new_tokens caps the tokens sampled in a turn, exactly; max_tokens caps the whole
-trajectory (train.py passes the smaller of --max-tokens and the model's context window); each, as the horizon, is one
-for every env or each env's by name (a run of several envs: rl/limits.py), an episode playing under its env's. An episode
-that runs out of room (a first prompt or an observation that leaves no room for a reply, or a turn
-cut by the budget) ends cleanly with finish "max_tokens", never an error, and is scored like one cut
-by the horizon: its reward is the last step's, trained with the advantage that reward earns, as
-upstream keeps the env's reward for a response cut at max_response_length. An env call that raises
-or hangs (envs/guard.py bounds each one) ends only its trajectory, with finish "error": it has no
-outcome, and train.py leaves it out of the update.
+Limits: max_new_tokens caps the tokens sampled in a turn, exactly; max_tokens caps the whole trajectory (train.py
+passes the smaller of --max-tokens and the model's context window); rollout() and play() take one of each for all their
+envs, Rollouts each env's (rl/limits.py's Limits, by name; each set's caps with its tasks). An episode that runs out
+of room (a first prompt or an observation that leaves no room for a reply, or a turn cut by the budget) ends cleanly
+with finish "max_tokens", never an error, and is scored like one cut by the horizon: its reward is the last step's,
+trained with the advantage that reward earns, as upstream keeps the env's reward for a response cut at
+max_response_length. An env call that raises or hangs (envs/guard.py bounds each one) ends only its trajectory, with
+finish "error": it has no outcome, and train.py leaves it out of the update.
 
 Agent formats (rl/agent.py, `agent=`): the messages an episode opens with and what the env is asked by
 each reply (react, plan; tools, the one tool call in it, answered as a tool result); reflect plays up to
@@ -84,7 +83,7 @@ from rl.chat import ChatFormat, openai_calls  # (ChatFormat: rollout's callers i
 from rl.engines import Sample
 from rl.engines.expert import ExpertEngine
 from rl.context import Context, restart, with_request
-from rl.limits import Limit, most, named
+from rl.limits import Limits, largest
 from rl.engines.hf import HFEngine  # noqa: F401 - the engines rollouts run on, imported from here too
 from rl.engines.vllm import VLLMEngine  # noqa: F401 - (as HFEngine)
 from rl.trajectory import EnvAnswer, RolloutStats, Sequence, Trajectory, category, spans  # noqa: F401 - the data, re-exported
@@ -100,12 +99,12 @@ SUMMARIZED = StepResult("", 0.0, False)  # the answer to a summary turn (--conte
 
 
 class Tasks(NamedTuple):
-    """A set's episodes: each one's task id and group, the turn cap (or each env's, by its name: a run on several
-    envs under --horizon auto), and (reflect's) each one's past reflections."""
+    """A set's episodes: each one's task id and group, each env's turn cap by its name, and (reflect's) each one's past
+    reflections."""
 
     task_ids: list[int]
     groups: list[int]
-    horizon: int | dict[str, int]
+    horizon: dict[str, int]
     reflections: list[list[str]] | None = None
 
 
@@ -148,7 +147,7 @@ class Rollouts:
     """
 
     def __init__(self, engine, fmt: ChatFormat, environments: list[Env], tasks_of: Callable[[int], Tasks], *,
-                 max_new_tokens: Limit, max_tokens: Limit, staleness: int = 0, first: int = 1, last: int = 1,
+                 limits: dict[str, Limits], staleness: int = 0, first: int = 1, last: int = 1,
                  agent: Agent = REACT, pool: ThreadPoolExecutor | None = None,
                  reseed: Callable[[int], None] | None = None, versions: bool = False,
                  redraw: Callable[[int, list[Trajectory]], dict[int, int]] | None = None):
@@ -158,7 +157,7 @@ class Rollouts:
             raise ValueError("reflect's attempts depend on each other's reflections: play it at staleness 0")
         self.engine, self.fmt, self.environments, self.tasks_of = engine, fmt, environments, tasks_of
         self.staleness, self.last, self.agent, self.versions = staleness, last, agent, versions
-        self.max_new_tokens, self.max_tokens, self.reseed, self.redraw = max_new_tokens, max_tokens, reseed, redraw
+        self.limits, self.reseed, self.redraw = limits, reseed, redraw
         self.block = len(environments) // rule.blocks(staleness)
         self.meanwhile = engine.continuous and not getattr(engine, "sleep_mode", False)  # (see advance)
         self.own_pool = pool is None
@@ -281,7 +280,7 @@ class Rollouts:
             for i, (task, group) in enumerate(zip(task_ids, groups)):
                 env = self.environments[self._row(j, i)]
                 self.resetting[self.pool.submit(EnvAnswer.of, env, "reset", task)] = \
-                    (j, i, task, group, named(horizon, env.name))
+                    (j, i, task, group, horizon[env.name])
 
     def _settle(self) -> None:
         """--dynamic-sampling (rl/tasks.Redraw): the episodes of each complete set that `redraw` plays again start anew,
@@ -303,17 +302,17 @@ class Rollouts:
         """Reflect's set j: its episodes attempt after attempt (attempts), each attempt a set of its own."""
         self.opened = j
         task_ids, groups, horizon, _ = self._tasks(j)
-        # (each attempt's set plays under one cap: the largest of the envs')
-        return attempts(self.engine, self.fmt, self.environments[:len(task_ids)], task_ids, groups, horizon=most(horizon),
-                        max_new_tokens=self.max_new_tokens, max_tokens=self.max_tokens, agent=self.agent, pool=self.pool,
-                        stats=self.clock, progress=progress)
+        top = largest(self.limits)  # (each attempt's set: one cap and budget, the largest; reflect's envs share them)
+        return attempts(self.engine, self.fmt, self.environments[:len(task_ids)], task_ids, groups,
+                        horizon=max(horizon.values()), max_new_tokens=top.max_new_tokens, max_tokens=top.max_tokens,
+                        agent=self.agent, pool=self.pool, stats=self.clock, progress=progress)
 
     def _submit(self) -> None:
         """Submit the next turn of every trajectory ready for one, but those of a set whose turns may not begin yet
         (set j: before its first version; they wait, reset)."""
         held = []
         for traj in self.ready:
-            limit = min(named(self.max_new_tokens, traj.env), _room(traj, named(self.max_tokens, traj.env)))
+            limit = min(self.limits[traj.env].max_new_tokens, _room(traj, self.limits[traj.env].max_tokens))
             if rule.first_version(self.holds[traj.row // self.block], self.staleness) > self.version:
                 held.append(traj)
             elif limit < 1:  # a first prompt that leaves no room for a reply
@@ -376,7 +375,7 @@ class Rollouts:
                                                 horizon, reflections[i] if reflections else [])
                 if traj.live:
                     self.ready.append(traj)
-            elif _taken_in(self.fmt, traj := self.stepping.pop(future), answer, named(self.max_tokens, traj.env)):
+            elif _taken_in(self.fmt, traj := self.stepping.pop(future), answer, self.limits[traj.env].max_tokens):
                 self.ready.append(traj)
 
     def _row(self, j: int, i: int) -> int:
@@ -395,7 +394,7 @@ class Rollouts:
 
 
 def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int], *,
-            horizon: Limit, max_new_tokens: Limit, max_tokens: Limit, agent: Agent = REACT,
+            horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent = REACT,
             pool: ThreadPoolExecutor | None = None, stats: RolloutStats | None = None,
             progress: Callable[[list[Trajectory]], None] | None = None,
             reflections: list[list[str]] | None = None) -> list[Trajectory]:
@@ -409,8 +408,9 @@ def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int
     if agent.attempts > 1:
         return attempts(engine, fmt, environments, task_ids, groups, horizon=horizon, max_new_tokens=max_new_tokens,
                         max_tokens=max_tokens, agent=agent, pool=pool, stats=stats, progress=progress)
-    one = Rollouts(engine, fmt, environments, lambda _: Tasks(task_ids, groups, horizon, reflections),
-                   max_new_tokens=max_new_tokens, max_tokens=max_tokens, agent=agent, pool=pool)
+    limits = {env.name: Limits((horizon,), 1, max_new_tokens, max_tokens) for env in environments}  # (every env's)
+    one = Rollouts(engine, fmt, environments, lambda _: Tasks(task_ids, groups, dict.fromkeys(limits, horizon),
+                                                              reflections), limits=limits, agent=agent, pool=pool)
     try:
         return one.take(1, progress)
     finally:  # stopped half-way (an exception), nothing may spill into the next rollout
@@ -420,7 +420,7 @@ def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int
 
 
 def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int], *,
-             horizon: Limit, max_new_tokens: Limit, max_tokens: Limit, agent: Agent, pool: ThreadPoolExecutor | None = None,
+             horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent, pool: ThreadPoolExecutor | None = None,
              stats: RolloutStats | None = None, progress: Callable[[list[Trajectory]], None] | None = None) -> list[Trajectory]:
     """Reflect's episodes: attempt after attempt at each task until it succeeds or agent.attempts are played.
     After a failed attempt the policy writes a reflection (reflect()), and the task's next attempt opens with
@@ -464,8 +464,8 @@ def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[in
     return played
 
 
-def reflect(engine, fmt: ChatFormat, failed: list[Trajectory], agent: Agent, max_new_tokens: Limit,
-            max_tokens: Limit, clock: RolloutStats | None = None) -> list[str | None]:
+def reflect(engine, fmt: ChatFormat, failed: list[Trajectory], agent: Agent, max_new_tokens: int,
+            max_tokens: int, clock: RolloutStats | None = None) -> list[str | None]:
     """Each failed attempt's reflection: the policy continues the attempt's conversation after a user turn with
     its final observation and the request (agent.reflection_request), for at most max_new_tokens tokens within
     max_tokens. None where there is no room for one, the attempt never got to act, the engine failed or the
@@ -479,7 +479,7 @@ def reflect(engine, fmt: ChatFormat, failed: list[Trajectory], agent: Agent, max
         messages = [*traj.messages[:-1], {"role": "user", "content": request}]
         ask = Trajectory(traj.env, traj.task_id, traj.group, traj.row, messages,
                          token_ids=traj.token_ids + fmt.observation(request), turns=traj.turns)
-        limit = min(named(max_new_tokens, traj.env), _room(ask, named(max_tokens, traj.env)))
+        limit = min(max_new_tokens, _room(ask, max_tokens))
         if limit >= 1:
             asks[-1] = ask
             engine.submit(ask, limit)
@@ -504,7 +504,7 @@ def reflect(engine, fmt: ChatFormat, failed: list[Trajectory], agent: Agent, max
 
 
 def play(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int] | None = None, *,
-         horizon: Limit, max_new_tokens: Limit, max_tokens: Limit, agent: Agent = REACT,
+         horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent = REACT,
          pool: ThreadPoolExecutor | None = None, progress: Callable[[list[Trajectory]], None] | None = None) -> list[Trajectory]:
     """Any number of episodes on a fixed set of envs: rollouts of as many at once as there are envs,
     in order, until every task id is played. `progress` is called as turns are played and episodes end

@@ -58,7 +58,7 @@ from rl.batch import (Batch, MicroBatch, StepTensors, arrange, attach, make_batc
 from rl.data import OfflineArgs, examples_of, held_out, offline_steps, read_data, to_record
 from rl.engines.setup import TrainerEngineArgs, build_engine, own_stream, stream_seed, sync
 from rl.flags import GROUP, OFFLINE, build, check, embedded_of, replace
-from rl.limits import Limits, caps_for, describe_limits, env_limits, horizon_for, largest, last_caps, per_env
+from rl.limits import Limits, caps_for, describe_limits, env_limits, horizon_for, largest, last_caps, within
 from rl.logprobs import token_logprobs, token_values
 from rl.losses import Counts, Objective, aggregate, kl, policy_objective, value_loss
 from rl.memory import PlanArgs, print_plan
@@ -256,12 +256,13 @@ def main(args: Args) -> Path | None:
     accelerator, mixed = make_accelerator(args.model_args.mixed_precision, args.grad_clip, args.engine_args.deterministic)
     check(args, accelerator.num_processes, accelerator.distributed_type.value)
     set_seed(args.seed + accelerator.process_index)
-    if args.plan_args.dry_run:  # the memory plan, before anything heavy (sized by the largest of the envs' budgets)
-        top = largest(env_limits(args)).max_tokens
+    limits = env_limits(args)  # each env's turn caps and token budgets (rl/limits.py), from here on passed down
+    top = largest(limits).max_tokens  # (what is sized for the whole run takes the largest of the envs' budgets)
+    if args.plan_args.dry_run:  # the memory plan, before anything heavy
         return print_plan(accelerator, args.plan_args, args.model, args.algo, args.objective.kl_coef, args.model_args,
                           args.engine_args, args.gen_batch_size, args.max_tokens_per_micro_batch or args.micro_batch_size * top, top)
     if args.algo in OFFLINE:  # learning from trajectory files: the same models, checkpoints and logs
-        return evolve(args, accelerator, mixed) if args.algo == "agentevol" else learn(args, accelerator, mixed)
+        return (evolve if args.algo == "agentevol" else learn)(args, accelerator, mixed, limits)
     resuming = args.run_args.resuming
     run_dir = run_directory(accelerator, args.run_args, f"{'+'.join(args.env)}-{args.algo}")
 
@@ -277,30 +278,30 @@ def main(args: Args) -> Path | None:
     engine = logs = rollouts = None
     try:  # (everything from here on closes what it opened, also on a stop or an error)
         # -- models, the sampler, and the training state when resuming
-        tokenizer, fmt, models, max_tokens = set_up(args, accelerator, args.run_args.resume if resuming else args.model)
-        engine = engine_of(args, fmt, models, accelerator, max_tokens)
+        tokenizer, fmt, models, limits = set_up(args, accelerator, limits)  # (limits: within the context window now)
+        engine = engine_of(args, fmt, models, accelerator, limits)
         trainer_state = resume(accelerator, models, engine, Path(args.run_args.resume)) if resuming else {"step": 0, "logs": {}}
         start_step = trainer_state["step"] + 1
         sync(engine, models.policy, accelerator, start_step - 1)  # from the first step on: the trainer's weights
         history = logged_steps(run_dir, start_step) if resuming else []  # (the steps' metrics: --horizon auto's input)
-        rollouts = rollouts_of(engine, fmt, environments, mix, train_ids, start_step, max_tokens, args, accelerator,
+        rollouts = rollouts_of(engine, fmt, environments, mix, train_ids, start_step, limits, args, accelerator,
                                history)
 
         # -- the run's record (logs cut back to the checkpoint's when resuming)
         config = run_config(flags.flat(args), run_dir, resuming, accelerator, mixed, engine, environments[0])
-        accelerator.print(start_line(args, mix, run_dir, sum(map(len, test_ids.values())), start_step, resuming))
+        accelerator.print(start_line(args, mix, run_dir, limits, sum(map(len, test_ids.values())), start_step))
         logs = logs_of(args, run_dir, config, accelerator, trainer_state["logs"])
+        args = replace(args, objective=args.objective.norm_tokens(top))  # (Dr. GRPO's constant, after config.json)
 
         # (the step bar shows the phase under way: rollout, update or eval, and how far it got)
         progress = step_bar(start_step, args.steps, accelerator.is_main_process)
         if test_ids and start_step == 1:  # the initial policy, for the held-out comparison at the end (finish)
-            evaluation, evaluated = evaluate(engine, fmt, players, test_ids, models, args, accelerator, max_tokens, 0,
-                                             progress)
+            evaluation, evaluated = evaluate(engine, fmt, players, test_ids, args, accelerator, limits, 0, progress)
             logs.write(0, evaluation | {"charts/step": 0}, eval_line(0, evaluation), evaluations=evaluated)
         for step in progress:
             # -- rollout: the same tasks on every process for a step, each process playing its share (rollouts_of)
             step_start = time.perf_counter()
-            horizon, why = horizon_for(step, args, history)  # ScalingInter-RL's stage, or --horizon auto's cap
+            horizon, why = horizon_for(step, args, limits, history)  # ScalingInter-RL's stage, or --horizon auto's cap
             costs = Costs(RolloutStats())
             with costs.measure("rollout"):
                 trajectories = rollouts.take(step, Progress(progress, "rollout", len(rows), horizon))
@@ -310,7 +311,7 @@ def main(args: Args) -> Path | None:
             rollouts.before_update()  # (the engine then holds nothing, and sleeps through the update)
             between = rollouts.advance if rollouts.meanwhile else None  # (rollouts going on meanwhile)
             with costs.measure("update"):
-                batch = batch_of(trajectories, args, accelerator, fmt.pad_id, step, max_tokens)
+                batch = batch_of(trajectories, args, accelerator, fmt.pad_id, step, limits)
                 old_logprobs(models, batch, args, accelerator, between)
                 advantages, returns = advantages_for(args, batch.full, batch.scores, batch.groups, batch.ok,
                                                      reducer(accelerator), batch.episodes, batch.anchors, batch.envs)
@@ -331,7 +332,7 @@ def main(args: Args) -> Path | None:
                                    engine.metrics() | synced) | ({"rollout/horizon_reason": why} if why else {})
             if args.max_staleness is not None:
                 metrics |= async_metrics(batch, sums, args.max_staleness)
-            evaluation, evaluated = evaluate(engine, fmt, players, test_ids, models, args, accelerator, max_tokens, step,
+            evaluation, evaluated = evaluate(engine, fmt, players, test_ids, args, accelerator, limits, step,
                                              progress) if eval_due(step, args.eval_every, args.steps) else ({}, [])
             step_s = time.perf_counter() - step_start
             metrics |= evaluation | {"perf/step_s": step_s, "perf/engine_idle_share": 1 - costs.rollout.generate_s / step_s,
@@ -355,21 +356,25 @@ def main(args: Args) -> Path | None:
 # The phases of an RL step, in the order main() runs them
 
 
-def set_up(args: Args, accelerator, policy_from: str) -> tuple[object, ChatFormat, Models, int]:
-    """The tokenizer, its chat format for the agent's layout, the models (the policy's weights from `policy_from`)
-    and the trajectories' token limit (the smaller of --max-tokens and the policy's context window)."""
+def set_up(args: Args, accelerator, limits: dict[str, Limits]) -> tuple[object, ChatFormat, Models, dict[str, Limits]]:
+    """The tokenizer, its chat format for the agent's layout, the models (the policy's weights those of the checkpoint
+    resumed, else --model's) and each env's `limits` within the policy's context window (rl/limits.py's within: a
+    trajectory holds at most the smaller of its budget and the window)."""
     tokenizer = load_tokenizer(args.model)
     fmt = chat_format(tokenizer, args.layout_args)
+    policy_from = args.run_args.resume if args.run_args.resuming else args.model
     models = build_models(accelerator, policy_from, args.model, args.algo, args.objective.kl_coef, args.model_args)
-    max_tokens = context_limit(largest(env_limits(args)).max_tokens, args.model,
-                               accelerator.unwrap_model(models.policy).config, say=accelerator.is_main_process)
-    return tokenizer, fmt, models, max_tokens
+    context = context_limit(largest(limits).max_tokens, args.model, accelerator.unwrap_model(models.policy).config,
+                            say=accelerator.is_main_process)
+    return tokenizer, fmt, models, within(limits, context)
 
 
-def engine_of(args: Args, fmt: ChatFormat, models: Models, accelerator, max_tokens: int):
-    """This process's rollout engine (rl/engines/setup.py), its sampler seeded by the process."""
-    return build_engine(args.engine_args, fmt, args.model, max_tokens, args.seed + accelerator.process_index,
-                        args.gen_batch_size, accelerator=accelerator, policy=models.policy)
+def engine_of(args: Args, fmt: ChatFormat, models: Models, accelerator, limits: dict[str, Limits]):
+    """This process's rollout engine (rl/engines/setup.py), its sampler seeded by the process, its context the largest
+    of the envs' token budgets."""
+    return build_engine(args.engine_args, fmt, args.model, largest(limits).max_tokens,
+                        args.seed + accelerator.process_index, args.gen_batch_size, accelerator=accelerator,
+                        policy=models.policy)
 
 
 def logs_of(args: Args, run_dir: Path, config: dict, accelerator, sizes: dict) -> Logs:
@@ -378,30 +383,30 @@ def logs_of(args: Args, run_dir: Path, config: dict, accelerator, sizes: dict) -
                 args.run_args.wandb_project if args.run_args.track else None)
 
 
-def start_line(args: Args, mix: Mix, run_dir: Path, tests: int, start: int, resuming: bool) -> str:
-    """An RL run's first line: what it trains, how long, at which turn caps, its evaluations, where it writes."""
+def start_line(args: Args, mix: Mix, run_dir: Path, limits: dict[str, Limits], tests: int, start: int) -> str:
+    """An RL run's first line: what it trains, how long, at which turn caps (each env's `limits`), its evaluations,
+    where it writes."""
     return (f"run {run_dir.name}: {mix}, {args.model} ({args.preset} preset), {args.algo}, {args.steps} steps of "
-            f"{args.tasks_per_step} tasks x {args.n} samples, {describe_limits(env_limits(args), args.steps)}, "
+            f"{args.tasks_per_step} tasks x {args.n} samples, {describe_limits(limits, args.steps)}, "
             f"{evaluation_plan(tests, args.eval_k, args.eval_every, start, args.steps, initial=start == 1)}"
-            f" -> {run_dir}" + (f", resumed at step {start}" if resuming else ""))
+            f" -> {run_dir}" + (f", resumed at step {start}" if args.run_args.resuming else ""))
 
 
 def rollouts_of(engine, fmt: ChatFormat, environments: list, mix: Mix, train_ids: dict[str, list[int]], first: int,
-                max_tokens: int, args: Args, accelerator, history: list[dict]) -> Rollouts:
+                limits: dict[str, Limits], args: Args, accelerator, history: list[dict]) -> Rollouts:
     """The run's rollouts (rollout.py's Rollouts), set j holding step j's tasks (step_tasks, each env's on its rows of
-    `environments`: make_pool; my_tasks, the horizon schedule,
+    `environments`: make_pool; my_tasks, each env's horizon schedule and `limits`,
     under --deterministic a stream of seeds restarted from (seed, step)), from step `first` on, at --max-staleness k
     (none: 0, the synchronous loop): in-flight episodes are not checkpointed, a resumed run plays its next steps'
     sets anew (docs/async.md: a browser page or a JVM's state cannot be saved)."""
     def tasks_of(j: int) -> Tasks:
         mine, groups = my_tasks(step_tasks(j, mix, train_ids, args.seed), args.n, accelerator)
-        return Tasks([task for _, task in mine], groups, caps_for(j, args, history)[0])
+        return Tasks([task for _, task in mine], groups, caps_for(j, args, limits, history)[0])
 
-    seed, limits = args.seed + accelerator.process_index, env_limits(args, max_tokens)
+    seed = args.seed + accelerator.process_index
     flags.check_overlong(args.overlong_penalty, limits)  # (within the model's context window too)
     return Rollouts(engine, fmt, environments, tasks_of, staleness=args.max_staleness or 0, first=first, last=args.steps,
-                    max_new_tokens=per_env(limits, "max_new_tokens"), max_tokens=per_env(limits, "max_tokens"),
-                    agent=args.layout_args.make_agent(),
+                    limits=limits, agent=args.layout_args.make_agent(),
                     reseed=(lambda j: engine.reseed(stream_seed(seed, j))) if args.engine_args.deterministic else None,
                     versions=args.max_staleness is not None,  # (the flag decides what is recorded and logged)
                     redraw=Redraw(train_ids, args.dynamic_sampling, args.seed, accelerator.process_index, args.algo,
@@ -409,10 +414,10 @@ def rollouts_of(engine, fmt: ChatFormat, environments: list, mix: Mix, train_ids
 
 
 def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: int, step: int | None = None,
-             max_tokens: int | None = None) -> Batch:
+             limits: dict[str, Limits] | None = None) -> Batch:
     """The step's tensors (rl/batch.py), laid out by the micro-batch flags, as many micro-batches on every process
     (the most any process needs; the others add empty ones), each token's lag behind `step` where it has one; the
-    scores shaped by --overlong-penalty against the budgets episodes played under (`max_tokens`: the context's)."""
+    scores shaped by --overlong-penalty against the budgets episodes played under (each env's `limits`)."""
     rows, episodes = rows_of(trajectories)  # (--reasoning drop: a row per turn)
     layout = arrange([len(t.token_ids) for t in rows], args.micro_batch_size, args.max_tokens_per_micro_batch,
                      args.pack, minimum=args.minibatches)
@@ -420,8 +425,8 @@ def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: in
     batch = make_batch(rows, pad_id, layout, accelerator.device, count, args.pack, episodes, step)
     if args.overlong_penalty or args.overlong_mask:  # (DAPO's shaping of the episodes the token budget ends)
         buffer, penalty = flags.overlong_of(args.overlong_penalty)
-        shape_overlong(batch, rows, {env: own.max_tokens for env, own in env_limits(args, max_tokens).items()}, buffer,
-                       penalty, args.overlong_mask)
+        shape_overlong(batch, rows, {env: own.max_tokens for env, own in limits.items()}, buffer, penalty,
+                       args.overlong_mask)
     return batch
 
 
@@ -485,9 +490,8 @@ def update(models: Models, batch: Batch, args: Args, accelerator, step: int, pro
     every optimizer step of the models that trained. A step whose loss or gradient is not finite is skipped (counted
     in sums.nonfinite_updates and models.nonfinite_streak, with a warning; fp16's loss scaler skips the steps whose
     scaled gradients overflow itself, uncounted). `between`, when given, is called after every micro-batch (the
-    rollouts that go on meanwhile: rollout.Rollouts.advance)."""
+    rollouts that go on meanwhile: rollout.Rollouts.advance). Dr. GRPO's constant is args.objective's (main sets it)."""
     train_policy = step >= args.critic_warmup  # as upstream: `critic_warmup <= global_steps`, counted from 1
-    args = replace(args, objective=args.objective.norm_tokens(largest(env_limits(args)).max_tokens))  # (Dr. GRPO's)
     trained = [("policy", update_policy)] if train_policy else []
     if models.critic is not None:
         trained.append(("critic", update_critic))
@@ -551,31 +555,31 @@ def update_critic(models: Models, micro: MicroBatch, counts: Counts, args: Args,
 # Evaluation during training (--eval-every), scored as eval.py scores
 
 
-def evaluate(engine, fmt: ChatFormat, environments: list, test_ids: dict[str, list[int]], models: Models, args: Args,
-             accelerator, max_tokens: int, step: int, bar=None) -> tuple[dict, list[dict]]:
+def evaluate(engine, fmt: ChatFormat, environments: list, test_ids: dict[str, list[int]], args: Args, accelerator,
+             limits: dict[str, Limits], step: int, bar=None) -> tuple[dict, list[dict]]:
     """The policy on each env's test tasks, --eval-k episodes each at the run's temperature, scored as eval.py scores
-    (rl/scores.py). Every evaluation of a run plays under one turn cap per env, its horizon schedule's last stage (the
-    one it is headed for), so that evaluations compare across steps, step 0's included. Returns eval/ metrics
-    (rl/metrics.py: per category, per env with several) and every episode's log record."""
-    limits = env_limits(args, max_tokens)
+    (rl/scores.py), with the weights of `step` that the engine has (the loops sync each new weights once). Every
+    evaluation of a run plays under one turn cap per env (`limits`), its horizon schedule's last stage (the one it is
+    headed for), so that evaluations compare across steps, step 0's included. Returns eval/ metrics (rl/metrics.py: per
+    category, per env with several) and every episode's log record."""
     horizon = max(last_caps(limits).values())
     mine = sum(len(ids[accelerator.process_index::accelerator.num_processes]) for ids in test_ids.values()) * args.eval_k
     with own_stream(engine, stream_seed(args.seed + accelerator.process_index, step, "eval")):  # (not the rollouts')
-        episodes = play_share(engine, fmt, environments, test_ids, args.eval_k, models, args, accelerator, limits, step,
+        episodes = play_share(engine, fmt, environments, test_ids, args.eval_k, args, accelerator, limits,
                               Progress(bar, "eval", mine, horizon))
     scores = {name: score([t for t in episodes if t.env == name], name, envs.score_max(name, args.env_args.options(name)))
               for name in test_ids}
-    return eval_metrics(scores, horizon, max_tokens), [{"step": step, **t.log_record()} for t in episodes]
+    return (eval_metrics(scores, horizon, largest(limits).max_tokens),
+            [{"step": step, **t.log_record()} for t in episodes])
 
 
-def play_share(engine, fmt: ChatFormat, environments: list, tasks: dict[str, list[int]], n: int, models: Models,
-               args: Args, accelerator, limits: dict[str, Limits], step: int, progress=None) -> list[Trajectory]:
-    """`n` episodes of every task of each env (`tasks`, on its instances among `environments`) with the policy's
-    weights of `step`, each under its env's `limits` (the last stage of its horizon: rl/limits.py's last_caps), each
-    process its share; every process gets all, in order."""
+def play_share(engine, fmt: ChatFormat, environments: list, tasks: dict[str, list[int]], n: int, args: Args,
+               accelerator, limits: dict[str, Limits], progress=None) -> list[Trajectory]:
+    """`n` episodes of every task of each env (`tasks`, on its instances among `environments`) with the weights the
+    engine has, each under its env's `limits` (the last stage of its horizon: rl/limits.py's last_caps), each process
+    its share; every process gets all, in order."""
     from accelerate.utils import gather_object
 
-    sync(engine, models.policy, accelerator, step)
     played = []
     for name, task_ids in tasks.items():
         mine, groups = my_tasks(task_ids, n, accelerator)
@@ -591,15 +595,16 @@ def play_share(engine, fmt: ChatFormat, environments: list, tasks: dict[str, lis
 # SFT and DPO: learning from trajectory files (rl/data.py), on RL's models, accumulation and checkpoints
 
 
-def learn(args: Args, accelerator, mixed: str) -> Path:
+def learn(args: Args, accelerator, mixed: str, limits: dict[str, Limits]) -> Path:
     """--algo sft or dpo: optimizer steps over --data's examples, the validation loss at --eval-every
-    steps and at the end, and with --eval-every the policy played on the test split then too."""
+    steps and at the end, and with --eval-every the policy played on the test split then too (under `limits`)."""
     resuming = args.run_args.resuming
     run_dir = run_directory(accelerator, args.run_args, f"{'+'.join(args.env)}-{args.algo}")
     offline, agent = args.offline_args, args.layout_args.agent
     train, validation = held_out(read_data(offline.data, args.env, agent), offline.validation, args.seed)
     experience = read_data(offline.experience, args.env, agent, every=False) if offline.experience else None
-    tokenizer, fmt, models, max_tokens = set_up(args, accelerator, args.run_args.resume if resuming else args.model)
+    tokenizer, fmt, models, limits = set_up(args, accelerator, limits)
+    max_tokens = largest(limits).max_tokens  # (every env's: one set of limits takes no --env-limits of its own)
 
     # -- the examples: conversations (sft) or pairs (dpo), a share of the tasks held out for validation
     examples = examples_of(fmt, train, max_tokens, args.algo == "dpo", offline.margin, experience)
@@ -611,7 +616,7 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
     test_ids = test_tasks(args.test_tasks, args.env, args.eval_tasks) if args.eval_every else {}
     playing = instances({e: len(ids) for e, ids in test_ids.items()}, args.gen_batch_size, accelerator.num_processes)
     environments = args.env_args.make_pool(playing, 1, accelerator.process_index, args.seed)
-    engine = engine_of(args, fmt, models, accelerator, max_tokens) if test_ids else None
+    engine = engine_of(args, fmt, models, accelerator, limits) if test_ids else None
     trainer_state = resume(accelerator, models, engine, Path(args.run_args.resume)) if resuming else {"step": 0, "logs": {}}
     config = run_config(flags.flat(args), run_dir, resuming, accelerator, mixed, engine,
                         environments[0] if environments else None)
@@ -632,8 +637,11 @@ def learn(args: Args, accelerator, mixed: str) -> Path:
             stop_on_nonfinite(models, None, args.max_nonfinite_updates, accelerator, run_dir, step)
             if step == args.steps or eval_due(step, args.eval_every, args.steps):
                 metrics |= validate(models, held, args, accelerator, fmt.pad_id)
-            evaluation, evaluated = evaluate(engine, fmt, environments, test_ids, models, args, accelerator, max_tokens, step,
-                                             progress) if test_ids and eval_due(step, args.eval_every, args.steps) else ({}, [])
+            evaluation, evaluated = {}, []
+            if test_ids and eval_due(step, args.eval_every, args.steps):  # the step's new weights, into the engine
+                sync(engine, models.policy, accelerator, step)
+                evaluation, evaluated = evaluate(engine, fmt, environments, test_ids, args, accelerator, limits, step,
+                                                 progress)
             metrics |= evaluation | {"perf/step_s": time.perf_counter() - step_start, "charts/step": step}
             logs.write(step, metrics, offline_line(step, metrics), evaluations=evaluated)
             if step == args.steps or (args.run_args.save_every and step % args.run_args.save_every == 0):
@@ -676,19 +684,21 @@ def offline_settings(args: Args) -> dict:
 # AgentEvol: AgentGym's self-evolution
 
 
-def evolve(args: Args, accelerator, mixed: str) -> Path:
+def evolve(args: Args, accelerator, mixed: str, limits: dict[str, Limits]) -> Path:
     """--algo agentevol, AgentGym's self-evolution. Iteration 0 learns --data alone (behaviour cloning);
     each later one explores --explore-tasks of the train split (--n episodes each) with the current
     policy, keeps the episodes that reached --threshold, retrains on --data plus those (from --model, or
     going on with --retrain-from continue), and plays the test split. One metrics line per iteration;
     its model is checkpoints/step_<iteration>, its explored episodes are in rollouts.jsonl. Unlike AgentGym's, it
     explores --n times a task at the run's temperature (AgentGym's script explores greedily, do_sample False, which
-    would make a task's samples identical), and can go on from the last iteration's weights (AgentGym: the base)."""
+    would make a task's samples identical), and can go on from the last iteration's weights (AgentGym: the base).
+    Episodes play under `limits`; each iteration's weights reach the engine once, before its test split."""
     run_dir = run_directory(accelerator, args.run_args, f"{'+'.join(args.env)}-{args.algo}")
     offline = args.offline_args
     expert, validation = held_out(read_data(offline.data, args.env, args.layout_args.agent), offline.validation,
                                   args.seed)
-    tokenizer, fmt, models, max_tokens = set_up(args, accelerator, args.model)
+    tokenizer, fmt, models, limits = set_up(args, accelerator, limits)
+    max_tokens = largest(limits).max_tokens  # (every env's: one set of limits takes no --env-limits of its own)
     initial = copy.deepcopy(models.optimizer.state_dict()), copy.deepcopy(models.scheduler.state_dict())
     held = examples_of(fmt, validation, max_tokens)
 
@@ -699,7 +709,7 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
     played = {name: max(len(explore_ids[name]) * args.n, len(test_ids[name])) for name in args.env}
     environments = args.env_args.make_pool(instances(played, args.gen_batch_size, accelerator.num_processes), 1,
                                            accelerator.process_index, args.seed)
-    engine = engine_of(args, fmt, models, accelerator, max_tokens)
+    engine = engine_of(args, fmt, models, accelerator, limits)
     config = run_config(flags.flat(args), run_dir, False, accelerator, mixed, engine, environments[0])
     if accelerator.is_main_process:
         print(f"run {run_dir.name}: agentevol on {args.model} ({args.preset} preset), {offline.iterations} iterations "
@@ -710,9 +720,8 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
         for iteration in range(offline.iterations + 1):
             start = time.perf_counter()
             explored, kept = [], []
-            if iteration > 0:  # explore with the last iteration's policy, keep the successes
-                explored = play_share(engine, fmt, environments, explore_ids, args.n, models, args, accelerator,
-                                      env_limits(args, max_tokens), iteration)
+            if iteration > 0:  # explore with the last iteration's policy (the engine has it), keep the successes
+                explored = play_share(engine, fmt, environments, explore_ids, args.n, args, accelerator, limits)
                 kept = [to_record(t) for t in explored if t.error is None
                         and (t.reward >= offline.threshold if offline.threshold is not None else t.success)]
                 if offline.retrain_from == "base":
@@ -724,8 +733,8 @@ def evolve(args: Args, accelerator, mixed: str) -> Path:
                 metrics = offline_step(models, examples, step, args, accelerator, fmt.pad_id)
                 stop_on_nonfinite(models, None, args.max_nonfinite_updates, accelerator, run_dir, step)
             metrics |= validate(models, held, args, accelerator, fmt.pad_id)
-            evaluation, evaluated = evaluate(engine, fmt, environments, test_ids, models, args, accelerator,
-                                             max_tokens, iteration)
+            sync(engine, models.policy, accelerator, iteration)  # (its weights, for its tests and the next exploring)
+            evaluation, evaluated = evaluate(engine, fmt, environments, test_ids, args, accelerator, limits, iteration)
             metrics |= evaluation | {
                 "evol/iteration": iteration, "evol/buffer": len(kept), "evol/explored": len(explored),
                 "evol/explore_success": sum(t.success for t in explored) / max(len(explored), 1),

@@ -31,7 +31,7 @@ import tyro
 import envs
 from rl import advantages as adv_lib
 from rl.horizon import AUTO, LADDER, caps_of
-from rl.limits import check as check_limits, env_limits, largest
+from rl.limits import Limits, check as check_limits, env_limits, largest
 from rl.model import EMBEDDED
 from rl.run import find_checkpoint, resumable_config, run_of
 from rl.tasks import Mix, env_names, tasks_by_env
@@ -225,7 +225,10 @@ def check(args, world: int, distributed: str = "NO") -> None:
     if args.max_new_tokens >= args.max_tokens:
         raise SystemExit("--max-new-tokens must be smaller than --max-tokens")
     check_horizon(args)
-    args.engine_args.check(largest(env_limits(args)).max_tokens)
+    limits = env_limits(args)  # (each env's: rl/limits.py)
+    check_env_limits(args, limits)
+    args.engine_args.check(largest(limits).max_tokens)
+    check_overlong(args.overlong_penalty, limits)
     args.model_args.check(args.algo, distributed)
     args.objective.check(args.algo not in OFFLINE, args.max_staleness is not None)
     if args.eval_every < 0 or args.eval_tasks < 0 or args.eval_k < 1:
@@ -291,7 +294,6 @@ def check_estimator(args) -> None:
     if (args.overlong_penalty or args.overlong_mask) and estimator is None:
         raise SystemExit(f"--overlong-penalty and --overlong-mask shape the rewards of RL's episodes; --algo {args.algo} "
                          "learns from trajectory files")
-    check_overlong(args.overlong_penalty, env_limits(args))
     if args.critic_warmup > 1 and not (estimator and estimator.critic):
         raise SystemExit(f"--critic-warmup trains only the critic for a while, and --algo {args.algo} has none: "
                          f"use it with --algo {adv_lib.names(lambda e: e.critic, 'or')}")
@@ -300,9 +302,9 @@ def check_estimator(args) -> None:
                          "use --mixed-precision bf16")
 
 
-def check_overlong(text: str | None, limits: dict) -> None:
-    """--overlong-penalty's L below every env's token budget (`limits`: rl/limits.env_limits, at the run's start with
-    the model's context window too), or a SystemExit that says which."""
+def check_overlong(text: str | None, limits: dict[str, Limits]) -> None:
+    """--overlong-penalty's L below every env's token budget (`limits`: the run's envs', at its start within the model's
+    context window too), or a SystemExit that says which."""
     buffer, _ = overlong_of(text)
     budget = min(own.max_tokens for own in limits.values())
     if buffer >= budget:
@@ -340,7 +342,11 @@ def check_horizon(args) -> None:
         raise SystemExit("--horizon-patience takes 1 step or more, --horizon-cut a share in [0, 1]")
     if args.horizon[0] == AUTO and args.algo in OFFLINE:
         raise SystemExit(f"--horizon auto grows the turn cap over steps of RL; --algo {args.algo} takes one cap")
-    limits = env_limits(args)
+
+
+def check_env_limits(args, limits: dict[str, Limits]) -> None:
+    """Each env's `limits` (--env-limits over the run's): ones that can work, and the same for every env where the
+    episodes all take one cap (reflect's attempts, the offline programs)."""
     check_limits(limits)
     differ = [name for name, own in limits.items() if own != limits[args.env[0]]]
     if differ and (args.algo in OFFLINE or args.layout_args.agent == "reflect"):  # (one cap for all: caps_for)

@@ -7,9 +7,10 @@ The run's --horizon, --horizon-every, --max-new-tokens and --max-tokens are ever
 env ENV its own (KEY: horizon, horizon_every, max_new_tokens, max_tokens; a horizon's stages comma-separated, `auto`
 first for --horizon auto's rule on that env's own episodes). Upstream trains one env a run, each with its own
 script's stages (BabyAI 6 13 20, WebArena 8 12 15) and response length (WebArena's 14,098 tokens); a run of several
-keeps each env's. An episode plays under its env's limits (rollout.py takes a limit or one per env, by name); what is
-sized for the whole run (the rollout engine's context, micro-batches, the memory plan) takes the largest.
-"""
+keeps each env's. A run's limits are each env's `Limits` by name (a run of one env: a mix of one), made once at its
+start (env_limits) and cut to the model's context window once (within); an episode plays under its env's (rollout.py's
+Rollouts takes them by name, each set's turn caps too); what is sized for the whole run (the rollout engine's context,
+micro-batches, the memory plan) takes the largest."""
 
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from rl.records import read_metrics
 from rl.tasks import env_names
 
 KEYS = ("horizon", "horizon_every", "max_new_tokens", "max_tokens")
-Limit = int | dict[str, int]  # a limit as rollout.py takes it: one for every env, or each env's by name
 
 
 class Limits(NamedTuple):
@@ -36,21 +36,23 @@ class Limits(NamedTuple):
     max_tokens: int
 
 
-def env_limits(args, context: int | None = None) -> dict[str, Limits]:
+def env_limits(args) -> dict[str, Limits]:
     """Each env of the run (args.env) by name: the run's limits (args.horizon, horizon_every, max_new_tokens,
-    max_tokens; eval.py's Args has no horizon_every) with its --env-limits entries over them; `context`: the most
-    tokens a trajectory may hold (rl/model.py's context_limit), which cuts every env's max_tokens."""
-    run = Limits(tuple(args.horizon), getattr(args, "horizon_every", 1), args.max_new_tokens, args.max_tokens)
-    entries = getattr(args, "env_limits", None) or {}
+    max_tokens) with its --env-limits entries over them."""
+    run = Limits(tuple(args.horizon), args.horizon_every, args.max_new_tokens, args.max_tokens)
+    entries = args.env_limits or {}
     check_entries(entries, args.env)
     own = {name: own_entries(entries, name) for name in args.env}
     for settings in own.values():
         if settings.get("horizon") == (AUTO,):  # (`auto` alone: the run's stages, else the recipe's, as --horizon)
             settings["horizon"] = (AUTO, *(caps if len(caps := caps_of(run.horizon)) > 1 else LADDER))
-    limits = {name: run._replace(**settings) for name, settings in own.items()}
-    if context is not None:
-        limits = {name: own._replace(max_tokens=min(own.max_tokens, context)) for name, own in limits.items()}
-    return limits
+    return {name: run._replace(**settings) for name, settings in own.items()}
+
+
+def within(limits: dict[str, Limits], context: int) -> dict[str, Limits]:
+    """Each env's limits with its max_tokens cut to `context`, the most tokens a trajectory may hold (the model's
+    context window: rl/model.py's context_limit)."""
+    return {name: own._replace(max_tokens=min(own.max_tokens, context)) for name, own in limits.items()}
 
 
 def check_entries(entries: dict, names, keys: tuple[str, ...] = KEYS, auto: bool = True) -> None:
@@ -102,22 +104,16 @@ def largest(limits: dict[str, Limits]) -> Limits:
                   max(own.max_new_tokens for own in limits.values()), max(own.max_tokens for own in limits.values()))
 
 
-def per_env(limits: dict[str, Limits], key: str):
-    """One setting as rollout.py takes it: a value for every env, or each env's by name where they differ."""
-    values = {name: getattr(own, key) for name, own in limits.items()}
-    return next(iter(values.values())) if len(set(values.values())) == 1 else values
-
-
 def last_caps(limits: dict[str, Limits]) -> dict[str, int]:
     """Each env's last stage: the cap its held-out evaluations play under, so that they compare across steps."""
     return {name: caps_of(own.horizon)[-1] for name, own in limits.items()}
 
 
 def caps_at(step: int, limits: dict[str, Limits], known: list[dict], patience: int, cut: float, gain: float
-            ) -> tuple[int | dict[str, int], str | None]:
-    """The turn cap of step `step` (one for every env, or each env's by name) and why, if --horizon auto decided it:
-    each env's ScalingInter-RL stage then, or `auto`'s rule on `known` (the metrics of the steps finished when the
-    step's episodes begin), each env's on its own rows with several (rl/horizon.py's env_rows)."""
+            ) -> tuple[dict[str, int], str | None]:
+    """Each env's turn cap of step `step`, by name, and why, if --horizon auto decided it: its ScalingInter-RL stage
+    then, or `auto`'s rule on `known` (the metrics of the steps finished when the step's episodes begin), each env's
+    on its own rows where a run has several (rl/metrics.py logs rollout/<env>/ then: rl/horizon.py's env_rows)."""
     caps, whys = {}, []
     for name, own in limits.items():
         if own.horizon[0] != AUTO:
@@ -126,21 +122,21 @@ def caps_at(step: int, limits: dict[str, Limits], known: list[dict], patience: i
         caps[name], why = auto_horizon(caps_of(own.horizon), env_rows(known, name) if len(limits) > 1 else known,
                                        patience, cut, gain)
         whys.append(f"{name} {why}" if len(limits) > 1 else why)
-    values = set(caps.values())
-    return (values.pop() if len(values) == 1 else caps), ("; ".join(whys) if whys else None)
+    return caps, ("; ".join(whys) if whys else None)
 
 
-def horizon_for(step: int, args, history: list[dict]) -> tuple[int, str | None]:
-    """caps_for's turn cap of step `step` (several envs': the largest) and why (logged as rollout/horizon_reason)."""
-    caps, why = caps_for(step, args, history)
-    return most(caps), why
+def horizon_for(step: int, args, limits: dict[str, Limits], history: list[dict]) -> tuple[int, str | None]:
+    """caps_for's largest turn cap of step `step` (logged as rollout/horizon) and why (rollout/horizon_reason)."""
+    caps, why = caps_for(step, args, limits, history)
+    return max(caps.values()), why
 
 
-def caps_for(step: int, args, history: list[dict]) -> tuple[Limit, str | None]:
-    """train.py's turn cap of step `step` (`args`: its Args), each env's (caps_at) on the metrics of the steps finished
-    when the step's episodes begin (`history`: the run's step rows; the staleness rule's known_before), and why."""
+def caps_for(step: int, args, limits: dict[str, Limits], history: list[dict]) -> tuple[dict[str, int], str | None]:
+    """train.py's turn caps of step `step` (`args`: its Args; `limits`: its envs'), each env's (caps_at) on the metrics
+    of the steps finished when the step's episodes begin (`history`: the run's step rows; the staleness rule's
+    known_before), and why."""
     known = [row for row in history if row["charts/step"] <= known_before(step, args.max_staleness)]
-    limits = env_limits(args)  # (reflect: one cap, its attempts' sets; its envs' horizons are the run's: rl/flags.py)
+    # (reflect: one cap, its attempts' sets', on the pooled rows; its envs' horizons are the run's: rl/flags.py)
     limits = {args.env[0]: limits[args.env[0]]} if args.layout_args.agent == "reflect" else limits
     return caps_at(step, limits, known, args.horizon_patience, args.horizon_cut, args.horizon_gain)
 
@@ -154,33 +150,23 @@ def describe_limits(limits: dict[str, Limits], steps: int) -> str:
                      f" tokens" for name, own in limits.items())
 
 
-def named(value: Limit, name: str) -> int:
-    """A limit as rollout.py takes it (one for every env, or each env's by name), for an episode of env `name`."""
-    return value if isinstance(value, int) else value[name]
-
-
-def most(value: Limit) -> int:
-    """A limit's largest over the envs (one for every env, or each env's by name)."""
-    return value if isinstance(value, int) else max(value.values())
-
-
 # ----------------------------------------------------------------------------------------------
 # A run's checkpoint, as eval.py plays it (--protocol run)
 
 
-def checkpoint_limits(model: str, config: dict, env: str) -> dict[str, int]:
+def checkpoint_limits(model: str, config: dict, env: str) -> Limits:
     """The limits env `env` played under in the run (its config.json `config`) at the step of its checkpoint `model`:
-    its turn cap then (checkpoint_horizon) and its token budgets, the env's own where --env-limits gave them."""
+    one stage, its turn cap then (checkpoint_horizon), and its token budgets, the env's own where --env-limits gave
+    them."""
     if "horizon" not in config:  # a run from before horizon schedules
-        return {"horizon": config["max_turns"], "max_new_tokens": config["max_new_tokens"],
-                "max_tokens": config["max_tokens"]}
+        return Limits((config["max_turns"],), 1, config["max_new_tokens"], config["max_tokens"])
     names = env_names(config.get("env", "babyai"))
     trained = env in names  # (an env the run did not play: the run's own limits, its pooled caps)
     own = env_limits(SimpleNamespace(env=names if trained else (env,), env_limits=config.get("env_limits", {}) if
                                      trained else {}, horizon=config["horizon"], horizon_every=config["horizon_every"],
                                      max_new_tokens=config["max_new_tokens"], max_tokens=config["max_tokens"]))[env]
-    return {"horizon": checkpoint_horizon(model, own, env if trained and len(names) > 1 else None),
-            "max_new_tokens": own.max_new_tokens, "max_tokens": own.max_tokens}
+    return own._replace(horizon=(checkpoint_horizon(model, own, env if trained and len(names) > 1 else None),),
+                        horizon_every=1)
 
 
 def checkpoint_horizon(model: str, own: Limits, env: str | None = None) -> int:

@@ -149,7 +149,7 @@ def test_horizon_schedule_in_the_loop_survives_a_resume(tmp_path):
     for record in records:  # a cap, never a floor: an episode may end sooner
         assert record["turns"] <= record["step"]
     config = json.loads((run_dir / "config.json").read_text())
-    assert [checkpoint_limits(str(run_dir / "checkpoints" / f"step_{k}"), config, "babyai")["horizon"]
+    assert [checkpoint_limits(str(run_dir / "checkpoints" / f"step_{k}"), config, "babyai").horizon[0]
             for k in (1, 2, 3)] == [1, 2, 3]
 
 

@@ -109,7 +109,7 @@ def test_auto_in_the_loop_resumes_on_the_same_cap(tmp_path):
     assert all(r["horizon"] == metrics[r["step"] - 1]["rollout/horizon"] for r in records)
     config = json.loads((run_dir / "config.json").read_text())
     assert config["horizon"] == ["auto", 1, 2, 3]
-    assert checkpoint_limits(str(run_dir / "checkpoints" / "step_4"), config, "babyai")["horizon"] == 2
+    assert checkpoint_limits(str(run_dir / "checkpoints" / "step_4"), config, "babyai").horizon == (2,)
 
 
 def test_auto_alone_climbs_the_presets_stages():

@@ -20,7 +20,7 @@ from rl.advantages import AdvantageInputs, advantages, masked_whiten
 from rl.metrics import env_metrics, eval_metrics
 from rl.scores import env_table, macro
 from rl.engines.expert import ExpertEngine
-from rl.limits import Limits, caps_at, checkpoint_limits, describe_limits, env_limits, largest, last_caps, per_env
+from rl.limits import Limits, caps_at, checkpoint_limits, describe_limits, env_limits, largest, last_caps, within
 from rl.model import EMBEDDED, load_tokenizer
 from rl.tasks import Mix, my_tasks, step_tasks, tasks_by_env, tasks_for
 from rollout import ChatFormat, Rollouts, Tasks, spans
@@ -326,17 +326,17 @@ def test_under_horizon_auto_each_env_climbs_on_its_own_metrics_and_plays_under_i
         return {"charts/step": step, "rollout/horizon": 2, "rollout/success": 0.0, "finish/horizon": 0.5,
                 **{f"rollout/{name}/{key}": value for name, cut in (("babyai", 0.0), ("textcraft", 1.0))
                    for key, value in (("horizon", 2), ("success", 0.0), ("finish/horizon", cut))}}
-    history = [row(1), row(2)]
-    assert train.caps_for(2, args, history)[0] == 2  # (both envs at 2: one cap for all; step 2's: decided before step 1 ends)
-    caps, why = train.caps_for(3, args, history)
+    history, limits = [row(1), row(2)], env_limits(args)
+    assert train.caps_for(2, args, limits, history)[0] == {"babyai": 2, "textcraft": 2}  # (step 2's: before step 1 ends)
+    caps, why = train.caps_for(3, args, limits, history)
     assert caps == {"babyai": 4, "textcraft": 2} and why.startswith("babyai from 2 after step 2: it cut 0%")
-    assert train.horizon_for(3, args, history)[0] == 4  # (the step's rollout/horizon: the largest)
+    assert train.horizon_for(3, args, limits, history)[0] == 4  # (the step's rollout/horizon: the largest)
     fmt = ChatFormat(load_tokenizer("tiny-agent"))
     environments = [envs.make("babyai"), envs.make("textcraft")]
     try:
         tasks = Tasks([envs.splits("babyai")["test"][5], envs.splits("textcraft")["test"][60]], [0, 1], caps)
-        played = Rollouts(ExpertEngine(fmt, environments), fmt, environments, lambda _: tasks, max_new_tokens=256,
-                          max_tokens=16384).take(1)
+        played = Rollouts(ExpertEngine(fmt, environments), fmt, environments, lambda _: tasks,
+                          limits=dict.fromkeys(caps, Limits((4,), 1, 256, 16384))).take(1)
     finally:
         for env in environments:
             env.close()
@@ -344,7 +344,7 @@ def test_under_horizon_auto_each_env_climbs_on_its_own_metrics_and_plays_under_i
     # reflect plays a set's attempts under one cap: climbed on every env's episodes together
     reflect = train.parse_args(["--env", "babyai", "textcraft", "--horizon", "auto", "2", "4", "--horizon-patience",
                                 "2", "--agent", "reflect"])
-    assert train.caps_for(3, reflect, history)[0] == 2  # (finish/horizon 0.5 over both: the cap still binds)
+    assert train.caps_for(3, reflect, limits, history)[0] == {"babyai": 2}  # (finish/horizon 0.5 over both: it binds)
 
 
 def test_eval_plays_a_checkpoint_under_each_envs_own_cap_and_writes_a_file_each(tmp_path):
@@ -396,8 +396,8 @@ def test_the_env_flags_say_what_cannot_work():
 
 def test_each_env_keeps_its_own_horizon_schedule_and_token_budgets():
     """--env-limits ENV.KEY VALUE over the run's flags: each env's schedule of caps (fixed stages or auto's rule on its
-    own rows), its token budgets as rollout.py takes them (one for all where the envs agree), the largest for what is
-    sized once, and the refusals."""
+    own rows) and token budgets, the largest for what is sized once, a run of one env a mix of one, and the
+    refusals."""
     args = train.parse_args(["--env", "babyai", "textcraft", "webarena", "--horizon", "2", "4", "--horizon-every", "2",
                              "--max-new-tokens", "16", "--max-tokens", "1024", "--env-limits", "webarena.horizon",
                              "3,5,7", "webarena.horizon_every", "1", "webarena.max_tokens", "4096", "textcraft.horizon",
@@ -406,10 +406,7 @@ def test_each_env_keeps_its_own_horizon_schedule_and_token_budgets():
     limits = env_limits(args)
     assert limits["babyai"] == Limits((2, 4), 2, 16, 1024) and limits["webarena"] == Limits((3, 5, 7), 1, 16, 4096)
     assert limits["textcraft"] == Limits(("auto", 1, 3), 2, 32, 1024)
-    assert env_limits(args, context=2048)["webarena"].max_tokens == 2048  # (the model's window cuts every env's)
-    assert per_env(limits, "max_tokens") == {"babyai": 1024, "textcraft": 1024, "webarena": 4096}
-    assert per_env(limits, "horizon_every") == {"babyai": 2, "textcraft": 2, "webarena": 1}
-    assert per_env({"babyai": limits["babyai"]}, "max_tokens") == 1024  # (one env: one value, as before)
+    assert [own.max_tokens for own in within(limits, 2048).values()] == [1024, 1024, 2048]  # (the model's window)
     assert largest(limits) == Limits((7,), 2, 32, 4096) and last_caps(limits) == {"babyai": 4, "textcraft": 3,
                                                                                    "webarena": 7}
     # step 2: babyai's first stage, webarena's second; textcraft's rule has seen one step, at its first cap
@@ -418,13 +415,13 @@ def test_each_env_keeps_its_own_horizon_schedule_and_token_budgets():
     caps, why = caps_at(2, limits, known, 1, 0.1, 0.02)
     assert caps == {"babyai": 2, "textcraft": 3, "webarena": 5} and why.startswith("textcraft from 1 after step 1")
     assert caps_at(9, limits, known, 2, 0.1, 0.02)[0] == {"babyai": 4, "textcraft": 1, "webarena": 7}
-    assert caps_at(3, {"babyai": limits["babyai"]}, [], 1, 0.1, 0.02) == (4, None)  # (a run of one env: an int)
+    assert caps_at(3, {"babyai": limits["babyai"]}, [], 1, 0.1, 0.02) == ({"babyai": 4}, None)  # (a mix of one)
     assert "webarena horizon 3 (1-1), 5 (2-2), 7 (3-16) turns, 16/4096 tokens" in describe_limits(limits, 16)
     auto = train.parse_args(["--env", "babyai", "textcraft", "--horizon", "2", "4", "--env-limits", "textcraft.horizon",
                              "auto"])
     assert env_limits(auto)["textcraft"].horizon == ("auto", 2, 4)  # (`auto` alone: the run's stages, as --horizon)
     coded = types.SimpleNamespace(env=("babyai",), env_limits={"babyai.horizon": [3, 5]}, horizon=(2,),
-                                  max_new_tokens=8, max_tokens=64)
+                                  horizon_every=1, max_new_tokens=8, max_tokens=64)
     assert env_limits(coded)["babyai"].horizon == (3, 5)  # (stages as a list: a config written by hand, code)
     one = train.parse_args(["--horizon", "2", "4", "--horizon-every", "3"])
     assert describe_limits(env_limits(one), 9) == "horizon 2 (1-3), 4 (4-9) turns"  # (as the banner always said)
@@ -465,7 +462,7 @@ def test_env_options_scoped_by_env_go_to_that_env_only():
 
 
 def test_rollouts_play_each_episode_under_its_envs_token_budgets():
-    """Per-env max_new_tokens and max_tokens (rl/limits.py's per_env): every turn of a TextCraft episode within its 4
+    """Per-env max_new_tokens and max_tokens (Rollouts' limits): every turn of a TextCraft episode within its 4
     tokens, BabyAI's within its 24; BabyAI's trajectories end at their 900 tokens, TextCraft's play their 3 turns."""
     from rl.engines.hf import HFEngine
     from rl.model import load_model
@@ -477,8 +474,8 @@ def test_rollouts_play_each_episode_under_its_envs_token_budgets():
     tasks = Tasks([envs.splits("babyai")["test"][0]] * 2 + [envs.splits("textcraft")["test"][0]] * 2, [0, 0, 1, 1],
                   {"babyai": 6, "textcraft": 3})
     try:
-        played = Rollouts(engine, fmt, environments, lambda _: tasks, max_new_tokens={"babyai": 24, "textcraft": 4},
-                          max_tokens={"babyai": 900, "textcraft": 4096}).take(1)
+        played = Rollouts(engine, fmt, environments, lambda _: tasks, limits={
+            "babyai": Limits((6,), 1, 24, 900), "textcraft": Limits((3,), 1, 4, 4096)}).take(1)
     finally:
         for env in environments:
             env.close()
@@ -562,10 +559,10 @@ def test_a_run_on_two_envs_plays_each_quota_logs_each_env_and_resumes_exactly(tm
     for record in rollouts + [json.loads(line) for line in (run_dir / "evaluations.jsonl").read_text().splitlines()]:
         own = (1, 6) if record["item_id"].startswith("textcraft") else (2, 16)
         assert record["horizon"] == own[0] and max(end - start for start, end in record["action_spans"]) <= own[1]
-    assert checkpoint_limits(str(run_dir / "checkpoints" / "step_2"), config, "textcraft") == {
-        "horizon": 1, "max_new_tokens": 6, "max_tokens": config["max_tokens"]}
-    assert checkpoint_limits(str(run_dir / "checkpoints" / "step_2"), config, "sciworld") == {  # (not the run's)
-        "horizon": 2, "max_new_tokens": 16, "max_tokens": config["max_tokens"]}
+    assert checkpoint_limits(str(run_dir / "checkpoints" / "step_2"), config, "textcraft") == Limits(
+        (1,), 1, 6, config["max_tokens"])
+    assert checkpoint_limits(str(run_dir / "checkpoints" / "step_2"), config, "sciworld") == Limits(  # (not the run's)
+        (2,), 1, 16, config["max_tokens"])
     checkpoint = ["--resume", str(run_dir / "checkpoints" / "step_1")]
     assert train.parse_args([*checkpoint, "--env-limits", "textcraft.horizon", "1", "textcraft.max_new_tokens",
                              "6"]).env_limits == train.parse_args(checkpoint).env_limits == config["env_limits"]

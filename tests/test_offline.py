@@ -203,3 +203,15 @@ def test_bad_input_stops_with_a_message(tmp_path, few, flags, message):
     with pytest.raises(SystemExit, match=message):
         run(tmp_path, "bad", *flags)
     assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_agentevol_syncs_each_iterations_weights_once(tmp_path, few, monkeypatch):
+    """Each iteration's weights reach the engine once, before its test split; the next iteration explores with them
+    as they are (tests/test_train.py's counted_loads)."""
+    from test_train import counted_loads
+
+    loads = counted_loads(monkeypatch)
+    run(tmp_path, "evol", "--algo", "agentevol", "--data", str(few), "--iterations", "1", "--explore-tasks", "1",
+        "--n", "1", "--eval-tasks", "1", "--epochs", "1", "--batch-size", "1")
+    assert len(loads) == 2  # (iterations 0 and 1)

@@ -8,8 +8,11 @@ import pytest
 import envs
 from rl import staleness
 from rl.engines.expert import ExpertEngine
+from rl.limits import Limits
 from rl.model import load_tokenizer
 from rollout import ChatFormat, Rollouts, Tasks
+
+BABYAI = {"babyai": Limits((6,), 1, 64, 16384)}  # (its episodes' token budgets: Rollouts takes each env's)
 
 
 def test_no_token_lags_more_than_k_and_the_sets_under_way_share_no_envs():
@@ -38,11 +41,11 @@ def test_the_loop_opens_the_next_set_as_the_rule_says():
 
         def tasks_of(j: int) -> Tasks:
             opened.append(j)
-            return Tasks(train[2 * j:2 * j + 2], [0, 1], 3)
+            return Tasks(train[2 * j:2 * j + 2], [0, 1], {"babyai": 3})
 
         environments = [envs.make("babyai") for _ in range(2 * staleness.blocks(k))]
         rollouts = Rollouts(ExpertEngine(fmt, environments), fmt, environments, tasks_of, staleness=k, first=1, last=3,
-                            max_new_tokens=64, max_tokens=16384)
+                            limits=BABYAI)
         try:
             played = rollouts.take(1)
             assert [t.task_id for t in played] == train[2:4] and all(not t.live for t in played)
@@ -70,11 +73,11 @@ def test_a_staleness_variant_is_an_edit_of_rl_staleness_alone(monkeypatch):
 
     def tasks_of(j: int) -> Tasks:
         opened.append(j)
-        return Tasks(train[2 * j:2 * j + 2], [0, 1], 3)
+        return Tasks(train[2 * j:2 * j + 2], [0, 1], {"babyai": 3})
 
     environments = [envs.make("babyai") for _ in range(2 * staleness.blocks(1))]
     rollouts = Rollouts(ExpertEngine(fmt, environments), fmt, environments, tasks_of, staleness=1, first=1, last=3,
-                        max_new_tokens=64, max_tokens=16384)
+                        limits=BABYAI)
     try:
         assert [t.task_id for t in rollouts.take(1)] == train[2:4]
         rollouts.before_update()
@@ -96,7 +99,7 @@ def test_a_later_set_replays_its_groups_as_soon_as_it_completes():
     asked = []
 
     def tasks_of(j: int) -> Tasks:
-        return Tasks(train[2 * j:2 * j + 2], [0, 0], 6 if j == 1 else 1)
+        return Tasks(train[2 * j:2 * j + 2], [0, 0], {"babyai": 6 if j == 1 else 1})
 
     def redraw(j: int, played: list) -> dict[int, int]:
         asked.append(j)
@@ -104,7 +107,7 @@ def test_a_later_set_replays_its_groups_as_soon_as_it_completes():
 
     environments = [envs.make("babyai") for _ in range(2 * staleness.blocks(1))]
     rollouts = Rollouts(ExpertEngine(fmt, environments), fmt, environments, tasks_of, staleness=1, first=1, last=2,
-                        max_new_tokens=64, max_tokens=16384, redraw=redraw)
+                        limits=BABYAI, redraw=redraw)
     try:
         assert max(t.turns for t in rollouts.take(1)) > 1  # (set 1 outlasted set 2's episodes and their replays)
         assert asked[:2] == [2, 2] and (rollouts.clock.redraw_rounds, rollouts.clock.redrawn_groups) == (0, 0)

@@ -531,3 +531,27 @@ def test_training_lays_rollouts_out_by_the_agent_format(tiny_run, agent):
     assert all(REFLECTIONS in r["messages"][0]["content"] for r in retried)
     assert {r["group"] for r in retried}.isdisjoint({r["group"] for r in records if r.get("attempt", 1) == 1})
     assert metrics[-1]["rollout/trajectories"] == len(records)
+
+
+def counted_loads(monkeypatch) -> list[int]:
+    """Every weight load into the engines train.py builds from here on (a load is a probe in process, a broadcast
+    and a version on a rollout server): the step of the trainer's optimizer at each."""
+    loads, build = [], train.build_engine
+
+    def counting(*args, **kwargs):
+        engine = build(*args, **kwargs)
+        load = engine.load_weights
+        engine.load_weights = lambda model, **options: loads.append(0) or load(model, **options)
+        return engine
+
+    monkeypatch.setattr(train, "build_engine", counting)
+    return loads
+
+
+@pytest.mark.slow
+def test_one_sync_per_new_weights(monkeypatch, tmp_path):
+    """An evaluation plays the weights the engine already has: RL's loop syncs them after each update (and once at
+    the start), agentevol's before the test split after its training, never again before exploring with them."""
+    loads = counted_loads(monkeypatch)
+    train.main(tiny_args(tmp_path, engine="hf", eval_every=1, eval_tasks=1, eval_k=1, n=2, horizon=1))
+    assert len(loads) == 3  # (the start and steps 1, 2; the evaluations at steps 0, 1 and 2 load nothing)

@@ -260,8 +260,10 @@ def _api_engine(engine_args: EngineArgs, fmt, model: str, seed: int, api_args) -
 
 def sync(engine, policy, accelerator, step: int) -> dict[str, float]:
     """Copy the policy's new weights into the engine and check them (a no-op for the HF engine, which
-    samples with the policy itself). Every process checks its own engine; the worst difference over
-    all of them decides, so that all stop together rather than leave the others waiting."""
+    samples with the policy itself), once for each new weights: train.py calls it where its loops change them (an
+    update, an offline program's training), and whatever plays next (rollouts, evaluations, exploring) plays what the
+    engine has. Every process checks its own engine; the worst difference over all of them decides, so that all stop
+    together rather than leave the others waiting."""
     from accelerate.utils import gather_object
 
     from rl.model import full_weights
