@@ -21,12 +21,13 @@ has no answer: the rollout answers it as an invalid action and the episode goes 
 sampled (R1's and Qwen3's templates render it without everything up to its last closing tag); an API model's
 reasoning is kept apart, as the message's reasoning_content (rl/engines/api.py).
 
-Earlier reasoning (`history`, --reasoning). Such templates drop the reasoning of earlier turns when they render a
-conversation, so a new turn's rendering is no longer the last one's plus the reply. `keep` (the default): the
-trajectory's own tokens are the context, every turn's reasoning stays in what the model sees; on-policy and exact,
-and longer than what the template renders at inference by the earlier turns' reasoning (docs/reasoning-and-tools.md: "Reasoning models
-and tool calling"). `drop`: each turn's prompt is the template's rendering of the conversation so far, what an
-inference server would show; rollout.py keeps each turn as a sequence of its own, exact from its prompt on.
+Earlier reasoning (--reasoning). Such templates drop the reasoning of earlier turns when they render a conversation,
+so a new turn's rendering is no longer the last one's plus the reply. `keep` (the default): the trajectory's own
+tokens are the context, every turn's reasoning stays in what the model sees; on-policy and exact, and longer than
+what the template renders at inference by the earlier turns' reasoning (docs/reasoning-and-tools.md: "Reasoning
+models and tool calling"). `drop`: each turn's prompt is the template's rendering of the conversation so far, what an
+inference server would show, each turn a sequence of its own, exact from its prompt on: a mode of the context policy
+(rl/context.py), which decides where a prompt is rendered; this module renders it.
 
 Tool calls. `--agent tools` gives the model the env's actions as tools (OpenAI's function format, envs/tools.py),
 rendered by the template (`tools=`), and reads the calls in the reply in the template's own format: Hermes'
@@ -55,15 +56,11 @@ import re
 from dataclasses import dataclass
 
 from envs.tools import quoted
-from rl.context import Context
 
 DEFAULT_REASONING = ("<think>", "</think>")
 # reasoning tags known in open models' templates: (opening, closing)
 KNOWN_REASONING = (("<think>", "</think>"), ("<thinking>", "</thinking>"), ("<reasoning>", "</reasoning>"))
 CALL_STYLES = ("hermes", "llama")
-# how a turn's context is laid out (--reasoning): keep, the trajectory's own tokens, strictly appended; drop, the
-# template's rendering of the conversation so far (which may drop earlier reasoning), each turn its own sequence
-HISTORIES = ("keep", "drop")
 MAX_DEPTH = 32  # the deepest nesting of arrays and objects read in a tool call
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
 
@@ -269,15 +266,12 @@ class ChatFormat:
     _USER, _ASSISTANT, _NEXT = "\x02user-sentinel\x03", "\x02assistant-sentinel\x03", "\x02next-sentinel\x03"
 
     def __init__(self, tokenizer, template_kwargs: dict | None = None, reasoning_tags: tuple[str, str] | None = None,
-                 history: str = "keep", max_obs_tokens: int = 0, context: Context = Context()):
+                 max_obs_tokens: int = 0):
         if not getattr(tokenizer, "chat_template", None):
             raise SystemExit(f"{tokenizer.name_or_path} has no chat template; use an instruct/chat model (or set "
                              "tokenizer.chat_template) so that turns can be formatted")
-        if history not in HISTORIES:
-            raise ValueError(f"--reasoning takes {' or '.join(HISTORIES)}, not {history!r}")
-        self.tokenizer, self.template_kwargs, self.history = tokenizer, dict(template_kwargs or {}), history
-        self.max_obs_tokens, self.context = max_obs_tokens, context
-        self.segmented = history == "drop" or context.segmented  # (an episode may train as several sequences)
+        self.tokenizer, self.template_kwargs = tokenizer, dict(template_kwargs or {})
+        self.max_obs_tokens = max_obs_tokens
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else str(tokenizer.chat_template)
         if "<|channel|>" in template:
             raise SystemExit(f"{tokenizer.name_or_path}'s chat template speaks OpenAI's harmony format (gpt-oss: a reply is "

@@ -87,7 +87,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from rl.chat import Reasoning, parse_calls, reasoning_of, without_calls
-from rl.context import Context
 from rl.engines import Sample
 
 PREFIX = "openai:"  # --model openai:<name> names a served model
@@ -146,15 +145,13 @@ class APIFormat:
 
     opens_reasoning = False
     call_style = "hermes"
-    history = "keep"  # (nothing is laid out here: the server renders the conversation every turn)
-    segmented = False
 
     def __init__(self, reasoning_tags: tuple[str, str] | None = None, template_kwargs: dict | None = None,
-                 max_obs_tokens: int = 0, context: Context = Context()):
+                 max_obs_tokens: int = 0):
         if max_obs_tokens:
             raise SystemExit("--max-obs-tokens counts an observation's tokens with the model's tokenizer, which a model "
                              "behind an API does not give: leave it out")
-        self.reasoning, self.context = reasoning_of(None, reasoning_tags), context  # (what each request sends)
+        self.reasoning = reasoning_of(None, reasoning_tags)
         self.template_kwargs = dict(template_kwargs or {})  # (the server's chat template options, sent with requests)
 
     def prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
