@@ -9,12 +9,13 @@ calls in it. ChatFormat is the only place that turns messages into tokens; rollo
 
 Reasoning. Models that think before they act (Qwen3, R1 distills, QwQ) open their reply with a block between two
 tags; what an env parses is the reply after that block, and the tokens stay exactly as sampled. The rule, in
-Reasoning.split for every engine: the answer is the text after the last closing tag, the reasoning everything
-before it, with or without an opening tag. The tags are read off the chat template where it names them
-(`</think>` in Qwen3's and R1's), are `<think>` and `</think>` where there is no template to read (a model behind
-an API whose server returns its reasoning inline; APIFormat), and come from --reasoning-tags otherwise. A template
-whose generation prompt opens the block itself (R1 distills, Qwen3-Thinking: "<|im_start|>assistant\\n<think>\\n")
-makes every reply start inside it, so the reply holds only the closing tag. A reply that never closes its block
+Reasoning.split for every engine: the answer is the text after the last closing tag (not counting one inside a
+<tool_call> block: an argument's text), the reasoning everything before it, with or without an opening tag. The
+tags are read off the chat template where it names them (`</think>` in Qwen3's and R1's), are `<think>` and
+`</think>` where there is no template to read (a model behind an API whose server returns its reasoning inline;
+APIFormat), and come from --reasoning-tags otherwise. A template whose generation prompt opens the block itself (R1
+distills, Qwen3-Thinking: "<|im_start|>assistant\\n<think>\\n") makes every reply start inside it, so the reply
+holds only the closing tag. A reply that never closes its block
 (cut off by --max-new-tokens: an opening tag, or under such a template any text, without a closing tag after it)
 has no answer: the rollout answers it as an invalid action and the episode goes on. Without a template to read
 (an API model) a reply with no tag at all is the answer. The conversation keeps a local model's reply whole, as
@@ -62,6 +63,9 @@ DEFAULT_REASONING = ("<think>", "</think>")
 KNOWN_REASONING = (("<think>", "</think>"), ("<thinking>", "</thinking>"), ("<reasoning>", "</reasoning>"))
 CALL_STYLES = ("hermes", "llama")
 MAX_DEPTH = 32  # the deepest nesting of arrays and objects read in a tool call
+# a Hermes tool call's text in a reply: its block, to its end (or to the end of a reply cut off inside it; another
+# block's opening tag leaves it unclosed). A closing tag of reasoning inside one is the call's (an argument's string).
+CALL_BLOCK = re.compile(r"<tool_call>(?:(?!<tool_call>).)*?(?:</tool_call>|\Z)", re.DOTALL)
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
 
 
@@ -77,17 +81,26 @@ class Reasoning:
     close: str
 
     def split(self, reply: str, opened: bool = False) -> tuple[str, str | None]:
-        """(reasoning, answer). The answer is the text after the last closing tag, the reasoning everything before
-        it, with or without an opening tag (a generation prompt that opened the block, `opened`, leaves only the
-        closing tag in the reply; a model may also write the tag inside its reasoning). Answer None when the reply
+        """(reasoning, answer). The answer is the text after the last closing tag (`end`), the reasoning everything
+        before it, with or without an opening tag (a generation prompt that opened the block, `opened`, leaves only
+        the closing tag in the reply; a model may also write the tag inside its reasoning). Answer None when the reply
         ends inside a block: the text after the last closing tag (the reply, without one) starts with an opening
         tag, or `opened` and there is no closing tag. Otherwise a reply without a closing tag is all answer."""
-        end = reply.rfind(self.close)
+        end = self.end(reply)
         reasoning, answer = (reply[:end], reply[end + len(self.close):].lstrip()) if end >= 0 else ("", reply)
         if answer.lstrip().startswith(self.open) or (end < 0 and opened):
             reasoning, answer = reply, None
         stripped = reasoning.lstrip()
         return stripped[len(self.open):] if stripped.startswith(self.open) else reasoning, answer
+
+    def end(self, reply: str) -> int:
+        """Where the reasoning's last closing tag starts (-1: none): the last one outside every tool call
+        (CALL_BLOCK), whose JSON may hold the tag as text, e.g. a string to type."""
+        calls = [match.span() for match in CALL_BLOCK.finditer(reply)] if "<tool_call>" in reply else []
+        end = reply.rfind(self.close)
+        while end >= 0 and any(start < end < stop for start, stop in calls):
+            end = reply.rfind(self.close, 0, end)
+        return end
 
 
 def reasoning_of(template: str | None, tags: tuple[str, str] | None = None) -> Reasoning | None:
@@ -210,11 +223,12 @@ def _why(error: Exception) -> str:
     return "nested too deeply" if isinstance(error, RecursionError) else str(error).split(";")[0]
 
 
-def without_calls(content: str, style: str | None, close: str | None = None) -> str:
+def without_calls(content: str, style: str | None, reasoning: Reasoning | None = None) -> str:
     """A calling turn's content without the calls' own text (a template, or a server's, writes them from tool_calls).
-    `close`: the reasoning's closing tag; a call written inside the reasoning (before its last closing tag, where
-    templates split a reply) is the model's thought, not a call, and stays."""
-    at = content.rfind(close) + len(close) if close and close in content else 0
+    `reasoning`: its tags; a call written inside the reasoning (before its closing tag, Reasoning.end, where templates
+    split a reply) is the model's thought, not a call, and stays."""
+    end = reasoning.end(content) if reasoning is not None else -1
+    at = end + len(reasoning.close) if end >= 0 else 0
     head, content = content[:at], content[at:]
     if style == "hermes":
         content = re.sub(r"\s*<tool_call>.*?</tool_call>", "", content, flags=re.DOTALL)
@@ -229,14 +243,14 @@ def openai_calls(calls: list[tuple[str, dict]], turn: int) -> list[dict]:
              "function": {"name": name, "arguments": json.dumps(arguments)}} for i, (name, arguments) in enumerate(calls)]
 
 
-def _for_template(messages: list[dict], style: str | None, close: str | None = None) -> list[dict]:
+def _for_template(messages: list[dict], style: str | None, reasoning: Reasoning | None = None) -> list[dict]:
     """Messages as chat templates take them: a calling turn's content without the calls' own text (a sampled reply
     holds its calls as text; the template writes them from tool_calls), its arguments as objects (OpenAI's API sends
     JSON strings, which templates such as Qwen2.5's would encode a second time)."""
     out = []
     for message in messages:
         if message.get("tool_calls"):
-            message = {**message, "content": without_calls(message.get("content") or "", style, close)}
+            message = {**message, "content": without_calls(message.get("content") or "", style, reasoning)}
             calls = []
             for call in message["tool_calls"]:
                 function = dict(call.get("function", call))
@@ -310,8 +324,8 @@ class ChatFormat:
         return text[start:split], text[split + len(sentinel):]
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
-        close = self.reasoning.close if self.reasoning else None
-        return self.tokenizer.apply_chat_template(_for_template(messages, self.call_style, close), tools=tools or None,
+        return self.tokenizer.apply_chat_template(_for_template(messages, self.call_style, self.reasoning),
+                                                  tools=tools or None,
                                                   tokenize=False, add_generation_prompt=add_generation_prompt,
                                                   **self.template_kwargs)
 

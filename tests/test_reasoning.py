@@ -52,6 +52,27 @@ def test_the_answer_is_what_follows_the_reasoning_block():
     assert tags.split("<think>a</think>\n<think>b") == ("a</think>\n<think>b", None)
 
 
+def test_a_closing_tag_inside_a_tool_call_is_the_calls_text_not_the_end_of_the_reasoning():
+    """A call's argument may hold the closing tag as text (a query about "</think>"): the reasoning ends at the last
+    closing tag outside every <tool_call> block, so the env gets the call whole, and a calling turn is rendered
+    without it (without_calls) with its reasoning."""
+    from rl.agent import make_agent
+    from rl.chat import without_calls
+    from rl.engines.api import APIFormat
+
+    tags = Reasoning(*DEFAULT_REASONING)
+    call = '<tool_call>{"name": "search", "arguments": {"query": "what does </think> close"}}</tool_call>'
+    assert tags.split("<think>r</think>\n" + call) == ("r", call)
+    assert tags.split("r</think>\n" + call, opened=True) == ("r", call)
+    cut = '<tool_call>{"name": "search", "arguments": {"query": "</think>'  # (cut off inside the call)
+    assert tags.split("<think>r</think>" + cut) == ("r", cut)
+    thought = '<think>a call I may make: <tool_call>{"q": "</think>"}</tool_call>, or a <tool_call> tag</think>'
+    assert tags.split(thought + call) == (thought[len("<think>"):-len("</think>")], call)
+    assert without_calls("<think>r</think>\n" + call, "hermes", tags) == "<think>r</think>"
+    action = make_agent("tools").read(APIFormat(), "searchqa", "<think>r</think>\n" + call)
+    assert action.problem is None and action.text == "<search>what does </think> close</search>"
+
+
 def test_tags_come_from_the_template_the_default_pair_or_the_flag(thinking):
     assert thinking.reasoning == Reasoning("<think>", "</think>")
     assert ChatFormat(load_tokenizer("tiny-agent")).reasoning is None  # a template that names no tags: replies read whole
