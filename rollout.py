@@ -345,6 +345,8 @@ class Rollouts:
             traj.actions.append(action.text)
             if action.calls:
                 traj.messages[-1]["tool_calls"] = openai_calls(action.calls, traj.turns)
+            elif sample.tool_calls:  # (a text engine's calls not taken: kept as it sent them, for the logs alone)
+                traj.messages[-1]["invalid_tool_calls"] = sample.tool_calls
             if action.problem is not None:  # a reply the env never sees: answered here, as an invalid action
                 traj.malformed += 1
                 self.stepping[_answered(StepResult(action.problem, traj.reward, False, {"valid": False}), traj)] = traj
@@ -586,8 +588,7 @@ def _start(fmt: ChatFormat, agent: Agent, row: int, env: Env, task_id: int, grou
 
 
 def _act(fmt: ChatFormat, context: Context, traj: Trajectory, sample: Sample) -> bool:
-    """Append a sampled turn, trained on, and the message the env will read; whether an env reads it (the context
-    says: a summary, no)."""
+    """Append a sampled turn, trained on, and the message the env will read; whether an env reads it (a summary: no)."""
     traj.prompt_tokens.append(len(traj.token_ids) if sample.text is None else int(sample.usage.get("prompt_tokens", 0)))
     if sample.text is None:  # (a text engine, rl/engines/api.py, has no tokens to append: the reply only)
         traj.add(sample.token_ids, sample.logprobs, trained=True)
@@ -630,8 +631,7 @@ def _observe(fmt: ChatFormat, traj: Trajectory, result) -> None:
 
 def _prompt(fmt: ChatFormat, traj: Trajectory, segment: bool, max_tokens: int) -> None:
     """The next turn's prompt: the live context continued by the answer's tokens, or a new segment, the template's
-    rendering of what the context keeps. Where that leaves no room for a reply, the episode ends (finish
-    "max_tokens"): the answer is kept in the messages, not in the tokens."""
+    rendering of what the context keeps; where that leaves no room for a reply the episode ends, finish max_tokens."""
     if segment:
         ids, room = fmt.prompt(traj.prompt_messages(), tools=traj.tools), max_tokens - 1
     else:

@@ -17,8 +17,9 @@ Tools and reasoning. A trajectory that carries tools (`traj.tools`: OpenAI funct
 every request, and its messages go as the rollout keeps them, an assistant's `tool_calls` and the `tool`
 answers included. A reply's tool calls come back in Sample.tool_calls ({"id", "name", "arguments"}, the
 arguments the JSON text exactly as the server sent it, "" for what an entry lacks), unparsed and never refused
-here: the rollout parses them and answers a malformed one. Only the reply's `content` is its text (Sample.text,
-"" when a reply holds only tool calls), so only that can reach the env. A reasoning model's separate reasoning
+here: the rollout parses them and answers a malformed one (keeping calls it cannot take as the message's
+`invalid_tool_calls`, for the logs and the viewer; never sent back). Only the reply's `content` is its text
+(Sample.text, "" when a reply holds only tool calls), so only that can reach the env. A reasoning model's separate reasoning
 (`reasoning_content`, or `reasoning` as some servers name it) is Sample.reasoning: the rollout logs it with the
 episode and keeps it out of the env and out of the messages sent back in later turns, since the env should read
 the answer after the reasoning. A server without a reasoning parser leaves the reasoning in `content`, and for a
@@ -207,9 +208,11 @@ class APIEngine:
         return len(self._running)
 
     def submit(self, traj, limit: int) -> None:
-        # (a reply's reasoning, kept with the episode as reasoning_content, never goes back to the server)
-        # and calls left inline by a server without a tool parser go back once, as tool_calls
-        messages = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in traj.prompt_messages()]
+        # (a reply's reasoning, kept with the episode as reasoning_content, and calls the rollout could not take, kept
+        # as invalid_tool_calls, never go back to the server) and calls left inline by a server without a tool parser
+        # go back once, as tool_calls
+        messages = [{k: v for k, v in m.items() if k not in ("reasoning_content", "invalid_tool_calls")}
+                    for m in traj.prompt_messages()]
         for message in messages:
             if message.get("tool_calls") and message.get("content"):
                 message["content"] = without_calls(message["content"], "hermes")
