@@ -44,9 +44,9 @@ attempt's tokens. The env reads a reply after its reasoning block (rl/chat.py); 
 take (cut off inside its reasoning, no or a malformed tool call) is answered here, without the env, as an
 invalid action. Every format keeps the token rules above.
 
-What a turn's prompt holds is the agent's context policy's to say (rl/context.py: --context, --reasoning drop), after
-each sampled turn (a summary, which no env reads?) and each answer: the live sequence goes on, or a new one starts
-(Trajectory.sequences, a row each in train.py) on the template's rendering of what is kept.
+What a turn's prompt holds is the agent's context policy's to say (rl/context.py: --context, --reasoning drop), asked
+after each sampled turn (a summary, which no env reads, or not) and each answer: the live sequence goes on, or a new
+one starts (Trajectory.sequences, a row each in train.py) on the template's rendering of what is kept.
 
 Engines (rl/engines/): HFEngine, VLLMEngine and ExpertEngine (the envs' scripted oracles). A text
 engine (rl/engines/api.py's APIEngine: a model behind an HTTP API, for eval) returns the reply as text

@@ -19,9 +19,9 @@ answers included. A reply's tool calls come back in Sample.tool_calls ({"id", "n
 arguments the JSON text exactly as the server sent it, "" for what an entry lacks), unparsed and never refused
 here: the rollout parses them and answers a malformed one (keeping calls it cannot take as the message's
 `invalid_tool_calls`, for the logs and the viewer; never sent back). Only the reply's `content` is its text
-(Sample.text, "" when a reply holds only tool calls), so only that can reach the env. A reasoning model's separate reasoning
-(`reasoning_content`, or `reasoning` as some servers name it) is Sample.reasoning: the rollout logs it with the
-episode and keeps it out of the env and out of the messages sent back in later turns, since the env should read
+(Sample.text, "" when a reply holds only tool calls), so only that can reach the env. A reasoning model's separate
+reasoning (`reasoning_content`, or `reasoning` as some servers name it) is Sample.reasoning: the rollout logs it with
+the episode and keeps it out of the env and out of the messages sent back in later turns, since the env should read
 the answer after the reasoning. A server without a reasoning parser leaves the reasoning in `content`, and for a
 template that opens the block in its generation prompt (R1 distills, Qwen3-Thinking) with only the closing tag:
 such a reply is read by rl/chat.py's rule (Reasoning.split: the text after the last closing tag is the answer),
