@@ -69,7 +69,6 @@ from envs.guard import EnvArgs, close_envs
 from rl import plots
 from rl.agent import LAYOUT_KEYS, LayoutArgs, chat_format, run_layout
 from rl.checkpoint import write_atomic
-from rl.context import Context
 from rl.flags import GROUP, embedded_of
 from rl.limits import Limits, check_entries, checkpoint_limits, own_entries
 from rl.tasks import env_names
@@ -334,7 +333,7 @@ def engine_format(args: Args, layout: LayoutArgs) -> tuple[str, object]:
         raise SystemExit("--rollout-server plays on vLLM servers: leave --engine out")
     if args.model.startswith(api.PREFIX):  # (no local model or tokenizer is loaded)
         return "api", api.APIFormat(layout.reasoning_tags, envs.parse_options(args.chat_template_kwargs, words=True),
-                                    layout.max_obs_tokens, Context.parse(layout.context))
+                                    layout.max_obs_tokens)
     fmt = chat_format(load_tokenizer(args.model), layout)
     return "server" if args.engine_args.rollout_server else engine_kind(args.engine_args.engine), fmt
 

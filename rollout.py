@@ -43,10 +43,9 @@ attempt's tokens. The env reads a reply after its reasoning block (rl/chat.py); 
 take (cut off inside its reasoning, no or a malformed tool call) is answered here, without the env, as an
 invalid action. Every format keeps the token rules above.
 
-Where the history changes, a new sequence starts (Trajectory.sequences, a row each in train.py): under
---reasoning drop every turn's prompt is the template's rendering of the conversation so far (a template that drops
-earlier reasoning is followed); under --context window:K or summary:M where the window slides or a summary was
-written, the rendering of what is kept (rl/context.py). Within a sequence each turn extends the last exactly.
+What a turn's prompt holds is the agent's context policy's to say (rl/context.py: --context, --reasoning drop), asked
+after each sampled turn (a summary, which no env reads, or not) and each answer: the live sequence goes on, or a new
+one starts (Trajectory.sequences, a row each in train.py) on the template's rendering of what is kept.
 
 Engines (rl/engines/): HFEngine, VLLMEngine and ExpertEngine (the envs' scripted oracles). A text
 engine (rl/engines/api.py's APIEngine: a model behind an HTTP API, for eval) returns the reply as text
@@ -82,7 +81,7 @@ from rl.agent import REACT, Agent
 from rl.chat import ChatFormat, openai_calls  # (ChatFormat: rollout's callers import it from here too)
 from rl.engines import Sample
 from rl.engines.expert import ExpertEngine
-from rl.context import Context, restart, with_request
+from rl.context import Context, Kept
 from rl.limits import Limits, largest
 from rl.engines.hf import HFEngine  # noqa: F401 - the engines rollouts run on, imported from here too
 from rl.engines.vllm import VLLMEngine  # noqa: F401 - (as HFEngine)
@@ -95,7 +94,6 @@ STALL_S = 600.0
 # Env calls at once: a thread per env up to this many (an env call mostly waits, on a browser, a server or a
 # simulator's process, so a slow env must not hold up another's call behind it; 32 had a step's 64 episodes queue)
 ENV_THREADS = 256
-SUMMARIZED = StepResult("", 0.0, False)  # the answer to a summary turn (--context summary), which no env reads
 
 
 class Tasks(NamedTuple):
@@ -335,17 +333,19 @@ class Rollouts:
             if sample.finish is not None:  # a text engine's server has no room left in its context window
                 traj.finish = sample.finish
                 continue
-            _act(self.fmt, traj, sample)
+            env_turn = _act(self.fmt, self.agent.context, traj, sample)
             if self.versions:
                 traj.versions.append(self.version)
             self.clock.sampled_tokens += len(sample.token_ids)
-            if traj.summary_spans[-1:] == [len(traj.prompt_tokens) - 1]:  # (--context summary: no env reads it)
-                self.stepping[_answered(SUMMARIZED, traj)] = traj
+            if not env_turn:  # (a summary, which no env reads: answered by no one, as the rollout waits for answers)
+                self.stepping[_answered(None, traj)] = traj
                 continue
             action = self.agent.read(self.fmt, traj.env, traj.messages[-1]["content"], sample.tool_calls)
             traj.actions.append(action.text)
             if action.calls:
                 traj.messages[-1]["tool_calls"] = openai_calls(action.calls, traj.turns)
+            elif sample.tool_calls:  # (a text engine's calls not taken: kept as it sent them, for the logs alone)
+                traj.messages[-1]["invalid_tool_calls"] = sample.tool_calls
             if action.problem is not None:  # a reply the env never sees: answered here, as an invalid action
                 traj.malformed += 1
                 self.stepping[_answered(StepResult(action.problem, traj.reward, False, {"valid": False}), traj)] = traj
@@ -375,7 +375,8 @@ class Rollouts:
                                                 horizon, reflections[i] if reflections else [])
                 if traj.live:
                     self.ready.append(traj)
-            elif _taken_in(self.fmt, traj := self.stepping.pop(future), answer, self.limits[traj.env].max_tokens):
+            elif _taken_in(self.fmt, self.agent.context, traj := self.stepping.pop(future), answer,
+                           self.limits[traj.env].max_tokens):
                 self.ready.append(traj)
 
     def _row(self, j: int, i: int) -> int:
@@ -519,8 +520,8 @@ def play(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], 
     return trajectories
 
 
-def _answered(result: StepResult, traj: Trajectory) -> Future:
-    """An env step already answered, as the rollout waits for one: no env seconds, the state unchanged."""
+def _answered(result: StepResult | None, traj: Trajectory) -> Future:
+    """An env step already answered (None: a turn no env reads), as the rollout waits for one: no env seconds."""
     future = Future()
     future.set_result(EnvAnswer(result, 0.0, traj.states[-1] if traj.states else None))
     return future
@@ -532,18 +533,17 @@ def _add_usage(traj: Trajectory, sample: Sample) -> None:
         traj.usage[key] = traj.usage.get(key, 0) + value
 
 
-def _taken_in(fmt: ChatFormat, traj: Trajectory, answer: EnvAnswer, max_tokens: int) -> bool:
-    """An env's answer to a turn, observed; whether the trajectory goes on to another turn (at its horizon it ends,
-    finish "horizon")."""
-    if answer.result is SUMMARIZED:  # (a summary turn: the next prompt starts from it)
-        Context.summarized(traj)
-        restart(fmt, traj, max_tokens)
-        return traj.live
-    _observe(fmt, traj, answer.result, traj.horizon, max_tokens)
-    if not isinstance(answer.result, Exception):
-        traj.states.append(answer.state)
-    if traj.live and traj.turns >= traj.horizon:
-        traj.finish = "horizon"
+def _taken_in(fmt: ChatFormat, context: Context, traj: Trajectory, answer: EnvAnswer, max_tokens: int) -> bool:
+    """An env's answer to a turn (None: a summary's, which no env reads), observed, and the next turn's prompt as the
+    context says; whether the trajectory goes on to another turn (at its horizon it ends, finish "horizon")."""
+    if answer.result is not None:
+        _observe(fmt, traj, answer.result)
+        if not isinstance(answer.result, Exception):
+            traj.states.append(answer.state)
+        if traj.live and traj.turns >= traj.horizon:
+            traj.finish = "horizon"
+    if traj.live:
+        _prompt(fmt, traj, context.after(traj), max_tokens)
     return traj.live
 
 
@@ -582,13 +582,13 @@ def _start(fmt: ChatFormat, agent: Agent, row: int, env: Env, task_id: int, grou
     first, cut = fmt.cut(first)
     messages = agent.opening(env, first, reflections)
     traj = Trajectory(env.name, task_id, group, row, messages, horizon=horizon, tools=agent.tools(env), states=[state],
-                      observations=1, cut_at=[0] if cut else [], opening=len(messages))
+                      observations=1, cut_at=[0] if cut else [], context=Kept(opening=len(messages)))
     traj.add(fmt.prompt(messages, tools=traj.tools))
     return traj
 
 
-def _act(fmt: ChatFormat, traj: Trajectory, sample: Sample) -> None:
-    """Append a sampled turn, trained on, and the message the env will read."""
+def _act(fmt: ChatFormat, context: Context, traj: Trajectory, sample: Sample) -> bool:
+    """Append a sampled turn, trained on, and the message the env will read; whether an env reads it (a summary: no)."""
     traj.prompt_tokens.append(len(traj.token_ids) if sample.text is None else int(sample.usage.get("prompt_tokens", 0)))
     if sample.text is None:  # (a text engine, rl/engines/api.py, has no tokens to append: the reply only)
         traj.add(sample.token_ids, sample.logprobs, trained=True)
@@ -596,14 +596,12 @@ def _act(fmt: ChatFormat, traj: Trajectory, sample: Sample) -> None:
             # cut off by the limit, or stopped on another eos: the template needs the end-of-turn token,
             # which the model did not choose, so it is not trained on
             traj.add([fmt.end_of_turn])
-        if fmt.segmented:
-            traj.keep_segment()
     traj.messages.append({"role": "assistant", "content": _reply(fmt, sample)})
     if sample.reasoning:  # (a text engine's reasoning, returned apart from its reply: logged, never sent back)
         traj.messages[-1]["reasoning_content"] = sample.reasoning
-    if traj.summarizing:  # (a summary: a sampled turn, not an env turn)
-        traj.summary_spans.append(len(traj.prompt_tokens) - 1)
-    traj.turns, traj.sampled = traj.turns + (not traj.summarizing), traj.sampled + len(sample.token_ids)
+    env_turn = context.sampled(traj)
+    traj.turns, traj.sampled = traj.turns + env_turn, traj.sampled + len(sample.token_ids)
+    return env_turn
 
 
 def _reply(fmt: ChatFormat, sample: Sample) -> str:
@@ -611,8 +609,8 @@ def _reply(fmt: ChatFormat, sample: Sample) -> str:
     return sample.text if sample.text is not None else fmt.text(sample.token_ids)
 
 
-def _observe(fmt: ChatFormat, traj: Trajectory, result, horizon: int, max_tokens: int) -> None:
-    """Record the env's answer to a turn; append the observation's tokens if another turn follows."""
+def _observe(fmt: ChatFormat, traj: Trajectory, result) -> None:
+    """Record the env's answer to a turn (in the messages; its tokens are the next prompt's, _prompt)."""
     if isinstance(result, Exception):
         traj.fail(f"step failed: {type(result).__name__}: {result}")
         return
@@ -625,22 +623,25 @@ def _observe(fmt: ChatFormat, traj: Trajectory, result, horizon: int, max_tokens
     traj.cut_at += [traj.observations] if cut else []
     traj.observations += 1
     calls = traj.messages[-1].get("tool_calls")  # an answer to a tool call is the call's result
-    answer = {"role": "tool", "tool_call_id": calls[0]["id"], "content": text} if calls else \
-        {"role": "user", "content": text}
-    if not traj.done and traj.turns < horizon and fmt.context.summarizes(traj.turns):  # (the next turn: a summary)
-        traj.answer, traj.summarizing, answer = answer, True, {**answer, "content": with_request(text)}
-    traj.messages.append(answer)
+    traj.messages.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": text} if calls else
+                         {"role": "user", "content": text})
     if traj.done:
         traj.finish = "done"
-    elif traj.turns < horizon and (fmt.history == "drop" or fmt.context.slides(traj.turns)):  # a new segment
-        fmt.context.slide(traj)
-        restart(fmt, traj, max_tokens)
-    elif traj.turns < horizon:
-        observation = fmt.observation(answer["content"], answer["role"])
-        if _room(traj, max_tokens) - len(observation) < 1:  # no room left for a reply
-            traj.finish = "max_tokens"
-        else:
-            traj.add(observation)
+
+
+def _prompt(fmt: ChatFormat, traj: Trajectory, segment: bool, max_tokens: int) -> None:
+    """The next turn's prompt: the live context continued by the answer's tokens, or a new segment, the template's
+    rendering of what the context keeps; where that leaves no room for a reply the episode ends, finish max_tokens."""
+    if segment:
+        ids, room = fmt.prompt(traj.prompt_messages(), tools=traj.tools), max_tokens - 1
+    else:
+        ids, room = fmt.observation(traj.messages[-1]["content"], traj.messages[-1]["role"]), _room(traj, max_tokens)
+    if room - len(ids) < 1:
+        traj.finish = "max_tokens"
+    elif segment:
+        traj.restart(ids)
+    else:
+        traj.add(ids)
 
 
 def _room(traj: Trajectory, max_tokens: int) -> int:

@@ -37,8 +37,9 @@ the policy is trained on is still exactly one it sampled.
 Every format reads a reply after its reasoning block (ChatFormat.answer): a reply cut off inside its reasoning
 is answered as an invalid action, as a malformed one is, and the env never sees the reasoning.
 
-LayoutArgs holds the flags that choose the layout (--agent, --attempts, --reasoning, --reasoning-tags,
---chat-template-kwargs); chat_format turns them and a tokenizer into the ChatFormat an episode is played in.
+LayoutArgs holds the flags that choose the layout (--agent, --attempts, --reasoning, --context, --reasoning-tags,
+--chat-template-kwargs, --max-obs-tokens); make_agent turns the first four into the Agent an episode is played by (its
+`context`, what a turn's prompt holds: rl/context.py), chat_format the others and a tokenizer into its ChatFormat.
 
 Upstream's released code lays its conversations out as ReAct only; the planning, reflection and tool-calling
 prompts here are this project's.
@@ -82,6 +83,7 @@ class Action:
 class Agent:
     name: str = "react"
     attempts: int = 1  # episodes per task for reflect; 1 for the others
+    context: Context = Context()  # what a turn's prompt holds of the episode (rl/context.py: --context, --reasoning)
 
     def opening(self, env, observation: str, reflections: list[str] = ()) -> list[dict]:
         """The first three messages of an episode: the instruction, the env's ack, the first observation."""
@@ -174,10 +176,10 @@ class LayoutArgs:
         if self.max_obs_tokens and self.max_obs_tokens < 16:
             raise SystemExit(f"--max-obs-tokens {self.max_obs_tokens} would leave an observation almost nothing: give "
                              "0 (never cut) or at least 16")
-        check_layout(self.agent, env_name, algo, self.reasoning, Context.parse(self.context))
+        check_layout(self.agent, env_name, algo, Context.parse(self.context, self.reasoning))
 
     def make_agent(self) -> Agent:
-        return make_agent(self.agent, self.attempts)
+        return make_agent(self.agent, self.attempts, Context.parse(self.context, self.reasoning))
 
 
 LAYOUT_KEYS = ("agent", "reasoning_tags", "chat_template_kwargs", "reasoning", "max_obs_tokens", "context")  # (eval's)
@@ -197,14 +199,13 @@ def chat_format(tokenizer, layout: LayoutArgs) -> ChatFormat:
     """The format `layout`'s flags ask for: --chat-template-kwargs as the template's variables (envs.parse_options,
     true/false/none as Python's), under --agent tools a template whose calls rl/chat.py reads, else one sentence."""
     fmt = ChatFormat(tokenizer, envs.parse_options(layout.chat_template_kwargs, words=True), layout.reasoning_tags,
-                     layout.reasoning, layout.max_obs_tokens, Context.parse(layout.context))
+                     layout.max_obs_tokens)
     if layout.agent == "tools":
         fmt.check_tools()
     return fmt
 
 
-def check_layout(name: str, env_name: str, algo: str | None = None, history: str = "keep",
-                 context: Context = Context()) -> None:
+def check_layout(name: str, env_name: str, algo: str | None = None, context: Context = Context()) -> None:
     """Stops the script with one sentence when format `name` cannot lay out this run: an env that declares no tools
     under tools; --algo sft, dpo or agentevol (learning --data as it is laid out) under plan or reflect; --reasoning
     drop, which trains a row a turn, or a --context that drops turns, which trains segments, with an estimator that
@@ -219,23 +220,23 @@ def check_layout(name: str, env_name: str, algo: str | None = None, history: str
                          "--data's conversations as they are laid out, so it plays them as react (or, for episodes of "
                          "tool calls, as --agent tools)")
     layout = (f"--algo {algo} " if algo is not None else "") + f"--agent {name}"
-    if context.segmented and (algo is not None and not is_grouped(algo) or name == "reflect"):
+    if context.mode != "full" and (algo is not None and not is_grouped(algo) or name == "reflect"):
         raise SystemExit(f"--context {context} trains an episode as segments, each with its episode's advantage: a "
                          f"grouped estimator ({names(lambda e: e.grouped, 'or')}) and one attempt an episode; {layout} "
                          "needs --context full")
-    if history == "drop" and (algo is not None and not is_grouped(algo) or name == "reflect"):
+    if context.drop and (algo is not None and not is_grouped(algo) or name == "reflect"):
         raise SystemExit(f"--reasoning drop trains each turn as its own sequence with its episode's advantage: a grouped "
                          f"estimator ({names(lambda e: e.grouped, 'or')}) and one attempt an episode; {layout} "
                          "needs --reasoning keep")
 
 
-def make_agent(name: str, attempts: int = 1) -> Agent:
-    """The format `name` (one of FORMATS); `attempts` counts for reflect only."""
+def make_agent(name: str, attempts: int = 1, context: Context = Context()) -> Agent:
+    """The format `name` (one of FORMATS) under `context`; `attempts` counts for reflect only."""
     if name not in FORMATS:
         raise ValueError(f"unknown agent format {name!r}; choose one of: {', '.join(FORMATS)}")
     if attempts < 1:
         raise ValueError("--attempts: at least 1")
-    return Agent(name, attempts if name == "reflect" else 1)
+    return Agent(name, attempts if name == "reflect" else 1, context)
 
 
 def _after(instruction: str, text: str) -> str:

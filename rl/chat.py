@@ -9,24 +9,26 @@ calls in it. ChatFormat is the only place that turns messages into tokens; rollo
 
 Reasoning. Models that think before they act (Qwen3, R1 distills, QwQ) open their reply with a block between two
 tags; what an env parses is the reply after that block, and the tokens stay exactly as sampled. The rule, in
-Reasoning.split for every engine: the answer is the text after the last closing tag, the reasoning everything
-before it, with or without an opening tag. The tags are read off the chat template where it names them
-(`</think>` in Qwen3's and R1's), are `<think>` and `</think>` where there is no template to read (a model behind
-an API whose server returns its reasoning inline; APIFormat), and come from --reasoning-tags otherwise. A template
-whose generation prompt opens the block itself (R1 distills, Qwen3-Thinking: "<|im_start|>assistant\\n<think>\\n")
-makes every reply start inside it, so the reply holds only the closing tag. A reply that never closes its block
+Reasoning.split for every engine: the answer is the text after the last closing tag (not counting one inside a
+<tool_call> block: an argument's text), the reasoning everything before it, with or without an opening tag. The
+tags are read off the chat template where it names them (`</think>` in Qwen3's and R1's), are `<think>` and
+`</think>` where there is no template to read (a model behind an API whose server returns its reasoning inline;
+APIFormat), and come from --reasoning-tags otherwise. A template whose generation prompt opens the block itself (R1
+distills, Qwen3-Thinking: "<|im_start|>assistant\\n<think>\\n") makes every reply start inside it, so the reply
+holds only the closing tag. A reply that never closes its block
 (cut off by --max-new-tokens: an opening tag, or under such a template any text, without a closing tag after it)
 has no answer: the rollout answers it as an invalid action and the episode goes on. Without a template to read
 (an API model) a reply with no tag at all is the answer. The conversation keeps a local model's reply whole, as
 sampled (R1's and Qwen3's templates render it without everything up to its last closing tag); an API model's
 reasoning is kept apart, as the message's reasoning_content (rl/engines/api.py).
 
-Earlier reasoning (`history`, --reasoning). Such templates drop the reasoning of earlier turns when they render a
-conversation, so a new turn's rendering is no longer the last one's plus the reply. `keep` (the default): the
-trajectory's own tokens are the context, every turn's reasoning stays in what the model sees; on-policy and exact,
-and longer than what the template renders at inference by the earlier turns' reasoning (docs/reasoning-and-tools.md: "Reasoning models
-and tool calling"). `drop`: each turn's prompt is the template's rendering of the conversation so far, what an
-inference server would show; rollout.py keeps each turn as a sequence of its own, exact from its prompt on.
+Earlier reasoning (--reasoning). Such templates drop the reasoning of earlier turns when they render a conversation,
+so a new turn's rendering is no longer the last one's plus the reply. `keep` (the default): the trajectory's own
+tokens are the context, every turn's reasoning stays in what the model sees; on-policy and exact, and longer than
+what the template renders at inference by the earlier turns' reasoning (docs/reasoning-and-tools.md: "Reasoning
+models and tool calling"). `drop`: each turn's prompt is the template's rendering of the conversation so far, what an
+inference server would show, each turn a sequence of its own, exact from its prompt on: a mode of the context policy
+(rl/context.py), which decides where a prompt is rendered; this module renders it.
 
 Tool calls. `--agent tools` gives the model the env's actions as tools (OpenAI's function format, envs/tools.py),
 rendered by the template (`tools=`), and reads the calls in the reply in the template's own format: Hermes'
@@ -55,16 +57,15 @@ import re
 from dataclasses import dataclass
 
 from envs.tools import quoted
-from rl.context import Context
 
 DEFAULT_REASONING = ("<think>", "</think>")
 # reasoning tags known in open models' templates: (opening, closing)
 KNOWN_REASONING = (("<think>", "</think>"), ("<thinking>", "</thinking>"), ("<reasoning>", "</reasoning>"))
 CALL_STYLES = ("hermes", "llama")
-# how a turn's context is laid out (--reasoning): keep, the trajectory's own tokens, strictly appended; drop, the
-# template's rendering of the conversation so far (which may drop earlier reasoning), each turn its own sequence
-HISTORIES = ("keep", "drop")
 MAX_DEPTH = 32  # the deepest nesting of arrays and objects read in a tool call
+# a Hermes tool call's text in a reply: its block, to its end (or to the end of a reply cut off inside it; another
+# block's opening tag leaves it unclosed). A closing tag of reasoning inside one is the call's (an argument's string).
+CALL_BLOCK = re.compile(r"<tool_call>(?:(?!<tool_call>).)*?(?:</tool_call>|\Z)", re.DOTALL)
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
 
 
@@ -80,17 +81,26 @@ class Reasoning:
     close: str
 
     def split(self, reply: str, opened: bool = False) -> tuple[str, str | None]:
-        """(reasoning, answer). The answer is the text after the last closing tag, the reasoning everything before
-        it, with or without an opening tag (a generation prompt that opened the block, `opened`, leaves only the
-        closing tag in the reply; a model may also write the tag inside its reasoning). Answer None when the reply
+        """(reasoning, answer). The answer is the text after the last closing tag (`end`), the reasoning everything
+        before it, with or without an opening tag (a generation prompt that opened the block, `opened`, leaves only
+        the closing tag in the reply; a model may also write the tag inside its reasoning). Answer None when the reply
         ends inside a block: the text after the last closing tag (the reply, without one) starts with an opening
         tag, or `opened` and there is no closing tag. Otherwise a reply without a closing tag is all answer."""
-        end = reply.rfind(self.close)
+        end = self.end(reply)
         reasoning, answer = (reply[:end], reply[end + len(self.close):].lstrip()) if end >= 0 else ("", reply)
         if answer.lstrip().startswith(self.open) or (end < 0 and opened):
             reasoning, answer = reply, None
         stripped = reasoning.lstrip()
         return stripped[len(self.open):] if stripped.startswith(self.open) else reasoning, answer
+
+    def end(self, reply: str) -> int:
+        """Where the reasoning's last closing tag starts (-1: none): the last one outside every tool call
+        (CALL_BLOCK), whose JSON may hold the tag as text, e.g. a string to type."""
+        calls = [match.span() for match in CALL_BLOCK.finditer(reply)] if "<tool_call>" in reply else []
+        end = reply.rfind(self.close)
+        while end >= 0 and any(start < end < stop for start, stop in calls):
+            end = reply.rfind(self.close, 0, end)
+        return end
 
 
 def reasoning_of(template: str | None, tags: tuple[str, str] | None = None) -> Reasoning | None:
@@ -213,11 +223,12 @@ def _why(error: Exception) -> str:
     return "nested too deeply" if isinstance(error, RecursionError) else str(error).split(";")[0]
 
 
-def without_calls(content: str, style: str | None, close: str | None = None) -> str:
+def without_calls(content: str, style: str | None, reasoning: Reasoning | None = None) -> str:
     """A calling turn's content without the calls' own text (a template, or a server's, writes them from tool_calls).
-    `close`: the reasoning's closing tag; a call written inside the reasoning (before its last closing tag, where
-    templates split a reply) is the model's thought, not a call, and stays."""
-    at = content.rfind(close) + len(close) if close and close in content else 0
+    `reasoning`: its tags; a call written inside the reasoning (before its closing tag, Reasoning.end, where templates
+    split a reply) is the model's thought, not a call, and stays."""
+    end = reasoning.end(content) if reasoning is not None else -1
+    at = end + len(reasoning.close) if end >= 0 else 0
     head, content = content[:at], content[at:]
     if style == "hermes":
         content = re.sub(r"\s*<tool_call>.*?</tool_call>", "", content, flags=re.DOTALL)
@@ -232,14 +243,14 @@ def openai_calls(calls: list[tuple[str, dict]], turn: int) -> list[dict]:
              "function": {"name": name, "arguments": json.dumps(arguments)}} for i, (name, arguments) in enumerate(calls)]
 
 
-def _for_template(messages: list[dict], style: str | None, close: str | None = None) -> list[dict]:
+def _for_template(messages: list[dict], style: str | None, reasoning: Reasoning | None = None) -> list[dict]:
     """Messages as chat templates take them: a calling turn's content without the calls' own text (a sampled reply
     holds its calls as text; the template writes them from tool_calls), its arguments as objects (OpenAI's API sends
     JSON strings, which templates such as Qwen2.5's would encode a second time)."""
     out = []
     for message in messages:
         if message.get("tool_calls"):
-            message = {**message, "content": without_calls(message.get("content") or "", style, close)}
+            message = {**message, "content": without_calls(message.get("content") or "", style, reasoning)}
             calls = []
             for call in message["tool_calls"]:
                 function = dict(call.get("function", call))
@@ -269,15 +280,12 @@ class ChatFormat:
     _USER, _ASSISTANT, _NEXT = "\x02user-sentinel\x03", "\x02assistant-sentinel\x03", "\x02next-sentinel\x03"
 
     def __init__(self, tokenizer, template_kwargs: dict | None = None, reasoning_tags: tuple[str, str] | None = None,
-                 history: str = "keep", max_obs_tokens: int = 0, context: Context = Context()):
+                 max_obs_tokens: int = 0):
         if not getattr(tokenizer, "chat_template", None):
             raise SystemExit(f"{tokenizer.name_or_path} has no chat template; use an instruct/chat model (or set "
                              "tokenizer.chat_template) so that turns can be formatted")
-        if history not in HISTORIES:
-            raise ValueError(f"--reasoning takes {' or '.join(HISTORIES)}, not {history!r}")
-        self.tokenizer, self.template_kwargs, self.history = tokenizer, dict(template_kwargs or {}), history
-        self.max_obs_tokens, self.context = max_obs_tokens, context
-        self.segmented = history == "drop" or context.segmented  # (an episode may train as several sequences)
+        self.tokenizer, self.template_kwargs = tokenizer, dict(template_kwargs or {})
+        self.max_obs_tokens = max_obs_tokens
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else str(tokenizer.chat_template)
         if "<|channel|>" in template:
             raise SystemExit(f"{tokenizer.name_or_path}'s chat template speaks OpenAI's harmony format (gpt-oss: a reply is "
@@ -316,8 +324,8 @@ class ChatFormat:
         return text[start:split], text[split + len(sentinel):]
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
-        close = self.reasoning.close if self.reasoning else None
-        return self.tokenizer.apply_chat_template(_for_template(messages, self.call_style, close), tools=tools or None,
+        return self.tokenizer.apply_chat_template(_for_template(messages, self.call_style, self.reasoning),
+                                                  tools=tools or None,
                                                   tokenize=False, add_generation_prompt=add_generation_prompt,
                                                   **self.template_kwargs)
 

@@ -4,9 +4,10 @@ rollout.py re-exports Trajectory, where DESIGN names it.
 
 A trajectory's tokens are its context: the token ids the engine continues for its next turn (engines read
 `token_ids`), with a loss mask of 1 on the tokens the policy sampled and their sampler log-probs. In the append
-layouts the context is the whole episode, and it is what trains. Under --reasoning drop each turn's prompt is the
-chat template's rendering of the conversation so far, so the context holds the latest turn only and the episode
-trains as its turns' own sequences (`sequences`, a row each: `rows()`).
+layouts the context is the whole episode, and it is what trains. Where rl/context.py starts a new segment (--reasoning
+drop: every turn; --context window or summary: where the kept history changes) the next prompt is the chat template's
+rendering of what is kept, the context holds the latest segment only, and the episode trains as its segments
+(`sequences`, a row each: `trained()`); what the next prompt keeps is rl/context.py's state, one field (`context`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import NamedTuple
 
 import envs
 from envs import StepResult
+from rl.context import Kept
 from rl.records import FORMAT, encode_array
 
 
@@ -30,10 +32,10 @@ class Sequence(NamedTuple):
 
 class EnvAnswer(NamedTuple):
     """An env call's answer as the rollout takes it in: its result (the first observation of a reset, a step's
-    StepResult) or the exception it raised, its seconds, and the env's state key after it (None where the env cannot
-    say, or the call failed)."""
+    StepResult; None for a turn no env reads, a summary) or the exception it raised, its seconds, and the env's state
+    key after it (None where the env cannot say, or the call failed)."""
 
-    result: StepResult | str | Exception
+    result: StepResult | str | Exception | None
     seconds: float
     state: str | None
 
@@ -89,16 +91,10 @@ class Trajectory:
     final: bool = True  # reflect: False when another attempt followed this one
     reflection: str | None = None  # reflect: what the policy wrote after this attempt failed
     tools: list[dict] | None = None  # --agent tools: the tools the model was given (OpenAI function schemas)
-    # --reasoning drop, --context window: each segment's tokens (its rendered prompt, the turns it extends it by), the
-    # last one live (rl/context.py)
+    # --reasoning drop, --context window, summary: each segment's tokens (its rendered prompt, the turns it extends it
+    # by), the last one live (rl/context.py)
     sequences: list[Sequence] = field(default_factory=list)
-    segment_open: bool = False  # whether the last of `sequences` is the live context's (a turn was sampled in it)
-    opening: int = 0  # the agent's opening messages (instruction, ack, first observation), which every prompt keeps
-    # --context: the next prompt holds `context` and the messages from `since` on (None: every message; rl/context.py)
-    context: list[dict] | None = None
-    since: int = 0
-    summarizing: bool = False  # --context summary: the next turn writes the summary
-    answer: dict | None = None  # ... and the env's answer it follows, without the request: the next prompt's last
+    context: Kept = field(default_factory=Kept)  # what the next prompt holds (rl/context.py's state; every message)
     summary_spans: list[int] = field(default_factory=list)  # the sampled turns (runs of loss-mask 1) that were summaries
     prompt_tokens: list[int] = field(default_factory=list)  # each turn's prompt length (the context it was sampled in)
     usage: dict[str, float] = field(default_factory=dict)  # an API model's calls, tokens and cost (rl/api.py)
@@ -110,21 +106,21 @@ class Trajectory:
         self.logprobs += logprobs if trained else [0.0] * len(ids)
 
     def restart(self, prompt: list[int]) -> None:
-        """A new segment (--reasoning drop, --context window): the next turn's context is `prompt` alone (the turns
-        before it stay in `sequences`)."""
+        """A new segment (rl/context.py): the next turn's context is `prompt` alone (the turns before it stay in
+        `sequences`)."""
         self.token_ids, self.loss_mask, self.logprobs = [], [], []
-        self.segment_open = False
         self.add(prompt)
 
     def keep_segment(self) -> None:
-        """Record the live context as the last segment (after a turn was sampled in it)."""
+        """Record the live context as the last segment, after a turn was sampled in it: a new one, or where a turn was
+        sampled in it before (before this turn's prompt, the first prompt_tokens[-1] tokens), in place of that one's."""
         live = Sequence(list(self.token_ids), list(self.loss_mask), list(self.logprobs))
-        self.sequences[-1:] = [live] if self.segment_open else [*self.sequences[-1:], live]
-        self.segment_open = True
+        again = 1 in self.loss_mask[:self.prompt_tokens[-1]]
+        self.sequences[-1:] = [live] if again else [*self.sequences[-1:], live]
 
     def prompt_messages(self) -> list[dict]:
         """The messages the next turn's prompt holds: all, or (--context window, summary) what the context keeps."""
-        return self.messages if self.context is None else self.context + self.messages[self.since:]
+        return self.context.prompt(self.messages)
 
     def fail(self, error: str) -> None:
         self.finish, self.error, self.reward = "error", error, 0.0

@@ -369,7 +369,8 @@ def check_rollout(label: str, args, accelerator, models, tokenizer, work: Worklo
     try:
         trajectories = rollout(spy, fmt, environments, [t for t in tasks for _ in (0, 1)],
                                [g for g in range(len(tasks)) for _ in (0, 1)], horizon=work.horizon,
-                               max_new_tokens=work.max_new_tokens, max_tokens=args.max_tokens)
+                               max_new_tokens=work.max_new_tokens, max_tokens=args.max_tokens,
+                               agent=args.layout_args.make_agent())
     finally:
         for env in environments:
             env.close()

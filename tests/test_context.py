@@ -104,20 +104,23 @@ def test_eval_plays_a_runs_own_cut_unless_told_otherwise():
 LONG = [15, 32, 5]  # BabyAI test tasks whose expert takes 8, 10 and 12 turns or more
 
 
-def window_episodes(name, k=2, count=2, horizon=6, engine_of=None, task_ids=None, agent=None, **layout):
-    """Expert episodes of env `name`'s first test tasks (or `task_ids`) under window:k (or `engine_of`'s), with the
-    prompts and samples the engine saw (tests/test_token_exactness.Spy)."""
+def window_episodes(name, k=2, count=2, horizon=6, engine_of=None, task_ids=None, agent="react", reasoning="keep"):
+    """Expert episodes of env `name`'s first test tasks (or `task_ids`) under window:k (or `engine_of`'s), played by
+    format `agent` under --reasoning `reasoning`, with the prompts and samples the engine saw
+    (tests/test_token_exactness.Spy)."""
+    from rl.agent import make_agent
     from rl.context import Context
     from rollout import ExpertEngine
 
-    fmt = ChatFormat(load_tokenizer("tiny-agent"), context=Context.parse(f"window:{k}"), **layout)
+    fmt = ChatFormat(load_tokenizer("tiny-agent"))
     task_ids = task_ids or envs.splits(name)["test"][:count]
     environments = [envs.make(name) for _ in task_ids]
     engine = (engine_of or (lambda e: ExpertEngine(fmt, e)))(environments)
     spy = Spy(engine, fmt)
     try:
         trajectories = rollout(spy, fmt, environments, task_ids, list(range(len(task_ids))), horizon=horizon,
-                               max_new_tokens=256, max_tokens=16384, **({"agent": agent} if agent else {}))
+                               max_new_tokens=256, max_tokens=16384,
+                               agent=make_agent(agent, 1, Context.parse(f"window:{k}", reasoning)))
     finally:
         for env in environments:
             env.close()
@@ -131,7 +134,7 @@ def check_window(fmt, spy, trajectories, k, every=False):
     trained on them alone; the last segment is the live context. `every` (--reasoning drop): every turn renders."""
     checked = 0
     for traj in trajectories:
-        prompts, samples, opening = spy.prompts[traj.row], spy.samples[traj.row], traj.opening
+        prompts, samples, opening = spy.prompts[traj.row], spy.samples[traj.row], traj.context.opening
         assert len(prompts) == traj.turns and opening == 3
         starts = list(range(traj.turns)) if every else [0, *range(k + 1, traj.turns)]  # (the turns opening a segment)
         assert len(traj.sequences) == len(starts) == (traj.turns if every else max(1, traj.turns - k))
@@ -171,7 +174,6 @@ def test_a_window_wider_than_the_episode_is_the_full_layout_and_a_slid_one_stays
 
     fmt, spy, wide = window_episodes("babyai", k=20, horizon=8, task_ids=LONG)
     _, _, narrow = window_episodes("babyai", k=1, horizon=8, task_ids=LONG)
-    full = ChatFormat(load_tokenizer("tiny-agent"))
     for traj in wide:
         assert len(traj.sequences) == 1 and traj.sequences[0][0] == traj.token_ids  # (never slid: one segment)
     long = max(narrow, key=lambda t: t.turns)
@@ -182,7 +184,7 @@ def test_a_window_wider_than_the_episode_is_the_full_layout_and_a_slid_one_stays
         Context.parse("window:0")
     with pytest.raises(SystemExit, match="window:K"):
         Context.parse("windows:3")
-    assert str(Context.parse("window:3")) == "window:3" and not Context.parse("full").segmented and full.context.mode == "full"
+    assert str(Context.parse("window:3")) == "window:3" and not Context.parse("full").segmented
 
 
 def test_a_windowed_episode_counts_once_however_its_segments_fall_into_micro_and_mini_batches():
@@ -251,6 +253,7 @@ def test_a_windowed_run_trains_its_segments_logs_them_and_its_checkpoint_plays_t
 def test_a_model_behind_an_api_is_sent_the_window_not_the_episode():
     """A text engine renders nothing here: under --context window its requests carry the opening and the kept turns
     (Trajectory.prompt_messages), as a local model's prompt would."""
+    from rl.context import Context, Kept
     from rl.engines.api import APIEngine
     from rl.trajectory import Trajectory
     from tests.test_api_eval import fake_api, reply, turns
@@ -259,7 +262,7 @@ def test_a_model_behind_an_api_is_sent_the_window_not_the_episode():
                 {"role": "user", "content": "Room 0."}]
     for k in range(1, 4):
         messages += [{"role": "assistant", "content": f"Action: go {k}"}, {"role": "user", "content": f"Room {k}."}]
-    traj = Trajectory("babyai", 0, 0, 0, messages, opening=3, context=messages[:3], since=7)
+    traj = Trajectory("babyai", 0, 0, 0, messages, context=Kept(3, messages[:3], 7))
     assert traj.prompt_messages() == messages[:3] + messages[7:]
     with fake_api(lambda body, attempt, authorization: reply()) as (url, seen):
         engine = APIEngine(url, "fake-model", retries=0)
@@ -273,7 +276,7 @@ def test_a_model_behind_an_api_is_sent_the_window_not_the_episode():
     from rl.engines.api import APIFormat
     from rollout import _act
 
-    _act(APIFormat(), traj, Sample([], text="Action: go 4", usage={"prompt_tokens": 321}))
+    _act(APIFormat(), Context.parse("window:2"), traj, Sample([], text="Action: go 4", usage={"prompt_tokens": 321}))
     assert traj.prompt_tokens == [321]  # (its prompt as the server counted it: nothing is tokenized here)
 
 
@@ -282,14 +285,12 @@ def test_a_model_behind_an_api_is_sent_the_window_not_the_episode():
 def test_a_window_crosses_reasoning_drop_and_tool_calls_token_exact(crossing):
     """--reasoning drop under a window renders each turn from the kept messages alone; --agent tools keeps whole
     calls and their results in the window (TextCraft's tools), every segment rendered with the tools."""
-    from rl.agent import make_agent
-
     if crossing == "drop":
-        fmt, spy, played = window_episodes("babyai", k=2, horizon=6, task_ids=LONG[:2], history="drop")
+        fmt, spy, played = window_episodes("babyai", k=2, horizon=6, task_ids=LONG[:2], reasoning="drop")
         assert check_window(fmt, spy, played, 2, every=True) >= 10
     else:
         fmt, spy, played = window_episodes("textcraft", k=1, horizon=6, task_ids=[36, 38, 49],
-                                           agent=make_agent("tools", 1))  # (test tasks of 3 turns)
+                                           agent="tools")  # (test tasks of 3 turns)
         assert all(t.tools for t in played) and min(len(t.sequences) for t in played) == 2
         assert all(m.get("role") == "tool" for t in played for m in t.prompt_messages()[4::2])
         assert check_window(fmt, spy, played, 1) == 9
@@ -308,7 +309,7 @@ def check_summary(fmt, spy, trajectories, m):
 
     checked = 0
     for traj in trajectories:
-        prompts, samples, opening = spy.prompts[traj.row], spy.samples[traj.row], traj.opening
+        prompts, samples, opening = spy.prompts[traj.row], spy.samples[traj.row], traj.context.opening
         messages = traj.messages[opening:]
         at, turns, summary_of = 0, 0, None  # (the sample's assistant message, env turns so far, the last answer)
         for k, prompt in enumerate(prompts):
@@ -342,17 +343,19 @@ def check_summary(fmt, spy, trajectories, m):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", envs.ENVS)
 def test_summaries_replace_the_turns_before_them_token_exact_on_every_env(name):
+    from rl.agent import make_agent
     from rl.context import Context
     from rollout import ExpertEngine
 
-    fmt = ChatFormat(load_tokenizer("tiny-agent"), context=Context.parse("summary:2"))
+    fmt = ChatFormat(load_tokenizer("tiny-agent"))
     task_ids = LONG[:2] if name == "babyai" else envs.splits(name)["test"][:2]
     environments = [envs.make(name) for _ in task_ids]
     engine = ExpertEngine(fmt, environments)
     engine.expert_texts = []
     spy = Spy(engine, fmt)
     try:
-        played = rollout(spy, fmt, environments, task_ids, [0, 1], horizon=6, max_new_tokens=256, max_tokens=16384)
+        played = rollout(spy, fmt, environments, task_ids, [0, 1], horizon=6, max_new_tokens=256, max_tokens=16384,
+                         agent=make_agent("react", 1, Context.parse("summary:2")))
     finally:
         for env in environments:
             env.close()
@@ -397,17 +400,18 @@ def test_the_viewer_replays_summarized_and_cut_episodes_and_a_cut_episode_counts
     import sys as _sys
     from pathlib import Path
 
+    from rl.agent import make_agent
     from rl.context import Context
     from rollout import ExpertEngine
 
     _sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
     import view
 
-    fmt = ChatFormat(load_tokenizer("tiny-agent"), context=Context.parse("summary:2"), max_obs_tokens=24)
+    fmt = ChatFormat(load_tokenizer("tiny-agent"), max_obs_tokens=24)
     environments = [envs.make("babyai")]
     try:
         traj, = rollout(ExpertEngine(fmt, environments), fmt, environments, LONG[1:2], [0], horizon=7,
-                        max_new_tokens=256, max_tokens=16384)
+                        max_new_tokens=256, max_tokens=16384, agent=make_agent("react", 1, Context.parse("summary:2")))
     finally:
         environments[0].close()
     assert traj.turns == 7 and traj.summary_spans == [2, 5, 8] and traj.obs_cut >= 4
@@ -425,17 +429,17 @@ def test_after_a_summary_a_tool_result_is_kept_as_the_users_message():
     from rl.context import Context
     from rollout import ExpertEngine
 
-    fmt = ChatFormat(load_tokenizer("tiny-agent"), context=Context.parse("summary:1"))
+    fmt = ChatFormat(load_tokenizer("tiny-agent"))
     environments = [envs.make("textcraft") for _ in range(2)]
     try:
         played = rollout(ExpertEngine(fmt, environments), fmt, environments, [36, 38], [0, 1], horizon=3,
-                         max_new_tokens=256, max_tokens=16384, agent=make_agent("tools", 1))
+                         max_new_tokens=256, max_tokens=16384, agent=make_agent("tools", 1, Context.parse("summary:1")))
     finally:
         for env in environments:
             env.close()
     for traj in played:
         assert traj.summary_spans and traj.error is None
-        kept = traj.context
+        kept = traj.context.head
         assert kept[-2]["role"] == "assistant" and not kept[-2].get("tool_calls") and kept[-1]["role"] == "user"
 
 

@@ -14,6 +14,7 @@ import torch
 import envs
 from rl.agent import REACT, make_agent
 from rl.chat import DEFAULT_REASONING, ChatFormat, Reasoning, reasoning_of
+from rl.context import Context
 from rl.engines import Sample
 from rl.engines.expert import ExpertEngine
 from rl.engines.hf import HFEngine
@@ -21,6 +22,7 @@ from rl.model import load_tokenizer
 from rollout import rollout
 from test_token_exactness import Spy, check_exact
 
+DROP = make_agent("react", 1, Context.parse("full", "drop"))  # --reasoning drop
 DECOY = "<think>\nThe goal is near. Action: turn left would be wrong here.\n</think>\n\n"
 
 
@@ -48,6 +50,27 @@ def test_the_answer_is_what_follows_the_reasoning_block():
     assert tags.split("Action: x <think>a block at the end</think>") == ("Action: x <think>a block at the end", "")
     # a block opened after the last closing tag and never closed: cut off inside it
     assert tags.split("<think>a</think>\n<think>b") == ("a</think>\n<think>b", None)
+
+
+def test_a_closing_tag_inside_a_tool_call_is_the_calls_text_not_the_end_of_the_reasoning():
+    """A call's argument may hold the closing tag as text (a query about "</think>"): the reasoning ends at the last
+    closing tag outside every <tool_call> block, so the env gets the call whole, and a calling turn is rendered
+    without it (without_calls) with its reasoning."""
+    from rl.agent import make_agent
+    from rl.chat import without_calls
+    from rl.engines.api import APIFormat
+
+    tags = Reasoning(*DEFAULT_REASONING)
+    call = '<tool_call>{"name": "search", "arguments": {"query": "what does </think> close"}}</tool_call>'
+    assert tags.split("<think>r</think>\n" + call) == ("r", call)
+    assert tags.split("r</think>\n" + call, opened=True) == ("r", call)
+    cut = '<tool_call>{"name": "search", "arguments": {"query": "</think>'  # (cut off inside the call)
+    assert tags.split("<think>r</think>" + cut) == ("r", cut)
+    thought = '<think>a call I may make: <tool_call>{"q": "</think>"}</tool_call>, or a <tool_call> tag</think>'
+    assert tags.split(thought + call) == (thought[len("<think>"):-len("</think>")], call)
+    assert without_calls("<think>r</think>\n" + call, "hermes", tags) == "<think>r</think>"
+    action = make_agent("tools").read(APIFormat(), "searchqa", "<think>r</think>\n" + call)
+    assert action.problem is None and action.text == "<search>what does </think> close</search>"
 
 
 def test_tags_come_from_the_template_the_default_pair_or_the_flag(thinking):
@@ -169,17 +192,16 @@ def test_a_reply_cut_off_inside_its_reasoning_is_an_invalid_action(thinking):
 def test_drop_lays_each_turn_out_as_the_template_renders_it_token_exact(thinking):
     """--reasoning drop: every turn's prompt is the template's rendering of the conversation before it (earlier
     reasoning gone), followed by exactly the sampled tokens, trained on alone; the episode's sequences are its turns."""
-    dropping = ChatFormat(thinking.tokenizer, history="drop")
-    spy, trajectories = play(dropping, lambda environments: Thinking(dropping, environments), agent=REACT)
+    spy, trajectories = play(thinking, lambda environments: Thinking(thinking, environments), agent=DROP)
     assert any(t.turns >= 2 for t in trajectories)
     for traj in trajectories:
         assert len(traj.sequences) == traj.turns == len(spy.prompts[traj.row])
         for k, (ids, mask, _) in enumerate(traj.sequences):
             prompt, sample = spy.prompts[traj.row][k], spy.samples[traj.row][k]
-            assert prompt == dropping.prompt(traj.messages[:3 + 2 * k])  # what the template renders, earlier reasoning gone
+            assert prompt == thinking.prompt(traj.messages[:3 + 2 * k])  # what the template renders, earlier reasoning gone
             assert ids[:len(prompt)] == prompt and ids[len(prompt):len(prompt) + len(sample)] == sample
             assert [t for t, m in zip(ids, mask) if m] == sample and not any(mask[:len(prompt)])
-            assert dropping.tokenizer.decode(prompt).count("<think>") == 0  # (the template shows reasoning after the last user turn only)
+            assert thinking.tokenizer.decode(prompt).count("<think>") == 0  # (the template shows reasoning after the last user turn only)
         assert traj.token_ids == traj.sequences[-1][0]
         record = traj.log_record()
         assert record["segments"] == traj.turns and record["action_tokens"] == sum(map(len, spy.samples[traj.row]))
@@ -202,8 +224,9 @@ def test_drop_trains_an_episode_as_keep_does_where_the_template_drops_nothing(ag
     accelerator = Accelerator(cpu=True)
     gradients, losses, counts = {}, {}, {}
     for history in ("keep", "drop"):
-        fmt = ChatFormat(load_tokenizer("tiny-agent"), history=history)
-        _, played = play(fmt, lambda environments: ExpertEngine(fmt, environments), count=4, horizon=3)
+        fmt = ChatFormat(load_tokenizer("tiny-agent"))
+        _, played = play(fmt, lambda environments: ExpertEngine(fmt, environments), count=4, horizon=3,
+                         agent=make_agent("react", 1, Context.parse("full", history)))
         for k, traj in enumerate(played):  # outcomes that differ within each group of two
             traj.reward, traj.group = [0.0, 1.0, 0.3, 0.9][k], k // 2
         counts[history] = [t.turns for t in played]
@@ -231,8 +254,8 @@ def test_an_episode_split_over_mini_batches_counts_once():
     the share of the episode's action tokens it holds, so that over the mini-batches every episode counts once."""
     from rl.batch import count_sequences, make_batch, rows_of
 
-    fmt = ChatFormat(load_tokenizer("tiny-agent"), history="drop")
-    _, played = play(fmt, lambda environments: ExpertEngine(fmt, environments), count=4, horizon=3)
+    fmt = ChatFormat(load_tokenizer("tiny-agent"))
+    _, played = play(fmt, lambda environments: ExpertEngine(fmt, environments), count=4, horizon=3, agent=DROP)
     rows, episodes = rows_of(played)
     batch = make_batch(rows, fmt.pad_id, [[[i]] for i in range(len(rows))], "cpu", episodes=episodes)  # a row each
     halves = [batch.micro[0::2], batch.micro[1::2]]  # (every other row: an episode's turns in both)
@@ -291,7 +314,7 @@ def test_a_template_that_opens_the_block_gives_the_env_the_text_after_the_last_c
     too (the answer follows the last one); turn 3: cut off inside the reasoning (an invalid action, the env not
     stepped). The tokens are the sampled ones; the conversation renders each reply as the text the env read."""
     tokenizer, model = r1
-    fmt = ChatFormat(tokenizer, history=history)
+    fmt = ChatFormat(tokenizer)
     assert fmt.opens_reasoning and fmt.observation_suffix == "<｜Assistant｜><think>\n"
     stepped = []
     environments = [envs.make("babyai") for _ in range(2)]
@@ -300,7 +323,7 @@ def test_a_template_that_opens_the_block_gives_the_env_the_text_after_the_last_c
     spy = Spy(Forced(model, fmt), fmt)
     try:
         trajectories = rollout(spy, fmt, environments, MULTI_TURN[:2], [0, 1], horizon=3, max_new_tokens=128,
-                               max_tokens=4096)
+                               max_tokens=4096, agent=make_agent("react", 1, Context.parse("full", history)))
     finally:
         for env in environments:
             env.close()

@@ -22,7 +22,6 @@ import pytest
 
 import envs
 from envs import tools as env_tools
-from rl.agent import make_agent
 from rl.agent import LayoutArgs, chat_format
 from rl.chat import ChatFormat
 from rl.data import encode, to_record
@@ -67,10 +66,10 @@ def recorded():
     return json.loads(RECORDED.read_text())
 
 
-def case_format(real_tokenizer, case: str, reasoning: str = "keep") -> ChatFormat:
+def case_format(real_tokenizer, case: str) -> ChatFormat:
     template, _, variant = case.partition(":")
     kwargs = {"enable_thinking": "false"} if variant == "nothink" else {}
-    return chat_format(real_tokenizer(template), LayoutArgs(chat_template_kwargs=kwargs, reasoning=reasoning))
+    return chat_format(real_tokenizer(template), LayoutArgs(chat_template_kwargs=kwargs))
 
 
 class Replay(envs.Env):
@@ -167,14 +166,14 @@ def test_every_template_lays_out_every_env_token_exact(real_tokenizer, recorded,
         with pytest.raises(SystemExit, match=r"renders no tool (schemas|calls in a format this project reads).*use --agent react"):
             chat_format(real_tokenizer(case.partition(":")[0]), LayoutArgs(agent, reasoning=reasoning))
         return
-    fmt = case_format(real_tokenizer, case, reasoning)
+    fmt = case_format(real_tokenizer, case)
     episode, tools = recorded[name], agent == "tools"
     env = Replay(name, episode)
     engine = Scripted(fmt, name, episode, tools, thinking=not case.endswith(":nothink"))
     spy = Spy(engine, fmt)
     horizon = len(episode["turns"])
     (traj,) = rollout(spy, fmt, [env], [episode["task_id"]], [0], horizon=horizon, max_new_tokens=2048,
-                      max_tokens=65536, agent=make_agent(agent))
+                      max_tokens=65536, agent=LayoutArgs(agent, reasoning=reasoning).make_agent())
     assert traj.error is None and traj.turns == horizon and traj.invalid_actions == 0
     assert traj.reward == episode["turns"][-1]["reward"]
 
@@ -263,11 +262,11 @@ def test_a_random_weight_model_samples_token_exact(real_tokenizer, case, agent, 
     """HFEngine sampling a random-weight model with the real vocabulary (its stop and pad ids, tokens no BPE would
     merge that way, turns cut by the limit): under keep every turn extends the last and the model's text is never
     tokenized again; under drop every prompt is the template's rendering; the loss mask is the sampled tokens."""
-    fmt = case_format(real_tokenizer, case, reasoning)
+    fmt = case_format(real_tokenizer, case)
     spy = Spy(HFEngine(random_model(fmt.tokenizer), fmt, temperature=1.0, seed=1), fmt)
     environments = [envs.make("babyai") for _ in range(2)]
     trajectories = rollout(spy, fmt, environments, [21, 34], [0, 1], horizon=3, max_new_tokens=12, max_tokens=8192,
-                           agent=make_agent(agent))
+                           agent=LayoutArgs(agent, reasoning=reasoning).make_agent())
     assert all(t.error is None and t.turns == 3 for t in trajectories)
     if reasoning == "keep":
         check_exact(fmt, spy, trajectories, renders=False)

@@ -295,3 +295,40 @@ def test_an_api_models_calls_are_learnt_as_the_template_writes_them(hermes):
     assert trained == (hermes.call_text(*go) + "<|im_end|>" + "I turn.\n" + hermes.call_text(*turn) + "<|im_end|>"
                        + hermes.call_text(*go) + "<|im_end|>")
     assert ids[:len(hermes.prompt(opening, tools=env_tools.schemas("babyai")))] == hermes.prompt(opening, tools=env_tools.schemas("babyai"))
+
+
+def test_a_call_that_cannot_be_read_keeps_what_the_model_wrote(hermes):
+    """A model behind an API whose call's arguments are not JSON: the turn is an invalid action, and its message keeps
+    the call as the server sent it (invalid_tool_calls) in the rollouts record too, never sent back to the server; a
+    local model's malformed call stays in its reply's text, the tokens exactly as sampled."""
+    from rl.engines.api import APIEngine, APIFormat
+    from tests.test_api_eval import fake_api
+
+    sent = {"id": "call_a", "type": "function", "function": {"name": "go_to", "arguments": '{"object": "red ball'}}
+
+    def answer(body, attempt, authorization):  # (turn 1: the call; turn 2: text, which calls no tool)
+        message = {"role": "assistant", "content": None, "tool_calls": [sent]} if len(body["messages"]) == 3 else \
+            {"role": "assistant", "content": "Thought: I am lost."}
+        return 200, {"choices": [{"index": 0, "finish_reason": "stop", "message": message}], "usage": {}}, {}
+
+    environments = [envs.make("babyai")]
+    with fake_api(answer) as (url, seen):
+        engine = APIEngine(url, "fake-model", retries=0)
+        try:
+            traj, = rollout(engine, APIFormat(), environments, [21], [0], horizon=2, max_new_tokens=64, max_tokens=4096,
+                            agent=TOOLS)
+        finally:
+            engine.close()
+            environments[0].close()
+    raw = [{"id": "call_a", "name": "go_to", "arguments": '{"object": "red ball'}]
+    assert traj.invalid_actions == 2 and "not valid JSON" in traj.messages[4]["content"]
+    assert traj.messages[3]["invalid_tool_calls"] == raw and "tool_calls" not in traj.messages[3]
+    assert json.loads(json.dumps(traj.log_record()))["messages"][3]["invalid_tool_calls"] == raw
+    assert len(seen) == 2 and not any("invalid_tool_calls" in m for _, body, _ in seen for m in body["messages"])
+
+    bad = '<tool_call>{"name": "go_to", "arguments": {"object": "red ball</tool_call>'
+    spy, trajectories, _ = play(hermes, "babyai", TOOLS, lambda e: Malformed(hermes, e, bad))
+    for traj in trajectories:
+        assert traj.messages[3]["content"] == bad and traj.log_record()["messages"][3]["content"] == bad
+        assert "not valid JSON" in traj.messages[4]["content"] and "invalid_tool_calls" not in traj.messages[3]
+    check_exact(hermes, spy, trajectories)

@@ -17,10 +17,11 @@ Tools and reasoning. A trajectory that carries tools (`traj.tools`: OpenAI funct
 every request, and its messages go as the rollout keeps them, an assistant's `tool_calls` and the `tool`
 answers included. A reply's tool calls come back in Sample.tool_calls ({"id", "name", "arguments"}, the
 arguments the JSON text exactly as the server sent it, "" for what an entry lacks), unparsed and never refused
-here: the rollout parses them and answers a malformed one. Only the reply's `content` is its text (Sample.text,
-"" when a reply holds only tool calls), so only that can reach the env. A reasoning model's separate reasoning
-(`reasoning_content`, or `reasoning` as some servers name it) is Sample.reasoning: the rollout logs it with the
-episode and keeps it out of the env and out of the messages sent back in later turns, since the env should read
+here: the rollout parses them and answers a malformed one (keeping calls it cannot take as the message's
+`invalid_tool_calls`, for the logs and the viewer; never sent back). Only the reply's `content` is its text
+(Sample.text, "" when a reply holds only tool calls), so only that can reach the env. A reasoning model's separate
+reasoning (`reasoning_content`, or `reasoning` as some servers name it) is Sample.reasoning: the rollout logs it with
+the episode and keeps it out of the env and out of the messages sent back in later turns, since the env should read
 the answer after the reasoning. A server without a reasoning parser leaves the reasoning in `content`, and for a
 template that opens the block in its generation prompt (R1 distills, Qwen3-Thinking) with only the closing tag:
 such a reply is read by rl/chat.py's rule (Reasoning.split: the text after the last closing tag is the answer),
@@ -87,7 +88,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from rl.chat import Reasoning, parse_calls, reasoning_of, without_calls
-from rl.context import Context
 from rl.engines import Sample
 
 PREFIX = "openai:"  # --model openai:<name> names a served model
@@ -146,15 +146,13 @@ class APIFormat:
 
     opens_reasoning = False
     call_style = "hermes"
-    history = "keep"  # (nothing is laid out here: the server renders the conversation every turn)
-    segmented = False
 
     def __init__(self, reasoning_tags: tuple[str, str] | None = None, template_kwargs: dict | None = None,
-                 max_obs_tokens: int = 0, context: Context = Context()):
+                 max_obs_tokens: int = 0):
         if max_obs_tokens:
             raise SystemExit("--max-obs-tokens counts an observation's tokens with the model's tokenizer, which a model "
                              "behind an API does not give: leave it out")
-        self.reasoning, self.context = reasoning_of(None, reasoning_tags), context  # (what each request sends)
+        self.reasoning = reasoning_of(None, reasoning_tags)
         self.template_kwargs = dict(template_kwargs or {})  # (the server's chat template options, sent with requests)
 
     def prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
@@ -210,9 +208,11 @@ class APIEngine:
         return len(self._running)
 
     def submit(self, traj, limit: int) -> None:
-        # (a reply's reasoning, kept with the episode as reasoning_content, never goes back to the server)
-        # and calls left inline by a server without a tool parser go back once, as tool_calls
-        messages = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in traj.prompt_messages()]
+        # (a reply's reasoning, kept with the episode as reasoning_content, and calls the rollout could not take, kept
+        # as invalid_tool_calls, never go back to the server) and calls left inline by a server without a tool parser
+        # go back once, as tool_calls
+        messages = [{k: v for k, v in m.items() if k not in ("reasoning_content", "invalid_tool_calls")}
+                    for m in traj.prompt_messages()]
         for message in messages:
             if message.get("tool_calls") and message.get("content"):
                 message["content"] = without_calls(message["content"], "hermes")

@@ -28,11 +28,12 @@ class ExpertEngine(RoundEngine):
             if traj.turns == 0:  # first turn after a reset: a fresh expert for this episode
                 self.experts[traj.row] = envs_lib.oracle(self.environments[traj.row])
             try:  # (the env's last answer as the prompt holds it: after a summary, without the request)
-                text = SUMMARY if traj.summarizing else self.experts[traj.row](traj.prompt_messages()[-1]["content"])
+                summarizing = traj.context.summarizing
+                text = SUMMARY if summarizing else self.experts[traj.row](traj.prompt_messages()[-1]["content"])
             except RuntimeError as error:  # a task this expert cannot play
                 samples.append(Sample([], error=f"expert failed: {error}"))
                 continue
-            if traj.tools and not traj.summarizing:  # --agent tools: the expert's action as the one call that stands for it
+            if traj.tools and not summarizing:  # --agent tools: the expert's action as the one call that stands for it
                 text = self.fmt.call_text(*envs_lib.tools.call_of(traj.env, text))
             ids = (self.fmt.encode(text) + [self.fmt.end_of_turn])[:max(limit, 0)]
             samples.append(Sample(ids, [0.0] * len(ids)))
