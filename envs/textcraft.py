@@ -20,10 +20,10 @@ the tree), shuffled with seed 42. The inventory starts empty. Actions are upstre
 upstream's messages. Reward 1 and done when the goal item is crafted (or gotten).
 
 Renamed goals: task id k * 544 + g is goal g under renaming k (k = 0: the goal as upstream has it, ids 0-543). A
-renaming gives every item and tag of the episode's recipe list (the goal's tree and the distractors) a new name, two
-words drawn from a pool of made-up names (NAMES, no word of them
-in a Minecraft item's name), draws the distractors anew and shuffles the
-lines anew, all from a `random.Random` seeded by (k, goal): deterministic in the id. The crafting rules are the real
+renaming gives every item and tag of the episode's recipe list (the goal's tree and the distractors) the name of
+another item of the game (drawn from its 699 item and tag names, none of the episode's own, without repeats), draws
+the distractors anew and shuffles the lines anew, all from a `random.Random` seeded by (k, goal): deterministic in
+the id. The names are the game's, so a model knows their words, and mean other items, so it must read the recipes. The crafting rules are the real
 ones under the new names (a renamed tag's renamed members stand in for it), the env's answers name items as the agent
 sees them, and an item's real name is refused where it was renamed ("Could not find ..."); the oracle plays the
 renamed names and solves every goal it solves unrenamed. So one goal's structure (counts, depth, line count) comes in
@@ -121,18 +121,6 @@ def read_action(text: str) -> str | None:
 MAX_DISTRACTORS = 10  # in the recipe list, and drawn per input item
 SHUFFLE_SEED = 42
 COUNT = r"([0-9]{1,100})"  # upstream's ([0-9]+), short enough for int() and for str() of any sum of them
-
-
-# Renamed goals: made-up names, an adjective and a noun, neither a word of any item's name in the game (tested).
-ADJECTIVES = ("amber", "ashen", "brisk", "cobalt", "copper", "coral", "dusky", "ember", "fallow",
-              "frosty", "gilded", "glassy", "hazel", "hollow", "indigo", "ivory", "jade", "lunar", "misty",
-              "ochre", "olive", "pale", "pearly", "plum", "rusty", "sable", "sandy", "silken", "smoky",
-              "stormy", "sunny", "tawny", "teal", "umber", "velvet", "violet", "wild", "windy", "woolly", "zesty")
-NOUNS = ("acorn", "badge", "bale", "bolt", "bundle", "charm", "chisel", "cog", "crate", "crest",
-         "disk", "ember", "flask", "flute", "gem", "gear", "goblet", "hinge", "kettle", "knot", "lens", "locket",
-         "medal", "orb", "pebble", "plank", "prism", "quill", "reed", "rivet", "rune", "satchel",
-         "scroll", "spindle", "spool", "sprocket", "thimble", "token", "totem", "twine", "widget", "wreath")
-NAMES = tuple(f"{a} {n}" for a in ADJECTIVES for n in NOUNS if a != n)
 
 
 def item_text(name: str) -> str:
@@ -315,11 +303,13 @@ def category(task_id: int) -> str:
 
 
 def renaming_of(recipes: list[Recipe], goal: str, tree: CraftingTree, rng: random.Random) -> dict[str, str]:
-    """New ids for every item and tag the recipes name and the goal, drawn without repeats from NAMES:
-    {"minecraft:stick": "minecraft:amber_rivet", ...}."""
+    """New ids for every item and tag the recipes name and the goal: other names of the game's (its 699 items' and
+    tags'), none of the episode's own, drawn without repeats: {"minecraft:stick": "minecraft:birch_boat", ...}."""
     named = dict.fromkeys(name for recipe in recipes for name in (recipe.output, *(i.name for i in recipe.inputs)))
     named[goal] = None
-    return {name: "minecraft:" + new.replace(" ", "_") for name, new in zip(named, rng.sample(NAMES, len(named)))}
+    own = {item_text(name) for name in named}
+    pool = sorted({item_text(name) for name in (*tree.items, *tree.tags)} - own)
+    return {name: "minecraft:" + new.replace(" ", "_") for name, new in zip(named, rng.sample(pool, len(named)))}
 
 
 # ---------------------------------------------------------------------------------------------
