@@ -73,10 +73,11 @@ from rl.flags import GROUP, embedded_of
 from rl.limits import Limits, check_entries, checkpoint_limits, own_entries
 from rl.tasks import env_names
 from rl.progress import play_until_stopped, stopped
-from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, context_limit, deterministic_kernels, embedded_rollout,
-                      load_config, load_tokenizer, stop_on_nondeterministic)
+from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, context_limit, deterministic_kernels,
+                      embedded_rollout, load_config, load_tokenizer, stop_on_nondeterministic)
 from rl.run import code_revision, run_of
-from rl.scores import actions, cells, compare_rows, endings, env_table, macro, score, spread, sweep_table
+from rl.scores import (actions, cells, compare_rows, endings, env_table, macro, per_task, result_text, score,
+                       spread, sweep_table)
 from rl.engines import api
 from rl.engines.setup import EngineArgs, build_engine, engine_kind
 from rollout import EngineStalled, play
@@ -99,7 +100,7 @@ class Args:
     split: Literal["test", "train"] = "test"
     """which of the env's shipped splits to evaluate"""
     tasks: str | None = None
-    """task id file (AgentGym-RL-Data-ID format) instead of the split; a run's checkpoint: default its run's --test-tasks"""
+    """task id file (AgentGym-RL-Data-ID format) instead of the split; a run's checkpoint: its run's --test-tasks"""
     limit: int | None = None
     """evaluate N tasks spread evenly over the split"""
     k: int = 1
@@ -120,7 +121,7 @@ class Args:
     """options for the chat template, e.g. --chat-template-kwargs enable_thinking false (Qwen3), added to a run's own;
     an API model's server gets them as its request's chat_template_kwargs"""
     max_obs_tokens: int | None = None
-    """an observation of more than N tokens is cut to its first and last N/2 (train.py's); default: a run's own, else 0"""
+    """an observation of more than N tokens is cut to its first and last N/2 (train.py's); default: a run's, else 0"""
     context: str | None = None
     """full, window:K or summary:M: what a turn's prompt holds (train.py's); default: a run's own, else full"""
     attempts: int = 3
@@ -135,7 +136,8 @@ class Args:
     """several envs: an env's own horizon (several: a sweep, 5,10,20), max_new_tokens or max_tokens, ENV.KEY VALUE
     (webarena.max_tokens 16384), over the flags above and --protocol's"""
     # rl/engines/setup.py (vLLM takes 0.85 of the GPU here: nothing else shares it in eval), envs/guard.py
-    engine_args: Annotated[EngineArgs, GROUP] = field(default_factory=lambda: EngineArgs(vllm_gpu_memory_utilization=0.85))
+    engine_args: Annotated[EngineArgs, GROUP] = field(
+        default_factory=lambda: EngineArgs(vllm_gpu_memory_utilization=0.85))
     env_args: Annotated[EnvArgs, GROUP] = field(default_factory=EnvArgs)
     batch_size: int = 64
     """episodes played at once"""
@@ -267,11 +269,12 @@ def evaluate(args: Args, engine, kind: str, fmt, layout: LayoutArgs, settings: d
     finally:
         close_envs(environments)
     trajectories = played[horizon]
+    scored = score(trajectories, env_name, envs.score_max(env_name, settings["env_options"]))
     results = {"model": args.model, "split": settings["tasks"] or args.split, "k": args.k, "agent": agent.name,
-               **({"attempts": agent.attempts} if agent.attempts > 1 else {}), "temperature": args.engine_args.temperature,
-               "top_p": args.engine_args.top_p, "seed": args.seed, "engine": kind, "code": code_revision(), **settings,
-               "env_settings": env_settings, "env_url": args.env_args.env_url, **score(trajectories, env_name, envs.score_max(env_name, settings["env_options"])),
-               **({"served": engine.served()} if kind == "server" else {}),
+               **({"attempts": agent.attempts} if agent.attempts > 1 else {}),
+               "temperature": args.engine_args.temperature, "top_p": args.engine_args.top_p, "seed": args.seed,
+               "engine": kind, "code": code_revision(), **settings, "env_settings": env_settings,
+               "env_url": args.env_args.env_url, **scored, **({"served": engine.served()} if kind == "server" else {}),
                "per_task": per_task(trajectories), "seconds": round(time.perf_counter() - start, 1),
                **({"stopped": f"by Ctrl-C, after {len(trajectories)} of {len(episodes)} episodes"} if stop else {})}
     if kind == "api":  # where the model was served (never the key), what its calls cost, what it was sampled at
@@ -352,27 +355,11 @@ def output_path(args: Args, env_name: str, settings: dict) -> Path:
     return out
 
 
-def per_task(trajectories) -> dict[str, list[list[float]]]:
-    """Each task's episodes as [reward, success] pairs (its final attempts under reflect): what --compare pairs."""
-    tasks: dict[str, list[list[float]]] = {}
-    for t in trajectories:
-        if getattr(t, "final", True):
-            tasks.setdefault(str(t.task_id), []).append([t.reward, float(t.success)])
-    return tasks
-
-
-def result_text(results: dict) -> str:
-    """The results as indented JSON, with each task's episodes on one line."""
-    rest = {key: value for key, value in results.items() if key != "per_task"}
-    tasks = ",\n".join(f"    {json.dumps(task)}: {json.dumps(value)}" for task, value in results["per_task"].items())
-    return json.dumps(rest, indent=2)[:-2] + ',\n  "per_task": {\n' + tasks + "\n  }\n}\n"
-
-
 def report(results: dict, settings: dict, k: int, trajectories: list) -> None:
     """The console summary: the limits, Avg@k and Pass@k overall and per category, how the episodes ended (a
     warning when most ran out of tokens), the first failure, an API model's usage, per attempt and per turn cap."""
-    limits = (f"{settings['horizon']} turns, {settings['max_new_tokens']} tokens a turn, {settings['max_tokens']} a trajectory"
-              + (f"; set by flag: {', '.join(settings['overrides'])}" if settings["overrides"] else "")
+    limits = (f"{settings['horizon']} turns, {settings['max_new_tokens']} tokens a turn, {settings['max_tokens']} a "
+              "trajectory" + (f"; set by flag: {', '.join(settings['overrides'])}" if settings["overrides"] else "")
               + ("; the server's context window holds the trajectory's" if results["engine"] == "api" else ""))
     print(f"protocol {settings['protocol']} ({limits}), agent {results['agent']}")
     print(f"{settings['env']} {Path(str(results['split'])).name}: {results['tasks']} tasks x {k}  {cells(results, k)}"
@@ -389,9 +376,9 @@ def report(results: dict, settings: dict, k: int, trajectories: list) -> None:
               + (f" ({usage['reasoning_tokens']} of them reasoning)" if usage["reasoning_tokens"] else "")
               + f", ${usage['cost']:.4f}")
         if "asked" in results:
-            print(f"warning: the server takes only its default sampling for {results['model']}: played at temperature "
-                  f"{results['temperature']} and top_p {results['top_p']}, not the asked {results['asked']['temperature']} "
-                  f"and {results['asked']['top_p']}")
+            print(f"warning: the server takes only its default sampling for {results['model']}: played at "
+                  f"temperature {results['temperature']} and top_p {results['top_p']}, not the asked "
+                  f"{results['asked']['temperature']} and {results['asked']['top_p']}")
     for name, c in results["categories"].items():
         print(f"  {name:<24} {c['tasks']:>4} tasks  {cells(c, k)}")
     for row in results.get("by_attempt", []):
@@ -432,7 +419,7 @@ def compare(first: str, second: str) -> dict:
             cells.append(f"{d['before']:>7.3f} {d['after']:>7.3f} {interval:>24}")
         print(f"{row['category'][:24]:<24} {row['tasks']:>5}  " + "  ".join(cells))
     if any(row["tasks"] == 0 for row in rows):
-        print("(a result without per-task scores, written before eval.py kept them, or without tasks in common: no intervals)")
+        print("(a result without per-task scores, written before eval.py kept them, or none in common: no intervals)")
     return {"first": first, "second": second, "settings_differ": differ, "categories": rows}
 
 

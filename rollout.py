@@ -79,18 +79,16 @@ from envs import Env, StepResult
 from rl import staleness as rule
 from rl.agent import REACT, Agent
 from rl.chat import ChatFormat, openai_calls  # (ChatFormat: rollout's callers import it from here too)
-from rl.engines import Sample
+from rl.engines import EngineStalled, Sample, Watchdog  # noqa: F401 - (EngineStalled: re-exported)
 from rl.engines.expert import ExpertEngine
 from rl.context import Context, Kept
 from rl.limits import Limits, largest
 from rl.engines.hf import HFEngine  # noqa: F401 - the engines rollouts run on, imported from here too
 from rl.engines.vllm import VLLMEngine  # noqa: F401 - (as HFEngine)
-from rl.trajectory import EnvAnswer, RolloutStats, Sequence, Trajectory, category, spans  # noqa: F401 - the data, re-exported
+from rl.trajectory import EnvAnswer, RolloutStats, Sequence, Trajectory, category, spans  # noqa: F401 - re-exported
 
+Report = Callable[[list[Trajectory]], None]  # a rollout's progress: called as turns are played and episodes end
 ATTEMPT_GROUPS = 1 << 20  # reflect: attempt a's group is its task group + (a - 1) x this (see attempts)
-# A rollout stops when its engine holds submitted turns and generates nothing for this long (Watchdog): longer
-# than any prefill and token of a working engine, however slow
-STALL_S = 600.0
 # Env calls at once: a thread per env up to this many (an env call mostly waits, on a browser, a server or a
 # simulator's process, so a slow env must not hold up another's call behind it; 32 had a step's 64 episodes queue)
 ENV_THREADS = 256
@@ -172,7 +170,7 @@ class Rollouts:
         self.resetting: dict[Future, tuple[int, int, int, int, int]] = {}  # -> (set, index, task, group, horizon)
         self.clock = RolloutStats()
 
-    def take(self, j: int, progress: Callable[[list[Trajectory]], None] | None = None) -> list[Trajectory]:
+    def take(self, j: int, progress: Report | None = None) -> list[Trajectory]:
         """Play until set j is complete, and return it in row order (the other sets go on later). `progress`, when
         given, is called with set j's trajectories under way whenever one of them played a turn or ended."""
         if self.agent.attempts > 1:  # reflect: a set's attempts are sets of their own, played in turn
@@ -182,8 +180,9 @@ class Rollouts:
         try:
             self._open()
             if j not in self.sets:
-                raise ValueError(f"set {j} is not under way: it starts with version {rule.first_version(j, self.staleness)}, "
-                                 f"and the engine has {self.version} (sets are taken in order, each once)")
+                raise ValueError(f"set {j} is not under way: it starts with version "
+                                 f"{rule.first_version(j, self.staleness)}, and the engine has {self.version} "
+                                 "(sets are taken in order, each once)")
             while True:
                 self._open()
                 if progress is not None:
@@ -397,7 +396,7 @@ class Rollouts:
 def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int], *,
             horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent = REACT,
             pool: ThreadPoolExecutor | None = None, stats: RolloutStats | None = None,
-            progress: Callable[[list[Trajectory]], None] | None = None,
+            progress: Report | None = None,
             reflections: list[list[str]] | None = None) -> list[Trajectory]:
     """Play one episode per env: environments[i] plays task_ids[i], in group groups[i], for at most
     `horizon` turns, laid out by `agent` (rl/agent.py; reflect plays up to agent.attempts attempts, each a
@@ -422,7 +421,7 @@ def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int
 
 def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int], *,
              horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent, pool: ThreadPoolExecutor | None = None,
-             stats: RolloutStats | None = None, progress: Callable[[list[Trajectory]], None] | None = None) -> list[Trajectory]:
+             stats: RolloutStats | None = None, progress: Report | None = None) -> list[Trajectory]:
     """Reflect's episodes: attempt after attempt at each task until it succeeds or agent.attempts are played.
     After a failed attempt the policy writes a reflection (reflect()), and the task's next attempt opens with
     all of its reflections. Returns every attempt's trajectory, attempt 1's first; an attempt's group is
@@ -432,7 +431,7 @@ def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[in
     episode. `progress` is called with each attempt's trajectories (as rollout's)."""
     reflections: list[list[str]] = [[] for _ in task_ids]
     rows, played, clock = list(range(len(task_ids))), [], RolloutStats()
-    if isinstance(engine, ExpertEngine):  # (it keys its experts by env row, which attempts renumber; and never reflects)
+    if isinstance(engine, ExpertEngine):  # (it keys its experts by env row, which attempts renumber; never reflects)
         raise ValueError("the envs' scripted experts do not reflect: play them with --agent react")
     if max(groups, default=0) >= ATTEMPT_GROUPS:
         raise ValueError(f"reflect numbers its attempts' groups from {ATTEMPT_GROUPS}: task groups must stay below")
@@ -506,7 +505,7 @@ def reflect(engine, fmt: ChatFormat, failed: list[Trajectory], agent: Agent, max
 
 def play(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int], groups: list[int] | None = None, *,
          horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent = REACT,
-         pool: ThreadPoolExecutor | None = None, progress: Callable[[list[Trajectory]], None] | None = None) -> list[Trajectory]:
+         pool: ThreadPoolExecutor | None = None, progress: Report | None = None) -> list[Trajectory]:
     """Any number of episodes on a fixed set of envs: rollouts of as many at once as there are envs,
     in order, until every task id is played. `progress` is called as turns are played and episodes end
     (see rollout; rl/progress.py's Progress shows them). Groups default to one per episode."""
@@ -545,28 +544,6 @@ def _taken_in(fmt: ChatFormat, context: Context, traj: Trajectory, answer: EnvAn
     if traj.live:
         _prompt(fmt, traj, context.after(traj), max_tokens)
     return traj.live
-
-
-class EngineStalled(RuntimeError):
-    """The engine held submitted turns and generated nothing for STALL_S seconds."""
-
-
-class Watchdog:
-    """Stops a rollout whose engine holds turns and generates nothing (engine.progress stands still) for STALL_S
-    seconds, e.g. a vLLM engine asleep: its scheduler is paused and what it is sent waits forever. The clock starts
-    at the first check that finds turns waiting, so time spent waiting on envs with nothing submitted never counts."""
-
-    def __init__(self, engine):
-        self.engine, self.progress, self.since = engine, engine.progress, time.perf_counter()
-
-    def check(self) -> None:
-        now = time.perf_counter()
-        if not self.engine.pending or self.engine.progress != self.progress:
-            self.progress, self.since = self.engine.progress, now
-        elif now - self.since > STALL_S:
-            raise EngineStalled(
-                f"the {self.engine.name} engine generated nothing for {STALL_S:g} s while {self.engine.pending} turns "
-                "waited: it is stuck (a vLLM engine that sleeps never schedules what it is sent), so the rollout stops")
 
 
 def _start(fmt: ChatFormat, agent: Agent, row: int, env: Env, task_id: int, group: int, answer: EnvAnswer,

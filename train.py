@@ -10,10 +10,10 @@ Each step (main): sample `tasks_per_step` tasks of the train split, roll out `n`
 at most the turns the horizon schedule allows at this step (rl/horizon.py), score each by its last reward, turn the
 scores into advantages (rl/advantages.py's ESTIMATORS: `--algo` grpo, rloo, gigpo, reinforce_pp, or ppo with a critic
 and GAE), update the policy with PPO's clipped loss, a KL penalty to the frozen initial model and an entropy bonus
-(update_policy: rl/losses.policy_objective),
-and copy the new weights into the rollout engine (rl/engines/setup.py: sync). Each process rolls out its own share of the
-tasks. The run directory (rl/run.py) gets every trajectory, the metrics (wandb with --track) and checkpoints. The
-same models, accumulation, logs and checkpoints learn from trajectory files (--data: learn, evolve):
+(update_policy: rl/losses.policy_objective), and copy the new weights into the rollout engine (rl/engines/setup.py:
+sync). Each process rolls out its own share of the tasks. The run directory (rl/run.py) gets every trajectory, the
+metrics (wandb with --track) and checkpoints. The same models, accumulation, logs and checkpoints learn from trajectory
+files (--data: learn, evolve):
 
     python train.py --algo sft --data data/babyai_train_expert.jsonl --epochs 2   # (scripts/make_expert_data.py)
     python train.py --algo dpo --data expert.jsonl --experience runs/<run>/rollouts.jsonl
@@ -42,6 +42,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -64,8 +65,8 @@ from rl.losses import Counts, Objective, aggregate, kl, policy_objective, value_
 from rl.memory import PlanArgs, print_plan
 from rl.model import (EMBEDDED_OWN, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, ModelArgs, Models, build_models, context_limit,
                       has_reference, load_tokenizer, make_accelerator, reference, restart, stop_on_nondeterministic)
-from rl.metrics import (Costs, UpdateSums, async_metrics, eval_line, eval_metrics, evol_line, offline_line,
-                        policy_sums, rl_line, step_metrics)
+from rl.metrics import (Costs, UpdateSums, eval_line, eval_metrics, evol_line, offline_line,
+                        policy_sums, rl_line, step_metrics, timing)
 from rl.optimizer import accumulate, optimizer_steps, reducer, stop_on_nonfinite
 from rl.progress import Progress, phase, step_bar, stopped
 from rl.records import rollout_records
@@ -154,7 +155,7 @@ class Args:
     """tokens per trajectory (prompt + every turn); an episode ends when it is spent"""
     env_limits: dict[str, str] = field(default_factory=dict)
     """an env's own limits in a run of several: ENV.KEY VALUE, KEY horizon (stages: 8,12,15), horizon_every,
-    max_new_tokens or max_tokens (e.g. webarena.max_tokens 16384); the flags above are every other env's (rl/limits.py)"""
+    max_new_tokens or max_tokens (e.g. webarena.max_tokens 16384); the flags above: every other env's (rl/limits.py)"""
     layout_args: Annotated[LayoutArgs, GROUP] = field(default_factory=LayoutArgs)  # rl/agent.py
     gen_batch_size: int = 64
     """trajectories per generation call (hf engine)"""
@@ -253,34 +254,37 @@ TINY_EVAL_TASKS = 16
 def main(args: Args) -> Path | None:
     from accelerate.utils import gather_object, set_seed
 
-    accelerator, mixed = make_accelerator(args.model_args.mixed_precision, args.grad_clip, args.engine_args.deterministic)
+    accelerator, mixed = make_accelerator(args.model_args.mixed_precision, args.grad_clip,
+                                          args.engine_args.deterministic)
     check(args, accelerator.num_processes, accelerator.distributed_type.value)
     set_seed(args.seed + accelerator.process_index)
     limits = env_limits(args)  # each env's turn caps and token budgets (rl/limits.py), from here on passed down
     top = largest(limits).max_tokens  # (what is sized for the whole run takes the largest of the envs' budgets)
     if args.plan_args.dry_run:  # the memory plan, before anything heavy
+        micro_tokens = args.max_tokens_per_micro_batch or args.micro_batch_size * top
         return print_plan(accelerator, args.plan_args, args.model, args.algo, args.objective.kl_coef, args.model_args,
-                          args.engine_args, args.gen_batch_size, args.max_tokens_per_micro_batch or args.micro_batch_size * top, top)
+                          args.engine_args, args.gen_batch_size, micro_tokens, top)
     if args.algo in OFFLINE:  # learning from trajectory files: the same models, checkpoints and logs
         return (evolve if args.algo == "agentevol" else learn)(args, accelerator, mixed, limits)
     resuming = args.run_args.resuming
     run_dir = run_directory(accelerator, args.run_args, f"{'+'.join(args.env)}-{args.algo}")
 
-    # -- tasks (each env's quota a step: rl/tasks.py's Mix), one env per trajectory of this process (a block for each of
-    # the k + 1 steps under way at --max-staleness k), made once, reset every step, replaced when one fails (envs/guard.py)
+    # -- tasks (each env's quota a step: rl/tasks.py's Mix), one env per trajectory of this process (a block for each
+    # of the k + 1 steps under way at --max-staleness k), made once, reset every step, replaced when one fails
     mix, rank = Mix.of(args.env, args.env_weights, args.tasks_per_step), accelerator.process_index
     train_ids = mix.task_ids(args.train_tasks)
     args = replace(args, steps=args.epochs * mix.epoch_steps(train_ids)) if args.epochs is not None else args
     rows = mix.rows(args.n, rank, accelerator.num_processes)  # (the env of each of this process's episodes)
     environments = args.env_args.make_pool(rows, staleness.blocks(args.max_staleness or 0), rank, args.seed)
-    test_ids = test_tasks(args.test_tasks, args.env, args.eval_tasks) if args.eval_every else {}  # played every --eval-every steps
-    players = args.env_args.evaluation_pool(rows, environments, test_ids, args.max_staleness is not None, rank, args.seed)
+    test_ids = test_tasks(args.test_tasks, args.env, args.eval_tasks) if args.eval_every else {}  # (--eval-every)
+    players = args.env_args.evaluation_pool(rows, environments, test_ids, args.max_staleness is not None, rank,
+                                            args.seed)
     engine = logs = rollouts = None
     try:  # (everything from here on closes what it opened, also on a stop or an error)
         # -- models, the sampler, and the training state when resuming
         tokenizer, fmt, models, limits = set_up(args, accelerator, limits)  # (limits: within the context window now)
         engine = engine_of(args, fmt, models, accelerator, limits)
-        trainer_state = resume(accelerator, models, engine, Path(args.run_args.resume)) if resuming else {"step": 0, "logs": {}}
+        trainer_state = resume(accelerator, models, engine, args.run_args)
         start_step = trainer_state["step"] + 1
         sync(engine, models.policy, accelerator, start_step - 1)  # from the first step on: the trainer's weights
         history = logged_steps(run_dir, start_step) if resuming else []  # (the steps' metrics: --horizon auto's input)
@@ -321,33 +325,29 @@ def main(args: Args) -> Path | None:
                                           between=between)
                 stop_on_nonfinite(models, batch, args.max_nonfinite_updates, accelerator, run_dir, step)
             rollouts.before_sync()
-            accelerator.wait_for_everyone()  # (no process's sync changes a shared server's weights under another's turns)
+            accelerator.wait_for_everyone()  # (no process's sync changes a shared server's weights under another's)
             synced = sync(engine, models.policy, accelerator, step)
 
             # -- metrics and logs (trajectory statistics over all processes, losses from this one)
             rollouts.spent(costs.rollout)  # (what its loop did this step: the take, and the advances meanwhile)
             records = gather_object(rollout_records(trajectories, batch, step))
             sampled = gather_object([(costs.rollout.sampled_tokens, costs.rollout.generate_s)])
-            metrics = step_metrics(records, sampled, costs, sums, grad_norms, batch, advantages, returns, models, horizon,
-                                   engine.metrics() | synced) | ({"rollout/horizon_reason": why} if why else {})
-            if args.max_staleness is not None:
-                metrics |= async_metrics(batch, sums, args.max_staleness)
+            metrics = step_metrics(records, sampled, costs, sums, grad_norms, batch, advantages, returns, models,
+                                   horizon, engine.metrics() | synced, why, args.max_staleness)
             evaluation, evaluated = evaluate(engine, fmt, players, test_ids, args, accelerator, limits, step,
                                              progress) if eval_due(step, args.eval_every, args.steps) else ({}, [])
-            step_s = time.perf_counter() - step_start
-            metrics |= evaluation | {"perf/step_s": step_s, "perf/engine_idle_share": 1 - costs.rollout.generate_s / step_s,
-                                     "charts/step": step}
+            metrics |= evaluation | timing(step, step_start, costs.rollout.generate_s)
             logs.write(step, metrics, rl_line(step, metrics), evaluations=evaluated,
                        rollouts=records if step % args.run_args.log_rollouts_every == 0 else [])
             history.append(metrics)
-            rollouts.resume(step)  # (at staleness 0 the next step's set opens here, its cap decided by this step's metrics)
+            rollouts.resume(step)  # (at staleness 0 the next step's set opens here, its cap by this step's metrics)
 
-            if step == args.steps or (args.run_args.save_every and step % args.run_args.save_every == 0):
-                save_checkpoint(accelerator, models, engine, tokenizer, run_dir / "checkpoints" / f"step_{step}", step, logs,
-                                args.run_args.keep_checkpoints)
+            if args.run_args.save_due(step, args.steps):
+                save_checkpoint(accelerator, models, engine, tokenizer, run_dir / "checkpoints" / f"step_{step}", step,
+                                logs, args.run_args.keep_checkpoints)
     except KeyboardInterrupt:  # one line: the newest complete checkpoint, and how to go on from it
         stopped_run(run_dir, accelerator.is_main_process)
-    finally:  # also when a stop (env failures, NaN, a stalled engine) or an error ends the run: no JVM or browser left behind
+    finally:  # also when a stop (env failures, NaN, a stalled engine) or an error ends the run: no JVM or browser left
         close(engine, environments + (players if players is not environments else []), logs, rollouts=rollouts)
     return finish(run_dir, accelerator)
 
@@ -405,8 +405,8 @@ def rollouts_of(engine, fmt: ChatFormat, environments: list, mix: Mix, train_ids
 
     seed = args.seed + accelerator.process_index
     flags.check_overlong(args.overlong_penalty, limits)  # (within the model's context window too)
-    return Rollouts(engine, fmt, environments, tasks_of, staleness=args.max_staleness or 0, first=first, last=args.steps,
-                    limits=limits, agent=args.layout_args.make_agent(),
+    return Rollouts(engine, fmt, environments, tasks_of, staleness=args.max_staleness or 0, first=first,
+                    last=args.steps, limits=limits, agent=args.layout_args.make_agent(),
                     reseed=(lambda j: engine.reseed(stream_seed(seed, j))) if args.engine_args.deterministic else None,
                     versions=args.max_staleness is not None,  # (the flag decides what is recorded and logged)
                     redraw=Redraw(train_ids, args.dynamic_sampling, args.seed, accelerator.process_index, args.algo,
@@ -437,7 +437,7 @@ def old_logprobs(models: Models, batch: Batch, args: Args, accelerator, between=
     weights under Accelerate's autocast, which `prepare` also wraps around the policy's forward), so that policy and
     reference agree exactly while their weights do. With a single update per rollout the policy has not moved, so
     the old log-probs are the current ones (detached) and need no extra forward pass, unless the KL goes into the
-    reward, which needs them before the update. `between`, when given, is called after every micro-batch (see update)."""
+    reward, which needs them before the update. `between`, when given, is called after every micro-batch (update)."""
     need_old = args.ppo_epochs * args.minibatches > 1 or (args.objective.kl_in_reward and has_reference(models))
     for module in (models.policy, models.critic):
         if module is not None:
@@ -456,8 +456,9 @@ def old_logprobs(models: Models, batch: Batch, args: Args, accelerator, between=
         with reference(models, accelerator, args.model_args.offload_reference) as ref:
             for micro in batch.micro:
                 with accelerator.autocast():
-                    micro.ref_logprobs, _ = token_logprobs(ref, micro.input_ids, micro.attention_mask, micro.loss_mask,
-                                                           args.engine_args.temperature, position_ids=micro.position_ids)
+                    micro.ref_logprobs, _ = token_logprobs(ref, micro.input_ids, micro.attention_mask,
+                                                           micro.loss_mask, args.engine_args.temperature,
+                                                           position_ids=micro.position_ids)
                 if between is not None:
                     between()
     scatter(batch, ("old_logprobs", "ref_logprobs", "old_values"))
@@ -471,9 +472,9 @@ def advantages_for(args: Args, full: StepTensors, scores: torch.Tensor, groups: 
     `episodes`: the episode of each row (--reasoning drop: a row per turn); `anchors`: gigpo's, each episode's state
     keys before its turns (rl/batch.py); `row_envs`: each row's env, with several envs whitened apart
     (--whiten-per-env)."""
-    penalty = None
-    if args.objective.kl_in_reward and full.ref_logprobs is not None:
-        penalty = args.objective.kl_coef * kl(full.old_logprobs, full.ref_logprobs, args.objective.kl_estimator) * full.loss_mask
+    penalty, objective = None, args.objective
+    if objective.kl_in_reward and full.ref_logprobs is not None:
+        penalty = objective.kl_coef * kl(full.old_logprobs, full.ref_logprobs, objective.kl_estimator) * full.loss_mask
     strata = adv_lib.strata(row_envs, args.env) if row_envs is not None else None
     inputs = adv_lib.AdvantageInputs(scores=scores, groups=groups, ok=ok, mask=full.loss_mask, penalty=penalty,
                                      episodes=episodes, values=full.old_values, anchors=anchors, turn=full.turn,
@@ -511,8 +512,8 @@ def update(models: Models, batch: Batch, args: Args, accelerator, step: int, pro
         for part in range(args.minibatches):
             minibatch = [batch.micro[i] for i in shuffled[part::args.minibatches]]
             counts = minibatch_counts(minibatch, reducer(accelerator), accelerator.num_processes)
-            passes = [(name, models.part(name)[0], lambda micro, loss=loss: loss(models, micro, counts, args, accelerator))
-                      for name, loss in trained]
+            bound = dict(counts=counts, args=args, accelerator=accelerator)  # (each pass: its loss of a micro-batch)
+            passes = [(name, models.part(name)[0], partial(loss, models, **bound)) for name, loss in trained]
             finite = accumulate(accelerator, minibatch, passes, sums, progress=tick)
             for name, grad_norm in optimizer_steps(models, finite, args.grad_clip, accelerator, step, sums).items():
                 grad_norms.setdefault(name, []).append(grad_norm)
@@ -527,7 +528,8 @@ def update_policy(models: Models, micro: MicroBatch, counts: Counts, args: Args,
     metrics, and whether they are finite."""
     with accelerator.autocast():
         logprobs, entropy = token_logprobs(models.policy, micro.input_ids, micro.attention_mask, micro.loss_mask,
-                                           args.engine_args.temperature, with_entropy=True, position_ids=micro.position_ids)
+                                           args.engine_args.temperature, with_entropy=True,
+                                           position_ids=micro.position_ids)
     loss, terms = policy_objective(logprobs, entropy, micro, counts, args.objective)
     if micro.trainer_logprobs is None:  # the first pass's, for the rollout log
         micro.trainer_logprobs = terms.old.detach()
@@ -546,8 +548,8 @@ def update_critic(models: Models, micro: MicroBatch, counts: Counts, args: Args,
     with torch.no_grad():
         sums = UpdateSums(critic_tokens=float(mask.sum()), value=float((terms * mask).sum()),
                           value_clipfrac=float((clipped * mask).sum()))
-    loss = aggregate(terms, mask, args.objective.loss_agg, counts.tokens, counts.sequences, micro.segments, micro.weights,
-                     args.objective.loss_norm_tokens)
+    loss = aggregate(terms, mask, args.objective.loss_agg, counts.tokens, counts.sequences, micro.segments,
+                     micro.weights, args.objective.loss_norm_tokens)
     return loss, sums, math.isfinite(sums.value)
 
 
@@ -563,12 +565,13 @@ def evaluate(engine, fmt: ChatFormat, environments: list, test_ids: dict[str, li
     headed for), so that evaluations compare across steps, step 0's included. Returns eval/ metrics (rl/metrics.py: per
     category, per env with several) and every episode's log record."""
     horizon = max(last_caps(limits).values())
-    mine = sum(len(ids[accelerator.process_index::accelerator.num_processes]) for ids in test_ids.values()) * args.eval_k
+    rank, processes = accelerator.process_index, accelerator.num_processes
+    mine = sum(len(ids[rank::processes]) for ids in test_ids.values()) * args.eval_k
     with own_stream(engine, stream_seed(args.seed + accelerator.process_index, step, "eval")):  # (not the rollouts')
         episodes = play_share(engine, fmt, environments, test_ids, args.eval_k, args, accelerator, limits,
                               Progress(bar, "eval", mine, horizon))
-    scores = {name: score([t for t in episodes if t.env == name], name, envs.score_max(name, args.env_args.options(name)))
-              for name in test_ids}
+    scores = {name: score([t for t in episodes if t.env == name], name,
+                          envs.score_max(name, args.env_args.options(name))) for name in test_ids}
     return (eval_metrics(scores, horizon, largest(limits).max_tokens),
             [{"step": step, **t.log_record()} for t in episodes])
 
@@ -617,14 +620,15 @@ def learn(args: Args, accelerator, mixed: str, limits: dict[str, Limits]) -> Pat
     playing = instances({e: len(ids) for e, ids in test_ids.items()}, args.gen_batch_size, accelerator.num_processes)
     environments = args.env_args.make_pool(playing, 1, accelerator.process_index, args.seed)
     engine = engine_of(args, fmt, models, accelerator, limits) if test_ids else None
-    trainer_state = resume(accelerator, models, engine, Path(args.run_args.resume)) if resuming else {"step": 0, "logs": {}}
+    trainer_state = resume(accelerator, models, engine, args.run_args)
     config = run_config(flags.flat(args), run_dir, resuming, accelerator, mixed, engine,
                         environments[0] if environments else None)
+    tests = sum(map(len, test_ids.values()))
     if accelerator.is_main_process:
         print(f"run {run_dir.name}: {args.algo} on {args.model} ({args.preset} preset), {len(examples)} "
               f"{'pairs' if args.algo == 'dpo' else 'conversations'} of {len(train)} episodes ({len(held)} held out), "
               f"{args.steps} steps of {offline.batch_size}, "
-              f"{evaluation_plan(sum(map(len, test_ids.values())), args.eval_k, args.eval_every, trainer_state['step'] + 1, args.steps, False)}"
+              f"{evaluation_plan(tests, args.eval_k, args.eval_every, trainer_state['step'] + 1, args.steps, False)}"
               f" -> {run_dir}"
               + (f", resumed at step {trainer_state['step'] + 1}" if resuming else ""))
     logs = logs_of(args, run_dir, config, accelerator, trainer_state["logs"])
@@ -714,7 +718,8 @@ def evolve(args: Args, accelerator, mixed: str, limits: dict[str, Limits]) -> Pa
     if accelerator.is_main_process:
         print(f"run {run_dir.name}: agentevol on {args.model} ({args.preset} preset), {offline.iterations} iterations "
               f"exploring {sum(map(len, explore_ids.values()))} tasks x {args.n}, {len(expert)} expert episodes "
-              f"({len(validation)} held out), testing on {sum(map(len, test_ids.values()))} tasks x {args.eval_k} after every iteration -> {run_dir}")
+              f"({len(validation)} held out), testing on {sum(map(len, test_ids.values()))} tasks x {args.eval_k} "
+              f"after every iteration -> {run_dir}")
     logs = logs_of(args, run_dir, config, accelerator, {})
     try:
         for iteration in range(offline.iterations + 1):

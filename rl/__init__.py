@@ -43,7 +43,7 @@ The harness
     rollout_server.py  the command `python -m rl.rollout_server` (runs rl/engines/server.py)
 
 engines/, the inference side, a room of its own: generation engines behind one contract (__init__.py, with the
-weight-sync probe), one file each
+weight-sync probe and the rollout's watchdog), one file each
     hf.py          the Hugging Face engine on the trainer's own weights
     hf_decoding.py its in-place cache and grouped one-token attention
     vllm.py        vLLM in this process

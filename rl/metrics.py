@@ -137,10 +137,12 @@ def async_metrics(batch, sums: UpdateSums, staleness: int) -> dict[str, float]:
 
 def step_metrics(records: list[dict], sampled: list[tuple[int, float]], costs: Costs, sums: UpdateSums,
                  grad_norms: dict[str, list[float]], batch, advantages: torch.Tensor, returns: torch.Tensor | None,
-                 models, horizon: int, engine_metrics: dict) -> dict:
+                 models, horizon: int, engine_metrics: dict, why: str | None = None,
+                 staleness: int | None = None) -> dict:
     """The step's metrics: trajectory statistics over every process's episodes (`records`), losses per
     action token from this process's update (none for a model that did not train this step). `batch`: the step's
-    rl/batch.py Batch, `models`: rl/model.py's Models; `sampled`: each process's tokens sampled and engine seconds."""
+    rl/batch.py Batch, `models`: rl/model.py's Models; `sampled`: each process's tokens sampled and engine seconds;
+    `why`: --horizon auto's reason for this step's cap; `staleness`: --max-staleness (its async/ metrics)."""
     rewards = [r["reward"] for r in records]
     success = [r["success"] for r in records]
     turns = [r["turns"] for r in records]
@@ -228,7 +230,15 @@ def step_metrics(records: list[dict], sampled: list[tuple[int, float]], costs: C
             "critic/return": float(returns.sum()) / trained_tokens,
             "charts/critic_lr": models.critic_scheduler.get_last_lr()[0],
         }
-    return metrics
+    metrics |= {"rollout/horizon_reason": why} if why else {}
+    return metrics | (async_metrics(batch, sums, staleness) if staleness is not None else {})
+
+
+def timing(step: int, started: float, generate_s: float) -> dict[str, float]:
+    """A step's wall seconds since `started` (time.perf_counter), the share of them the engine did not generate,
+    and the step's number."""
+    step_s = time.perf_counter() - started
+    return {"perf/step_s": step_s, "perf/engine_idle_share": 1 - generate_s / step_s, "charts/step": step}
 
 
 def zero_variance_share(records: list[dict]) -> float:

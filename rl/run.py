@@ -65,6 +65,10 @@ class RunArgs:
     wandb_project: str = "agentgym-rl"
     """the wandb project of --track"""
 
+    def save_due(self, step: int, last: int) -> bool:
+        """Whether step `step` of a run of `last` steps saves a checkpoint: the last, and every --save-every."""
+        return step == last or bool(self.save_every and step % self.save_every == 0)
+
     @property
     def resuming(self) -> bool:
         """Whether the run goes on from a checkpoint (`auto` without one yet: a new run under --run-name)."""
@@ -341,9 +345,13 @@ def save_checkpoint(accelerator, models, engine, tokenizer, path: Path, step: in
     accelerator.wait_for_everyone()
 
 
-def resume(accelerator, models, engine, checkpoint: Path) -> dict:
-    """Restore the training state, this process's random state and its sampler from a checkpoint (the
-    policy's and critic's weights were loaded from it by build_models); returns its trainer_state.json."""
+def resume(accelerator, models, engine, run: RunArgs) -> dict:
+    """Restore the training state, this process's random state and its sampler from the checkpoint --resume names (the
+    policy's and critic's weights were loaded from it by build_models); returns its trainer_state.json, and a new
+    run's state ({"step": 0, "logs": {}}) when the run does not resume."""
+    if not run.resuming:
+        return {"step": 0, "logs": {}}
+    checkpoint = Path(run.resume)
     state = checkpoint / "state"
     shard = f"_{accelerator.process_index}" if sharded(accelerator) else ""
     trainer_state = json.loads((checkpoint / checkpoint_lib.STATE).read_text())

@@ -14,12 +14,14 @@ Under --agent reflect an episode is a task's series of attempts, scored by its l
 succeeded, or the last one played); `by_attempt` then gives, for each attempt a, the success rate of the
 episodes as they stood after attempt a and the share of tasks solved by one of their episodes by then.
 
-eval.py's tables are here too: several envs' scores with their macro average (macro, env_table), a turn-budget sweep
-(sweep_table), and two results compared per category with paired intervals (compare_rows).
+eval.py's results file is written here (per_task, result_text), and its tables are here too: several envs' scores
+with their macro average (macro, env_table), a turn-budget sweep (sweep_table), and two results compared per category
+with paired intervals (compare_rows).
 """
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 
 import envs
@@ -202,3 +204,19 @@ def compare_rows(a: dict, b: dict) -> list[dict]:
                 row[metric] = {"before": x.get(key, float("nan")), "after": y.get(key, float("nan")), "tasks": 0}
         rows.append(row)
     return rows
+
+
+def per_task(trajectories) -> dict[str, list[list[float]]]:
+    """Each task's episodes as [reward, success] pairs (its final attempts under reflect): what --compare pairs."""
+    tasks: dict[str, list[list[float]]] = {}
+    for t in trajectories:
+        if getattr(t, "final", True):
+            tasks.setdefault(str(t.task_id), []).append([t.reward, float(t.success)])
+    return tasks
+
+
+def result_text(results: dict) -> str:
+    """The results as indented JSON, with each task's episodes on one line."""
+    rest = {key: value for key, value in results.items() if key != "per_task"}
+    tasks = ",\n".join(f"    {json.dumps(task)}: {json.dumps(value)}" for task, value in results["per_task"].items())
+    return json.dumps(rest, indent=2)[:-2] + ',\n  "per_task": {\n' + tasks + "\n  }\n}\n"

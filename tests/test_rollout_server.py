@@ -550,7 +550,7 @@ def test_a_long_turn_counts_as_progress_for_the_rollouts_watchdog(server, tiny, 
     than the watchdog's STALL_S is not taken for a stalled engine."""
     import copy
 
-    import rollout as rollout_module
+    import rl.engines as engines_module
 
     fmt, model = tiny
     endless = copy.copy(fmt)
@@ -562,7 +562,7 @@ def test_a_long_turn_counts_as_progress_for_the_rollouts_watchdog(server, tiny, 
         # a fresh server's first turn waits ~2.5 s for its first token: warmed by a short one first
         rollout(engine, fmt, [environment], envs.splits("babyai")["test"][:1], [0], horizon=1, max_new_tokens=16,
                 max_tokens=8000)
-        monkeypatch.setattr(rollout_module, "STALL_S", 1.5)  # (a 1500-token turn takes ~6 s, a token ~4 ms)
+        monkeypatch.setattr(engines_module, "STALL_S", 1.5)  # (a 1500-token turn takes ~6 s, a token ~4 ms)
         start = time.monotonic()
         trajectories = rollout(engine, fmt, [environment], envs.splits("babyai")["test"][:1], [0], horizon=1,
                                max_new_tokens=1500, max_tokens=8000)

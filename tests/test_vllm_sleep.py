@@ -13,7 +13,7 @@ import pytest
 
 import rl.engines.setup
 import rl.engines.vllm
-import rollout as rollout_module
+import rl.engines as engines_module
 from envs import Env, StepResult
 from rl.engines import RoundEngine, Sample
 from rl.model import load_tokenizer
@@ -61,7 +61,7 @@ def test_training_with_evaluations_never_submits_to_a_sleeping_engine(staleness,
 
     monkeypatch.setattr(rl.engines.setup, "VLLMEngine", Sleepy)  # (where make_engine finds it)
     monkeypatch.setattr(Sleepy, "engines", [])
-    monkeypatch.setattr(rollout_module, "STALL_S", 60.0)  # (a hang fails the test in a minute)
+    monkeypatch.setattr(engines_module, "STALL_S", 60.0)  # (a hang fails the test in a minute)
     run_dir = train.main(train.parse_args([
         "--engine", "vllm", "--steps", "2", "--eval-every", "1", "--eval-tasks", "2", "--tasks-per-step", "2",
         "--n", "2", "--horizon", "2", "--max-new-tokens", "16", "--out-dir", str(tmp_path), "--run-name", "sleepy",
@@ -126,7 +126,7 @@ class Room(Env):
 @pytest.mark.timeout(60)
 def test_a_rollout_whose_engine_generates_nothing_fails_in_bounded_time(monkeypatch):
     fmt = ChatFormat(load_tokenizer("tiny-agent"))
-    monkeypatch.setattr(rollout_module, "STALL_S", 1.0)
+    monkeypatch.setattr(engines_module, "STALL_S", 1.0)
     start = time.perf_counter()
     with pytest.raises(EngineStalled, match="generated nothing for 1 s while 2 turns waited: it is stuck"):
         rollout(Stuck(), fmt, [Room(), Room()], [0, 0], [0, 1], horizon=2, max_new_tokens=8, max_tokens=512)

@@ -17,7 +17,7 @@ limit; the stop token is part of the sample. Log-probs are those of softmax(logi
 distribution the trainer scores. An engine whose weights are synced from the trainer checks them with the probe
 here (PROBE, trainer_probe, verify_probe).
 
-This file holds the contract (Sample, Seeded, RoundEngine) and the probe; each engine has a file of its own:
+This file holds the contract (Sample, Seeded, RoundEngine), the rollout's watchdog on it (Watchdog) and the probe; each engine has a file of its own:
 
 - hf.py, HFEngine: any Hugging Face causal LM, with its own KV-cache sampling loop (memory O(batch), not
   O(batch x new tokens x vocab)). It shares the trainer's weights, so nothing needs syncing, unless the
@@ -39,6 +39,7 @@ This file holds the contract (Sample, Seeded, RoundEngine) and the probe; each e
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -135,6 +136,33 @@ class RoundEngine(Seeded):
 
     def wake(self) -> None:
         pass
+
+
+# A rollout stops when its engine holds submitted turns and generates nothing for this long (Watchdog): longer
+# than any prefill and token of a working engine, however slow
+STALL_S = 600.0
+
+
+class EngineStalled(RuntimeError):
+    """The engine held submitted turns and generated nothing for STALL_S seconds."""
+
+
+class Watchdog:
+    """Stops a rollout whose engine holds turns and generates nothing (engine.progress stands still) for STALL_S
+    seconds, e.g. a vLLM engine asleep: its scheduler is paused and what it is sent waits forever. The clock starts
+    at the first check that finds turns waiting, so time spent waiting on envs with nothing submitted never counts."""
+
+    def __init__(self, engine):
+        self.engine, self.progress, self.since = engine, engine.progress, time.perf_counter()
+
+    def check(self) -> None:
+        now = time.perf_counter()
+        if not self.engine.pending or self.engine.progress != self.progress:
+            self.progress, self.since = self.engine.progress, now
+        elif now - self.since > STALL_S:
+            raise EngineStalled(
+                f"the {self.engine.name} engine generated nothing for {STALL_S:g} s while {self.engine.pending} turns "
+                "waited: it is stuck (a vLLM engine that sleeps never schedules what it is sent), so the rollout stops")
 
 
 class SyncError(RuntimeError):
