@@ -37,7 +37,8 @@ leaves out.
 
 Default data: the splits in envs/data/textcraft_{train,test}.json are ours, with upstream's sizes
 (374 train, 100 test; AgentGym-RL-Data-ID's files are not shipped), each depth split in proportion
-(scripts/textcraft_splits.py); the other 70 goals are in envs/data/textcraft_rest.json. The paper's
+(scripts/textcraft_splits.py); the other 70 goals are in envs/data/textcraft_rest.json, and 32 train goals in the
+embedded generalist's reach in envs/data/textcraft_reach.json (scripts/reach.py). The paper's
 sets: `python train.py --env textcraft --train-tasks textcraft_train.json` and `python eval.py --env
 textcraft --tasks textcraft_test.json` with AgentGym-RL-Data-ID's files. Their ids land on goals of
 the same depth here; whether on the same goals depends on the order upstream's filesystem listed the

@@ -156,7 +156,8 @@ def main(argv=None) -> dict:
         picked = sorted({r["task_id"] for r in rows if args.band[0] <= r["probability"] <= args.band[1]})
         if args.pick_count is not None and len(picked) > args.pick_count:
             picked = sorted(random.Random(args.seed).sample(picked, args.pick_count))
-        write_atomic(Path(args.pick), json.dumps([{"item_id": f"{args.env}_{i}"} for i in picked], indent=0) + "\n")
+        items = ",\n".join(json.dumps({"item_id": f"{args.env}_{i}"}) for i in picked)  # (one a line, as envs/data's)
+        write_atomic(Path(args.pick), f"[\n{items}\n]\n")
         print(f"picked {len(picked)} tasks within {args.band[0]:g}-{args.band[1]:g} -> {args.pick}")
     return figures
 
