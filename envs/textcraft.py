@@ -23,12 +23,12 @@ Renamed goals: task id k * 544 + g is goal g under renaming k (k = 0: the goal a
 renaming gives every item and tag of the episode's recipe list (the goal's tree and the distractors) the name of
 another item of the game (drawn from its 699 item and tag names, none of the episode's own, without repeats), draws
 the distractors anew and shuffles the lines anew, all from a `random.Random` seeded by (k, goal): deterministic in
-the id. The names are the game's, so a model knows their words, and mean other items, so it must read the recipes. The crafting rules are the real
-ones under the new names (a renamed tag's renamed members stand in for it), the env's answers name items as the agent
-sees them, and an item's real name is refused where it was renamed ("Could not find ..."); the oracle plays the
-renamed names and solves every goal it solves unrenamed. So one goal's structure (counts, depth, line count) comes in
-unlimited new names: RL tasks new to an agent that learned the real goals by heart, and a held-out axis of renamings
-never trained on. Categories are the goal's depth, as for k = 0.
+the id. The names are the game's, so a model knows their words, and mean other items, so it must read the recipes.
+The crafting rules are the real ones under the new names (a renamed tag's renamed members stand in for it), the env's
+answers name items as the agent sees them, and an item's real name is refused where it was renamed ("Could not find
+..."); the oracle plays the renamed names and solves every goal it solves unrenamed. So one goal's structure (counts,
+depth, line count) comes in unlimited new names: RL tasks new to an agent that learned the real goals by heart, and a
+held-out axis of renamings never trained on. Categories are the goal's depth, as for k = 0.
 
 The state key (Env.state_key, GiGPO's anchor groups) is the inventory, sorted by name: "1 oak planks|2 stick",
 "nothing" when empty, a digest past 100 characters. The goal and the recipe list are fixed by the task, and the

@@ -57,7 +57,7 @@ def parse_args(argv=None):
     parser.add_argument("--tasks", nargs="+", default=["train", "test"],
                         help="task sets, each `train`, `test` (the env's shipped split) or a task id file")
     parser.add_argument("--limit", type=int, help="the first N tasks of each set only")
-    parser.add_argument("--categories", nargs="+", help="only the tasks of these eval categories (TextCraft: depth1 ...)")
+    parser.add_argument("--categories", nargs="+", help="only the tasks of these eval categories (e.g. depth1)")
     parser.add_argument("--horizon", type=int, default=30, help="turns an expert episode may take")
     parser.add_argument("--max-tokens", type=int, default=16384, help="tokens an expert episode may take")
     parser.add_argument("--agent", default="react", choices=("react", "tools"), help="the episodes' layout")
