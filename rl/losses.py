@@ -13,11 +13,11 @@ sequence's ratio, the product of its tokens', and 0 above the cap (sequence MIS)
 (verl's geometric rejection sampling). Upstream (AgentGym-RL's verl fork) has none of it.
 
 `policy_objective` composes one micro-batch's policy loss from these terms, by an `Objective` (train.py's flag group
-of the loss): --policy-loss's surrogate (ppo: the clipped ratio a token; gspo: a sequence's, Zheng et al., 2025;
-cispo: the clipped, detached ratio on the log-prob, MiniMax-M1), its clips, the importance weights, the
-aggregation over the mini-batch's counts, the entropy bonus and the KL to the reference. A loss variant is a
-function here, a value of `PolicyLoss` and its branch in `policy_objective` (tests/test_losses.py checks each
-against its paper's formula on hand-computed tensors).
+of the loss): --policy-loss's surrogate (ppo: the clipped ratio a token; gspo: a sequence's, on each token's own
+log-prob, GSPO-token of Zheng et al., 2025; cispo: the clipped, detached ratio on the log-prob, MiniMax-M1), its
+clips, the importance weights, the aggregation over the mini-batch's counts, the entropy bonus and the KL to the
+reference. A loss variant is a function here, a value of `PolicyLoss` and its branch in `policy_objective`
+(tests/test_losses.py checks each against its paper's formula on hand-computed tensors).
 """
 
 from __future__ import annotations
@@ -43,13 +43,16 @@ def policy_loss(logprobs, old_logprobs, advantages, clip_low: float = 0.2, clip_
     clip_high > clip_low is DAPO's clip-higher (more room for raising unlikely tokens); default
     clip_high = clip_low. dual_clip = c > 1 bounds the loss of a negative advantage at -A c, however
     large the ratio (Ye et al., 2020). `sequences` [B, T] (with the action `mask`), when given, makes the ratio a
-    sequence's: exp of the mean log-ratio over its action tokens, on each of them (GSPO). Returns (loss terms, 1.0
-    where a clip was active).
+    sequence's (GSPO-token, Zheng et al., 2025, eqs. 13-14): r = sg(s) pi(y_t) / sg(pi(y_t)), s = exp of the mean
+    log-ratio over the sequence's action tokens. Its value, and so its clip, is the sequence's s on every token; its
+    gradient is s grad log pi(y_t), each token's own, so that each token's advantage reaches its own log-prob (GSPO's
+    sequence form, the gradient through s, gives every token the sequence's mean advantage: 0 for turns of +1, -1).
+    With one advantage a sequence the two have one gradient. Returns (loss terms, 1.0 where a clip was active).
     """
     clip_high = clip_low if clip_high is None else clip_high
     log_ratio = logprobs - old_logprobs
     if sequences is not None:
-        log_ratio = sequence_mean(log_ratio, mask, sequences)
+        log_ratio = sequence_mean(log_ratio, mask, sequences).detach() + logprobs - logprobs.detach()
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
@@ -351,7 +354,7 @@ def policy_objective(logprobs, entropy, micro, counts: Counts,
     """The policy's loss on one micro-batch (rl/batch.MicroBatch; logprobs, entropy [R, W] from the forward pass):
     --policy-loss's surrogate on pi_old's ratio (the micro-batch's old log-probs, or with one update per rollout the
     current ones, detached), times the importance weight of each token (`importance_weights`; under gspo one weight a
-    sequence, the geometric mean of its tokens', as its ratio is), minus the entropy bonus, plus the KL to the
+    sequence, the geometric mean of its tokens', as its ratio's value is), minus the entropy bonus, plus the KL to the
     reference (when the micro-batch has reference log-probs and the KL is not in the reward), each aggregated over the
     whole mini-batch (`counts`). Returns the loss and its terms."""
     mask = micro.loss_mask

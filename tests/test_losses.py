@@ -7,7 +7,7 @@ import torch
 
 from rl.batch import MicroBatch
 from rl.losses import (Counts, Objective, aggregate, cispo_loss, importance_weights, kl, policy_loss, policy_objective,
-                       value_loss)
+                       sequence_mean, value_loss)
 
 
 def ratios(*r):
@@ -237,6 +237,61 @@ def test_a_sequence_level_ratio_is_gspo_by_hand():
     token, _ = policy_objective(logprobs, torch.zeros(1, 6), micro, Counts(tokens=5, sequences=2),
                                 Objective(loss_agg="seq-mean-token-mean", entropy_coef=0.0))
     assert token.item() == pytest.approx((-(math.exp(0.1) + 1.2 + 1.2) / 3 + (math.exp(-0.1) + math.exp(0.1)) / 2) / 2)
+
+
+def gspo_token_gradient(log_ratio, advantages, kind="gspo"):
+    """The gradient of --policy-loss `kind` on one sequence of 4 action tokens (seq-mean-token-mean, clip 0.2) whose
+    log-ratios to pi_old are `log_ratio`, with `advantages` a token: the loss and d loss / d log pi, a token each."""
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5, -1.5]], requires_grad=True)
+    old = logprobs.detach() - torch.tensor([log_ratio])
+    micro = MicroBatch(input_ids=torch.zeros(1, 4, dtype=torch.long), loss_mask=torch.ones(1, 4), segments=None,
+                       sequence=None, sampler_logprobs=old, old_logprobs=old, advantages=torch.tensor([advantages]))
+    loss, _ = policy_objective(logprobs, torch.zeros(1, 4), micro, Counts(tokens=4, sequences=1),
+                               Objective(policy_loss=kind, entropy_coef=0.0))
+    loss.backward()
+    return loss.item(), logprobs.grad[0].tolist()
+
+
+def test_gspo_token_keeps_each_tokens_advantage():
+    """GSPO-token (Zheng et al., 2025, eqs. 13-14): a token's ratio has the sequence's value, s = exp(mean log-ratio),
+    and its own log-prob's gradient, s grad log pi(y_t). GiGPO's turn advantages +1, +1, -1, -1 on one sequence at
+    ratio 1: PPO's gradient is -A / 4 a token, [-0.25, -0.25, 0.25, 0.25], and so is GSPO's (the sequence form's,
+    through s, is the mean advantage on every token: all 0). Log-ratios 0, 0.2, 0.1, 0.1: s = e^0.1 on every token
+    (inside the clip), the gradient -A e^0.1 / 4; at 0.3 each, s = e^0.3 is past 1.2: the A > 0 tokens take the
+    clipped -1.2 and no gradient, the A < 0 ones the unclipped A s and the gradient e^0.3 / 4."""
+    turns = [1.0, 1.0, -1.0, -1.0]
+    assert gspo_token_gradient([0.0] * 4, turns, "ppo")[1] == pytest.approx([-0.25, -0.25, 0.25, 0.25])
+    assert gspo_token_gradient([0.0] * 4, turns)[1] == pytest.approx([-0.25, -0.25, 0.25, 0.25])
+    loss, grad = gspo_token_gradient([0.0, 0.2, 0.1, 0.1], turns)
+    assert loss == pytest.approx(0.0, abs=1e-7) and grad == pytest.approx([-a * math.exp(0.1) / 4 for a in turns])
+    loss, grad = gspo_token_gradient([0.3] * 4, turns)
+    assert loss == pytest.approx((-1.2 - 1.2 + 2 * math.exp(0.3)) / 4)
+    assert grad == pytest.approx([0, 0, math.exp(0.3) / 4, math.exp(0.3) / 4])
+
+
+def old_gspo(logprobs, old, advantages, mask, sequences, clip=0.2):
+    """GSPO's sequence form as it was here: exp of the sequence's mean log-ratio on every token, its gradient too."""
+    ratio = torch.exp(sequence_mean(logprobs - old, mask, sequences))
+    return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip, 1 + clip))
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_gspo_token_is_gspo_with_one_advantage_a_sequence(agg):
+    """With one advantage a sequence GSPO-token's gradient is the sequence form's under every aggregation: a packed
+    row of a 3-token sequence (inside the clip, A 1.5) and a 2-token one (A -0.5), a row of one clipped (A 2)."""
+    mask = torch.tensor([[1.0, 1, 0, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+    sequences = torch.tensor([[0, 0, 0, 0, 1, 1], [2, 2, 2, -1, -1, -1]])
+    advantages = torch.tensor([[1.5, 1.5, 0, 1.5, -0.5, -0.5], [2, 2, 2, 0, 0, 0]])
+    old = torch.tensor([[-1.0, -0.4, -2, -0.3, -1.2, -0.8], [-1, -1, -1, 0, 0, 0]])
+    logprobs = old + torch.tensor([[0.1, -0.05, 3, 0.02, 0.1, -0.3], [0.4, 0.2, 0.3, 0, 0, 0]])
+    grads = []
+    for loss_of in (lambda x: policy_loss(x, old, advantages, 0.2, mask=mask, sequences=sequences)[0],
+                    lambda x: old_gspo(x, old, advantages, mask, sequences)):
+        x = logprobs.clone().requires_grad_()
+        aggregate(loss_of(x), mask, agg, segments=sequences, norm_tokens=8).backward()
+        grads.append(x.grad)
+    assert grads[0].abs().sum() > 0 and grads[0][1].abs().sum() == 0  # (the clipped row has none)
+    assert torch.allclose(grads[0], grads[1], atol=1e-7), (grads[0], grads[1])
 
 
 def test_the_loss_flags_are_the_objective_group():
