@@ -346,7 +346,7 @@ class PolicyTerms(NamedTuple):
     clipped: torch.Tensor  # 1.0 where a clip was active
     entropy: torch.Tensor
     divergence: torch.Tensor  # KL to the reference (0 without one)
-    weighed: Weights
+    weighed: Weights  # each token's own (under gspo the loss takes their geometric mean a sequence)
 
 
 def policy_objective(logprobs, entropy, micro, counts: Counts,
@@ -382,4 +382,4 @@ def policy_objective(logprobs, entropy, micro, counts: Counts,
         divergence = kl(logprobs, micro.ref_logprobs, objective.kl_estimator)
         if not objective.kl_in_reward:
             loss = loss + objective.kl_coef * mean(divergence)
-    return loss, PolicyTerms(logprobs, old, pg, clipped, entropy, divergence, weighed._replace(weights=weights))
+    return loss, PolicyTerms(logprobs, old, pg, clipped, entropy, divergence, weighed)

@@ -8,6 +8,7 @@ import torch
 from rl.batch import MicroBatch
 from rl.losses import (Counts, Objective, aggregate, cispo_loss, importance_weights, kl, policy_loss, policy_objective,
                        sequence_mean, value_loss)
+from rl.metrics import policy_sums
 
 
 def ratios(*r):
@@ -362,6 +363,17 @@ def test_gspo_weighs_a_sequence_by_the_geometric_mean_of_its_tokens_weights():
         _, terms = policy_objective(ENGINE + LOG_RATIO, torch.zeros(2, 5), weights_batch(), Counts(7, 3), objective)
         assert (-terms.policy[0, 1:4]).tolist() == pytest.approx(row0), mode
         assert (-terms.policy[1, :4]).tolist() == pytest.approx(row1, abs=1e-6), mode
+
+
+def test_the_stale_tokens_weights_are_logged_as_they_are_under_gspo():
+    """async/is_weight_mean and _max are the stale tokens' own weights under gspo too (the loss takes the sequence's
+    geometric mean, 2^(1/3) here): the one stale token of MASK weighs 2 (e^1.0 truncated at --is-cap 2)."""
+    for kind in ("ppo", "gspo"):
+        micro = weights_batch()
+        _, terms = policy_objective(ENGINE + LOG_RATIO, torch.zeros(2, 5), micro, Counts(7, 3),
+                                    Objective(policy_loss=kind, entropy_coef=0.0))
+        sums = policy_sums(terms, micro)
+        assert sums.stale_tokens == 1 and sums.is_weight == pytest.approx(2.0) and sums.is_weight_max == 2.0, kind
 
 
 def test_icepop_weighs_the_ratio_inside_its_band_and_masks_outside():
