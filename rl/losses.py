@@ -248,8 +248,9 @@ class Objective:
     loss variant is a field here and its branch in `policy_objective`."""
 
     policy_loss: PolicyLoss = "ppo"
-    """ppo: the clipped ratio a token; gspo: one ratio a sequence, the geometric mean of its tokens' (Zheng et al.,
-    2025; take clips near 3e-4 and 4e-4, the paper's, as a sequence's ratio stays near 1); cispo: the ratio clipped
+    """ppo: the clipped ratio a token; gspo: one ratio a sequence, the geometric mean of its tokens', with each
+    token's own gradient (GSPO-token, Zheng et al., 2025; take clips near 3e-4 and 4e-4, the paper's, as a sequence's
+    ratio stays near 1); cispo: the ratio clipped
     and detached, times the log-prob, so that every token keeps its gradient (MiniMax-M1; its band is [1 - clip,
     1 + clip-high], the paper sets no lower bound: --clip 1) (docs/algorithms.md, "Policy losses")"""
     clip: float = 0.2
