@@ -4,18 +4,20 @@ Every term function takes [B, T] tensors and returns [B, T] terms; `aggregate` m
 action tokens and reduces them to a scalar. Signs: everything here is to be minimised.
 
 The policy loss of a token is its clipped surrogate times one importance weight (`importance_weights`), for
-whatever separates the policy that sampled it from pi_old, the trainer's before the update: weight =
-exp(trainer_old - engine), the trainer's log-prob over the engine's, bounded by what separates them. A stale token
-(--max-staleness, lag >= 1): decoupled PPO's pi_prox / pi_behav truncated at --is-cap, which holds the engine's own
-gap too. A lag-0 token (every token of the synchronous loop), by --mismatch: none 1; tis min(ratio, --mismatch-cap);
-mis 0 or 1 by its sequence's geometric-mean ratio. Upstream (AgentGym-RL's verl fork) has none of it.
+whatever separates the policy that sampled it from pi_old, the trainer's before the update: ratio =
+exp(trainer_old - engine), the trainer's log-prob over the engine's. A stale token (--max-staleness, lag >= 1):
+decoupled PPO's pi_prox / pi_behav truncated at --is-cap, which holds the engine's own gap too. A lag-0 token (every
+token of the synchronous loop), by --mismatch: none 1; tis min(ratio, --mismatch-cap) (token TIS); mis its
+sequence's ratio, the product of its tokens', and 0 above the cap (sequence MIS); icepop the ratio inside
+--mismatch-band, 0 outside it (IcePop); geo-rs 1, or 0 for a sequence whose geometric-mean ratio is outside the band
+(verl's geometric rejection sampling). Upstream (AgentGym-RL's verl fork) has none of it.
 
 `policy_objective` composes one micro-batch's policy loss from these terms, by an `Objective` (train.py's flag group
-of the loss): --policy-loss's surrogate (ppo: the clipped ratio a token; gspo: a sequence's, Zheng et al., 2025;
-cispo: the clipped, detached ratio on the log-prob, MiniMax-M1), its clips, the importance weights, the
-aggregation over the mini-batch's counts, the entropy bonus and the KL to the reference. A loss variant is a
-function here, a value of `PolicyLoss` and its branch in `policy_objective` (tests/test_losses.py checks each
-against its paper's formula on hand-computed tensors).
+of the loss): --policy-loss's surrogate (ppo: the clipped ratio a token; gspo: a sequence's, on each token's own
+log-prob, GSPO-token of Zheng et al., 2025; cispo: the clipped, detached ratio on the log-prob, MiniMax-M1), its
+clips, the importance weights, the aggregation over the mini-batch's counts, the entropy bonus and the KL to the
+reference. A loss variant is a function here, a value of `PolicyLoss` and its branch in `policy_objective`
+(tests/test_losses.py checks each against its paper's formula on hand-computed tensors).
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ import torch
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
-Mismatch = Literal["none", "tis", "mis", "icepop"]
-MISMATCH_CAP = 2.0  # --mismatch-cap's default: TIS's C (Yao et al., 2025)
+Mismatch = Literal["none", "tis", "mis", "icepop", "geo-rs"]
+MISMATCH_CAP = 2.0  # --mismatch-cap's default: the C of TIS (Yao et al., 2025) and of sequence MIS (Liu, Li et al.)
+ICEPOP_BAND = (0.5, 5.0)  # --mismatch-band's default under icepop: Ring-1T's [alpha, beta] (Ling Team, 2025)
+GEO_BAND = (0.999, 1.001)  # its default under geo-rs: verl's geometric rejection preset (typical 1.0002 to 1.001)
 
 
 def policy_loss(logprobs, old_logprobs, advantages, clip_low: float = 0.2, clip_high: float | None = None,
@@ -39,13 +43,16 @@ def policy_loss(logprobs, old_logprobs, advantages, clip_low: float = 0.2, clip_
     clip_high > clip_low is DAPO's clip-higher (more room for raising unlikely tokens); default
     clip_high = clip_low. dual_clip = c > 1 bounds the loss of a negative advantage at -A c, however
     large the ratio (Ye et al., 2020). `sequences` [B, T] (with the action `mask`), when given, makes the ratio a
-    sequence's: exp of the mean log-ratio over its action tokens, on each of them (GSPO). Returns (loss terms, 1.0
-    where a clip was active).
+    sequence's (GSPO-token, Zheng et al., 2025, eqs. 13-14): r = sg(s) pi(y_t) / sg(pi(y_t)), s = exp of the mean
+    log-ratio over the sequence's action tokens. Its value, and so its clip, is the sequence's s on every token; its
+    gradient is s grad log pi(y_t), each token's own, so that each token's advantage reaches its own log-prob (GSPO's
+    sequence form, the gradient through s, gives every token the sequence's mean advantage: 0 for turns of +1, -1).
+    With one advantage a sequence the two have one gradient. Returns (loss terms, 1.0 where a clip was active).
     """
     clip_high = clip_low if clip_high is None else clip_high
     log_ratio = logprobs - old_logprobs
     if sequences is not None:
-        log_ratio = sequence_mean(log_ratio, mask, sequences)
+        log_ratio = sequence_mean(log_ratio, mask, sequences).detach() + logprobs - logprobs.detach()
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
@@ -93,12 +100,14 @@ class Weights(NamedTuple):
     weights: torch.Tensor
     stale_truncated: torch.Tensor  # lag >= 1, above --is-cap
     truncated: torch.Tensor  # lag 0, above --mismatch-cap (tis)
-    masked: torch.Tensor  # lag 0, in a sequence outside [1/cap, cap] (mis)
-    masked_tokens: torch.Tensor  # lag 0, outside [1/cap, cap] itself (icepop)
+    masked: torch.Tensor  # lag 0, in a sequence whose ratio, the product of its tokens', is above the cap (mis)
+    masked_tokens: torch.Tensor  # lag 0, outside icepop's band themselves (icepop)
+    rejected: torch.Tensor  # lag 0, in a sequence whose geometric-mean ratio is outside geo-rs's band (geo-rs)
 
 
 def importance_weights(trainer, engine, mask, lag=None, sequences=None, mismatch: Mismatch = "none",
-                       cap: float = MISMATCH_CAP, is_cap: float = 2.0) -> Weights:
+                       cap: float = MISMATCH_CAP, band: tuple[float, float] | None = None,
+                       is_cap: float = 2.0) -> Weights:
     """The one importance weight of every action token, for the gap between the policy that sampled it (the
     engine's `engine` log-probs) and the one whose clipped ratio the loss takes (the trainer's `trainer` log-probs
     before the update, pi_old). ratio = exp(trainer - engine) = pi_old / pi_engine. [B, T] each; `lag` [B, T]: the
@@ -110,18 +119,23 @@ def importance_weights(trainer, engine, mask, lag=None, sequences=None, mismatch
       whatever `mismatch` says: the engine's log-prob is the behaviour policy's, so this ratio already holds the
       engine-trainer gap of the stale token beside its staleness, and correcting that again would count it twice.
     - lag 0 (every token of the synchronous loop): the same weights sampled and are scored, and what is left is the
-      engine-trainer mismatch (a bf16 engine, other kernels), weighed by `mismatch`: none, 1 (the loss is the
-      on-policy one); tis, min(ratio, cap) per token (truncated importance sampling); mis, 1 or 0 per sequence:
-      0 for the lag-0 tokens of a sequence whose geometric-mean ratio, exp(mean log-ratio over its lag-0 action
-      tokens), is outside [1/cap, cap] (masked importance sampling: a sequence the engine sampled off the trainer's
-      distribution is left out, not reweighted); icepop, 1 or 0 per token: 0 for a lag-0 token whose own ratio is
-      outside [1/cap, cap] (IcePop, Ling Team, 2025, whose band is [0.5, 5]; here symmetric). The geometric mean, not the product of the ratios: the product's
-      log grows with the sequence's length (a per-token gap of 0.01 is a factor e^5 over 500 tokens), so one bound
-      would mask long sequences for being long; the mean log-ratio is a per-token figure whatever the length.
+      engine-trainer mismatch (a bf16 engine, other kernels), weighed by `mismatch`:
+      none, 1 (the loss is the on-policy one);
+      tis, min(ratio, cap) a token (token-level truncated importance sampling);
+      mis, a sequence's own importance weight, the product of its lag-0 tokens' ratios, on each of them, and 0 when
+      it is above `cap` (sequence-level masked importance sampling, Liu, Li et al., 2025, "When Speed Kills
+      Stability"; verl's rollout correction: sequence IS with sequence rejection above the threshold);
+      icepop, a token's ratio inside `band` (default [0.5, 5]) and 0 outside it (IcePop, Ring-1T, Ling Team, 2025:
+      M(k) = k within [alpha, beta], else 0);
+      geo-rs, 1, and 0 for the tokens of a sequence whose geometric-mean ratio, exp(mean log-ratio over its lag-0
+      tokens), is outside `band` (default [0.999, 1.001]): verl's geometric rejection sampling, a rejection and no
+      weight. The geometric mean is a per-token figure whatever the length, so its band is tight: per-token gaps
+      average out of it (400 tokens, half of them 2.2x off and the rest exact, have a geometric mean of 1.48).
+      `band` is the band of the mode in use; the other band-mode's metrics take its default.
 
     Returns the weights [B, T] (1 off the action tokens) and, as 1.0/0.0 [B, T]: stale tokens the is_cap truncated,
-    lag-0 tokens whose ratio is above `cap` (tis truncates them), lag-0 tokens of a sequence outside the band (mis
-    masks them), lag-0 tokens outside the band themselves (icepop masks them), whatever `mismatch` is, so that a run logs what the correction does or would do."""
+    and the lag-0 tokens that tis truncates, mis masks, icepop masks and geo-rs rejects, whatever `mismatch` is, so
+    that a run logs what each correction does or would do."""
     action = mask > 0
     stale = action & (lag > 0) if lag is not None else torch.zeros_like(action)
     fresh = action & ~stale
@@ -130,14 +144,21 @@ def importance_weights(trainer, engine, mask, lag=None, sequences=None, mismatch
     sequences = torch.arange(len(mask), device=mask.device)[:, None].expand_as(mask) if sequences is None else sequences
     ids, which = torch.where(fresh, sequences, -1).flatten().unique(return_inverse=True)  # (-1: not a lag-0 token)
     tokens = mask.new_zeros(len(ids), dtype=torch.float).index_add(0, which, fresh.flatten().float())
-    mean_log = log_ratio.new_zeros(len(ids)).index_add(0, which, (log_ratio * fresh).flatten()) / tokens.clamp(min=1)
-    outside = (mean_log.abs() > math.log(cap))[which].view_as(mask) & fresh
-    outside_token = (log_ratio.abs() > math.log(cap)) & fresh
-    fresh_weight = {"none": torch.ones_like(ratio), "tis": ratio.clamp(max=cap), "mis": (~outside).float(),
-                    "icepop": (~outside_token).float()}[mismatch]
+    sums = log_ratio.new_zeros(len(ids)).index_add(0, which, (log_ratio * fresh).flatten())
+    sequence_log = sums[which].view_as(mask)  # the log of the product of each sequence's lag-0 ratios, on its tokens
+    geomean = torch.exp(sums / tokens.clamp(min=1))[which].view_as(mask)
+    icepop_low, icepop_high = band if band is not None and mismatch == "icepop" else ICEPOP_BAND
+    geo_low, geo_high = band if band is not None and mismatch == "geo-rs" else GEO_BAND
+    masked = (sequence_log > math.log(cap)) & fresh
+    masked_tokens = ((ratio < icepop_low) | (ratio > icepop_high)) & fresh
+    rejected = ((geomean < geo_low) | (geomean > geo_high)) & fresh
+    zero = torch.zeros_like(ratio)
+    fresh_weight = {"none": torch.ones_like(ratio), "tis": ratio.clamp(max=cap),
+                    "mis": torch.where(masked, zero, torch.exp(sequence_log.clamp(max=math.log(cap)))),
+                    "icepop": torch.where(masked_tokens, zero, ratio), "geo-rs": (~rejected).float()}[mismatch]
     weights = torch.where(stale, ratio.clamp(max=is_cap), torch.where(fresh, fresh_weight, torch.ones_like(ratio)))
-    return Weights(weights, (stale & (ratio > is_cap)).float(), (fresh & (ratio > cap)).float(), outside.float(),
-                   outside_token.float())
+    return Weights(weights, (stale & (ratio > is_cap)).float(), (fresh & (ratio > cap)).float(), masked.float(),
+                   masked_tokens.float(), rejected.float())
 
 
 def value_loss(values, old_values, returns, clip: float | None = 0.5):
@@ -227,8 +248,9 @@ class Objective:
     loss variant is a field here and its branch in `policy_objective`."""
 
     policy_loss: PolicyLoss = "ppo"
-    """ppo: the clipped ratio a token; gspo: one ratio a sequence, the geometric mean of its tokens' (Zheng et al.,
-    2025; take clips near 3e-4 and 4e-4, the paper's, as a sequence's ratio stays near 1); cispo: the ratio clipped
+    """ppo: the clipped ratio a token; gspo: one ratio a sequence, the geometric mean of its tokens', with each
+    token's own gradient (GSPO-token, Zheng et al., 2025; take clips near 3e-4 and 4e-4, the paper's, as a sequence's
+    ratio stays near 1); cispo: the ratio clipped
     and detached, times the log-prob, so that every token keeps its gradient (MiniMax-M1; its band is [1 - clip,
     1 + clip-high], the paper sets no lower bound: --clip 1) (docs/algorithms.md, "Policy losses")"""
     clip: float = 0.2
@@ -256,11 +278,15 @@ class Objective:
     """--max-staleness: truncate a stale token's importance weight pi_prox / pi_behav at this (TIS's 2)"""
     mismatch: Mismatch = "none"
     """the engine-trainer gap of the tokens sampled by the weights being updated (a bf16 engine, other kernels):
-    none, weight 1; tis, each token weighed min(pi_trainer / pi_engine, --mismatch-cap); mis, a sequence whose
-    geometric-mean ratio is outside [1 / cap, cap] left out; icepop, each token outside that band left out
-    (docs/engines.md, "Engine-trainer mismatch")"""
+    none, weight 1; tis, each token min(pi_trainer / pi_engine, --mismatch-cap); mis, each sequence its own ratio
+    (the product of its tokens'), 0 above --mismatch-cap; icepop, each token its ratio inside --mismatch-band, 0
+    outside; geo-rs, a sequence whose geometric-mean ratio is outside --mismatch-band left out (verl's geometric
+    rejection sampling) (docs/engines.md, "Engine-trainer mismatch")"""
     mismatch_cap: float | None = None
-    """--mismatch tis, mis, icepop: C, the cap of the weight (tis) or the band [1 / C, C]; default: 2"""
+    """--mismatch tis and mis: C, the cap of a token's weight (tis) or of a sequence's (mis); default: 2"""
+    mismatch_band: str | None = None
+    """--mismatch icepop and geo-rs: LO:HI, the band a token's ratio (icepop) or a sequence's geometric-mean ratio
+    (geo-rs) must be in; default: by the mode (icepop the paper's 0.5:5, geo-rs verl's 0.999:1.001)"""
 
     def check(self, rollouts: bool, staleness: bool) -> None:
         """The settings that cannot work, as one sentence: `rollouts` False for a program that learns from files,
@@ -279,12 +305,16 @@ class Objective:
                              "give --max-staleness too, or leave --is-cap out")
         if self.is_cap < 1:
             raise SystemExit(f"--is-cap {self.is_cap:g} would weigh every stale token below 1: give --is-cap 1 or more")
-        if self.mismatch_cap is not None and self.mismatch == "none":
-            raise SystemExit("--mismatch-cap bounds --mismatch tis's weights or mis's and icepop's band: give one of "
-                             "them with it")
+        if self.mismatch_cap is not None and self.mismatch not in ("tis", "mis"):
+            raise SystemExit("--mismatch-cap bounds --mismatch tis's and mis's weights: give one of them with it "
+                             "(icepop's and geo-rs's bounds are --mismatch-band)")
         if self.mismatch_cap is not None and self.mismatch_cap <= 1:
             raise SystemExit(f"--mismatch-cap {self.mismatch_cap:g} must be above 1: tis truncates the weights at C, "
-                             "mis and icepop keep what is within [1/C, C]")
+                             "mis masks the sequences above it")
+        if self.mismatch_band is not None and self.mismatch not in ("icepop", "geo-rs"):
+            raise SystemExit("--mismatch-band is the band of --mismatch icepop and geo-rs: give one of them with it "
+                             "(tis's and mis's bound is --mismatch-cap)")
+        self.band()
         if not rollouts and (self.mismatch != "none" or self.policy_loss != "ppo"):
             raise SystemExit("--mismatch and --policy-loss weigh the tokens of RL's rollouts; sft, dpo and agentevol "
                              "learn from trajectory files")
@@ -292,6 +322,20 @@ class Objective:
     def norm_tokens(self, max_tokens: int) -> Objective:
         """This objective with seq-mean-token-sum-norm's constant: --loss-norm-tokens, else `max_tokens`."""
         return replace(self, loss_norm_tokens=self.loss_norm_tokens or max_tokens)
+
+    def band(self) -> tuple[float, float] | None:
+        """--mismatch-band LO:HI as (LO, HI), None when not given (the mode's default); a SystemExit for a band that
+        is not one around 1."""
+        if self.mismatch_band is None:
+            return None
+        try:
+            low, high = (float(bound) for bound in self.mismatch_band.split(":"))
+        except ValueError:
+            raise SystemExit(f"--mismatch-band {self.mismatch_band}: give LO:HI, e.g. 0.5:5") from None
+        if not 0 <= low < 1 < high:
+            raise SystemExit(f"--mismatch-band {self.mismatch_band}: LO in [0, 1) and HI above 1, so that a ratio "
+                             "of 1 is in it")
+        return low, high
 
 
 class PolicyTerms(NamedTuple):
@@ -303,7 +347,7 @@ class PolicyTerms(NamedTuple):
     clipped: torch.Tensor  # 1.0 where a clip was active
     entropy: torch.Tensor
     divergence: torch.Tensor  # KL to the reference (0 without one)
-    weighed: Weights
+    weighed: Weights  # each token's own (under gspo the loss takes their geometric mean a sequence)
 
 
 def policy_objective(logprobs, entropy, micro, counts: Counts,
@@ -311,7 +355,7 @@ def policy_objective(logprobs, entropy, micro, counts: Counts,
     """The policy's loss on one micro-batch (rl/batch.MicroBatch; logprobs, entropy [R, W] from the forward pass):
     --policy-loss's surrogate on pi_old's ratio (the micro-batch's old log-probs, or with one update per rollout the
     current ones, detached), times the importance weight of each token (`importance_weights`; under gspo one weight a
-    sequence, the geometric mean of its tokens', as its ratio is), minus the entropy bonus, plus the KL to the
+    sequence, the geometric mean of its tokens', as its ratio's value is), minus the entropy bonus, plus the KL to the
     reference (when the micro-batch has reference log-probs and the KL is not in the reward), each aggregated over the
     whole mini-batch (`counts`). Returns the loss and its terms."""
     mask = micro.loss_mask
@@ -325,7 +369,7 @@ def policy_objective(logprobs, entropy, micro, counts: Counts,
                                   objective.dual_clip, mask, sequences if objective.policy_loss == "gspo" else None)
     # (one weight a token for the sampler's gap: --max-staleness's decoupled PPO around the proximal policy, --mismatch)
     weighed = importance_weights(old, micro.sampler_logprobs, mask, micro.lag, micro.sequence, objective.mismatch,
-                                 objective.mismatch_cap or MISMATCH_CAP, objective.is_cap)
+                                 objective.mismatch_cap or MISMATCH_CAP, objective.band(), objective.is_cap)
     weights = sequence_geomean(weighed.weights, mask, sequences) if objective.policy_loss == "gspo" else weighed.weights
     pg = pg * weights
 
@@ -339,4 +383,4 @@ def policy_objective(logprobs, entropy, micro, counts: Counts,
         divergence = kl(logprobs, micro.ref_logprobs, objective.kl_estimator)
         if not objective.kl_in_reward:
             loss = loss + objective.kl_coef * mean(divergence)
-    return loss, PolicyTerms(logprobs, old, pg, clipped, entropy, divergence, weighed._replace(weights=weights))
+    return loss, PolicyTerms(logprobs, old, pg, clipped, entropy, divergence, weighed)

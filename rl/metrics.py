@@ -67,8 +67,9 @@ class UpdateSums(Sums):
     logprob_diff_max: float = largest()
     mismatch_kl: float = 0.0  # k3 estimate of KL(engine || trainer) over them, summed
     mismatch_truncated: float = 0.0  # of them, those above --mismatch-cap (tis truncates them)
-    mismatch_masked: float = 0.0  # those in a sequence outside [1/cap, cap] (mis masks them)
-    mismatch_masked_tokens: float = 0.0  # those outside [1/cap, cap] themselves (icepop masks them)
+    mismatch_masked: float = 0.0  # those in a sequence whose ratio is above --mismatch-cap (mis masks them)
+    mismatch_masked_tokens: float = 0.0  # those outside icepop's band themselves (icepop masks them)
+    mismatch_rejected: float = 0.0  # those in a sequence whose geometric mean is outside geo-rs's band (rejected)
     mismatch_ratio_max: float = largest()  # their largest pi_trainer / pi_engine
     critic_tokens: float = 0.0
     value: float = 0.0
@@ -95,6 +96,7 @@ def weight_sums(weighed: Weights, trainer: torch.Tensor, engine: torch.Tensor, m
             "mismatch_kl": float(kl(engine.double(), trainer.double(), "k3")[fresh].sum()),
             "mismatch_truncated": float(weighed.truncated.sum()), "mismatch_masked": float(weighed.masked.sum()),
             "mismatch_masked_tokens": float(weighed.masked_tokens.sum()),
+            "mismatch_rejected": float(weighed.rejected.sum()),
             "mismatch_ratio_max": float(torch.exp(trainer - engine)[fresh].max()) if fresh.any() else 0.0}
     if lag is None:
         return sums
@@ -213,6 +215,7 @@ def step_metrics(records: list[dict], sampled: list[tuple[int, float]], costs: C
             "mismatch/truncated": sums.mismatch_truncated / per_fresh,
             "mismatch/masked": sums.mismatch_masked / per_fresh,
             "mismatch/masked_tokens": sums.mismatch_masked_tokens / per_fresh,
+            "mismatch/rejected": sums.mismatch_rejected / per_fresh,
             "mismatch/ratio_max": sums.mismatch_ratio_max,
             "losses/policy": sums.policy / per_token,
             "losses/kl": sums.kl / per_token,
