@@ -166,7 +166,7 @@ def preset_of(model: str) -> str:
 def resumed_args(Args: type, presets: dict, argv: list[str], checkpoint: Path, description: str):
     """The run's settings from its config.json, with the flags of this command line that RESUMABLE
     allows; any other flag that differs stops the run, naming it."""
-    config = resumable_config(checkpoint)
+    config = unread_dropped(resumable_config(checkpoint))
     preset = presets[config.get("preset", "paper")]
     saved = replace(preset, **{name: tuple(config[name]) if isinstance(config[name], list) else config[name]
                                for name in flat(preset) if name in config} | {"env": env_names(config.get("env", preset.env))})
@@ -257,6 +257,20 @@ def check_tasks(args) -> None:
                 tasks_by_env(getattr(args, flag), args.env, "train")
         except envs.TaskFileError as error:
             raise SystemExit(f"--{flag.replace('_', '-')}: {error}") from None
+
+
+def unread_dropped(config: dict) -> dict:
+    """A run's config.json without the estimator flags its --algo does not read: a run from before the estimators
+    owned their flags (rl/advantages.ESTIMATORS) could be given one (--lam with grpo), which did nothing, and which
+    check_estimator now refuses. Said in one line where one had a value of its own."""
+    algo = adv_lib.ESTIMATORS.get(config.get("algo"))
+    unread = {name for e in adv_lib.ESTIMATORS.values() for name in e.flags} - set(algo.flags if algo else ())
+    defaults = {f.name: f.default for f in fields(adv_lib.EstimatorArgs)}
+    given = sorted(name for name in unread if name in config and config[name] != defaults.get(name))
+    if given:
+        print(f"note: the run's {', '.join('--' + n.replace('_', '-') for n in given)} went unread by --algo "
+              f"{config.get('algo')} and is dropped on resume")
+    return {name: value for name, value in config.items() if name not in unread}
 
 
 def check_estimator(args) -> None:

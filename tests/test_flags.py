@@ -91,3 +91,24 @@ def test_option_strings_keep_their_meaning_for_each_flag():
                                                      "strict": False, "sites": "shopping"}
     fmt = chat_format(load_tokenizer("tiny-agent"), LayoutArgs(chat_template_kwargs={"enable_thinking": " FALSE "}))
     assert fmt.template_kwargs == {"enable_thinking": False}
+
+
+@pytest.mark.parametrize("algo, unread", [("rloo", {"grpo_scale": False}), ("grpo", {"lam": 0.9, "gamma": 0.99})])
+def test_an_older_run_with_a_flag_its_estimator_never_read_resumes(algo, unread, tmp_path, capsys):
+    """Before the estimators owned their flags, --no-grpo-scale with rloo or --lam with grpo was taken and did
+    nothing; such a run resumes without it (one line says so), where check_estimator would refuse it."""
+    import json
+
+    from rl.flags import flat
+
+    argv = ["--algo", algo, "--steps", "2", "--out-dir", str(tmp_path), "--run-name", "old"]
+    checkpoint = tmp_path / "old" / "checkpoints" / "step_1"
+    (checkpoint / "state").mkdir(parents=True)
+    (tmp_path / "old" / "config.json").write_text(json.dumps(flat(train.parse_args(argv)) | {"preset": "tiny"} | unread))
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 1}))
+    (checkpoint / "state" / "schedulers.json").write_text("{}")
+    resumed = train.parse_args(["--resume", str(tmp_path / "old"), "--steps", "3"])
+    train.check(resumed, 1, "NO")
+    assert resumed.algo == algo and resumed.steps == 3
+    assert all(getattr(resumed.estimator_args, name) != value for name, value in unread.items())
+    assert f"went unread by --algo {algo} and is dropped on resume" in capsys.readouterr().out

@@ -68,6 +68,8 @@ def test_a_closing_tag_inside_a_tool_call_is_the_calls_text_not_the_end_of_the_r
     assert tags.split("<think>r</think>" + cut) == ("r", cut)
     thought = '<think>a call I may make: <tool_call>{"q": "</think>"}</tool_call>, or a <tool_call> tag</think>'
     assert tags.split(thought + call) == (thought[len("<think>"):-len("</think>")], call)
+    mention = "<think>Should I answer with a <tool_call> block? No, plain text.</think>\nAction: go forward"
+    assert tags.split(mention) == ("Should I answer with a <tool_call> block? No, plain text.", "Action: go forward")
     assert without_calls("<think>r</think>\n" + call, "hermes", tags) == "<think>r</think>"
     action = make_agent("tools").read(APIFormat(), "searchqa", "<think>r</think>\n" + call)
     assert action.problem is None and action.text == "<search>what does </think> close</search>"
