@@ -96,7 +96,10 @@ class Reasoning:
     def end(self, reply: str) -> int:
         """Where the reasoning's last closing tag starts (-1: none): the last one outside every tool call
         (CALL_BLOCK), whose JSON may hold the tag as text, e.g. a string to type."""
-        calls = [match.span() for match in CALL_BLOCK.finditer(reply)] if "<tool_call>" in reply else []
+        # (a block left open, a reply cut off inside a call, is one only after a closing tag: before one, the tag is a
+        # word of the reasoning, "should I answer with a <tool_call> block?")
+        calls = [match.span() for match in CALL_BLOCK.finditer(reply) if match.group().endswith("</tool_call>")
+                 or self.close in reply[:match.start()]] if "<tool_call>" in reply else []
         end = reply.rfind(self.close)
         while end >= 0 and any(start < end < stop for start, stop in calls):
             end = reply.rfind(self.close, 0, end)
