@@ -42,7 +42,6 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -512,8 +511,8 @@ def update(models: Models, batch: Batch, args: Args, accelerator, step: int, pro
         for part in range(args.minibatches):
             minibatch = [batch.micro[i] for i in shuffled[part::args.minibatches]]
             counts = minibatch_counts(minibatch, reducer(accelerator), accelerator.num_processes)
-            bound = dict(counts=counts, args=args, accelerator=accelerator)  # (each pass: its loss of a micro-batch)
-            passes = [(name, models.part(name)[0], partial(loss, models, **bound)) for name, loss in trained]
+            passes = [(name, models.part(name)[0], lambda micro, f=loss: f(models, micro, counts, args, accelerator))
+                      for name, loss in trained]
             finite = accumulate(accelerator, minibatch, passes, sums, progress=tick)
             for name, grad_norm in optimizer_steps(models, finite, args.grad_clip, accelerator, step, sums).items():
                 grad_norms.setdefault(name, []).append(grad_norm)
