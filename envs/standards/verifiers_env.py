@@ -186,10 +186,21 @@ def load_environment(env: str = "babyai", split: Literal["train", "test"] = "tra
     return vf.load_environment(config)
 
 
+def parse_args(argv: list[str]):
+    """vf-eval's run config from its command line `argv` (what `python -m envs.standards.verifiers_env argv` runs)."""
+    from pydantic_config import cli
+    from verifiers.v1.cli.resolve import narrow_config, with_positional_taskset
+    from verifiers.v1.configs.cli.eval import EvalConfig
+
+    argv = with_positional_taskset(list(argv))
+    return cli(narrow_config(EvalConfig, argv), args=argv)
+
+
 if __name__ == "__main__":
     import importlib
 
     from verifiers.v1.cli.eval.main import main
 
+    # (this file runs as __main__: the id names the module that `import envs.standards.verifiers_env` makes)
     sys.modules[ID.replace("-", "_")] = importlib.import_module("envs.standards.verifiers_env")
     main()
