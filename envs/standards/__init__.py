@@ -1,0 +1,1 @@
+"""Our envs and the environment standards (OpenEnv, verifiers, Gym-style classes), in and out."""
