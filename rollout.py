@@ -36,6 +36,12 @@ trained with the advantage that reward earns, as upstream keeps the env's reward
 max_response_length. An env call that raises or hangs (envs/guard.py bounds each one) ends only its trajectory, with
 finish "error": it has no outcome, and train.py leaves it out of the update.
 
+Groups that fork (train.py --group-start fork, `fork` K): a group's first episode plays its first K turns alone, then
+the group's other episodes begin where it is, each on its own copy of its env (Env.fork) with a copy of its trajectory,
+the shared turns' tokens, loss mask and log-probs exactly as sampled, and each goes on with its own samples: n
+trajectories that share a prefix and part at one state (GiGPO's anchor). The same loop, the same rules; a set's resets
+are fewer, and until the fork the group's other rows wait.
+
 Agent formats (rl/agent.py, `agent=`): the messages an episode opens with and what the env is asked by
 each reply (react, plan; tools, the one tool call in it, answered as a tool result); reflect plays up to
 agent.attempts attempts a task (`attempts`), the policy reflecting after each failed one by continuing that
@@ -70,6 +76,7 @@ Where this differs from upstream's rollout (AgentGym-RL's vLLMRollout.generate_s
 
 from __future__ import annotations
 
+import copy
 import time
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
@@ -139,21 +146,25 @@ class Rollouts:
     A round engine (HF, vLLM under --deterministic) plays every live trajectory of every set in one round and
     waits for all their envs, so a run is replayable; a continuous one (vLLM) resubmits a trajectory the moment
     its env answers. `reseed(j)`, when given, restarts the engine's random stream as set j opens
-    (--deterministic: a set's samples depend on its seed and the weights alone).
+    (--deterministic: a set's samples depend on its seed and the weights alone). `fork` K: each group's episodes
+    start from copies of its first after its first K turns (_forked) instead of resets of their own.
     """
 
     def __init__(self, engine, fmt: ChatFormat, environments: list[Env], tasks_of: Callable[[int], Tasks], *,
                  limits: dict[str, Limits], staleness: int = 0, first: int = 1, last: int = 1,
                  agent: Agent = REACT, pool: ThreadPoolExecutor | None = None,
                  reseed: Callable[[int], None] | None = None, versions: bool = False,
-                 redraw: Callable[[int, list[Trajectory]], dict[int, int]] | None = None):
+                 redraw: Callable[[int, list[Trajectory]], dict[int, int]] | None = None, fork: int | None = None):
         if len(environments) % rule.blocks(staleness):
             raise ValueError(f"{len(environments)} envs do not split into {rule.blocks(staleness)} sets' blocks")
         if agent.attempts > 1 and staleness:
             raise ValueError("reflect's attempts depend on each other's reflections: play it at staleness 0")
+        if agent.attempts > 1 and fork is not None:
+            raise ValueError("reflect's attempts are each a rollout of their own, which does not fork: play reflect with "
+                             "--group-start reset")
         self.engine, self.fmt, self.environments, self.tasks_of = engine, fmt, environments, tasks_of
         self.staleness, self.last, self.agent, self.versions = staleness, last, agent, versions
-        self.limits, self.reseed, self.redraw = limits, reseed, redraw
+        self.limits, self.reseed, self.redraw, self.fork = limits, reseed, redraw, fork
         self.block = len(environments) // rule.blocks(staleness)
         self.meanwhile = engine.continuous and not getattr(engine, "sleep_mode", False)  # (see advance)
         self.own_pool = pool is None
@@ -168,6 +179,8 @@ class Rollouts:
         self.ready: list[Trajectory] = []  # waiting to be submitted for their next turn
         self.stepping: dict[Future, Trajectory] = {}
         self.resetting: dict[Future, tuple[int, int, int, int, int]] = {}  # -> (set, index, task, group, horizon)
+        self.forking: dict[int, list[int]] = {}  # fork: a group's first row -> its other episodes (set indices)
+        self.forks: dict[int, Env] = {}  # fork: row -> the copy its episode plays on, in place of environments[row]
         self.clock = RolloutStats()
 
     def take(self, j: int, progress: Report | None = None) -> list[Trajectory]:
@@ -250,6 +263,9 @@ class Rollouts:
         wait([*self.stepping, *self.resetting])
         self.stepping.clear()
         self.resetting.clear()
+        self.forking.clear()
+        for row in list(self.forks):
+            self._drop_fork(row)
         if self.own_pool:
             self.pool.shutdown(wait=True)
 
@@ -274,10 +290,24 @@ class Rollouts:
             task_ids, groups, horizon, reflections = self._tasks(j)
             self.sets[j], self.reflections[j] = [None] * len(task_ids), reflections
             self.holds[rule.block(j, self.staleness)] = j
-            for i, (task, group) in enumerate(zip(task_ids, groups)):
-                env = self.environments[self._row(j, i)]
-                self.resetting[self.pool.submit(EnvAnswer.of, env, "reset", task)] = \
-                    (j, i, task, group, horizon[env.name])
+            self._begin(j, [(i, task, group, horizon[self.environments[self._row(j, i)].name])
+                            for i, (task, group) in enumerate(zip(task_ids, groups))])
+
+    def _begin(self, j: int, episodes: list[tuple[int, int, int, int]]) -> None:
+        """Start set j's `episodes` (index, task, group, turn cap): each by a reset of its env, in the pool, or under
+        --group-start fork (`fork` K) only the first of each group, the others waiting for copies of it (_forked)."""
+        first: dict[int, int] = {}  # group -> its first row
+        for i, task, group, horizon in episodes:
+            row = self._row(j, i)
+            self._drop_fork(row)  # (the copy its last episode played on)
+            if self.fork is not None and group in first:
+                self.forking[first[group]].append(i)
+                continue
+            first[group] = row
+            if self.fork is not None:
+                self.forking[row] = []
+            self.resetting[self.pool.submit(EnvAnswer.of, self.environments[row], "reset", task)] = \
+                (j, i, task, group, horizon)
 
     def _settle(self) -> None:
         """--dynamic-sampling (rl/tasks.Redraw): the episodes of each complete set that `redraw` plays again start anew,
@@ -290,10 +320,9 @@ class Rollouts:
                 self.settled[j] = rounds, groups
                 continue
             self.replays[j] = rounds + 1, groups + len({self.sets[j][i].group for i in again})
-            for i, task in again.items():
-                old, self.sets[j][i] = self.sets[j][i], None
-                self.resetting[self.pool.submit(EnvAnswer.of, self.environments[old.row], "reset", task)] = \
-                    (j, i, task, old.group, old.horizon)
+            played = self.sets[j]
+            self.sets[j] = [None if i in again else traj for i, traj in enumerate(played)]
+            self._begin(j, [(i, task, played[i].group, played[i].horizon) for i, task in sorted(again.items())])
 
     def _attempts(self, j: int, progress: Callable[[int, int], None] | None) -> list[Trajectory]:
         """Reflect's set j: its episodes attempt after attempt (attempts), each attempt a set of its own."""
@@ -349,7 +378,7 @@ class Rollouts:
                 traj.malformed += 1
                 self.stepping[_answered(StepResult(action.problem, traj.reward, False, {"valid": False}), traj)] = traj
             else:
-                self.stepping[self.pool.submit(EnvAnswer.of, self.environments[traj.row], "step", action.text)] = traj
+                self.stepping[self.pool.submit(EnvAnswer.of, self._env(traj.row), "step", action.text)] = traj
 
     def _collect(self, idle: bool = True) -> None:
         """Take in the env answers (resets and steps): while the engine has work, those that came; otherwise wait, for
@@ -377,6 +406,37 @@ class Rollouts:
             elif _taken_in(self.fmt, self.agent.context, traj := self.stepping.pop(future), answer,
                            self.limits[traj.env].max_tokens):
                 self.ready.append(traj)
+            if traj.row in self.forking and (not traj.live or traj.turns >= min(self.fork, traj.horizon - 1)):
+                self._forked(traj)
+
+    def _forked(self, traj: Trajectory) -> None:
+        """--group-start fork: the other episodes of `traj`'s group begin where it is now, after its first `fork` turns
+        (at most its turn cap - 1, so that each of them samples at least its last turn): each on its own copy of the
+        env (Env.fork) with a copy of the trajectory, every token, mask and log-prob of the shared turns as sampled
+        (trained in every copy, as any of its turns; prefix_turns says how many). An episode that ended within them
+        is its group's every episode: copies of it, ended, whose outcomes tie. A copy that cannot be made (a
+        given-up env) fails its episode, as a failed reset does."""
+        j, env = self.holds[traj.row // self.block], self._env(traj.row)
+        traj.prefix_turns = traj.turns
+        for i in self.forking.pop(traj.row):
+            twin = self.sets[j][i] = copy.deepcopy(traj)
+            twin.row = self._row(j, i)
+            if not twin.live:
+                continue
+            try:
+                self.forks[twin.row] = env.fork()
+            except Exception as error:  # noqa: BLE001 - as any env failure, it ends one trajectory
+                twin.fail(f"fork failed: {type(error).__name__}: {error}")
+                continue
+            self.ready.append(twin)
+
+    def _env(self, row: int) -> Env:
+        """The env that row's episode plays on: its own, or (fork) the copy it was given."""
+        return self.forks[row] if row in self.forks else self.environments[row]
+
+    def _drop_fork(self, row: int) -> None:
+        if row in self.forks:
+            self.forks.pop(row).close()
 
     def _row(self, j: int, i: int) -> int:
         """The env of set j's episode i: the i-th of its block."""
@@ -397,20 +457,22 @@ def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int
             horizon: int, max_new_tokens: int, max_tokens: int, agent: Agent = REACT,
             pool: ThreadPoolExecutor | None = None, stats: RolloutStats | None = None,
             progress: Report | None = None,
-            reflections: list[list[str]] | None = None) -> list[Trajectory]:
+            reflections: list[list[str]] | None = None, fork: int | None = None) -> list[Trajectory]:
     """Play one episode per env: environments[i] plays task_ids[i], in group groups[i], for at most
     `horizon` turns, laid out by `agent` (rl/agent.py; reflect plays up to agent.attempts attempts, each a
     trajectory, see attempts()). `progress`, when given, is called with the trajectories under way whenever one of
     them played a turn or ended (rl/progress.py shows them). `stats`, when given,
     receives the rollout's timing and token counts (RolloutStats). `reflections`: each episode's past ones, which
-    it opens with (attempts')."""
+    it opens with (attempts'). `fork` K: a group's episodes start from copies of its first after its first K turns
+    (Rollouts, --group-start fork)."""
     assert len(environments) == len(task_ids) == len(groups)
     if agent.attempts > 1:
         return attempts(engine, fmt, environments, task_ids, groups, horizon=horizon, max_new_tokens=max_new_tokens,
                         max_tokens=max_tokens, agent=agent, pool=pool, stats=stats, progress=progress)
     limits = {env.name: Limits((horizon,), 1, max_new_tokens, max_tokens) for env in environments}  # (every env's)
     one = Rollouts(engine, fmt, environments, lambda _: Tasks(task_ids, groups, dict.fromkeys(limits, horizon),
-                                                              reflections), limits=limits, agent=agent, pool=pool)
+                                                              reflections), limits=limits, agent=agent, pool=pool,
+                   fork=fork)
     try:
         return one.take(1, progress)
     finally:  # stopped half-way (an exception), nothing may spill into the next rollout

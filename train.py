@@ -133,6 +133,15 @@ class Args:
     """tasks per step, over all processes (upstream's train_batch_size)"""
     n: int = 8
     """samples per task (the group of grpo and rloo)"""
+    group_start: Literal["reset", "fork"] = "reset"
+    """how a task group's n episodes begin: reset, each by a reset of its own; fork, one episode plays the group's first
+    --fork-turns turns and the others go on from copies of its env (envs.Env.fork: babyai, textcraft, searchqa) and of
+    its tokens, so that n turns start from the state they branch at (GiGPO's anchor group; rollout.py's Rollouts,
+    docs/algorithms.md). Evaluations always reset"""
+    fork_turns: int = 1
+    """--group-start fork: the turns a group plays once before it branches (at most an episode's turn cap - 1); each of
+    its n episodes holds them, token for token, and their copies' turn-level advantages cancel in the update, so the
+    default is the shortest prefix that moves the branch off the reset state"""
     dynamic_sampling: int = 0
     """DAPO's dynamic sampling: a task group that --algo's estimator gives no advantage (its episodes all scored the
     same; gigpo: its turns too) plays again on a new task, up to this many rounds a step (rl/tasks.Redraw; logged as
@@ -280,6 +289,8 @@ def main(args: Args) -> Path | None:
                                             args.seed)
     engine = logs = rollouts = None
     try:  # (everything from here on closes what it opened, also on a stop or an error)
+        if args.group_start == "fork":  # (before anything heavy: an env that cannot copy its state stops the run)
+            flags.check_forks(environments)
         # -- models, the sampler, and the training state when resuming
         tokenizer, fmt, models, limits = set_up(args, accelerator, limits)  # (limits: within the context window now)
         engine = engine_of(args, fmt, models, accelerator, limits)
@@ -332,7 +343,8 @@ def main(args: Args) -> Path | None:
             records = gather_object(rollout_records(trajectories, batch, step))
             sampled = gather_object([(costs.rollout.sampled_tokens, costs.rollout.generate_s)])
             metrics = step_metrics(records, sampled, costs, sums, grad_norms, batch, advantages, returns, models,
-                                   horizon, engine.metrics() | synced, why, args.max_staleness)
+                                   horizon, engine.metrics() | synced, why, args.max_staleness,
+                                   args.estimator_args.gamma if args.algo == "gigpo" else None)
             evaluation, evaluated = evaluate(engine, fmt, players, test_ids, args, accelerator, limits, step,
                                              progress) if eval_due(step, args.eval_every, args.steps) else ({}, [])
             metrics |= evaluation | timing(step, step_start, costs.rollout.generate_s)
@@ -386,7 +398,9 @@ def start_line(args: Args, mix: Mix, run_dir: Path, limits: dict[str, Limits], t
     """An RL run's first line: what it trains, how long, at which turn caps (each env's `limits`), its evaluations,
     where it writes."""
     return (f"run {run_dir.name}: {mix}, {args.model} ({args.preset} preset), {args.algo}, {args.steps} steps of "
-            f"{args.tasks_per_step} tasks x {args.n} samples, {describe_limits(limits, args.steps)}, "
+            f"{args.tasks_per_step} tasks x {args.n} samples"
+            + (f" forked after {args.fork_turns} turns" if args.group_start == "fork" else "")
+            + f", {describe_limits(limits, args.steps)}, "
             f"{evaluation_plan(tests, args.eval_k, args.eval_every, start, args.steps, initial=start == 1)}"
             f" -> {run_dir}" + (f", resumed at step {start}" if args.run_args.resuming else ""))
 
@@ -409,7 +423,8 @@ def rollouts_of(engine, fmt: ChatFormat, environments: list, mix: Mix, train_ids
                     reseed=(lambda j: engine.reseed(stream_seed(seed, j))) if args.engine_args.deterministic else None,
                     versions=args.max_staleness is not None,  # (the flag decides what is recorded and logged)
                     redraw=Redraw(train_ids, args.dynamic_sampling, args.seed, accelerator.process_index, args.algo,
-                                  vars(args.estimator_args)) if args.dynamic_sampling else None)
+                                  vars(args.estimator_args)) if args.dynamic_sampling else None,
+                    fork=args.fork_turns if args.group_start == "fork" else None)
 
 
 def batch_of(trajectories: list[Trajectory], args: Args, accelerator, pad_id: int, step: int | None = None,

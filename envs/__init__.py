@@ -31,6 +31,8 @@ and the limits of upstream's evaluation (eval.py's `agentgym` protocol). The mod
                                              task are in the same env state (Env.state_key below); GiGPO's step-level
                                              anchor groups are the turns that start from one key. An env without it
                                              (None) leaves every turn alone in its group: GiGPO's step term is 0
+    Env.fork() -> Env                        optional: an independent copy of the env's state (Env.fork below);
+                                             an env without it cannot play train.py --group-start fork
 
 and ships default splits as `envs/data/<name>_{train,test}.json` in AgentGym-RL-Data-ID's
 format: `[{"item_id": "<name>_<int>"}, ...]` (a module may point elsewhere with
@@ -89,6 +91,15 @@ class Env:
         live env (one that does is read as None: state_key_of); after a failed or closed one it may be None. It holds no step count and no history: the same state reached at
         another turn, or by actions in another order, has the same key. canonical_key() keeps it short."""
         return None
+
+    def fork(self) -> Env:
+        """An independent copy of the env as it is now, between calls (train.py --group-start fork plays a group's
+        episodes on copies of one after their shared turns): the copy's state, and its own random generator, are the
+        original's, its state_key() equals the original's, and no call on either ever changes the other; what no
+        call changes (a crafting tree, a search index) may be shared. Closing one leaves the other. An env that
+        cannot copy its state (a JVM's simulator, a browser's page, an instance on an env server) raises
+        NotImplementedError with one sentence that says why, without starting anything."""
+        raise NotImplementedError(f"the {self.name} env cannot copy its state (it defines no Env.fork)")
 
 
 def state_key_of(env: Env) -> str | None:

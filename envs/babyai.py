@@ -49,6 +49,7 @@ And these are small:
 
 from __future__ import annotations
 
+import copy
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -434,6 +435,13 @@ class BabyAI(Env):
     def state_key(self) -> str | None:
         """The digest of canonical_state() after the last reset or macro (an invalid action leaves it)."""
         return self.key
+
+    def fork(self) -> BabyAI:
+        """An independent copy (Env.fork): the game deep-copied, its grid, agent and random generator with it; the
+        other levels' cached games stay behind (a reset of the copy makes them anew)."""
+        twin = copy.deepcopy(self, {id(self._games): {}})
+        twin._games = {self.level: twin.game} if self.game is not None else {}
+        return twin
 
     def _action_list(self) -> str:
         return "\nAvailable actions: [" + ", ".join(f'"{a}"' for a in self.actions) + "]"

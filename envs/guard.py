@@ -59,9 +59,10 @@ class Guarded(envs.Env):
     """`envs.make(name, **options)` with a per-call timeout and a fresh instance after any failure; with `delay`,
     each instance delayed by those draws (envs/latency.py)."""
 
-    def __init__(self, name: str, options: dict, timeout: float, delay: Draws | None = None):
+    def __init__(self, name: str, options: dict, timeout: float, delay: Draws | None = None,
+                 env: envs.Env | None = None):
         self.name, self.make_options, self.timeout, self.delay = name, options, timeout, delay
-        self.env: envs.Env | None = self._make()
+        self.env: envs.Env | None = env if env is not None else self._make()  # (`env`: a fork's, made elsewhere)
         # fixed by the env and its options: a fresh instance has the same
         self.instruction, self.ack = self.env.instruction, self.env.ack
         self.options = getattr(self.env, "options", {})
@@ -118,6 +119,15 @@ class Guarded(envs.Env):
         promises); None when the instance was given up on."""
         env = self.env
         return None if env is None else env.state_key()
+
+    def fork(self) -> Guarded:
+        """The instance's fork (Env.fork), behind a guard of its own (its fresh instances are made as this one's are);
+        called between calls, in the caller's thread: a copy is Python state, never a call that could hang. Raises
+        the env's own refusal, and RuntimeError when the instance was given up on."""
+        env = self.env
+        if env is None:
+            raise RuntimeError(f"the {self.name} env was given up on{self.where}: nothing to fork")
+        return Guarded(self.name, self.make_options, self.timeout, self.delay, env=env.fork())
 
     def close(self) -> None:
         """Close the instance, waiting for it at most `timeout` (close_envs closes many at once)."""

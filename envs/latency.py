@@ -38,6 +38,7 @@ longer ones. `webarena*X` stretches or shrinks the whole shape.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -196,6 +197,10 @@ class Delayed(Env):
 
     def state_key(self) -> str | None:  # (Env has one, so __getattr__ would not reach the env's)
         return self.wrapped.state_key()
+
+    def fork(self) -> Delayed:  # (as state_key: Env has one)
+        """The env's fork, delayed by a copy of this one's draws (its calls then draw what this one's would)."""
+        return Delayed(self.wrapped.fork(), copy.deepcopy(self.draws))
 
     def close(self) -> None:
         self.wrapped.close()

@@ -116,6 +116,11 @@ class RemoteEnv(Env):
         """The state key our server sent with its last /reset or /step answer; None over upstream's servers."""
         return self.key
 
+    def fork(self) -> Env:
+        """Refused (Env.fork): AgentGym's server protocol has no call that copies an instance."""
+        raise NotImplementedError(f"a {self.name} env on an env server ({self.url}) cannot copy its state: AgentGym's "
+                                  "protocol has no call that copies an instance")
+
     def close(self) -> None:
         self.key = None
         try:  # best effort: a server that is gone drops the instance itself (idle expiry)

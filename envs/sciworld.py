@@ -447,6 +447,11 @@ class SciWorld(Env):
         self.key = canonical_key(canonical_state(*seen, self.score))
         return gold
 
+    def fork(self) -> Env:
+        """Refused (Env.fork): the simulator's state lives in a JVM, which offers no way to copy one."""
+        raise NotImplementedError("a sciworld env cannot copy its state: its simulator runs in a JVM, which offers no "
+                                  "copy of a loaded task")
+
     def close(self) -> None:
         if self.jvm is not None:
             self.pool.release(self.jvm, self.simulator)

@@ -75,6 +75,7 @@ Where this port deliberately differs from upstream:
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import random
@@ -433,6 +434,13 @@ class TextCraft(Env):
             return None
         held = sorted((item_text(item), count) for item, count in self.inventory.items() if count)
         return canonical_key("|".join(f"{count} {name}" for name, count in held) or "nothing")
+
+    def fork(self) -> TextCraft:
+        """An independent copy (Env.fork): its own inventory and names; the crafting tree, which no call changes, is
+        shared."""
+        twin = copy.copy(self)
+        twin.inventory, twin.names, twin.real = dict(self.inventory), dict(self.names), dict(self.real)
+        return twin
 
     def _show_inventory(self) -> str:
         if not self.inventory:

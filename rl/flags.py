@@ -384,6 +384,12 @@ def check_rollouts(args, world: int) -> None:
         raise SystemExit("--max-staleness takes 0 (the asynchronous loop, no staleness) or more")
     if args.max_staleness is not None and args.layout_args.agent == "reflect":
         raise SystemExit("--agent reflect's attempts wait for each other's reflections: train it without --max-staleness")
+    if args.group_start == "fork" and args.fork_turns < 1:
+        raise SystemExit(f"--fork-turns {args.fork_turns}: a group branches after 1 turn or more (at its reset every "
+                         "episode is in one state already: --group-start reset)")
+    if args.group_start == "fork" and args.layout_args.agent == "reflect":
+        raise SystemExit("--agent reflect plays each attempt as a rollout of its own, which does not fork: train it with "
+                         "--group-start reset")
     trajectories = args.tasks_per_step // world * args.n
     micro_batches = (trajectories + args.micro_batch_size - 1) // args.micro_batch_size
     if args.max_tokens_per_micro_batch < 0 or args.pack and not args.max_tokens_per_micro_batch:
@@ -406,3 +412,14 @@ def check_offline(args, world: int) -> None:
     if args.algo == "agentevol" and args.run_args.resume is not None:
         raise SystemExit("--resume does not continue an agentevol run yet: each iteration's model is in "
                          "runs/<run>/checkpoints/step_<iteration>; start a new run from it with --model")
+
+
+def check_forks(environments: list) -> None:
+    """--group-start fork: stop, with what to do, when an env of the run cannot copy its state (envs.Env.fork: a JVM's
+    simulator, a browser, an env server), asked of one fresh instance of each (its refusal starts nothing)."""
+    for env in {env.name: env for env in environments}.values():
+        try:
+            env.fork().close()
+        except NotImplementedError as error:
+            raise SystemExit(f"--group-start fork plays a group's episodes on copies of one env, and {error}: train "
+                             f"{env.name} with --group-start reset, or leave it out of --env") from None

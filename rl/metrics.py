@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 import envs
+from rl.advantages import ESTIMATORS, step_advantages
 from rl.losses import PolicyTerms, Weights, kl
 from rl.memory import peak_gib, reset_peak
 from rl.optimizer import Sums, largest
@@ -140,11 +141,12 @@ def async_metrics(batch, sums: UpdateSums, staleness: int) -> dict[str, float]:
 def step_metrics(records: list[dict], sampled: list[tuple[int, float]], costs: Costs, sums: UpdateSums,
                  grad_norms: dict[str, list[float]], batch, advantages: torch.Tensor, returns: torch.Tensor | None,
                  models, horizon: int, engine_metrics: dict, why: str | None = None,
-                 staleness: int | None = None) -> dict:
+                 staleness: int | None = None, gamma: float | None = None) -> dict:
     """The step's metrics: trajectory statistics over every process's episodes (`records`), losses per
     action token from this process's update (none for a model that did not train this step). `batch`: the step's
     rl/batch.py Batch, `models`: rl/model.py's Models; `sampled`: each process's tokens sampled and engine seconds;
-    `why`: --horizon auto's reason for this step's cap; `staleness`: --max-staleness (its async/ metrics)."""
+    `why`: --horizon auto's reason for this step's cap; `staleness`: --max-staleness (its async/ metrics); `gamma`:
+    gigpo's --gamma (None: its default), which rollout/step_advantage_share is measured at."""
     rewards = [r["reward"] for r in records]
     success = [r["success"] for r in records]
     turns = [r["turns"] for r in records]
@@ -175,7 +177,7 @@ def step_metrics(records: list[dict], sampled: list[tuple[int, float]], costs: C
         "rollout/zero_variance_groups": zero_variance_share(records),  # groups with no GRPO signal
         # --dynamic-sampling: such groups played again on new tasks this step (this process's), and the rounds that did
         "rollout/dynamic_groups": played.redrawn_groups, "rollout/dynamic_rounds": played.redraw_rounds,
-        **anchor_metrics(records),  # GiGPO's turn-level groups (whatever --algo)
+        **anchor_metrics(records, gamma),  # GiGPO's turn-level groups (whatever --algo)
         **category_metrics(records),
         **env_metrics(records),
         "losses/nonfinite_updates": sums.nonfinite_updates,  # optimizer steps skipped for NaN or inf
@@ -253,19 +255,31 @@ def zero_variance_share(records: list[dict]) -> float:
     return sum(len(set(rewards)) == 1 for rewards in groups.values()) / max(len(groups), 1)
 
 
-def anchor_metrics(records: list[dict]) -> dict[str, float]:
+def anchor_metrics(records: list[dict], gamma: float | None = None) -> dict[str, float]:
     """GiGPO's anchor groups among the step's episodes (rl/advantages.step_advantages; logged under any --algo): the
-    turns of a task group taken from the same env state. How many groups, their mean size in turns, and the share of
-    turns in a group of two or more, the turns that get a turn-level advantage."""
-    sizes = collections.Counter()
-    for r in records:
-        if r["finish"] != "error":
-            for state in r.get("states", [])[:r["turns"]]:
-                if state is not None:
-                    sizes[r["item_id"], r["group"], state] += 1
-    turns = sum(r["turns"] for r in records if r["finish"] != "error")
+    turns of a task group taken from the same env state, each sampled turn counted once (--group-start fork: a group's
+    shared first turns are in every one of its episodes, and are the one turn each that the policy sampled). How many
+    groups, their mean size in turns, the share of turns in a group of two or more (rollout/anchored_share), and the
+    share of turns whose step advantage is not 0 (rollout/step_advantage_share: at gigpo's `gamma`, without
+    --kl-in-reward's penalty; a shared turn's copies summed, as the update sums their gradients, so that a turn
+    compared only with its own copies counts as none): the turns GiGPO's step term trains."""
+    healthy = [r for r in records if r["finish"] != "error"]
+    group_of: dict[tuple, int] = {}
+    groups = [group_of.setdefault((r["item_id"], r["group"]), len(group_of)) for r in healthy]
+    anchors = [r.get("states", [None] * r["turns"])[:r["turns"]] for r in healthy]
+    gamma = ESTIMATORS["gigpo"].flags["gamma"].default if gamma is None else gamma
+    steps = step_advantages([r["reward"] for r in healthy], groups, [True] * len(healthy), anchors, gamma)
+    advantage, state = collections.defaultdict(float), {}  # each sampled turn's, a shared one's keyed by its group
+    for k, r in enumerate(healthy):
+        for t, key in enumerate(anchors[k]):
+            turn = ("shared", groups[k], t) if t < r.get("prefix_turns", 0) else ("own", k, t)
+            advantage[turn] += steps[k][t]
+            state[turn] = (groups[k], key)
+    sizes = collections.Counter(at for at in state.values() if at[1] is not None)
+    turns = max(len(state), 1)
     return {"rollout/anchor_groups": len(sizes), "rollout/anchor_size": sum(sizes.values()) / max(len(sizes), 1),
-            "rollout/anchored_share": sum(n for n in sizes.values() if n >= 2) / max(turns, 1)}
+            "rollout/anchored_share": sum(n for n in sizes.values() if n >= 2) / turns,
+            "rollout/step_advantage_share": sum(abs(a) > 1e-9 for a in advantage.values()) / turns}
 
 
 def context_metrics(records: list[dict]) -> dict[str, float]:

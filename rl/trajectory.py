@@ -76,6 +76,8 @@ class Trajectory:
     states: list[str | None] = field(default_factory=list)
     # --max-staleness: the policy version that sampled each turn, the number of updates its weights had had
     versions: list[int] = field(default_factory=list)
+    # --group-start fork: its first turns, played once for its group and copied into each of its episodes (rollout.py)
+    prefix_turns: int = 0
     # -- the outcome
     reward: float = 0.0
     done: bool = False
@@ -184,6 +186,7 @@ class Trajectory:
             "sampled_logprobs": encode_array([p for p, m in zip(self.logprobs, self.loss_mask) if m], "f32"),
             **({"usage": self.usage} if self.usage else {}),
             **({"versions": self.versions} if self.versions else {}),
+            **({"prefix_turns": self.prefix_turns} if self.prefix_turns else {}),
             **({"states": self.states} if any(key is not None for key in self.states) else {}),
         }
 

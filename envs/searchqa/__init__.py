@@ -55,6 +55,7 @@ Where this port differs from upstream:
 
 from __future__ import annotations
 
+import copy
 import re
 import string
 import threading
@@ -196,6 +197,13 @@ class SearchQA(Env):
         if self.task is None:
             return None
         return canonical_key("|".join(sorted(self.retrieved)) or "no documents")
+
+    def fork(self) -> SearchQA:
+        """An independent copy (Env.fork): its own retrieved documents; the retriever and the QA sets, which no call
+        changes, are shared (as every instance of one corpus shares them)."""
+        twin = copy.copy(self)
+        twin.retrieved = set(self.retrieved)
+        return twin
 
     def step(self, text: str) -> StepResult:
         if self.task is None:

@@ -281,6 +281,11 @@ class WebArena(Env):
         failed."""
         return None if self.broken else self.key
 
+    def fork(self) -> Env:
+        """Refused (Env.fork): a page's state is a browser's and the sites' servers', which cannot be copied."""
+        raise NotImplementedError("a webarena env cannot copy its state: the page lives in a browser and on the sites' "
+                                  "servers (carts, posts, logins), which offer no copy")
+
     def close(self) -> None:
         self.key = None
         if self._context is not None:
