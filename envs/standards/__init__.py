@@ -39,6 +39,7 @@ import functools
 import importlib
 import re
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 STANDARDS = {"gym": "envs.standards.gym", "openenv": "envs.standards.openenv", "verifiers": "envs.standards.verifiers"}
 PACKAGES = {"gym": "gymnasium", "openenv": "openenv-core", "verifiers": "verifiers"}  # what pip installs each from
@@ -91,7 +92,9 @@ class Standard:
         return self.adapter.make(self.name, self.target, url=url, **options)
 
     def category(self, task_id: int) -> str:
-        return re.split(r"[.:/]", self.target.rstrip("/"))[-1] or self.target
+        if "://" in self.target:
+            return urlsplit(self.target).netloc
+        return re.split(r"[.:/]", self.target)[-1] or self.target
 
     def default_splits(self) -> dict[str, list[int]]:
         return getattr(self.adapter, "default_splits", lambda target: {"train": TRAIN_IDS, "test": TEST_IDS})(self.target)

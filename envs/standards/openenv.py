@@ -13,7 +13,7 @@ which bounds the instances a run may make there.
     action      the reply's action (envs/standards.action_of) in the Action class's one field (found from its JSON
                 schema, `metadata` aside; pydantic converts it to the field's type); an Action of several fields takes
                 the action as a JSON object of them. One that does not validate is answered with the error, the
-                environment not stepped (valid False)
+                environment not stepped (valid False), in the same words in process and from a server
     observation the Observation's one field as text (`done`, `reward`, `metadata` aside); several: them as JSON
     reward      the return so far (the sum of the observations' rewards, None as 0); done: the observation's done
     instruction get_metadata().description (a server's /metadata), but for the default "<Class> environment"
@@ -119,6 +119,12 @@ class OpenEnvEnv(Env):
         self.instruction = standards.instruction(description, options)
         self.score = 0.0
 
+    @property
+    def invalid(self) -> str:
+        """The answer to an action the Action class does not validate (the same in process and from a server, which
+        says no more than that)."""
+        return f"Error: that is not a valid action (it sets {', '.join(self.fields)})."
+
     def _result(self, observation: str, reward, done: bool, valid: bool = True) -> StepResult:
         self.score += float(reward or 0.0)
         return StepResult(observation, self.score, bool(done), {"valid": valid})
@@ -142,8 +148,8 @@ class LocalEnv(OpenEnvEnv):
             return self._result(payload, 0.0, False, valid=False)
         try:
             action = self.action(**payload)
-        except pydantic.ValidationError as error:
-            return self._result(f"Error: not a valid action: {error.errors()[0]['msg']}", 0.0, False, valid=False)
+        except pydantic.ValidationError:
+            return self._result(self.invalid, 0.0, False, valid=False)
         observation = self.environment.step(action)
         return self._result(observation_text(observation.model_dump()), observation.reward, observation.done)
 
@@ -180,7 +186,7 @@ class ServedEnv(OpenEnvEnv):
         except RuntimeError as error:  # (the server's answer to an action that does not validate)
             if "VALIDATION" not in str(error).upper():
                 raise
-            return self._result(f"Error: not a valid action: {error}", 0.0, False, valid=False)
+            return self._result(self.invalid, 0.0, False, valid=False)
         return self._result(observation_text(result.observation), result.reward, result.done)
 
     def close(self) -> None:
