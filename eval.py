@@ -155,8 +155,7 @@ def eval_envs(args: Args) -> tuple[str, ...]:
     names = env_names(args.env) if args.env else env_names(config["env"]) if config is not None else \
         (EMBEDDED_ROLLOUT["env"] if args.model in EMBEDDED else "babyai",)
     for env in names:
-        if env not in envs.ENVS:
-            raise SystemExit(f"unknown env {env!r}; choose one of: {', '.join(envs.ENVS)}, or all")
+        envs.check_env(env)
     return names
 
 
@@ -175,7 +174,7 @@ def resolve_settings(args: Args, env: str) -> dict:
         tiny = embedded_rollout(embedded_of(args.model)) | (EMBEDDED_TOOLS if args.agent == "tools" else {})
         limits = Limits((tiny["horizon"],), 1, tiny["max_new_tokens"], tiny["max_tokens"])  # (the embedded model's)
     else:
-        up = envs.ENVS[env]
+        up = envs.registration(env)
         limits = Limits((up.upstream_horizon,), 1, up.upstream_max_new_tokens, UPSTREAM_CONTEXT)
     overrides = {key: getattr(args, key) for key in PLAYED if getattr(args, key) is not None}
     horizons = (args.horizon,) if isinstance(args.horizon, int) else args.horizon  # (Args(horizon=6) from code)

@@ -39,6 +39,10 @@ format: `[{"item_id": "<name>_<int>"}, ...]` (a module may point elsewhere with
 `default_split_files() -> (train_path, test_path)`). Modules are imported lazily, so one env's
 optional dependencies never break another. train.py, eval.py, envs/serve.py and envs/remote.py need
 nothing else (docs/environments.md: "Add an environment"; tests/test_add_env.py follows the recipe).
+
+An env in a standard shape needs neither: a spec `gym:...`, `openenv:...` or `verifiers:...` is an env name too
+(envs/standards: an adapter per standard gives what a module gives, with stated defaults for what the standard
+lacks). known(name) says whether a name is an env, check_env(name) stops a script on one it cannot play.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from envs import standards
 
 DATA_DIR = Path(__file__).parent / "data"
 
@@ -146,13 +152,38 @@ ENVS = {
 }
 
 
+def known(name: str) -> bool:
+    """Whether `name` names an env: one of ENVS, or a spec of an env in a standard shape (envs/standards: gym:...,
+    openenv:..., verifiers:...). Nothing is imported."""
+    return name in ENVS or standards.is_spec(name)
+
+
+def choices() -> str:
+    """What --env takes, for a message that names an unknown env."""
+    return f"{', '.join(ENVS)}, or {' '.join(f'{prefix}:...' for prefix in standards.STANDARDS)} (envs/standards)"
+
+
+def check_env(name: str) -> None:
+    """Stop early with one sentence on an env name a script cannot play: unknown, or a spec whose package is
+    missing or whose target cannot be found."""
+    if not known(name):
+        raise SystemExit(f"unknown env {name!r}; choose one of: {choices()}")
+    if standards.is_spec(name):
+        standards.check(name)
+
+
 def registration(name: str) -> Registration:
+    if standards.is_spec(name):
+        return Registration(name, call_timeout=standards.CALL_TIMEOUT, **standards.UPSTREAM)
     if name not in ENVS:
-        raise ValueError(f"unknown env {name!r}; choose one of: {', '.join(ENVS)}")
+        raise ValueError(f"unknown env {name!r}; choose one of: {choices()}")
     return ENVS[name]
 
 
 def _module(name: str):
+    """The env's module, or a spec's module-like object (envs/standards.module)."""
+    if standards.is_spec(name):
+        return standards.module(name)
     return importlib.import_module(registration(name).module)
 
 
@@ -165,7 +196,10 @@ def score_max(name: str, options: dict | None = None) -> float:
 
 def make(name: str, url: str | None = None, **options) -> Env:
     """One env instance: in process, or with `url` a remote one on an AgentGym env server (ours,
-    envs/serve.py, or upstream's), behind the same interface (envs/remote.py)."""
+    envs/serve.py, or upstream's), behind the same interface (envs/remote.py). A spec's env takes `url` itself
+    (an OpenEnv server's; envs/standards)."""
+    if standards.is_spec(name):
+        return standards.module(name).make(url=url, **options)
     if url is not None:
         from envs.remote import RemoteEnv
 
@@ -199,18 +233,34 @@ def parse_options(options: dict[str, str], words: bool = False) -> dict:
     return out
 
 
+def scope_of(key: str) -> tuple[str | None, str]:
+    """An --env-options key's env and own key: ENV.KEY (sciworld.simplification) is env ENV's, split on the last dot
+    so that a spec's dots stay its own (gym:mypkg.games:Guess.size); a plain KEY is every env's (None)."""
+    scope, dot, own = key.rpartition(".")
+    return (scope, own) if dot and known(scope) else (None, key)
+
+
 def own_options(options: dict, name: str) -> dict:
     """The --env-options of env `name`: plain KEY VALUE entries are every env's, ENV.KEY VALUE entries
     (sciworld.simplification easy) only env ENV's (a run of several envs), over a plain entry of the same KEY."""
-    scoped = {key.partition(".")[2]: value for key, value in options.items() if key.partition(".")[0] == name}
-    return {key: value for key, value in options.items() if key.partition(".")[0] not in ENVS} | scoped
+    scoped = {scope_of(key)[1]: value for key, value in options.items() if scope_of(key)[0] == name}
+    return {key: value for key, value in options.items() if scope_of(key)[0] is None} | scoped
 
 
 def category(name: str, task_id: int) -> str:
     return _module(name).category(task_id)
 
 
+def has_oracle(name: str) -> bool:
+    """Whether env `name` has a scripted expert (an env in a standard shape has none: envs/standards)."""
+    return hasattr(_module(name), "oracle")
+
+
 def oracle(env: Env) -> Callable[[str], str]:
+    """The env's scripted expert; LookupError with one sentence for an env without one (has_oracle)."""
+    if not has_oracle(env.name):
+        raise LookupError(f"the {env.name} env has no scripted expert (an env in a standard shape has none), so "
+                          "nothing can play it as an oracle: collect its episodes with a model instead")
     return _module(env.name).oracle(env)
 
 
@@ -293,8 +343,13 @@ def save_task_ids(path: str | Path, name: str, ids: list[int]) -> None:
 
 def splits(name: str, train: str | Path | None = None, test: str | Path | None = None) -> dict[str, list[int]]:
     """Train/test task ids: the files given, else the env's defaults (envs/data/<name>_{train,test}.json
-    unless the module's `default_split_files()` says otherwise, as WebArena's does for the real sites)."""
+    unless the module's `default_split_files()` says otherwise, as WebArena's does for the real sites, or its
+    `default_splits()` gives the ids themselves, as a standard env's seeds: envs/standards)."""
     module = _module(name)
+    if hasattr(module, "default_splits"):
+        ids = module.default_splits()
+        return {"train": load_task_ids(train, name) if train else ids["train"],
+                "test": load_task_ids(test, name) if test else ids["test"]}
     default = getattr(module, "default_split_files", lambda: (DATA_DIR / f"{name}_train.json", DATA_DIR / f"{name}_test.json"))()
     return {"train": load_task_ids(train or default[0], name), "test": load_task_ids(test or default[1], name)}
 

@@ -200,13 +200,13 @@ class EnvArgs:
 
     def check(self, names: tuple[str, ...] | None = None) -> None:
         """Stop early, with what to do, on settings that cannot work (`names`: the envs played)."""
-        for name in envs.ENVS if names is None else names:
+        for name in envs.ENVS if names is None else names:  # (a spec's timeout is checked where it is named)
             self.timeout(name)  # (a SystemExit on an entry that does not parse)
         scoped = {entry.partition("=")[0] for entry in self.timeouts() if "=" in entry}
         if names is not None and scoped - set(names):
             raise SystemExit(f"--env-timeout names {', '.join(sorted(scoped - set(names)))}, not an env of this run "
                              f"({', '.join(names)})")
-        scopes = {key.partition(".")[0] for key in self.env_options if key.partition(".")[0] in envs.ENVS}
+        scopes = {envs.scope_of(key)[0] for key in self.env_options} - {None}
         if names is not None and scopes - set(names):
             raise SystemExit(f"--env-options names {', '.join(sorted(scopes - set(names)))}, not an env of this run "
                              f"({', '.join(names)})")
@@ -229,9 +229,9 @@ class EnvArgs:
                 value = float(text)
             except ValueError:
                 value = -1.0
-            if not 0 <= value < math.inf or (equals and scope not in envs.ENVS):
+            if not 0 <= value < math.inf or (equals and not envs.known(scope)):
                 raise SystemExit(f"--env-timeout {entry}: give SECONDS (0: the env's default) or ENV=SECONDS, "
-                                 f"ENV one of {', '.join(envs.ENVS)}")
+                                 f"ENV one of {envs.choices()}")
             if scope in seconds:
                 raise SystemExit(f"--env-timeout gives {scope or 'every env'} two timeouts: give one")
             seconds[scope] = value
@@ -295,4 +295,4 @@ class EnvArgs:
     def named(url: str) -> str | None:
         """The env an --env-url entry names (ENV=URL), or None."""
         prefix, equals, _ = url.partition("=")
-        return prefix if equals and prefix in envs.ENVS else None
+        return prefix if equals and envs.known(prefix) else None

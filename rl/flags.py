@@ -243,8 +243,7 @@ def check(args, world: int, distributed: str = "NO") -> None:
 def check_tasks(args) -> None:
     """--env, its weights and its task files."""
     for name in args.env:
-        if name not in envs.ENVS:
-            raise SystemExit(f"unknown env {name!r}; choose one of: {', '.join(envs.ENVS)}, or all")
+        envs.check_env(name)
     if args.env_weights and args.algo in OFFLINE:
         raise SystemExit(f"--env-weights shares RL steps' tasks between envs; --algo {args.algo} learns from --data")
     if args.env_weights and len(args.env) == 1:

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-import envs
 from rl.advantages import ESTIMATORS, step_advantages
 from rl.losses import PolicyTerms, Weights, kl
 from rl.memory import peak_gib, reset_peak
@@ -364,7 +363,8 @@ def _mean(values: list[float]) -> float:
 
 def _by_env(metrics: dict, prefix: str, key: str) -> str:
     """With several envs, each one's `prefix`/<env>/`key` as " (babyai 0.50, textcraft 0.12)"; else nothing."""
-    values = {name: metrics[f"{prefix}/{name}/{key}"] for name in envs.ENVS if f"{prefix}/{name}/{key}" in metrics}
+    values = {name[len(prefix) + 1:-len(key) - 1]: value for name, value in metrics.items()
+              if name.startswith(f"{prefix}/") and name.endswith(f"/{key}") and name.count("/") > 1}
     return f" ({', '.join(f'{name} {value:.2f}' for name, value in values.items())})" if values else ""
 
 

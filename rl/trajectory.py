@@ -210,7 +210,8 @@ class Trajectory:
 
 
 def category(env: str, task_id: int) -> str | None:
-    """The task's eval category, or None for an env not in envs.ENVS here (a result of one registered elsewhere)."""
+    """The task's eval category, or None for an env unknown here (a result of one registered elsewhere, or a spec
+    whose package or target is missing: envs.known)."""
     try:
         return envs.category(env, task_id)
     except (ValueError, LookupError):

@@ -32,7 +32,7 @@ from rollout import ExpertEngine, play  # noqa: E402
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--env", required=True, choices=envs.ENVS)
+    parser.add_argument("--env", required=True, help=f"one of {', '.join(envs.ENVS)}: an env with a scripted expert")
     parser.add_argument("--split", default="train", choices=("train", "test"), help="the env's shipped split")
     parser.add_argument("--tasks", help="a task id file (AgentGym-RL-Data-ID format) instead of the split")
     parser.add_argument("--limit", type=int, help="the first N tasks only")
@@ -56,6 +56,10 @@ def why_unsolved(trajectory) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    envs.check_env(args.env)
+    if not envs.has_oracle(args.env):
+        raise SystemExit(f"--env {args.env} has no scripted expert (an env in a standard shape has none): its episodes "
+                         "come from a model (train.py, eval.py), not from this script")
     task_ids = envs.load_task_ids(args.tasks, args.env) if args.tasks else envs.splits(args.env)[args.split]
     source = Path(args.tasks).stem if args.tasks else args.split  # (named in the default file and the summary line)
     task_ids = task_ids[:args.limit] if args.limit else task_ids

@@ -80,10 +80,10 @@ def summary(line: bytes) -> dict:
     row["env"], task_id = task_of(str(row["item_id"]))
     if row["task_id"] is None:
         row["task_id"] = task_id
-    if row["category"] is None and task_id is not None and row["env"] in envs.ENVS:
+    if row["category"] is None and task_id is not None and envs.known(row["env"]):
         try:
             row["category"] = envs.category(row["env"], task_id)
-        except (ValueError, LookupError):
+        except (ValueError, LookupError):  # (an env unknown here, or a spec whose package is missing)
             pass
     return row
 

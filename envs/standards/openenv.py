@@ -1,0 +1,193 @@
+"""An OpenEnv (openenv-core 0.3) environment as one of our envs: `--env openenv:TARGET`.
+
+TARGET is an Environment subclass, `module.Class` or `module:Class`, made in this process with --env-options as its
+keyword arguments; or the URL of an OpenEnv server (`openenv:http://127.0.0.1:8000`), played through OpenEnv's own
+client (GenericEnvClient(...).sync()) on the server's WebSocket session (/ws): its HTTP /reset and /step make a fresh
+environment for every request, so they keep no episode. `--env openenv:module.Class --env-url URL` plays the class on
+the servers at URL (round robin, as our own servers): the class then only names the env. A server serves as
+many sessions at once as its max_concurrent_envs (create_app's; an env that is not SUPPORTS_CONCURRENT_SESSIONS: one),
+which bounds the instances a run may make there.
+
+    task id     the seed of reset(seed=task_id): the same task id replays the same episode (groups, resume), where
+                the environment draws only from that seed
+    action      the reply's action (envs/standards.action_of) in the Action class's one field (found from its JSON
+                schema, `metadata` aside; pydantic converts it to the field's type); an Action of several fields takes
+                the action as a JSON object of them. One that does not validate is answered with the error, the
+                environment not stepped (valid False), in the same words in process and from a server
+    observation the Observation's one field as text (`done`, `reward`, `metadata` aside); several: them as JSON
+    reward      the return so far (the sum of the observations' rewards, None as 0); done: the observation's done
+    instruction get_metadata().description (a server's /metadata), but for the default "<Class> environment"
+
+Not covered: MCP tools (an MCPEnvironment's tools are not offered as --agent tools), a server in production mode (no
+simulation reset/step), rubrics read from outside (the reward is what each observation carries).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import httpx
+import pydantic
+from openenv.core import GenericEnvClient
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action
+
+from envs import REACT_ONLY_ONE, Env, StepResult
+from envs import standards
+
+SKIPPED = {"done", "reward", "metadata"}  # what an Observation has besides what it says
+
+
+def is_url(target: str) -> bool:
+    return target.startswith(("http://", "https://"))
+
+
+def check(target: str) -> None:
+    """Raise where an in-process target names no Environment subclass (a URL is reached only when an env is made)."""
+    if not is_url(target):
+        _classes(target)
+
+
+def make(name: str, target: str, url: str | None = None, instruction: str | None = None, ack: str = standards.ACK,
+         timeout: float = standards.CALL_TIMEOUT, **options) -> Env:
+    given = {"instruction": instruction} if instruction else {}
+    if is_url(target) or url is not None:
+        if options:
+            raise ValueError(f"{', '.join(options)}: options of the environment itself, which runs on the server; "
+                             "give them to the server")
+        return ServedEnv(name, url or target, given, ack, float(timeout))
+    environment, action = _classes(target)
+    return LocalEnv(name, environment(**options), action, given, ack)
+
+
+def _classes(target: str) -> tuple[type, type]:
+    """The Environment subclass `target` names and its Action class (the first type argument of Environment[...])."""
+    module, colon, attribute = target.rpartition(":") if ":" in target else target.rpartition(".")
+    if not module:
+        raise ValueError(f"{target}: give module.Class (an Environment subclass) or an http(s):// server URL")
+    environment = getattr(importlib.import_module(module), attribute)
+    if not (isinstance(environment, type) and issubclass(environment, Environment)):
+        raise TypeError(f"{target} is not an OpenEnv Environment subclass")
+    for cls in environment.__mro__:
+        for base in getattr(cls, "__orig_bases__", ()):
+            arguments = getattr(base, "__args__", ())
+            if arguments and isinstance(arguments[0], type) and issubclass(arguments[0], Action):
+                return environment, arguments[0]
+    raise TypeError(f"{target} does not say its Action class: declare it as Environment[MyAction, MyObservation, ...]")
+
+
+def description_of(metadata: dict) -> str | None:
+    """What the environment says it is, but for the default description ("<Class> environment")."""
+    description = metadata.get("description")
+    return None if description == f"{metadata.get('name')} environment" else description
+
+
+def fields_of(schema: dict) -> list[str]:
+    """The fields an action sets, from its JSON schema."""
+    return [name for name in schema.get("properties", {}) if name != "metadata"]
+
+
+def action_payload(text: str, fields: list[str]) -> dict | str:
+    """The action's fields for a reply: {field: action} for one field, the action's JSON object for several; a str
+    that says what is wrong where the reply gives no action the Action can take."""
+    action = standards.action_of(text)
+    if action is None:
+        return REACT_ONLY_ONE
+    if len(fields) == 1:
+        return {fields[0]: action}
+    try:
+        payload = json.loads(action)
+    except json.JSONDecodeError:
+        payload = None
+    if not isinstance(payload, dict):
+        return f"Error: the action takes the fields {', '.join(fields)}: write it as a JSON object of them."
+    return payload
+
+
+def observation_text(fields: dict) -> str:
+    """An observation's fields (done, reward and metadata aside) as text."""
+    shown = {key: value for key, value in fields.items() if key not in SKIPPED}
+    if len(shown) == 1:
+        return str(next(iter(shown.values())))
+    return json.dumps(shown, default=str)
+
+
+class OpenEnvEnv(Env):
+    def __init__(self, name: str, options: dict, ack: str, description: str | None):
+        self.name, self.ack = name, ack
+        self.instruction = standards.instruction(description, options)
+        self.score = 0.0
+
+    @property
+    def invalid(self) -> str:
+        """The answer to an action the Action class does not validate (the same in process and from a server, which
+        says no more than that)."""
+        return f"Error: that is not a valid action (it sets {', '.join(self.fields)})."
+
+    def _result(self, observation: str, reward, done: bool, valid: bool = True) -> StepResult:
+        self.score += float(reward or 0.0)
+        return StepResult(observation, self.score, bool(done), {"valid": valid})
+
+
+class LocalEnv(OpenEnvEnv):
+    """An Environment instance in this process."""
+
+    def __init__(self, name: str, environment: Environment, action: type, options: dict, ack: str):
+        super().__init__(name, options, ack, description_of(environment.get_metadata().model_dump()))
+        self.environment, self.action = environment, action
+        self.fields = fields_of(action.model_json_schema())
+
+    def reset(self, task_id: int) -> str:
+        self.score = 0.0
+        return observation_text(self.environment.reset(seed=int(task_id)).model_dump())
+
+    def step(self, text: str) -> StepResult:
+        payload = action_payload(text, self.fields)
+        if isinstance(payload, str):
+            return self._result(payload, 0.0, False, valid=False)
+        try:
+            action = self.action(**payload)
+        except pydantic.ValidationError:
+            return self._result(self.invalid, 0.0, False, valid=False)
+        observation = self.environment.step(action)
+        return self._result(observation_text(observation.model_dump()), observation.reward, observation.done)
+
+    def close(self) -> None:
+        self.environment.close()
+
+
+class ServedEnv(OpenEnvEnv):
+    """A session on an OpenEnv server: its action schema read from /schema, then one WebSocket session."""
+
+    def __init__(self, name: str, url: str, options: dict, ack: str, timeout: float):
+        url = url.rstrip("/")
+        try:
+            with httpx.Client(base_url=url, timeout=timeout) as http:
+                schema = http.get("/schema").raise_for_status().json()
+                description = description_of(http.get("/metadata").raise_for_status().json())
+        except httpx.HTTPError as error:
+            raise ConnectionError(f"no OpenEnv server answers at {url} ({type(error).__name__}: {error})") from None
+        super().__init__(name, options, ack, description)
+        self.fields = fields_of(schema["action"])
+        self.client = GenericEnvClient(base_url=url, connect_timeout_s=timeout, message_timeout_s=timeout).sync()
+        self.client.connect()
+
+    def reset(self, task_id: int) -> str:
+        self.score = 0.0
+        return observation_text(self.client.reset(seed=int(task_id)).observation)
+
+    def step(self, text: str) -> StepResult:
+        payload = action_payload(text, self.fields)
+        if isinstance(payload, str):
+            return self._result(payload, 0.0, False, valid=False)
+        try:
+            result = self.client.step(payload)
+        except RuntimeError as error:  # (the server's answer to an action that does not validate)
+            if "VALIDATION" not in str(error).upper():
+                raise
+            return self._result(self.invalid, 0.0, False, valid=False)
+        return self._result(observation_text(result.observation), result.reward, result.done)
+
+    def close(self) -> None:
+        self.client.close()

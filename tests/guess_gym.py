@@ -1,0 +1,46 @@
+"""Guess, a Gymnasium text env for tests/test_standards.py (`--env gym:tests.guess_gym:Guess`, or its registered id
+`gym:tests.guess_gym:GuessText-v0`): the secret is a number from 1 to `size` drawn from reset's seed; each guess is
+answered higher, lower or correct (reward 1, terminated); a reply that is not a number is answered so and counts as a
+turn; `max_turns` guesses end the episode truncated."""
+
+from __future__ import annotations
+
+import gymnasium
+from gymnasium.spaces import Text
+
+
+class Guess(gymnasium.Env):
+    metadata = {"description": "Guess the secret number. After each guess you hear whether it is higher or lower."}
+
+    def __init__(self, size: int = 8, max_turns: int = 4):
+        self.size, self.max_turns = size, max_turns
+        self.observation_space, self.action_space = Text(200), Text(50)
+
+    def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
+        super().reset(seed=seed)
+        self.secret, self.turns = int(self.np_random.integers(1, self.size + 1)), 0
+        return f"The secret is a number from 1 to {self.size}.", {}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
+        self.turns += 1
+        truncated = self.turns >= self.max_turns
+        if not action.strip().isdigit():
+            return f"{action!r} is not a number.", 0.0, False, truncated, {"valid": False}
+        guess = int(action)
+        if guess == self.secret:
+            return "Correct!", 1.0, True, False, {}
+        return ("Higher." if guess < self.secret else "Lower."), 0.0, False, truncated, {}
+
+
+def solve(secret: int) -> list[str]:
+    """The guesses a binary search makes, for tests that know the secret."""
+    low, high, guesses = 1, 8, []
+    while True:
+        guess = (low + high) // 2
+        guesses.append(str(guess))
+        if guess == secret:
+            return guesses
+        low, high = (guess + 1, high) if guess < secret else (low, guess - 1)
+
+
+gymnasium.register("GuessText-v0", entry_point=Guess)

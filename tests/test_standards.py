@@ -1,0 +1,214 @@
+"""Envs in a standard shape played as our envs (envs/standards): `--env gym:...`, `openenv:...`, `verifiers:...` on the
+small Guess envs of tests/guess_{gym,openenv,verifiers}.py. A task id replays the same episode (groups and resume are
+exact), the reward is the return at the end, and train.py, eval.py and the guard take a spec as they take babyai:
+alone, in a mix, on an OpenEnv server, resumed; what cannot work (a missing package, a server that does not answer, an
+expert asked of an env without one) stops with one sentence."""
+
+import json
+import sys
+
+import pytest
+
+pytest.importorskip("openenv", reason="the standards are optional: pip install -r requirements-standards.txt")
+pytest.importorskip("verifiers", reason="the standards are optional: pip install -r requirements-standards.txt")
+
+import envs  # noqa: E402
+import eval as eval_script  # noqa: E402
+import train  # noqa: E402
+from envs.guard import EnvArgs, make_envs  # noqa: E402
+from envs.standards.verifiers import END  # noqa: E402
+from rl.flags import build  # noqa: E402
+from rl.model import EMBEDDED  # noqa: E402
+from test_serve import serving_app  # noqa: E402
+from tests.guess_gym import solve  # noqa: E402
+from tests.guess_openenv import app  # noqa: E402
+
+GYM = "gym:tests.guess_gym:Guess"
+REGISTERED = "gym:tests.guess_gym:GuessText-v0"
+OPENENV = "openenv:tests.guess_openenv.GuessEnvironment"
+VERIFIERS = "verifiers:guess_verifiers"  # (tests/ is on sys.path: verifiers imports a taskset by a dotless name)
+
+
+@pytest.fixture(scope="module")
+def openenv_url():
+    """GuessEnvironment on OpenEnv's own server (create_app), 16 WebSocket sessions at once."""
+    with serving_app(app()) as url:
+        yield url
+
+
+def play(env: envs.Env, task_id: int, replies: list[str]) -> list:
+    """The first observation and each reply's StepResult, up to the episode's end."""
+    said = [env.reset(task_id)]
+    for text in replies:
+        said.append(env.step(text))
+        if said[-1].done:
+            break
+    return said
+
+
+# ----------------------------------------------------------------------------------------------
+# Names, options and flags
+
+
+def test_a_spec_is_an_env_name_for_options_timeouts_urls_and_task_files(tmp_path):
+    assert envs.known(GYM) and envs.known("openenv:http://127.0.0.1:8000") and envs.known("babyai")
+    assert not envs.known("gym:") and not envs.known("mujoco:Ant") and not envs.known("babyai.size")
+    options = {f"{GYM}.size": "5", "babyai.x": "1", "openenv:http://127.0.0.1:8000.timeout": "3", "max_turns": "6"}
+    assert envs.own_options(options, GYM) == {"size": "5", "max_turns": "6"}  # (split on the last dot)
+    assert envs.own_options(options, "openenv:http://127.0.0.1:8000") == {"timeout": "3", "max_turns": "6"}
+    flags = EnvArgs(env_options=options, env_timeout=(f"{GYM}=5",), env_url=(f"{OPENENV}=http://127.0.0.1:1",))
+    flags.check((GYM, "babyai", "openenv:http://127.0.0.1:8000", OPENENV))
+    assert flags.timeout(GYM) == 5 and flags.timeout(OPENENV) == 0 and envs.call_timeout(OPENENV) == 60
+    assert (envs.registration(GYM).upstream_horizon, envs.registration(GYM).upstream_max_new_tokens) == (30, 512)
+    assert flags.urls(OPENENV) == ("http://127.0.0.1:1",) and flags.urls(GYM) is None
+    with pytest.raises(SystemExit, match="--env-timeout names gym:tests.guess_gym:Guess, not an env of this run"):
+        flags.check(("babyai",))
+    with pytest.raises(SystemExit, match="--env-options names gym:tests.guess_gym:Guess, "
+                                         "openenv:http://127.0.0.1:8000, not an env of this run"):
+        EnvArgs(env_options=options).check(("babyai",))
+    mixed = tmp_path / "tasks.json"
+    mixed.write_text(json.dumps([{"item_id": f"{GYM}_3"}, {"item_id": "babyai_5"}, {"item_id": f"{GYM}_1000007"}]))
+    assert envs.load_tasks(mixed, ("babyai", GYM)) == {GYM: [3, 1000007], "babyai": [5]}
+    splits = envs.splits(GYM)
+    assert splits["train"] == list(range(1000)) and splits["test"] == list(range(1_000_000, 1_000_100))
+    assert envs.category(GYM, 3) == "Guess" and envs.category("openenv:http://127.0.0.1:8000/", 3) == "127.0.0.1:8000"
+
+
+def test_what_cannot_be_played_stops_with_one_sentence(monkeypatch):
+    with pytest.raises(SystemExit, match=r"^unknown env 'guess'; choose one of: babyai, .* gym:\.\.\. openenv"):
+        envs.check_env("guess")
+    with pytest.raises(SystemExit, match=r"^--env gym:nowhere\.games:Guess: No module named 'nowhere'$"):
+        envs.check_env("gym:nowhere.games:Guess")
+    with pytest.raises(SystemExit, match="is neither module:callable nor a Gymnasium id"):
+        envs.check_env("gym:NoSuchGame-v0")
+    with pytest.raises(SystemExit, match="tests.guess_gym.Guess is not an OpenEnv Environment subclass"):
+        envs.check_env("openenv:tests.guess_gym.Guess")
+    # a standard whose package is not installed
+    monkeypatch.delitem(sys.modules, "envs.standards.openenv", raising=False)
+    for name in ("openenv", "openenv.core"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(SystemExit, match=r"^--env openenv:elsewhere\.Game needs openenv-core, which is not installed "
+                                         r"here .*: pip install -r requirements-standards.txt$"):
+        envs.check_env("openenv:elsewhere.Game")
+    monkeypatch.undo()
+    # an OpenEnv server that does not answer, and options a Gymnasium env does not take: the guard's one line
+    with pytest.raises(SystemExit, match=r"^cannot make a openenv:http://127.0.0.1:9 env on the env server at "
+                                         r"http://127.0.0.1:9: ConnectionError: no OpenEnv server answers"):
+        make_envs("openenv:http://127.0.0.1:9", 1, urls="http://127.0.0.1:9", timeout=5)
+    with pytest.raises(SystemExit, match=r"^cannot make a gym:tests.guess_gym:Guess env with options \{'colour': 1\}: "
+                                         r"TypeError: .*colour"):
+        make_envs(GYM, 1, {"colour": 1})
+    with pytest.raises(LookupError, match="has no scripted expert"):
+        envs.oracle(envs.make(GYM))
+    from scripts.make_expert_data import main as make_expert_data
+    with pytest.raises(SystemExit, match="has no scripted expert"):
+        make_expert_data(["--env", GYM])
+
+
+# ----------------------------------------------------------------------------------------------
+# Each adapter: one task id, one episode
+
+
+@pytest.mark.parametrize("spec", [GYM, REGISTERED])
+def test_gymnasium_seeds_are_task_ids_and_the_reward_is_the_return(spec):
+    env = envs.make(spec, max_turns=6)
+    assert env.instruction.startswith("Guess the secret number.") and "Action:" in env.instruction
+    episodes = []
+    for _ in range(2):  # the same task twice: the same secret, so the same episode
+        play(env, 7, [])
+        secret = env.env.unwrapped.secret
+        episodes.append(play(env, 7, [f"Thought: halve it\nAction: {guess}" for guess in solve(secret)]))
+    assert episodes[0] == episodes[1] and episodes[0][-1].done and episodes[0][-1].reward == 1.0
+    assert [r.reward for r in episodes[0][1:-1]] == [0.0] * (len(episodes[0]) - 2)
+    assert len({play(env, seed, [])[0] + str(env.env.unwrapped.secret) for seed in range(20)}) > 1  # seeds differ
+    play(env, 7, [])
+    assert env.step("Action: 1\nAction: 2") == envs.StepResult(envs.REACT_ONLY_ONE, 0.0, False, {"valid": False})
+    assert env.step("seven").info["valid"] is False  # (no Action line: the raw reply is the action)
+    assert env.step("Action: 1").observation in ("Higher.", "Correct!")
+
+
+def test_openenv_in_process_and_on_its_server_play_the_same_episodes(openenv_url):
+    local, served = envs.make(OPENENV), envs.make(f"openenv:{openenv_url}")
+    named = envs.make(OPENENV, url=openenv_url, timeout=10)  # (--env openenv:Class --env-url URL)
+    assert local.instruction == served.instruction == named.instruction
+    assert local.instruction.startswith("Guess the secret number from 1 to 8.")
+    replies = ["Action: 4", "Thought: no number\nAction: four", "Action: 6", "Action: 7", "Action: 8", "Action: 2"]
+    for task_id in (0, 5, 12):
+        episode = play(local, task_id, replies)
+        assert play(local, task_id, replies) == episode == play(served, task_id, replies)
+        assert play(named, task_id, replies) == episode
+        assert episode[2] == envs.StepResult("Error: that is not a valid action (it sets guess).", 0.0, False,
+                                             {"valid": False})
+        assert episode[-1].done and episode[-1].reward == float(episode[-1].observation == "Correct!")
+    for env in (local, served, named):
+        env.close()
+
+
+def test_verifiers_rows_are_task_ids_and_the_rubric_scores_the_end():
+    game, single = envs.make(VERIFIERS), envs.make(VERIFIERS, env="single_agent")
+    assert game.instruction.startswith("Guess the secret number from 1 to 8.")
+    assert envs.splits(VERIFIERS) == {"train": list(range(18)), "test": [18, 19]}  # (20 rows: the last tenth tests)
+    replies = ["Action: 4", "Thought: higher\nAction: 6", "Action: 7", "Action: 8"]
+    episode = play(game, 6, replies)  # row 6: the secret is 7
+    assert episode == play(game, 6, replies)
+    assert [r.observation for r in episode[1:]] == ["Higher.", "Higher.", END]
+    assert [r.reward for r in episode[1:]] == [0.0, 0.0, 1.0] and episode[-1].done
+    assert [r.observation for r in play(game, 6, ["Action: 1"] * 4)[1:]][-1] == END
+    assert play(game, 6, ["Action: 1"] * 4)[-1].reward == 0.0  # (4 turns, never right)
+    assert play(single, 3, ["Action: 4"]) == ["Your guess?", envs.StepResult(END, 1.0, True, {})]
+    assert play(single, 3, ["4 is my guess"])[-1].reward == 0.0  # (the raw reply, not the secret)
+    with pytest.raises(IndexError, match="not a row of the taskset"):
+        game.reset(20)
+    game.close(), single.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer and eval.py on them
+
+
+def run(tmp_path, name, *flags):
+    argv = ["--engine", "hf", "--tasks-per-step", "3", "--n", "2", "--horizon", "2", "--max-new-tokens", "16",
+            "--eval-every", "0", "--out-dir", str(tmp_path), "--run-name", name, *flags]
+    run_dir = train.main(train.parse_args(argv))
+    rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    metrics = [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
+               for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return rollouts, metrics
+
+
+@pytest.mark.slow
+def test_a_mix_with_babyai_trains_resumes_exactly_and_evaluates(tmp_path):
+    mix = ["--env", "babyai", GYM, VERIFIERS, "--save-every", "1"]
+    whole_rollouts, whole_metrics = run(tmp_path, "whole", *mix, "--steps", "2")
+    assert {r["item_id"].rpartition("_")[0] for r in whole_rollouts} == {"babyai", GYM, VERIFIERS}
+    assert all(r["error"] is None for r in whole_rollouts)
+    for step in (1, 2):  # each group: n episodes of one task id
+        groups = {}
+        for r in whole_rollouts:
+            if r["step"] == step:
+                groups.setdefault(r["group"], set()).add(r["item_id"])
+        assert len(groups) == 3 and all(len(ids) == 1 for ids in groups.values())
+    assert f"rollout/{GYM}/success" in whole_metrics[0] and f"rollout/{VERIFIERS}/reward" in whole_metrics[0]
+    run(tmp_path, "part", *mix, "--steps", "1")
+    part_rollouts, part_metrics = run(tmp_path, "part", *mix, "--steps", "2", "--resume", "auto")
+    assert part_rollouts == whole_rollouts and part_metrics == whole_metrics
+
+    result = eval_script.main(build(eval_script.Args, model=str(EMBEDDED["tiny-agent"]), env=(GYM, "babyai"),
+                                    engine="hf", k=2, limit=4, horizon=(2,), max_new_tokens=16,
+                                    out=str(tmp_path / "eval")))
+    own = result["envs"][GYM]
+    assert own["protocol"] == "agentgym" and own["tasks"] == 4 and own["errors"] == 0
+    assert own["categories"].keys() == {"Guess"}
+    assert {int(task) for task in own["per_task"]} <= set(range(1_000_000, 1_000_100))  # (its test seeds)
+    assert result["envs"]["babyai"]["tasks"] == 4
+
+
+@pytest.mark.slow
+def test_training_on_an_openenv_server_asynchronously_with_a_window(openenv_url, tmp_path):
+    served = f"openenv:{openenv_url}"
+    rollouts, metrics = run(tmp_path, "served", "--env", served, "--steps", "2", "--max-staleness", "1",
+                            "--context", "window:1", "--horizon", "3")
+    assert len(rollouts) == 12 and all(r["error"] is None and r["item_id"].startswith(served) for r in rollouts)
+    assert [m["charts/step"] for m in metrics] == [1, 2]
+    local, _ = run(tmp_path, "local", "--env", OPENENV, "--steps", "1", "--horizon", "3")
+    assert all(r["error"] is None for r in local)
