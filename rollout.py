@@ -36,11 +36,8 @@ trained with the advantage that reward earns, as upstream keeps the env's reward
 max_response_length. An env call that raises or hangs (envs/guard.py bounds each one) ends only its trajectory, with
 finish "error": it has no outcome, and train.py leaves it out of the update.
 
-Groups that fork (train.py --group-start fork, `fork` K): a group's first episode plays its first K turns alone, then
-the group's other episodes begin where it is, each on its own copy of its env (Env.fork) with a copy of its trajectory,
-the shared turns' tokens, loss mask and log-probs exactly as sampled, and each goes on with its own samples: n
-trajectories that share a prefix and part at one state (GiGPO's anchor). The same loop, the same rules; a set's resets
-are fewer, and until the fork the group's other rows wait.
+Groups that fork (train.py --group-start fork, `fork` K): a group's other episodes begin on copies of its first's env
+and trajectory after its first K turns (rl/forks.py), in the same loop under the same rules.
 
 Agent formats (rl/agent.py, `agent=`): the messages an episode opens with and what the env is asked by
 each reply (react, plan; tools, the one tool call in it, answered as a tool result); reflect plays up to
@@ -76,7 +73,6 @@ Where this differs from upstream's rollout (AgentGym-RL's vLLMRollout.generate_s
 
 from __future__ import annotations
 
-import copy
 import time
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
@@ -89,6 +85,7 @@ from rl.chat import ChatFormat, openai_calls  # (ChatFormat: rollout's callers i
 from rl.engines import EngineStalled, Sample, Watchdog  # noqa: F401 - (EngineStalled: re-exported)
 from rl.engines.expert import ExpertEngine
 from rl.context import Context, Kept
+from rl.forks import Forks
 from rl.limits import Limits, largest
 from rl.engines.hf import HFEngine  # noqa: F401 - the engines rollouts run on, imported from here too
 from rl.engines.vllm import VLLMEngine  # noqa: F401 - (as HFEngine)
@@ -147,7 +144,7 @@ class Rollouts:
     waits for all their envs, so a run is replayable; a continuous one (vLLM) resubmits a trajectory the moment
     its env answers. `reseed(j)`, when given, restarts the engine's random stream as set j opens
     (--deterministic: a set's samples depend on its seed and the weights alone). `fork` K: each group's episodes
-    start from copies of its first after its first K turns (_forked) instead of resets of their own.
+    start from copies of its first after its first K turns (rl/forks.py) instead of resets of their own.
     """
 
     def __init__(self, engine, fmt: ChatFormat, environments: list[Env], tasks_of: Callable[[int], Tasks], *,
@@ -160,11 +157,11 @@ class Rollouts:
         if agent.attempts > 1 and staleness:
             raise ValueError("reflect's attempts depend on each other's reflections: play it at staleness 0")
         if agent.attempts > 1 and fork is not None:
-            raise ValueError("reflect's attempts are each a rollout of their own, which does not fork: play reflect with "
+            raise ValueError("reflect's attempts are each a rollout of their own, which does not fork: play it with "
                              "--group-start reset")
         self.engine, self.fmt, self.environments, self.tasks_of = engine, fmt, environments, tasks_of
         self.staleness, self.last, self.agent, self.versions = staleness, last, agent, versions
-        self.limits, self.reseed, self.redraw, self.fork = limits, reseed, redraw, fork
+        self.limits, self.reseed, self.redraw, self.forks = limits, reseed, redraw, Forks(fork)
         self.block = len(environments) // rule.blocks(staleness)
         self.meanwhile = engine.continuous and not getattr(engine, "sleep_mode", False)  # (see advance)
         self.own_pool = pool is None
@@ -179,8 +176,6 @@ class Rollouts:
         self.ready: list[Trajectory] = []  # waiting to be submitted for their next turn
         self.stepping: dict[Future, Trajectory] = {}
         self.resetting: dict[Future, tuple[int, int, int, int, int]] = {}  # -> (set, index, task, group, horizon)
-        self.forking: dict[int, list[int]] = {}  # fork: a group's first row -> its other episodes (set indices)
-        self.forks: dict[int, Env] = {}  # fork: row -> the copy its episode plays on, in place of environments[row]
         self.clock = RolloutStats()
 
     def take(self, j: int, progress: Report | None = None) -> list[Trajectory]:
@@ -263,9 +258,7 @@ class Rollouts:
         wait([*self.stepping, *self.resetting])
         self.stepping.clear()
         self.resetting.clear()
-        self.forking.clear()
-        for row in list(self.forks):
-            self._drop_fork(row)
+        self.forks.close()
         if self.own_pool:
             self.pool.shutdown(wait=True)
 
@@ -295,18 +288,9 @@ class Rollouts:
 
     def _begin(self, j: int, episodes: list[tuple[int, int, int, int]]) -> None:
         """Start set j's `episodes` (index, task, group, turn cap): each by a reset of its env, in the pool, or under
-        --group-start fork (`fork` K) only the first of each group, the others waiting for copies of it (_forked)."""
-        first: dict[int, int] = {}  # group -> its first row
-        for i, task, group, horizon in episodes:
-            row = self._row(j, i)
-            self._drop_fork(row)  # (the copy its last episode played on)
-            if self.fork is not None and group in first:
-                self.forking[first[group]].append(i)
-                continue
-            first[group] = row
-            if self.fork is not None:
-                self.forking[row] = []
-            self.resetting[self.pool.submit(EnvAnswer.of, self.environments[row], "reset", task)] = \
+        --group-start fork only the first of each group, the others waiting for copies of it (rl/forks.py)."""
+        for i, task, group, horizon in self.forks.starts(episodes, lambda i: self._row(j, i)):
+            self.resetting[self.pool.submit(EnvAnswer.of, self.environments[self._row(j, i)], "reset", task)] = \
                 (j, i, task, group, horizon)
 
     def _settle(self) -> None:
@@ -406,37 +390,15 @@ class Rollouts:
             elif _taken_in(self.fmt, self.agent.context, traj := self.stepping.pop(future), answer,
                            self.limits[traj.env].max_tokens):
                 self.ready.append(traj)
-            if traj.row in self.forking and (not traj.live or traj.turns >= min(self.fork, traj.horizon - 1)):
-                self._forked(traj)
-
-    def _forked(self, traj: Trajectory) -> None:
-        """--group-start fork: the other episodes of `traj`'s group begin where it is now, after its first `fork` turns
-        (at most its turn cap - 1, so that each of them samples at least its last turn): each on its own copy of the
-        env (Env.fork) with a copy of the trajectory, every token, mask and log-prob of the shared turns as sampled
-        (trained in every copy, as any of its turns; prefix_turns says how many). An episode that ended within them
-        is its group's every episode: copies of it, ended, whose outcomes tie. A copy that cannot be made (a
-        given-up env) fails its episode, as a failed reset does."""
-        j, env = self.holds[traj.row // self.block], self._env(traj.row)
-        traj.prefix_turns = traj.turns
-        for i in self.forking.pop(traj.row):
-            twin = self.sets[j][i] = copy.deepcopy(traj)
-            twin.row = self._row(j, i)
-            if not twin.live:
-                continue
-            try:
-                self.forks[twin.row] = env.fork()
-            except Exception as error:  # noqa: BLE001 - as any env failure, it ends one trajectory
-                twin.fail(f"fork failed: {type(error).__name__}: {error}")
-                continue
-            self.ready.append(twin)
+            if self.forks.due(traj):  # (--group-start fork: its group's other episodes begin where it is)
+                j = self.holds[traj.row // self.block]
+                for i, twin in self.forks.branch(traj, self._env(traj.row), lambda i: self._row(j, i)):
+                    self.sets[j][i] = twin
+                    if twin.live:
+                        self.ready.append(twin)
 
     def _env(self, row: int) -> Env:
-        """The env that row's episode plays on: its own, or (fork) the copy it was given."""
-        return self.forks[row] if row in self.forks else self.environments[row]
-
-    def _drop_fork(self, row: int) -> None:
-        if row in self.forks:
-            self.forks.pop(row).close()
+        return self.forks.env(row, self.environments)
 
     def _row(self, j: int, i: int) -> int:
         """The env of set j's episode i: the i-th of its block."""
@@ -463,8 +425,7 @@ def rollout(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[int
     trajectory, see attempts()). `progress`, when given, is called with the trajectories under way whenever one of
     them played a turn or ended (rl/progress.py shows them). `stats`, when given,
     receives the rollout's timing and token counts (RolloutStats). `reflections`: each episode's past ones, which
-    it opens with (attempts'). `fork` K: a group's episodes start from copies of its first after its first K turns
-    (Rollouts, --group-start fork)."""
+    it opens with (attempts'). `fork` K: groups fork after K turns (rl/forks.py)."""
     assert len(environments) == len(task_ids) == len(groups)
     if agent.attempts > 1:
         return attempts(engine, fmt, environments, task_ids, groups, horizon=horizon, max_new_tokens=max_new_tokens,

@@ -134,14 +134,9 @@ class Args:
     n: int = 8
     """samples per task (the group of grpo and rloo)"""
     group_start: Literal["reset", "fork"] = "reset"
-    """how a task group's n episodes begin: reset, each by a reset of its own; fork, one episode plays the group's first
-    --fork-turns turns and the others go on from copies of its env (envs.Env.fork: babyai, textcraft, searchqa) and of
-    its tokens, so that n turns start from the state they branch at (GiGPO's anchor group; rollout.py's Rollouts,
-    docs/algorithms.md). Evaluations always reset"""
+    """a group's n episodes: each from a reset, or (fork) from copies of one after --fork-turns turns (rollout.py)"""
     fork_turns: int = 1
-    """--group-start fork: the turns a group plays once before it branches (at most an episode's turn cap - 1); each of
-    its n episodes holds them, token for token, and their copies' turn-level advantages cancel in the update, so the
-    default is the shortest prefix that moves the branch off the reset state"""
+    """--group-start fork: the turns a group shares, token for token (docs/algorithms.md: why 1)"""
     dynamic_sampling: int = 0
     """DAPO's dynamic sampling: a task group that --algo's estimator gives no advantage (its episodes all scored the
     same; gigpo: its turns too) plays again on a new task, up to this many rounds a step (rl/tasks.Redraw; logged as
@@ -289,8 +284,6 @@ def main(args: Args) -> Path | None:
                                             args.seed)
     engine = logs = rollouts = None
     try:  # (everything from here on closes what it opened, also on a stop or an error)
-        if args.group_start == "fork":  # (before anything heavy: an env that cannot copy its state stops the run)
-            flags.check_forks(environments)
         # -- models, the sampler, and the training state when resuming
         tokenizer, fmt, models, limits = set_up(args, accelerator, limits)  # (limits: within the context window now)
         engine = engine_of(args, fmt, models, accelerator, limits)
@@ -343,8 +336,7 @@ def main(args: Args) -> Path | None:
             records = gather_object(rollout_records(trajectories, batch, step))
             sampled = gather_object([(costs.rollout.sampled_tokens, costs.rollout.generate_s)])
             metrics = step_metrics(records, sampled, costs, sums, grad_norms, batch, advantages, returns, models,
-                                   horizon, engine.metrics() | synced, why, args.max_staleness,
-                                   args.estimator_args.gamma if args.algo == "gigpo" else None)
+                                   horizon, engine.metrics() | synced, why, args.max_staleness, args.estimator_args)
             evaluation, evaluated = evaluate(engine, fmt, players, test_ids, args, accelerator, limits, step,
                                              progress) if eval_due(step, args.eval_every, args.steps) else ({}, [])
             metrics |= evaluation | timing(step, step_start, costs.rollout.generate_s)
@@ -398,9 +390,8 @@ def start_line(args: Args, mix: Mix, run_dir: Path, limits: dict[str, Limits], t
     """An RL run's first line: what it trains, how long, at which turn caps (each env's `limits`), its evaluations,
     where it writes."""
     return (f"run {run_dir.name}: {mix}, {args.model} ({args.preset} preset), {args.algo}, {args.steps} steps of "
-            f"{args.tasks_per_step} tasks x {args.n} samples"
-            + (f" forked after {args.fork_turns} turns" if args.group_start == "fork" else "")
-            + f", {describe_limits(limits, args.steps)}, "
+            f"{args.tasks_per_step} tasks x {args.n} samples, {describe_limits(limits, args.steps)}, "
+            f"{f'forked after {args.fork_turns} turns, ' * (args.group_start == 'fork')}"
             f"{evaluation_plan(tests, args.eval_k, args.eval_every, start, args.steps, initial=start == 1)}"
             f" -> {run_dir}" + (f", resumed at step {start}" if args.run_args.resuming else ""))
 

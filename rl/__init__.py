@@ -8,6 +8,7 @@ The unit of data and what a run plays
     horizon.py     ScalingInter-RL: the turn cap as a schedule over training steps, and --horizon auto's rule
     staleness.py   the asynchronous rule (--max-staleness) as pure functions, with its bound's proof
     context.py     --context: what a turn's prompt keeps (full, window:K, summary:M), where a new segment starts
+    forks.py       --group-start fork: a group's episodes branch from copies of one after its shared turns
 
 The episode's layout
     chat.py        the chat layout: messages and tool schemas -> tokens, the reasoning block of a reply, tool calls

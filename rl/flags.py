@@ -389,6 +389,8 @@ def check_rollouts(args, world: int) -> None:
     if args.group_start == "fork" and args.layout_args.agent == "reflect":
         raise SystemExit("--agent reflect plays each attempt as a rollout of its own, which does not fork: train it with "
                          "--group-start reset")
+    if args.group_start == "fork":
+        check_forks(args.env, args.env_args)
     trajectories = args.tasks_per_step // world * args.n
     micro_batches = (trajectories + args.micro_batch_size - 1) // args.micro_batch_size
     if args.max_tokens_per_micro_batch < 0 or args.pack and not args.max_tokens_per_micro_batch:
@@ -413,12 +415,16 @@ def check_offline(args, world: int) -> None:
                          "runs/<run>/checkpoints/step_<iteration>; start a new run from it with --model")
 
 
-def check_forks(environments: list) -> None:
+def check_forks(names, env_args) -> None:
     """--group-start fork: stop, with what to do, when an env of the run cannot copy its state (envs.Env.fork: a JVM's
-    simulator, a browser, an env server), asked of one fresh instance of each (its refusal starts nothing)."""
-    for env in {env.name: env for env in environments}.values():
+    simulator, a browser, an env server), asked of one fresh instance of each, made as the run makes them (its refusal
+    starts nothing), before anything heavy."""
+    for name in env_names(names):
+        env = env_args.make_envs(name, 1)[0]
         try:
             env.fork().close()
         except NotImplementedError as error:
             raise SystemExit(f"--group-start fork plays a group's episodes on copies of one env, and {error}: train "
-                             f"{env.name} with --group-start reset, or leave it out of --env") from None
+                             f"{name} with --group-start reset, or leave it out of --env") from None
+        finally:
+            env.close()

@@ -140,12 +140,12 @@ def async_metrics(batch, sums: UpdateSums, staleness: int) -> dict[str, float]:
 def step_metrics(records: list[dict], sampled: list[tuple[int, float]], costs: Costs, sums: UpdateSums,
                  grad_norms: dict[str, list[float]], batch, advantages: torch.Tensor, returns: torch.Tensor | None,
                  models, horizon: int, engine_metrics: dict, why: str | None = None,
-                 staleness: int | None = None, gamma: float | None = None) -> dict:
+                 staleness: int | None = None, estimator_args=None) -> dict:
     """The step's metrics: trajectory statistics over every process's episodes (`records`), losses per
     action token from this process's update (none for a model that did not train this step). `batch`: the step's
     rl/batch.py Batch, `models`: rl/model.py's Models; `sampled`: each process's tokens sampled and engine seconds;
-    `why`: --horizon auto's reason for this step's cap; `staleness`: --max-staleness (its async/ metrics); `gamma`:
-    gigpo's --gamma (None: its default), which rollout/step_advantage_share is measured at."""
+    `why`: --horizon auto's reason for this step's cap; `staleness`: --max-staleness (its async/ metrics);
+    `estimator_args`: train.py's EstimatorArgs, whose gigpo --gamma rollout/step_advantage_share is measured at."""
     rewards = [r["reward"] for r in records]
     success = [r["success"] for r in records]
     turns = [r["turns"] for r in records]
@@ -176,7 +176,7 @@ def step_metrics(records: list[dict], sampled: list[tuple[int, float]], costs: C
         "rollout/zero_variance_groups": zero_variance_share(records),  # groups with no GRPO signal
         # --dynamic-sampling: such groups played again on new tasks this step (this process's), and the rounds that did
         "rollout/dynamic_groups": played.redrawn_groups, "rollout/dynamic_rounds": played.redraw_rounds,
-        **anchor_metrics(records, gamma),  # GiGPO's turn-level groups (whatever --algo)
+        **anchor_metrics(records, getattr(estimator_args, "gamma", None)),  # GiGPO's turn groups (any --algo)
         **category_metrics(records),
         **env_metrics(records),
         "losses/nonfinite_updates": sums.nonfinite_updates,  # optimizer steps skipped for NaN or inf

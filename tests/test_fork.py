@@ -9,7 +9,7 @@ import pytest
 
 import envs
 import train
-from envs.guard import make_envs
+from envs.guard import EnvArgs, make_envs
 from rl import flags
 from rl.model import load_model, load_tokenizer
 from rl.trajectory import spans
@@ -60,7 +60,7 @@ def test_a_guarded_env_forks_behind_a_guard_of_its_own():
     env.close()
 
 
-def test_envs_that_cannot_copy_their_state_say_why():
+def test_envs_that_cannot_copy_their_state_say_why(monkeypatch):
     from envs.remote import RemoteEnv
     from envs.webarena import WebArena
 
@@ -71,11 +71,13 @@ def test_envs_that_cannot_copy_their_state_say_why():
                      (remote, "AgentGym's protocol has no call that copies an instance")]:
         with pytest.raises(NotImplementedError, match=why):
             env.fork()
-    guarded = make_envs("sciworld", 1)
+    env_args, made = EnvArgs(), []  # (the instances the check makes, as the run would make them)
+    monkeypatch.setattr(env_args, "make_envs", lambda name, count: (guarded := make_envs(name, count),
+                                                                    made.extend(g.env for g in guarded))[0])
     with pytest.raises(SystemExit, match="--group-start fork plays .* a sciworld env cannot copy its state: its "
                                          "simulator runs in a JVM.*: train sciworld with --group-start reset"):
-        flags.check_forks(make_envs("babyai", 1) + guarded)
-    assert guarded[0].env.jvm is None  # (asked, it started nothing)
+        flags.check_forks(("babyai", "sciworld"), env_args)
+    assert [env.name for env in made] == ["babyai", "sciworld"] and made[1].jvm is None  # (asked, it started nothing)
 
 
 def test_the_flags_that_cannot_fork_are_refused():
@@ -193,7 +195,7 @@ def test_dynamic_sampling_forks_a_replayed_group_again(tiny):
     assert all(t.prefix_turns == 1 for t in trajectories)
     assert trajectories[0].token_ids[:prefix_end(trajectories[0], 1)] == \
         trajectories[1].token_ids[:prefix_end(trajectories[1], 1)]
-    assert not rollouts.forks  # (closed with the rollouts)
+    assert not rollouts.forks.copies and not rollouts.forks.waiting  # (closed with the rollouts)
 
 
 # ----------------------------------------------------------------------------------------------
