@@ -5,6 +5,9 @@ turn; `max_turns` guesses end the episode truncated."""
 
 from __future__ import annotations
 
+import random
+import time
+
 import gymnasium
 from gymnasium.spaces import Text
 
@@ -44,3 +47,24 @@ def solve(secret: int) -> list[str]:
 
 
 gymnasium.register("GuessText-v0", entry_point=Guess)
+
+
+class GlobalGuess(Guess):
+    """Guess as GEM's and TextArena's games draw: from Python's global `random`, seeded at reset (or, with
+    `seeds=False`, not seeded by the env at all), the secret drawn at the first guess."""
+
+    def __init__(self, size: int = 8, max_turns: int = 4, seeds: bool = True):
+        super().__init__(size, max_turns)
+        self.seeds = seeds
+
+    def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
+        if self.seeds:
+            random.seed(seed)
+        self.secret, self.turns = None, 0
+        return f"The secret is a number from 1 to {self.size}.", {}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
+        if self.secret is None:
+            time.sleep(0.001)  # (another episode's thread runs meanwhile, as in a rollout)
+            self.secret = random.randint(1, self.size)
+        return super().step(action)

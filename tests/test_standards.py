@@ -5,6 +5,7 @@ alone, in a mix, on an OpenEnv server, resumed; what cannot work (a missing pack
 expert asked of an env without one) stops with one sentence."""
 
 import json
+import random
 import sys
 
 import pytest
@@ -125,6 +126,26 @@ def test_gymnasium_seeds_are_task_ids_and_the_reward_is_the_return(spec):
     assert env.step("Action: 1\nAction: 2") == envs.StepResult(envs.REACT_ONLY_ONE, 0.0, False, {"valid": False})
     assert env.step("seven").info["valid"] is False  # (no Action line: the raw reply is the action)
     assert env.step("Action: 1").observation in ("Higher.", "Correct!")
+
+
+@pytest.mark.parametrize("seeds", [True, False])
+def test_envs_that_draw_from_the_global_generators_replay_by_task_id_in_threads(seeds):
+    """GEM's and TextArena's games seed Python's global random at reset and draw from it later, and the rollout steps
+    its envs in threads: each episode of a task must still play that task, and the trainer's own global stream must
+    not move. (seeds=False: an env that draws from random without ever seeding it replays by task id too.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def secrets(task_id: int) -> list[str]:
+        env = envs.make("gym:tests.guess_gym:GlobalGuess", seeds=seeds)
+        said = [r.observation for r in play(env, task_id, [f"Action: {guess}" for guess in range(1, 9)])[1:]]
+        env.close()
+        return said
+
+    outside = random.getstate()
+    with ThreadPoolExecutor(8) as pool:
+        games = list(pool.map(secrets, [3] * 8 + [5] * 8))
+    assert games[:8] == [games[0]] * 8 and games[8:] == [games[8]] * 8 and games[0] != games[8]
+    assert random.getstate() == outside
 
 
 def test_openenv_in_process_and_on_its_server_play_the_same_episodes(openenv_url):

@@ -7,20 +7,31 @@ step(action) -> (observation, reward, terminated, truncated, info), with str obs
 str(observation)) and str actions.
 
     task id     the seed of reset: the same task id replays the same episode (groups, resume), as long as the env
-                draws only from the np_random reset seeds (Gymnasium's contract)
+                draws from the np_random reset seeds (Gymnasium's contract) or from Python's or numpy's global
+                generators (as GEM's and TextArena's games do: random.seed at reset, random.randint after); see below
     action      the reply's action (envs/standards.action_of), as the str the env's step takes
     reward      the return so far (the sum of step rewards); done: terminated or truncated (info says which)
     instruction env.metadata["description"] where the env has one, else the generic one (envs/standards)
 
 What the standard does not give (splits, an expert, a horizon, a state key) is the package's default
 (envs/standards). A Gymnasium env runs in this process: --env-url does not apply.
+
+The global generators: the rollout steps its envs in threads, so an env that seeds `random` at reset and draws from
+it later would draw from whichever episode seeded last (a group's episodes could play different tasks), and it
+would move the trainer's own global streams. So each instance has its own copy of `random`'s and numpy's global
+state, swapped in around each of its calls under one lock (microseconds; gym envs' calls run one at a time, as the
+GIL mostly runs them anyway), and seeded from the task id at reset before the env's own reset runs: an env that
+draws from the global generators without seeding them replays by task id too.
 """
 
 from __future__ import annotations
 
 import importlib
+import random
+import threading
 
 import gymnasium
+import numpy as np
 
 from envs import REACT_ONLY_ONE, Env, StepResult
 from envs import standards
@@ -58,14 +69,18 @@ def _factory(target: str):
     return lambda **options: gymnasium.make(attribute, **options)
 
 
+GLOBAL_RNG = threading.Lock()  # around any call that swaps an instance's global-generator state in (module docstring)
+
+
 class GymEnv(Env):
     def __init__(self, name: str, env, options: dict, ack: str):
         self.name, self.env, self.ack = name, env, ack
         self.instruction = standards.instruction((getattr(env, "metadata", None) or {}).get("description"), options)
         self.score = 0.0
+        self.rng: tuple | None = None  # its own state of random's and numpy's global generators, between calls
 
     def reset(self, task_id: int) -> str:
-        observation, _ = self.env.reset(seed=int(task_id))
+        observation, _ = self._own_rng(self.env.reset, seed=int(task_id))
         self.score = 0.0
         return str(observation)
 
@@ -73,7 +88,7 @@ class GymEnv(Env):
         action = standards.action_of(text)
         if action is None:
             return StepResult(REACT_ONLY_ONE, self.score, False, {"valid": False})
-        observation, reward, terminated, truncated, info = self.env.step(action)
+        observation, reward, terminated, truncated, info = self._own_rng(self.env.step, action)
         self.score += float(reward)
         done = bool(terminated or truncated)
         return StepResult(str(observation), self.score, done, {"valid": bool(info.get("valid", True)),
@@ -81,3 +96,21 @@ class GymEnv(Env):
 
     def close(self) -> None:
         self.env.close()
+
+    def _own_rng(self, call, *args, seed: int | None = None):
+        """call(*args) (reset: with seed=) with this instance's global-generator state swapped in (module docstring);
+        a reset seeds it from the task id first."""
+        with GLOBAL_RNG:
+            outside = random.getstate(), np.random.get_state()
+            try:
+                if seed is not None:
+                    random.seed(seed)
+                    np.random.seed(seed % 2**32)
+                elif self.rng is not None:
+                    random.setstate(self.rng[0])
+                    np.random.set_state(self.rng[1])
+                return call(*args) if seed is None else call(seed=seed)
+            finally:
+                self.rng = random.getstate(), np.random.get_state()
+                random.setstate(outside[0])
+                np.random.set_state(outside[1])
