@@ -144,6 +144,15 @@ def test_openenv_in_process_and_on_its_server_play_the_same_episodes(openenv_url
         env.close()
 
 
+def test_openenv_observation_option_names_a_field_the_server_has(openenv_url):
+    with pytest.raises(ValueError, match=r"^--env-options observation text: the observation has no such field "
+                                         r"\(it has message\)$"):
+        envs.make(f"openenv:{openenv_url}", observation="text")
+    served = envs.make(f"openenv:{openenv_url}", observation="message", task_key="seed")
+    assert served.reset(5) == "The secret is a number from 1 to 8."
+    served.close()
+
+
 def test_verifiers_rows_are_task_ids_and_the_rubric_scores_the_end():
     game, single = envs.make(VERIFIERS), envs.make(VERIFIERS, env="single_agent")
     assert game.instruction.startswith("Guess the secret number from 1 to 8.")
