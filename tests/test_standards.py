@@ -160,6 +160,7 @@ def test_verifiers_rows_are_task_ids_and_the_rubric_scores_the_end():
     replies = ["Action: 4", "Thought: higher\nAction: 6", "Action: 7", "Action: 8"]
     episode = play(game, 6, replies)  # row 6: the secret is 7
     assert episode == play(game, 6, replies)
+    assert play(game, 0, ["Action: 1"])[-1] == envs.StepResult(END, 1.0, True, {})  # (an earlier row after a later)
     assert [r.observation for r in episode[1:]] == ["Higher.", "Higher.", END]
     assert [r.reward for r in episode[1:]] == [0.0, 0.0, 1.0] and episode[-1].done
     assert [r.observation for r in play(game, 6, ["Action: 1"] * 4)[1:]][-1] == END
