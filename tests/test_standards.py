@@ -144,12 +144,15 @@ def test_openenv_in_process_and_on_its_server_play_the_same_episodes(openenv_url
         env.close()
 
 
-def test_openenv_observation_option_names_a_field_the_server_has(openenv_url):
+def test_openenv_options_name_a_field_the_server_has_and_a_kind_of_reward(openenv_url):
     with pytest.raises(ValueError, match=r"^--env-options observation text: the observation has no such field "
                                          r"\(it has message\)$"):
         envs.make(f"openenv:{openenv_url}", observation="text")
-    served = envs.make(f"openenv:{openenv_url}", observation="message", task_key="seed")
+    with pytest.raises(ValueError, match=r"reward sum: say step .* or return"):
+        envs.make(f"openenv:{openenv_url}", reward="sum")
+    served = envs.make(f"openenv:{openenv_url}", observation="message", task_key="seed", reward="return")
     assert served.reset(5) == "The secret is a number from 1 to 8."
+    assert [served.step(f"Action: {guess}").reward for guess in ("four", "1", "8")][:2] == [0.0, 0.0]  # (as summed)
     served.close()
 
 

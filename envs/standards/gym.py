@@ -8,7 +8,8 @@ str(observation)) and str actions.
 
     task id     the seed of reset: the same task id replays the same episode (groups, resume), as long as the env
                 draws only from the np_random reset seeds (Gymnasium's contract)
-    action      the reply's action (envs/standards.action_of; whole_reply True: the reply), as the str the env's step takes
+    action      the reply's action (envs/standards.action_of; whole_reply True: the reply), as the str the env's step
+                takes
     reward      the return so far (the sum of step rewards); done: terminated or truncated (info says which)
     instruction env.metadata["description"] where the env has one, else the generic one (envs/standards)
 

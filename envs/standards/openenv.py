@@ -18,17 +18,18 @@ which bounds the instances a run may make there.
                 from a server
     observation the Observation's one field as text (`done`, `reward`, `metadata` aside); several: them as JSON, or
                 the one --env-options observation FIELD names (the others left out)
-    reward      the return so far (the sum of the observations' rewards, None as 0); done: the observation's done
+    reward      the return so far (the sum of the observations' rewards, None as 0; --env-options reward return: the
+                observation's reward is already the return so far, as ours served send it); done: the observation's done
     instruction get_metadata().description (a server's /metadata), but for the default "<Class> environment"
 
 Not covered: MCP tools (an MCPEnvironment's tools are not offered as --agent tools), a server in production mode (no
 simulation reset/step), rubrics read from outside (the reward is what each observation carries).
 
 Our own envs served by envs/standards/openenv_server.py play as they do in process with `--env-options whole_reply
-True observation text task_key task_id` (scripts/bench/env.py replays the expert so): their Action is the reply as our
-env's step takes it, their Observation carries the task id, instruction, ack and info beside the text, and their
-reset(seed=s) plays the train split's task s % len, reset(task_id=i) task i. Their reward is already the return so far
-(that server's docstring), so the sum here equals it only where the steps before the last score 0 (not SciWorld's).
+True observation text task_key task_id reward return` (scripts/bench/env.py replays the expert so): their Action is the
+reply as our env's step takes it, their Observation carries the task id, instruction, ack and info beside the text,
+their reset(seed=s) plays the train split's task s % len (reset(task_id=i): task i), and their reward is already the
+return so far (that server's docstring): summed, SciWorld's progress scores would add up to thousands.
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ def check(target: str) -> None:
 
 def make(name: str, target: str, url: str | None = None, instruction: str | None = None, ack: str = standards.ACK,
          timeout: float = standards.CALL_TIMEOUT, whole_reply: bool = False, observation: str | None = None,
-         task_key: str = "seed", **options) -> Env:
+         task_key: str = "seed", reward: str = "step", **options) -> Env:
     given = {"instruction": instruction} if instruction else {}
-    shape = Shape(whole_reply, observation, task_key)
+    shape = Shape(whole_reply, observation, task_key, reward)
     if is_url(target) or url is not None:
         if options:
             raise ValueError(f"{', '.join(options)}: options of the environment itself, which runs on the server; "
@@ -73,11 +74,15 @@ def make(name: str, target: str, url: str | None = None, instruction: str | None
 
 
 class Shape:
-    """What the options whole_reply, observation and task_key say: what a reply sends, which field of an Observation is
-    shown, which keyword of reset takes the task id."""
+    """What the options whole_reply, observation, task_key and reward say: what a reply sends, which field of an
+    Observation is shown, which keyword of reset takes the task id, whether a reward is a step's or the return so far."""
 
-    def __init__(self, whole_reply: bool = False, observation: str | None = None, task_key: str = "seed"):
-        self.whole_reply, self.observation, self.task_key = whole_reply, observation, task_key
+    def __init__(self, whole_reply: bool = False, observation: str | None = None, task_key: str = "seed",
+                 reward: str = "step"):
+        if reward not in ("step", "return"):
+            raise ValueError(f"--env-options reward {reward}: say step (a step's reward, summed) or return (the return "
+                             "so far)")
+        self.whole_reply, self.observation, self.task_key, self.reward = whole_reply, observation, task_key, reward
 
     def check(self, fields: list[str]) -> None:
         """Raise, with the fields there are, where the observation option names none of the Observation's `fields`."""
@@ -154,7 +159,10 @@ class OpenEnvEnv(Env):
         return f"Error: that is not a valid action (it sets {', '.join(self.fields)})."
 
     def _result(self, observation: str, reward, done: bool, valid: bool = True) -> StepResult:
-        self.score += float(reward or 0.0)
+        if self.shape.reward == "return":
+            self.score = self.score if reward is None else float(reward)
+        else:
+            self.score += float(reward or 0.0)
         return StepResult(observation, self.score, bool(done), {"valid": valid})
 
 
@@ -175,11 +183,11 @@ class LocalEnv(OpenEnvEnv):
     def step(self, text: str) -> StepResult:
         payload = action_payload(text, self.fields, self.shape.whole_reply)
         if isinstance(payload, str):
-            return self._result(payload, 0.0, False, valid=False)
+            return self._result(payload, None, False, valid=False)
         try:
             action = self.action(**payload)
         except pydantic.ValidationError:
-            return self._result(self.invalid, 0.0, False, valid=False)
+            return self._result(self.invalid, None, False, valid=False)
         observation = self.environment.step(action)
         return self._result(self.shape.text(observation.model_dump()), observation.reward, observation.done)
 
@@ -211,13 +219,13 @@ class ServedEnv(OpenEnvEnv):
     def step(self, text: str) -> StepResult:
         payload = action_payload(text, self.fields, self.shape.whole_reply)
         if isinstance(payload, str):
-            return self._result(payload, 0.0, False, valid=False)
+            return self._result(payload, None, False, valid=False)
         try:
             result = self.client.step(payload)
         except RuntimeError as error:  # (the server's answer to an action that does not validate)
             if "VALIDATION" not in str(error).upper():
                 raise
-            return self._result(self.invalid, 0.0, False, valid=False)
+            return self._result(self.invalid, None, False, valid=False)
         return self._result(self.shape.text(result.observation), result.reward, result.done)
 
     def close(self) -> None:
