@@ -8,8 +8,9 @@
 Sections, each in a process of its own, so that its peak memory (the GPU's allocated bytes, else the
 resident set's high-water mark) is its own; each module's docstring says what its section measures:
 
-- env (scripts/bench/env.py): oracle episodes of every env in process and over AgentGym's HTTP protocol, calls/s each
-  way; `--clients N` adds a load test with malformed requests.
+- env (scripts/bench/env.py): oracle episodes of every env in process, over AgentGym's HTTP protocol and round trip
+  through each standard (gym:, OpenEnv, verifiers), calls/s each way; `--clients N` adds a load test with malformed
+  requests.
 - rollout (scripts/bench/rollout.py): a training step's rollout on the HF engine and on vLLM: rollout wall time /
   generation time, tokens/s, idle share, log-prob mismatch, weight-sync time.
 - server (scripts/bench/server.py): the same step on the in-process vLLM engine and on a rollout server on loopback,

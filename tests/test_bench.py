@@ -1,6 +1,7 @@
 """scripts/bench.py (its sections in scripts/bench/): the env and server sections end to end (tiny sizes), and the table
 of every section's figures."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -16,7 +17,7 @@ from bench.asynchronous import async_figures, async_rows, plot_async  # noqa: E4
 from bench.bare import bare_rows  # noqa: E402
 from bench.common import Args  # noqa: E402
 from bench.engine import engine_rows, turn_prompts  # noqa: E402
-from bench.env import outcomes  # noqa: E402
+from bench.env import env_rows, env_task_ids, identical, outcomes, record, replay, replay_standard, shown  # noqa: E402
 from bench.rollout import step_inputs  # noqa: E402
 from bench.run import main, table  # noqa: E402
 from bench.server import phase_server, server_rows  # noqa: E402
@@ -37,7 +38,59 @@ def test_env_section_replays_the_same_episodes_in_process_and_over_http(tmp_path
         assert row["in_process_calls_per_s"] > 0 and row["http_calls_per_s"] > 0
         assert row["load"]["errors"] == 0 and row["load"]["malformed"] > 0, row["load"]
         assert f"| env | {name}: calls/s in process / over HTTP" in done.stdout
+        for standard, through in (("gym", "gym:"), ("openenv", "OpenEnv"), ("verifiers", "verifiers"))[
+                :3 if STANDARDS_INSTALLED else 1]:
+            played = row["standards"][standard]
+            assert played["identical"] == row["episodes"] and played["calls_per_s"] > 0, (name, standard, played)
+            assert f"| env | {name}: calls/s in process / through {through}" in done.stdout
     assert results["env"]["peak_gib"] > 0 and results["machine"]["cpus"] >= 1
+
+
+STANDARDS_INSTALLED = all(importlib.util.find_spec(package) for package in ("openenv", "verifiers"))
+needs_standards = pytest.mark.skipif(not STANDARDS_INSTALLED, reason="pip install -r requirements-standards.txt")
+
+
+@needs_standards
+@pytest.mark.parametrize("standard", ["gym", pytest.param("openenv", marks=pytest.mark.slow), "verifiers"])
+@pytest.mark.parametrize("name", ["babyai", "textcraft"])
+def test_each_standard_replays_the_experts_episodes_as_in_process(name, standard):
+    """gym (a Gymnasium-style class around our env), OpenEnv (our server in a process, the openenv: adapter) and
+    verifiers (our taskset, the verifiers: adapter) each answer every call as in process, as the standard shows it."""
+    import envs
+
+    local = envs.make(name)
+    episodes = record(local, env_task_ids(name, 2))
+    calls, _, transcript = replay(local, episodes)
+    assert len(episodes) == 2 and calls > 2
+    played_calls, seconds, played = replay_standard(standard, name, {}, episodes)
+    assert played_calls == calls and seconds > 0
+    assert identical(name, shown(standard, local, transcript), played) == 2
+    if standard == "verifiers":  # (its first and last observations are its own)
+        assert identical(name, transcript, played) == 0
+    local.close()
+
+
+def test_verifiers_shows_the_opening_joined_and_an_end_and_rows_name_each_standard():
+    from types import SimpleNamespace
+
+    from envs.standards.verifiers import END
+
+    env = SimpleNamespace(instruction="Play.", ack="OK.")
+    transcript = ["first", ("second", 0.5, False), ("last", 1.0, True), "again", ("over", 0.0, True)]
+    assert shown("openenv", env, transcript) == transcript
+    assert shown("verifiers", env, transcript) == ["Play.\n\nOK.\n\nfirst", ("second", 0.0, False), (END, 1.0, True),
+                                                   "Play.\n\nOK.\n\nagain", (END, 0.0, True)]
+    assert identical("babyai", transcript, transcript[:3] + ["again", ("other", 0.0, True)]) == 1
+    row = {"episodes": 3, "calls": 20, "in_process_calls_per_s": 300.0, "http_calls_per_s": 100.0, "gain": 3.0,
+           "http_identical": 3, "server_peak_gib": 0.1,
+           "standards": {"openenv": {"calls_per_s": 150.0, "gain": 2.0, "identical": 3},
+                         "verifiers": {"error": "ModuleNotFoundError: No module named 'verifiers'"}}}
+    rows = env_rows({"envs": {"babyai": row}})
+    assert rows[0].startswith("| env | babyai: calls/s in process / over HTTP (3 episodes, 20 calls, 3 identical) |")
+    assert rows[1] == ("| env | babyai: calls/s in process / through OpenEnv (openenv_server, openenv:URL) (3 of 3 "
+                       "episodes identical) | 300 / 150 = 2.0x | |")
+    assert rows[2] == ("| env | babyai: through verifiers (agentgym-rl, verifiers:agentgym-rl) | ModuleNotFoundError: "
+                       "No module named 'verifiers' | |")
 
 
 def test_outcomes_compare_what_each_env_keeps_fixed():

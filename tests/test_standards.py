@@ -165,6 +165,18 @@ def test_openenv_in_process_and_on_its_server_play_the_same_episodes(openenv_url
         env.close()
 
 
+def test_openenv_options_name_a_field_the_server_has_and_a_kind_of_reward(openenv_url):
+    with pytest.raises(ValueError, match=r"^--env-options observation text: the observation has no such field "
+                                         r"\(it has message\)$"):
+        envs.make(f"openenv:{openenv_url}", observation="text")
+    with pytest.raises(ValueError, match=r"reward sum: say step .* or return"):
+        envs.make(f"openenv:{openenv_url}", reward="sum")
+    served = envs.make(f"openenv:{openenv_url}", observation="message", task_key="seed", reward="return")
+    assert served.reset(5) == "The secret is a number from 1 to 8."
+    assert [served.step(f"Action: {guess}").reward for guess in ("four", "1", "8")][:2] == [0.0, 0.0]  # (as summed)
+    served.close()
+
+
 def test_verifiers_rows_are_task_ids_and_the_rubric_scores_the_end():
     game, single = envs.make(VERIFIERS), envs.make(VERIFIERS, env="single_agent")
     assert game.instruction.startswith("Guess the secret number from 1 to 8.")
@@ -172,6 +184,7 @@ def test_verifiers_rows_are_task_ids_and_the_rubric_scores_the_end():
     replies = ["Action: 4", "Thought: higher\nAction: 6", "Action: 7", "Action: 8"]
     episode = play(game, 6, replies)  # row 6: the secret is 7
     assert episode == play(game, 6, replies)
+    assert play(game, 0, ["Action: 1"])[-1] == envs.StepResult(END, 1.0, True, {})  # (an earlier row after a later)
     assert [r.observation for r in episode[1:]] == ["Higher.", "Higher.", END]
     assert [r.reward for r in episode[1:]] == [0.0, 0.0, 1.0] and episode[-1].done
     assert [r.observation for r in play(game, 6, ["Action: 1"] * 4)[1:]][-1] == END

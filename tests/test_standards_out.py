@@ -9,6 +9,7 @@ two sessions at once, OpenEnv's HTTP path, the horizon, and the id verifiers res
 
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -28,6 +29,7 @@ from verifiers.v1.clients import EvalClientConfig, ModelContext
 import envs
 from envs.standards import verifiers_env
 from envs.standards.openenv_server import AgentGymClient, TextAction, build_app, parse_args
+from envs.standards.verifiers import END
 from rl.agent import make_agent
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -375,3 +377,46 @@ def test_load_environment_rows_splits_horizon_and_errors(experts, model):
         verifiers_env.load_environment("chess")
     with pytest.raises(ValueError, match="outside AgentGym's ranges"):
         list(verifiers_env.load_environment("searchqa", task_ids=[-1]).taskset)
+
+
+# ----------------------------------------------------------------------------------------------
+# Out, then in: the In adapters (envs/standards/openenv.py, verifiers.py) play our envs served by the Out modules
+
+
+OURS_ON_OPENENV = {"whole_reply": True, "observation": "text", "task_key": "task_id", "reward": "return"}  # (openenv.py)
+
+
+@pytest.mark.parametrize("name", ["babyai", "textcraft", pytest.param("sciworld", marks=pytest.mark.slow)])
+def test_the_openenv_adapter_plays_our_served_env_as_in_process(name, experts, openenv_url):
+    """(SciWorld: its rewards are progress scores, which the adapter would sum without `reward return`)"""
+    expert = experts(name)
+    env = envs.make(f"openenv:{openenv_url(name)}", **OURS_ON_OPENENV)
+    for task_id, (first, steps) in expert.episodes.items():
+        assert expert.same_first(task_id, env.reset(task_id))
+        played = [env.step(text) for text, *_ in steps]
+        assert expert.outcomes([(r.observation, r.reward, r.done) for r in played]) == expert.outcomes(steps)
+    env.close()
+
+
+def test_without_the_options_the_openenv_adapter_cannot_play_our_served_env(experts, openenv_url):
+    """It sends what follows `Action:`, which our env reads as no action, and shows every field as JSON."""
+    bare = envs.make(f"openenv:{openenv_url('babyai')}")
+    bare.reset(0)
+    assert json.loads(bare.step(experts("babyai").episodes[0][1][0][0]).observation)["info"]["valid"] is False
+    bare.close()
+
+
+@pytest.mark.parametrize("name", ["babyai", "textcraft"])
+def test_the_verifiers_adapter_plays_agentgym_rl_as_in_process(name, experts):
+    """Our taskset's `env` field goes in the adapter's `taskset` (its own `env` is a verifiers env id); row k is
+    task_ids[k]. verifiers says the opening as one prompt and never shows the agent the env's last observation (run()
+    ends with the episode), so the first observation is the react opening's three texts and the last is END."""
+    expert = experts(name)
+    env = envs.make("verifiers:agentgym-rl", taskset={"env": name, "task_ids": TASKS[name], "horizon": 100},
+                    whole_reply=True)
+    for row, (task_id, (first, steps)) in enumerate(expert.episodes.items()):
+        assert env.reset(row) == "\n\n".join([expert.env.instruction, expert.env.ack, first])
+        played = [env.step(text) for text, *_ in steps]
+        assert [(r.observation, r.reward, r.done) for r in played] == [step[1:] for step in steps[:-1]] + [
+            (END, *steps[-1][2:])], (name, task_id)
+    env.close()

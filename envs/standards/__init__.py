@@ -21,7 +21,9 @@ What every standard lacks, filled here by a stated default (each adapter says wh
                  --env-options instruction TEXT replaces both, ack TEXT the ack (ACK)
     action       the reply's text after its one `Action:` (stripped, several lines kept: JSON, code), or the whole
                  reply where it has none (action_of); a reply with two `Action:` is answered envs.REACT_ONLY_ONE and
-                 the env is not stepped, as AgentGym does
+                 the env is not stepped, as AgentGym does. --env-options whole_reply True sends the reply as it is,
+                 for an env that reads its action out of the reply itself (ours, served by openenv_server.py or
+                 verifiers_env.py: stripped of its `Action:`, a reply is no action to them)
     reward       each StepResult's reward is the episode's return so far (the sum of the standard's step rewards),
                  since our trajectory's outcome is its last step's reward; success: a done episode with return > 0
     call_timeout 60 s a reset or step (--env-timeout SPEC=SECONDS changes it); eval's agentgym protocol: 30 turns of
@@ -61,9 +63,12 @@ def is_spec(name: str) -> bool:
     return bool(colon and target) and prefix in STANDARDS
 
 
-def action_of(text: str) -> str | None:
+def action_of(text: str, whole_reply: bool = False) -> str | None:
     """The action a reply sends to a standard env: what follows its one `Action:` (stripped; the rest of the reply,
-    so an action may span lines), the whole reply stripped where it has no `Action:`, None where it has several."""
+    so an action may span lines), the whole reply stripped where it has no `Action:`, None where it has several.
+    `whole_reply`: the reply as it is (the env parses it)."""
+    if whole_reply:
+        return text
     parts = re.split(r"Action:", text)
     if len(parts) > 2:
         return None

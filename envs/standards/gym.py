@@ -9,7 +9,8 @@ str(observation)) and str actions.
     task id     the seed of reset: the same task id replays the same episode (groups, resume), as long as the env
                 draws from the np_random reset seeds (Gymnasium's contract) or from Python's or numpy's global
                 generators (as GEM's and TextArena's games do: random.seed at reset, random.randint after); see below
-    action      the reply's action (envs/standards.action_of), as the str the env's step takes
+    action      the reply's action (envs/standards.action_of; whole_reply True: the reply), as the str the env's step
+                takes
     reward      the return so far (the sum of step rewards); done: terminated or truncated (info says which)
     instruction env.metadata["description"] where the env has one, else the generic one (envs/standards)
 
@@ -43,11 +44,11 @@ def check(target: str) -> None:
 
 
 def make(name: str, target: str, url: str | None = None, instruction: str | None = None, ack: str = standards.ACK,
-         **options) -> GymEnv:
+         whole_reply: bool = False, **options) -> GymEnv:
     if url is not None:
         raise ValueError(f"{name} runs in this process (a Gymnasium env); --env-url is for OpenEnv servers")
     env = _factory(target)(**options)
-    return GymEnv(name, env, {"instruction": instruction} if instruction else {}, ack)
+    return GymEnv(name, env, {"instruction": instruction} if instruction else {}, ack, whole_reply)
 
 
 def _factory(target: str):
@@ -73,8 +74,8 @@ GLOBAL_RNG = threading.Lock()  # around any call that swaps an instance's global
 
 
 class GymEnv(Env):
-    def __init__(self, name: str, env, options: dict, ack: str):
-        self.name, self.env, self.ack = name, env, ack
+    def __init__(self, name: str, env, options: dict, ack: str, whole_reply: bool = False):
+        self.name, self.env, self.ack, self.whole_reply = name, env, ack, whole_reply
         self.instruction = standards.instruction((getattr(env, "metadata", None) or {}).get("description"), options)
         self.score = 0.0
         self.rng: tuple | None = None  # its own state of random's and numpy's global generators, between calls
@@ -85,7 +86,7 @@ class GymEnv(Env):
         return str(observation)
 
     def step(self, text: str) -> StepResult:
-        action = standards.action_of(text)
+        action = standards.action_of(text, self.whole_reply)
         if action is None:
             return StepResult(REACT_ONLY_ONE, self.score, False, {"valid": False})
         observation, reward, terminated, truncated, info = self._own_rng(self.env.step, action)

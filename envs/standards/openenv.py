@@ -9,17 +9,27 @@ many sessions at once as its max_concurrent_envs (create_app's; an env that is n
 which bounds the instances a run may make there.
 
     task id     the seed of reset(seed=task_id): the same task id replays the same episode (groups, resume), where
-                the environment draws only from that seed
-    action      the reply's action (envs/standards.action_of) in the Action class's one field (found from its JSON
-                schema, `metadata` aside; pydantic converts it to the field's type); an Action of several fields takes
-                the action as a JSON object of them. One that does not validate is answered with the error, the
-                environment not stepped (valid False), in the same words in process and from a server
-    observation the Observation's one field as text (`done`, `reward`, `metadata` aside); several: them as JSON
-    reward      the return so far (the sum of the observations' rewards, None as 0); done: the observation's done
+                the environment draws only from that seed; --env-options task_key KEY: reset(KEY=task_id), for an
+                environment whose reset takes a task by another keyword (ours served: task_id)
+    action      the reply's action (envs/standards.action_of; whole_reply True: the reply) in the Action class's one
+                field (found from its JSON schema, `metadata` aside; pydantic converts it to the field's type); an
+                Action of several fields takes the action as a JSON object of them. One that does not validate is
+                answered with the error, the environment not stepped (valid False), in the same words in process and
+                from a server
+    observation the Observation's one field as text (`done`, `reward`, `metadata` aside); several: them as JSON, or
+                the one --env-options observation FIELD names (the others left out)
+    reward      the return so far (the sum of the observations' rewards, None as 0; --env-options reward return: the
+                observation's reward is already the return so far, as ours served send it); done: the observation's done
     instruction get_metadata().description (a server's /metadata), but for the default "<Class> environment"
 
 Not covered: MCP tools (an MCPEnvironment's tools are not offered as --agent tools), a server in production mode (no
 simulation reset/step), rubrics read from outside (the reward is what each observation carries).
+
+Our own envs served by envs/standards/openenv_server.py play as they do in process with `--env-options whole_reply
+True observation text task_key task_id reward return` (scripts/bench/env.py replays the expert so): their Action is the
+reply as our env's step takes it, their Observation carries the task id, instruction, ack and info beside the text,
+their reset(seed=s) plays the train split's task s % len (reset(task_id=i): task i), and their reward is already the
+return so far (that server's docstring): summed, SciWorld's progress scores would add up to thousands.
 """
 
 from __future__ import annotations
@@ -50,15 +60,38 @@ def check(target: str) -> None:
 
 
 def make(name: str, target: str, url: str | None = None, instruction: str | None = None, ack: str = standards.ACK,
-         timeout: float = standards.CALL_TIMEOUT, **options) -> Env:
+         timeout: float = standards.CALL_TIMEOUT, whole_reply: bool = False, observation: str | None = None,
+         task_key: str = "seed", reward: str = "step", **options) -> Env:
     given = {"instruction": instruction} if instruction else {}
+    shape = Shape(whole_reply, observation, task_key, reward)
     if is_url(target) or url is not None:
         if options:
             raise ValueError(f"{', '.join(options)}: options of the environment itself, which runs on the server; "
                              "give them to the server")
-        return ServedEnv(name, url or target, given, ack, float(timeout))
+        return ServedEnv(name, url or target, given, ack, float(timeout), shape)
     environment, action = _classes(target)
-    return LocalEnv(name, environment(**options), action, given, ack)
+    return LocalEnv(name, environment(**options), action, given, ack, shape)
+
+
+class Shape:
+    """What the options whole_reply, observation, task_key and reward say: what a reply sends, which field of an
+    Observation is shown, which keyword of reset takes the task id, whether a reward is a step's or the return so far."""
+
+    def __init__(self, whole_reply: bool = False, observation: str | None = None, task_key: str = "seed",
+                 reward: str = "step"):
+        if reward not in ("step", "return"):
+            raise ValueError(f"--env-options reward {reward}: say step (a step's reward, summed) or return (the return "
+                             "so far)")
+        self.whole_reply, self.observation, self.task_key, self.reward = whole_reply, observation, task_key, reward
+
+    def check(self, fields: list[str]) -> None:
+        """Raise, with the fields there are, where the observation option names none of the Observation's `fields`."""
+        if self.observation is not None and self.observation not in fields:
+            raise ValueError(f"--env-options observation {self.observation}: the observation has no such field "
+                             f"(it has {', '.join(field for field in fields if field not in SKIPPED)})")
+
+    def text(self, fields: dict) -> str:
+        return str(fields[self.observation]) if self.observation is not None else observation_text(fields)
 
 
 def _classes(target: str) -> tuple[type, type]:
@@ -88,10 +121,10 @@ def fields_of(schema: dict) -> list[str]:
     return [name for name in schema.get("properties", {}) if name != "metadata"]
 
 
-def action_payload(text: str, fields: list[str]) -> dict | str:
+def action_payload(text: str, fields: list[str], whole_reply: bool = False) -> dict | str:
     """The action's fields for a reply: {field: action} for one field, the action's JSON object for several; a str
     that says what is wrong where the reply gives no action the Action can take."""
-    action = standards.action_of(text)
+    action = standards.action_of(text, whole_reply)
     if action is None:
         return REACT_ONLY_ONE
     if len(fields) == 1:
@@ -114,8 +147,8 @@ def observation_text(fields: dict) -> str:
 
 
 class OpenEnvEnv(Env):
-    def __init__(self, name: str, options: dict, ack: str, description: str | None):
-        self.name, self.ack = name, ack
+    def __init__(self, name: str, options: dict, ack: str, description: str | None, shape: Shape):
+        self.name, self.ack, self.shape = name, ack, shape
         self.instruction = standards.instruction(description, options)
         self.score = 0.0
 
@@ -126,32 +159,37 @@ class OpenEnvEnv(Env):
         return f"Error: that is not a valid action (it sets {', '.join(self.fields)})."
 
     def _result(self, observation: str, reward, done: bool, valid: bool = True) -> StepResult:
-        self.score += float(reward or 0.0)
+        if self.shape.reward == "return":
+            self.score = self.score if reward is None else float(reward)
+        else:
+            self.score += float(reward or 0.0)
         return StepResult(observation, self.score, bool(done), {"valid": valid})
 
 
 class LocalEnv(OpenEnvEnv):
     """An Environment instance in this process."""
 
-    def __init__(self, name: str, environment: Environment, action: type, options: dict, ack: str):
-        super().__init__(name, options, ack, description_of(environment.get_metadata().model_dump()))
+    def __init__(self, name: str, environment: Environment, action: type, options: dict, ack: str, shape: Shape):
+        super().__init__(name, options, ack, description_of(environment.get_metadata().model_dump()), shape)
         self.environment, self.action = environment, action
         self.fields = fields_of(action.model_json_schema())
 
     def reset(self, task_id: int) -> str:
         self.score = 0.0
-        return observation_text(self.environment.reset(seed=int(task_id)).model_dump())
+        observation = self.environment.reset(**{self.shape.task_key: int(task_id)}).model_dump()
+        self.shape.check(list(observation))
+        return self.shape.text(observation)
 
     def step(self, text: str) -> StepResult:
-        payload = action_payload(text, self.fields)
+        payload = action_payload(text, self.fields, self.shape.whole_reply)
         if isinstance(payload, str):
-            return self._result(payload, 0.0, False, valid=False)
+            return self._result(payload, None, False, valid=False)
         try:
             action = self.action(**payload)
         except pydantic.ValidationError:
-            return self._result(self.invalid, 0.0, False, valid=False)
+            return self._result(self.invalid, None, False, valid=False)
         observation = self.environment.step(action)
-        return self._result(observation_text(observation.model_dump()), observation.reward, observation.done)
+        return self._result(self.shape.text(observation.model_dump()), observation.reward, observation.done)
 
     def close(self) -> None:
         self.environment.close()
@@ -160,7 +198,7 @@ class LocalEnv(OpenEnvEnv):
 class ServedEnv(OpenEnvEnv):
     """A session on an OpenEnv server: its action schema read from /schema, then one WebSocket session."""
 
-    def __init__(self, name: str, url: str, options: dict, ack: str, timeout: float):
+    def __init__(self, name: str, url: str, options: dict, ack: str, timeout: float, shape: Shape):
         url = url.rstrip("/")
         try:
             with httpx.Client(base_url=url, timeout=timeout) as http:
@@ -168,26 +206,27 @@ class ServedEnv(OpenEnvEnv):
                 description = description_of(http.get("/metadata").raise_for_status().json())
         except httpx.HTTPError as error:
             raise ConnectionError(f"no OpenEnv server answers at {url} ({type(error).__name__}: {error})") from None
-        super().__init__(name, options, ack, description)
+        super().__init__(name, options, ack, description, shape)
+        shape.check(list(schema["observation"].get("properties", {})))
         self.fields = fields_of(schema["action"])
         self.client = GenericEnvClient(base_url=url, connect_timeout_s=timeout, message_timeout_s=timeout).sync()
         self.client.connect()
 
     def reset(self, task_id: int) -> str:
         self.score = 0.0
-        return observation_text(self.client.reset(seed=int(task_id)).observation)
+        return self.shape.text(self.client.reset(**{self.shape.task_key: int(task_id)}).observation)
 
     def step(self, text: str) -> StepResult:
-        payload = action_payload(text, self.fields)
+        payload = action_payload(text, self.fields, self.shape.whole_reply)
         if isinstance(payload, str):
-            return self._result(payload, 0.0, False, valid=False)
+            return self._result(payload, None, False, valid=False)
         try:
             result = self.client.step(payload)
         except RuntimeError as error:  # (the server's answer to an action that does not validate)
             if "VALIDATION" not in str(error).upper():
                 raise
-            return self._result(self.invalid, 0.0, False, valid=False)
-        return self._result(observation_text(result.observation), result.reward, result.done)
+            return self._result(self.invalid, None, False, valid=False)
+        return self._result(self.shape.text(result.observation), result.reward, result.done)
 
     def close(self) -> None:
         self.client.close()

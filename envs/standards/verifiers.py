@@ -4,7 +4,8 @@ TASKSET is the id verifiers loads a taskset by (an installed package exporting i
 `owner/my-taskset`); the env is what vf.load_environment makes of it: the taskset's own Env subclass where its package
 exports one (a game that answers each reply, as TextArena's), else vf's SingleAgentEnv (one reply, then scored).
 --env-options are the taskset config's fields, but `env` (a verifiers env id to play the taskset in, e.g.
-single_agent), `instruction` and `ack` (envs/standards).
+single_agent), `instruction`, `ack` and `whole_reply` (envs/standards); a taskset field of one of those names goes in
+`taskset`, a dict of fields (agentgym-rl's own `env`: `--env-options taskset "{'env': 'textcraft'}"`).
 
 verifiers runs an episode itself, asking a model for each reply through its harness; here the adapter is that model.
 The Env's run(task, agents) plays in an event loop of the adapter's own, on seats (agents) whose interaction(task).turn
@@ -12,7 +13,8 @@ hands each user message out as our observation and waits for our next reply, whi
 
     reset(task_id)  starts run() on the task's row; the observation is the first thing said to the agent: the task's
                     prompt (after its system prompt where that is not the instruction's), or the Env's first message
-    step(text)      sends the reply's action (envs/standards.action_of) as the assistant message; the observation is
+    step(text)      sends the reply's action (envs/standards.action_of; whole_reply True: the reply, for a taskset whose
+                    env parses replies, as agentgym-rl's) as the assistant message; the observation is
                     the Env's next message (reward 0), or, when run() ends, END and the reward: the task scored by its
                     rubric (its @vf.reward functions and judges, Task.score) over the episode's messages, plus what
                     run() recorded on the trace (a game's reward), each weighted, summed as verifiers sums them
@@ -57,9 +59,9 @@ def check(target: str) -> None:
     vf.import_taskset(target)
 
 
-def load(target: str, env: str | None = None, **options):
-    """vf.load_environment on the taskset `target` with its config's `options`, in the env `env` (None: its own)."""
-    return vf.load_environment(vf.resolve_env_config({"id": env or "", "taskset": {"id": target, **options}}))
+def load(target: str, env: str | None = None, fields: dict | None = None):
+    """vf.load_environment on the taskset `target` with its config's `fields`, in the env `env` (None: its own)."""
+    return vf.load_environment(vf.resolve_env_config({"id": env or "", "taskset": {"id": target, **(fields or {})}}))
 
 
 def default_splits(target: str) -> dict[str, list[int]]:
@@ -76,10 +78,10 @@ def default_splits(target: str) -> dict[str, list[int]]:
 
 
 def make(name: str, target: str, url: str | None = None, instruction: str | None = None, ack: str = standards.ACK,
-         env: str | None = None, **options) -> VerifiersEnv:
+         env: str | None = None, whole_reply: bool = False, taskset: dict | None = None, **options) -> VerifiersEnv:
     if url is not None:
         raise ValueError(f"{name} runs in this process (a verifiers taskset); --env-url is for OpenEnv servers")
-    environment = load(target, env, **options)
+    environment = load(target, env, options | (taskset or {}))
     seats = list(agent_config_fields(environment.config))
     if len(seats) != 1:
         raise ValueError(f"the verifiers env {type(environment).__name__} has {len(seats)} seats ({', '.join(seats)}); "
@@ -87,12 +89,12 @@ def make(name: str, target: str, url: str | None = None, instruction: str | None
     if environment.taskset.toolsets(environment.taskset.config) or environment._task_cls.toolsets(
             environment.taskset.config.task):
         raise ValueError(f"the taskset {target} gives its tasks tool servers (toolsets), which are not offered here")
-    return VerifiersEnv(name, environment, {"instruction": instruction} if instruction else {}, ack)
+    return VerifiersEnv(name, environment, {"instruction": instruction} if instruction else {}, ack, whole_reply)
 
 
 class VerifiersEnv(Env):
-    def __init__(self, name: str, environment, options: dict, ack: str):
-        self.name, self.environment, self.ack = name, environment, ack
+    def __init__(self, name: str, environment, options: dict, ack: str, whole_reply: bool = False):
+        self.name, self.environment, self.ack, self.whole_reply = name, environment, ack, whole_reply
         self.rows, self.unread = [], iter(environment.taskset)  # the taskset's tasks, read as far as needed
         first = self._task(0).data.system_prompt
         self.system_prompt = None if options else first  # (what the instruction says: a row's own that differs is
@@ -104,7 +106,7 @@ class VerifiersEnv(Env):
     def _task(self, task_id: int):
         if task_id < 0:
             raise IndexError(f"task id {task_id} is not a row of the taskset")
-        self.rows += itertools.islice(self.unread, task_id + 1 - len(self.rows))
+        self.rows += itertools.islice(self.unread, max(0, task_id + 1 - len(self.rows)))
         if task_id >= len(self.rows):
             raise IndexError(f"task id {task_id} is not a row of the taskset ({len(self.rows)} rows)")
         return self.rows[task_id]
@@ -120,7 +122,7 @@ class VerifiersEnv(Env):
         return value
 
     def step(self, text: str) -> StepResult:
-        action = standards.action_of(text)
+        action = standards.action_of(text, self.whole_reply)
         if action is None:
             return StepResult(REACT_ONLY_ONE, 0.0, False, {"valid": False})
         if self.episode is None:

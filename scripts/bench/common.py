@@ -35,6 +35,9 @@ class Args:
     """env: the envs timed in process and over HTTP"""
     episodes: int = 40
     """oracle episodes per env (SciWorld and WebArena: a quarter, their episodes are long and slow)"""
+    standards: tuple[Literal["gym", "openenv", "verifiers"], ...] = ("gym", "openenv", "verifiers")
+    """env: the standards each env is replayed through too (scripts/bench/env.py; openenv and verifiers need
+    requirements-standards.txt)"""
     clients: int = 0
     """env: concurrent clients of the load test (0: no load test)"""
     malformed_every: int = 5

@@ -6,6 +6,25 @@ sites' tasks. `--clients N` adds a load test: N threads replay the episodes thro
 request after every `--malformed-every` calls, counting requests/s, errors (a good call that failed, a malformed one
 not answered 4xx, any 5xx) and the server's CPU time per request.
 
+The same episodes also go round trip through each standard (issue 63), out of our env by our Out module and back in by
+our In adapter (envs/standards), `--standards` choosing which; an episode counts as identical when every answer is
+what the in-process play answered, as the standard shows it (STANDARDS):
+
+    gym        envs.make("gym:bench.env:GymStyle", env=...): a 15-line Gymnasium-style class around our env, played by
+               the gym: adapter in this process, so the figure is the adapter's own cost
+    openenv    `python -m envs.standards.openenv_server` on a loopback port, played by envs.make("openenv:URL")
+               (OpenEnv's own WebSocket client, one session)
+    verifiers  envs.standards.verifiers_env's taskset (id agentgym-rl) played by envs.make("verifiers:agentgym-rl") in
+               verifiers' own Env.run; task id k of the adapter is row k, the k-th episode's task id (task_ids); every
+               episode makes, resets and closes an env of its own, as verifiers_env runs one. verifiers says the
+               opening (instruction, ack, first observation) as one prompt and never shows the agent an episode's last
+               observation (run() ends with it): the adapter's first observation is the three joined, its last END.
+               Its steps before the last score 0 (a trace's reward is recorded at its end), which only SciWorld's
+               progress scores tell apart
+One reset of each before the clock starts (OpenEnv's server makes its env at a session's first reset, verifiers reads
+its rows then, an env reset each), as the other paths make their env before it. WebArena's expert plays live from what
+the env shows (LIVE_ORACLE), so it is not replayed through the standards.
+
     python scripts/bench.py --sections env --envs babyai textcraft --clients 8
 """
 
@@ -140,6 +159,96 @@ def episode_ends(transcript: list) -> list:
     return ends
 
 
+def episodes_of(transcript: list) -> list[list]:
+    """A transcript cut into its episodes, each from its reset's answer (a str) on."""
+    episodes = []
+    for answer in transcript:
+        if isinstance(answer, str):
+            episodes.append([])
+        episodes[-1].append(answer)
+    return episodes
+
+
+def identical(name: str, expected: list, played: list) -> int:
+    """How many episodes `played` answered exactly as `expected` (outcomes: the answers an env keeps fixed)."""
+    return sum(outcomes(name, mine) == outcomes(name, theirs)
+               for mine, theirs in zip(episodes_of(expected), episodes_of(played)))
+
+
+# ----------------------------------------------------------------------------------------------
+# The standards: each env round trip through an Out module and an In adapter (the module docstring says how)
+
+
+class GymStyle:
+    """Our env `env` as a Gymnasium-style env for the gym: adapter: reset(seed) is reset(task_id), step's reward the
+    step's increment (the adapter sums them back to our return so far)."""
+
+    def __init__(self, env: str, **options):
+        import envs
+
+        self.env, self.score, self.metadata = envs.make(env, **options), 0.0, {}
+
+    def reset(self, seed: int, options: dict | None = None) -> tuple[str, dict]:
+        self.score = 0.0
+        return self.env.reset(seed), {}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
+        result = self.env.step(action)
+        reward, self.score = result.reward - self.score, result.reward
+        return result.observation, reward, result.done, False, result.info
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def shown(standard: str, env, transcript: list) -> list:
+    """The in-process transcript as `standard` shows it: verifiers joins the opening into its first observation and
+    says END for an episode's last (envs/standards/verifiers.py); its steps before the last score 0."""
+    if standard != "verifiers":
+        return transcript
+    from envs.standards.verifiers import END
+
+    out = []
+    for episode in episodes_of(transcript):
+        out.append("\n\n".join([env.instruction, env.ack, episode[0]]))
+        out += [(observation, 0.0, done) for observation, _, done in episode[1:-1]]
+        out.append((END, *episode[-1][1:]))
+    return out
+
+
+def replay_standard(standard: str, name: str, options: dict, episodes) -> tuple[int, float, list]:
+    """replay() through `standard` (the env made by its In adapter on what its Out module serves)."""
+    import envs
+
+    server = None
+    try:
+        if standard == "gym":
+            env = envs.make("gym:bench.env:GymStyle", env=name, whole_reply=True, **options)
+            played = episodes
+        elif standard == "openenv":
+            server, url = start_server(name, options, 4, "envs.standards.openenv_server", "/health")
+            env = envs.make(f"openenv:{url}", whole_reply=True, observation="text", task_key="task_id",
+                            reward="return", timeout=envs.call_timeout(name))
+            played = episodes
+        else:
+            import envs.standards.verifiers_env  # noqa: F401 - registers the id agentgym-rl
+
+            env = envs.make("verifiers:agentgym-rl", whole_reply=True,
+                            taskset={"env": name, "task_ids": [task_id for task_id, _ in episodes], "horizon": 100,
+                                     "env_options": options})
+            played = [(row, texts) for row, (_, texts) in enumerate(episodes)]
+        try:
+            env.reset(played[-1][0])  # (before the clock, as the others make their env: OpenEnv's server makes its
+            # env at a session's first reset, verifiers reads every row, an env reset each)
+            return replay(env, played)
+        finally:
+            env.close()
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(30)
+
+
 def proc_status(pid, key: str) -> float:
     """A /proc/<pid>/status field in kB as GiB (VmHWM: the peak resident set)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -148,23 +257,27 @@ def proc_status(pid, key: str) -> float:
     return float("nan")
 
 
-def start_server(name: str, options: dict, max_envs: int) -> tuple[subprocess.Popen, str]:
+def start_server(name: str, options: dict, max_envs: int, module: str = "envs.serve",
+                 probe: str = "/") -> tuple[subprocess.Popen, str]:
+    """`python -m module` serving env `name` on a free loopback port (envs.serve, or envs.standards.openenv_server:
+    its sessions flag is --max-sessions), once GET `probe` answers 200."""
     import httpx
 
     port = free_port()
-    command = [sys.executable, "-m", "envs.serve", "--env", name, "--port", str(port), "--max-envs", str(max_envs)]
+    most = "--max-envs" if module == "envs.serve" else "--max-sessions"
+    command = [sys.executable, "-m", module, "--env", name, "--port", str(port), most, str(max_envs)]
     if options:
         command += ["--env-options", *[str(x) for pair in options.items() for x in pair]]
     server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
     while time.monotonic() < deadline and server.poll() is None:
         try:
-            if httpx.get(url + "/").status_code == 200:
+            if httpx.get(url + probe).status_code == 200:
                 return server, url
         except httpx.TransportError:
             time.sleep(0.2)
     server.kill()
-    raise RuntimeError(f"the {name} server did not start (python -m envs.serve --env {name})")
+    raise RuntimeError(f"the {name} server did not start (python -m {module} --env {name})")
 
 
 def load_test(name: str, url: str, server_pid: int, episodes, clients: int, malformed_every: int) -> dict:
@@ -231,13 +344,24 @@ def bench_env(name: str, args: Args) -> dict:
         finally:
             server.terminate()
             server.wait(30)
+        standards = {}
+        for standard in args.standards if name not in LIVE_ORACLE else ():
+            try:
+                calls, seconds, transcript = replay_standard(standard, name, options, episodes)
+                expected = shown(standard, local, local_transcript)
+                standards[standard] = {"calls_per_s": calls / seconds, "identical": identical(name, expected, transcript),
+                                       "gain": (local_calls / local_s) / (calls / seconds)}
+            except Exception as error:  # a standard not installed costs its row only
+                standards[standard] = {"error": f"{type(error).__name__}: {error}"}
     finally:
         local.close()
     return {"episodes": len(episodes), "calls": local_calls,
             "in_process_calls_per_s": local_calls / local_s, "http_calls_per_s": http_calls / http_s,
             "gain": (local_calls / local_s) / (http_calls / http_s),
+            "http_identical": len(episodes) - differing if name in LIVE_ORACLE else identical(name, local_transcript,
+                                                                                               http_transcript),
             "server_cpu_ms_per_call": 1000 * server_cpu / http_calls, "server_peak_gib": server_peak,
-            "episodes_ending_differently": differing, "load": under_load}
+            "episodes_ending_differently": differing, "load": under_load, "standards": standards}
 
 
 def phase_env(args: Args) -> dict:
@@ -251,16 +375,32 @@ def phase_env(args: Args) -> dict:
     return {"envs": results, "peak_gib": proc_status("self", "VmHWM")}
 
 
+THROUGH = {"gym": "through gym: (GymStyle, in process)", "openenv": "through OpenEnv (openenv_server, openenv:URL)",
+           "verifiers": "through verifiers (agentgym-rl, verifiers:agentgym-rl)"}
+
+
 def env_rows(env: dict) -> list[str]:
-    """The env section's rows: an env each, its calls/s in process against over HTTP."""
+    """The env section's rows: an env each, its calls/s in process against over HTTP; then one an env a standard."""
     lines = []
     for name, r in (env.get("envs") or {}).items():
         if "error" in r:
             lines.append(f"| env | {name} | {r['error'][:80]} | |")
             continue
-        lines.append(f"| env | {name}: calls/s in process / over HTTP ({r['episodes']} episodes, {r['calls']} calls) "
-                     f"| {r['in_process_calls_per_s']:,.0f} / {r['http_calls_per_s']:,.0f} = {r['gain']:.1f}x "
-                     f"(server peak {r['server_peak_gib']:.2f} GiB"
+        same = f", {r['http_identical']} identical" if "http_identical" in r else ""
+        lines.append(f"| env | {name}: calls/s in process / over HTTP ({r['episodes']} episodes, {r['calls']} calls"
+                     f"{same}) | {r['in_process_calls_per_s']:,.0f} / {r['http_calls_per_s']:,.0f} = "
+                     f"{r['gain']:.1f}x (server peak {r['server_peak_gib']:.2f} GiB"
                      + (f"; {r['episodes_ending_differently']} episodes ended differently"
                         if r.get("episodes_ending_differently") else "") + ") | |")
+    for standard, through in THROUGH.items():
+        for name, r in (env.get("envs") or {}).items():
+            one = (r.get("standards") or {}).get(standard)
+            if one is None:
+                continue
+            if "error" in one:
+                lines.append(f"| env | {name}: {through} | {one['error'][:80]} | |")
+                continue
+            lines.append(f"| env | {name}: calls/s in process / {through} ({one['identical']} of {r['episodes']} "
+                         f"episodes identical) | {r['in_process_calls_per_s']:,.0f} / {one['calls_per_s']:,.0f} = "
+                         f"{one['gain']:.1f}x | |")
     return lines
