@@ -74,7 +74,7 @@ class Episode:
         self.env_mask += [1] * len(sampled)
         self.logprobs += logprobs
         result = self.client.step({"text": reply})
-        self.reward, self.done = float(result.reward or 0.0), bool(result.done)
+        self.reward, self.done = float(result.observation["score"]), bool(result.done)  # (the outcome so far)
         self.messages += [{"role": "assistant", "content": "\x00"}, {"role": "user", "content": result.observation["text"]}]
         if self.done:
             return

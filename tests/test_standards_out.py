@@ -151,14 +151,15 @@ def test_openenv_client_plays_the_expert_episodes_as_in_process(name, experts, o
             first = result.observation
             assert (first["task_id"], first["instruction"], first["ack"]) == (task_id, local.instruction, local.ack)
             assert expert.same_first(task_id, first["text"]) and (result.reward, result.done) == (None, False)
-            act, observation, played = expert.player(task_id), first["text"], []
+            act, observation, played, rewards = expert.player(task_id), first["text"], [], 0.0
             for _ in steps if name not in LIVE_ORACLE else range(100):
                 result = env.step({"text": act(observation)})
-                observation = result.observation["text"]
-                played.append((observation, result.reward, result.done))
+                observation, rewards = result.observation["text"], rewards + result.reward
+                played.append((observation, result.observation["score"], result.done))
                 if result.done:
                     break
             assert expert.outcomes(played) == expert.outcomes(steps), (name, task_id)
+            assert rewards == pytest.approx(played[-1][1], abs=1e-9)  # (a step's reward: the change in the score)
             steps_played += len(played)
         state = env.state()
         assert (state["env"], state["task_id"], state["step_count"]) == (name, task_id, len(played))
@@ -174,7 +175,7 @@ def test_the_typed_client_plays_an_episode(experts, openenv_url):
         played = []
         for text, *_ in steps:
             result = env.step(TextAction(text=text))
-            played.append((result.observation.text, result.reward, result.done))
+            played.append((result.observation.text, result.observation.score, result.done))
         assert played == expert.outcomes(steps) and result.observation.info["success"] is True
 
 
@@ -184,7 +185,8 @@ def test_a_bad_action_is_an_observation_and_a_bad_request_one_error(experts, ope
         assert env.reset(task_id=33).observation["text"] == local.reset(33)
         for junk in ["no action here", "Action: a\nAction: b", "Action: fly to the moon"]:
             mine, theirs = local.step(junk), env.step({"text": junk})
-            assert (theirs.observation["text"], theirs.reward, theirs.done) == (mine.observation, mine.reward, mine.done)
+            assert (theirs.observation["text"], theirs.observation["score"], theirs.done) == \
+                (mine.observation, mine.reward, mine.done)
             assert theirs.observation["info"]["valid"] is False
         for bad in ({"txt": "turn left"}, {"text": 5}, {"text": "turn left", "extra": 1}):
             with pytest.raises(RuntimeError, match="VALIDATION_ERROR"):
@@ -235,7 +237,7 @@ def test_two_sessions_at_once_each_play_their_own_episode(experts, openenv_url):
             for env, steps in ((one, five), (two, thirty_three)):
                 if i < len(steps):
                     result = env.step({"text": steps[i][0]})
-                    assert (result.observation["text"], result.reward, result.done) == steps[i][1:]
+                    assert (result.observation["text"], result.observation["score"], result.done) == steps[i][1:]
         assert one.state()["task_id"] == 5 and two.state()["task_id"] == 33
 
 
@@ -383,12 +385,12 @@ def test_load_environment_rows_splits_horizon_and_errors(experts, model):
 # Out, then in: the In adapters (envs/standards/openenv.py, verifiers.py) play our envs served by the Out modules
 
 
-OURS_ON_OPENENV = {"whole_reply": True, "observation": "text", "task_key": "task_id", "reward": "return"}  # (openenv.py)
+OURS_ON_OPENENV = {"whole_reply": True, "observation": "text", "task_key": "task_id"}  # (openenv.py)
 
 
 @pytest.mark.parametrize("name", ["babyai", "textcraft", pytest.param("sciworld", marks=pytest.mark.slow)])
 def test_the_openenv_adapter_plays_our_served_env_as_in_process(name, experts, openenv_url):
-    """(SciWorld: its rewards are progress scores, which the adapter would sum without `reward return`)"""
+    """(SciWorld: its progress scores arrive as steps' rewards, which the adapter sums back into the score)"""
     expert = experts(name)
     env = envs.make(f"openenv:{openenv_url(name)}", **OURS_ON_OPENENV)
     for task_id, (first, steps) in expert.episodes.items():

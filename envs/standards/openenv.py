@@ -26,10 +26,10 @@ Not covered: MCP tools (an MCPEnvironment's tools are not offered as --agent too
 simulation reset/step), rubrics read from outside (the reward is what each observation carries).
 
 Our own envs served by envs/standards/openenv_server.py play as they do in process with `--env-options whole_reply
-True observation text task_key task_id reward return` (scripts/bench/env.py replays the expert so): their Action is the
+True observation text task_key task_id` (scripts/bench/env.py replays the expert so): their Action is the
 reply as our env's step takes it, their Observation carries the task id, instruction, ack and info beside the text,
-their reset(seed=s) plays the train split's task s % len (reset(task_id=i): task i), and their reward is already the
-return so far (that server's docstring): summed, SciWorld's progress scores would add up to thousands.
+their reset(seed=s) plays the train split's task s % len (reset(task_id=i): task i), and their reward is a step's
+(the change in our env's score, which the `score` field carries: that server's docstring), summed here as any.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ OpenEnv integration through them, play it.
     from openenv.core.generic_client import GenericEnvClient
     with GenericEnvClient(base_url="http://127.0.0.1:8000").sync() as client:
         result = client.reset(task_id=12)                # or seed=3: the train split's task 3 (below)
-        first = result.observation                       # {"text", "task_id", "instruction", "ack", "info"}
+        first = result.observation                       # {"text", "task_id", "instruction", "ack", "score", "info"}
         result = client.step({"text": "Thought: ...\nAction: turn left"})
-        result.observation["text"], result.reward, result.done
+        result.observation["text"], result.reward, result.done, result.observation["score"]   # (reward: the step's)
 
 `AgentGymClient` below is the same client typed (TextAction in, TextObservation out).
 
@@ -28,9 +28,11 @@ an error on the client (RuntimeError "Server error: ..."), as is an env that fai
 each, and the session and the server go on. A malformed action (text that is no action) is an observation, as our
 envs answer it; an action without a string `text` is the client's validation error.
 
-reward is our env's StepResult.reward: the episode's outcome so far (the score, for BabyAI and SciWorld), not a
-per-step increment, so an episode's return is its last reward, not the sum of its rewards (verifiers' own OpenEnv
-taskset sums them). info is the env's StepResult.info. Every session has its own env instance, so one server
+reward is a step's reward, as OpenEnv's clients read it (TRL's examples and verifiers' OpenEnv taskset sum an
+episode's rewards): the change in our env's StepResult.reward, which is the episode's outcome so far (AgentGym's: the
+score, for BabyAI and SciWorld a running one); `score` carries that outcome itself, the return so far. So a client
+that sums the rewards and one that reads the last score agree (a SciWorld episode's progress 25, 50, 100: rewards
+25, 25, 50). info is the env's StepResult.info. Every session has its own env instance, so one server
 holds up to --max-sessions sessions at once (SUPPORTS_CONCURRENT_SESSIONS: all five envs take several instances
 in one process, as envs/serve.py serves them). A WebSocket client waits 60 s for an answer by default; SciWorld's
 and WebArena's calls may take longer (envs.call_timeout): pass message_timeout_s=envs.call_timeout(name).
@@ -70,6 +72,7 @@ class TextObservation(Observation):
     task_id: int | None = Field(default=None, description="the task this episode plays")
     instruction: str = Field(default="", description="on reset: the env's instruction (the first user turn)")
     ack: str = Field(default="", description="on reset: the env's ack (the canned assistant reply after it)")
+    score: float = Field(default=0.0, description="the episode's outcome so far (our env's reward; the return so far)")
     info: dict[str, Any] = Field(default_factory=dict, description="on a step: the env's StepResult.info")
 
 
@@ -93,6 +96,7 @@ class AgentGymEnvironment(Environment[TextAction, TextObservation, EpisodeState]
         self.name, self.options = name, options or {}
         self.env: envs.Env | None = None
         self._state = EpisodeState(env=name)
+        self.score = 0.0  # the episode's outcome so far: a step's reward is its change
 
     def reset(self, seed: int | None = None, episode_id: str | None = None, task_id: int | None = None,
               **kwargs: Any) -> TextObservation:
@@ -101,6 +105,7 @@ class AgentGymEnvironment(Environment[TextAction, TextObservation, EpisodeState]
             self.env = envs.make(self.name, **self.options)
         self._state = EpisodeState(env=self.name, episode_id=episode_id or str(uuid.uuid4()), task_id=task_id)
         text = self.env.reset(task_id)
+        self.score = 0.0
         opening = {"task_id": task_id, "instruction": self.env.instruction, "ack": self.env.ack}
         return TextObservation(text=text, **opening, done=False, reward=None, metadata={"env": self.name, **opening})
 
@@ -122,8 +127,10 @@ class AgentGymEnvironment(Environment[TextAction, TextObservation, EpisodeState]
         result = self.env.step(action.text)
         self._state.step_count += 1
         info = json.loads(json.dumps(result.info, default=str))  # (a value an env keeps as an object goes as its str)
+        reward, self.score = result.reward - self.score, result.reward
         return TextObservation(text=result.observation, task_id=self._state.task_id, info=info, done=result.done,
-                               reward=result.reward, metadata={"env": self.name, "task_id": self._state.task_id})
+                               reward=reward, score=result.reward,
+                               metadata={"env": self.name, "task_id": self._state.task_id})
 
     @property
     def state(self) -> EpisodeState:

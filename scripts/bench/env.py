@@ -228,7 +228,7 @@ def replay_standard(standard: str, name: str, options: dict, episodes) -> tuple[
         elif standard == "openenv":
             server, url = start_server(name, options, 4, "envs.standards.openenv_server", "/health")
             env = envs.make(f"openenv:{url}", whole_reply=True, observation="text", task_key="task_id",
-                            reward="return", timeout=envs.call_timeout(name))
+                            timeout=envs.call_timeout(name))
             played = episodes
         else:
             import envs.standards.verifiers_env  # noqa: F401 - registers the id agentgym-rl
