@@ -106,7 +106,8 @@ class VerifiersEnv(Env):
     def _task(self, task_id: int):
         if task_id < 0:
             raise IndexError(f"task id {task_id} is not a row of the taskset")
-        self.rows += itertools.islice(self.unread, task_id + 1 - len(self.rows))
+        if task_id >= len(self.rows):  # (a row read before is kept: an instance plays lower rows after higher ones)
+            self.rows += itertools.islice(self.unread, task_id + 1 - len(self.rows))
         if task_id >= len(self.rows):
             raise IndexError(f"task id {task_id} is not a row of the taskset ({len(self.rows)} rows)")
         return self.rows[task_id]
