@@ -191,6 +191,7 @@ def test_verifiers_rows_are_task_ids_and_the_rubric_scores_the_end():
     assert play(game, 6, ["Action: 1"] * 4)[-1].reward == 0.0  # (4 turns, never right)
     assert play(single, 3, ["Action: 4"]) == ["Your guess?", envs.StepResult(END, 1.0, True, {})]
     assert play(single, 3, ["4 is my guess"])[-1].reward == 0.0  # (the raw reply, not the secret)
+    assert play(game, 2, ["Action: 3"])[1].observation == END  # (a lower row after a higher one: the row read before)
     with pytest.raises(IndexError, match="not a row of the taskset"):
         game.reset(20)
     game.close(), single.close()

@@ -15,8 +15,8 @@ default splits), so envs.make, envs.splits and the rollout need nothing else; re
 What every standard lacks, filled here by a stated default (each adapter says what it fills in its own way):
     task ids     the seed of reset for Gymnasium and OpenEnv; a row of the taskset for verifiers (envs/standards/
                  verifiers.py), so that a group (n episodes of one task id) and a resumed run replay exact episodes
-    splits       train: ids 0-999, test: ids 1000000-1000099, disjoint (verifiers: its rows, see there); task files
-                 (--train-tasks, --test-tasks) choose others
+    splits       train: ids 0-999, test: ids 1000000-1000099, disjoint (verifiers: its rows, 1000-1099 for an endless
+                 taskset: see there); task files (--train-tasks, --test-tasks) choose others
     instruction  the standard env's own description where it has one, else GENERIC; followed by REPLY_GUIDE.
                  --env-options instruction TEXT replaces both, ack TEXT the ack (ACK)
     action       the reply's text after its one `Action:` (stripped, several lines kept: JSON, code), or the whole

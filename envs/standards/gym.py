@@ -4,7 +4,8 @@ TARGET is `module:callable` (a class or function that returns the env; its --env
 or an id registered with Gymnasium (`gym:GuessNumber-v0`: gymnasium.make(id, **options); `pkg:Id-v0` imports pkg
 first, as gymnasium.make does). The env follows Gymnasium 1.x: reset(seed=...) -> (observation, info) and
 step(action) -> (observation, reward, terminated, truncated, info), with str observations (anything else is shown as
-str(observation)) and str actions.
+str(observation)) and str actions. The env need not be a gymnasium.Env: a plain class with those reset and step
+(close optional) plays the same (docs/bring-your-own-env.md).
 
     task id     the seed of reset: the same task id replays the same episode (groups, resume), as long as the env
                 draws from the np_random reset seeds (Gymnasium's contract) or from Python's or numpy's global
@@ -96,7 +97,8 @@ class GymEnv(Env):
                                                                 "truncated": bool(truncated and not terminated)})
 
     def close(self) -> None:
-        self.env.close()
+        if hasattr(self.env, "close"):  # (a plain class with Gymnasium's reset and step need not have one)
+            self.env.close()
 
     def _own_rng(self, call, *args, seed: int | None = None):
         """call(*args) (reset: with seed=) with this instance's global-generator state swapped in (module docstring);

@@ -22,7 +22,8 @@ hands each user message out as our observation and waits for our next reply, whi
 The task id is the row's position in the taskset's load() order (its `idx`). Default splits (a taskset has no
 train/test of its own): the last tenth of a finite taskset's rows (at least one) is the test split, the rest train;
 an infinite one (INFINITE, as seeded games) or one that cannot load without options: train rows 0-999, test rows
-1000000-1000099. The instruction is the first row's system prompt, else the generic one (envs/standards).
+1000-1099 (ENDLESS_TEST: not a seed's 1000000 on, since an env reaches row k by reading the k rows before it). The
+instruction is the first row's system prompt, else the generic one (envs/standards).
 
 Not covered, and refused with one sentence: an Env with more than one seat (user-sim, a judge agent), tasks with tool
 servers (Task.toolsets and Taskset.toolsets are MCP servers a harness would launch). Not run: the Env's finalize (it
@@ -52,6 +53,7 @@ from envs import standards
 
 END = "The episode is over."
 TEST_SHARE = 10  # the last 1/TEST_SHARE of a finite taskset's rows is its default test split
+ENDLESS_TEST = list(range(1000, 1100))  # an infinite taskset's default test rows: the hundred after the train rows
 
 
 def check(target: str) -> None:
@@ -69,10 +71,10 @@ def default_splits(target: str) -> dict[str, list[int]]:
     try:
         taskset = load(target).taskset
         rows = None if taskset.INFINITE else sum(1 for _ in taskset)
-    except Exception:  # noqa: BLE001 - a taskset that needs options (or the network) to load: the seed-like ids
+    except Exception:  # noqa: BLE001 - a taskset that needs options (or the network) to load: as an endless one
         rows = None
     if rows is None:
-        return {"train": standards.TRAIN_IDS, "test": standards.TEST_IDS}
+        return {"train": standards.TRAIN_IDS, "test": ENDLESS_TEST}
     test = max(1, rows // TEST_SHARE)
     return {"train": list(range(rows - test)), "test": list(range(rows - test, rows))}
 
