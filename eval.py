@@ -75,7 +75,7 @@ from rl.tasks import env_names
 from rl.progress import play_until_stopped, stopped
 from rl.model import (EMBEDDED, EMBEDDED_ROLLOUT, EMBEDDED_TOOLS, context_limit, deterministic_kernels,
                       embedded_rollout, load_config, load_tokenizer, stop_on_nondeterministic)
-from rl.run import code_revision, run_of
+from rl.run import code_revision, file_safe, run_of
 from rl.scores import (actions, cells, compare_rows, endings, env_table, macro, per_task, result_text, score,
                        spread, sweep_table)
 from rl.engines import api
@@ -344,12 +344,12 @@ def output_path(args: Args, env_name: str, settings: dict) -> Path:
     """<out> (without extension): --out (with several envs, <out>_<env> each), else beside the checkpoint, else
     runs/eval/."""
     if args.out:  # (a trailing .json is the file's own: res.json writes res.json and res.jsonl)
-        out = Path(args.out.removesuffix(".json") + ("" if len(eval_envs(args)) == 1 else f"_{env_name}"))
+        out = Path(args.out.removesuffix(".json") + ("" if len(eval_envs(args)) == 1 else f"_{file_safe(env_name)}"))
     elif run_of(args.model) is not None:
-        out = Path(args.model) / f"eval_{env_name}_{args.split}_k{args.k}_{settings['protocol']}"
+        out = Path(args.model) / f"eval_{file_safe(env_name)}_{args.split}_k{args.k}_{settings['protocol']}"
     else:
         name = Path(args.model.replace(":", "-")).name  # (openai:<name> -> openai-<name>)
-        out = Path("runs/eval") / f"{env_name}-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        out = Path("runs/eval") / f"{file_safe(env_name)}-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.parent.mkdir(parents=True, exist_ok=True)
     return out
 

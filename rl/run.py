@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -86,6 +87,12 @@ class RunArgs:
 # The run directory and its config.json
 
 
+def file_safe(name: str) -> str:
+    """`name` as one file or directory name: what a path would read otherwise (an env spec's ':' and '/', as in
+    openenv:http://host:8000 or gym:pkg.mod:Class) as '-'; babyai+textcraft-grpo stays as it is."""
+    return re.sub(r"[^\w.+-]+", "-", name).strip("-")
+
+
 def run_directory(accelerator, run: RunArgs, prefix: str) -> Path:
     """Where the run writes, the same on every process: <out_dir>/<run_name>, by default <prefix>-<time>. A resumed
     run (from checkpoint --resume) goes on in its own directory (from a checkpoint older than its newest,
@@ -100,7 +107,7 @@ def run_directory(accelerator, run: RunArgs, prefix: str) -> Path:
                   f"before they are cut back to this checkpoint, are now in {aside}")
         accelerator.wait_for_everyone()
         return run_dir
-    name = [run.run_name or f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"]
+    name = [run.run_name or f"{file_safe(prefix)}-{time.strftime('%Y%m%d-%H%M%S')}"]
     run_dir = Path(run.out_dir) / broadcast_object_list(name)[0]  # one timestamp for every process
     if (run_dir / CONFIG).exists():
         if run.resume != "auto":

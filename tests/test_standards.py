@@ -7,6 +7,7 @@ expert asked of an env without one) stops with one sentence."""
 import json
 import random
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -108,6 +109,19 @@ def test_what_cannot_be_played_stops_with_one_sentence(monkeypatch):
 
 # ----------------------------------------------------------------------------------------------
 # Each adapter: one task id, one episode
+
+
+def test_a_spec_names_one_file_or_directory(tmp_path, monkeypatch):
+    """An eval result's and a run's default names hold the env: a spec's ':' and '/' (a URL's) would make them
+    several directories deep, or names other systems refuse."""
+    from rl.run import file_safe
+
+    monkeypatch.chdir(tmp_path)
+    spec = "openenv:http://127.0.0.1:8000"
+    out = eval_script.output_path(build(eval_script.Args, model="tiny-agent", env=(spec,)), spec, {})
+    assert out.parent == Path("runs/eval") and out.name.startswith("openenv-http-127.0.0.1-8000-tiny-agent-")
+    assert file_safe(f"{GYM}+babyai-grpo") == "gym-tests.guess_gym-Guess+babyai-grpo"
+    assert file_safe("babyai+textcraft-ppo") == "babyai+textcraft-ppo"
 
 
 @pytest.mark.parametrize("spec", [GYM, REGISTERED])
