@@ -162,6 +162,20 @@ def test_envs_that_draw_from_the_global_generators_replay_by_task_id_in_threads(
     assert random.getstate() == outside
 
 
+def test_a_gym_env_forks_by_deepcopy_and_one_that_cannot_says_why():
+    """--group-start fork on a Gymnasium env: a copy plays on from the same state, its own generators with it."""
+    import threading
+
+    env = envs.make("gym:tests.guess_gym:GlobalGuess")
+    play(env, 3, ["Action: 1"])
+    twin = env.fork()
+    assert [env.step("Action: 2"), env.step("Action: 3")] == [twin.step("Action: 2"), twin.step("Action: 3")]
+    assert env.env.secret == twin.env.secret and twin.env is not env.env
+    env.env.lock = threading.Lock()  # (what deepcopy refuses)
+    with pytest.raises(NotImplementedError, match="cannot copy its state: deepcopy failed"):
+        env.fork()
+
+
 def test_openenv_in_process_and_on_its_server_play_the_same_episodes(openenv_url):
     local, served = envs.make(OPENENV), envs.make(f"openenv:{openenv_url}")
     named = envs.make(OPENENV, url=openenv_url, timeout=10)  # (--env openenv:Class --env-url URL)

@@ -14,6 +14,7 @@ str(observation)) and str actions. The env need not be a gymnasium.Env: a plain 
                 takes
     reward      the return so far (the sum of step rewards); done: terminated or truncated (info says which)
     instruction env.metadata["description"] where the env has one, else the generic one (envs/standards)
+    fork        a deep copy (--group-start fork), where deepcopy can copy the env
 
 What the standard does not give (splits, an expert, a horizon, a state key) is the package's default
 (envs/standards). A Gymnasium env runs in this process: --env-url does not apply.
@@ -28,6 +29,7 @@ draws from the global generators without seeding them replays by task id too.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import random
 import threading
@@ -95,6 +97,15 @@ class GymEnv(Env):
         done = bool(terminated or truncated)
         return StepResult(str(observation), self.score, done, {"valid": bool(info.get("valid", True)),
                                                                 "truncated": bool(truncated and not terminated)})
+
+    def fork(self) -> GymEnv:
+        """Env.fork: a deep copy, the game with its generators (its np_random, and this instance's state of the
+        global ones) in it; an env that deepcopy cannot copy (one holding a lock, a socket, a process) says so."""
+        try:
+            return copy.deepcopy(self)
+        except Exception as error:  # noqa: BLE001 - whatever deepcopy meets, the run is told in one sentence
+            raise NotImplementedError(f"a {self.name} env cannot copy its state: deepcopy failed "
+                                      f"({type(error).__name__}: {error})") from None
 
     def close(self) -> None:
         if hasattr(self.env, "close"):  # (a plain class with Gymnasium's reset and step need not have one)
