@@ -100,7 +100,10 @@ class Standard:
     def TOOLS(self):
         """The adapter's tools for the target (envs/tools.py); none (AttributeError, so hasattr is False) where it
         has none."""
-        tools = self.adapter.tools(self.target) if hasattr(self.adapter, "tools") else None
+        try:
+            tools = self.adapter.tools(self.target) if hasattr(self.adapter, "tools") else None
+        except AttributeError as error:  # (not to be read as "no tools" by hasattr)
+            raise RuntimeError(f"{self.name}: listing its tools failed: {error}") from error
         if tools is None:
             raise AttributeError(f"{self.name} declares no tools")
         return tools
