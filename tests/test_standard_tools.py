@@ -111,3 +111,44 @@ def test_a_tool_of_other_arguments_is_skipped_and_an_env_with_none_is_refused(ca
         from rl.agent import check_layout
         check_layout("tools", "openenv:tests.guess_mcp.Arrays")
     assert "openenv:tests.guess_mcp.Arrays: the tool move is skipped: its argument to is" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# The tools agent, the trainer and eval.py on it
+
+
+def test_the_tools_agent_lays_the_schema_out_and_steps_a_models_call():
+    from rl.agent import make_agent
+    from rl.chat import ChatFormat
+    from rl.model import load_tokenizer
+
+    agent, fmt, env = make_agent("tools"), ChatFormat(load_tokenizer("tiny-agent-tools")), envs.make(MCP)
+    assert agent.tools(env) == [GUESS]
+    prompt = fmt.tokenizer.decode(fmt.prompt(agent.opening(env, env.reset(3)), tools=agent.tools(env)))
+    assert json.dumps(GUESS["function"]["parameters"]) in prompt  # (the template lays the schema out, as Qwen2.5's)
+    action = agent.read(fmt, MCP, '<tool_call>\n{"name": "guess", "arguments": {"number": 4}}\n</tool_call>')
+    assert action.calls == [("guess", {"number": 4})] and env.step(action.text).observation == "Correct!"
+    wrong = agent.read(fmt, MCP, '<tool_call>\n{"name": "guess", "arguments": {"number": -1}}\n</tool_call>')
+    assert wrong.text is None and "must be an integer of 0 or more" in wrong.problem
+    env.close()
+
+
+@pytest.mark.slow
+def test_train_and_eval_play_an_mcp_env_through_tool_calls(tmp_path):
+    import eval as eval_script
+    import train
+    from rl.agent import TOOLS_GUIDE
+    from rl.flags import build
+    from rl.model import EMBEDDED
+
+    args = train.parse_args(["--env", MCP, "--agent", "tools", "--model", "tiny-agent-tools", "--steps", "1",
+                             "--tasks-per-step", "2", "--n", "2", "--horizon", "2", "--eval-every", "0",
+                             "--out-dir", str(tmp_path), "--run-name", "mcp"])
+    run_dir = train.main(args)
+    rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 4 and all(r["error"] is None and r["item_id"].startswith(MCP) for r in rollouts)
+    assert all(TOOLS_GUIDE in r["messages"][0]["content"] for r in rollouts)
+    assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["charts/step"] == 1
+    result = eval_script.main(build(eval_script.Args, model=str(EMBEDDED["tiny-agent-tools"]), env=(MCP,),
+                                    agent="tools", engine="hf", limit=2, k=1, horizon=(2,), out=str(tmp_path / "eval")))
+    assert (result["env"], result["agent"], result["tasks"], result["errors"]) == (MCP, "tools", 2, 0)
