@@ -226,11 +226,11 @@ def call_of(env_name: str, text: str) -> tuple[str, dict]:
 
 
 def _value(param: Param, spelled: str):
-    """An argument as the action spells it -> its JSON value (a boolean is spelled True or 1)."""
+    """An argument as the action spells it -> its JSON value (a boolean is spelled True, true or 1)."""
     if param.type == "integer":
         return int(spelled)
     if param.type == "number":
         return float(spelled)
     if param.type == "boolean":
-        return spelled in ("True", "1")
+        return spelled in ("True", "true", "1")
     return spelled

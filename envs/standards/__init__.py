@@ -32,7 +32,8 @@ What every standard lacks, filled here by a stated default (each adapter says wh
                  that need one (scripts/make_expert_data.py) stop on envs.has_oracle
     state_key    None (no standard says when two states are equal, so GiGPO's step term is 0 on them)
     category     one for every task: the target's last name (Guess, CounterEnvironment, my-taskset, the host)
-    tools        none: --agent tools refuses these envs (verifiers' toolsets and OpenEnv's MCP tools are not read)
+    tools        an OpenEnv MCP environment's tools (envs/standards/openenv.py: each call one JSON line, `Action: `
+                 before it); the others declare none, so --agent tools refuses them (verifiers' toolsets are not read)
 """
 
 from __future__ import annotations
@@ -92,6 +93,23 @@ class Standard:
 
     INSTRUCTION = instruction(None, {})  # (a remote env's; an instance's own is its env's description)
     ACK = ACK
+
+    REPLY = "Action: {action}"  # (envs/tools.py: how a reply carries a tool call's action, where there are TOOLS)
+
+    @property
+    def TOOLS(self):
+        """The adapter's tools for the target (envs/tools.py); none (AttributeError, so hasattr is False) where it
+        has none."""
+        try:
+            tools = self.adapter.tools(self.target) if hasattr(self.adapter, "tools") else None
+        except AttributeError as error:  # (not to be read as "no tools" by hasattr)
+            raise RuntimeError(f"{self.name}: listing its tools failed: {error}") from error
+        if tools is None:
+            raise AttributeError(f"{self.name} declares no tools")
+        return tools
+
+    def read_action(self, text: str) -> str | None:
+        return action_of(text)
 
     def make(self, url: str | None = None, **options):
         return self.adapter.make(self.name, self.target, url=url, **options)

@@ -22,8 +22,23 @@ which bounds the instances a run may make there.
                 observation's reward is already the return so far, as ours served send it); done: the observation's done
     instruction get_metadata().description (a server's /metadata), but for the default "<Class> environment"
 
-Not covered: MCP tools (an MCPEnvironment's tools are not offered as --agent tools), a server in production mode (no
-simulation reset/step), rubrics read from outside (the reward is what each observation carries).
+An MCP environment (MCPEnvironment's subclass, or a server whose Action is CallToolAction) is played through its
+tools, listed once a process with ListToolsAction (in process: from an instance made without --env-options; a server:
+on a session of its own), so `--agent tools` plays it (envs/tools.py):
+
+    tools       each MCP tool is a Tool of ours; its input schema's parameters are its Params where each is a string,
+                integer, number or boolean (with its description, enum and required), and a tool with any other
+                parameter (an object, an array, a union such as `int | None`) is skipped, said in one line on stderr
+    action      a call is one canonical JSON line, the reply's action: {"tool": NAME, "arguments": {...}} (the
+                arguments in the schema's order, as json.dumps writes them, non-ASCII kept), which step reads back
+                into CallToolAction(tool_name=NAME, arguments=...); a react reply may write the same line itself.
+                Anything else is answered with the line's format, the environment not stepped (valid False)
+    observation the tool result's text (its text contents, one a line), or `Error: ` and the message where the call
+                failed (an unknown tool, arguments the tool does not take); reward and done: the observation's, as
+                any (an MCPEnvironment sets them in its own step: tests/guess_mcp.py)
+
+Not covered: a server in production mode (no simulation reset/step; MCP over /mcp alone), rubrics read from outside
+(the reward is what each observation carries).
 
 Our own envs served by envs/standards/openenv_server.py play as they do in process with `--env-options whole_reply
 True observation text task_key task_id` (scripts/bench/env.py replays the expert so): their Action is the
@@ -34,17 +49,23 @@ their reset(seed=s) plays the train split's task s % len (reset(task_id=i): task
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
+import re
+import sys
 
 import httpx
 import pydantic
 from openenv.core import GenericEnvClient
 from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.mcp_environment import MCPEnvironment
+from openenv.core.env_server.mcp_types import CallToolAction, ListToolsAction
 from openenv.core.env_server.types import Action
 
 from envs import REACT_ONLY_ONE, Env, StepResult
 from envs import standards
+from envs.tools import TYPES, Param, Tool
 
 SKIPPED = {"done", "reward", "metadata"}  # what an Observation has besides what it says
 
@@ -102,6 +123,8 @@ def _classes(target: str) -> tuple[type, type]:
     environment = getattr(importlib.import_module(module), attribute)
     if not (isinstance(environment, type) and issubclass(environment, Environment)):
         raise TypeError(f"{target} is not an OpenEnv Environment subclass")
+    if issubclass(environment, MCPEnvironment):
+        return environment, CallToolAction
     for cls in environment.__mro__:
         for base in getattr(cls, "__orig_bases__", ()):
             arguments = getattr(base, "__args__", ())
@@ -145,6 +168,101 @@ def observation_text(fields: dict) -> str:
         return str(next(iter(shown.values())))
     return json.dumps(shown, default=str)
 
+# ----------------------------------------------------------------------------------------------
+# MCP tools: listed once, each call one JSON line
+
+# How a call's arguments are spelled in its JSON line, for the pattern that reads a call back (envs/tools.call_of): a
+# string only where json.dumps writes it as it is (no quote, backslash or control character: one that needs an escape
+# reads back as no call, though step takes it)
+JSON_SPELLINGS = {"string": r'"(?P<{}>[^"\\\x00-\x1f]*)"', "integer": "(?P<{}>0|[1-9][0-9]*)",
+                  "number": r"(?P<{}>-?[0-9]+(?:\.[0-9]+)?)", "boolean": "(?P<{}>true|false)"}
+CALL_FORMAT = 'Error: call a tool as one JSON object, {"tool": NAME, "arguments": {...}}.'
+
+
+def is_mcp(fields: list[str]) -> bool:
+    """Whether an Action of these fields is MCP's CallToolAction (a server that serves an MCPEnvironment)."""
+    return {"tool_name", "arguments"} <= set(fields)
+
+
+@functools.cache
+def tools(target: str) -> tuple[Tool, ...] | None:
+    """The MCP tools of the environment `target` names, as ours (envs/tools.py); None for one without MCP tools. A
+    ValueError, in one sentence, where every tool is skipped."""
+    if is_url(target):
+        with httpx.Client(base_url=target.rstrip("/"), timeout=standards.CALL_TIMEOUT) as http:
+            if not is_mcp(fields_of(http.get("/schema").raise_for_status().json()["action"])):
+                return None
+        client = GenericEnvClient(base_url=target.rstrip("/"), connect_timeout_s=standards.CALL_TIMEOUT,
+                                  message_timeout_s=standards.CALL_TIMEOUT).sync()
+        with client:
+            listed = client.step({"type": "list_tools"}).observation.get("tools", [])
+    else:
+        environment, action = _classes(target)
+        if action is not CallToolAction:
+            return None
+        instance = environment()
+        listed = [tool.model_dump() for tool in instance.step(ListToolsAction()).tools]
+        instance.close()
+    ours = []
+    for listed_tool in listed:
+        tool = tool_of(listed_tool)
+        if isinstance(tool, str):
+            print(f"openenv:{target}: {tool}", file=sys.stderr)
+        else:
+            ours.append(tool)
+    if not ours:
+        raise ValueError(f"openenv:{target} lists no tool whose arguments are all strings, integers, numbers or "
+                         "booleans, so it cannot be played with --agent tools")
+    return tuple(ours)
+
+
+def tool_of(listed: dict) -> Tool | str:
+    """An MCP tool (name, description, input_schema) as our Tool, or the sentence that says why it is skipped."""
+    name, schema = listed["name"], listed.get("input_schema") or {}
+    params = {}
+    for key, spec in schema.get("properties", {}).items():
+        if spec.get("type") not in TYPES or not key.isidentifier():
+            return (f"the tool {name} is skipped: its argument {key} is {json.dumps(spec)}, and a tool's arguments "
+                    "here are strings, integers, numbers or booleans")
+        enum = tuple(spec["enum"]) if "enum" in spec else None
+        params[key] = Param(spec["type"], spec.get("description", ""), enum, key in schema.get("required", []))
+    reads = re.escape(f'{{"tool": {json.dumps(name, ensure_ascii=False)}, "arguments": {{')
+    for key, param in params.items():  # (each `"key": value` ends with ", " before the next or at the "}")
+        segment = f'{re.escape(json.dumps(key, ensure_ascii=False))}: {JSON_SPELLINGS[param.type].format(key)}(?:, (?=")|(?=\}}))'
+        reads += f"(?:{segment}){'' if param.required else '?'}"
+    return Tool(name, listed.get("description") or "", params, functools.partial(call_line, name), reads + r"\}\}")
+
+
+def call_line(name: str, arguments: dict) -> str:
+    """A tool call as its action: one JSON line, the arguments in the order given (envs/tools: the schema's)."""
+    return json.dumps({"tool": name, "arguments": arguments}, ensure_ascii=False)
+
+
+def call_payload(text: str, whole_reply: bool = False) -> dict | str:
+    """CallToolAction's fields for a reply whose action is a call's JSON line; a str that says what is wrong else."""
+    action = standards.action_of(text, whole_reply)
+    if action is None:
+        return REACT_ONLY_ONE
+    try:
+        call = json.loads(action)
+    except json.JSONDecodeError:
+        call = None
+    if not (isinstance(call, dict) and call.keys() == {"tool", "arguments"} and isinstance(call["tool"], str)
+            and isinstance(call["arguments"], dict)):
+        return CALL_FORMAT
+    return {"type": "call_tool", "tool_name": call["tool"], "arguments": call["arguments"]}
+
+
+def result_text(fields: dict) -> str:
+    """A CallToolObservation's fields as text: the result's text contents, one a line, or the error's message."""
+    if fields.get("error"):
+        return f"Error: {fields['error']['message']}"
+    result = fields.get("result")
+    if isinstance(result, dict) and isinstance(result.get("content"), list):
+        return "\n".join(item["text"] if item.get("type") == "text" else json.dumps(item, default=str)
+                         for item in result["content"])
+    return result if isinstance(result, str) else json.dumps(result, default=str)
+
 
 class OpenEnvEnv(Env):
     def __init__(self, name: str, options: dict, ack: str, description: str | None, shape: Shape):
@@ -157,6 +275,16 @@ class OpenEnvEnv(Env):
         """The answer to an action the Action class does not validate (the same in process and from a server, which
         says no more than that)."""
         return f"Error: that is not a valid action (it sets {', '.join(self.fields)})."
+
+    def _payload(self, text: str) -> dict | str:
+        """The Action's fields for a reply (an MCP environment's: CallToolAction's), or what is wrong with it."""
+        if self.mcp:
+            return call_payload(text, self.shape.whole_reply)
+        return action_payload(text, self.fields, self.shape.whole_reply)
+
+    def _text(self, fields: dict) -> str:
+        """An observation's fields as text (a tool's result, where it answers a call)."""
+        return result_text(fields) if self.mcp and "tool_name" in fields else self.shape.text(fields)
 
     def _result(self, observation: str, reward, done: bool, valid: bool = True) -> StepResult:
         if self.shape.reward == "return":
@@ -173,6 +301,7 @@ class LocalEnv(OpenEnvEnv):
         super().__init__(name, options, ack, description_of(environment.get_metadata().model_dump()), shape)
         self.environment, self.action = environment, action
         self.fields = fields_of(action.model_json_schema())
+        self.mcp = action is CallToolAction
 
     def reset(self, task_id: int) -> str:
         self.score = 0.0
@@ -181,7 +310,7 @@ class LocalEnv(OpenEnvEnv):
         return self.shape.text(observation)
 
     def step(self, text: str) -> StepResult:
-        payload = action_payload(text, self.fields, self.shape.whole_reply)
+        payload = self._payload(text)
         if isinstance(payload, str):
             return self._result(payload, None, False, valid=False)
         try:
@@ -189,7 +318,7 @@ class LocalEnv(OpenEnvEnv):
         except pydantic.ValidationError:
             return self._result(self.invalid, None, False, valid=False)
         observation = self.environment.step(action)
-        return self._result(self.shape.text(observation.model_dump()), observation.reward, observation.done)
+        return self._result(self._text(observation.model_dump()), observation.reward, observation.done)
 
     def close(self) -> None:
         self.environment.close()
@@ -209,6 +338,7 @@ class ServedEnv(OpenEnvEnv):
         super().__init__(name, options, ack, description, shape)
         shape.check(list(schema["observation"].get("properties", {})))
         self.fields = fields_of(schema["action"])
+        self.mcp = is_mcp(self.fields)
         self.client = GenericEnvClient(base_url=url, connect_timeout_s=timeout, message_timeout_s=timeout).sync()
         self.client.connect()
 
@@ -217,7 +347,7 @@ class ServedEnv(OpenEnvEnv):
         return self.shape.text(self.client.reset(**{self.shape.task_key: int(task_id)}).observation)
 
     def step(self, text: str) -> StepResult:
-        payload = action_payload(text, self.fields, self.shape.whole_reply)
+        payload = self._payload(text)
         if isinstance(payload, str):
             return self._result(payload, None, False, valid=False)
         try:
@@ -226,7 +356,7 @@ class ServedEnv(OpenEnvEnv):
             if "VALIDATION" not in str(error).upper():
                 raise
             return self._result(self.invalid, None, False, valid=False)
-        return self._result(self.shape.text(result.observation), result.reward, result.done)
+        return self._result(self._text(result.observation), result.reward, result.done)
 
     def close(self) -> None:
         self.client.close()

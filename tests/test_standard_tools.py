@@ -1,0 +1,154 @@
+"""An OpenEnv MCP environment's tools as our native tools (envs/standards/openenv.py): `--env openenv:tests.guess_mcp.
+GuessMCPEnvironment --agent tools`. Its tool's schema is read from the environment (in process and from its server),
+a call becomes one JSON line that step reads back into a CallToolAction and whose result is the observation, a task id
+replays its episode, and train.py and eval.py play it through tool calls; a tool whose arguments are not strings,
+integers, numbers or booleans is skipped, and an env with none left is refused, in one sentence each."""
+
+import json
+
+import pytest
+
+pytest.importorskip("openenv", reason="the standards are optional: pip install -r requirements-standards.txt")
+
+from fastmcp import FastMCP  # noqa: E402
+from openenv.core.env_server.mcp_environment import MCPEnvironment  # noqa: E402
+
+import envs  # noqa: E402
+from envs import tools as env_tools  # noqa: E402
+from envs.standards import openenv as adapter  # noqa: E402
+from test_serve import serving_app  # noqa: E402
+from tests.guess_mcp import app  # noqa: E402
+
+MCP = "openenv:tests.guess_mcp.GuessMCPEnvironment"
+GUESS = {"type": "function", "function": {
+    "name": "guess", "description": "Guess the secret number.",
+    "parameters": {"type": "object", "properties": {"number": {"type": "integer", "description": ""}},
+                   "required": ["number"]}}}
+
+
+@pytest.fixture(scope="module")
+def mcp_url():
+    with serving_app(app()) as url:
+        yield url
+
+
+def play(env, task_id: int, replies: list[str]) -> list:
+    said = [env.reset(task_id)]
+    for text in replies:
+        said.append(env.step(text))
+        if said[-1].done:
+            break
+    return said
+
+
+def test_the_tools_schemas_are_read_from_the_environment_in_process_and_from_its_server(mcp_url):
+    assert env_tools.schemas(MCP) == [GUESS]
+    assert env_tools.schemas(f"openenv:{mcp_url}") == [GUESS]
+    with pytest.raises(ValueError, match="declares no TOOLS"):  # (an OpenEnv env that is not an MCP one)
+        env_tools.tools("openenv:tests.guess_openenv.GuessEnvironment")
+
+
+def test_a_call_round_trips_text_to_call_tool_action_to_observation(mcp_url):
+    text = env_tools.action_text(MCP, "guess", {"number": 4.0})  # (an integer-valued float is an integer)
+    assert text == 'Action: {"tool": "guess", "arguments": {"number": 4}}'
+    assert adapter.call_payload(text) == {"type": "call_tool", "tool_name": "guess", "arguments": {"number": 4}}
+    assert env_tools.call_of(MCP, f"Thought: halfway.\n{text}") == ("guess", {"number": 4})
+    with pytest.raises(env_tools.ToolCallError, match="must be an integer"):
+        env_tools.action_text(MCP, "guess", {"number": "four"})
+    local, served = envs.make(MCP), envs.make(f"openenv:{mcp_url}")
+    for env in (local, served):
+        assert env.reset(3) == "The secret is a number from 1 to 8."  # (seed 3: the secret is 4)
+        assert env.step(env_tools.action_text(MCP, "guess", {"number": 2})) == envs.StepResult("Higher.", 0.0, False,
+                                                                                               {"valid": True})
+        assert env.step("Action: guess 4") == envs.StepResult(adapter.CALL_FORMAT, 0.0, False, {"valid": False})
+        unknown = env.step('Action: {"tool": "shout", "arguments": {}}')
+        assert unknown.observation == "Error: Unknown tool: 'shout'" and not unknown.done
+        assert env.step(text) == envs.StepResult("Correct!", 1.0, True, {"valid": True})
+        env.close()
+
+
+def test_a_task_id_replays_the_same_episode_in_process_and_on_the_server(mcp_url):
+    local, served = envs.make(MCP), envs.make(f"openenv:{mcp_url}")
+    replies = [env_tools.action_text(MCP, "guess", {"number": n}) for n in (4, 6, 7, 8, 2)]
+    for task_id in (0, 5, 12):
+        episode = play(local, task_id, replies)
+        assert play(local, task_id, replies) == episode == play(served, task_id, replies)
+        assert episode[-1].done and episode[-1].reward == float(episode[-1].observation == "Correct!")
+    local.close(), served.close()
+
+
+def test_a_tool_of_other_arguments_is_skipped_and_an_env_with_none_is_refused(capsys, monkeypatch):
+    listed = {"name": "move", "description": "Move.", "input_schema": {
+        "properties": {"to": {"type": "array", "items": {"type": "integer"}}}, "required": ["to"]}}
+    assert adapter.tool_of(listed) == ('the tool move is skipped: its argument to is {"type": "array", "items": '
+                                       '{"type": "integer"}}, and a tool\'s arguments here are strings, integers, '
+                                       'numbers or booleans')
+    optional = adapter.tool_of({"name": "say", "description": "", "input_schema": {"properties": {
+        "text": {"type": "string"}, "loud": {"type": "boolean"}}, "required": ["text"]}})
+    for arguments in ({"text": "hé"}, {"text": "hi", "loud": True}):  # (strings without escapes, booleans read back)
+        line = optional.action(arguments)
+        assert json.loads(line) == {"tool": "say", "arguments": arguments}
+        assert optional.pattern().fullmatch(line).groupdict() == {"loud": None, **{k: str(v).lower() if
+                                                                  isinstance(v, bool) else v for k, v in arguments.items()}}
+    import tests.guess_mcp as module
+
+    class Arrays(module.GuessMCPEnvironment):
+        def __init__(self):
+            mcp = FastMCP("arrays")
+
+            @mcp.tool
+            def move(to: list[int]) -> str:
+                """Move."""
+                return "moved"
+
+            MCPEnvironment.__init__(self, mcp)
+            self.max_turns, self.secret, self.turns, self.won = 4, 0, 0, False
+
+    monkeypatch.setattr(module, "Arrays", Arrays, raising=False)
+    with pytest.raises(SystemExit, match=r"^openenv:tests.guess_mcp.Arrays lists no tool whose arguments are all "
+                                         r"strings, integers, numbers or booleans, so it cannot be played with "
+                                         r"--agent tools$"):
+        from rl.agent import check_layout
+        check_layout("tools", "openenv:tests.guess_mcp.Arrays")
+    assert "openenv:tests.guess_mcp.Arrays: the tool move is skipped: its argument to is" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# The tools agent, the trainer and eval.py on it
+
+
+def test_the_tools_agent_lays_the_schema_out_and_steps_a_models_call():
+    from rl.agent import make_agent
+    from rl.chat import ChatFormat
+    from rl.model import load_tokenizer
+
+    agent, fmt, env = make_agent("tools"), ChatFormat(load_tokenizer("tiny-agent-tools")), envs.make(MCP)
+    assert agent.tools(env) == [GUESS]
+    prompt = fmt.tokenizer.decode(fmt.prompt(agent.opening(env, env.reset(3)), tools=agent.tools(env)))
+    assert json.dumps(GUESS["function"]["parameters"]) in prompt  # (the template lays the schema out, as Qwen2.5's)
+    action = agent.read(fmt, MCP, '<tool_call>\n{"name": "guess", "arguments": {"number": 4}}\n</tool_call>')
+    assert action.calls == [("guess", {"number": 4})] and env.step(action.text).observation == "Correct!"
+    wrong = agent.read(fmt, MCP, '<tool_call>\n{"name": "guess", "arguments": {"number": -1}}\n</tool_call>')
+    assert wrong.text is None and "must be an integer of 0 or more" in wrong.problem
+    env.close()
+
+
+@pytest.mark.slow
+def test_train_and_eval_play_an_mcp_env_through_tool_calls(tmp_path):
+    import eval as eval_script
+    import train
+    from rl.agent import TOOLS_GUIDE
+    from rl.flags import build
+    from rl.model import EMBEDDED
+
+    args = train.parse_args(["--env", MCP, "--agent", "tools", "--model", "tiny-agent-tools", "--steps", "1",
+                             "--tasks-per-step", "2", "--n", "2", "--horizon", "2", "--eval-every", "0",
+                             "--out-dir", str(tmp_path), "--run-name", "mcp"])
+    run_dir = train.main(args)
+    rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 4 and all(r["error"] is None and r["item_id"].startswith(MCP) for r in rollouts)
+    assert all(TOOLS_GUIDE in r["messages"][0]["content"] for r in rollouts)
+    assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["charts/step"] == 1
+    result = eval_script.main(build(eval_script.Args, model=str(EMBEDDED["tiny-agent-tools"]), env=(MCP,),
+                                    agent="tools", engine="hf", limit=2, k=1, horizon=(2,), out=str(tmp_path / "eval")))
+    assert (result["env"], result["agent"], result["tasks"], result["errors"]) == (MCP, "tools", 2, 0)
