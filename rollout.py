@@ -36,9 +36,6 @@ trained with the advantage that reward earns, as upstream keeps the env's reward
 max_response_length. An env call that raises or hangs (envs/guard.py bounds each one) ends only its trajectory, with
 finish "error": it has no outcome, and train.py leaves it out of the update.
 
-Groups that fork (train.py --group-start fork, `fork` K): a group's other episodes begin on copies of its first's env
-and trajectory after its first K turns (rl/forks.py), in the same loop under the same rules.
-
 Agent formats (rl/agent.py, `agent=`): the messages an episode opens with and what the env is asked by
 each reply (react, plan; tools, the one tool call in it, answered as a tool result); reflect plays up to
 agent.attempts attempts a task (`attempts`), the policy reflecting after each failed one by continuing that
@@ -327,6 +324,7 @@ class Rollouts:
                 held.append(traj)
             elif limit < 1:  # a first prompt that leaves no room for a reply
                 traj.finish = "max_tokens"
+                self._branch(traj)
             else:
                 self.engine.submit(traj, limit)
         self.ready = held
@@ -341,9 +339,10 @@ class Rollouts:
             _add_usage(traj, sample)
             if sample.error is not None:
                 traj.fail(sample.error)
-                continue
-            if sample.finish is not None:  # a text engine's server has no room left in its context window
+            elif sample.finish is not None:  # a text engine's server has no room left in its context window
                 traj.finish = sample.finish
+            if not traj.live:  # (ended without an env answer)
+                self._branch(traj)
                 continue
             env_turn = _act(self.fmt, self.agent.context, traj, sample)
             if self.versions:
@@ -362,7 +361,8 @@ class Rollouts:
                 traj.malformed += 1
                 self.stepping[_answered(StepResult(action.problem, traj.reward, False, {"valid": False}), traj)] = traj
             else:
-                self.stepping[self.pool.submit(EnvAnswer.of, self._env(traj.row), "step", action.text)] = traj
+                env = self.forks.env(traj.row, self.environments)
+                self.stepping[self.pool.submit(EnvAnswer.of, env, "step", action.text)] = traj
 
     def _collect(self, idle: bool = True) -> None:
         """Take in the env answers (resets and steps): while the engine has work, those that came; otherwise wait, for
@@ -390,15 +390,15 @@ class Rollouts:
             elif _taken_in(self.fmt, self.agent.context, traj := self.stepping.pop(future), answer,
                            self.limits[traj.env].max_tokens):
                 self.ready.append(traj)
-            if self.forks.due(traj):  # (--group-start fork: its group's other episodes begin where it is)
-                j = self.holds[traj.row // self.block]
-                for i, twin in self.forks.branch(traj, self._env(traj.row), lambda i: self._row(j, i)):
-                    self.sets[j][i] = twin
-                    if twin.live:
-                        self.ready.append(twin)
+            self._branch(traj)
 
-    def _env(self, row: int) -> Env:
-        return self.forks.env(row, self.environments)
+    def _branch(self, traj: Trajectory) -> None:
+        """--group-start fork: once `traj` played its group's shared turns, or ended however it ended (an env answer,
+        a failed sample, no room), the group's other episodes begin where it is (rl/forks.py; else nothing)."""
+        j = self.holds[traj.row // self.block]
+        for i, twin in self.forks.branch(traj, self.forks.env(traj.row, self.environments), lambda i: self._row(j, i)):
+            self.sets[j][i] = twin
+            self.ready += [twin] if twin.live else []
 
     def _row(self, j: int, i: int) -> int:
         """The env of set j's episode i: the i-th of its block."""

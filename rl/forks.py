@@ -9,7 +9,7 @@ loop and its rules stay the same (Rollouts): a set's resets are fewer, and until
     forks = Forks(K)                       # Forks(None): every episode starts from a reset of its own
     forks.starts(episodes, row_of)         -> the episodes that reset (each group's first); the others wait
     forks.due(traj)                        -> its group waits on it, and it played the shared turns (or ended)
-    forks.branch(traj, env, row_of)        -> (index, copy) for each episode that waited on it
+    forks.branch(traj, env, row_of)        -> when due, (index, copy) for each episode that waited on it; else []
     forks.env(row, environments), forks.drop(row), forks.close()
 """
 
@@ -54,7 +54,10 @@ class Forks:
     def branch(self, traj: Trajectory, env: Env, row_of: Callable[[int], int]) -> list[tuple[int, Trajectory]]:
         """The other episodes of `traj`'s group, where it is now: (set index, a copy of it), each on its own copy of
         `env`. An episode that ended within the shared turns is its group's every episode: copies of it, ended, whose
-        outcomes tie. A copy of the env that cannot be made (a given-up env) fails its episode, as a failed reset does."""
+        outcomes tie. A copy of the env that cannot be made (a given-up env) fails its episode, as a failed reset does.
+        Not due (forks.due): nothing."""
+        if not self.due(traj):
+            return []
         traj.prefix_turns = traj.turns
         twins = []
         for i in self.waiting.pop(traj.row):

@@ -97,13 +97,13 @@ def tiny():
     return ChatFormat(tokenizer), load_model("tiny-agent")
 
 
-def play(tiny, fork, groups=((3, 4), (7, 4)), horizon=4, seed=3, **options):
+def play(tiny, fork, groups=((3, 4), (7, 4)), horizon=4, seed=3, max_tokens=2048, **options):
     fmt, model = tiny
     task_ids = [task for task, n in groups for _ in range(n)]
     group_ids = [g for g, (_, n) in enumerate(groups) for _ in range(n)]
     environments = [envs.make("babyai") for _ in task_ids]
     return rollout(HFEngine(model, fmt, temperature=1.0, seed=seed), fmt, environments, task_ids, group_ids,
-                   horizon=horizon, max_new_tokens=24, max_tokens=2048, fork=fork, **options)
+                   horizon=horizon, max_new_tokens=24, max_tokens=max_tokens, fork=fork, **options)
 
 
 def prefix_end(traj, turns):
@@ -133,6 +133,20 @@ def test_a_forked_group_shares_the_prefixs_exact_tokens_and_goes_apart_after(tin
     again = play(tiny, fork)  # the same seed, the same groups
     assert [(t.token_ids, t.logprobs, t.loss_mask, t.states) for t in again] == \
         [(t.token_ids, t.logprobs, t.loss_mask, t.states) for t in trajectories]
+
+
+def test_a_group_whose_first_episode_ends_without_an_env_answer_still_branches(tiny):
+    """A first prompt that leaves no room for a reply ends the group's first episode before any env answers it (as a
+    failed sample does): its copies are the group's other episodes. (Before, they waited for an answer that never
+    came, and the rollout spun for ever.)"""
+    import threading
+
+    played = []  # (a daemon thread: a rollout that spins for ever fails the test, not the suite's exit)
+    thread = threading.Thread(target=lambda: played.extend(play(tiny, 1, groups=((3, 3),), max_tokens=300)), daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "the group never began: its copies waited for an env answer"
+    assert [t.finish for t in played] == ["max_tokens"] * 3 and len({t.row for t in played}) == 3
 
 
 def test_a_reset_group_starts_every_episode_by_a_reset(tiny):
