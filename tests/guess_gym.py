@@ -68,3 +68,17 @@ class GlobalGuess(Guess):
             time.sleep(0.001)  # (another episode's thread runs meanwhile, as in a rollout)
             self.secret = random.randint(1, self.size)
         return super().step(action)
+
+
+class Odd(Guess):
+    """Guess answering as a careless env may: `reward` on every step (NaN, inf), info None, or a step that sleeps
+    `hang` seconds (a hung env, for the lock the gym adapter keeps around the global generators)."""
+
+    def __init__(self, reward: float = 0.0, hang: float = 0.0):
+        super().__init__()
+        self.reward, self.hang = reward, hang
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, None]:
+        time.sleep(self.hang)
+        observation, _, terminated, truncated, _ = super().step(action)
+        return observation, self.reward, terminated, truncated, None

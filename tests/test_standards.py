@@ -7,6 +7,7 @@ expert asked of an env without one) stops with one sentence."""
 import json
 import random
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -160,6 +161,36 @@ def test_envs_that_draw_from_the_global_generators_replay_by_task_id_in_threads(
         games = list(pool.map(secrets, [3] * 8 + [5] * 8))
     assert games[:8] == [games[0]] * 8 and games[8:] == [games[8]] * 8 and games[0] != games[8]
     assert random.getstate() == outside
+
+
+def test_a_careless_gym_env_fails_one_episode_and_a_hung_one_holds_up_no_other(monkeypatch):
+    """A NaN or inf reward ends its episode as an env failure (it would void the step's update for every env); info
+    None is no info; a call that hangs holding the global generators' lock holds the others up RNG_WAIT_S at most
+    (they play on without their own, with a warning); own_rng False takes no lock at all."""
+    import threading
+    import time
+
+    from envs.standards import gym as gym_adapter
+
+    for bad in (float("nan"), float("inf")):
+        env = envs.make("gym:tests.guess_gym:Odd", reward=bad)
+        env.reset(1)
+        with pytest.raises(ValueError, match=f"answered a reward of {bad}"):
+            env.step("Action: 1")
+    env = envs.make("gym:tests.guess_gym:Odd")
+    assert env.reset(1) and env.step("Action: 1").info["valid"]  # (info None: no info)
+    with pytest.raises(TypeError, match="made a str, which has no reset and step"):
+        envs.make("gym:os:getcwd")
+    monkeypatch.setattr(gym_adapter, "RNG_WAIT_S", 0.2)
+    for own_rng, wait in ((True, 0.2), (False, 0.0)):
+        hung, other = (envs.make("gym:tests.guess_gym:Odd", hang=h, own_rng=own_rng) for h in (3.0, 0.0))
+        hung.reset(1), other.reset(2)
+        threading.Thread(target=hung.step, args=("Action: 1",), daemon=True).start()
+        time.sleep(0.1)  # (the hung call has the lock now, where it takes one)
+        start = time.perf_counter()
+        with pytest.warns(UserWarning, match="held the global generators") if own_rng else nullcontext():
+            assert other.step("Action: 1").observation in ("Higher.", "Correct!")
+        assert wait <= time.perf_counter() - start < wait + 1.0
 
 
 def test_a_gym_env_forks_by_deepcopy_and_one_that_cannot_says_why():

@@ -22,17 +22,22 @@ What the standard does not give (splits, an expert, a horizon, a state key) is t
 The global generators: the rollout steps its envs in threads, so an env that seeds `random` at reset and draws from
 it later would draw from whichever episode seeded last (a group's episodes could play different tasks), and it
 would move the trainer's own global streams. So each instance has its own copy of `random`'s and numpy's global
-state, swapped in around each of its calls under one lock (microseconds; gym envs' calls run one at a time, as the
-GIL mostly runs them anyway), and seeded from the task id at reset before the env's own reset runs: an env that
-draws from the global generators without seeding them replays by task id too.
+state, swapped in around each of its calls under one lock, and seeded from the task id at reset before the env's own
+reset runs: an env that draws from the global generators without seeding them replays by task id too. The price: gym
+envs' calls run one at a time (free for a game in Python, which the GIL runs one at a time anyway; an env that waits
+on I/O or sleeps should be made with `--env-options own_rng False`, which plays it without), and a call that waits
+RNG_WAIT_S for a hung env's plays on without its own, with a warning, rather than fail. A reward that is not finite
+(NaN, inf) ends its episode as an env failure: one such episode would void its whole step's update.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib
+import math
 import random
 import threading
+import warnings
 
 import gymnasium
 import numpy as np
@@ -47,11 +52,14 @@ def check(target: str) -> None:
 
 
 def make(name: str, target: str, url: str | None = None, instruction: str | None = None, ack: str = standards.ACK,
-         whole_reply: bool = False, **options) -> GymEnv:
+         whole_reply: bool = False, own_rng: bool = True, **options) -> GymEnv:
     if url is not None:
         raise ValueError(f"{name} runs in this process (a Gymnasium env); --env-url is for OpenEnv servers")
     env = _factory(target)(**options)
-    return GymEnv(name, env, {"instruction": instruction} if instruction else {}, ack, whole_reply)
+    if not callable(getattr(env, "reset", None)) or not callable(getattr(env, "step", None)):
+        raise TypeError(f"{target} made a {type(env).__name__}, which has no reset and step: give a callable that "
+                        "returns the env")
+    return GymEnv(name, env, {"instruction": instruction} if instruction else {}, ack, whole_reply, own_rng)
 
 
 def _factory(target: str):
@@ -74,11 +82,12 @@ def _factory(target: str):
 
 
 GLOBAL_RNG = threading.Lock()  # around any call that swaps an instance's global-generator state in (module docstring)
+RNG_WAIT_S = 10.0  # how long a call waits for another's global generators before it plays on without its own
 
 
 class GymEnv(Env):
-    def __init__(self, name: str, env, options: dict, ack: str, whole_reply: bool = False):
-        self.name, self.env, self.ack, self.whole_reply = name, env, ack, whole_reply
+    def __init__(self, name: str, env, options: dict, ack: str, whole_reply: bool = False, own_rng: bool = True):
+        self.name, self.env, self.ack, self.whole_reply, self.own_rng = name, env, ack, whole_reply, own_rng
         self.instruction = standards.instruction((getattr(env, "metadata", None) or {}).get("description"), options)
         self.score = 0.0
         self.rng: tuple | None = None  # its own state of random's and numpy's global generators, between calls
@@ -93,9 +102,11 @@ class GymEnv(Env):
         if action is None:
             return StepResult(REACT_ONLY_ONE, self.score, False, {"valid": False})
         observation, reward, terminated, truncated, info = self._own_rng(self.env.step, action)
-        self.score += float(reward)
+        if not math.isfinite(reward := float(reward)):  # (one such episode would void its whole step's update)
+            raise ValueError(f"{self.name} answered a reward of {reward}: the episode ends as an env failure")
+        self.score += reward
         done = bool(terminated or truncated)
-        return StepResult(str(observation), self.score, done, {"valid": bool(info.get("valid", True)),
+        return StepResult(str(observation), self.score, done, {"valid": bool((info or {}).get("valid", True)),
                                                                 "truncated": bool(truncated and not terminated)})
 
     def fork(self) -> GymEnv:
@@ -113,18 +124,26 @@ class GymEnv(Env):
 
     def _own_rng(self, call, *args, seed: int | None = None):
         """call(*args) (reset: with seed=) with this instance's global-generator state swapped in (module docstring);
-        a reset seeds it from the task id first."""
-        with GLOBAL_RNG:
-            outside = random.getstate(), np.random.get_state()
-            try:
-                if seed is not None:
-                    random.seed(seed)
-                    np.random.seed(seed % 2**32)
-                elif self.rng is not None:
-                    random.setstate(self.rng[0])
-                    np.random.set_state(self.rng[1])
-                return call(*args) if seed is None else call(seed=seed)
-            finally:
-                self.rng = random.getstate(), np.random.get_state()
-                random.setstate(outside[0])
-                np.random.set_state(outside[1])
+        a reset seeds it from the task id first. A call that waited RNG_WAIT_S for another's (a hung env's) plays on
+        without, as does every call of an env made with own_rng False."""
+        run = (lambda: call(*args)) if seed is None else (lambda: call(seed=seed))
+        if not self.own_rng:
+            return run()
+        if not GLOBAL_RNG.acquire(timeout=RNG_WAIT_S):
+            warnings.warn(f"a gym env's call has held the global generators over {RNG_WAIT_S:.0f} s (hung?): the others "
+                          "play on without their own, so an env that draws from random may not replay exactly")
+            return run()
+        outside = random.getstate(), np.random.get_state()
+        try:
+            if seed is not None:
+                random.seed(seed)
+                np.random.seed(seed % 2**32)
+            elif self.rng is not None:
+                random.setstate(self.rng[0])
+                np.random.set_state(self.rng[1])
+            return run()
+        finally:
+            self.rng = random.getstate(), np.random.get_state()
+            random.setstate(outside[0])
+            np.random.set_state(outside[1])
+            GLOBAL_RNG.release()
