@@ -15,6 +15,7 @@ pytest.importorskip("openenv", reason="the standards are optional: pip install -
 pytest.importorskip("verifiers", reason="the standards are optional: pip install -r requirements-standards.txt")
 
 import envs  # noqa: E402
+import verifiers.v1 as vf  # noqa: E402
 import eval as eval_script  # noqa: E402
 import train  # noqa: E402
 from envs.guard import EnvArgs, make_envs  # noqa: E402
@@ -223,6 +224,25 @@ def test_verifiers_rows_are_task_ids_and_the_rubric_scores_the_end():
     with pytest.raises(IndexError, match="not a row of the taskset"):
         game.reset(20)
     game.close(), single.close()
+
+
+def test_a_reward_that_is_not_finite_fails_its_episode_alone(monkeypatch):
+    """A NaN reward would skip the whole step's update, every env's of a mix: the env's step raises instead (the
+    rollout records an env error for that one trajectory), in one sentence naming the env and the value."""
+    from tests.guess_openenv import GuessEnvironment, GuessObservation
+
+    monkeypatch.setattr(GuessEnvironment, "step", lambda self, action, **_: GuessObservation(message="?", reward=float(
+        "nan")))
+    local = envs.make(OPENENV)
+    local.reset(0)
+    with pytest.raises(ValueError, match=rf"^{OPENENV} gave the reward nan, which is not a finite number$"):
+        local.step("Action: 4")
+    monkeypatch.setattr(vf.Trace, "reward", property(lambda self: float("inf")))
+    game = envs.make(VERIFIERS)
+    game.reset(6)
+    with pytest.raises(RuntimeError, match=rf"{VERIFIERS} gave the reward inf, which is not a finite number$"):
+        game.step("Action: 7")
+    local.close(), game.close()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import math
 import re
 import sys
 
@@ -287,6 +288,9 @@ class OpenEnvEnv(Env):
         return result_text(fields) if self.mcp and "tool_name" in fields else self.shape.text(fields)
 
     def _result(self, observation: str, reward, done: bool, valid: bool = True) -> StepResult:
+        # (a NaN would skip the whole step's update, every env's: it fails this episode alone, an env error)
+        if reward is not None and not math.isfinite(float(reward)):
+            raise ValueError(f"{self.name} gave the reward {reward}, which is not a finite number")
         if self.shape.reward == "return":
             self.score = self.score if reward is None else float(reward)
         else:

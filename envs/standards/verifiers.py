@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import queue
 import threading
 
@@ -159,6 +160,8 @@ class VerifiersEnv(Env):
             if seat.trace is None:
                 raise RuntimeError("the env's run() never asked the agent")
             await seat.task.score(seat.trace)
+            if not math.isfinite(seat.trace.reward):  # (a NaN would skip the whole step's update, every env's)
+                raise ValueError(f"{self.name} gave the reward {seat.trace.reward}, which is not a finite number")
             said.put(("done", seat.trace.reward))
         except asyncio.CancelledError:
             raise
