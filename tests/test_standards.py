@@ -8,6 +8,7 @@ import json
 import random
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -21,6 +22,7 @@ import train  # noqa: E402
 from envs.guard import EnvArgs, make_envs  # noqa: E402
 from envs.standards.verifiers import END  # noqa: E402
 from rl.flags import build  # noqa: E402
+from rl.limits import check_entries, env_limits  # noqa: E402
 from rl.model import EMBEDDED  # noqa: E402
 from test_serve import serving_app  # noqa: E402
 from tests.guess_gym import solve  # noqa: E402
@@ -75,6 +77,17 @@ def test_a_spec_is_an_env_name_for_options_timeouts_urls_and_task_files(tmp_path
     splits = envs.splits(GYM)
     assert splits["train"] == list(range(1000)) and splits["test"] == list(range(1_000_000, 1_000_100))
     assert envs.category(GYM, 3) == "Guess" and envs.category("openenv:http://127.0.0.1:8000/", 3) == "127.0.0.1:8000"
+
+
+def test_env_limits_name_a_spec_by_the_key_after_its_last_dot():
+    """--env-limits splits ENV.KEY as --env-options does (envs.scope_of): a spec's own dots stay its name."""
+    run = SimpleNamespace(env=("babyai", GYM), env_limits={f"{GYM}.horizon": "3", "babyai.max_new_tokens": "64"},
+                          horizon=(6,), horizon_every=80, max_new_tokens=128, max_tokens=4096)
+    limits = env_limits(run)
+    assert limits[GYM].horizon == (3,) and limits[GYM].max_new_tokens == 128
+    assert limits["babyai"].horizon == (6,) and limits["babyai"].max_new_tokens == 64
+    with pytest.raises(SystemExit, match=r"^--env-limits gym:tests.guess_gym:Guess.size: entries are ENV.KEY VALUE"):
+        check_entries({f"{GYM}.size": "3"}, run.env)
 
 
 def test_what_cannot_be_played_stops_with_one_sentence(monkeypatch):
