@@ -219,6 +219,15 @@ def test_openenv_options_name_a_field_the_server_has_and_a_kind_of_reward(openen
     served.close()
 
 
+def test_the_guards_timeout_is_the_openenv_clients(openenv_url):
+    """--env-timeout SPEC=S bounds an OpenEnv client's own wait for a message too, not only the guard's."""
+    (guarded,) = make_envs(f"openenv:{openenv_url}", 1, timeout=7)
+    assert guarded.env.client._async._message_timeout == 7
+    guarded.close()
+    (gym,) = make_envs(GYM, 1, timeout=7)  # (a Gymnasium env has no client: no timeout option for it)
+    gym.close()
+
+
 def test_verifiers_rows_are_task_ids_and_the_rubric_scores_the_end():
     game, single = envs.make(VERIFIERS), envs.make(VERIFIERS, env="single_agent")
     assert game.instruction.startswith("Guess the secret number from 1 to 8.")
