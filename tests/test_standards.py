@@ -228,6 +228,18 @@ def test_the_guards_timeout_is_the_openenv_clients(openenv_url):
     gym.close()
 
 
+def test_a_full_openenv_server_is_said_in_one_sentence():
+    """A server at its max sessions closes a new session after saying so: the client's reset says it, not
+    "ConnectionClosedOK: received 1000 (OK)"."""
+    with serving_app(app(1)) as url:
+        first, second = envs.make(f"openenv:{url}", timeout=5), envs.make(f"openenv:{url}", timeout=5)
+        first.reset(0)
+        with pytest.raises(ConnectionError, match=rf"^the OpenEnv server at {url} is full \(its max sessions at once, "
+                                                  r"max_concurrent_envs, is 1\): make fewer env instances "):
+            second.reset(0)
+        first.close(), second.close()
+
+
 def test_verifiers_rows_are_task_ids_and_the_rubric_scores_the_end():
     game, single = envs.make(VERIFIERS), envs.make(VERIFIERS, env="single_agent")
     assert game.instruction.startswith("Guess the secret number from 1 to 8.")
