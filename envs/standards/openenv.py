@@ -368,8 +368,9 @@ class ServedEnv(OpenEnvEnv):
         data = said.get("data", {}) if isinstance(said, dict) else {}
         if data.get("code") == "CAPACITY_REACHED":
             raise ConnectionError(f"the OpenEnv server at {self.url} is full (its max sessions at once, "
-                                  f"max_concurrent_envs, is {data.get('max_sessions')}): make fewer env instances (a smaller batch, more "
-                                  "--env-url servers) or serve more sessions (openenv_server --max-sessions)") from None
+                                  f"max_concurrent_envs, is {data.get('max_sessions')}): make fewer env instances "
+                                  "(a smaller batch, more --env-url servers) or serve more sessions (openenv_server "
+                                  "--max-sessions)") from None
 
     def step(self, text: str) -> StepResult:
         payload = self._payload(text)
