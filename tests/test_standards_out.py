@@ -421,6 +421,15 @@ def test_without_the_options_the_openenv_adapter_cannot_play_our_served_env(expe
     bare.close()
 
 
+def test_the_spec_verifiers_agentgym_rl_is_an_env_in_a_fresh_process():
+    """train.py and eval.py take `--env verifiers:agentgym-rl` with nothing imported before (this test process has
+    imported envs/standards/verifiers_env.py, which registers the id: a fresh one has not)."""
+    made = subprocess.run([sys.executable, "-c", "import envs, envs.standards as s; s.check('verifiers:agentgym-rl'); "
+                           "env = envs.make('verifiers:agentgym-rl', taskset={'env': 'babyai'}, whole_reply=True); "
+                           "print(env.reset(0) == env.reset(0))"], capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0 and made.stdout.strip() == "True", made.stderr[-2000:]
+
+
 @pytest.mark.parametrize("name", ["babyai", "textcraft"])
 def test_the_verifiers_adapter_plays_agentgym_rl_as_in_process(name, experts):
     """Our taskset's `env` field goes in the adapter's `taskset` (its own `env` is a verifiers env id); row k is

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import itertools
 import math
 import queue
@@ -59,11 +60,20 @@ ENDLESS_TEST = list(range(1000, 1100))  # an infinite taskset's default test row
 
 def check(target: str) -> None:
     """Raise where `target` names no taskset verifiers can import."""
+    registered(target)
     vf.import_taskset(target)
+
+
+def registered(target: str) -> None:
+    """Register our own taskset (envs/standards/verifiers_env.py) where `target` is its id, agentgym-rl, which
+    verifiers resolves only in a process that has imported that module."""
+    if target.replace("_", "-") == "agentgym-rl":
+        importlib.import_module("envs.standards.verifiers_env")
 
 
 def load(target: str, env: str | None = None, fields: dict | None = None):
     """vf.load_environment on the taskset `target` with its config's `fields`, in the env `env` (None: its own)."""
+    registered(target)
     return vf.load_environment(vf.resolve_env_config({"id": env or "", "taskset": {"id": target, **(fields or {})}}))
 
 
