@@ -6,6 +6,7 @@ expert asked of an env without one) stops with one sentence."""
 
 import json
 import random
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -277,6 +278,16 @@ def test_a_reward_that_is_not_finite_fails_its_episode_alone(monkeypatch):
     with pytest.raises(RuntimeError, match=rf"{VERIFIERS} gave the reward inf, which is not a finite number$"):
         game.step("Action: 7")
     local.close(), game.close()
+
+
+def test_a_verifiers_env_closed_mid_episode_leaves_no_pending_task():
+    """close() lets the cancelled episode finish before its loop stops: no "Task was destroyed but it is pending!"
+    on stderr at the end of every run."""
+    closed = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'tests'); import envs; "
+                             f"env = envs.make('{VERIFIERS}'); env.reset(6); env.close(); "
+                             "import time, gc; time.sleep(0.5); del env; gc.collect()"],
+                            capture_output=True, text=True, timeout=120)
+    assert closed.returncode == 0 and "pending" not in closed.stderr, closed.stderr[-2000:]
 
 
 # ----------------------------------------------------------------------------------------------

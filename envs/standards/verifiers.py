@@ -35,6 +35,7 @@ guard stops the run with its error in one line.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import importlib
 import itertools
@@ -155,7 +156,11 @@ class VerifiersEnv(Env):
             self.episode = None
 
     def close(self) -> None:
+        # (the episode's task is cancelled, then run to its end before the loop stops: a task left pending is said
+        # on stderr, "Task was destroyed but it is pending!", when the loop is collected)
         self._stop()
+        settling = asyncio.run_coroutine_threadsafe(settled(), self.loop)
+        concurrent.futures.wait([settling], timeout=standards.CALL_TIMEOUT)
         self.loop.call_soon_threadsafe(self.loop.stop)
 
     # ------------------------------------------------------------------------------------------
@@ -177,6 +182,11 @@ class VerifiersEnv(Env):
             raise
         except Exception as error:  # noqa: BLE001 - the env's failure is the step's, which the rollout records
             said.put(("error", f"the verifiers env failed: {type(error).__name__}: {error}"))
+
+
+async def settled() -> None:
+    """Wait for the loop's other tasks (a cancelled episode's) to end."""
+    await asyncio.gather(*(asyncio.all_tasks() - {asyncio.current_task()}), return_exceptions=True)
 
 
 class Seats:
