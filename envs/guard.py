@@ -161,7 +161,10 @@ def make_envs(name: str, count: int, options: dict | None = None, timeout: float
         for i in range(count):
             url = urls[(rank * count + i) % len(urls)] if urls else None
             draws = Draws(latency, seed, rank * count + i) if latency else None
-            made.append(Guarded(name, given | ({"url": url, "timeout": timeout} if url else {}), timeout, draws))
+            # (a client of the env's own, a server's or an OpenEnv spec's, waits as long as the guard does)
+            client = url or (envs.standards.is_spec(name) and envs.standards.module(name).takes_timeout)
+            made.append(Guarded(name, given | ({"url": url} if url else {}) | ({"timeout": timeout} if client else {}),
+                                timeout, draws))
     except (TypeError, ValueError, OSError, RuntimeError) as error:  # (bad options, a server or backend that fails)
         close_envs(made)
         lines = str(error).strip().splitlines()

@@ -59,7 +59,7 @@ def check_entries(entries: dict, names, keys: tuple[str, ...] = KEYS, auto: bool
     """Stop on --env-limits entries that are not ENV.KEY of the envs `names` and the `keys`, or (not `auto`: eval.py,
     which plays caps) a horizon of `auto`."""
     for key, value in entries.items():
-        name, _, setting = key.partition(".")
+        name, setting = entry_of(key)
         if name not in names or setting not in keys:
             raise SystemExit(f"--env-limits {key}: entries are ENV.KEY VALUE, ENV one of the run's envs "
                              f"({', '.join(names)}), KEY one of {', '.join(keys)}")
@@ -69,8 +69,15 @@ def check_entries(entries: dict, names, keys: tuple[str, ...] = KEYS, auto: bool
 
 def own_entries(entries: dict, name: str) -> dict:
     """Env `name`'s --env-limits entries, parsed, by KEY."""
-    return {key.partition(".")[2]: _value(key, key.partition(".")[2], value) for key, value in entries.items()
-            if key.partition(".")[0] == name}
+    return {entry_of(key)[1]: _value(key, entry_of(key)[1], value) for key, value in entries.items()
+            if entry_of(key)[0] == name}
+
+
+def entry_of(key: str) -> tuple[str, str]:
+    """An --env-limits key's ENV and KEY, split on the last dot so that a spec's dots stay its own
+    (gym:mypkg.games:Guess.horizon), as envs.scope_of splits --env-options."""
+    name, _, setting = key.rpartition(".")
+    return name, setting
 
 
 def _value(key: str, setting: str, value) -> tuple | int:

@@ -6,9 +6,11 @@ expert asked of an env without one) stops with one sentence."""
 
 import json
 import random
+import subprocess
 import sys
 from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,11 +18,13 @@ pytest.importorskip("openenv", reason="the standards are optional: pip install -
 pytest.importorskip("verifiers", reason="the standards are optional: pip install -r requirements-standards.txt")
 
 import envs  # noqa: E402
+import verifiers.v1 as vf  # noqa: E402
 import eval as eval_script  # noqa: E402
 import train  # noqa: E402
 from envs.guard import EnvArgs, make_envs  # noqa: E402
 from envs.standards.verifiers import END  # noqa: E402
 from rl.flags import build  # noqa: E402
+from rl.limits import check_entries, env_limits  # noqa: E402
 from rl.model import EMBEDDED  # noqa: E402
 from test_serve import serving_app  # noqa: E402
 from tests.guess_gym import solve  # noqa: E402
@@ -75,6 +79,17 @@ def test_a_spec_is_an_env_name_for_options_timeouts_urls_and_task_files(tmp_path
     splits = envs.splits(GYM)
     assert splits["train"] == list(range(1000)) and splits["test"] == list(range(1_000_000, 1_000_100))
     assert envs.category(GYM, 3) == "Guess" and envs.category("openenv:http://127.0.0.1:8000/", 3) == "127.0.0.1:8000"
+
+
+def test_env_limits_name_a_spec_by_the_key_after_its_last_dot():
+    """--env-limits splits ENV.KEY as --env-options does (envs.scope_of): a spec's own dots stay its name."""
+    run = SimpleNamespace(env=("babyai", GYM), env_limits={f"{GYM}.horizon": "3", "babyai.max_new_tokens": "64"},
+                          horizon=(6,), horizon_every=80, max_new_tokens=128, max_tokens=4096)
+    limits = env_limits(run)
+    assert limits[GYM].horizon == (3,) and limits[GYM].max_new_tokens == 128
+    assert limits["babyai"].horizon == (6,) and limits["babyai"].max_new_tokens == 64
+    with pytest.raises(SystemExit, match=r"^--env-limits gym:tests.guess_gym:Guess.size: entries are ENV.KEY VALUE"):
+        check_entries({f"{GYM}.size": "3"}, run.env)
 
 
 def test_what_cannot_be_played_stops_with_one_sentence(monkeypatch):
@@ -236,6 +251,27 @@ def test_openenv_options_name_a_field_the_server_has_and_a_kind_of_reward(openen
     served.close()
 
 
+def test_the_guards_timeout_is_the_openenv_clients(openenv_url):
+    """--env-timeout SPEC=S bounds an OpenEnv client's own wait for a message too, not only the guard's."""
+    (guarded,) = make_envs(f"openenv:{openenv_url}", 1, timeout=7)
+    assert guarded.env.client._async._message_timeout == 7
+    guarded.close()
+    (gym,) = make_envs(GYM, 1, timeout=7)  # (a Gymnasium env has no client: no timeout option for it)
+    gym.close()
+
+
+def test_a_full_openenv_server_is_said_in_one_sentence():
+    """A server at its max sessions closes a new session after saying so: the client's reset says it, not
+    "ConnectionClosedOK: received 1000 (OK)"."""
+    with serving_app(app(1)) as url:
+        first, second = envs.make(f"openenv:{url}", timeout=5), envs.make(f"openenv:{url}", timeout=5)
+        first.reset(0)
+        with pytest.raises(ConnectionError, match=rf"^the OpenEnv server at {url} is full \(its max sessions at once, "
+                                                  r"max_concurrent_envs, is 1\): make fewer env instances "):
+            second.reset(0)
+        first.close(), second.close()
+
+
 def test_verifiers_rows_are_task_ids_and_the_rubric_scores_the_end():
     game, single = envs.make(VERIFIERS), envs.make(VERIFIERS, env="single_agent")
     assert game.instruction.startswith("Guess the secret number from 1 to 8.")
@@ -254,6 +290,35 @@ def test_verifiers_rows_are_task_ids_and_the_rubric_scores_the_end():
     with pytest.raises(IndexError, match="not a row of the taskset"):
         game.reset(20)
     game.close(), single.close()
+
+
+def test_a_reward_that_is_not_finite_fails_its_episode_alone(monkeypatch):
+    """A NaN reward would skip the whole step's update, every env's of a mix: the env's step raises instead (the
+    rollout records an env error for that one trajectory), in one sentence naming the env and the value."""
+    from tests.guess_openenv import GuessEnvironment, GuessObservation
+
+    monkeypatch.setattr(GuessEnvironment, "step", lambda self, action, **_: GuessObservation(message="?", reward=float(
+        "nan")))
+    local = envs.make(OPENENV)
+    local.reset(0)
+    with pytest.raises(ValueError, match=rf"^{OPENENV} gave the reward nan, which is not a finite number$"):
+        local.step("Action: 4")
+    monkeypatch.setattr(vf.Trace, "reward", property(lambda self: float("inf")))
+    game = envs.make(VERIFIERS)
+    game.reset(6)
+    with pytest.raises(RuntimeError, match=rf"{VERIFIERS} gave the reward inf, which is not a finite number$"):
+        game.step("Action: 7")
+    local.close(), game.close()
+
+
+def test_a_verifiers_env_closed_mid_episode_leaves_no_pending_task():
+    """close() lets the cancelled episode finish before its loop stops: no "Task was destroyed but it is pending!"
+    on stderr at the end of every run."""
+    closed = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'tests'); import envs; "
+                             f"env = envs.make('{VERIFIERS}'); env.reset(6); env.close(); "
+                             "import time, gc; time.sleep(0.5); del env; gc.collect()"],
+                            capture_output=True, text=True, timeout=120)
+    assert closed.returncode == 0 and "pending" not in closed.stderr, closed.stderr[-2000:]
 
 
 # ----------------------------------------------------------------------------------------------

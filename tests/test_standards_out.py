@@ -28,7 +28,7 @@ from verifiers.v1.clients import EvalClientConfig, ModelContext
 
 import envs
 from envs.standards import verifiers_env
-from envs.standards.openenv_server import AgentGymClient, TextAction, build_app, parse_args
+from envs.standards.openenv_server import AgentGymClient, AgentGymEnvironment, TextAction, build_app, parse_args
 from envs.standards.verifiers import END
 from rl.agent import make_agent
 
@@ -206,6 +206,19 @@ def test_a_task_id_the_env_refuses_is_one_line_and_the_session_goes_on(experts, 
         with pytest.raises(RuntimeError, match="searchqa task id 1000000000 is not in the embedded set"):
             env.reset(task_id=10**9)
         assert env.reset(task_id=1000000).observation["text"] == experts("searchqa").episodes[1000000][0]
+
+
+def test_a_rejected_task_id_over_http_is_a_422_and_leaves_the_episode_as_it_was(openenv_url, monkeypatch):
+    reset = httpx.post(openenv_url("babyai") + "/reset", json={"task_id": -1})
+    assert reset.status_code == 422 and reset.json() == {"detail": "task_id must be an integer from 0 to 2147483647, "
+                                                                   "not -1"}
+    session = AgentGymEnvironment("babyai")
+    session.reset(task_id=5)
+    monkeypatch.setattr(session.env, "reset", lambda task_id: (_ for _ in ()).throw(ValueError("no such task")))
+    with pytest.raises(ValueError, match="no such task"):
+        session.reset(task_id=7)
+    assert session.state.task_id == 5  # (the episode under way is still task 5's)
+    session.close()
 
 
 def test_a_failing_env_is_one_error_and_the_server_goes_on(experts, openenv_url, monkeypatch):
@@ -406,6 +419,15 @@ def test_without_the_options_the_openenv_adapter_cannot_play_our_served_env(expe
     bare.reset(0)
     assert json.loads(bare.step(experts("babyai").episodes[0][1][0][0]).observation)["info"]["valid"] is False
     bare.close()
+
+
+def test_the_spec_verifiers_agentgym_rl_is_an_env_in_a_fresh_process():
+    """train.py and eval.py take `--env verifiers:agentgym-rl` with nothing imported before (this test process has
+    imported envs/standards/verifiers_env.py, which registers the id: a fresh one has not)."""
+    made = subprocess.run([sys.executable, "-c", "import envs, envs.standards as s; s.check('verifiers:agentgym-rl'); "
+                           "env = envs.make('verifiers:agentgym-rl', taskset={'env': 'babyai'}, whole_reply=True); "
+                           "print(env.reset(0) == env.reset(0))"], capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0 and made.stdout.strip() == "True", made.stderr[-2000:]
 
 
 @pytest.mark.parametrize("name", ["babyai", "textcraft"])

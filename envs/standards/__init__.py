@@ -26,8 +26,8 @@ What every standard lacks, filled here by a stated default (each adapter says wh
                  verifiers_env.py: stripped of its `Action:`, a reply is no action to them)
     reward       each StepResult's reward is the episode's return so far (the sum of the standard's step rewards),
                  since our trajectory's outcome is its last step's reward; success: a done episode with return > 0
-    call_timeout 60 s a reset or step (--env-timeout SPEC=SECONDS changes it); eval's agentgym protocol: 30 turns of
-                 512 tokens (UPSTREAM)
+    call_timeout 60 s a reset or step (--env-timeout SPEC=SECONDS changes it, an OpenEnv client's wait too); eval's
+                 agentgym protocol: 30 turns of 512 tokens (UPSTREAM)
     expert       none: the object has no oracle, so envs.oracle raises LookupError with one sentence and scripts
                  that need one (scripts/make_expert_data.py) stop on envs.has_oracle
     state_key    None (no standard says when two states are equal, so GiGPO's step term is 0 on them)
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -107,6 +108,12 @@ class Standard:
         if tools is None:
             raise AttributeError(f"{self.name} declares no tools")
         return tools
+
+    @property
+    def takes_timeout(self) -> bool:
+        """Whether the adapter's make takes `timeout`, the seconds its own client waits for a call (OpenEnv's), which
+        the guard then gives it (--env-timeout)."""
+        return "timeout" in inspect.signature(self.adapter.make).parameters
 
     def read_action(self, text: str) -> str | None:
         return action_of(text)

@@ -49,14 +49,17 @@ their reset(seed=s) plays the train split's task s % len (reset(task_id=i): task
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
 import json
+import math
 import re
 import sys
 
 import httpx
 import pydantic
+import websockets
 from openenv.core import GenericEnvClient
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.mcp_environment import MCPEnvironment
@@ -287,6 +290,9 @@ class OpenEnvEnv(Env):
         return result_text(fields) if self.mcp and "tool_name" in fields else self.shape.text(fields)
 
     def _result(self, observation: str, reward, done: bool, valid: bool = True) -> StepResult:
+        # (a NaN would skip the whole step's update, every env's: it fails this episode alone, an env error)
+        if reward is not None and not math.isfinite(float(reward)):
+            raise ValueError(f"{self.name} gave the reward {reward}, which is not a finite number")
         if self.shape.reward == "return":
             self.score = self.score if reward is None else float(reward)
         else:
@@ -339,12 +345,32 @@ class ServedEnv(OpenEnvEnv):
         shape.check(list(schema["observation"].get("properties", {})))
         self.fields = fields_of(schema["action"])
         self.mcp = is_mcp(self.fields)
+        self.url = url
         self.client = GenericEnvClient(base_url=url, connect_timeout_s=timeout, message_timeout_s=timeout).sync()
         self.client.connect()
 
     def reset(self, task_id: int) -> str:
         self.score = 0.0
-        return self.shape.text(self.client.reset(**{self.shape.task_key: int(task_id)}).observation)
+        try:
+            return self.shape.text(self.client.reset(**{self.shape.task_key: int(task_id)}).observation)
+        except websockets.ConnectionClosed:
+            self._say_if_full()
+            raise
+
+    def _say_if_full(self) -> None:
+        """Raise, in one sentence, where the server closed the session because it was full: openenv-core 0.3 accepts
+        the socket, sends its SessionCapacityError as an error message and closes, so the client's first call meets a
+        closed socket (ConnectionClosedOK) with the message still unread on it."""
+        try:
+            said = json.loads(self.client._run(asyncio.wait_for(self.client._async._ws.recv(), 1.0)))
+        except Exception:  # noqa: BLE001 - nothing said before it closed: the closed socket is the error
+            return
+        data = said.get("data", {}) if isinstance(said, dict) else {}
+        if data.get("code") == "CAPACITY_REACHED":
+            raise ConnectionError(f"the OpenEnv server at {self.url} is full (its max sessions at once, "
+                                  f"max_concurrent_envs, is {data.get('max_sessions')}): make fewer env instances "
+                                  "(a smaller batch, more --env-url servers) or serve more sessions (openenv_server "
+                                  "--max-sessions)") from None
 
     def step(self, text: str) -> StepResult:
         payload = self._payload(text)

@@ -24,7 +24,7 @@ TextObservation; `metadata` holds the same in process.
 reset(task_id=...) plays that task id (as envs.make(name).reset takes it); without one, reset(seed=s) plays the env's
 train split's task s % len(split) (envs.splits: a seed a group's samples share gives them the same task), and a
 reset with neither plays a random train task. A task id the env rejects (negative, or outside SearchQA's sets) is
-an error on the client (RuntimeError "Server error: ..."), as is an env that fails (a dead JVM or browser): one line
+an error on the client (RuntimeError "Server error: ...", HTTP /reset: 422 with the sentence), as is an env that fails (a dead JVM or browser): one line
 each, and the session and the server go on. A malformed action (text that is no action) is an observation, as our
 envs answer it; an action without a string `text` is the client's validation error.
 
@@ -103,8 +103,8 @@ class AgentGymEnvironment(Environment[TextAction, TextObservation, EpisodeState]
         task_id = self.choose_task(seed, task_id)
         if self.env is None:
             self.env = envs.make(self.name, **self.options)
+        text = self.env.reset(task_id)  # (a task the env rejects leaves the session's episode as it was)
         self._state = EpisodeState(env=self.name, episode_id=episode_id or str(uuid.uuid4()), task_id=task_id)
-        text = self.env.reset(task_id)
         self.score = 0.0
         opening = {"task_id": task_id, "instruction": self.env.instruction, "ack": self.env.ack}
         return TextObservation(text=text, **opening, done=False, reward=None, metadata={"env": self.name, **opening})
@@ -175,6 +175,10 @@ def build_app(name: str, options: dict | None = None, max_sessions: int = 64):
     @app.exception_handler(NoEpisode)
     async def no_episode(request: Request, error: NoEpisode):
         return JSONResponse({"detail": str(error)}, status_code=409)
+
+    @app.exception_handler(ValueError)
+    async def rejected(request: Request, error: ValueError):  # (a task id the server or the env rejects: HTTP /reset)
+        return JSONResponse({"detail": str(error)}, status_code=422)
 
     app.add_middleware(QuietClose)
     return app

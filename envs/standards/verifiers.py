@@ -35,8 +35,11 @@ guard stops the run with its error in one line.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import importlib
 import itertools
+import math
 import queue
 import threading
 
@@ -58,11 +61,20 @@ ENDLESS_TEST = list(range(1000, 1100))  # an infinite taskset's default test row
 
 def check(target: str) -> None:
     """Raise where `target` names no taskset verifiers can import."""
+    registered(target)
     vf.import_taskset(target)
+
+
+def registered(target: str) -> None:
+    """Register our own taskset (envs/standards/verifiers_env.py) where `target` is its id, agentgym-rl, which
+    verifiers resolves only in a process that has imported that module."""
+    if target.replace("_", "-") == "agentgym-rl":
+        importlib.import_module("envs.standards.verifiers_env")
 
 
 def load(target: str, env: str | None = None, fields: dict | None = None):
     """vf.load_environment on the taskset `target` with its config's `fields`, in the env `env` (None: its own)."""
+    registered(target)
     return vf.load_environment(vf.resolve_env_config({"id": env or "", "taskset": {"id": target, **(fields or {})}}))
 
 
@@ -144,7 +156,11 @@ class VerifiersEnv(Env):
             self.episode = None
 
     def close(self) -> None:
+        # (the episode's task is cancelled, then run to its end before the loop stops: a task left pending is said
+        # on stderr, "Task was destroyed but it is pending!", when the loop is collected)
         self._stop()
+        settling = asyncio.run_coroutine_threadsafe(settled(), self.loop)
+        concurrent.futures.wait([settling], timeout=standards.CALL_TIMEOUT)
         self.loop.call_soon_threadsafe(self.loop.stop)
 
     # ------------------------------------------------------------------------------------------
@@ -159,11 +175,18 @@ class VerifiersEnv(Env):
             if seat.trace is None:
                 raise RuntimeError("the env's run() never asked the agent")
             await seat.task.score(seat.trace)
+            if not math.isfinite(seat.trace.reward):  # (a NaN would skip the whole step's update, every env's)
+                raise ValueError(f"{self.name} gave the reward {seat.trace.reward}, which is not a finite number")
             said.put(("done", seat.trace.reward))
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 - the env's failure is the step's, which the rollout records
             said.put(("error", f"the verifiers env failed: {type(error).__name__}: {error}"))
+
+
+async def settled() -> None:
+    """Wait for the loop's other tasks (a cancelled episode's) to end."""
+    await asyncio.gather(*(asyncio.all_tasks() - {asyncio.current_task()}), return_exceptions=True)
 
 
 class Seats:
