@@ -703,18 +703,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted")
     parser.add_argument("--workers", type=int, default=64, help="threads that run env calls")
     args = parser.parse_args(argv)
-    if len(args.env_options) % 2:
-        parser.error("--env-options takes KEY VALUE pairs")
-    args.env_options = envs.parse_options(dict(zip(args.env_options[::2], args.env_options[1::2])))
+    args.env_options = served_options(parser, args.env_options)
     return args
+
+
+def served_options(parser: argparse.ArgumentParser, options: list[str]) -> dict:
+    """A server's --env-options KEY VALUE ... as Python values (envs.parse_options); unpaired, the parser's error."""
+    if len(options) % 2:
+        parser.error("--env-options takes KEY VALUE pairs")
+    return envs.parse_options(dict(zip(options[::2], options[1::2])))
+
+
+def check_made(prog: str, name: str, options: dict) -> None:
+    """Make and close one env as the server will: bad options stop it here, before its port opens."""
+    try:
+        envs.make(name, **options).close()
+    except Exception as error:  # noqa: BLE001 - whatever the env raises, the server says it in one line
+        sys.exit(f"{prog}: cannot make a {name} env with options {options}: {one_line(error)}")
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    try:  # bad options stop here, before the port opens
-        envs.make(args.env, **args.env_options).close()
-    except Exception as error:
-        sys.exit(f"envs.serve: cannot make a {args.env} env with options {args.env_options}: {one_line(error)}")
+    check_made("envs.serve", args.env, args.env_options)
     app = build_app(args.env, args.env_options, args.max_envs, args.idle_timeout, args.call_timeout,
                     args.max_body_bytes, args.workers)
     print(f"serving {args.env} on http://{args.host}:{args.port} (AgentGym's protocol)", flush=True)

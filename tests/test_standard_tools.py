@@ -17,6 +17,7 @@ import envs  # noqa: E402
 from envs import tools as env_tools  # noqa: E402
 from envs.standards import openenv as adapter  # noqa: E402
 from test_serve import serving_app  # noqa: E402
+from test_standards import play  # noqa: E402
 from tests.guess_mcp import app  # noqa: E402
 
 MCP = "openenv:tests.guess_mcp.GuessMCPEnvironment"
@@ -30,15 +31,6 @@ GUESS = {"type": "function", "function": {
 def mcp_url():
     with serving_app(app()) as url:
         yield url
-
-
-def play(env, task_id: int, replies: list[str]) -> list:
-    said = [env.reset(task_id)]
-    for text in replies:
-        said.append(env.step(text))
-        if said[-1].done:
-            break
-    return said
 
 
 def test_the_tools_schemas_are_read_from_the_environment_in_process_and_from_its_server(mcp_url):

@@ -14,13 +14,11 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 import verifiers.v1 as vf
 from fastapi import FastAPI, Request
 from openenv.core.generic_client import GenericEnvClient
@@ -31,6 +29,7 @@ from envs.standards import verifiers_env
 from envs.standards.openenv_server import AgentGymClient, AgentGymEnvironment, TextAction, build_app, parse_args
 from envs.standards.verifiers import END
 from rl.agent import make_agent
+from test_serve import serving_app
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_chromium = pytest.mark.skipif(
@@ -43,22 +42,6 @@ OPTIONS = {"webarena": {"sites": "local"}}  # the local sites: nothing outside t
 ENVS = ["babyai", "textcraft", "searchqa", pytest.param("sciworld", marks=pytest.mark.slow),
         pytest.param("webarena", marks=[pytest.mark.slow, needs_chromium])]
 LIVE_ORACLE = ("webarena",)  # its replies name element ids of the play that shows them
-
-
-@contextlib.contextmanager
-def serving_app(app):
-    """An app on an ephemeral loopback port, in a thread; yields its URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 # ----------------------------------------------------------------------------------------------

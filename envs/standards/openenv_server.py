@@ -44,7 +44,6 @@ import argparse
 import functools
 import json
 import random
-import sys
 import uuid
 from typing import Any
 
@@ -59,6 +58,7 @@ from openenv.core.env_server.types import Action, EnvironmentMetadata, Observati
 from pydantic import Field
 
 import envs
+from envs.serve import check_made, served_options
 
 TASK_IDS = range(2**31)  # the task ids a reset may name (envs/serve.py's too); an env may refuse some of them
 
@@ -209,19 +209,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="keyword options for envs.make, as train.py's, e.g. sites local")
     parser.add_argument("--max-sessions", type=int, default=64, help="most WebSocket sessions (env instances) at once")
     args = parser.parse_args(argv)
-    if len(args.env_options) % 2:
-        parser.error("--env-options takes KEY VALUE pairs")
-    args.env_options = envs.parse_options(dict(zip(args.env_options[::2], args.env_options[1::2])))
+    args.env_options = served_options(parser, args.env_options)
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    try:  # bad options stop here, before the port opens
-        envs.make(args.env, **args.env_options).close()
-    except Exception as error:
-        sys.exit(f"openenv_server: cannot make a {args.env} env with options {args.env_options}: "
-                 f"{type(error).__name__}: {error}")
+    check_made("openenv_server", args.env, args.env_options)
     app = build_app(args.env, args.env_options, args.max_sessions)
     print(f"serving {args.env} on http://{args.host}:{args.port} (OpenEnv: WebSocket /ws, /reset, /step, /schema)",
           flush=True)
