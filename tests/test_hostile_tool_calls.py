@@ -11,6 +11,7 @@ the same examples on every run)."""
 import contextlib
 import json
 import math
+import sys
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -330,13 +331,17 @@ def test_an_api_eval_whose_replies_carry_hostile_calls_finishes_and_counts_them_
 
 
 def test_a_reply_nested_too_deeply_to_read_fails_its_turn_not_the_eval():
-    """A server that sends a call's arguments as a JSON object (the protocol has a string) nested 1,000 deep: the reply
-    cannot be read (RecursionError in json.loads), so the turn fails as any unreadable reply does, after its retries."""
+    """A server that sends a call's arguments as a JSON object (the protocol has a string) nested deeper than the
+    interpreter's recursion limit (which a dependency may raise: importing openenv sets it to 3,000, so the depth is
+    the limit's, not a constant): the reply cannot be read (RecursionError in json.loads), so the turn fails as any
+    unreadable reply does, after its retries."""
+    deep = "[" * (sys.getrecursionlimit() + 1000) + "]" * (sys.getrecursionlimit() + 1000)
+
     def answer(body, attempt, authorization):
         status, payload, headers = reply(text="")
         payload["choices"][0]["message"]["tool_calls"] = [
             {"id": "call_0", "type": "function", "function": {"name": "get", "arguments": "DEEP"}}]
-        return status, json.dumps(payload).replace('"DEEP"', DEEP).encode(), headers
+        return status, json.dumps(payload).replace('"DEEP"', deep).encode(), headers
 
     traj = Trajectory("textcraft", 0, 0, 0, [{"role": "user", "content": "Craft a stick."}])
     with fake_api(answer) as (url, seen):
