@@ -200,12 +200,16 @@ def test_a_careless_gym_env_fails_one_episode_and_a_hung_one_holds_up_no_other(m
     for own_rng, wait in ((True, 0.2), (False, 0.0)):
         hung, other = (envs.make("gym:tests.guess_gym:Odd", hang=h, own_rng=own_rng) for h in (3.0, 0.0))
         hung.reset(1), other.reset(2)
-        threading.Thread(target=hung.step, args=("Action: 1",), daemon=True).start()
-        time.sleep(0.1)  # (the hung call has the lock now, where it takes one)
+        hanging = threading.Thread(target=hung.step, args=("Action: 1",), daemon=True)
+        hanging.start()
+        deadline = time.perf_counter() + 10
+        while own_rng and not gym_adapter.GLOBAL_RNG.locked() and time.perf_counter() < deadline:
+            time.sleep(0.01)  # (until the hung call holds the lock, where it takes one)
         start = time.perf_counter()
         with pytest.warns(UserWarning, match="held the global generators") if own_rng else nullcontext():
             assert other.step("Action: 1").observation in ("Higher.", "Correct!")
-        assert wait <= time.perf_counter() - start < wait + 1.0
+        assert wait <= time.perf_counter() - start < wait + 2.5  # (the hung call sleeps 3 s)
+        hanging.join()  # (its lock given back: the next test's gym envs keep their own generators)
 
 
 def test_a_gym_env_forks_by_deepcopy_and_one_that_cannot_says_why():
