@@ -178,6 +178,7 @@ def test_envs_that_draw_from_the_global_generators_replay_by_task_id_in_threads(
     assert random.getstate() == outside
 
 
+@pytest.mark.slow  # (a subprocess or a hung call's seconds)
 def test_a_careless_gym_env_fails_one_episode_and_a_hung_one_holds_up_no_other(monkeypatch):
     """A NaN or inf reward ends its episode as an env failure (it would void the step's update for every env); info
     None is no info; a call that hangs holding the global generators' lock holds the others up RNG_WAIT_S at most
@@ -315,6 +316,7 @@ def test_a_reward_that_is_not_finite_fails_its_episode_alone(monkeypatch):
     local.close(), game.close()
 
 
+@pytest.mark.slow  # (a subprocess or a hung call's seconds)
 def test_a_verifiers_env_closed_mid_episode_leaves_no_pending_task():
     """close() lets the cancelled episode finish before its loop stops: no "Task was destroyed but it is pending!"
     on stderr at the end of every run."""

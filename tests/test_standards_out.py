@@ -404,6 +404,7 @@ def test_without_the_options_the_openenv_adapter_cannot_play_our_served_env(expe
     bare.close()
 
 
+@pytest.mark.slow  # (a subprocess or a hung call's seconds)
 def test_the_spec_verifiers_agentgym_rl_is_an_env_in_a_fresh_process():
     """train.py and eval.py take `--env verifiers:agentgym-rl` with nothing imported before (this test process has
     imported envs/standards/verifiers_env.py, which registers the id: a fresh one has not)."""
