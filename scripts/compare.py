@@ -20,6 +20,9 @@ comparison later and share runs (the second command reuses the first's grpo runs
 - where the runs play several envs (train.py --env babyai textcraft) or the configurations different ones (a generalist
   and its specialists): the same per env, each env's held-out tasks apart, and each configuration against the first on
   the tasks of an env both played;
+- with --task-sets NAME=FILE ...: the same gains on each set's tasks apart (task id files as train.py's --test-tasks
+  reads them), where the evaluation plays sets of different meaning: training tasks beside the same goals renamed,
+  say (docs/environments.md, TextCraft's reach);
 - with --baseline NAME: the baseline's final held-out success (mean over seeds) as a target, and for each run the env
   steps it had taken at its first evaluation at or above it (train.py --eval-every sets how often it looks), as a share
   of the baseline's env steps.
@@ -57,13 +60,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--common", default="", help="train.py flags of every run")
     parser.add_argument("--out", type=Path, required=True, help="the directory of the runs and the results")
     parser.add_argument("--baseline", help="the configuration whose final held-out success the others race to")
+    parser.add_argument("--task-sets", nargs="+", default=[], metavar="NAME=FILE",
+                        help="the evaluated tasks' gains on each set apart (a task id file each)")
     args = parser.parse_args(argv)
+    args.task_sets = dict(task_set(parser, spec) for spec in args.task_sets)
     names = [name for name, _ in args.run]
     if len(set(names)) < len(names) or any(not name.replace("_", "").replace(".", "").isalnum() for name in names):
         parser.error("--run names must be distinct, letters, digits, '_' and '.'")
     if args.baseline is not None and args.baseline not in names:
         parser.error(f"--baseline {args.baseline} is not one of the --run names ({', '.join(names)})")
     return args
+
+
+def task_set(parser, spec: str) -> tuple[str, set[str]]:
+    """NAME=FILE: the item ids of a task file."""
+    name, _, path = spec.partition("=")
+    if not name or not path:
+        parser.error(f"--task-sets {spec}: give NAME=FILE")
+    try:
+        return name, {row["item_id"] for row in json.loads(Path(path).read_text())}
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        parser.error(f"--task-sets {spec}: not a task id file ({error})")
 
 
 def play(name: str, flags: str, seed: int, args) -> dict:
@@ -137,7 +154,13 @@ def mean(values) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def summarise(configs: dict[str, list[dict]], baseline: str | None) -> dict:
+def set_gains(before: dict, after: dict, sets: dict[str, set[str]]) -> dict:
+    """Per task set: the gain paired by task on the set's tasks the evaluations played."""
+    return {name: paired({t: v for t, v in before.items() if t in tasks}, {t: v for t, v in after.items() if t in tasks})
+            for name, tasks in sets.items() if set(before) & set(after) & tasks}
+
+
+def summarise(configs: dict[str, list[dict]], baseline: str | None, sets: dict[str, set[str]] | None = None) -> dict:
     first = next(iter(configs))
     results = {}
     target = None
@@ -161,6 +184,10 @@ def summarise(configs: dict[str, list[dict]], baseline: str | None) -> dict:
         if name != first:
             result["against_first"] = paired(pooled(configs[first], "last"), after)
         result["envs"] = env_gains(before, after, pooled(configs[first], "last") if name != first else None)
+        result["sets"] = set_gains(before, after, sets or {})
+        result["set_seed_gains"] = {label: [set_gains(r["held_out"][min(r["held_out"])], r["held_out"][max(r["held_out"])],
+                                                      {label: sets[label]}).get(label, {"gain": float("nan")})["gain"]
+                                            for r in runs] for label in result["sets"]}
         if target is not None:
             reached = [next((r["env_steps"][step] for step in sorted(r["held_out"]) if step > 0
                              and mean(r["held_out"][step].values()) >= target["success"] - 1e-9), None) for r in runs]
@@ -198,6 +225,13 @@ def table(summary: dict, seeds: list[int]) -> str:
                 g = e["gain"]
                 lines.append(f"| {name} | {env} | {g['tasks']} | {g['before']:.3f} -> {g['after']:.3f} | {interval(g)} | "
                              f"{interval(e['against_first']) if 'against_first' in e else '-'} |")
+    if any(r["sets"] for r in summary["configs"].values()):
+        lines += ["", "per task set (--task-sets: the evaluated tasks of each set)", "",
+                  "| configuration | task set | tasks | before -> after | gain | each seed's gain |", "|---|---|---|---|---|---|"]
+        for name, r in summary["configs"].items():
+            for label, g in r["sets"].items():
+                lines.append(f"| {name} | {label} | {g['tasks']} | {g['before']:.3f} -> {g['after']:.3f} | {interval(g)} | "
+                             f"{', '.join(f'{x:+.3f}' for x in r['set_seed_gains'][label])} |")
     target = summary["target"]
     if target is not None:
         lines += ["", f"target: the baseline's final held-out success {target['success']:.3f}, reached in "
@@ -255,7 +289,7 @@ def main(argv=None) -> dict:
         for run in runs:
             if len(run["held_out"]) < 2:
                 raise SystemExit("every run needs its step-0 evaluation and a later one: give --eval-every (in --common)")
-    summary = summarise(configs, args.baseline)
+    summary = summarise(configs, args.baseline, args.task_sets)
     print(table(summary, args.seeds))
     (args.out / "compare.json").write_text(json.dumps({"runs": dict(args.run), "seeds": args.seeds, "common": args.common,
                                                        **summary}, indent=2) + "\n")

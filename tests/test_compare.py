@@ -76,3 +76,26 @@ def test_bad_comparisons_stop_with_a_sentence(tmp_path):
     fake_run(tmp_path, "once-seed1", [3], {0: [0, 0, 0, 0]})
     with pytest.raises(SystemExit, match="--eval-every"):
         compare.main(["--out", str(tmp_path), "--seeds", "1", "--run", "once", ""])
+
+
+def test_gains_on_task_sets_apart(tmp_path, capsys):
+    """--task-sets: the evaluated tasks split into named sets (trained goals beside the same goals renamed, say), each
+    set's gain paired by task and each seed's; a file that is not a task id file is one sentence."""
+    for seed, late in ((1, [1, 1, 0, 0]), (2, [1, 0, 0, 0])):
+        fake_run(tmp_path, f"a-seed{seed}", [3, 3], {0: [0, 0, 0, 0], 2: late})
+    (tmp_path / "trained.json").write_text(json.dumps([{"item_id": "babyai_0"}, {"item_id": "babyai_1"}]))
+    (tmp_path / "renamed.json").write_text(json.dumps([{"item_id": "babyai_2"}, {"item_id": "babyai_3"},
+                                                       {"item_id": "babyai_99"}]))
+    summary = compare.main(["--out", str(tmp_path), "--seeds", "1", "2", "--run", "a", "",
+                            "--task-sets", f"trained={tmp_path / 'trained.json'}", f"renamed={tmp_path / 'renamed.json'}"])
+    sets = summary["configs"]["a"]["sets"]
+    # trained: task 0 (1 + 1) / 2, task 1 (1 + 0) / 2 -> 0.75; renamed: tasks 2, 3 never (task 99 not played)
+    assert sets["trained"]["gain"] == pytest.approx(0.75) and sets["trained"]["tasks"] == 2
+    assert sets["renamed"]["gain"] == 0.0 and sets["renamed"]["tasks"] == 2
+    assert summary["configs"]["a"]["set_seed_gains"] == {"trained": [1.0, 0.5], "renamed": [0.0, 0.0]}
+    assert "| a | trained | 2 | 0.000 -> 0.750 |" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--out", str(tmp_path), "--run", "a", "", "--task-sets", f"x={tmp_path / 'bad.json'}"])
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--out", str(tmp_path), "--run", "a", "", "--task-sets", "nofile"])
