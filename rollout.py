@@ -466,7 +466,7 @@ def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[in
                         pool=pool, stats=attempt_clock, progress=progress,
                         reflections=[reflections[r] for r in rows])
         for traj in batch:
-            traj.attempt = attempt
+            traj.attempt.number = attempt
         played += batch
         failed = [(r, t) for r, t in zip(rows, batch) if not t.success and t.finish != "error"]
         if attempt < agent.attempts:
@@ -475,11 +475,11 @@ def attempts(engine, fmt: ChatFormat, environments: list[Env], task_ids: list[in
             attempt_clock.rollout_s += time.perf_counter() - start  # (reflecting is rollout time spent generating)
             attempt_clock.generate_s += time.perf_counter() - start
             for (r, traj), text in zip(failed, written):
-                traj.reflection, traj.final = text, text is None
+                traj.attempt.reflection, traj.attempt.final = text, text is None
                 if text is not None:
                     reflections[r].append(text)
         clock.add(attempt_clock)
-        rows = [r for r, t in failed if not t.final]
+        rows = [r for r, t in failed if not t.attempt.final]
         if not rows:
             break
     if stats is not None:

@@ -39,12 +39,19 @@ def spread(task_ids: list[int], n: int) -> list[int]:
 FINISHES = {"done": "done", "horizon": "horizon", "max_tokens": "max_tokens", "error": "error"}
 
 
+def final(episode) -> bool:
+    """Whether an episode counts in a score: under --agent reflect only its task's last attempt does (anything without
+    an `attempt` record, as a log's row, is one)."""
+    attempt = getattr(episode, "attempt", None)
+    return attempt is None or attempt.final
+
+
 def score(trajectories: list[Trajectory], env_name: str, score_max: float = 1.0) -> dict:
     """Avg@k and Pass@k overall and per category, from one list of episodes (anything with task_id,
-    reward, success, turns, finish and error, as a Trajectory; reflect's also attempt and final), and
+    reward, success, turns, finish and error, as a Trajectory; reflect's also `attempt`), and
     the shares of the episodes by how they ended (`finish`, by FINISHES' names). `score_max`, the env's best
     score (envs.score_max), goes with them: a macro average over envs takes Avg@k as a share of it (macro)."""
-    finals = [t for t in trajectories if getattr(t, "final", True)]
+    finals = [t for t in trajectories if final(t)]
     by_task = defaultdict(list)
     for t in finals:
         by_task[t.task_id].append(t)
@@ -79,9 +86,9 @@ def score(trajectories: list[Trajectory], env_name: str, score_max: float = 1.0)
     results = {**summary(list(by_task)), "score_max": score_max,
                "finish": {name: sum(t.finish == finish for t in finals) / max(len(finals), 1) for finish, name in FINISHES.items()},
                "categories": {c: summary(ids) for c, ids in sorted(categories.items())}}
-    played = max((getattr(t, "attempt", 1) for t in finals), default=1)
+    played = max((t.attempt.number for t in finals if hasattr(t, "attempt")), default=1)
     if played > 1:  # reflect: where the episodes stood after each attempt
-        won = {task: [t.attempt if t.success else None for t in episodes] for task, episodes in by_task.items()}
+        won = {task: [t.attempt.number if t.success else None for t in episodes] for task, episodes in by_task.items()}
         results["by_attempt"] = [{"attempt": a, "success": sum(w is not None and w <= a for ws in won.values() for w in ws)
                                 / len(finals),
                                 "solved": sum(any(w is not None and w <= a for w in ws) for ws in won.values()) / len(won)}
@@ -210,7 +217,7 @@ def per_task(trajectories) -> dict[str, list[list[float]]]:
     """Each task's episodes as [reward, success] pairs (its final attempts under reflect): what --compare pairs."""
     tasks: dict[str, list[list[float]]] = {}
     for t in trajectories:
-        if getattr(t, "final", True):
+        if final(t):
             tasks.setdefault(str(t.task_id), []).append([t.reward, float(t.success)])
     return tasks
 

@@ -54,6 +54,15 @@ class EnvAnswer(NamedTuple):
 
 
 @dataclass
+class Attempt:
+    """--agent reflect: which attempt at its task an episode is, whether it is the last one (False when another
+    followed it), and what the policy wrote after it failed, for the next attempt."""
+    number: int = 1
+    final: bool = True
+    reflection: str | None = None
+
+
+@dataclass
 class Trajectory:
     env: str
     task_id: int
@@ -89,9 +98,7 @@ class Trajectory:
     observations: int = 0  # the env's answers it saw (the first one too)
     cut_at: list[int] = field(default_factory=list)  # of those, the ones --max-obs-tokens cut (0: the first)
     # -- the layouts' and engines' own
-    attempt: int = 1  # reflect: which attempt at the task this is (rl/agent.py)
-    final: bool = True  # reflect: False when another attempt followed this one
-    reflection: str | None = None  # reflect: what the policy wrote after this attempt failed
+    attempt: Attempt = field(default_factory=Attempt)  # --agent reflect's (rl/agent.py)
     tools: list[dict] | None = None  # --agent tools: the tools the model was given (OpenAI function schemas)
     # --reasoning drop, --context window, summary: each segment's tokens (its rendered prompt, the turns it extends it
     # by), the last one live (rl/context.py)
@@ -177,8 +184,9 @@ class Trajectory:
             "tokens": sum(len(s.token_ids) for s in trained), "action_tokens": sum(sum(s.loss_mask) for s in trained),
             "segments": len(trained), "prompt_tokens": self.prompt_tokens,
             **({"summaries": len(self.summary_spans)} if self.summary_spans else {}),  # (summary_spans: which)
-            **({"attempt": self.attempt, "final": self.final, "reflection": self.reflection} if self.attempt > 1 or
-               not self.final else {}),  # (reflect's; before the messages, where the viewer's index reads)
+            # (reflect's; before the messages, where the viewer's index reads)
+            **({"attempt": self.attempt.number, "final": self.attempt.final, "reflection": self.attempt.reflection}
+               if self.attempt.number > 1 or not self.attempt.final else {}),
             "messages": self.messages,
             # the exact tokens, the [start, end) runs of loss-mask 1 (the sampled turns) among them, and
             # the sampler's log-prob of each of those tokens

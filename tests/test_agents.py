@@ -161,12 +161,12 @@ def test_reflect_carries_reflections_into_the_next_attempt_and_stops_at_success(
     played = min(attempts, 3)  # the third attempt (holding attempt 2's reflection) wins, and is the last
     assert len(trajectories) == 3 * played
     for attempt in range(1, played + 1):
-        these = [t for t in trajectories if t.attempt == attempt]
+        these = [t for t in trajectories if t.attempt.number == attempt]
         assert [t.task_id for t in these] == [7, 8, 9]
         assert [t.group for t in these] == [g + ATTEMPT_GROUPS * (attempt - 1) for g in range(3)]  # a group per attempt
         for traj in these:
-            assert traj.success == (attempt == 3) and traj.final == (attempt == played)
-            assert traj.reflection == ("I lost 2 times" if attempt < played else None)
+            assert traj.success == (attempt == 3) and traj.attempt.final == (attempt == played)
+            assert traj.attempt.reflection == ("I lost 2 times" if attempt < played else None)
             first = traj.messages[0]["content"]
             if attempt == 1:
                 assert first == "Say win."
@@ -178,7 +178,7 @@ def test_reflect_carries_reflections_into_the_next_attempt_and_stops_at_success(
     assert len(engine.asks) == 3 * (played - 1)
     reflected = len(engine.asks) * len(fmt.encode("I lost 2 times") + [fmt.end_of_turn])
     assert stats.sampled_tokens == sum(sum(t.loss_mask) for t in trajectories) + reflected  # (tokens/s: every token)
-    for (prompt, request), traj in zip(engine.asks, [t for t in trajectories if t.reflection]):
+    for (prompt, request), traj in zip(engine.asks, [t for t in trajectories if t.attempt.reflection]):
         assert request == f"{traj.messages[-1]['content']}\n\n{REFLECT_ASK}"
         assert prompt == traj.token_ids + fmt.observation(request)
 
@@ -198,7 +198,7 @@ def test_reflect_with_the_tiny_agent_is_token_exact_per_attempt(fmt):
     environments = [envs.make("babyai") for _ in range(4)]
     trajectories = rollout(engine, fmt, environments, [1, 2, 3, 4], [0, 1, 2, 3], horizon=2, max_new_tokens=24,
                            max_tokens=4096, agent=make_agent("reflect", 2))
-    retried = [t for t in trajectories if t.attempt == 2]
+    retried = [t for t in trajectories if t.attempt.number == 2]
     assert retried, "no attempt failed: the test needs a harder cap"
     for traj in trajectories:
         text = fmt.tokenizer.decode(traj.token_ids)
