@@ -16,6 +16,7 @@ from openenv.core.env_server.mcp_environment import MCPEnvironment  # noqa: E402
 import envs  # noqa: E402
 from envs import tools as env_tools  # noqa: E402
 from envs.standards import openenv as adapter  # noqa: E402
+from envs.standards import tool_calls  # noqa: E402
 from test_serve import serving_app  # noqa: E402
 from test_standards import play  # noqa: E402
 from tests.guess_mcp import app  # noqa: E402
@@ -52,7 +53,7 @@ def test_a_call_round_trips_text_to_call_tool_action_to_observation(mcp_url):
         assert env.reset(3) == "The secret is a number from 1 to 8."  # (seed 3: the secret is 4)
         assert env.step(env_tools.action_text(MCP, "guess", {"number": 2})) == envs.StepResult("Higher.", 0.0, False,
                                                                                                {"valid": True})
-        assert env.step("Action: guess 4") == envs.StepResult(adapter.CALL_FORMAT, 0.0, False, {"valid": False})
+        assert env.step("Action: guess 4") == envs.StepResult(tool_calls.CALL_FORMAT, 0.0, False, {"valid": False})
         unknown = env.step('Action: {"tool": "shout", "arguments": {}}')
         assert unknown.observation == "Error: Unknown tool: 'shout'" and not unknown.done
         assert env.step(text) == envs.StepResult("Correct!", 1.0, True, {"valid": True})
@@ -69,13 +70,33 @@ def test_a_task_id_replays_the_same_episode_in_process_and_on_the_server(mcp_url
     local.close(), served.close()
 
 
+def test_a_react_agent_is_told_the_tools_and_the_call_line_that_step_reads_back(mcp_url):
+    from rl.agent import make_agent
+
+    line = env_tools.action_text(MCP, "guess", {"number": 1})  # (the tools agent's call, as the env takes it)
+    for env in (envs.make(MCP), envs.make(f"openenv:{mcp_url}")):
+        instruction = make_agent("react").instruction(env)
+        assert instruction.startswith("Guess the secret number from 1 to 8.\n\nYou act by calling one of these tools")
+        assert "\n- guess(number: integer): Guess the secret number.\n" in instruction
+        assert instruction.endswith(f"Thought: I think ...\n{line}")  # (the example is the canonical line itself)
+        env.reset(3)
+        assert env.step(f"Thought: I start low.\n{line}") == envs.StepResult("Higher.", 0.0, False, {"valid": True})
+        env.close()
+    listed = [{"name": "move", "description": "Move.", "input_schema": {"properties": {
+        "to": {"type": "array"}, "speed": {"type": "string", "enum": ["slow", "fast"], "description": "How fast."},
+        "far": {"type": "boolean"}}, "required": ["speed", "to"]}}, {"name": "wait", "input_schema": {}}]
+    assert tool_calls.guide(listed).splitlines()[1:4] == [  # (every tool, also one --agent tools skips)
+        "- move(to: array; speed: string; far: boolean, optional): Move.", "    speed: How fast.", "- wait()"]
+    assert tool_calls.guide(listed).endswith('Action: {"tool": "move", "arguments": {"to": [], "speed": "slow"}}')
+
+
 def test_a_tool_of_other_arguments_is_skipped_and_an_env_with_none_is_refused(capsys, monkeypatch):
     listed = {"name": "move", "description": "Move.", "input_schema": {
         "properties": {"to": {"type": "array", "items": {"type": "integer"}}}, "required": ["to"]}}
-    assert adapter.tool_of(listed) == ('the tool move is skipped: its argument to is {"type": "array", "items": '
+    assert tool_calls.tool_of(listed) == ('the tool move is skipped: its argument to is {"type": "array", "items": '
                                        '{"type": "integer"}}, and a tool\'s arguments here are strings, integers, '
                                        'numbers or booleans')
-    optional = adapter.tool_of({"name": "say", "description": "", "input_schema": {"properties": {
+    optional = tool_calls.tool_of({"name": "say", "description": "", "input_schema": {"properties": {
         "text": {"type": "string"}, "loud": {"type": "boolean"}}, "required": ["text"]}})
     for arguments in ({"text": "hé"}, {"text": "hi", "loud": True}):  # (strings without escapes, booleans read back)
         line = optional.action(arguments)

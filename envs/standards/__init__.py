@@ -77,10 +77,10 @@ def action_of(text: str, whole_reply: bool = False) -> str | None:
     return (parts[1] if len(parts) == 2 else text).strip()
 
 
-def instruction(description: str | None, options: dict) -> str:
+def instruction(description: str | None, options: dict, reply_guide: str = REPLY_GUIDE) -> str:
     """The first user turn: --env-options instruction where given, else the env's description (or GENERIC) and how
-    to reply."""
-    return options.get("instruction") or f"{(description or GENERIC).strip()}\n\n{REPLY_GUIDE}"
+    to reply (an env with tools: which tools there are and how a reply calls one, envs/standards/tool_calls.guide)."""
+    return options.get("instruction") or f"{(description or GENERIC).strip()}\n\n{reply_guide}"
 
 
 @dataclass(frozen=True)
