@@ -32,8 +32,9 @@ What every standard lacks, filled here by a stated default (each adapter says wh
                  that need one (scripts/make_expert_data.py) stop on envs.has_oracle
     state_key    None (no standard says when two states are equal, so GiGPO's step term is 0 on them)
     category     one for every task: the target's last name (Guess, CounterEnvironment, my-taskset, the host)
-    tools        an OpenEnv MCP environment's tools (envs/standards/openenv.py: each call one JSON line, `Action: `
-                 before it); the others declare none, so --agent tools refuses them (verifiers' toolsets are not read)
+    tools        an OpenEnv MCP environment's tools (envs/standards/openenv.py) and a verifiers taskset's toolsets'
+                 (envs/standards/verifiers.py): each call one JSON line, `Action: ` before it (tool_calls.py), which the
+                 instruction shows a react agent; Gymnasium envs declare none, so --agent tools refuses them
 """
 
 from __future__ import annotations
