@@ -190,7 +190,8 @@ def vf_call(tool: str, **arguments) -> str:
 
 def test_a_tasksets_tools_are_its_servers_and_a_call_runs_on_the_episodes_state():
     schemas = env_tools.schemas(VF)  # (the servers' tools, named as verifiers' harnesses name them, then final_answer)
-    assert [one["function"]["name"] for one in schemas] == ["guess_toolset_guess", "guess_toolset_parity", "final_answer"]
+    assert [one["function"]["name"] for one in schemas] == ["guess_toolset_guess", "guess_toolset_parity",
+                                                            "final_answer"]
     assert schemas[0] == GUESS_VF and schemas[2]["function"]["parameters"]["required"] == ["answer"]
     guess = vf_call("guess_toolset_guess", number=4)
     assert guess == 'Action: {"tool": "guess_toolset_guess", "arguments": {"number": 4}}'
@@ -241,7 +242,8 @@ def test_a_react_agent_on_a_taskset_with_tools_is_told_them_and_the_line():
                                   "answer.\n\nYou act by calling one of these tools")
     for line in ("- guess_toolset_guess(number: integer): Guess the secret number.",
                  "- guess_toolset_parity(): Whether the secret number is even or odd.",
-                 "- final_answer(answer: string): Give your final answer, which the task is scored on; it ends your turn."):
+                 "- final_answer(answer: string): Give your final answer, which the task is scored on; it ends your "
+                 "turn."):
         assert f"\n{line}\n" in instruction
     example = vf_call("guess_toolset_guess", number=1)
     assert instruction.endswith(f"Thought: I think ...\n{example}")
@@ -254,8 +256,9 @@ def test_a_tool_server_that_cannot_run_here_is_refused_in_one_sentence(monkeypat
     from envs.guard import make_envs
     from envs.standards import verifiers as adapter
 
-    with pytest.raises(SystemExit, match=r"^cannot make a verifiers:guess_vftools env with options .*: ValueError: the "
-                                         r"tool server guess_toolset runs at http://127.0.0.1:9/mcp, outside verifiers"):
+    with pytest.raises(SystemExit, match=r"^cannot make a verifiers:guess_vftools env with options .*: ValueError: "
+                                         r"the tool server guess_toolset runs at http://127.0.0.1:9/mcp, outside "
+                                         r"verifiers"):
         make_envs(VF, 1, {"task": {"tools": {"url": "http://127.0.0.1:9/mcp"}}})
     import guess_vftools as module  # (the module verifiers imported the taskset from)
 

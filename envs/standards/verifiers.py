@@ -31,8 +31,8 @@ so `--agent tools` plays it too (envs/tools.py). verifiers launches each tool se
 agent's turn, and syncs the server's state with the rollout's trace.state over a signed HTTP channel. Here the adapter
 is the harness, in this process: it builds the servers from the taskset's config, sets each up as that process would
 (setup, and setup_task(task) for a task's own; a shared one once an env, with no task), registers its tools on an MCP
-server (mcp.server.mcpserver.MCPServer, as its process does) and calls them through an in-memory MCP client (mcp.Client),
-each call's state read from and written back to the episode's trace.state (bind: the channel's pull and push, direct):
+server (mcp.server.mcpserver.MCPServer, as its process does) and calls them through an in-memory MCP client
+(mcp.Client), each call's state read from and written back to the episode's trace.state (bind: the channel's pull and push, direct):
 
     tools       each tool, named as verifiers' harnesses name it (`<server>_<tool>`, or bare for TOOL_PREFIX None), as
                 a Tool of ours (envs/standards/tool_calls.py: a string, integer, number or boolean parameter each; a
@@ -178,8 +178,8 @@ def mcp_server(server) -> MCPServer:
 async def listed_of(servers_: list) -> list[dict]:
     """The tools of `servers_` ({"name", "description", "input_schema"} each, named as the model is given them), then
     FINAL's; a ValueError, in one sentence, where two share a name."""
-    listing = [{"name": qualified(server, tool.name), "description": tool.description or "",
-                "input_schema": tool.input_schema} for server in servers_ for tool in await mcp_server(server).list_tools()]
+    listing = [{"name": qualified(server, tool.name), "description": tool.description or "", "input_schema":
+                tool.input_schema} for server in servers_ for tool in await mcp_server(server).list_tools()]
     names = [tool["name"] for tool in listing] + [FINAL]
     if len(set(names)) < len(names):
         twice = sorted({one for one in names if names.count(one) > 1})
@@ -239,7 +239,8 @@ class Toolbox:
 
     async def call(self, name: str, arguments: dict) -> str:
         if name not in self.dispatch:
-            return f"Error: there is no tool {env_tools.quoted(name)}; the tools are {', '.join([*self.dispatch, FINAL])}."
+            names = ", ".join([*self.dispatch, FINAL])
+            return f"Error: there is no tool {env_tools.quoted(name)}; the tools are {names}."
         client, tool = self.dispatch[name]
         result = await client.call_tool(tool, arguments)
         return "\n".join(block.text if block.type == "text" else str(block) for block in result.content)
