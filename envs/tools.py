@@ -120,13 +120,14 @@ def action_text(env_name: str, name: str, arguments: dict) -> str:
     if not isinstance(name, str) or name not in by_name:
         raise ToolCallError(f"there is no tool {quoted(name)}; the tools are {', '.join(by_name)}")
     tool = by_name[name]
-    arguments = _checked(tool, arguments)
+    arguments = checked(tool, arguments)
     action = tool.action.format(**arguments) if isinstance(tool.action, str) else tool.action(arguments)
     return _module(env_name).REPLY.format(action=action)
 
 
-def _checked(tool: Tool, arguments) -> dict:
-    """The arguments, type-checked against the tool's params, without nulls, integers as int."""
+def checked(tool: Tool, arguments) -> dict:
+    """The arguments, type-checked against the tool's params, without nulls, integers as int (ToolCallError where they
+    do not fit: action_text's checks, which an adapter that reads calls itself makes too)."""
     if not isinstance(arguments, dict):
         raise ToolCallError(f"the arguments of {tool.name} must be a JSON object, not {_described(arguments)}")
     unknown = [key for key in arguments if key not in tool.params]

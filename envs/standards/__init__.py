@@ -32,8 +32,9 @@ What every standard lacks, filled here by a stated default (each adapter says wh
                  that need one (scripts/make_expert_data.py) stop on envs.has_oracle
     state_key    None (no standard says when two states are equal, so GiGPO's step term is 0 on them)
     category     one for every task: the target's last name (Guess, CounterEnvironment, my-taskset, the host)
-    tools        an OpenEnv MCP environment's tools (envs/standards/openenv.py: each call one JSON line, `Action: `
-                 before it); the others declare none, so --agent tools refuses them (verifiers' toolsets are not read)
+    tools        an OpenEnv MCP environment's tools (envs/standards/openenv.py) and a verifiers taskset's toolsets'
+                 (envs/standards/verifiers.py): each call one JSON line, `Action: ` before it (tool_calls.py), which the
+                 instruction shows a react agent; Gymnasium envs declare none, so --agent tools refuses them
 """
 
 from __future__ import annotations
@@ -77,10 +78,10 @@ def action_of(text: str, whole_reply: bool = False) -> str | None:
     return (parts[1] if len(parts) == 2 else text).strip()
 
 
-def instruction(description: str | None, options: dict) -> str:
+def instruction(description: str | None, options: dict, reply_guide: str = REPLY_GUIDE) -> str:
     """The first user turn: --env-options instruction where given, else the env's description (or GENERIC) and how
-    to reply."""
-    return options.get("instruction") or f"{(description or GENERIC).strip()}\n\n{REPLY_GUIDE}"
+    to reply (an env with tools: which tools there are and how a reply calls one, envs/standards/tool_calls.guide)."""
+    return options.get("instruction") or f"{(description or GENERIC).strip()}\n\n{reply_guide}"
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ which bounds the instances a run may make there.
                 the one --env-options observation FIELD names (the others left out)
     reward      the return so far (the sum of the observations' rewards, None as 0; --env-options reward return: the
                 observation's reward is already the return so far, as ours served send it); done: the observation's done
-    instruction get_metadata().description (a server's /metadata), but for the default "<Class> environment"
+    instruction get_metadata().description (a server's /metadata), but for the default "<Class> environment"; then
+                how to reply (an MCP environment's: its tools and the call line, below)
 
 An MCP environment (MCPEnvironment's subclass, or a server whose Action is CallToolAction) is played through its
 tools, listed once a process with ListToolsAction (in process: from an instance made without --env-options; a server:
@@ -31,7 +32,8 @@ on a session of its own), so `--agent tools` plays it (envs/tools.py):
                 parameter (an object, an array, a union such as `int | None`) is skipped, said in one line on stderr
     action      a call is one canonical JSON line, the reply's action: {"tool": NAME, "arguments": {...}} (the
                 arguments in the schema's order, as json.dumps writes them, non-ASCII kept), which step reads back
-                into CallToolAction(tool_name=NAME, arguments=...); a react reply may write the same line itself.
+                into CallToolAction(tool_name=NAME, arguments=...); a react reply writes the same line itself, as
+                the instruction says: each tool's arguments and types, the line and an example (tool_calls.guide).
                 Anything else is answered with the line's format, the environment not stepped (valid False)
     observation the tool result's text (its text contents, one a line), or `Error: ` and the message where the call
                 failed (an unknown tool, arguments the tool does not take); reward and done: the observation's, as
@@ -54,8 +56,6 @@ import functools
 import importlib
 import json
 import math
-import re
-import sys
 
 import httpx
 import pydantic
@@ -68,7 +68,8 @@ from openenv.core.env_server.types import Action
 
 from envs import REACT_ONLY_ONE, Env, StepResult
 from envs import standards
-from envs.tools import TYPES, Param, Tool
+from envs.standards import tool_calls
+from envs.tools import Tool
 
 SKIPPED = {"done", "reward", "metadata"}  # what an Observation has besides what it says
 
@@ -172,14 +173,7 @@ def observation_text(fields: dict) -> str:
     return json.dumps(shown, default=str)
 
 # ----------------------------------------------------------------------------------------------
-# MCP tools: listed once, each call one JSON line
-
-# How a call's arguments are spelled in its JSON line, for the pattern that reads a call back (envs/tools.call_of): a
-# string only where json.dumps writes it as it is (no quote, backslash or control character: one that needs an escape
-# reads back as no call, though step takes it)
-JSON_SPELLINGS = {"string": r'"(?P<{}>[^"\\\x00-\x1f]*)"', "integer": "(?P<{}>0|[1-9][0-9]*)",
-                  "number": r"(?P<{}>-?[0-9]+(?:\.[0-9]+)?)", "boolean": "(?P<{}>true|false)"}
-CALL_FORMAT = 'Error: call a tool as one JSON object, {"tool": NAME, "arguments": {...}}.'
+# MCP tools: listed once, each call one JSON line (envs/standards/tool_calls.py)
 
 
 def is_mcp(fields: list[str]) -> bool:
@@ -188,9 +182,9 @@ def is_mcp(fields: list[str]) -> bool:
 
 
 @functools.cache
-def tools(target: str) -> tuple[Tool, ...] | None:
-    """The MCP tools of the environment `target` names, as ours (envs/tools.py); None for one without MCP tools. A
-    ValueError, in one sentence, where every tool is skipped."""
+def listed(target: str) -> tuple[dict, ...] | None:
+    """The MCP tools the environment `target` names lists ({"name", "description", "input_schema"} each); None for one
+    that is no MCP environment."""
     if is_url(target):
         with httpx.Client(base_url=target.rstrip("/"), timeout=standards.CALL_TIMEOUT) as http:
             if not is_mcp(fields_of(http.get("/schema").raise_for_status().json()["action"])):
@@ -198,47 +192,23 @@ def tools(target: str) -> tuple[Tool, ...] | None:
         client = GenericEnvClient(base_url=target.rstrip("/"), connect_timeout_s=standards.CALL_TIMEOUT,
                                   message_timeout_s=standards.CALL_TIMEOUT).sync()
         with client:
-            listed = client.step({"type": "list_tools"}).observation.get("tools", [])
-    else:
-        environment, action = _classes(target)
-        if action is not CallToolAction:
-            return None
-        instance = environment()
-        listed = [tool.model_dump() for tool in instance.step(ListToolsAction()).tools]
+            return tuple(client.step({"type": "list_tools"}).observation.get("tools", []))
+    environment, action = _classes(target)
+    if action is not CallToolAction:
+        return None
+    instance = environment()
+    try:
+        return tuple(tool.model_dump() for tool in instance.step(ListToolsAction()).tools)
+    finally:
         instance.close()
-    ours = []
-    for listed_tool in listed:
-        tool = tool_of(listed_tool)
-        if isinstance(tool, str):
-            print(f"openenv:{target}: {tool}", file=sys.stderr)
-        else:
-            ours.append(tool)
-    if not ours:
-        raise ValueError(f"openenv:{target} lists no tool whose arguments are all strings, integers, numbers or "
-                         "booleans, so it cannot be played with --agent tools")
-    return tuple(ours)
 
 
-def tool_of(listed: dict) -> Tool | str:
-    """An MCP tool (name, description, input_schema) as our Tool, or the sentence that says why it is skipped."""
-    name, schema = listed["name"], listed.get("input_schema") or {}
-    params = {}
-    for key, spec in schema.get("properties", {}).items():
-        if spec.get("type") not in TYPES or not key.isidentifier():
-            return (f"the tool {name} is skipped: its argument {key} is {json.dumps(spec)}, and a tool's arguments "
-                    "here are strings, integers, numbers or booleans")
-        enum = tuple(spec["enum"]) if "enum" in spec else None
-        params[key] = Param(spec["type"], spec.get("description", ""), enum, key in schema.get("required", []))
-    reads = re.escape(f'{{"tool": {json.dumps(name, ensure_ascii=False)}, "arguments": {{')
-    for key, param in params.items():  # (each `"key": value` ends with ", " before the next or at the "}")
-        segment = f'{re.escape(json.dumps(key, ensure_ascii=False))}: {JSON_SPELLINGS[param.type].format(key)}(?:, (?=")|(?=\}}))'
-        reads += f"(?:{segment}){'' if param.required else '?'}"
-    return Tool(name, listed.get("description") or "", params, functools.partial(call_line, name), reads + r"\}\}")
-
-
-def call_line(name: str, arguments: dict) -> str:
-    """A tool call as its action: one JSON line, the arguments in the order given (envs/tools: the schema's)."""
-    return json.dumps({"tool": name, "arguments": arguments}, ensure_ascii=False)
+@functools.cache
+def tools(target: str) -> tuple[Tool, ...] | None:
+    """The MCP tools of the environment `target` names, as ours (envs/tools.py); None for one without MCP tools. A
+    ValueError, in one sentence, where every tool is skipped."""
+    listing = listed(target)
+    return None if listing is None else tool_calls.tools_of(f"openenv:{target}", listing)
 
 
 def call_payload(text: str, whole_reply: bool = False) -> dict | str:
@@ -246,14 +216,10 @@ def call_payload(text: str, whole_reply: bool = False) -> dict | str:
     action = standards.action_of(text, whole_reply)
     if action is None:
         return REACT_ONLY_ONE
-    try:
-        call = json.loads(action)
-    except json.JSONDecodeError:
-        call = None
-    if not (isinstance(call, dict) and call.keys() == {"tool", "arguments"} and isinstance(call["tool"], str)
-            and isinstance(call["arguments"], dict)):
-        return CALL_FORMAT
-    return {"type": "call_tool", "tool_name": call["tool"], "arguments": call["arguments"]}
+    call = tool_calls.read_call(action)
+    if isinstance(call, str):
+        return call
+    return {"type": "call_tool", "tool_name": call[0], "arguments": call[1]}
 
 
 def result_text(fields: dict) -> str:
@@ -268,9 +234,12 @@ def result_text(fields: dict) -> str:
 
 
 class OpenEnvEnv(Env):
-    def __init__(self, name: str, options: dict, ack: str, description: str | None, shape: Shape):
+    def __init__(self, name: str, options: dict, ack: str, description: str | None, shape: Shape,
+                 listing: tuple[dict, ...] | None):
         self.name, self.ack, self.shape = name, ack, shape
-        self.instruction = standards.instruction(description, options)
+        self.mcp = listing is not None  # (its tools, named with the call line in the instruction: a react reply's)
+        self.instruction = standards.instruction(description, options, tool_calls.guide(listing) if self.mcp
+                                                 else standards.REPLY_GUIDE)
         self.score = 0.0
 
     @property
@@ -304,10 +273,11 @@ class LocalEnv(OpenEnvEnv):
     """An Environment instance in this process."""
 
     def __init__(self, name: str, environment: Environment, action: type, options: dict, ack: str, shape: Shape):
-        super().__init__(name, options, ack, description_of(environment.get_metadata().model_dump()), shape)
+        listing = (tuple(tool.model_dump() for tool in environment.step(ListToolsAction()).tools)
+                   if action is CallToolAction else None)
+        super().__init__(name, options, ack, description_of(environment.get_metadata().model_dump()), shape, listing)
         self.environment, self.action = environment, action
         self.fields = fields_of(action.model_json_schema())
-        self.mcp = action is CallToolAction
 
     def reset(self, task_id: int) -> str:
         self.score = 0.0
@@ -341,10 +311,9 @@ class ServedEnv(OpenEnvEnv):
                 description = description_of(http.get("/metadata").raise_for_status().json())
         except httpx.HTTPError as error:
             raise ConnectionError(f"no OpenEnv server answers at {url} ({type(error).__name__}: {error})") from None
-        super().__init__(name, options, ack, description, shape)
-        shape.check(list(schema["observation"].get("properties", {})))
         self.fields = fields_of(schema["action"])
-        self.mcp = is_mcp(self.fields)
+        super().__init__(name, options, ack, description, shape, listed(url) if is_mcp(self.fields) else None)
+        shape.check(list(schema["observation"].get("properties", {})))
         self.url = url
         self.client = GenericEnvClient(base_url=url, connect_timeout_s=timeout, message_timeout_s=timeout).sync()
         self.client.connect()

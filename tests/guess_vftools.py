@@ -1,0 +1,80 @@
+"""Guess as a verifiers (0.4, verifiers.v1) taskset with tools, for tests/test_standard_tools.py (`--env
+verifiers:guess_vftools`, with tests/ on sys.path). Twenty rows, each a secret from 1 to 8 (row i: i % 8 + 1). Each
+task gets a tool server of its own (Task.toolsets), GuessToolset: `guess(number)` answers higher, lower or correct and
+counts the guesses in the rollout's state, `parity()` says whether the secret is even; `guess` of a number outside 1 to
+8 fails (raises). The task's rubric scores the final answer (1 when it is the secret) and a @vf.stop ends the episode
+after `max_guesses` guesses, both as verifiers runs them. Run as a module, the toolset serves itself as verifiers'
+harness launches it (`python -m guess_vftools`)."""
+
+from __future__ import annotations
+
+import verifiers.v1 as vf
+
+SYSTEM = "Find the secret number from 1 to 8 with the tools, then give it as your final answer."
+
+
+class GuessState(vf.State):
+    guesses: int = 0
+
+
+class GuessToolset(vf.Toolset[vf.ToolsetConfig, GuessState]):
+    async def setup_task(self, task) -> None:
+        self.secret = task.data.secret
+
+    @vf.tool
+    def guess(self, number: int) -> str:
+        """Guess the secret number."""
+        if not 1 <= number <= 8:
+            raise ValueError(f"{number} is not a number from 1 to 8")
+        self.state.guesses += 1
+        return "Correct!" if number == self.secret else "Higher." if number < self.secret else "Lower."
+
+    @vf.tool
+    def parity(self) -> str:
+        """Whether the secret number is even or odd."""
+        return "even" if self.secret % 2 == 0 else "odd"
+
+
+class GuessData(vf.TaskData):
+    secret: int
+
+
+class GuessConfig(vf.TaskConfig):
+    tools: vf.ToolsetConfig = vf.ToolsetConfig()
+    max_guesses: int = 3
+
+
+class GuessTask(vf.Task[GuessData, GuessState, GuessConfig]):
+    @classmethod
+    def toolsets(cls, config: GuessConfig) -> list[vf.Toolset]:
+        return [GuessToolset(config.tools)]
+
+    @vf.reward
+    async def correct(self, task, trace) -> float:
+        return float(trace.last_reply == str(task.secret))
+
+    @vf.metric
+    async def guesses(self, trace) -> float:
+        return float(trace.state.guesses)
+
+    @vf.stop
+    async def out_of_guesses(self, trace: vf.Trace) -> bool:
+        return trace.state.guesses >= self.config.max_guesses
+
+
+class GuessTasksetConfig(vf.TasksetConfig):
+    task: GuessConfig = GuessConfig()
+    rows: int = 20
+
+
+class GuessTaskset(vf.Taskset[GuessTask, GuessTasksetConfig]):
+    def load(self):
+        for i in range(self.config.rows):
+            yield GuessTask(GuessData(prompt="Which number is it?", system_prompt=SYSTEM, secret=i % 8 + 1),
+                            self.config.task)
+
+
+__all__ = ["GuessTaskset"]
+
+if __name__ == "__main__":
+    GuessToolset.run()
