@@ -41,12 +41,13 @@ import uuid
 import weakref
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import httpx
 import torch
 
 from rl.engines import PROBE, PROBE_TOLERANCE, Sample, Seeded, trainer_probe, verify_probe
-from rl.engines.server import backend_to, differences, send_tensor, weight_group
+from rl.engines.server import backend_to, buckets, differences, send_bucket, weight_group
 
 # The longest a poll waits on a server for one of its turns to finish: short, since a trajectory whose env answered
 # meanwhile is submitted only after the poll (a round trip costs ~2 ms on loopback)
@@ -61,11 +62,31 @@ class RemoteServer:
         self.url = address if address.startswith("http") else f"http://{address}"
         self.info: dict = {}
         self.up, self.reason = False, ""
-        self.group, self.store, self.backend = None, None, "gloo"  # the weights group, its store, its backend
         self.outbox: list[dict] = []  # turns to send with the next poll
         self.aborts: list = []
         self.holding: set = set()  # ids of turns sent and not back
         self.progress, self.since = -1, time.monotonic()  # the server's progress count, and when it last moved
+
+
+@dataclass
+class WeightGroup:
+    """A weights group as the trainer holds it: its name, its servers (at the processes that joined it), the process
+    group (rank 0 here), its store (hosted here) and backend, and the device its tensors go from."""
+
+    name: str
+    servers: list[RemoteServer]
+    instances: list
+    group: object
+    store: object
+    backend: str
+    device: object
+
+    def holds(self) -> bool:
+        """Every server of the group is up, the process that joined it, and still in it (as /info said at this sync's
+        reach)."""
+        return all(server.up and server.info.get("instance") == instance
+                   and server.info.get("weights_group") == {"id": self.name, "state": "joined"}
+                   for server, instance in zip(self.servers, self.instances))
 
 
 class RemoteEngine(Seeded):
@@ -76,13 +97,16 @@ class RemoteEngine(Seeded):
     def __init__(self, addresses: list[str], fmt, *, temperature: float, top_p: float, top_k: int = 0, seed: int = 0,
                  deterministic: bool = False, identity: dict | None = None, max_model_len: int = 0,
                  owner: bool = False, trainer: str | None = None, tolerance: float = 0.0, stall_s: float = 300.0,
-                 reconnect_s: float = 120.0, weights_timeout: float = 600.0, rank: int = 0):
+                 reconnect_s: float = 120.0, weights_timeout: float = 600.0, rank: int = 0,
+                 weight_sync: str = "broadcast", bucket_mb: int = 256):
         self.fmt, self.temperature, self.top_p, self.top_k = fmt, temperature, top_p, top_k
         self.deterministic, self.continuous = deterministic, not deterministic
         self.generator = torch.Generator().manual_seed(seed) if deterministic else None
         self.identity, self.max_model_len, self.owner, self.rank = identity or {}, max_model_len, owner, rank
         self.stall_s, self.reconnect_s, self.weights_timeout = stall_s, reconnect_s, weights_timeout
         self.tolerance_given = tolerance
+        self.weight_sync, self.bucket_bytes = weight_sync, bucket_mb * 2**20
+        self.groups: list[WeightGroup] = []  # the weights groups of the last sync
         self.http = httpx.Client(timeout=httpx.Timeout(60.0, connect=10.0))
         self.client = uuid.uuid4().hex[:12]
         self.servers = [RemoteServer(address) for address in addresses]
@@ -124,8 +148,6 @@ class RemoteEngine(Seeded):
         if self.deterministic and not info["deterministic"]:
             raise SystemExit(f"--deterministic: the rollout server at {server.address} must run --deterministic too "
                              "(its batches are replayable only then)")
-        if info.get("instance") != server.info.get("instance"):
-            server.group = None  # a new server process: a new group
         server.info, server.up, server.reason = info, True, ""
         server.progress, server.since = -1, time.monotonic()
         return True
@@ -273,16 +295,17 @@ class RemoteEngine(Seeded):
 
     def load_weights(self, model, weights=None, verify: bool = True) -> dict[str, float]:
         """Every process: iterate the weights (a sharded model's gather is collective), and take the trainer's side of
-        the probe. The owner (rank 0) also reaches the servers set aside, broadcasts every tensor to every server
-        that is up, waits for them to load it and probes each. Returns the seconds, bytes, and the worst mean probe
-        difference, or {"error": why} (setup.sync stops every process on it)."""
+        the probe. The owner (rank 0) also reaches the servers set aside, sends the weights in buckets over the
+        weights groups (`_open_groups`) to every server that is up, waits for them to load them and probes each.
+        Returns the seconds, the bytes of one copy, the buckets and the worst mean probe difference, or
+        {"error": why} (setup.sync stops every process on it)."""
         if self.requests:
             raise RuntimeError("the engine's weights change between rollouts, not during one")
         start = time.perf_counter()
         self.syncs += 1
         self.version = f"{self.trainer}/{self.syncs}"
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
-        weights = weights if weights is not None else model.state_dict().items()
+        weights = iter(weights if weights is not None else model.state_dict().items())
         if not self.owner:
             for server in self.servers:
                 self._connect(server)
@@ -290,7 +313,7 @@ class RemoteEngine(Seeded):
                 pass
             trainer_probe(model, self.probe)
             return {"sync_s": time.perf_counter() - start, "probe_diff": 0.0, "probe_diff_max": 0.0}
-        error, sent = self._reach(), {"tensors": 0, "bytes": 0}
+        error, sent = self._reach(), {"bytes": 0, "buckets": 0}
         servers = [server for server in self.servers if server.up]
         if error is None:
             error = self._open_groups(servers)
@@ -299,46 +322,76 @@ class RemoteEngine(Seeded):
                 self._post(server, "/weights/update", {"version": self.version})
             except (RuntimeError, httpx.HTTPError) as failure:
                 error = f"the rollout server at {server.address} did not take the weight update: {_line(failure)}"
-        for name, tensor in weights:  # (every tensor is taken in, also after an error: the gathers are collective)
-            if error is not None or (tied and name == "lm_head.weight"):
-                continue
-            for server in servers:
-                try:
-                    sent["bytes"] += send_tensor(server.group, name, tensor.detach().to(_dtype(server)), _device(server))
-                except RuntimeError as failure:
-                    error = f"the weight broadcast to the rollout server at {server.address} broke off at {name}: " \
-                            f"{_line(failure)}"
-                    break
-            sent["tensors"] += 1
+                break
         if error is None:
-            for server in servers:
-                try:
-                    send_tensor(server.group, "", None, _device(server))
-                except RuntimeError as failure:
-                    error = f"the weight broadcast to the rollout server at {server.address} broke off at its end: " \
-                            f"{_line(failure)}"
+            error = self._send(((name, tensor) for name, tensor in weights if not (tied and name == "lm_head.weight")),
+                               _dtype(servers[0]), sent)
+        for _ in weights:  # (every tensor is taken in, also after an error: the gathers are collective)
+            pass
         if error is None:
             error = self._loaded(servers)
         seconds = time.perf_counter() - start
         trainer = trainer_probe(model, self.probe)
         if error is not None:
-            for server in servers:
-                server.group = None  # a broken group is not used again
+            self.groups = []  # a broken group is not used again (its peers' receive fails as it closes)
             return {"sync_s": seconds, "error": error}
-        try:
-            diffs = [(torch.tensor(self._post(server, "/probe", {"token_ids": self.probe})["logprobs"]) - trainer).abs()
-                     for server in servers]
-        except (RuntimeError, httpx.HTTPError) as failure:
-            return {"sync_s": seconds, "error": f"a rollout server did not answer the probe: {_line(failure)}"}
+        probes = list(self.pool.map(self._probe, servers))
+        failed = [answer for answer in probes if isinstance(answer, str)]
+        if failed:
+            return {"sync_s": seconds, "error": f"a rollout server did not answer the probe: {failed[0]}"}
+        diffs = [(torch.tensor(answer) - trainer).abs() for answer in probes]
         worst = max(diffs, key=lambda d: float(d.mean()) if d.mean() == d.mean() else float("inf"))
         if verify:
             self.verify(float(worst.mean()))
         return {"sync_s": seconds, "probe_diff": float(worst.mean()), "probe_diff_max": float(worst.max()),
-                "bytes": sent["bytes"] / max(len(servers), 1), "servers": len(servers)}
+                "bytes": sent["bytes"], "buckets": sent["buckets"], "servers": len(servers)}
 
     def verify(self, diff: float) -> None:
         """Raise SyncError if `diff`, a mean probe difference, is past the tolerance."""
         verify_probe(diff, self.tolerance, "the rollout server's")
+
+    def _send(self, weights, dtype: torch.dtype, sent: dict) -> str | None:
+        """Broadcast `weights` in buckets on every weights group, each bucket once a group, then the end of the
+        stream; None, or why it broke off (at the first failure: the tensors left are not sent)."""
+        device = next((group.device for group in self.groups if group.backend == "nccl"), "cpu")
+        for table, bucket in buckets(weights, dtype, self.bucket_bytes, device):
+            for group in self.groups:
+                try:
+                    send_bucket(group.group, table, bucket, group.device)
+                except RuntimeError as failure:
+                    return self._broke(group, f"at {table[0][0]}", failure)
+            sent["bytes"] += bucket.numel()
+            sent["buckets"] += 1
+        for group in self.groups:
+            try:
+                send_bucket(group.group, None, None, group.device)
+            except RuntimeError as failure:
+                return self._broke(group, "at its end", failure)
+        return None
+
+    def _broke(self, group: WeightGroup, where: str, failure: BaseException) -> str:
+        """Why the broadcast on `group` broke off, naming the servers to blame (those that no longer answer) where
+        it can tell."""
+        blamed = self._unwell(group.servers) or group.servers
+        return (f"the weight broadcast to the rollout server{'s' if len(blamed) > 1 else ''} at "
+                f"{', '.join(server.address for server in blamed)} broke off {where}: {_line(failure)}")
+
+    def _unwell(self, servers: list[RemoteServer]) -> list[RemoteServer]:
+        """The servers that do not answer /info within 5 s, or answer that their joining failed."""
+        def unwell(server):
+            try:
+                state = (self.http.get(f"{server.url}/info", timeout=5.0).json().get("weights_group") or {}).get("state")
+            except (httpx.HTTPError, ValueError):
+                return True
+            return str(state).startswith("failed")
+        return [server for server, bad in zip(servers, self.pool.map(unwell, servers)) if bad]
+
+    def _probe(self, server: RemoteServer) -> list[float] | str:
+        """The server's log-probs of the probe, or why it gave none."""
+        try:
+            return self._post(server, "/probe", {"token_ids": self.probe})["logprobs"]
+        except (RuntimeError, httpx.HTTPError) as failure:
+            return f"{server.address}: {_line(failure)}"
 
     def _reach(self) -> str | None:
         """Reach every server again (one set aside may be back; one that restarted needs a new group); with none up,
@@ -355,34 +408,63 @@ class RemoteEngine(Seeded):
             time.sleep(1.0)
 
     def _open_groups(self, servers: list[RemoteServer]) -> str | None:
-        """A weights group with each server that has none (first sync, or a server that restarted)."""
-        for server in servers:
-            if server.group is not None:
-                continue
-            host, port = server.url.rsplit("//", 1)[1].rsplit(":", 1)
-            world = 1 + server.info["tensor_parallel_size"]
-            backend = backend_to(server.info)
-            try:
-                with socket.create_connection((host, int(port)), timeout=10.0) as route:
-                    mine = route.getsockname()[0]  # this machine's address on the route to the server
-                store = torch.distributed.TCPStore(mine, 0, world, is_master=True, wait_for_workers=False,
-                                                   timeout=_seconds(self.reconnect_s))
-                self._post(server, "/weights/group", {"host": mine, "port": store.port, "world_size": world,
-                                                      "backend": backend, "timeout_s": self.weights_timeout})
-                group = weight_group(store, 0, world, backend, self.reconnect_s)
-            except (OSError, RuntimeError, httpx.HTTPError) as error:
-                return f"the rollout server at {server.address} did not join the weights group: {_line(error)}"
-            server.group, server.store, server.backend = group, store, backend
+        """The weights groups of this sync: with --weight-sync broadcast one over every server's workers, with
+        per-server one with each server. A group of the last sync is kept while each of its servers, the same
+        process, still holds it (another trainer's sync in between makes a server join that trainer's group)."""
+        dtypes = {server.address: server.info.get("dtype", "float32") for server in servers}
+        if len(set(dtypes.values())) > 1:
+            return ("the rollout servers hold their weights in different dtypes (" + ", ".join(
+                f"{address}: {dtype}" for address, dtype in dtypes.items()) + "): start them all with one --dtype")
+        wanted = [servers] if self.weight_sync == "broadcast" else [[server] for server in servers]
+        kept = {tuple(group.servers): group for group in self.groups if group.holds()}
+        self.groups = []
+        for members in wanted:
+            group = kept.get(tuple(members))
+            if group is None:
+                try:
+                    group = self._open_group(members)
+                except (OSError, RuntimeError, httpx.HTTPError) as error:
+                    blamed = self._unwell(members) or members
+                    return (f"the rollout server{'s' if len(blamed) > 1 else ''} at "
+                            f"{', '.join(server.address for server in blamed)} did not join the weights group: "
+                            f"{_line(error)}")
+            self.groups.append(group)
         return None
 
-    def _loaded(self, servers: list[RemoteServer]) -> str | None:
-        """Wait for every server to have loaded the broadcast; None, or why one did not."""
+    def _open_group(self, servers: list[RemoteServer]) -> WeightGroup:
+        """A new weights group: rank 0 here (it hosts the group's store, on this machine's address on the route to
+        the first server), then each server's workers in turn; NCCL when every server is reached over it, else
+        gloo. Returns once every rank has joined; a server that does not join within reconnect_s fails it."""
+        host, port = servers[0].url.rsplit("//", 1)[1].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10.0) as route:
+            mine = route.getsockname()[0]
+        world = 1 + sum(server.info["tensor_parallel_size"] for server in servers)
+        backend = "nccl" if all(backend_to(server.info) == "nccl" for server in servers) else "gloo"
+        store = torch.distributed.TCPStore(mine, 0, world, is_master=True, wait_for_workers=False,
+                                           timeout=_seconds(self.reconnect_s))
+        name, rank = uuid.uuid4().hex[:12], 1
         for server in servers:
+            self._post(server, "/weights/group", {"id": name, "host": mine, "port": store.port, "world_size": world,
+                                                  "rank": rank, "backend": backend, "timeout_s": self.weights_timeout})
+            rank += server.info["tensor_parallel_size"]
+        group = weight_group(store, 0, world, backend, self.weights_timeout)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+        return WeightGroup(name, list(servers), [server.info.get("instance") for server in servers], group, store,
+                           backend, device)
+
+    def _loaded(self, servers: list[RemoteServer]) -> str | None:
+        """Wait for every server to have loaded the broadcast (all at once); None, or which did not, and why."""
+        def wait(server):
             try:
                 self._post(server, "/weights/wait", {"version": self.version, "timeout_s": self.weights_timeout},
-                           timeout=self.weights_timeout + 30.0)
+                           timeout=self.weights_timeout + 10.0)
             except (RuntimeError, httpx.HTTPError) as error:
-                return f"the rollout server at {server.address} did not load the weights: {_line(error)}"
+                return f"{server.address} ({_line(error)})"
+            return None
+
+        failed = [reason for reason in self.pool.map(wait, servers) if reason]
+        if failed:
+            return f"the rollout server{'s' if len(failed) > 1 else ''} at {', '.join(failed)} did not load the weights"
         return None
 
     def _post(self, server: RemoteServer, path: str, body: dict, timeout: float = 60.0) -> dict:
@@ -417,10 +499,6 @@ class RemoteEngine(Seeded):
 
 def _dtype(server: RemoteServer) -> torch.dtype:
     return getattr(torch, server.info.get("dtype", "float32"))
-
-
-def _device(server: RemoteServer):
-    return torch.device("cuda", torch.cuda.current_device()) if server.backend == "nccl" else "cpu"
 
 
 def _seconds(seconds: float):
