@@ -35,6 +35,7 @@ message. A broadcast that breaks off stops the run (sync in setup.py), on every 
 from __future__ import annotations
 
 import itertools
+import re
 import socket
 import time
 import uuid
@@ -47,7 +48,7 @@ import httpx
 import torch
 
 from rl.engines import PROBE, PROBE_TOLERANCE, Sample, Seeded, trainer_probe, verify_probe
-from rl.engines.server import backend_to, buckets, differences, send_bucket, weight_group
+from rl.engines.server import arrivals, backend_to, buckets, differences, send_bucket, weight_group
 
 # The longest a poll waits on a server for one of its turns to finish: short, since a trajectory whose env answered
 # meanwhile is submitted only after the poll (a round trip costs ~2 ms on loopback)
@@ -359,32 +360,31 @@ class RemoteEngine(Seeded):
                 try:
                     send_bucket(group.group, table, bucket, group.device)
                 except RuntimeError as failure:
-                    return self._broke(group, f"at {table[0][0]}", failure)
+                    return f"the weight broadcast to {self._blamed(group.servers)} broke off at {table[0][0]}'s " \
+                           f"bucket: {_line(failure)}"
             sent["bytes"] += bucket.numel()
             sent["buckets"] += 1
         for group in self.groups:
             try:
                 send_bucket(group.group, None, None, group.device)
             except RuntimeError as failure:
-                return self._broke(group, "at its end", failure)
+                return f"the weight broadcast to {self._blamed(group.servers)} broke off at its end: {_line(failure)}"
         return None
 
-    def _broke(self, group: WeightGroup, where: str, failure: BaseException) -> str:
-        """Why the broadcast on `group` broke off, naming the servers to blame (those that no longer answer) where
-        it can tell."""
-        blamed = self._unwell(group.servers) or group.servers
-        return (f"the weight broadcast to the rollout server{'s' if len(blamed) > 1 else ''} at "
-                f"{', '.join(server.address for server in blamed)} broke off {where}: {_line(failure)}")
-
-    def _unwell(self, servers: list[RemoteServer]) -> list[RemoteServer]:
-        """The servers that do not answer /info within 5 s, or answer that their joining failed."""
-        def unwell(server):
+    def _blamed(self, servers: list[RemoteServer]) -> str:
+        """"the rollout server(s) at ADDRESS (why), ...": those of `servers` that do not answer /info within 5 s or
+        answer that their workers' joining failed; all of them when none does (the failure itself may say why)."""
+        def why(server):
             try:
                 state = (self.http.get(f"{server.url}/info", timeout=5.0).json().get("weights_group") or {}).get("state")
-            except (httpx.HTTPError, ValueError):
-                return True
-            return str(state).startswith("failed")
-        return [server for server, bad in zip(servers, self.pool.map(unwell, servers)) if bad]
+            except (httpx.HTTPError, ValueError, AttributeError):
+                return "it does not answer"
+            return f"its workers' joining {state}" if str(state).startswith("failed") else None
+
+        reasons = [(server, reason) for server, reason in zip(servers, self.pool.map(why, servers)) if reason]
+        reasons = reasons or [(server, None) for server in servers]
+        return f"the rollout server{'s' if len(reasons) > 1 else ''} at " + ", ".join(
+            server.address + (f" ({reason})" if reason else "") for server, reason in reasons)
 
     def _probe(self, server: RemoteServer) -> list[float] | str:
         """The server's log-probs of the probe, or why it gave none."""
@@ -419,35 +419,43 @@ class RemoteEngine(Seeded):
         kept = {tuple(group.servers): group for group in self.groups if group.holds()}
         self.groups = []
         for members in wanted:
-            group = kept.get(tuple(members))
-            if group is None:
-                try:
-                    group = self._open_group(members)
-                except (OSError, RuntimeError, httpx.HTTPError) as error:
-                    blamed = self._unwell(members) or members
-                    return (f"the rollout server{'s' if len(blamed) > 1 else ''} at "
-                            f"{', '.join(server.address for server in blamed)} did not join the weights group: "
-                            f"{_line(error)}")
+            group = kept.get(tuple(members)) or self._open_group(members)
+            if isinstance(group, str):
+                return group
             self.groups.append(group)
         return None
 
-    def _open_group(self, servers: list[RemoteServer]) -> WeightGroup:
-        """A new weights group: rank 0 here (it hosts the group's store, on this machine's address on the route to
-        the first server), then each server's workers in turn; NCCL when every server is reached over it, else
-        gloo. Returns once every rank has joined; a server that does not join within reconnect_s fails it."""
+    def _open_group(self, servers: list[RemoteServer]) -> WeightGroup | str:
+        """A new weights group, or why not: rank 0 here (it hosts the group's store, on this machine's address on
+        the route to the first server), then each server's workers in turn; NCCL when every server is reached over
+        it, else gloo. Returns once every rank has joined; a server that does not join within reconnect_s fails it."""
         host, port = servers[0].url.rsplit("//", 1)[1].rsplit(":", 1)
-        with socket.create_connection((host, int(port)), timeout=10.0) as route:
-            mine = route.getsockname()[0]
         world = 1 + sum(server.info["tensor_parallel_size"] for server in servers)
         backend = "nccl" if all(backend_to(server.info) == "nccl" for server in servers) else "gloo"
-        store = torch.distributed.TCPStore(mine, 0, world, is_master=True, wait_for_workers=False,
-                                           timeout=_seconds(self.reconnect_s))
-        name, rank = uuid.uuid4().hex[:12], 1
+        try:
+            with socket.create_connection((host, int(port)), timeout=10.0) as route:
+                mine = route.getsockname()[0]
+            store = torch.distributed.TCPStore(mine, 0, world, is_master=True, wait_for_workers=False,
+                                               timeout=_seconds(self.reconnect_s))
+        except (OSError, RuntimeError) as error:
+            return f"the weights group to the rollout server at {servers[0].address} could not be opened: {_line(error)}"
+        name, ranks = uuid.uuid4().hex[:12], {}
         for server in servers:
-            self._post(server, "/weights/group", {"id": name, "host": mine, "port": store.port, "world_size": world,
-                                                  "rank": rank, "backend": backend, "timeout_s": self.weights_timeout})
-            rank += server.info["tensor_parallel_size"]
-        group = weight_group(store, 0, world, backend, self.weights_timeout)
+            first = 1 + len(ranks)
+            ranks |= {rank: server for rank in range(first, first + server.info["tensor_parallel_size"])}
+            try:
+                self._post(server, "/weights/group", {"id": name, "host": mine, "port": store.port, "world_size": world,
+                                                      "rank": first, "backend": backend,
+                                                      "timeout_s": self.weights_timeout})
+            except (RuntimeError, httpx.HTTPError) as error:
+                return f"the rollout server at {server.address} did not take the weights group: {_line(error)}"
+        late = list(dict.fromkeys(ranks[rank] for rank in arrivals(store, list(ranks), self.reconnect_s)))
+        if late:  # (the store goes with this frame: the workers that came stop waiting on it)
+            return f"{self._blamed(late)} did not join the weights group within {self.reconnect_s:g} s"
+        try:
+            group = weight_group(store, 0, world, backend, self.weights_timeout)
+        except RuntimeError as error:
+            return f"{self._blamed(servers)} did not join the weights group: {_line(error)}"
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
         return WeightGroup(name, list(servers), [server.info.get("instance") for server in servers], group, store,
                            backend, device)
@@ -515,5 +523,6 @@ def _error(answer: httpx.Response) -> str:
 
 
 def _line(error: BaseException) -> str:
-    text = str(error).strip()
+    """The error's first line, without the source position gloo starts its messages with."""
+    text = re.sub(r"^\[[^\]\s]+:\d+\] ", "", str(error).strip())
     return text.splitlines()[0] if text else type(error).__name__

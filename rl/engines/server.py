@@ -118,6 +118,21 @@ def weight_group(store, rank: int, world_size: int, backend: str, timeout_s: flo
     return torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
 
 
+def arrive(store, rank: int) -> None:
+    """Say in the group's store that `rank` is joining (`arrivals` reads it: which ranks never came)."""
+    store.set(f"rollout-weights-arrived/{rank}", "1")
+
+
+def arrivals(store, ranks: list[int], timeout_s: float) -> list[int]:
+    """The ranks of `ranks` that have not arrived after waiting up to `timeout_s` seconds for them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [rank for rank in ranks if not store.check([f"rollout-weights-arrived/{rank}"])]
+        if not missing or time.monotonic() > deadline:
+            return missing
+        time.sleep(0.05)
+
+
 def buckets(weights, dtype: torch.dtype, bucket_bytes: int, device):
     """The (name, tensor) pairs of `weights` cast to `dtype` and packed, in order, into flat byte buffers on `device`
     of at most `bucket_bytes` each (a tensor larger than that fills a bucket of its own): (table, bucket) pairs, the
@@ -181,6 +196,7 @@ class WeightReceiver:
         store = torch.distributed.TCPStore(host, port, world_size, is_master=False,  # (the trainer is there already)
                                            timeout=datetime.timedelta(seconds=min(timeout_s, 60.0)))
         self.weight_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+        arrive(store, rank + self.rank)
         self.weight_group = weight_group(store, rank + self.rank, world_size, backend, timeout_s)
         return self.rank
 
