@@ -17,9 +17,13 @@ Under --deterministic turns go in rounds and each carries a seed from the engine
 run over one server replays the in-process engine's rollouts (the server must run --deterministic too).
 
 Weights: every process of the trainer calls load_weights alike (a sharded model is gathered collectively); the
-trainer's rank 0 (`owner`) broadcasts each tensor, cast to the server's dtype, over a process group of its own
-with each server's workers (server.weight_group: NCCL when both ends have GPUs, gloo otherwise), then
-checks the server with the probe exactly as the in-process sync does. The weights carry a version (the count of
+trainer's rank 0 (`owner`) packs the tensors, cast to the servers' dtype, into buckets of `bucket_mb` MiB and
+broadcasts each bucket once over one process group with every server's workers (`weight_sync` "broadcast";
+"per-server": a group with each server, the buckets sent to one after another; server.weight_group: NCCL when
+every end has a GPU of its own, gloo otherwise). The trainer hosts the group's store and tells each server over
+HTTP the group's size and its first rank (/weights/group), and all join; a server whose workers do not arrive
+within `reconnect_s` is named. Then the trainer checks every server with the probe exactly as the in-process sync
+does. The weights carry a version (the count of
 syncs); every turn asks for it, and a server without it (restarted, or it missed an update) is not sampled from:
 the server checks it on its engine thread as it adds the turn (an update between the check and the turn cannot
 slip in), and names the version that sampled each turn in its answer, which the client checks again (a turn of
@@ -376,7 +380,8 @@ class RemoteEngine(Seeded):
         answer that their workers' joining failed; all of them when none does (the failure itself may say why)."""
         def why(server):
             try:
-                state = (self.http.get(f"{server.url}/info", timeout=5.0).json().get("weights_group") or {}).get("state")
+                info = self.http.get(f"{server.url}/info", timeout=5.0).json()
+                state = (info.get("weights_group") or {}).get("state")
             except (httpx.HTTPError, ValueError, AttributeError):
                 return "it does not answer"
             return f"its workers' joining {state}" if str(state).startswith("failed") else None
@@ -438,7 +443,8 @@ class RemoteEngine(Seeded):
             store = torch.distributed.TCPStore(mine, 0, world, is_master=True, wait_for_workers=False,
                                                timeout=_seconds(self.reconnect_s))
         except (OSError, RuntimeError) as error:
-            return f"the weights group to the rollout server at {servers[0].address} could not be opened: {_line(error)}"
+            return f"the weights group to the rollout server at {servers[0].address} could not be opened: " \
+                   f"{_line(error)}"
         name, ranks = uuid.uuid4().hex[:12], {}
         for server in servers:
             first = 1 + len(ranks)

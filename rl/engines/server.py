@@ -17,7 +17,8 @@ accepted at once. Requests are token ids, answers the sampled token ids and thei
 Endpoints (JSON; an error is {"error": one line} with 400/404/409/422/503):
     GET  /info                 the model's identity (architecture, sizes, a hash of the vocabulary: the client refuses a
                                server that serves another model), tensor_parallel_size, dtype, device, max_model_len,
-                               deterministic, instance (new at every start), version (of the weights: 0 as loaded)
+                               deterministic, instance (new at every start), version (of the weights: 0 as loaded),
+                               weights_group ({id, state: joining | joined | failed: why} of the last group it joined)
     POST /poll                 {client, submit: [{id, token_ids, max_tokens, stop_ids, temperature, top_p, top_k,
                                seed?}], abort: [id], wait, version?} -> {done: [{id, token_ids, logprobs, prompt_tokens,
                                cached_tokens, version} | {id, error}], pending, progress, version}. New turns join the
@@ -29,14 +30,17 @@ Endpoints (JSON; an error is {"error": one line} with 400/404/409/422/503):
                                under way) and the client checks it again.
     POST /reset                drop the prefix cache (a deterministic client's reseed)
     POST /probe                {token_ids} -> {logprobs}: each token's log-prob after the first, temperature 1
-    POST /weights/group        {host, port, world_size, backend, timeout_s}: every worker joins the trainer's group
-                               (rank 1 + its tensor-parallel rank; the trainer's rank 0 hosts the store)
-    POST /weights/update       {version}: every worker receives the broadcast (`send_weights`) into vLLM in place
+    POST /weights/group        {id, host, port, world_size, rank, backend, timeout_s}: every worker joins the trainer's
+                               group as rank `rank` + its tensor-parallel rank (the trainer's rank 0 hosts the store;
+                               the other servers' workers hold the other ranks)
+    POST /weights/update       {version}: every worker receives the broadcast (`received`) into vLLM in place
     POST /weights/wait         {version, timeout_s} -> {version, tensors, bytes, seconds} or an error
 
-Weights: the trainer's rank 0 broadcasts each tensor, whole and in its model's naming (gathered from DDP, FSDP2,
-ZeRO-3 or merged LoRA as for the in-process sync), to every tensor-parallel worker at once (NCCL between GPUs,
-gloo otherwise), each worker loads it with vLLM's weight loaders (which shard it), and the prefix cache is dropped.
+Weights: the trainer's rank 0 packs the tensors, whole and in its model's naming (gathered from DDP, FSDP2, ZeRO-3 or
+merged LoRA as for the in-process sync), into flat buckets (`buckets`: a table of names, dtypes, shapes and offsets
+beside the bytes) and broadcasts each once over one group with every worker of every server (NCCL between GPUs,
+gloo otherwise); each worker takes the tensors out of the bucket as views, loads them with vLLM's weight loaders
+(which shard them), and the prefix cache is dropped.
 Nothing is written to disk. A layer the broadcast left out, or a broadcast that breaks off (a trainer killed
 mid-way: the workers' receive times out), leaves the server refusing to generate until a whole update arrives; the
 trainer then checks the result with the probe, as it checks the in-process engine. An update aborts whatever is

@@ -215,7 +215,8 @@ def _served_engine(engine_args: EngineArgs, fmt, model: str, max_tokens: int, se
     from rl.model import full_weights, is_adapter, load_config, load_model, resolve
 
     sampling = dict(temperature=engine_args.temperature, top_p=engine_args.top_p, deterministic=engine_args.deterministic,
-                    max_model_len=max_tokens, weight_sync=engine_args.weight_sync, bucket_mb=engine_args.weight_bucket_mb)
+                    max_model_len=max_tokens, weight_sync=engine_args.weight_sync,
+                    bucket_mb=engine_args.weight_bucket_mb)
     if accelerator is not None:
         import uuid
 
