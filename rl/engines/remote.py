@@ -302,8 +302,8 @@ class RemoteEngine(Seeded):
         """Every process: iterate the weights (a sharded model's gather is collective), and take the trainer's side of
         the probe. The owner (rank 0) also reaches the servers set aside, sends the weights in buckets over the
         weights groups (`_open_groups`) to every server that is up, waits for them to load them and probes each.
-        Returns the seconds, the bytes of one copy, the buckets and the worst mean probe difference, or
-        {"error": why} (setup.sync stops every process on it)."""
+        Returns the seconds (and of them the sends': packing and broadcasting), the bytes of one copy, the buckets
+        and the worst mean probe difference, or {"error": why} (setup.sync stops every process on it)."""
         if self.requests:
             raise RuntimeError("the engine's weights change between rollouts, not during one")
         start = time.perf_counter()
@@ -318,7 +318,7 @@ class RemoteEngine(Seeded):
                 pass
             trainer_probe(model, self.probe)
             return {"sync_s": time.perf_counter() - start, "probe_diff": 0.0, "probe_diff_max": 0.0}
-        error, sent = self._reach(), {"bytes": 0, "buckets": 0}
+        error, sent = self._reach(), {"bytes": 0, "buckets": 0, "send_s": 0.0}
         servers = [server for server in self.servers if server.up]
         if error is None:
             error = self._open_groups(servers)
@@ -329,8 +329,10 @@ class RemoteEngine(Seeded):
                 error = f"the rollout server at {server.address} did not take the weight update: {_line(failure)}"
                 break
         if error is None:
+            sending = time.perf_counter()
             error = self._send(((name, tensor) for name, tensor in weights if not (tied and name == "lm_head.weight")),
                                _dtype(servers[0]), sent)
+            sent["send_s"] = time.perf_counter() - sending
         for _ in weights:  # (every tensor is taken in, also after an error: the gathers are collective)
             pass
         if error is None:
@@ -349,7 +351,7 @@ class RemoteEngine(Seeded):
         if verify:
             self.verify(float(worst.mean()))
         return {"sync_s": seconds, "probe_diff": float(worst.mean()), "probe_diff_max": float(worst.max()),
-                "bytes": sent["bytes"], "buckets": sent["buckets"], "servers": len(servers)}
+                "send_s": sent["send_s"], "bytes": sent["bytes"], "buckets": sent["buckets"], "servers": len(servers)}
 
     def verify(self, diff: float) -> None:
         """Raise SyncError if `diff`, a mean probe difference, is past the tolerance."""

@@ -1,12 +1,14 @@
 """bench section weights: the trainer's weight sync to 1, 2, ... --weight-servers rollout servers (`python -m
-rl.rollout_server` on --model, processes of their own on loopback, started together), each way of
+rl.rollout_server` on --model, processes of their own on loopback), each way of
 `--weight-sync`: per-server (a group with each server, each bucket sent to one after the other: the sync before the
 broadcast, less its tensor-by-tensor sends) and broadcast (one group over every server's workers, each bucket sent
-once). Figures by number of servers, medians of --syncs after a first sync that opens the groups: the sync's
-seconds (buckets sent, loaded by every server, waited for) and with its probe check (each server's probe, at once).
+once). Figures by number of servers, medians of --syncs after a first sync that opens the groups: the trainer's
+sends (packing the buckets, broadcasting them), the whole sync (sent, loaded by every server, waited for) and with
+its probe check (each server's probe, at once).
 
-On a CPU-only machine the servers load the weights and answer the probe on the trainer's cores: what grows with the
-servers there is partly their load, not the sends; on a GPU each server takes a GPU of its own (the trainer the
+On a CPU-only machine the servers load the weights and answer the probe on the trainer's cores (and every byte a
+server receives is copied by those cores too): what grows with the servers there is their load, which on GPUs of
+their own runs side by side; on a GPU each server takes a GPU of its own (the trainer the
 first), so the section runs up to one server fewer than there are GPUs. Without vLLM it says so and is skipped.
 
     python scripts/bench.py --sections weights --weight-servers 4 --syncs 5
@@ -48,10 +50,9 @@ def phase_weights(args: Args) -> dict:
     model = load_model(args.model, dtype=torch.bfloat16 if cuda else torch.float32).to("cuda" if cuda else "cpu")
     started, syncs = [], {}
     try:
-        for k in range(count):  # (all at once: each one's start-up overlaps the others')
+        for k in range(count):  # (one after another: four vLLM start-ups at once on 2 shared cores outlast the wait)
             started.append(rollout_server(args, str(k + 1) if cuda else None))
-        for process, address, log in started:
-            server_ready(process, address, log)
+            server_ready(*started[-1])
         addresses = [address for _, address, _ in started]
         for n in range(1, count + 1):
             for mode in MODES:
@@ -64,8 +65,8 @@ def phase_weights(args: Args) -> dict:
                 finally:
                     engine.close()
                 syncs[f"{n} {mode}"] = {"first": first, "runs": runs}
-                print(f"weights: {n} servers, {mode}: " + ", ".join(f"{r['sync_s']:.3f}" for r in runs) + " s",
-                      flush=True)
+                print(f"weights: {n} servers, {mode}: sends " + ", ".join(f"{r['send_s']:.3f}" for r in runs)
+                      + " s; syncs " + ", ".join(f"{r['sync_s']:.3f}" for r in runs) + " s", flush=True)
     finally:
         for process, _, log in started:
             stop(process)
@@ -83,11 +84,11 @@ def weights_rows(weights: dict) -> list[str]:
     lines = []
     for n in range(1, weights["servers"] + 1):
         runs = {mode: weights["syncs"][f"{n} {mode}"]["runs"] for mode in MODES}
-        sync = {mode: statistics.median(r["sync_s"] for r in runs[mode]) for mode in MODES}
-        wall = {mode: statistics.median(r["wall_s"] for r in runs[mode]) for mode in MODES}
-        lines.append(f"| weights | sync to {n} rollout server{'s' if n > 1 else ''}, s: per-server / broadcast "
-                     f"({weights['bytes'] / 2**20:.1f} MiB, buckets of {weights['bucket_mb']} MiB; median of "
-                     f"{len(runs['broadcast'])}; with the probe check) | {sync['per-server']:.3f} / "
-                     f"{sync['broadcast']:.3f} ({wall['per-server']:.3f} / {wall['broadcast']:.3f}) | "
-                     "broadcast flat in the servers |")
+        median = {key: {mode: statistics.median(r[key] for r in runs[mode]) for mode in MODES}
+                  for key in ("send_s", "sync_s", "wall_s")}
+        lines.append(f"| weights | {n} rollout server{'s' if n > 1 else ''}, per-server / broadcast, s: the trainer's "
+                     f"sends; the sync; with the probe check ({weights['bytes'] / 2**20:.1f} MiB, buckets of "
+                     f"{weights['bucket_mb']} MiB, median of {len(runs['broadcast'])}) | "
+                     + "; ".join(f"{median[key]['per-server']:.3f} / {median[key]['broadcast']:.3f}"
+                                 for key in ("send_s", "sync_s", "wall_s")) + " | broadcast's sends flat |")
     return lines
