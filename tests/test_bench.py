@@ -21,6 +21,7 @@ from bench.env import env_rows, env_task_ids, identical, outcomes, record, repla
 from bench.rollout import step_inputs  # noqa: E402
 from bench.run import main, table  # noqa: E402
 from bench.server import phase_server, server_rows  # noqa: E402
+from bench.weights import weights_rows  # noqa: E402
 
 
 @pytest.mark.slow
@@ -181,6 +182,23 @@ def test_server_rows_compare_the_engines_and_name_a_skipped_sync():
     rows = server_rows(server, 2)
     assert "cores too" not in rows[2]
     assert rows[-1] == "| server | weight sync | skipped: one GPU: NCCL cannot join ... | |"
+
+
+def test_weights_rows_give_each_way_by_number_of_servers():
+    def runs(sync_s):
+        return {"first": {}, "runs": [{"send_s": s / 10, "sync_s": s, "wall_s": s + 0.1} for s in sync_s]}
+
+    syncs = {"1 per-server": runs([0.2, 0.3, 0.25]), "1 broadcast": runs([0.2, 0.21, 0.22]),
+             "2 per-server": runs([0.5, 0.4, 0.45]), "2 broadcast": runs([0.2, 0.25, 0.3])}
+    rows = weights_rows({"servers": 2, "syncs": syncs, "bucket_mb": 256, "bytes": 3 * 2**20})
+    assert rows == [
+        "| weights | 1 rollout server, per-server / broadcast, s: the trainer's sends; the sync; with the probe check "
+        "(3.0 MiB, buckets of 256 MiB, median of 3) | 0.025 / 0.021; 0.250 / 0.210; 0.350 / 0.310 | broadcast's "
+        "sends flat |",
+        "| weights | 2 rollout servers, per-server / broadcast, s: the trainer's sends; the sync; with the probe check "
+        "(3.0 MiB, buckets of 256 MiB, median of 3) | 0.045 / 0.025; 0.450 / 0.250; 0.550 / 0.350 | broadcast's "
+        "sends flat |"]
+    assert weights_rows({"skipped": "no vLLM"}) == ["| weights | skipped | no vLLM | |"] and weights_rows({}) == []
 
 
 def test_env_delay_takes_the_old_seconds_and_the_new_specs():

@@ -37,6 +37,9 @@ def test_the_flag_table_is_what_the_presets_give():
     (["--is-cap", "3"], "give --max-staleness too"),
     (["--top-p", "0"], r"--top-p 0 is the share of the probability mass"),
     (["--top-p", "1.5"], r"--top-p 1.5 is the share of the probability mass"),
+    (["--rollout-server", "h:1", "--weight-bucket-mb", "0"], r"--weight-bucket-mb 0 is a bucket's size in MiB: give 1"),
+    (["--weight-sync", "per-server"], "say how weights reach rollout servers: give --rollout-server too"),
+    (["--weight-bucket-mb", "64"], "say how weights reach rollout servers: give --rollout-server too"),
 ])
 def test_a_flag_that_would_be_ignored_or_cannot_work_stops_with_a_sentence(flags, message, tmp_path):
     args = train.parse_args(["--out-dir", str(tmp_path), *flags])

@@ -17,9 +17,13 @@ Under --deterministic turns go in rounds and each carries a seed from the engine
 run over one server replays the in-process engine's rollouts (the server must run --deterministic too).
 
 Weights: every process of the trainer calls load_weights alike (a sharded model is gathered collectively); the
-trainer's rank 0 (`owner`) broadcasts each tensor, cast to the server's dtype, over a process group of its own
-with each server's workers (server.weight_group: NCCL when both ends have GPUs, gloo otherwise), then
-checks the server with the probe exactly as the in-process sync does. The weights carry a version (the count of
+trainer's rank 0 (`owner`) packs the tensors, cast to the servers' dtype, into buckets of `bucket_mb` MiB and
+broadcasts each bucket once over one process group with every server's workers (`weight_sync` "broadcast";
+"per-server": a group with each server, the buckets sent to one after another; server.weight_group: NCCL when
+every end has a GPU of its own, gloo otherwise). The trainer hosts the group's store and tells each server over
+HTTP the group's size and its first rank (/weights/group), and all join; a server whose workers do not arrive
+within `reconnect_s` is named. Then the trainer checks every server with the probe exactly as the in-process sync
+does. The weights carry a version (the count of
 syncs); every turn asks for it, and a server without it (restarted, or it missed an update) is not sampled from:
 the server checks it on its engine thread as it adds the turn (an update between the check and the turn cannot
 slip in), and names the version that sampled each turn in its answer, which the client checks again (a turn of
@@ -35,18 +39,20 @@ message. A broadcast that breaks off stops the run (sync in setup.py), on every 
 from __future__ import annotations
 
 import itertools
+import re
 import socket
 import time
 import uuid
 import weakref
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import httpx
 import torch
 
 from rl.engines import PROBE, PROBE_TOLERANCE, Sample, Seeded, trainer_probe, verify_probe
-from rl.engines.server import backend_to, differences, send_tensor, weight_group
+from rl.engines.server import arrivals, backend_to, buckets, differences, send_bucket, weight_group
 
 # The longest a poll waits on a server for one of its turns to finish: short, since a trajectory whose env answered
 # meanwhile is submitted only after the poll (a round trip costs ~2 ms on loopback)
@@ -61,11 +67,31 @@ class RemoteServer:
         self.url = address if address.startswith("http") else f"http://{address}"
         self.info: dict = {}
         self.up, self.reason = False, ""
-        self.group, self.store, self.backend = None, None, "gloo"  # the weights group, its store, its backend
         self.outbox: list[dict] = []  # turns to send with the next poll
         self.aborts: list = []
         self.holding: set = set()  # ids of turns sent and not back
         self.progress, self.since = -1, time.monotonic()  # the server's progress count, and when it last moved
+
+
+@dataclass
+class WeightGroup:
+    """A weights group as the trainer holds it: its name, its servers (at the processes that joined it), the process
+    group (rank 0 here), its store (hosted here) and backend, and the device its tensors go from."""
+
+    name: str
+    servers: list[RemoteServer]
+    instances: list
+    group: object
+    store: object
+    backend: str
+    device: object
+
+    def holds(self) -> bool:
+        """Every server of the group is up, the process that joined it, and still in it (as /info said at this sync's
+        reach)."""
+        return all(server.up and server.info.get("instance") == instance
+                   and server.info.get("weights_group") == {"id": self.name, "state": "joined"}
+                   for server, instance in zip(self.servers, self.instances))
 
 
 class RemoteEngine(Seeded):
@@ -76,13 +102,16 @@ class RemoteEngine(Seeded):
     def __init__(self, addresses: list[str], fmt, *, temperature: float, top_p: float, top_k: int = 0, seed: int = 0,
                  deterministic: bool = False, identity: dict | None = None, max_model_len: int = 0,
                  owner: bool = False, trainer: str | None = None, tolerance: float = 0.0, stall_s: float = 300.0,
-                 reconnect_s: float = 120.0, weights_timeout: float = 600.0, rank: int = 0):
+                 reconnect_s: float = 120.0, weights_timeout: float = 600.0, rank: int = 0,
+                 weight_sync: str = "broadcast", bucket_mb: int = 256):
         self.fmt, self.temperature, self.top_p, self.top_k = fmt, temperature, top_p, top_k
         self.deterministic, self.continuous = deterministic, not deterministic
         self.generator = torch.Generator().manual_seed(seed) if deterministic else None
         self.identity, self.max_model_len, self.owner, self.rank = identity or {}, max_model_len, owner, rank
         self.stall_s, self.reconnect_s, self.weights_timeout = stall_s, reconnect_s, weights_timeout
         self.tolerance_given = tolerance
+        self.weight_sync, self.bucket_bytes = weight_sync, bucket_mb * 2**20
+        self.groups: list[WeightGroup] = []  # the weights groups of the last sync
         self.http = httpx.Client(timeout=httpx.Timeout(60.0, connect=10.0))
         self.client = uuid.uuid4().hex[:12]
         self.servers = [RemoteServer(address) for address in addresses]
@@ -124,8 +153,6 @@ class RemoteEngine(Seeded):
         if self.deterministic and not info["deterministic"]:
             raise SystemExit(f"--deterministic: the rollout server at {server.address} must run --deterministic too "
                              "(its batches are replayable only then)")
-        if info.get("instance") != server.info.get("instance"):
-            server.group = None  # a new server process: a new group
         server.info, server.up, server.reason = info, True, ""
         server.progress, server.since = -1, time.monotonic()
         return True
@@ -273,16 +300,17 @@ class RemoteEngine(Seeded):
 
     def load_weights(self, model, weights=None, verify: bool = True) -> dict[str, float]:
         """Every process: iterate the weights (a sharded model's gather is collective), and take the trainer's side of
-        the probe. The owner (rank 0) also reaches the servers set aside, broadcasts every tensor to every server
-        that is up, waits for them to load it and probes each. Returns the seconds, bytes, and the worst mean probe
-        difference, or {"error": why} (setup.sync stops every process on it)."""
+        the probe. The owner (rank 0) also reaches the servers set aside, sends the weights in buckets over the
+        weights groups (`_open_groups`) to every server that is up, waits for them to load them and probes each.
+        Returns the seconds (and of them the sends': packing and broadcasting), the bytes of one copy, the buckets
+        and the worst mean probe difference, or {"error": why} (setup.sync stops every process on it)."""
         if self.requests:
             raise RuntimeError("the engine's weights change between rollouts, not during one")
         start = time.perf_counter()
         self.syncs += 1
         self.version = f"{self.trainer}/{self.syncs}"
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
-        weights = weights if weights is not None else model.state_dict().items()
+        weights = iter(weights if weights is not None else model.state_dict().items())
         if not self.owner:
             for server in self.servers:
                 self._connect(server)
@@ -290,7 +318,7 @@ class RemoteEngine(Seeded):
                 pass
             trainer_probe(model, self.probe)
             return {"sync_s": time.perf_counter() - start, "probe_diff": 0.0, "probe_diff_max": 0.0}
-        error, sent = self._reach(), {"tensors": 0, "bytes": 0}
+        error, sent = self._reach(), {"bytes": 0, "buckets": 0, "send_s": 0.0}
         servers = [server for server in self.servers if server.up]
         if error is None:
             error = self._open_groups(servers)
@@ -299,46 +327,78 @@ class RemoteEngine(Seeded):
                 self._post(server, "/weights/update", {"version": self.version})
             except (RuntimeError, httpx.HTTPError) as failure:
                 error = f"the rollout server at {server.address} did not take the weight update: {_line(failure)}"
-        for name, tensor in weights:  # (every tensor is taken in, also after an error: the gathers are collective)
-            if error is not None or (tied and name == "lm_head.weight"):
-                continue
-            for server in servers:
-                try:
-                    sent["bytes"] += send_tensor(server.group, name, tensor.detach().to(_dtype(server)), _device(server))
-                except RuntimeError as failure:
-                    error = f"the weight broadcast to the rollout server at {server.address} broke off at {name}: " \
-                            f"{_line(failure)}"
-                    break
-            sent["tensors"] += 1
+                break
         if error is None:
-            for server in servers:
-                try:
-                    send_tensor(server.group, "", None, _device(server))
-                except RuntimeError as failure:
-                    error = f"the weight broadcast to the rollout server at {server.address} broke off at its end: " \
-                            f"{_line(failure)}"
+            sending = time.perf_counter()
+            error = self._send(((name, tensor) for name, tensor in weights if not (tied and name == "lm_head.weight")),
+                               _dtype(servers[0]), sent)
+            sent["send_s"] = time.perf_counter() - sending
+        for _ in weights:  # (every tensor is taken in, also after an error: the gathers are collective)
+            pass
         if error is None:
             error = self._loaded(servers)
         seconds = time.perf_counter() - start
         trainer = trainer_probe(model, self.probe)
         if error is not None:
-            for server in servers:
-                server.group = None  # a broken group is not used again
+            self.groups = []  # a broken group is not used again (its peers' receive fails as it closes)
             return {"sync_s": seconds, "error": error}
-        try:
-            diffs = [(torch.tensor(self._post(server, "/probe", {"token_ids": self.probe})["logprobs"]) - trainer).abs()
-                     for server in servers]
-        except (RuntimeError, httpx.HTTPError) as failure:
-            return {"sync_s": seconds, "error": f"a rollout server did not answer the probe: {_line(failure)}"}
+        probes = list(self.pool.map(self._probe, servers))
+        failed = [answer for answer in probes if isinstance(answer, str)]
+        if failed:
+            return {"sync_s": seconds, "error": f"a rollout server did not answer the probe: {failed[0]}"}
+        diffs = [(torch.tensor(answer) - trainer).abs() for answer in probes]
         worst = max(diffs, key=lambda d: float(d.mean()) if d.mean() == d.mean() else float("inf"))
         if verify:
             self.verify(float(worst.mean()))
         return {"sync_s": seconds, "probe_diff": float(worst.mean()), "probe_diff_max": float(worst.max()),
-                "bytes": sent["bytes"] / max(len(servers), 1), "servers": len(servers)}
+                "send_s": sent["send_s"], "bytes": sent["bytes"], "buckets": sent["buckets"], "servers": len(servers)}
 
     def verify(self, diff: float) -> None:
         """Raise SyncError if `diff`, a mean probe difference, is past the tolerance."""
         verify_probe(diff, self.tolerance, "the rollout server's")
+
+    def _send(self, weights, dtype: torch.dtype, sent: dict) -> str | None:
+        """Broadcast `weights` in buckets on every weights group, each bucket once a group, then the end of the
+        stream; None, or why it broke off (at the first failure: the tensors left are not sent)."""
+        device = next((group.device for group in self.groups if group.backend == "nccl"), "cpu")
+        for table, bucket in buckets(weights, dtype, self.bucket_bytes, device):
+            for group in self.groups:
+                try:
+                    send_bucket(group.group, table, bucket, group.device)
+                except RuntimeError as failure:
+                    return f"the weight broadcast to {self._blamed(group.servers)} broke off at {table[0][0]}'s " \
+                           f"bucket: {_line(failure)}"
+            sent["bytes"] += bucket.numel()
+            sent["buckets"] += 1
+        for group in self.groups:
+            try:
+                send_bucket(group.group, None, None, group.device)
+            except RuntimeError as failure:
+                return f"the weight broadcast to {self._blamed(group.servers)} broke off at its end: {_line(failure)}"
+        return None
+
+    def _blamed(self, servers: list[RemoteServer]) -> str:
+        """"the rollout server(s) at ADDRESS (why), ...": those of `servers` that do not answer /info within 5 s or
+        answer that their workers' joining failed; all of them when none does (the failure itself may say why)."""
+        def why(server):
+            try:
+                info = self.http.get(f"{server.url}/info", timeout=5.0).json()
+                state = (info.get("weights_group") or {}).get("state")
+            except (httpx.HTTPError, ValueError, AttributeError):
+                return "it does not answer"
+            return f"its workers' joining {state}" if str(state).startswith("failed") else None
+
+        reasons = [(server, reason) for server, reason in zip(servers, self.pool.map(why, servers)) if reason]
+        reasons = reasons or [(server, None) for server in servers]
+        return f"the rollout server{'s' if len(reasons) > 1 else ''} at " + ", ".join(
+            server.address + (f" ({reason})" if reason else "") for server, reason in reasons)
+
+    def _probe(self, server: RemoteServer) -> list[float] | str:
+        """The server's log-probs of the probe, or why it gave none."""
+        try:
+            return self._post(server, "/probe", {"token_ids": self.probe})["logprobs"]
+        except (RuntimeError, httpx.HTTPError) as failure:
+            return f"{server.address}: {_line(failure)}"
 
     def _reach(self) -> str | None:
         """Reach every server again (one set aside may be back; one that restarted needs a new group); with none up,
@@ -355,34 +415,72 @@ class RemoteEngine(Seeded):
             time.sleep(1.0)
 
     def _open_groups(self, servers: list[RemoteServer]) -> str | None:
-        """A weights group with each server that has none (first sync, or a server that restarted)."""
-        for server in servers:
-            if server.group is not None:
-                continue
-            host, port = server.url.rsplit("//", 1)[1].rsplit(":", 1)
-            world = 1 + server.info["tensor_parallel_size"]
-            backend = backend_to(server.info)
-            try:
-                with socket.create_connection((host, int(port)), timeout=10.0) as route:
-                    mine = route.getsockname()[0]  # this machine's address on the route to the server
-                store = torch.distributed.TCPStore(mine, 0, world, is_master=True, wait_for_workers=False,
-                                                   timeout=_seconds(self.reconnect_s))
-                self._post(server, "/weights/group", {"host": mine, "port": store.port, "world_size": world,
-                                                      "backend": backend, "timeout_s": self.weights_timeout})
-                group = weight_group(store, 0, world, backend, self.reconnect_s)
-            except (OSError, RuntimeError, httpx.HTTPError) as error:
-                return f"the rollout server at {server.address} did not join the weights group: {_line(error)}"
-            server.group, server.store, server.backend = group, store, backend
+        """The weights groups of this sync: with --weight-sync broadcast one over every server's workers, with
+        per-server one with each server. A group of the last sync is kept while each of its servers, the same
+        process, still holds it (another trainer's sync in between makes a server join that trainer's group)."""
+        dtypes = {server.address: server.info.get("dtype", "float32") for server in servers}
+        if len(set(dtypes.values())) > 1:
+            return ("the rollout servers hold their weights in different dtypes (" + ", ".join(
+                f"{address}: {dtype}" for address, dtype in dtypes.items()) + "): start them all with one --dtype")
+        wanted = [servers] if self.weight_sync == "broadcast" else [[server] for server in servers]
+        kept = {tuple(group.servers): group for group in self.groups if group.holds()}
+        self.groups = []
+        for members in wanted:
+            group = kept.get(tuple(members)) or self._open_group(members)
+            if isinstance(group, str):
+                return group
+            self.groups.append(group)
         return None
 
-    def _loaded(self, servers: list[RemoteServer]) -> str | None:
-        """Wait for every server to have loaded the broadcast; None, or why one did not."""
+    def _open_group(self, servers: list[RemoteServer]) -> WeightGroup | str:
+        """A new weights group, or why not: rank 0 here (it hosts the group's store, on this machine's address on
+        the route to the first server), then each server's workers in turn; NCCL when every server is reached over
+        it, else gloo. Returns once every rank has joined; a server that does not join within reconnect_s fails it."""
+        host, port = servers[0].url.rsplit("//", 1)[1].rsplit(":", 1)
+        world = 1 + sum(server.info["tensor_parallel_size"] for server in servers)
+        backend = "nccl" if all(backend_to(server.info) == "nccl" for server in servers) else "gloo"
+        try:
+            with socket.create_connection((host, int(port)), timeout=10.0) as route:
+                mine = route.getsockname()[0]
+            store = torch.distributed.TCPStore(mine, 0, world, is_master=True, wait_for_workers=False,
+                                               timeout=_seconds(self.reconnect_s))
+        except (OSError, RuntimeError) as error:
+            return f"the weights group to the rollout server at {servers[0].address} could not be opened: " \
+                   f"{_line(error)}"
+        name, ranks = uuid.uuid4().hex[:12], {}
         for server in servers:
+            first = 1 + len(ranks)
+            ranks |= {rank: server for rank in range(first, first + server.info["tensor_parallel_size"])}
+            try:
+                self._post(server, "/weights/group", {"id": name, "host": mine, "port": store.port, "world_size": world,
+                                                      "rank": first, "backend": backend,
+                                                      "timeout_s": self.weights_timeout})
+            except (RuntimeError, httpx.HTTPError) as error:
+                return f"the rollout server at {server.address} did not take the weights group: {_line(error)}"
+        late = list(dict.fromkeys(ranks[rank] for rank in arrivals(store, list(ranks), self.reconnect_s)))
+        if late:  # (the store goes with this frame: the workers that came stop waiting on it)
+            return f"{self._blamed(late)} did not join the weights group within {self.reconnect_s:g} s"
+        try:
+            group = weight_group(store, 0, world, backend, self.weights_timeout)
+        except RuntimeError as error:
+            return f"{self._blamed(servers)} did not join the weights group: {_line(error)}"
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+        return WeightGroup(name, list(servers), [server.info.get("instance") for server in servers], group, store,
+                           backend, device)
+
+    def _loaded(self, servers: list[RemoteServer]) -> str | None:
+        """Wait for every server to have loaded the broadcast (all at once); None, or which did not, and why."""
+        def wait(server):
             try:
                 self._post(server, "/weights/wait", {"version": self.version, "timeout_s": self.weights_timeout},
-                           timeout=self.weights_timeout + 30.0)
+                           timeout=self.weights_timeout + 10.0)
             except (RuntimeError, httpx.HTTPError) as error:
-                return f"the rollout server at {server.address} did not load the weights: {_line(error)}"
+                return f"{server.address} ({_line(error)})"
+            return None
+
+        failed = [reason for reason in self.pool.map(wait, servers) if reason]
+        if failed:
+            return f"the rollout server{'s' if len(failed) > 1 else ''} at {', '.join(failed)} did not load the weights"
         return None
 
     def _post(self, server: RemoteServer, path: str, body: dict, timeout: float = 60.0) -> dict:
@@ -419,10 +517,6 @@ def _dtype(server: RemoteServer) -> torch.dtype:
     return getattr(torch, server.info.get("dtype", "float32"))
 
 
-def _device(server: RemoteServer):
-    return torch.device("cuda", torch.cuda.current_device()) if server.backend == "nccl" else "cpu"
-
-
 def _seconds(seconds: float):
     import datetime
 
@@ -437,5 +531,6 @@ def _error(answer: httpx.Response) -> str:
 
 
 def _line(error: BaseException) -> str:
-    text = str(error).strip()
+    """The error's first line, without the source position gloo starts its messages with."""
+    text = re.sub(r"^\[[^\]\s]+:\d+\] ", "", str(error).strip())
     return text.splitlines()[0] if text else type(error).__name__

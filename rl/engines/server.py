@@ -17,7 +17,8 @@ accepted at once. Requests are token ids, answers the sampled token ids and thei
 Endpoints (JSON; an error is {"error": one line} with 400/404/409/422/503):
     GET  /info                 the model's identity (architecture, sizes, a hash of the vocabulary: the client refuses a
                                server that serves another model), tensor_parallel_size, dtype, device, max_model_len,
-                               deterministic, instance (new at every start), version (of the weights: 0 as loaded)
+                               deterministic, instance (new at every start), version (of the weights: 0 as loaded),
+                               weights_group ({id, state: joining | joined | failed: why} of the last group it joined)
     POST /poll                 {client, submit: [{id, token_ids, max_tokens, stop_ids, temperature, top_p, top_k,
                                seed?}], abort: [id], wait, version?} -> {done: [{id, token_ids, logprobs, prompt_tokens,
                                cached_tokens, version} | {id, error}], pending, progress, version}. New turns join the
@@ -29,14 +30,17 @@ Endpoints (JSON; an error is {"error": one line} with 400/404/409/422/503):
                                under way) and the client checks it again.
     POST /reset                drop the prefix cache (a deterministic client's reseed)
     POST /probe                {token_ids} -> {logprobs}: each token's log-prob after the first, temperature 1
-    POST /weights/group        {host, port, world_size, backend, timeout_s}: every worker joins the trainer's group
-                               (rank 1 + its tensor-parallel rank; the trainer's rank 0 hosts the store)
-    POST /weights/update       {version}: every worker receives the broadcast (`send_weights`) into vLLM in place
+    POST /weights/group        {id, host, port, world_size, rank, backend, timeout_s}: every worker joins the trainer's
+                               group as rank `rank` + its tensor-parallel rank (the trainer's rank 0 hosts the store;
+                               the other servers' workers hold the other ranks)
+    POST /weights/update       {version}: every worker receives the broadcast (`received`) into vLLM in place
     POST /weights/wait         {version, timeout_s} -> {version, tensors, bytes, seconds} or an error
 
-Weights: the trainer's rank 0 broadcasts each tensor, whole and in its model's naming (gathered from DDP, FSDP2,
-ZeRO-3 or merged LoRA as for the in-process sync), to every tensor-parallel worker at once (NCCL between GPUs,
-gloo otherwise), each worker loads it with vLLM's weight loaders (which shard it), and the prefix cache is dropped.
+Weights: the trainer's rank 0 packs the tensors, whole and in its model's naming (gathered from DDP, FSDP2, ZeRO-3 or
+merged LoRA as for the in-process sync), into flat buckets (`buckets`: a table of names, dtypes, shapes and offsets
+beside the bytes) and broadcasts each once over one group with every worker of every server (NCCL between GPUs,
+gloo otherwise); each worker takes the tensors out of the bucket as views, loads them with vLLM's weight loaders
+(which shard them), and the prefix cache is dropped.
 Nothing is written to disk. A layer the broadcast left out, or a broadcast that breaks off (a trainer killed
 mid-way: the workers' receive times out), leaves the server refusing to generate until a whole update arrives; the
 trainer then checks the result with the probe, as it checks the in-process engine. An update aborts whatever is
@@ -55,6 +59,7 @@ import datetime
 import hashlib
 import itertools
 import json
+import math
 import os
 import threading
 import time
@@ -64,9 +69,11 @@ from typing import Callable
 
 import torch
 
-HEADER = 12  # int64s before each tensor: [1 (a tensor; 0: the end), dtype, ndim, name bytes, shape (up to 8 dims)]
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
-          torch.int8, torch.uint8, torch.bool)
+HEADER = 3  # int64s before each bucket: [1 (a bucket; 0: the end of the stream), bytes of its table, of its tensors]
+ALIGN = 16  # each tensor starts at a multiple of this many bytes in its bucket (a view as its dtype needs it)
+DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (
+    torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool)}
 IDENTITY = ("architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings")
 
@@ -115,45 +122,86 @@ def weight_group(store, rank: int, world_size: int, backend: str, timeout_s: flo
     return torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
 
 
-def send_tensor(group, name: str, tensor: torch.Tensor | None, device) -> int:
-    """Broadcast one named tensor (None: the end of the stream) from rank 0; returns its bytes."""
-    header = torch.zeros(HEADER, dtype=torch.int64)
-    if tensor is not None:
-        encoded = torch.frombuffer(bytearray(name.encode()), dtype=torch.uint8)
-        header[:4] = torch.tensor([1, DTYPES.index(tensor.dtype), tensor.dim(), len(encoded)])
-        header[4:4 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+def arrive(store, rank: int) -> None:
+    """Say in the group's store that `rank` is joining (`arrivals` reads it: which ranks never came)."""
+    store.set(f"rollout-weights-arrived/{rank}", "1")
+
+
+def arrivals(store, ranks: list[int], timeout_s: float) -> list[int]:
+    """The ranks of `ranks` that have not arrived after waiting up to `timeout_s` seconds for them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [rank for rank in ranks if not store.check([f"rollout-weights-arrived/{rank}"])]
+        if not missing or time.monotonic() > deadline:
+            return missing
+        time.sleep(0.05)
+
+
+def buckets(weights, dtype: torch.dtype, bucket_bytes: int, device):
+    """The (name, tensor) pairs of `weights` cast to `dtype` and packed, in order, into flat byte buffers on `device`
+    of at most `bucket_bytes` each (a tensor larger than that fills a bucket of its own): (table, bucket) pairs, the
+    table [[name, dtype, shape, offset], ...] saying where each tensor lies in its bucket (uint8 [bytes]). Each tensor
+    is copied into its bucket as it comes, so a gathered (sharded) tensor is freed before the next is gathered."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    name_of = str(dtype).removeprefix("torch.")
+    table, bucket, size = [], None, 0
+    for name, tensor in weights:
+        offset, count = -(-size // ALIGN) * ALIGN, tensor.numel() * itemsize
+        if table and offset + count > bucket_bytes:  # (it does not fit: the bucket goes as it is)
+            yield table, bucket[:size]
+            table, offset = [], 0
+        if not table:
+            bucket = torch.empty(max(bucket_bytes, count), dtype=torch.uint8, device=device)
+        bucket[offset:offset + count].view(dtype).copy_(tensor.detach().reshape(-1))
+        table.append([name, name_of, list(tensor.shape), offset])
+        size = offset + count
+    if table:
+        yield table, bucket[:size]
+
+
+def send_bucket(group, table: list | None, bucket: torch.Tensor | None, device) -> None:
+    """Broadcast one bucket and its table (None: the end of the stream) from rank 0 over `group` (`device`: where
+    its backend takes tensors): every rank of the group receives each byte once, whatever their number."""
+    encoded = json.dumps(table).encode() if table is not None else b""
+    header = torch.tensor([int(table is not None), len(encoded), 0 if bucket is None else bucket.numel()])
     group.broadcast(header.to(device), 0).wait()
-    if tensor is None:
-        return 0
-    group.broadcast(encoded.to(device), 0).wait()
-    group.broadcast(tensor.to(device).contiguous(), 0).wait()
-    return tensor.numel() * tensor.element_size()
+    if table is None:
+        return
+    group.broadcast(torch.frombuffer(bytearray(encoded), dtype=torch.uint8).to(device), 0).wait()
+    group.broadcast(bucket.to(device), 0).wait()
 
 
 def received(group, device):
-    """The (name, tensor) pairs rank 0 sends, until its end of the stream."""
+    """The (name, tensor) pairs rank 0 sends in buckets (send_bucket), until its end of the stream; each tensor is
+    a view into its bucket."""
     while True:
         header = torch.zeros(HEADER, dtype=torch.int64, device=device)
         group.broadcast(header, 0).wait()
-        kind, dtype, ndim, length = header[:4].tolist()
+        kind, table_bytes, bucket_bytes = header.tolist()
         if kind == 0:
             return
-        name = torch.empty(length, dtype=torch.uint8, device=device)
-        group.broadcast(name, 0).wait()
-        tensor = torch.empty(header[4:4 + ndim].tolist(), dtype=DTYPES[dtype], device=device)
-        group.broadcast(tensor, 0).wait()
-        yield bytes(name.cpu().tolist()).decode(), tensor
+        encoded = torch.empty(table_bytes, dtype=torch.uint8, device=device)
+        group.broadcast(encoded, 0).wait()
+        bucket = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
+        group.broadcast(bucket, 0).wait()
+        for name, dtype, shape, offset in json.loads(encoded.cpu().numpy().tobytes()):
+            dtype = DTYPES[dtype]
+            count = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            yield name, bucket[offset:offset + count].view(dtype).view(shape)
 
 
 class WeightReceiver:
     """Mixed into every vLLM worker (vLLM's worker_extension_cls): what the server runs on each tensor-parallel worker
     through collective_rpc, in the worker's own process."""
 
-    def join_weight_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> int:
+    def join_weight_group(self, host: str, port: int, world_size: int, rank: int, backend: str,
+                          timeout_s: float) -> int:
+        """Join the trainer's group as rank `rank` + this worker's tensor-parallel rank (`rank`: the server's first)."""
         store = torch.distributed.TCPStore(host, port, world_size, is_master=False,  # (the trainer is there already)
                                            timeout=datetime.timedelta(seconds=min(timeout_s, 60.0)))
         self.weight_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
-        self.weight_group = weight_group(store, 1 + self.rank, world_size, backend, timeout_s)
+        arrive(store, rank + self.rank)
+        self.weight_group = weight_group(store, rank + self.rank, world_size, backend, timeout_s)
         return self.rank
 
     def receive_weights(self) -> dict:
@@ -224,6 +272,7 @@ class RolloutServer:
         self.progress = 0
         self.version, self.broken = 0, None  # the weights' version; why they are incomplete (no generating), if they are
         self.updates: dict[int | str, Future] = {}  # the update to each version, while it is the last
+        self.group: tuple[str, Future] | None = None  # the weights group last joined (its id) and the joining
         self.stopped = False
 
     # -- the engine thread
@@ -398,13 +447,31 @@ class RolloutServer:
         return {}
 
     def join(self, body: dict) -> dict:
-        """Every worker joins the trainer's group (on the engine thread: it waits for the trainer's rank 0)."""
-        args = {key: body[key] for key in ("host", "port", "world_size", "backend", "timeout_s")}
+        """Every worker joins the trainer's group `id` as ranks `rank`, `rank` + 1, ... (its tensor-parallel ranks),
+        of `world_size` (on the engine thread: it waits for every rank); /info says how that went."""
+        args = {key: body[key] for key in ("host", "port", "world_size", "rank", "backend", "timeout_s")}
         args["timeout_s"] = min(float(args["timeout_s"]), self.weights_timeout)  # (--weights-timeout bounds it too)
         if args["backend"] not in ("gloo", "nccl"):
             raise Refused(422, f"unknown backend {args['backend']!r}")
-        self.joined = self.call(lambda: self.llm.collective_rpc("join_weight_group", kwargs=args))
+        workers = self.info["tensor_parallel_size"]
+        if not all(isinstance(args[key], int) for key in ("port", "world_size", "rank")) \
+                or not 1 <= args["rank"] <= args["world_size"] - workers:
+            raise Refused(422, f"this server's {workers} workers cannot be ranks {args['rank']} on of a group of "
+                               f"{args['world_size']} (rank 0 is the trainer's)")
+        joined = self.call(lambda: self.llm.collective_rpc("join_weight_group", kwargs=args))
+        self.group = (str(body["id"]), joined)
         return {}
+
+    def group_state(self) -> dict | None:
+        """The weights group this server was last asked to join: {id, state: joining | joined | why it failed}."""
+        if self.group is None:
+            return None
+        group, joined = self.group
+        if not joined.done():
+            return {"id": group, "state": "joining"}
+        error = joined.exception()
+        return {"id": group, "state": "joined" if error is None else
+                f"failed: {str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}"}
 
     def update(self, body: dict) -> dict:
         version = body["version"]
@@ -469,7 +536,8 @@ def app(server: RolloutServer):
         endpoint.__annotations__ = {"request": Request}  # (this module's annotations are strings FastAPI cannot resolve)
         return endpoint
 
-    api.get("/info")(answer(lambda body: server.info | {"version": server.version, "broken": server.broken}))
+    api.get("/info")(answer(lambda body: server.info | {"version": server.version, "broken": server.broken,
+                                                        "weights_group": server.group_state()}))
     api.post("/poll")(answer(server.poll))
     api.post("/reset")(answer(lambda body: server.reset()))
     api.post("/probe")(answer(lambda body: server.probe(body["token_ids"])))

@@ -98,6 +98,13 @@ class EngineArgs:
     """HOST:PORT of rollout servers (`python -m rl.rollout_server`, on GPUs of their own; any tensor parallel size) to
     play rollouts on, not an engine in every process; the weights reach them over torch.distributed (docs/engines.md; eval.py
     sends --model's first unless they loaded exactly it)"""
+    weight_sync: Literal["broadcast", "per-server"] = "broadcast"
+    """--rollout-server: how the weights reach the servers: broadcast, one group over every server's workers, each
+    bucket sent once whatever their number; per-server, a group with each server, each bucket sent to one after
+    another (NCCL to the servers it can reach so when another needs gloo, say one on the trainer's GPU)"""
+    weight_bucket_mb: int = 256
+    """--rollout-server: the weights go in buckets of this many MiB, each a flat buffer sent in one broadcast (a
+    tensor larger than that goes alone); the trainer's rank 0 and each worker hold one at a time"""
     vllm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """the vLLM engine's weights and compute; auto: bfloat16 on a GPU, float32 on a CPU (where the trainer is fp32)"""
     deterministic: bool = False
@@ -114,6 +121,11 @@ class EngineArgs:
         """Stop early, with what to do, on settings that cannot work for `model` (eval.py's --model: openai:<name>
         is on an OpenAI-compatible endpoint, where no engine runs here)."""
         check_sampling(self.top_p)
+        if self.weight_bucket_mb < 1:
+            raise SystemExit(f"--weight-bucket-mb {self.weight_bucket_mb} is a bucket's size in MiB: give 1 or more")
+        if not self.rollout_server and (self.weight_sync, self.weight_bucket_mb) != ("broadcast", 256):
+            raise SystemExit("--weight-sync and --weight-bucket-mb say how weights reach rollout servers: give "
+                             "--rollout-server too, or leave them out")
         api = model.startswith(API_PREFIX)
         if api and self.engine != "auto":
             raise SystemExit(f"--engine chooses a local model's engine; --model {model} runs on its server")
@@ -203,7 +215,8 @@ def _served_engine(engine_args: EngineArgs, fmt, model: str, max_tokens: int, se
     from rl.model import full_weights, is_adapter, load_config, load_model, resolve
 
     sampling = dict(temperature=engine_args.temperature, top_p=engine_args.top_p, deterministic=engine_args.deterministic,
-                    max_model_len=max_tokens)
+                    max_model_len=max_tokens, weight_sync=engine_args.weight_sync,
+                    bucket_mb=engine_args.weight_bucket_mb)
     if accelerator is not None:
         import uuid
 

@@ -14,17 +14,18 @@ from typing import Literal
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench.py"  # (each section's process runs it again, with --phase)
-SECTIONS = ("env", "rollout", "server", "update", "async", "trl", "engine", "bare", "context")
+SECTIONS = ("env", "rollout", "server", "weights", "update", "async", "trl", "engine", "bare", "context")
 QUICK = ("env", "rollout", "update")  # the default: minutes on 2 cores; the others are opt-in by --sections
 TRL_VERSION = "1.16.0"
 
 
 @dataclass
 class Args:
-    sections: tuple[Literal["env", "rollout", "server", "update", "async", "trl", "engine", "bare", "context"], ...] = QUICK
+    sections: tuple[Literal["env", "rollout", "server", "weights", "update", "async", "trl", "engine", "bare",
+                            "context"], ...] = QUICK
     """which sections to run, in this order (trl and bare need update's trajectories: they run update when left out);
-    the default leaves out the long ones (server, async, context: tens of minutes on 2 cores), trl (installs TRL),
-    engine and bare"""
+    the default leaves out the long ones (server, async, context: tens of minutes on 2 cores; weights: several
+    rollout servers), trl (installs TRL), engine and bare"""
     out: str = "runs/bench.json"
     """where the JSON results go"""
     model: str = "tiny-agent"
@@ -64,9 +65,15 @@ class Args:
     engines: tuple[str, ...] = ("hf", "vllm-rounds", "vllm")
     """rollout: which engines, in this order"""
     syncs: int = 5
-    """rollout, server: weight syncs timed (each with its probe check)"""
+    """rollout, server, weights: weight syncs timed (each with its probe check)"""
     repeats: int = 3
     """server: rollouts on each engine, alternated (the figures are medians)"""
+
+    # -- weights
+    weight_servers: int = 4
+    """weights: the sync is timed to 1, 2, ... this many rollout servers"""
+    weight_bucket_mb: int = 256
+    """weights: the sync's bucket size (train.py --weight-bucket-mb)"""
 
     # -- engine
     engine_tasks: int = 4
@@ -112,7 +119,7 @@ class Args:
     """context: more train.py flags for every run"""
 
     # -- internal: one section in a process of its own
-    phase: Literal["env", "rollout", "server", "trl", "engine", "bare"] | None = None
+    phase: Literal["env", "rollout", "server", "weights", "trl", "engine", "bare"] | None = None
     """internal: the section this process runs (bench.py starts one process per section)"""
     phase_out: str | None = None
     """internal: where that section's process writes its figures"""

@@ -23,6 +23,7 @@ from bench.env import env_rows, phase_env
 from bench.rollout import phase_rollout, rollout_rows
 from bench.server import phase_server, server_rows
 from bench.update import phase_trl, section_update, trl_python, trl_rows, update_rows
+from bench.weights import phase_weights, weights_rows
 
 
 def run_phase(python: str, args: Args, phase: str, work: Path, run_dir: str | None = None) -> dict:
@@ -46,8 +47,8 @@ def main(args: Args) -> None:
     from envs.latency import parse
 
     if args.phase is not None:
-        phases = {"env": phase_env, "rollout": phase_rollout, "server": phase_server, "trl": phase_trl,
-                  "engine": phase_engine, "bare": phase_bare}
+        phases = {"env": phase_env, "rollout": phase_rollout, "server": phase_server, "weights": phase_weights,
+                  "trl": phase_trl, "engine": phase_engine, "bare": phase_bare}
         result = phases[args.phase](args)
         Path(args.phase_out).write_text(json.dumps(result, indent=2) + "\n")
         return
@@ -106,6 +107,7 @@ def table(results: dict) -> str:
     lines += env_rows(results.get("env", {}))
     lines += rollout_rows(results.get("rollout", {}))
     lines += server_rows(results.get("server", {}), results["machine"]["cpus"])
+    lines += weights_rows(results.get("weights", {}))
     lines += update_rows(results.get("update", {}))
     lines += trl_rows(results.get("trl", {}), results.get("update", {}))
     lines += async_rows(results.get("async", {}))

@@ -2,9 +2,10 @@
 # Two nodes of 8 GPUs (issue 33): node A serves rollouts on all of its GPUs, 8/TP rollout servers at tensor parallel
 # TP (4 x 2 by default, TP=4 for 2 x 4), reachable from other hosts (--host 0.0.0.0, ports PORT, PORT+1, ...); node B
 # trains with FSDP2 on its 8 and plays every trajectory on A's servers (a task's group on one server, the groups
-# spread over them). After each update B's rank 0 broadcasts the weights to every server over NCCL: B must reach A's
-# server ports, and A's GPUs B's rank 0, which hosts each server's weights group on a free port. RECIPE names the
-# paper recipe (scripts/recipes/<env>_<method>.sh), MODEL the model (the same on both nodes).
+# spread over them). After each update B's rank 0 broadcasts the weights, in buckets, once over one NCCL group with
+# every server's workers: B must reach A's server ports, and A's GPUs B's rank 0, which hosts the group's store on a
+# free port. RECIPE names the paper recipe (scripts/recipes/<env>_<method>.sh), MODEL the model (the same on both
+# nodes).
 #
 # Check first, from any machine, no GPU held: the memory plan of B's GPUs (no engine on them) and of each server
 # GPU (its 1/TP of the bf16 weights, KV cache in the rest), and the split:
