@@ -2,9 +2,10 @@
 verifiers:guess_vftools`, with tests/ on sys.path). Twenty rows, each a secret from 1 to 8 (row i: i % 8 + 1). Each
 task gets a tool server of its own (Task.toolsets), GuessToolset: `guess(number)` answers higher, lower or correct and
 counts the guesses in the rollout's state, `parity()` says whether the secret is even; `guess` of a number outside 1 to
-8 fails (raises). The task's rubric scores the final answer (1 when it is the secret) and a @vf.stop ends the episode
-after `max_guesses` guesses, both as verifiers runs them. Run as a module, the toolset serves itself as verifiers'
-harness launches it (`python -m guess_vftools`)."""
+8 fails (raises). With `task.pictures` True a second toolset, CameraToolset, has `picture()`: a line of text and a PNG
+(an image in a tool's result, tests/test_standard_tools.py). The task's rubric scores the final answer (1 when it is
+the secret) and a @vf.stop ends the episode after `max_guesses` guesses, both as verifiers runs them. Run as a module,
+the toolset serves itself as verifiers' harness launches it (`python -m guess_vftools`)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,20 @@ class GuessToolset(vf.Toolset[vf.ToolsetConfig, GuessState]):
         return "even" if self.secret % 2 == 0 else "odd"
 
 
+PNG = bytes.fromhex("89504e470d0a1a0a") + bytes(3000)  # (a PNG's signature and 3,000 bytes: 4,000 of base64)
+
+
+class CameraToolset(vf.Toolset[vf.ToolsetConfig, GuessState]):
+    TOOL_PREFIX = "camera"
+
+    @vf.tool
+    def picture(self):
+        """A picture of the secret number."""
+        from mcp.server.mcpserver.utilities.types import Image
+
+        return ["Here it is:", Image(data=PNG, format="png")]
+
+
 class GuessData(vf.TaskData):
     secret: int
 
@@ -42,12 +57,13 @@ class GuessData(vf.TaskData):
 class GuessConfig(vf.TaskConfig):
     tools: vf.ToolsetConfig = vf.ToolsetConfig()
     max_guesses: int = 3
+    pictures: bool = False
 
 
 class GuessTask(vf.Task[GuessData, GuessState, GuessConfig]):
     @classmethod
     def toolsets(cls, config: GuessConfig) -> list[vf.Toolset]:
-        return [GuessToolset(config.tools)]
+        return [GuessToolset(config.tools)] + [CameraToolset(config.tools)] * config.pictures
 
     @vf.reward
     async def correct(self, task, trace) -> float:

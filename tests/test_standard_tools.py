@@ -219,6 +219,26 @@ def test_a_tasksets_tools_are_its_servers_and_a_call_runs_on_the_episodes_state(
     env.close()
 
 
+def test_an_image_a_tool_returns_is_one_line_of_the_observation_and_whole_on_the_trace():
+    """A tool whose result holds a PNG (tests/guess_vftools.py's camera): the observation is its text and one line for
+    the image, not the image's base64 (4,000 characters here, megabytes for a screenshot); the trace the rubric reads
+    holds the result as verifiers' harness gives it to a model, the image an image part."""
+    import base64
+
+    from guess_vftools import PNG
+
+    env = envs.make(VF, task={"pictures": True})
+    env.reset(6)
+    picture = env.step('Action: {"tool": "camera_picture", "arguments": {}}')
+    assert picture == envs.StepResult("Here it is:\n[an image (image/png), not shown: the model here reads text]", 0.0,
+                                      False, {})
+    result = env.seat.trace.nodes[-1].message.model_dump()
+    assert result["content"] == [{"type": "text", "text": "Here it is:"}, {"type": "image_url", "image_url": {
+        "url": "data:image/png;base64," + base64.b64encode(PNG).decode()}}]
+    assert env.step(vf_call("guess_toolset_guess", number=7)).observation == "Correct!"  # (text as it was)
+    env.close()
+
+
 def test_a_task_id_replays_its_verifiers_episode_and_a_stop_hook_ends_it():
     env = envs.make(VF)
     replies = [vf_call("guess_toolset_guess", number=n) for n in (4, 6)] + [vf_call("final_answer", answer="7")]

@@ -44,7 +44,9 @@ server (mcp.server.mcpserver.MCPServer, as its process does) and calls them thro
                 anything else, or arguments that do not fit the tool, is answered with one sentence, the episode not
                 stepped (valid False)
     observation the tool result's text (its content, as a harness gives it: a failed call's error too, in MCP's words,
-                `Error executing tool guess: ...`); the task's @vf.stop hooks on the trace run before each observation,
+                `Error executing tool guess: ...`), an image in it one line (IMAGE: its base64 would be thousands of
+                tokens to a text model), which the trace holds whole as verifiers' harness gives it (an image part);
+                the task's @vf.stop hooks on the trace run before each observation,
                 as verifiers runs them before each model call, and one that fires ends the episode
     reward      at the end (final_answer, or a stop), the rubric's as for any taskset: tool calls, their results and
                 the state the servers wrote are on the trace it scores
@@ -77,10 +79,11 @@ from verifiers.v1.agent import Segment
 from verifiers.v1.configs.agent import agent_config_fields
 from verifiers.v1.dialects.chat import parse_message
 from verifiers.v1.graph import MessageNode
+from verifiers.v1.harnesses.utils.mcp import mcp_content_to_chat_content
 from verifiers.v1.session import call_hook, hook_boundary
 from verifiers.v1.state import state_cls
 from verifiers.v1.trace import AgentInfo, TraceTask
-from verifiers.v1.types import content_text
+from verifiers.v1.types import ImageUrlContentPart
 
 from envs import REACT_ONLY_ONE, Env, StepResult
 from envs import standards
@@ -92,6 +95,7 @@ FINAL = "final_answer"  # the tool whose call is a reply without a tool call, in
 FINAL_TOOL = {"name": FINAL, "description": "Give your final answer, which the task is scored on; it ends your turn.",
               "input_schema": {"type": "object", "properties": {"answer": {"type": "string", "description": "your "
                                "final answer"}}, "required": ["answer"]}}
+IMAGE = "[an image ({}), not shown: the model here reads text]"  # (an image part of a message, in its observation)
 TEST_SHARE = 10  # the last 1/TEST_SHARE of a finite taskset's rows is its default test split
 ENDLESS_TEST = list(range(1000, 1100))  # an infinite taskset's default test rows: the hundred after the train rows
 
@@ -237,13 +241,29 @@ class Toolbox:
         for tool in (await client.list_tools()).tools:
             self.dispatch[qualified(server, tool.name)] = (client, tool.name)
 
-    async def call(self, name: str, arguments: dict) -> str:
+    async def call(self, name: str, arguments: dict) -> str | list[dict]:
+        """The call's result as verifiers' harness hands it to the model: text, or content parts where it holds an
+        image (text_of: the observation)."""
         if name not in self.dispatch:
             names = ", ".join([*self.dispatch, FINAL])
             return f"Error: there is no tool {env_tools.quoted(name)}; the tools are {names}."
         client, tool = self.dispatch[name]
         result = await client.call_tool(tool, arguments)
-        return "\n".join(block.text if block.type == "text" else str(block) for block in result.content)
+        return mcp_content_to_chat_content(result.content)
+
+
+def text_of(content) -> str:
+    """A message's content as our observation: its text, each image one line (IMAGE, with its media type or link)."""
+    if isinstance(content, str):
+        return content
+    lines = []
+    for part in content:
+        if isinstance(part, ImageUrlContentPart):
+            url = part.image_url.url
+            lines.append(IMAGE.format(url.split(";")[0].removeprefix("data:") if url.startswith("data:") else url))
+        else:
+            lines.append(part.text)
+    return "\n".join(lines)
 
 
 class VerifiersEnv(Env):
@@ -444,7 +464,7 @@ class Exchange:
             messages = messages_of(message)
             for one in messages:
                 self._add(one)
-            observation = "\n\n".join(content_text(one.content) for one in messages)
+            observation = "\n\n".join(text_of(one.content) for one in messages)
         self.started, produced = True, []
         while True:
             if await self.seat.stopped():
@@ -457,9 +477,9 @@ class Exchange:
                 self._add(produced[-1], sampled=True)
                 return Segment(messages=produced)
             call = vf.ToolCall(id=f"call_{len(self.trace.nodes)}", name=reply[0], arguments=json.dumps(reply[1]))
-            observation = await self.seat.tools.call(*reply)
-            produced += [vf.AssistantMessage(tool_calls=[call]),
-                         vf.ToolMessage(tool_call_id=call.id, content=observation, name=call.name)]
+            result = vf.ToolMessage(tool_call_id=call.id, content=await self.seat.tools.call(*reply), name=call.name)
+            observation = text_of(result.content)
+            produced += [vf.AssistantMessage(tool_calls=[call]), result]
             self._add(produced[-2], sampled=True)
             self._add(produced[-1])
 
