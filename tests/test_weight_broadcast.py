@@ -166,6 +166,21 @@ def test_a_server_whose_workers_cannot_join_costs_one_sentence_naming_it(mode):
 
 
 @needs_server_deps
+def test_a_server_named_twice_is_refused_in_one_sentence_before_any_sync():
+    """One server under two addresses (127.0.0.1 and localhost): refused when the engine is made, by the process that
+    answers (its instance), instead of a first sync whose second join of its workers waits behind the first until
+    reconnect_s and then blames the server for not joining."""
+    from rl.engines.remote import RemoteEngine
+
+    fmt = types.SimpleNamespace(encode=lambda text: [1, 2, 3], render=lambda messages: "", stop_ids=frozenset())
+    with served(Joining(fails=False)) as one:
+        other = "localhost:" + one.rsplit(":", 1)[1]
+        with pytest.raises(SystemExit, match=rf"^--rollout-server names one server more than once \({one}, {other} "
+                                             r"answer as the same process\): give each server once$"):
+            RemoteEngine([one, other], fmt, temperature=1.0, top_p=1.0, owner=True, reconnect_s=1.0)
+
+
+@needs_server_deps
 @pytest.mark.parametrize("body,message", [
     ({"rank": 0}, "cannot be ranks 0 on of a group of 3"), ({"rank": 3}, "cannot be ranks 3 on of a group of 3"),
     ({"backend": "mpi"}, "unknown backend 'mpi'"), ({"port": "x"}, "cannot be ranks"), ({"rank": None}, "cannot be")])

@@ -130,6 +130,12 @@ class RemoteEngine(Seeded):
         for server in self.servers:
             if not self._connect(server):
                 raise SystemExit(f"--rollout-server {server.address}: {server.reason}")
+        twice = [instance for instance, count in Counter(server.info.get("instance") for server in self.servers).items()
+                 if instance is not None and count > 1]
+        if twice:  # (its workers would be asked to join a weights group twice, the second join queued behind the first)
+            same = [server.address for server in self.servers if server.info.get("instance") == twice[0]]
+            raise SystemExit(f"--rollout-server names one server more than once ({', '.join(same)} answer as the same "
+                             "process): give each server once")
 
     # -- connecting
 
