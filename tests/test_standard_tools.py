@@ -239,6 +239,14 @@ def test_an_image_a_tool_returns_is_one_line_of_the_observation_and_whole_on_the
     env.close()
 
 
+def test_an_image_in_an_openenv_tools_result_is_one_line_of_the_observation():
+    """The OpenEnv adapter's CallToolObservation (MCP's content, serialized): an image item is one line as the verifiers
+    adapter's, not its JSON with the base64."""
+    fields = {"result": {"content": [{"type": "text", "text": "Here it is:"},
+                                     {"type": "image", "data": "iVBORw0KGgo" + "A" * 4000, "mimeType": "image/png"}]}}
+    assert adapter.result_text(fields) == "Here it is:\n[an image (image/png), not shown: the model here reads text]"
+
+
 def test_a_task_id_replays_its_verifiers_episode_and_a_stop_hook_ends_it():
     env = envs.make(VF)
     replies = [vf_call("guess_toolset_guess", number=n) for n in (4, 6)] + [vf_call("final_answer", answer="7")]

@@ -223,14 +223,23 @@ def call_payload(text: str, whole_reply: bool = False) -> dict | str:
 
 
 def result_text(fields: dict) -> str:
-    """A CallToolObservation's fields as text: the result's text contents, one a line, or the error's message."""
+    """A CallToolObservation's fields as text: the result's contents, one a line (an image as tool_calls.IMAGE, not its
+    base64), or the error's message."""
     if fields.get("error"):
         return f"Error: {fields['error']['message']}"
     result = fields.get("result")
     if isinstance(result, dict) and isinstance(result.get("content"), list):
-        return "\n".join(item["text"] if item.get("type") == "text" else json.dumps(item, default=str)
-                         for item in result["content"])
+        return "\n".join(map(content_line, result["content"]))
     return result if isinstance(result, str) else json.dumps(result, default=str)
+
+
+def content_line(item: dict) -> str:
+    """An MCP content item as a line of the observation: its text, an image as tool_calls.IMAGE, else its JSON."""
+    if item.get("type") == "text":
+        return item["text"]
+    if item.get("type") == "image":
+        return tool_calls.IMAGE.format(item.get("mimeType") or item.get("mime_type"))
+    return json.dumps(item, default=str)
 
 
 class OpenEnvEnv(Env):

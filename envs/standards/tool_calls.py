@@ -8,6 +8,7 @@ tools) and the verifiers adapter (a taskset's toolsets) share, so that both read
     call_line(name, a)   a call as its action: {"tool": NAME, "arguments": {...}} (the arguments in the schema's order,
                          as json.dumps writes them, non-ASCII kept); `Action: ` before it is the env's REPLY
     read_call(action)    the (name, arguments) an action's line calls, or CALL_FORMAT where it is no such line
+    IMAGE                an image in a tool's result, as its observation's line (both adapters)
     guide(listed)        the reply guide of an env with tools, for a react agent: each tool (its arguments and their
                          types), then the call line with an example (--agent tools is given the schemas themselves)
 """
@@ -27,6 +28,8 @@ from envs.tools import TYPES, Param, Tool
 JSON_SPELLINGS = {"string": r'"(?P<{}>[^"\\\x00-\x1f]*)"', "integer": "(?P<{}>0|[1-9][0-9]*)",
                   "number": r"(?P<{}>-?[0-9]+(?:\.[0-9]+)?)", "boolean": "(?P<{}>true|false)"}
 CALL_FORMAT = 'Error: call a tool as one JSON object, {"tool": NAME, "arguments": {...}}.'
+# An image in a tool's result, as one line of the observation (its media type): its base64 would be thousands of tokens
+IMAGE = "[an image ({}), not shown: the model here reads text]"
 EXAMPLES = {"string": "...", "integer": 1, "number": 1.5, "boolean": True, "array": [], "object": {}}  # (guide's)
 
 

@@ -44,8 +44,8 @@ server (mcp.server.mcpserver.MCPServer, as its process does) and calls them thro
                 anything else, or arguments that do not fit the tool, is answered with one sentence, the episode not
                 stepped (valid False)
     observation the tool result's text (its content, as a harness gives it: a failed call's error too, in MCP's words,
-                `Error executing tool guess: ...`), an image in it one line (IMAGE: its base64 would be thousands of
-                tokens to a text model), which the trace holds whole as verifiers' harness gives it (an image part);
+                `Error executing tool guess: ...`), an image in it one line (tool_calls.IMAGE: its base64 would be
+                thousands of tokens to a text model), which the trace holds whole as verifiers' harness gives it;
                 the task's @vf.stop hooks on the trace run before each observation,
                 as verifiers runs them before each model call, and one that fires ends the episode
     reward      at the end (final_answer, or a stop), the rubric's as for any taskset: tool calls, their results and
@@ -95,7 +95,6 @@ FINAL = "final_answer"  # the tool whose call is a reply without a tool call, in
 FINAL_TOOL = {"name": FINAL, "description": "Give your final answer, which the task is scored on; it ends your turn.",
               "input_schema": {"type": "object", "properties": {"answer": {"type": "string", "description": "your "
                                "final answer"}}, "required": ["answer"]}}
-IMAGE = "[an image ({}), not shown: the model here reads text]"  # (an image part of a message, in its observation)
 TEST_SHARE = 10  # the last 1/TEST_SHARE of a finite taskset's rows is its default test split
 ENDLESS_TEST = list(range(1000, 1100))  # an infinite taskset's default test rows: the hundred after the train rows
 
@@ -253,14 +252,16 @@ class Toolbox:
 
 
 def text_of(content) -> str:
-    """A message's content as our observation: its text, each image one line (IMAGE, with its media type or link)."""
+    """A message's content as our observation: its text, each image one line (tool_calls.IMAGE: its media type or
+    link)."""
     if isinstance(content, str):
         return content
     lines = []
     for part in content:
         if isinstance(part, ImageUrlContentPart):
             url = part.image_url.url
-            lines.append(IMAGE.format(url.split(";")[0].removeprefix("data:") if url.startswith("data:") else url))
+            media = url.split(";")[0].removeprefix("data:") if url.startswith("data:") else url
+            lines.append(tool_calls.IMAGE.format(media))
         else:
             lines.append(part.text)
     return "\n".join(lines)
