@@ -157,10 +157,11 @@ def test_a_server_whose_workers_cannot_join_costs_one_sentence_naming_it(mode):
     with served(Joining(fails=False)) as good, served(Joining(fails=True)) as bad:
         engine = RemoteEngine([good, bad], fmt, temperature=1.0, top_p=1.0, owner=True, reconnect_s=1.0,
                               weight_sync=mode)
+        model = load_model("tiny-agent")
         start = time.monotonic()
-        synced = engine.load_weights(load_model("tiny-agent"))
+        synced = engine.load_weights(model)
         engine.close()
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < 60  # (not gloo's 600 s wait for a member that never comes; a loaded machine's margin)
     assert synced["error"] == (f"the rollout server at {bad} (its workers' joining failed: its workers cannot reach "
                                "the trainer's address) did not join the weights group within 1 s"), synced
 
