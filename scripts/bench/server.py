@@ -108,7 +108,7 @@ def phase_server(args: Args) -> dict:
         played = play_alternated(args, fmt, environments, rows, groups, local, remote, process.pid, wire)
         round_trips = empty_round_trips(address)
         syncs, first = time_syncs(args, local, remote, model, sync_skipped)
-        backend = remote.servers[0].backend
+        backend = remote.groups[0].backend
     finally:
         for engine in (remote, local):
             if engine is not None:
